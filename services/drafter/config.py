@@ -1,0 +1,33 @@
+"""Drafter configuration: every field is a CLI flag and a SPECFLEET_* environment variable."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.config import opt
+
+
+@dataclass
+class DrafterConfig:
+    """specfleet drafter: runs a small draft model and proposes tokens for many sessions."""
+
+    verifier_url: str = opt("ws://127.0.0.1:8100/v1/drafter", "the verifier's drafter WebSocket endpoint")
+    queue_url: str = opt(
+        "ws://127.0.0.1:8000/internal/queue",
+        "where requests come from: redis://host:6379/0 (Redis Streams) or the coordinator's "
+        "ws://.../internal/queue (its in-process queue)",
+    )
+    queue_stream: str = opt("specfleet:requests", "Redis stream name (with a redis:// queue_url)")
+    queue_group: str = opt("drafters", "Redis consumer group name (with a redis:// queue_url)")
+    auth_token: str = opt("", "bearer token for the verifier and the coordinator's queue link")
+    node_id: str = opt("", "this drafter's name; empty picks drafter-<hostname>-<pid>")
+    model: str = opt("", "local Hugging Face directory of the draft model")
+    device: str = opt("cpu", "torch device: cpu, cuda, ...")
+    dtype: str = opt("auto", "auto, float32, float16, bfloat16")
+    max_sessions: int = opt(4, "sessions served concurrently (requests taken from the queue at once)")
+    draft_mode: str = opt("greedy", "greedy (ids-only drafts) or sampled (send the exact sparse q)")
+    draft_top_k: int = opt(16, "with draft_mode=sampled: sample from the top-k of the draft's distribution")
+    claim_idle_ms: int = opt(30000, "Redis: claim requests another drafter left pending this long")
+    reconnect_s: float = opt(1.0, "seconds between reconnect attempts to the verifier or queue")
+    torch_threads: int = opt(0, "torch intra-op threads; 0 leaves torch's default")
+    log_level: str = opt("info", "debug, info, warning, error")

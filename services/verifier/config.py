@@ -1,0 +1,29 @@
+"""Verifier configuration: every field is a CLI flag and a SPECFLEET_* environment variable."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.config import opt
+
+
+@dataclass
+class VerifierConfig:
+    """specfleet verifier: runs the target model and verifies drafts from many drafters in batches."""
+
+    host: str = opt("127.0.0.1", "interface to listen on (0.0.0.0 in containers)")
+    port: int = opt(8100, "TCP port for the drafter and frontend WebSocket endpoints")
+    model: str = opt("", "local Hugging Face directory of the target model")
+    device: str = opt("cpu", "torch device: cpu, cuda, cuda:1, ...")
+    dtype: str = opt("auto", "auto (float32 on CPU, bfloat16 on CUDA), float32, float16, bfloat16")
+    max_model_len: int = opt(0, "context limit in tokens; 0 takes the model's max_position_embeddings")
+    auth_token: str = opt("", "bearer token peers must present; empty disables auth (loopback only!)")
+    max_sessions: int = opt(256, "most sessions held at once; further OpenSession frames are refused")
+    max_batch_sessions: int = opt(32, "most sessions verified in one batched forward pass")
+    max_batch_tokens: int = opt(2048, "most new tokens (last committed + drafts) in one forward pass")
+    draft_len: int = opt(4, "draft tokens per round given to each session (Fixed-S allocation)")
+    max_draft_tokens: int = opt(16, "upper bound on any session's draft budget")
+    allocation: str = opt("fixed", "draft-length allocation policy: fixed")
+    batching: str = opt("fcfs", "batch selection policy: fcfs")
+    torch_threads: int = opt(0, "torch intra-op threads; 0 leaves torch's default")
+    log_level: str = opt("info", "debug, info, warning, error")

@@ -1,0 +1,221 @@
+"""Model loading from a local Hugging Face directory, tokenizer fingerprints, tiny test models.
+
+specfleet never reaches for a model hub: every path must be a local directory holding a
+``config.json``, weights and tokenizer files. ``make_tiny_family`` builds a throwaway target
+and draft (random-initialised Llama-style, sharing one tokenizer) for tests and the default.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub, even by accident
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+import torch  # noqa: E402
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|pad|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
+
+
+class ModelLoadError(RuntimeError):
+    """The model directory is missing or unusable; the message says how to fix it."""
+
+
+@dataclass
+class LoadedModel:
+    model: Any  # a transformers PreTrainedModel (causal LM)
+    tokenizer: Any  # a transformers PreTrainedTokenizerBase
+    name: str
+    path: str
+    fingerprint: str
+    eos_ids: set[int] = field(default_factory=set)
+    max_model_len: int = 2048
+    vocab_size: int = 0
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """A short hash of what makes two tokenizers interchangeable: the vocabulary and eos/bos ids."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    blob = json.dumps(
+        {"vocab": vocab, "eos": tokenizer.eos_token_id, "bos": tokenizer.bos_token_id},
+        ensure_ascii=False,
+        separators=(",", ":"),
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    if name == "auto":
+        return torch.float32 if device == "cpu" else torch.bfloat16
+    try:
+        return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
+    except KeyError:
+        raise ModelLoadError(f"unknown dtype {name!r}; use auto, float32, float16 or bfloat16") from None
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    from transformers import AutoTokenizer
+
+    _check_dir(Path(path))
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load a tokenizer from {path}: {exc}") from None
+
+
+def load_model(
+    path: str | Path, device: str = "cpu", dtype: str = "auto", max_model_len: int = 0
+) -> LoadedModel:
+    """Load a causal LM and its tokenizer from a local directory, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    tokenizer = load_tokenizer(path)
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {device!r} requested but CUDA is not available; use --device cpu")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path), local_files_only=True, dtype=resolve_dtype(dtype, device)
+        )
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load a causal LM from {path}: {exc}") from None
+    model.to(device).eval()
+    eos = _eos_ids(model, tokenizer)
+    limit = int(getattr(model.config, "max_position_embeddings", 2048))
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        name=path.name,
+        path=str(path.resolve()),
+        fingerprint=tokenizer_fingerprint(tokenizer),
+        eos_ids=eos,
+        max_model_len=min(limit, max_model_len) if max_model_len > 0 else limit,
+        vocab_size=int(model.config.vocab_size),
+    )
+
+
+def _check_dir(path: Path) -> None:
+    if not path.is_dir():
+        raise ModelLoadError(
+            f"model directory {path} does not exist. Point the --model flag (or SPECFLEET_MODEL) at a "
+            "local Hugging Face model directory, or run `specfleet make-tiny-models` to create test models."
+        )
+    if not (path / "config.json").exists():
+        raise ModelLoadError(f"{path} has no config.json; it is not a Hugging Face model directory")
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if isinstance(gen_eos, int):
+        ids.add(gen_eos)
+    elif isinstance(gen_eos, list):
+        ids.update(int(i) for i in gen_eos)
+    return ids
+
+
+# --- tiny models the project makes itself ---------------------------------------------------
+
+
+def _corpus_lines(limit_bytes: int) -> list[str]:
+    """Python standard-library source: present on every machine that runs specfleet."""
+    import sysconfig
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    lines: list[str] = []
+    total = 0
+    for path in sorted(stdlib.glob("*.py")):
+        text = path.read_text(encoding="utf-8", errors="ignore")
+        lines.append(text)
+        total += len(text)
+        if total >= limit_bytes:
+            break
+    return lines
+
+
+def make_tokenizer(out_dir: Path, vocab_size: int = 320) -> Any:
+    """Train a byte-level BPE on stdlib source and save it with a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus_lines(400_000), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|end|>", pad_token="<|pad|>", clean_up_tokenization_spaces=False
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out_dir))
+    return fast
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    layers: int = 4
+    hidden: int = 64
+    heads: int = 2
+    kv_heads: int = 1
+    intermediate: int = 128
+    max_positions: int = 512
+    init_std: float = 0.2  # large enough that greedy argmax is never a near-tie
+    #: std of each layer's output projections: small, so shallower drafts agree with the target
+    #: often (measured: 1 of 4 layers ~0.5 greedy agreement, 2 of 4 ~0.6)
+    layer_out_std: float = 0.002
+
+
+def make_tiny_family(out_dir: str | Path, seed: int = 0, vocab_size: int = 320, spec: TinySpec = TinySpec(),
+                     draft_layers: tuple[int, ...] = (1, 2)) -> dict[str, Path]:
+    """Create ``target`` and ``draft-L{n}`` models under out_dir (idempotent).
+
+    Drafts copy the target's embeddings, head and first n layers, so they agree with it often
+    but not always: enough to exercise partial acceptance in tests.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = Path(out_dir)
+    paths = {"target": out / "target", **{f"draft-L{n}": out / f"draft-L{n}" for n in draft_layers}}
+    if all((p / "config.json").exists() for p in paths.values()):
+        return paths
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    tokenizer = make_tokenizer(paths["target"], vocab_size)
+    cfg = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=spec.hidden, intermediate_size=spec.intermediate,
+        num_hidden_layers=spec.layers, num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
+        max_position_embeddings=spec.max_positions, initializer_range=spec.init_std,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+        tie_word_embeddings=False,
+    )
+    target = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, param in target.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                param.normal_(0.0, spec.layer_out_std)
+    target.save_pretrained(str(paths["target"]))
+    for n in draft_layers:
+        dcfg = LlamaConfig(**{**cfg.to_dict(), "num_hidden_layers": n})
+        draft = LlamaForCausalLM(dcfg).eval()
+        state = {k: v for k, v in target.state_dict().items() if not k.startswith("model.layers.")
+                 or int(k.split(".")[2]) < n}
+        draft.load_state_dict(state)
+        draft.save_pretrained(str(paths[f"draft-L{n}"]))
+        tokenizer.save_pretrained(str(paths[f"draft-L{n}"]))
+    return paths

@@ -1,0 +1,270 @@
+"""Every message that crosses a process boundary in specfleet, in one file.
+
+All frames are MessagePack-encoded msgspec structs, tagged by a short ``type`` string so that
+one decoder handles any frame. Decoding validates field types and bounds and refuses
+oversized or malformed frames with :class:`ProtocolError` (never another exception).
+
+Links and who speaks on them:
+
+* drafter  -> verifier   (WebSocket ``/v1/drafter``): Hello, OpenSession, Draft, CloseSession
+* verifier -> drafter:   Welcome, Refused, SessionOpened, Verdict, ErrorFrame
+* frontend -> verifier   (WebSocket ``/v1/frontend``, the coordinator): Hello, OpenSession
+  (autonomous, target-only sessions), Cancel
+* verifier -> frontend:  Welcome, Refused, TokenEvent, FleetStatus, ErrorFrame
+* drafter  -> coordinator queue link (WebSocket ``/internal/queue``, only without Redis):
+  Hello, QueuePull, QueueAck;  coordinator -> drafter: Welcome, QueueDelivery
+* Redis stream entries hold one encoded QueuedRequest each.
+
+The version rule: a peer whose ``Hello.protocol_version`` differs from ours is refused at the
+handshake with a message naming both versions.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+#: Largest frame any service accepts. A 32k-token prompt is ~200 KiB; sparse q for 64 draft
+#: positions x 64 entries is ~50 KiB. 4 MiB leaves room and still bounds a hostile peer.
+MAX_FRAME_BYTES = 4 * 1024 * 1024
+#: Hard ceiling on draft tokens in one Draft frame, whatever the verifier's budget.
+MAX_DRAFT_TOKENS = 64
+
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
+Prob = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+Role = Literal["drafter", "frontend"]
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+
+class ProtocolError(ValueError):
+    """A frame was oversized, not MessagePack, or not a valid specfleet message."""
+
+
+class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="type"):
+    """Base of all frames: frozen, strict, tagged by ``type``."""
+
+
+# --- shared value types -------------------------------------------------------------------
+
+
+class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How the target samples. Validated semantically by ``shared.sampling.validate``.
+
+    ``temperature == 0`` means greedy. ``top_k == 0`` and ``top_p == 1`` disable truncation.
+    """
+
+    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=100.0)] = 1.0
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, msgspec.Meta(ge=0)] = 0
+    seed: int | None = None
+    max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 16
+    stop: Annotated[list[Annotated[str, msgspec.Meta(min_length=1, max_length=256)]], msgspec.Meta(max_length=16)] = []
+    stop_token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=64)] = []
+    ignore_eos: bool = False
+
+
+class SparseQ(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The drafter's exact sampling distribution at one draft position, as (ids, probs).
+
+    ``probs`` must sum to ~1 and ``ids`` must include the drafted token. Entries not listed have
+    probability exactly 0 (the drafter sampled from a truncated distribution).
+    """
+
+    ids: Annotated[list[TokenId], msgspec.Meta(min_length=1, max_length=4096)]
+    probs: Annotated[list[Prob], msgspec.Meta(min_length=1, max_length=4096)]
+
+
+class QueuedRequest(_Msg, tag="queued_request"):
+    """One generation request as it waits in the queue (in-process or a Redis stream)."""
+
+    request_id: RequestId
+    prompt_ids: Annotated[list[TokenId], msgspec.Meta(min_length=1)]
+    params: SamplingParams
+    origin: Name  # the coordinator that must receive the TokenEvents
+    model: Name
+    created_at: float
+    protocol_version: int = PROTOCOL_VERSION
+
+
+# --- handshake ------------------------------------------------------------------------------
+
+
+class Hello(_Msg, tag="hello"):
+    role: Role
+    node_id: Name
+    protocol_version: int
+    tokenizer_fingerprint: str = ""  # drafters must send theirs; frontends may leave it empty
+    model: str = ""  # the draft model's name, for logs and /metrics
+    max_sessions: Annotated[int, msgspec.Meta(ge=0, le=100_000)] = 0
+
+
+class Welcome(_Msg, tag="welcome"):
+    node_id: Name
+    protocol_version: int
+    target_model: str
+    tokenizer_fingerprint: str
+    max_model_len: int
+    max_draft_tokens: int
+
+
+class Refused(_Msg, tag="refused"):
+    """Sent instead of Welcome; the connection is then closed. ``message`` says what to fix."""
+
+    code: Literal["bad_version", "bad_tokenizer", "unauthorized", "bad_hello", "full"]
+    message: str
+
+
+# --- sessions (drafter <-> verifier) --------------------------------------------------------
+
+
+class OpenSession(_Msg, tag="open_session"):
+    """Start verifying ``request_id``. From a frontend, the session is autonomous (target-only)."""
+
+    request_id: RequestId
+    prompt_ids: Annotated[list[TokenId], msgspec.Meta(min_length=1)]
+    params: SamplingParams
+    origin: Name
+    speculative: bool = True
+
+
+class SessionOpened(_Msg, tag="session_opened"):
+    request_id: RequestId
+    draft_budget: int  # how many tokens to draft for round 0
+
+
+class Draft(_Msg, tag="draft"):
+    """Draft tokens for the next round, proposed after the session's committed tokens.
+
+    ``q`` is None for ids-only drafts (treated as one-hot q: exact, and the cheap default) or
+    one SparseQ per draft token when the drafter sampled from a known distribution.
+    """
+
+    request_id: RequestId
+    round: Annotated[int, msgspec.Meta(ge=0)]
+    token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_DRAFT_TOKENS)]
+    q: Annotated[list[SparseQ], msgspec.Meta(max_length=MAX_DRAFT_TOKENS)] | None = None
+
+
+class Verdict(_Msg, tag="verdict"):
+    """The verifier's answer to one Draft.
+
+    ``token_ids`` are the tokens committed this round: the first ``accepted`` drafts, then the
+    verifier's own extra token (possibly cut short when a stop condition hit).
+    """
+
+    request_id: RequestId
+    round: int
+    accepted: int
+    token_ids: list[TokenId]
+    finished: bool
+    finish_reason: FinishReason | None
+    draft_budget: int  # tokens to draft for the next round (0: send an empty draft)
+
+
+class CloseSession(_Msg, tag="close_session"):
+    request_id: RequestId
+    reason: str = ""
+
+
+class Cancel(_Msg, tag="cancel"):
+    """Frontend -> verifier: the client went away; stop the session and free its cache."""
+
+    request_id: RequestId
+
+
+class ErrorFrame(_Msg, tag="error"):
+    """Something went wrong with one frame or one session. The link stays up."""
+
+    code: str
+    message: str
+    request_id: str | None = None
+
+
+# --- output (verifier -> frontend) ----------------------------------------------------------
+
+
+class TokenEvent(_Msg, tag="token_event"):
+    """Tokens committed for one request since the last event, with the text they add."""
+
+    request_id: RequestId
+    origin: str
+    token_ids: list[TokenId]
+    text: str
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    drafted_tokens: int = 0  # cumulative for this request
+    accepted_tokens: int = 0  # cumulative for this request
+    error: str = ""
+
+
+class FleetStatus(_Msg, tag="fleet_status"):
+    drafters: list[str]
+    sessions: int
+    target_model: str
+
+
+# --- queue link (drafter <-> coordinator, in-process queue mode) ----------------------------
+
+
+class QueuePull(_Msg, tag="queue_pull"):
+    """Ask for up to ``max_items`` requests; the server answers when it has at least one."""
+
+    max_items: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
+
+
+class QueueDelivery(_Msg, tag="queue_delivery"):
+    delivery_id: str
+    request: QueuedRequest
+
+
+class QueueAck(_Msg, tag="queue_ack"):
+    delivery_id: str
+
+
+Message = (
+    QueuedRequest
+    | Hello
+    | Welcome
+    | Refused
+    | OpenSession
+    | SessionOpened
+    | Draft
+    | Verdict
+    | CloseSession
+    | Cancel
+    | ErrorFrame
+    | TokenEvent
+    | FleetStatus
+    | QueuePull
+    | QueueDelivery
+    | QueueAck
+)
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder: msgspec.msgpack.Decoder[Message] = msgspec.msgpack.Decoder(Message)  # type: ignore[arg-type]
+
+
+def encode(msg: Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes | bytearray | memoryview | str, max_bytes: int = MAX_FRAME_BYTES) -> Message:
+    """Decode one frame, or raise ProtocolError saying what was wrong with it."""
+    if isinstance(data, str):
+        raise ProtocolError("text frame received; specfleet frames are binary MessagePack")
+    if len(data) > max_bytes:
+        raise ProtocolError(f"frame of {len(data)} bytes exceeds the {max_bytes}-byte limit")
+    try:
+        return _decoder.decode(data)
+    except msgspec.ValidationError as exc:
+        raise ProtocolError(f"invalid message: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"malformed MessagePack: {exc}") from None
+    except (ValueError, TypeError, OverflowError, RecursionError) as exc:  # defensive: never crash
+        raise ProtocolError(f"undecodable frame: {exc}") from None

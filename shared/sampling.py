@@ -1,0 +1,96 @@
+"""Sampling parameters: validation, logits -> probabilities, seeded sampling.
+
+Both sides use :func:`probs_from_logits`, so the distribution the drafter samples from (q) and
+the one the verifier checks against (p) are processed exactly the same way: temperature first,
+then top-k, then top-p (nucleus), as in vLLM and Hugging Face.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+import torch
+
+from shared.protocol import SamplingParams
+
+__all__ = [
+    "SamplingError",
+    "SamplingParams",
+    "is_greedy",
+    "make_generator",
+    "probs_from_logits",
+    "sample",
+    "validate",
+]
+
+
+class SamplingError(ValueError):
+    """A request's sampling parameters are unusable. ``param`` names the offending field."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def validate(params: SamplingParams, prompt_len: int, max_model_len: int) -> None:
+    """Raise SamplingError (with the field name) if the request cannot be served as asked."""
+    if not 0.0 <= params.temperature <= 2.0:
+        raise SamplingError(f"temperature must be in [0, 2], got {params.temperature}", "temperature")
+    if not 0.0 < params.top_p <= 1.0:
+        raise SamplingError(f"top_p must be in (0, 1], got {params.top_p}", "top_p")
+    if params.top_k < 0:
+        raise SamplingError(f"top_k must be >= 0 (0 disables it), got {params.top_k}", "top_k")
+    if params.max_tokens < 1:
+        raise SamplingError(f"max_tokens must be >= 1, got {params.max_tokens}", "max_tokens")
+    if prompt_len >= max_model_len:
+        raise SamplingError(
+            f"the prompt is {prompt_len} tokens; this model's context is {max_model_len} tokens. "
+            "Shorten the prompt.",
+            "messages",
+        )
+    if prompt_len + params.max_tokens > max_model_len:
+        raise SamplingError(
+            f"max_tokens={params.max_tokens} plus the {prompt_len}-token prompt exceeds the "
+            f"{max_model_len}-token context; ask for at most {max_model_len - prompt_len} tokens.",
+            "max_tokens",
+        )
+
+
+def is_greedy(params: SamplingParams) -> bool:
+    return params.temperature == 0.0
+
+
+def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Turn raw logits ``[..., V]`` into the exact distribution that is sampled from.
+
+    Greedy (temperature 0) gives a one-hot on the argmax. Computation is in float32.
+    """
+    logits = logits.float()
+    if is_greedy(params):
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / params.temperature
+    vocab = logits.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(-1)
+        # Drop a token when the mass strictly before it already reaches top_p (keeps >= 1 token).
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs
+        drop_sorted = mass_before >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(-1)
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    """A CPU generator seeded by the request's seed, or by fresh entropy when it has none."""
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(seed if seed is not None else secrets.randbits(63))
+    return gen
+
+
+def sample(probs: torch.Tensor, gen: torch.Generator) -> int:
+    """Draw one token id from a 1-D probability vector."""
+    return int(torch.multinomial(probs.float().cpu(), 1, generator=gen).item())
