@@ -29,7 +29,7 @@ class ConfigError(ValueError):
     """A flag or environment variable could not be parsed; the message names it."""
 
 
-def opt(default: Any, help: str) -> Any:  # noqa: A002 - mirrors argparse's name
+def opt(default: Any, help: str) -> Any:
     """A config field with help text (lists get a fresh copy per instance)."""
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata={"help": help})
@@ -77,7 +77,7 @@ def build_parser(cls: type[Any], prog: str, description: str = "") -> argparse.A
     parser = argparse.ArgumentParser(prog=prog, description=description)
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[operator]
         help_text = f"{f.metadata.get('help', '')} [env {env_name(f.name)}; default {default!r}]"
         parser.add_argument(flag_name(f.name), dest=f.name, default=None, type=str, help=help_text)
     parser.set_defaults(_hints=hints)

@@ -17,7 +17,7 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub, even by accident
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
-import torch  # noqa: E402
+import torch
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
@@ -88,7 +88,7 @@ def load_model(
         )
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load a causal LM from {path}: {exc}") from None
-    model.to(device).eval()
+    model.eval().to(device)
     eos = _eos_ids(model, tokenizer)
     limit = int(getattr(model.config, "max_position_embeddings", 2048))
     return LoadedModel(

@@ -78,7 +78,7 @@ class SparseQ(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     probs: Annotated[list[Prob], msgspec.Meta(min_length=1, max_length=4096)]
 
 
-class QueuedRequest(_Msg, tag="queued_request"):
+class QueuedRequest(_Msg, tag="queued_request", frozen=True):
     """One generation request as it waits in the queue (in-process or a Redis stream)."""
 
     request_id: RequestId
@@ -93,7 +93,7 @@ class QueuedRequest(_Msg, tag="queued_request"):
 # --- handshake ------------------------------------------------------------------------------
 
 
-class Hello(_Msg, tag="hello"):
+class Hello(_Msg, tag="hello", frozen=True):
     role: Role
     node_id: Name
     protocol_version: int
@@ -102,7 +102,7 @@ class Hello(_Msg, tag="hello"):
     max_sessions: Annotated[int, msgspec.Meta(ge=0, le=100_000)] = 0
 
 
-class Welcome(_Msg, tag="welcome"):
+class Welcome(_Msg, tag="welcome", frozen=True):
     node_id: Name
     protocol_version: int
     target_model: str
@@ -111,7 +111,7 @@ class Welcome(_Msg, tag="welcome"):
     max_draft_tokens: int
 
 
-class Refused(_Msg, tag="refused"):
+class Refused(_Msg, tag="refused", frozen=True):
     """Sent instead of Welcome; the connection is then closed. ``message`` says what to fix."""
 
     code: Literal["bad_version", "bad_tokenizer", "unauthorized", "bad_hello", "full"]
@@ -121,7 +121,7 @@ class Refused(_Msg, tag="refused"):
 # --- sessions (drafter <-> verifier) --------------------------------------------------------
 
 
-class OpenSession(_Msg, tag="open_session"):
+class OpenSession(_Msg, tag="open_session", frozen=True):
     """Start verifying ``request_id``. From a frontend, the session is autonomous (target-only)."""
 
     request_id: RequestId
@@ -131,12 +131,12 @@ class OpenSession(_Msg, tag="open_session"):
     speculative: bool = True
 
 
-class SessionOpened(_Msg, tag="session_opened"):
+class SessionOpened(_Msg, tag="session_opened", frozen=True):
     request_id: RequestId
     draft_budget: int  # how many tokens to draft for round 0
 
 
-class Draft(_Msg, tag="draft"):
+class Draft(_Msg, tag="draft", frozen=True):
     """Draft tokens for the next round, proposed after the session's committed tokens.
 
     ``q`` is None for ids-only drafts (treated as one-hot q: exact, and the cheap default) or
@@ -149,7 +149,7 @@ class Draft(_Msg, tag="draft"):
     q: Annotated[list[SparseQ], msgspec.Meta(max_length=MAX_DRAFT_TOKENS)] | None = None
 
 
-class Verdict(_Msg, tag="verdict"):
+class Verdict(_Msg, tag="verdict", frozen=True):
     """The verifier's answer to one Draft.
 
     ``token_ids`` are the tokens committed this round: the first ``accepted`` drafts, then the
@@ -165,18 +165,18 @@ class Verdict(_Msg, tag="verdict"):
     draft_budget: int  # tokens to draft for the next round (0: send an empty draft)
 
 
-class CloseSession(_Msg, tag="close_session"):
+class CloseSession(_Msg, tag="close_session", frozen=True):
     request_id: RequestId
     reason: str = ""
 
 
-class Cancel(_Msg, tag="cancel"):
+class Cancel(_Msg, tag="cancel", frozen=True):
     """Frontend -> verifier: the client went away; stop the session and free its cache."""
 
     request_id: RequestId
 
 
-class ErrorFrame(_Msg, tag="error"):
+class ErrorFrame(_Msg, tag="error", frozen=True):
     """Something went wrong with one frame or one session. The link stays up."""
 
     code: str
@@ -187,7 +187,7 @@ class ErrorFrame(_Msg, tag="error"):
 # --- output (verifier -> frontend) ----------------------------------------------------------
 
 
-class TokenEvent(_Msg, tag="token_event"):
+class TokenEvent(_Msg, tag="token_event", frozen=True):
     """Tokens committed for one request since the last event, with the text they add."""
 
     request_id: RequestId
@@ -203,7 +203,7 @@ class TokenEvent(_Msg, tag="token_event"):
     error: str = ""
 
 
-class FleetStatus(_Msg, tag="fleet_status"):
+class FleetStatus(_Msg, tag="fleet_status", frozen=True):
     drafters: list[str]
     sessions: int
     target_model: str
@@ -212,18 +212,18 @@ class FleetStatus(_Msg, tag="fleet_status"):
 # --- queue link (drafter <-> coordinator, in-process queue mode) ----------------------------
 
 
-class QueuePull(_Msg, tag="queue_pull"):
+class QueuePull(_Msg, tag="queue_pull", frozen=True):
     """Ask for up to ``max_items`` requests; the server answers when it has at least one."""
 
     max_items: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
 
 
-class QueueDelivery(_Msg, tag="queue_delivery"):
+class QueueDelivery(_Msg, tag="queue_delivery", frozen=True):
     delivery_id: str
     request: QueuedRequest
 
 
-class QueueAck(_Msg, tag="queue_ack"):
+class QueueAck(_Msg, tag="queue_ack", frozen=True):
     delivery_id: str
 
 
@@ -247,7 +247,7 @@ Message = (
 )
 
 _encoder = msgspec.msgpack.Encoder()
-_decoder: msgspec.msgpack.Decoder[Message] = msgspec.msgpack.Decoder(Message)  # type: ignore[arg-type]
+_decoder: msgspec.msgpack.Decoder[Message] = msgspec.msgpack.Decoder(Message)
 
 
 def encode(msg: Message) -> bytes:
