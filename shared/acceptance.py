@@ -71,10 +71,17 @@ def dense_q(sparse: SparseQ, token: int, vocab: int) -> torch.Tensor:
     """Expand a wire SparseQ into a dense vector, refusing one that cannot be what was sampled."""
     if len(sparse.ids) != len(sparse.probs):
         raise DraftError(f"q has {len(sparse.ids)} ids but {len(sparse.probs)} probs")
+    if not sparse.ids:
+        raise DraftError("q is empty; it must list at least the drafted token")
     if len(set(sparse.ids)) != len(sparse.ids):
         raise DraftError("q lists a token id twice")
-    if max(sparse.ids) >= vocab:
-        raise DraftError(f"q names token id {max(sparse.ids)}, outside the vocabulary of {vocab}")
+    # Structs built in-process skip the wire bounds, so range-check here: a negative id would
+    # silently index from the end of the vocabulary.
+    bad = next((i for i in [token, *sparse.ids] if not 0 <= i < vocab), None)
+    if bad is not None:
+        raise DraftError(f"token id {bad} in the draft or its q is outside the vocabulary of {vocab}")
+    if not all(0.0 <= p <= 1.0 for p in sparse.probs):  # also refuses NaN
+        raise DraftError("q has a probability outside [0, 1]")
     ids = torch.tensor(sparse.ids, dtype=torch.long)
     probs = torch.tensor(sparse.probs, dtype=torch.float32)
     mass = float(probs.sum())

@@ -49,3 +49,36 @@ class RequestQueue(Protocol):
         """Requests waiting for a consumer (not yet delivered)."""
 
     async def close(self) -> None: ...
+
+
+def open_queue(
+    url: str,
+    *,
+    stream: str = "specfleet:requests",
+    group: str = "drafters",
+    auth_token: str = "",
+    claim_idle_ms: int = 30000,
+) -> RequestQueue:
+    """The queue transport for ``url`` (no I/O here: each transport connects on first use).
+
+    ``memory://`` makes a new in-process queue; ``redis://``/``rediss://``/``unix://`` a Redis
+    Streams queue on ``stream`` read through ``group``; ``ws://``/``wss://`` a consumer link to a
+    coordinator's ``/internal/queue`` (authenticated with ``auth_token``).
+    """
+    scheme = url.partition("://")[0].lower() if "://" in url else ""
+    if scheme == "memory":
+        from shared.queue_memory import MemoryQueue
+
+        return MemoryQueue()
+    if scheme in ("redis", "rediss", "unix"):
+        from shared.queue_redis import RedisStreamQueue
+
+        return RedisStreamQueue(url, stream=stream, group=group, claim_idle_ms=claim_idle_ms)
+    if scheme in ("ws", "wss"):
+        from shared.queue_link import QueueLinkClient
+
+        return QueueLinkClient(url, auth_token)
+    raise QueueError(
+        f"unsupported queue URL {url!r}: use redis://host:6379/0 (Redis Streams), "
+        "ws://coordinator:8000/internal/queue (the coordinator's queue link) or memory:// (in-process)"
+    )

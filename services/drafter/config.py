@@ -27,6 +27,7 @@ class DrafterConfig:
     max_sessions: int = opt(4, "sessions served concurrently (requests taken from the queue at once)")
     draft_mode: str = opt("greedy", "greedy (ids-only drafts) or sampled (send the exact sparse q)")
     draft_top_k: int = opt(16, "with draft_mode=sampled: sample from the top-k of the draft's distribution")
+    controller: str = opt("fixed", "when to stop drafting within the verifier's budget: fixed (draft it all)")
     claim_idle_ms: int = opt(30000, "Redis: claim requests another drafter left pending this long")
     reconnect_s: float = opt(1.0, "seconds between reconnect attempts to the verifier or queue")
     torch_threads: int = opt(0, "torch intra-op threads; 0 leaves torch's default")

@@ -1,0 +1,63 @@
+"""When to stop drafting within the verifier's budget: the controller interface.
+
+The verifier grants each round a draft *budget* k (how many tokens it is willing to verify).
+A controller may spend less: after every drafted token it sees that step's features (read from
+the draft model's own distribution) and decides whether to keep the token and go on, keep it
+and stop, or drop it and stop. Stopping at a predicted rejection saves the draft compute and
+the verification slots a doomed token would waste (WISP §3; AdaSpec §4 stops when one more
+token would lower expected efficiency). After the Verdict, ``end_round`` reports how many of
+the drafted tokens the target accepted, so an adaptive controller can learn per session.
+
+One controller instance serves one session; controllers are called from the compute worker
+thread and must not block or touch the event loop.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class StepDecision(enum.Enum):
+    CONTINUE = "continue"  # keep this token; draft the next one if the budget allows
+    STOP = "stop"  # keep this token; draft no more this round
+    DISCARD = "discard"  # drop this token (predicted rejection) and draft no more
+
+
+@dataclass(frozen=True)
+class StepFeatures:
+    """What a controller sees about one freshly drafted token.
+
+    The probabilities come from the draft model's raw distribution (softmax of its logits at
+    temperature 1), whatever the request's sampling settings: they describe how sure the draft
+    model is, which is what predicts acceptance.
+    """
+
+    position: int  # 0-based index of this token within the round's draft
+    budget: int  # the most tokens this round may draft
+    token_id: int
+    token_prob: float  # draft probability of the drafted token
+    top1_prob: float
+    top2_prob: float
+    entropy: float  # nats
+
+    @property
+    def margin(self) -> float:
+        """Top-1 minus top-2 probability: a small margin means the draft model is torn."""
+        return self.top1_prob - self.top2_prob
+
+
+class DraftController(Protocol):
+    """Per-session drafting policy. Implementations: fixed (here); wisp, adaspec (later)."""
+
+    name: str
+
+    def begin_round(self, budget: int) -> int:
+        """The most tokens to draft this round (0..budget)."""
+
+    def on_step(self, step: StepFeatures) -> StepDecision:
+        """Decide about the token just drafted."""
+
+    def end_round(self, drafted: int, accepted: int) -> None:
+        """Feedback: of ``drafted`` tokens sent, the target accepted the first ``accepted``."""

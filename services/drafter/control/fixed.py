@@ -1,0 +1,20 @@
+"""The static-k baseline: always draft the whole budget the verifier granted."""
+
+from __future__ import annotations
+
+from services.drafter.control.base import StepDecision, StepFeatures
+
+
+class FixedController:
+    """Drafts exactly the budget, never stops early. The baseline every adaptive policy must beat."""
+
+    name = "fixed"
+
+    def begin_round(self, budget: int) -> int:
+        return max(0, budget)
+
+    def on_step(self, step: StepFeatures) -> StepDecision:
+        return StepDecision.CONTINUE
+
+    def end_round(self, drafted: int, accepted: int) -> None:
+        return None

@@ -1,0 +1,194 @@
+"""The drafter's work-conserving serving loop (StarSD §3): many sessions on one draft model.
+
+Per verifier connection:
+
+* admission takes requests from the queue whenever a slot is free (up to ``max_sessions``),
+  so the draft model never idles while work waits, and never serves more sessions than it
+  can keep ahead of the verifier (StarSD's N_max; the operator sets it);
+* each admitted request runs as its own task (``rounds.SessionRunner``); their draft compute
+  funnels through the one compute worker, their frames share one WebSocket;
+* a finished session acks its queue delivery and frees its slot at once.
+
+When the link drops, sessions are dropped WITHOUT acking (the verifier finishes them
+target-only), the queue is told to ``release`` this consumer's deliveries, and the loop
+reconnects; re-opened requests the verifier still knows come back "duplicate" and are acked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from services.drafter.control.base import DraftController
+from services.drafter.link import VerifierLink
+from services.drafter.proposers.base import Proposer
+from services.drafter.rounds import SessionAborted, SessionRunner
+from services.drafter.sessions import DraftSession
+from services.drafter.worker import ComputeWorker
+from shared.log import get_logger
+from shared.queue import Delivery, QueueError, RequestQueue
+
+log = get_logger("drafter.loop")
+
+#: How long one queue poll waits before admission re-checks its state.
+QUEUE_POLL_S = 1.0
+#: Upper bound on queue calls made while shutting down, so a dead queue cannot hang the exit.
+SHUTDOWN_QUEUE_TIMEOUT_S = 5.0
+
+
+@dataclass
+class LoopStats:
+    connections: int = 0
+    sessions_finished: int = 0
+    sessions_aborted: int = 0
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+
+class DrafterLoop:
+    def __init__(
+        self,
+        *,
+        node_id: str,
+        max_sessions: int,
+        link: VerifierLink,
+        queue: RequestQueue,
+        proposer: Proposer,
+        worker: ComputeWorker,
+        new_controller: Callable[[], DraftController],
+        reconnect_s: float = 1.0,
+        on_session_end: Callable[[DraftSession], None] | None = None,
+    ) -> None:
+        self.node_id = node_id
+        self.max_sessions = max_sessions
+        self.link = link
+        self.queue = queue
+        self.proposer = proposer
+        self.worker = worker
+        self.new_controller = new_controller
+        self.reconnect_s = reconnect_s
+        self.on_session_end = on_session_end
+        self.stats = LoopStats()
+        self._sessions: dict[str, DraftSession] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._slot_freed = asyncio.Event()
+
+    @property
+    def active_sessions(self) -> int:
+        return len(self._sessions)
+
+    async def run(self, ready: asyncio.Event | None = None) -> None:
+        """Serve until cancelled. Raises LinkRefused when the verifier refuses us for good."""
+        try:
+            while True:
+                welcome = await self.link.connect_with_retry(self.reconnect_s)
+                self.stats.connections += 1
+                if ready is not None:
+                    ready.set()
+                runner = SessionRunner(self.link, self.proposer, self.worker, welcome.max_draft_tokens)
+                await self._serve_connection(runner)
+                await self._release()
+                log.warning("lost the verifier; sessions left to the verifier, reconnecting",
+                            retry_in_s=self.reconnect_s)
+                await asyncio.sleep(self.reconnect_s)
+        finally:
+            await self._drop_sessions()
+            await self.link.close()
+            await self._release()
+
+    async def _serve_connection(self, runner: SessionRunner) -> None:
+        """Admit and serve sessions until the link drops."""
+        receiver = asyncio.create_task(self.link.receive_loop(), name="verifier-receive")
+        admission = asyncio.create_task(self._admit(runner), name="admission")
+        try:
+            done, _ = await asyncio.wait({receiver, admission}, return_when=asyncio.FIRST_COMPLETED)
+            if admission in done:
+                admission.result()  # admission only ends by raising: surface the bug
+        finally:
+            for task in (admission, receiver):
+                task.cancel()
+            await asyncio.gather(admission, receiver, return_exceptions=True)
+            await self._drop_sessions()
+            await self.link.close()
+
+    # --- admission -------------------------------------------------------------------------
+
+    async def _admit(self, runner: SessionRunner) -> None:
+        while True:
+            self._slot_freed.clear()
+            free = self.max_sessions - len(self._sessions)
+            if free <= 0:
+                await self._slot_freed.wait()
+                continue
+            try:
+                deliveries = await self.queue.get(self.node_id, max_items=free, timeout_s=QUEUE_POLL_S)
+            except QueueError as exc:
+                log.warning("queue unavailable; retrying", error=str(exc), retry_in_s=self.reconnect_s)
+                await asyncio.sleep(self.reconnect_s)
+                continue
+            for delivery in deliveries:
+                self._start(runner, delivery)
+
+    def _start(self, runner: SessionRunner, delivery: Delivery) -> None:
+        rid = delivery.request.request_id
+        current = self._sessions.get(rid)
+        if current is not None:  # at-least-once delivery handed us a request we are serving
+            current.extra_deliveries.append(delivery.delivery_id)
+            return
+        session = DraftSession.from_delivery(delivery, self.new_controller())
+        self._sessions[rid] = session
+        self._tasks[rid] = asyncio.create_task(self._serve(runner, session), name=f"session-{rid}")
+        log.debug("session admitted", request_id=rid, active=len(self._sessions))
+
+    async def _serve(self, runner: SessionRunner, session: DraftSession) -> None:
+        rid = session.request_id
+        try:
+            if await runner.run(session):
+                self._record(session)
+                await self._ack(session)
+        except (SessionAborted, asyncio.CancelledError) as exc:
+            self.stats.sessions_aborted += 1
+            log.info("session dropped with the verifier link; not acked", request_id=rid)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+        except Exception:
+            self.stats.sessions_aborted += 1
+            log.exception("session failed; leaving it unacknowledged for re-delivery", request_id=rid)
+        finally:
+            self._sessions.pop(rid, None)
+            self._tasks.pop(rid, None)
+            self._slot_freed.set()
+            if self.on_session_end is not None:
+                self.on_session_end(session)
+
+    def _record(self, session: DraftSession) -> None:
+        self.stats.sessions_finished += 1
+        self.stats.rounds += session.stats.rounds
+        self.stats.drafted += session.stats.drafted
+        self.stats.accepted += session.stats.accepted
+        log.info("session finished", **session.summary())
+
+    async def _ack(self, session: DraftSession) -> None:
+        for delivery_id in [session.delivery.delivery_id, *session.extra_deliveries]:
+            try:
+                await self.queue.ack(self.node_id, delivery_id)
+            except QueueError as exc:  # re-delivered later; the verifier then answers "duplicate"
+                log.warning("could not ack a finished request", request_id=session.request_id,
+                            delivery_id=delivery_id, error=str(exc))
+
+    # --- link loss -------------------------------------------------------------------------
+
+    async def _drop_sessions(self) -> None:
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _release(self) -> None:
+        """Make our unacknowledged deliveries available again (the in-process queue needs this)."""
+        try:
+            await asyncio.wait_for(self.queue.release(self.node_id), SHUTDOWN_QUEUE_TIMEOUT_S)
+        except (QueueError, TimeoutError) as exc:  # Redis re-delivers after claim_idle_ms anyway
+            log.warning("could not release our unacknowledged requests", error=str(exc) or "timed out")

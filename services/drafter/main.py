@@ -1,0 +1,142 @@
+"""Drafter entry point: ``specfleet drafter`` (or ``python -m services.drafter.main``).
+
+Exit status: 0 after a clean shutdown (SIGTERM/SIGINT); 2 when retrying cannot help - a bad
+flag, an unusable model directory, or a verifier that refuses this drafter's tokenizer,
+protocol version or credentials (the log line says what to fix).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import sys
+from collections.abc import Callable
+
+from services.drafter.config import DrafterConfig
+from services.drafter.control import CONTROLLERS, make_controller
+from services.drafter.link import LinkRefused, VerifierLink
+from services.drafter.loop import DrafterLoop
+from services.drafter.proposers.draft_model import DRAFT_MODES, MAX_Q_ENTRIES, DraftModelProposer
+from services.drafter.sessions import DraftSession
+from services.drafter.worker import ComputeWorker
+from shared.config import ConfigError, describe, load_config
+from shared.log import get_logger, setup_logging
+from shared.models import LoadedModel, ModelLoadError, load_model
+from shared.protocol import PROTOCOL_VERSION, Hello
+from shared.queue import RequestQueue, open_queue
+
+log = get_logger("drafter.main")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def check_config(cfg: DrafterConfig, need_model: bool = True) -> None:
+    """Refuse settings that cannot work, naming the flag to fix."""
+    problems = []
+    if need_model and not cfg.model:
+        problems.append("--model is required: a local Hugging Face directory holding the draft model")
+    if not cfg.verifier_url.startswith(("ws://", "wss://")):
+        problems.append(f"--verifier-url must be a ws:// or wss:// URL, got {cfg.verifier_url!r}")
+    if not 1 <= cfg.max_sessions <= 100_000:
+        problems.append(f"--max-sessions must be in [1, 100000], got {cfg.max_sessions}")
+    if cfg.draft_mode not in DRAFT_MODES:
+        problems.append(f"--draft-mode must be one of {', '.join(DRAFT_MODES)}, got {cfg.draft_mode!r}")
+    if not 1 <= cfg.draft_top_k <= MAX_Q_ENTRIES:
+        problems.append(f"--draft-top-k must be in [1, {MAX_Q_ENTRIES}], got {cfg.draft_top_k}")
+    if cfg.controller not in CONTROLLERS:
+        problems.append(f"--controller must be one of {', '.join(sorted(CONTROLLERS))}, got {cfg.controller!r}")
+    if len(cfg.node_id) > 128:
+        problems.append("--node-id must be at most 128 characters")
+    if not cfg.reconnect_s > 0:
+        problems.append(f"--reconnect-s must be > 0, got {cfg.reconnect_s}")
+    if cfg.log_level.lower() not in LOG_LEVELS:
+        problems.append(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {cfg.log_level!r}")
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+def default_node_id() -> str:
+    return f"drafter-{socket.gethostname()}-{os.getpid()}"[:128]
+
+
+async def serve(
+    cfg: DrafterConfig,
+    ready: asyncio.Event | None = None,
+    *,
+    queue: RequestQueue | None = None,
+    model: LoadedModel | None = None,
+    on_session_end: Callable[[DraftSession], None] | None = None,
+) -> None:
+    """Run the drafter until cancelled. ``ready`` is set at each successful verifier handshake.
+
+    ``queue`` and ``model`` let an embedding process (or a test) hand in ones it already has;
+    by default they come from ``cfg.queue_url`` and ``cfg.model``. Raises LinkRefused when the
+    verifier refuses this drafter for good.
+    """
+    check_config(cfg, need_model=model is None)
+    node_id = cfg.node_id or default_node_id()
+    if cfg.torch_threads > 0:
+        import torch
+
+        torch.set_num_threads(cfg.torch_threads)
+    loaded = model if model is not None else await asyncio.to_thread(load_model, cfg.model, cfg.device, cfg.dtype)
+    log.info("drafter starting", **{**describe(cfg), "node_id": node_id, "draft_model": loaded.name,
+                                    "tokenizer_fingerprint": loaded.fingerprint})
+    own_queue = queue is None
+    request_queue = queue or open_queue(cfg.queue_url, stream=cfg.queue_stream, group=cfg.queue_group,
+                                        auth_token=cfg.auth_token, claim_idle_ms=cfg.claim_idle_ms)
+    hello = Hello(role="drafter", node_id=node_id, protocol_version=PROTOCOL_VERSION,
+                  tokenizer_fingerprint=loaded.fingerprint, model=loaded.name[:128] or "draft",
+                  max_sessions=cfg.max_sessions)
+    worker = ComputeWorker()
+    loop = DrafterLoop(
+        node_id=node_id, max_sessions=cfg.max_sessions,
+        link=VerifierLink(cfg.verifier_url, hello, cfg.auth_token), queue=request_queue,
+        proposer=DraftModelProposer(loaded, cfg.draft_mode, cfg.draft_top_k), worker=worker,
+        new_controller=lambda: make_controller(cfg.controller), reconnect_s=cfg.reconnect_s,
+        on_session_end=on_session_end,
+    )
+    try:
+        await loop.run(ready)
+    finally:
+        await asyncio.to_thread(worker.shutdown)
+        if own_queue:
+            with contextlib.suppress(Exception):
+                await request_queue.close()
+
+
+async def _serve_until_signalled(cfg: DrafterConfig) -> None:
+    """serve(), stopped cleanly by SIGTERM or SIGINT (sessions go back to the verifier/queue)."""
+    task = asyncio.create_task(serve(cfg))
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, task.cancel)
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    log.info("drafter stopped")
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg = load_config(DrafterConfig, argv, prog="specfleet drafter")
+        check_config(cfg)
+    except ConfigError as exc:
+        print(f"specfleet drafter: error: {exc}", file=sys.stderr)
+        return 2
+    setup_logging("drafter", cfg.log_level)
+    try:
+        asyncio.run(_serve_until_signalled(cfg))
+    except ModelLoadError as exc:
+        log.error("cannot load the draft model", error=str(exc))
+        return 2
+    except LinkRefused as exc:
+        log.error("the verifier refused this drafter; retrying cannot help, fix the configuration and restart",
+                  code=exc.code, error=str(exc))
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

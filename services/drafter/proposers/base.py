@@ -1,0 +1,64 @@
+"""The proposer interface: whatever makes draft tokens (a draft LM now, n-gram lookup later).
+
+A proposer holds per-session state keyed by the request id. The serving loop calls it only
+from its single compute worker thread, so implementations need no locking; calls for one
+session come strictly in order: ``start``, then rounds of ``propose`` / ``commit``, then
+``close``.
+
+``commit`` hands over the tokens the verifier committed after a round (the accepted drafts,
+then its own token); the proposer rolls back whatever it had speculated past them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from services.drafter.control.base import DraftController, StepFeatures
+from shared.protocol import SamplingParams, SparseQ
+
+
+class ProposerError(RuntimeError):
+    """A proposer could not serve a call (unknown session, ...). The session drafts nothing more."""
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """Draft tokens for one round.
+
+    ``q`` is None for ids-only drafts (the verifier treats q as one-hot on each token, which is
+    exact), or one SparseQ per token: the exact distribution that token was sampled from.
+    ``steps`` are the controller features of the kept tokens, for logs and metrics.
+    """
+
+    token_ids: list[int]
+    q: list[SparseQ] | None = None
+    steps: list[StepFeatures] = field(default_factory=list)
+
+
+EMPTY_PROPOSAL = Proposal(token_ids=[])
+
+
+class Proposer(Protocol):
+    name: str
+
+    def start(self, session_id: str, prompt_ids: list[int]) -> None:
+        """Begin a session whose committed sequence is ``prompt_ids``."""
+
+    def propose(
+        self,
+        session_id: str,
+        k: int,
+        params: SamplingParams,
+        rng: torch.Generator,
+        controller: DraftController | None = None,
+    ) -> Proposal:
+        """Up to ``k`` tokens continuing the committed sequence (the controller may stop early)."""
+
+    def commit(self, session_id: str, committed_new_tokens: list[int], accepted: int) -> None:
+        """The verifier committed these tokens; the first ``accepted`` were our drafts."""
+
+    def close(self, session_id: str) -> None:
+        """Forget the session (idempotent)."""

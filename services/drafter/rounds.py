@@ -1,0 +1,187 @@
+"""One session's conversation with the verifier: open, draft/verdict rounds, finish.
+
+Rounds of one session are strictly sequential (one outstanding Draft); many sessions run this
+concurrently, each as its own asyncio task, sharing the link and the compute worker.
+
+Outcomes, and what happens to the queue delivery:
+
+* finished (any Verdict with ``finished``, including an unsolicited cancel): ack
+* the verifier says ``duplicate``/``invalid`` or another error at open, or errors mid-session: ack
+  (the verifier owns the request or already told the client)
+* ``busy`` at open: wait and re-open; the delivery stays unacknowledged meanwhile
+* the link drops (:class:`SessionAborted`): NOT acked; the loop releases it for re-delivery
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from services.drafter.link import LINK_LOST, Inbound, LinkDown, VerifierLink
+from services.drafter.proposers.base import EMPTY_PROPOSAL, Proposal, Proposer
+from services.drafter.sessions import DraftSession
+from services.drafter.worker import ComputeWorker
+from shared.log import get_logger
+from shared.protocol import MAX_DRAFT_TOKENS, CloseSession, Draft, ErrorFrame, OpenSession, SessionOpened, Verdict
+
+log = get_logger("drafter.rounds")
+
+#: ErrorFrame codes at open after which the request is the verifier's business, not ours.
+VERIFIER_OWNS = frozenset({"duplicate", "invalid"})
+BUSY_RETRY_FIRST_S = 0.1
+BUSY_RETRY_MAX_S = 2.0
+
+
+class SessionAborted(Exception):
+    """The verifier link dropped under this session; leave its delivery unacknowledged."""
+
+
+class SessionRunner:
+    """Drives sessions against the verifier. Shared by all sessions of one connection."""
+
+    def __init__(
+        self,
+        link: VerifierLink,
+        proposer: Proposer,
+        worker: ComputeWorker,
+        max_draft_tokens: int,
+    ) -> None:
+        self.link = link
+        self.proposer = proposer
+        self.worker = worker
+        self.max_draft_tokens = max(0, min(max_draft_tokens, MAX_DRAFT_TOKENS))
+
+    async def run(self, session: DraftSession) -> bool:
+        """Serve one session to its end. Returns True when its delivery should be acked.
+
+        Raises SessionAborted when the link dropped (do not ack).
+        """
+        rid = session.request_id
+        inbox = self.link.register(rid)
+        try:
+            opened = await self._open(session, inbox)
+            if opened is None:
+                return True
+            self.worker.submit(self.proposer.start, rid, list(session.committed))
+            session.budget = opened.draft_budget
+            while session.finish_reason is None:
+                await self._round(session, inbox)
+            return True
+        except LinkDown as exc:
+            raise SessionAborted(str(exc)) from None
+        finally:
+            self.link.unregister(rid)
+            self.worker.submit(self.proposer.close, rid)
+
+    # --- opening ---------------------------------------------------------------------------
+
+    async def _open(self, session: DraftSession, inbox: asyncio.Queue[Inbound]) -> SessionOpened | None:
+        req = session.delivery.request
+        frame = OpenSession(request_id=req.request_id, prompt_ids=list(req.prompt_ids), params=req.params,
+                            origin=req.origin, speculative=True)
+        delay = BUSY_RETRY_FIRST_S
+        while True:
+            await self.link.send(frame)
+            reply = await self._reply_to_open(inbox)
+            if isinstance(reply, SessionOpened):
+                return reply
+            if isinstance(reply, Verdict):
+                session.finish_reason = reply.finish_reason or "cancelled"
+                log.info("request ended before it opened", request_id=req.request_id,
+                         finish_reason=session.finish_reason)
+                return None
+            if reply.code == "busy":
+                log.debug("verifier busy; retrying the open", request_id=req.request_id, retry_in_s=delay)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, BUSY_RETRY_MAX_S)
+                continue
+            level = log.info if reply.code in VERIFIER_OWNS else log.warning
+            level("verifier declined the session; dropping it", request_id=req.request_id, code=reply.code,
+                  message=reply.message)
+            session.finish_reason = reply.code
+            return None
+
+    async def _reply_to_open(self, inbox: asyncio.Queue[Inbound]) -> SessionOpened | Verdict | ErrorFrame:
+        while True:
+            msg = await _next(inbox)
+            if isinstance(msg, SessionOpened | ErrorFrame):
+                return msg
+            if msg.finished:
+                return msg
+            # a non-final Verdict cannot belong to a session that is not open yet: stale, ignore
+
+    # --- rounds ----------------------------------------------------------------------------
+
+    async def _round(self, session: DraftSession, inbox: asyncio.Queue[Inbound]) -> None:
+        rid = session.request_id
+        budget = session.useful_draft_len(min(session.budget, self.max_draft_tokens))
+        k = max(0, min(budget, session.controller.begin_round(budget)))
+        proposal = await self._draft(session, k)
+        early = _drain_final(inbox)  # cancelled while we drafted? then do not send a dead draft
+        if early is not None:
+            session.apply_verdict(early, drafted=0)
+            return
+        drafted = len(proposal.token_ids)
+        await self.link.send(Draft(request_id=rid, round=session.round, token_ids=proposal.token_ids,
+                                   q=proposal.q))
+        reply = await self._reply_to_draft(session, inbox)
+        if isinstance(reply, ErrorFrame):
+            await self._abandon(session, reply)
+            return
+        if reply.finished and reply.round != session.round:  # an unsolicited cancel
+            session.apply_verdict(reply, drafted=0)
+            return
+        new = session.apply_verdict(reply, drafted)
+        session.controller.end_round(drafted, min(reply.accepted, drafted))
+        if session.finish_reason is None:
+            self.worker.submit(self.proposer.commit, rid, new, min(reply.accepted, drafted))
+
+    async def _draft(self, session: DraftSession, k: int) -> Proposal:
+        if k == 0 or session.drafting_disabled:
+            return EMPTY_PROPOSAL
+        start = time.monotonic()
+        try:
+            return await self.worker.run(self.proposer.propose, session.request_id, k, session.params,
+                                         session.rng, session.controller)
+        except Exception as exc:  # a broken draft must not break the request: go target-only
+            session.drafting_disabled = repr(exc)
+            log.exception("drafting failed; the session continues with empty drafts",
+                          request_id=session.request_id)
+            return EMPTY_PROPOSAL
+        finally:
+            session.stats.draft_s += time.monotonic() - start
+
+    async def _reply_to_draft(self, session: DraftSession, inbox: asyncio.Queue[Inbound]) -> Verdict | ErrorFrame:
+        while True:
+            msg = await _next(inbox)
+            if isinstance(msg, ErrorFrame):
+                return msg
+            if isinstance(msg, Verdict) and (msg.round == session.round or msg.finished):
+                return msg
+            log.debug("ignored a stale frame", request_id=session.request_id, type=type(msg).__name__)
+
+    async def _abandon(self, session: DraftSession, err: ErrorFrame) -> None:
+        """The verifier refused a round: stop drafting for it and let the verifier finish it alone."""
+        log.warning("verifier rejected a draft; handing the session back to the verifier",
+                    request_id=session.request_id, code=err.code, message=err.message)
+        session.finish_reason = "error"
+        await self.link.send(CloseSession(request_id=session.request_id,
+                                          reason=f"drafter stopped after verifier error {err.code}"))
+
+
+async def _next(inbox: asyncio.Queue[Inbound]) -> SessionOpened | Verdict | ErrorFrame:
+    msg = await inbox.get()
+    if msg is LINK_LOST or not isinstance(msg, SessionOpened | Verdict | ErrorFrame):
+        raise LinkDown("the verifier link dropped")
+    return msg
+
+
+def _drain_final(inbox: asyncio.Queue[Inbound]) -> Verdict | None:
+    """Consume frames that arrived while drafting; return a final Verdict if there was one."""
+    while not inbox.empty():
+        msg = inbox.get_nowait()
+        if msg is LINK_LOST:
+            raise LinkDown("the verifier link dropped")
+        if isinstance(msg, Verdict) and msg.finished:
+            return msg
+    return None

@@ -1,0 +1,120 @@
+"""The in-process request queue: the coordinator's queue when no Redis is configured.
+
+Drafters reach it over the coordinator's ``/internal/queue`` WebSocket (see
+``services/coordinator/queue_link.py`` and ``shared/queue_link.py``); the coordinator itself
+puts requests in directly.
+
+Semantics match the Redis transport so that drafters cannot tell them apart:
+
+* FIFO; a delivery keeps its id for life, also when it is re-delivered (like a stream entry id).
+* A delivered request stays with its consumer until ACKed; ``release(consumer)`` puts that
+  consumer's unacknowledged requests back at the FRONT, in their original order (they were
+  first in line, and a drafter crash must not push them behind later arrivals).
+* ``ack`` is idempotent and consumer-agnostic, like XACK + XDEL: "this request is finished"
+  removes it wherever it is - held by another consumer after a re-delivery, or back in line
+  after a release. A late ACK from a drafter whose link dropped therefore still prevents a
+  duplicate generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+
+from shared.log import get_logger
+from shared.protocol import QueuedRequest
+from shared.queue import Delivery, QueueError
+
+log = get_logger("queue.memory")
+
+
+class MemoryQueue:
+    """An asyncio FIFO with per-consumer acknowledgement tracking. Not thread-safe: one loop."""
+
+    def __init__(self) -> None:
+        self._ready: OrderedDict[str, QueuedRequest] = OrderedDict()
+        self._held: dict[str, dict[str, QueuedRequest]] = {}  # consumer -> {delivery_id: request}
+        self._owner: dict[str, str] = {}  # delivery_id -> consumer holding it
+        self._next_id = 0
+        self._changed = asyncio.Condition()
+        self._closed = False
+
+    async def put(self, request: QueuedRequest) -> None:
+        self._check_open()
+        self._next_id += 1
+        self._ready[str(self._next_id)] = request
+        await self._notify()
+
+    async def get(self, consumer: str, max_items: int = 1, timeout_s: float | None = None) -> list[Delivery]:
+        """Wait up to ``timeout_s`` for at least one request; [] on timeout.
+
+        Cancellation-safe: requests are taken only after the wait has finished, with no
+        suspension point in between, so a cancelled ``get`` never swallows a request.
+        """
+        if max_items < 1:
+            raise ValueError(f"max_items must be >= 1, got {max_items}")
+        try:
+            async with asyncio.timeout(timeout_s), self._changed:
+                await self._changed.wait_for(lambda: bool(self._ready) or self._closed)
+                self._check_open()
+                return self._take(consumer, max_items)
+        except TimeoutError:
+            return []
+
+    async def ack(self, consumer: str, delivery_id: str) -> None:
+        """Remove the request for good, wherever it is; unknown ids are ignored."""
+        if self._ready.pop(delivery_id, None) is not None:
+            return
+        owner = self._owner.pop(delivery_id, None)
+        if owner is None:
+            return  # already acknowledged (or never existed): ACK is idempotent
+        held = self._held[owner]
+        del held[delivery_id]
+        if not held:
+            del self._held[owner]
+        if owner != consumer:
+            log.info(
+                "request acknowledged by another consumer", delivery_id=delivery_id, holder=owner, acked_by=consumer
+            )
+
+    async def release(self, consumer: str) -> None:
+        """Put the consumer's unacknowledged requests back at the front, oldest first."""
+        held = self._held.pop(consumer, None)
+        if not held:
+            return
+        for delivery_id in sorted(held, key=int, reverse=True):
+            del self._owner[delivery_id]
+            self._ready[delivery_id] = held[delivery_id]
+            self._ready.move_to_end(delivery_id, last=False)
+        log.info("released unacknowledged requests", consumer=consumer, count=len(held))
+        await self._notify()
+
+    async def depth(self) -> int:
+        return len(self._ready)
+
+    def in_flight(self) -> int:
+        """Requests delivered but not yet acknowledged (for metrics)."""
+        return len(self._owner)
+
+    async def close(self) -> None:
+        """Wake every waiting ``get`` with QueueError; later calls to put/get fail the same way."""
+        self._closed = True
+        await self._notify()
+
+    def _take(self, consumer: str, max_items: int) -> list[Delivery]:
+        out: list[Delivery] = []
+        held = self._held.setdefault(consumer, {})
+        while self._ready and len(out) < max_items:
+            delivery_id, request = self._ready.popitem(last=False)
+            held[delivery_id] = request
+            self._owner[delivery_id] = consumer
+            out.append(Delivery(delivery_id, request))
+        return out
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise QueueError("the in-process request queue is closed (the coordinator is shutting down)")

@@ -1,0 +1,146 @@
+"""A scripted stand-in for the verifier's /v1/drafter endpoint, for the drafter's tests.
+
+It accepts the first draft token of every round and adds a token of its own, finishing after
+``finish_after`` generated tokens, and checks every greedy draft against the draft model's own
+greedy continuation of the committed sequence (recomputed from scratch, no cache), so a wrong
+KV-cache rollback in the drafter shows up in ``problems``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from websockets.asyncio.server import ServerConnection
+
+from shared.acceptance import dense_q
+from shared.models import LoadedModel
+from shared.protocol import (
+    PROTOCOL_VERSION,
+    Draft,
+    ErrorFrame,
+    Hello,
+    OpenSession,
+    Refused,
+    SamplingParams,
+    SessionOpened,
+    Verdict,
+    Welcome,
+    decode,
+    encode,
+)
+
+BUDGET = 3
+
+
+def greedy_continuation(model: LoadedModel, ids: list[int], k: int) -> list[int]:
+    seq = list(ids)
+    with torch.inference_mode():
+        for _ in range(k):
+            seq.append(int(model.model(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(ids):]
+
+
+@dataclass
+class ScriptedVerifier:
+    """Plays the verifier's side of /v1/drafter, with knobs for the failure paths."""
+
+    draft: LoadedModel
+    finish_after: int = 7
+    refuse: str = ""  # a Refused code to answer the Hello with
+    busy_first: set[str] = field(default_factory=set)  # answer the first open of these "busy"
+    open_errors: dict[str, str] = field(default_factory=dict)  # request_id -> ErrorFrame code at open
+    cancel_after_open: set[str] = field(default_factory=set)  # send an unsolicited cancel right after opening
+    drop_after_first_draft: bool = False  # close the first connection at its first Draft
+    check_greedy: bool = True
+    hellos: list[Hello] = field(default_factory=list)
+    auth_headers: list[str | None] = field(default_factory=list)
+    opens: list[str] = field(default_factory=list)
+    drafts: list[Draft] = field(default_factory=list)
+    committed: dict[str, list[int]] = field(default_factory=dict)  # prompt + committed tokens
+    finished: set[str] = field(default_factory=set)
+    concurrent_max: int = 0
+    problems: list[str] = field(default_factory=list)
+    _open_now: set[str] = field(default_factory=set)
+    _params: dict[str, SamplingParams] = field(default_factory=dict)
+    _prompt_len: dict[str, int] = field(default_factory=dict)
+
+    async def handler(self, ws: ServerConnection) -> None:
+        assert ws.request is not None
+        self.auth_headers.append(ws.request.headers.get("Authorization"))
+        hello = decode(await ws.recv())
+        assert isinstance(hello, Hello)
+        self.hellos.append(hello)
+        connection = len(self.hellos)
+        if self.refuse:
+            await ws.send(encode(Refused(code=self.refuse, message="tokenizer mismatch: use the target's tokenizer")))  # type: ignore[arg-type]
+            return
+        await ws.send(encode(Welcome(node_id="scripted-verifier", protocol_version=PROTOCOL_VERSION,
+                                     target_model="tiny", tokenizer_fingerprint=hello.tokenizer_fingerprint,
+                                     max_model_len=512, max_draft_tokens=16)))
+        async for raw in ws:
+            msg = decode(raw)
+            if isinstance(msg, OpenSession):
+                await self._on_open(ws, msg)
+            elif isinstance(msg, Draft):
+                if self.drop_after_first_draft and connection == 1:
+                    self.drafts.append(msg)
+                    await ws.close()
+                    return
+                await self._on_draft(ws, msg)
+
+    async def _on_open(self, ws: ServerConnection, msg: OpenSession) -> None:
+        rid = msg.request_id
+        self.opens.append(rid)
+        if rid in self.busy_first:
+            self.busy_first.discard(rid)
+            await ws.send(encode(ErrorFrame(code="busy", message="full, retry", request_id=rid)))
+            return
+        if rid in self.open_errors:
+            await ws.send(encode(ErrorFrame(code=self.open_errors[rid], message="scripted", request_id=rid)))
+            return
+        if rid in self.committed:  # re-opened after a link drop: we "finished it target-only"
+            await ws.send(encode(ErrorFrame(code="duplicate", message="already served", request_id=rid)))
+            return
+        self.committed[rid] = list(msg.prompt_ids)
+        self._params[rid] = msg.params
+        self._prompt_len[rid] = len(msg.prompt_ids)
+        self._open_now.add(rid)
+        self.concurrent_max = max(self.concurrent_max, len(self._open_now))
+        await ws.send(encode(SessionOpened(request_id=rid, draft_budget=BUDGET)))
+        if rid in self.cancel_after_open:
+            self._open_now.discard(rid)
+            self.finished.add(rid)
+            await ws.send(encode(Verdict(request_id=rid, round=0, accepted=0, token_ids=[], finished=True,
+                                         finish_reason="cancelled", draft_budget=0)))
+
+    async def _on_draft(self, ws: ServerConnection, msg: Draft) -> None:
+        rid = msg.request_id
+        self.drafts.append(msg)
+        if rid in self.finished:
+            return  # a late draft for a cancelled session: the real verifier ignores it too
+        seq = self.committed[rid]
+        self._check(msg, seq)
+        accepted = min(1, len(msg.token_ids))
+        own = 5 + (len(seq) * 7) % 300  # deterministic and usually unlike the draft's choice
+        new = [*msg.token_ids[:accepted], own]
+        generated = len(seq) + len(new) - self._prompt_len[rid]
+        finished = generated >= self.finish_after
+        if finished:
+            new = new[: len(new) - (generated - self.finish_after)]
+            self._open_now.discard(rid)
+            self.finished.add(rid)
+        seq.extend(new)
+        await ws.send(encode(Verdict(request_id=rid, round=msg.round, accepted=accepted, token_ids=new,
+                                     finished=finished, finish_reason="length" if finished else None,
+                                     draft_budget=BUDGET)))
+
+    def _check(self, msg: Draft, seq: list[int]) -> None:
+        params = self._params[msg.request_id]
+        if msg.q is not None:
+            for token, q in zip(msg.token_ids, msg.q, strict=True):
+                dense_q(q, token, self.draft.vocab_size)  # raises on an invalid q
+        elif self.check_greedy and params.temperature == 0.0:
+            expected = greedy_continuation(self.draft, seq, len(msg.token_ids))
+            if msg.token_ids != expected:
+                self.problems.append(f"{msg.request_id} round {msg.round}: {msg.token_ids} != {expected}")

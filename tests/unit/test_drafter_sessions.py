@@ -1,0 +1,80 @@
+"""Drafter bookkeeping: per-session state, draft-length caps, config checks."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from services.drafter.config import DrafterConfig
+from services.drafter.control.fixed import FixedController
+from services.drafter.main import check_config, default_node_id
+from services.drafter.sessions import DraftSession
+from shared.config import ConfigError, load_config
+from shared.protocol import QueuedRequest, SamplingParams, Verdict
+from shared.queue import Delivery
+
+
+def session(max_tokens: int = 10, seed: int | None = 4) -> DraftSession:
+    req = QueuedRequest(request_id="r", prompt_ids=[1, 2, 3], params=SamplingParams(max_tokens=max_tokens, seed=seed),
+                        origin="c", model="m", created_at=time.time())
+    return DraftSession.from_delivery(Delivery("7", req), FixedController())
+
+
+def verdict(tokens: list[int], accepted: int, finished: bool = False, budget: int = 4) -> Verdict:
+    return Verdict(request_id="r", round=0, accepted=accepted, token_ids=tokens, finished=finished,
+                   finish_reason="length" if finished else None, draft_budget=budget)
+
+
+@pytest.mark.parametrize(("max_tokens", "generated", "budget", "expected"), [
+    (10, 0, 4, 4),  # plenty left: the whole budget
+    (10, 7, 4, 2),  # 3 left: 2 drafts + the verifier's own token
+    (10, 9, 4, 0),  # 1 left: the verifier's token alone ends it, an empty draft
+    (10, 0, 0, 0),  # the verifier asked for none
+])
+def test_useful_draft_len(max_tokens: int, generated: int, budget: int, expected: int) -> None:
+    s = session(max_tokens)
+    s.committed.extend([5] * generated)
+    assert s.useful_draft_len(budget) == expected
+
+
+def test_apply_verdict_tracks_committed_tokens_and_stats() -> None:
+    s = session()
+    assert s.apply_verdict(verdict([8, 9, 10], accepted=2, budget=5), drafted=3) == [8, 9, 10]
+    assert (s.committed, s.round, s.budget, s.finish_reason) == ([1, 2, 3, 8, 9, 10], 1, 5, None)
+    s.apply_verdict(verdict([11], accepted=0, finished=True), drafted=2)
+    assert s.finish_reason == "length" and s.generated == 4
+    assert (s.stats.rounds, s.stats.drafted, s.stats.accepted) == (2, 5, 2)
+    summary = s.summary()
+    assert summary["acceptance_rate"] == 0.4 and summary["request_id"] == "r"
+
+
+def test_seeded_sessions_draw_the_same_randomness() -> None:
+    import torch
+
+    a, b = session(seed=4), session(seed=4)
+    assert torch.rand(3, generator=a.rng).tolist() == torch.rand(3, generator=b.rng).tolist()
+
+
+def test_config_flags_and_checks() -> None:
+    cfg = load_config(DrafterConfig, ["--model", "/m", "--draft-mode", "sampled", "--controller", "fixed"], env={})
+    check_config(cfg)
+    assert (cfg.draft_mode, cfg.controller, cfg.max_sessions) == ("sampled", "fixed", 4)
+    assert default_node_id().startswith("drafter-")
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"model": ""}, "--model is required"),
+    ({"verifier_url": "http://x"}, "--verifier-url must be a ws:// or wss:// URL"),
+    ({"max_sessions": 0}, "--max-sessions must be in [1, 100000]"),
+    ({"draft_mode": "beam"}, "--draft-mode must be one of greedy, sampled"),
+    ({"draft_top_k": 0}, "--draft-top-k must be in [1, 4096]"),
+    ({"controller": "psychic"}, "--controller must be one of fixed"),
+    ({"reconnect_s": 0.0}, "--reconnect-s must be > 0"),
+    ({"log_level": "loud"}, "--log-level must be one of"),
+])
+def test_bad_config_names_the_flag(overrides: dict[str, object], message: str) -> None:
+    cfg = DrafterConfig(**{"model": "/m", **overrides})  # type: ignore[arg-type]
+    with pytest.raises(ConfigError) as info:
+        check_config(cfg)
+    assert message in str(info.value)
