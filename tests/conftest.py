@@ -13,10 +13,7 @@ from shared.models import make_tiny_family
 
 torch.set_num_threads(1)
 
-try:  # the real redis-server fixture, when the queue tests' helper module is present
-    from tests.redis_fixture import *  # noqa: F403
-except ImportError:  # pragma: no cover
-    pass
+from tests.redis_fixture import *  # noqa: F403  (the real redis-server fixture: redis_url)
 
 
 @pytest.fixture(scope="session")

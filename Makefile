@@ -1,0 +1,59 @@
+# specfleet — the two commands: `make run` (the embedded default) and `make test` (the tests).
+# Every target uses the project's own virtualenv in .venv, created on demand.
+
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+# Re-install whenever pyproject.toml changes (new dependency, new console script).
+STAMP := $(VENV)/.installed
+# Extra pytest flags, e.g. `make test PYTEST_FLAGS="-x -k cli"`.
+PYTEST_FLAGS ?=
+
+.PHONY: help install run test test-e2e smoke lint clean distclean
+
+help:
+	@echo "make run        start the verifier, the coordinator and 2 drafters on this machine (specfleet up)"
+	@echo "make test       install, then the default test tiers (all but 'slow'), the smoke run, and lint"
+	@echo "make test-e2e   only the end-to-end tier (real services as processes on loopback)"
+	@echo "make smoke      specfleet up --smoke: start everything, send one request, stop"
+	@echo "make lint       ruff check and mypy"
+	@echo "make install    create $(VENV) with $(PYTHON) and pip install -e '.[dev]' (idempotent)"
+	@echo "make clean      remove run state (.specfleet), tool caches and build output"
+	@echo "make distclean  clean, and remove $(VENV) too"
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -e '.[dev]'
+	@touch $@
+
+run: install
+	$(BIN)/specfleet up
+
+test: install
+	bash scripts/ensure-redis.sh
+	$(BIN)/pytest -q -m "not slow" $(PYTEST_FLAGS)
+	@$(MAKE) --no-print-directory smoke
+	@$(MAKE) --no-print-directory lint
+
+test-e2e: install
+	$(BIN)/pytest -q -m e2e $(PYTEST_FLAGS)
+
+# Free ports (0), so a smoke run never collides with a `make run` already on 8000/8100.
+smoke: install
+	$(BIN)/specfleet up --smoke --port 0 --verifier-port 0
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/mypy shared services
+
+clean:
+	rm -rf .specfleet build dist .pytest_cache .mypy_cache .ruff_cache
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -print0 | xargs -0 rm -rf
+
+distclean: clean
+	rm -rf $(VENV) *.egg-info

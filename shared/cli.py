@@ -1,0 +1,89 @@
+"""The ``specfleet`` command: one entry point for every service and for the embedded default.
+
+    specfleet up [--smoke] [flags]        verifier + coordinator + drafters on this machine
+    specfleet verifier|drafter|coordinator [flags]
+    specfleet make-tiny-models [--out DIR]
+
+Service modules are imported only when their subcommand runs, so ``specfleet up`` (the
+supervisor) never loads torch or a model itself, and a broken service cannot break the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+SERVICES = ("verifier", "drafter", "coordinator")
+DEFAULT_TINY_DIR = Path(".specfleet") / "models" / "tiny"
+
+USAGE = """\
+usage: specfleet <command> [flags]
+
+commands:
+  up                start the verifier, the coordinator and drafters on this machine (the embedded default)
+  verifier          run the verifier: the target model, batched verification of drafts
+  drafter           run a drafter: a small draft model proposing tokens for many sessions
+  coordinator       run the coordinator: the OpenAI-compatible front door and request queue
+  make-tiny-models  create tiny random test models (a target and two drafts)
+
+`specfleet <command> --help` lists the command's flags; every service flag also has a
+SPECFLEET_* environment variable.
+"""
+
+
+def _run_service(name: str, argv: list[str]) -> int:
+    from shared.config import ConfigError
+
+    module_name = f"services.{name}.main"
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name not in (module_name, f"services.{name}"):
+            raise  # a dependency of the service is missing: show the real error
+        print(f"specfleet: the {name} service is not installed in this build ({module_name} is missing)",
+              file=sys.stderr)
+        return 1
+    try:
+        return int(module.main(argv))
+    except ConfigError as exc:
+        print(f"specfleet {name}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _make_tiny_models(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="specfleet make-tiny-models",
+        description="Create a tiny random target and drafts sharing one tokenizer.",
+    )
+    parser.add_argument("--out", default=str(DEFAULT_TINY_DIR), help=f"default {DEFAULT_TINY_DIR}")
+    args = parser.parse_args(argv)
+    from shared.models import make_tiny_family
+
+    for name, path in make_tiny_family(Path(args.out)).items():
+        print(f"{name}: {path}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(USAGE, end="", file=sys.stdout if args else sys.stderr)
+        return 0 if args else 2
+    command, rest = args[0], args[1:]
+    if command in SERVICES:
+        return _run_service(command, rest)
+    if command == "make-tiny-models":
+        return _make_tiny_models(rest)
+    if command == "up":
+        from shared.up import up_main
+
+        return up_main(rest)
+    print(f"specfleet: unknown command {command!r}\n\n{USAGE}", end="", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

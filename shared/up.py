@@ -1,0 +1,238 @@
+"""``specfleet up``: the embedded default fleet on one machine, one command.
+
+It makes sure models exist, starts the verifier, the coordinator and N drafters as
+subprocesses (``python -m shared.cli <service> ...``), waits for the coordinator's ``/ready``,
+tells the user how to send a request, and stops everything on Ctrl-C or SIGTERM. With
+``--smoke`` it sends one chat request instead of waiting, then shuts down (CI proves
+``make run`` works this way).
+"""
+
+from __future__ import annotations
+
+import argparse
+import secrets
+import signal
+import socket
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+
+import httpx
+
+from shared.supervisor import StartupError, Supervisor, death_report
+
+
+class UpError(RuntimeError):
+    """The fleet cannot be started as asked; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class Models:
+    target: Path
+    drafts: list[Path]
+
+
+@dataclass(frozen=True)
+class Ports:
+    coordinator: int
+    verifier: int
+
+
+_FLAGS: list[tuple[str, type, object, str]] = [
+    ("--host", str, "127.0.0.1", "interface the coordinator and verifier listen on"),
+    ("--port", int, 8000, "coordinator HTTP port (0: pick a free one)"),
+    ("--verifier-port", int, 8100, "verifier port (0: pick a free one)"),
+    ("--drafters", int, 2, "number of drafter processes"),
+    ("--target", str, "", "target model dir (default: models/target, else tiny models)"),
+    ("--drafts", str, "", "comma list of draft dirs (default: draft* dirs beside the target)"),
+    ("--redis-url", str, "", "queue in Redis Streams (redis://host:6379/0) instead of in-process"),
+    ("--auth-token", str, "", "bearer token between the services (default: random per run)"),
+    ("--torch-threads", int, 1, "torch threads per service"),
+    ("--ready-timeout", float, 180.0, "seconds to wait for the coordinator's /ready"),
+    ("--state-dir", str, ".specfleet", "where tiny models and logs go"),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="specfleet up",
+        description="Start the verifier, the coordinator and N drafters here and keep them running.",
+    )
+    for flag, kind, default, help_text in _FLAGS:
+        p.add_argument(flag, type=kind, default=default, help=f"{help_text} [default {default!r}]")
+    p.add_argument("--smoke", action="store_true", help="after ready, send one chat request, print it, stop all")
+    return p
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def connect_host(host: str) -> str:
+    """Where local peers reach a server bound to ``host`` (a wildcard bind is reached on loopback)."""
+    return "127.0.0.1" if host in ("", "0.0.0.0", "::", "[::]") else host
+
+
+def _model_dir(path: Path, what: str) -> Path:
+    if not (path / "config.json").is_file():
+        raise UpError(f"{what} {path} is not a model directory (no config.json); check --target/--drafts")
+    return path
+
+
+def resolve_models(target: str, drafts: str, cwd: Path, state_dir: Path) -> Models:
+    """Pick the target and drafts: flags first, then ``models/target``, then tiny models (made on demand)."""
+    if target:
+        target_dir = _model_dir(Path(target), "target model")
+    elif (cwd / "models" / "target" / "config.json").is_file():
+        target_dir = cwd / "models" / "target"
+    else:
+        from transformers.utils import logging as hf_logging
+
+        from shared.models import make_tiny_family
+
+        hf_logging.disable_progress_bar()  # keep the terminal for specfleet's own progress lines
+
+        tiny = state_dir / "models" / "tiny"
+        print(f"specfleet up: no models/target here; using tiny test models in {tiny}", flush=True)
+        target_dir = make_tiny_family(tiny)["target"]
+    if drafts:
+        draft_dirs = [_model_dir(Path(d.strip()), "draft model") for d in drafts.split(",") if d.strip()]
+    else:
+        siblings = target_dir.parent.iterdir()
+        draft_dirs = sorted(d for d in siblings if d.name.startswith("draft") and (d / "config.json").exists())
+    if not draft_dirs:
+        raise UpError(f"no draft models found beside {target_dir}; pass --drafts DIR[,DIR...]")
+    return Models(target_dir, draft_dirs)
+
+
+def plan(args: argparse.Namespace, models: Models, ports: Ports) -> list[tuple[str, list[str]]]:
+    """(name, argv) of every child, in start order. The auth token travels by environment, not argv."""
+    base = [sys.executable, "-m", "shared.cli"]
+    near = connect_host(args.host)
+    threads = ["--torch-threads", str(args.torch_threads)]
+    verifier = [*base, "verifier", "--host", args.host, "--port", str(ports.verifier),
+                "--model", str(models.target), *threads]
+    coordinator = [*base, "coordinator", "--host", args.host, "--port", str(ports.coordinator),
+                   "--model", str(models.target), "--verifier-url", f"ws://{near}:{ports.verifier}/v1/frontend"]
+    if args.redis_url:
+        coordinator += ["--redis-url", args.redis_url]
+    queue_url = args.redis_url or f"ws://{near}:{ports.coordinator}/internal/queue"
+    children = [("verifier", verifier), ("coordinator", coordinator)]
+    for i in range(1, args.drafters + 1):
+        draft = models.drafts[(i - 1) % len(models.drafts)]
+        children.append((f"drafter-{i}", [
+            *base, "drafter", "--node-id", f"drafter-{i}", "--model", str(draft),
+            "--verifier-url", f"ws://{near}:{ports.verifier}/v1/drafter", "--queue-url", queue_url, *threads,
+        ]))
+    return children
+
+
+def instructions(base_url: str, model_id: str) -> str:
+    ws_url = base_url.replace("http://", "ws://", 1) + "/v1/stream"
+    message = '{"role": "user", "content": "Hello"}'
+    body = f'{{"model": "{model_id}", "messages": [{message}], "max_tokens": 32}}'
+    return "\n".join([
+        f"specfleet is ready at {base_url}",
+        "",
+        "Send a request:",
+        f"  curl {base_url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'",
+        "",
+        "Or with the openai client:",
+        "  from openai import OpenAI",
+        f'  client = OpenAI(base_url="{base_url}/v1", api_key="unused")',
+        f'  r = client.chat.completions.create(model="{model_id}",',
+        '        messages=[{"role": "user", "content": "Hello"}], max_tokens=32)',
+        "  print(r.choices[0].message.content)",
+        "",
+        f"Token streaming over WebSocket: {ws_url}",
+        "Press Ctrl-C to stop every service.",
+    ])
+
+
+def served_model_id(base_url: str, fallback: str) -> str:
+    """The id the coordinator serves (first entry of /v1/models), or the target dir's name."""
+    try:
+        data = httpx.get(f"{base_url}/v1/models", timeout=5.0).json()
+        return str(data["data"][0]["id"])
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+        return fallback
+
+
+def smoke(base_url: str, model_id: str) -> None:
+    """Send one greedy chat request; print the reply and the decode speed. Raises UpError on failure."""
+    body = {"model": model_id, "messages": [{"role": "user", "content": "Say hello."}],
+            "max_tokens": 32, "temperature": 0}
+    started = time.perf_counter()
+    try:
+        resp = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=120.0)
+    except httpx.HTTPError as exc:
+        raise UpError(f"smoke request failed: {type(exc).__name__}: {exc}") from None
+    elapsed = time.perf_counter() - started
+    if resp.status_code != 200:
+        raise UpError(f"smoke request answered HTTP {resp.status_code}: {resp.text[:500]}")
+    try:
+        data = resp.json()
+        reply = data["choices"][0]["message"]["content"]
+        tokens = int(data["usage"]["completion_tokens"])
+    except (ValueError, KeyError, IndexError, TypeError) as exc:
+        raise UpError(f"smoke response is not a chat completion ({exc!r}): {resp.text[:500]}") from None
+    print(f"smoke: reply {reply!r}", flush=True)
+    print(f"smoke: {tokens} tokens in {elapsed:.2f} s = {tokens / elapsed:.1f} tokens/s", flush=True)
+
+
+def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def run(args: argparse.Namespace, cwd: Path) -> int:
+    """Start the fleet and supervise it until Ctrl-C/SIGTERM (or, with --smoke, one request)."""
+    state = cwd / args.state_dir
+    models = resolve_models(args.target, args.drafts, cwd, state)
+    ports = Ports(args.port or free_port(), args.verifier_port or free_port())
+    token = args.auth_token or secrets.token_urlsafe(24)
+    env = {"SPECFLEET_AUTH_TOKEN": token, "PYTHONUNBUFFERED": "1"}
+    if args.torch_threads > 0:
+        env["OMP_NUM_THREADS"] = str(args.torch_threads)
+    sup = Supervisor(state / "logs")
+    # Explicit handlers: a shell starts background jobs with SIGINT ignored, and SIGTERM must
+    # unwind through the same path as Ctrl-C so the children are always stopped.
+    previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for name, argv in plan(args, models, ports):
+            child = sup.start(name, argv, env)
+            print(f"started {name:<12} pid {child.proc.pid:<7} log {child.log_path}", flush=True)
+        base_url = f"http://{connect_host(args.host)}:{ports.coordinator}"
+        sup.wait_ready(f"{base_url}/ready", args.ready_timeout)
+        model_id = served_model_id(base_url, models.target.name)
+        if args.smoke:
+            smoke(base_url, model_id)
+            return 0
+        print(instructions(base_url, model_id), flush=True)
+        print(f"specfleet up: stopping: {death_report(sup.watch())}", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:
+        print("specfleet up: stopping every service ...", flush=True)
+        return 0
+    finally:
+        sup.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def up_main(argv: Sequence[str]) -> int:
+    args = build_parser().parse_args(list(argv))
+    if args.drafters < 1:
+        print("specfleet up: --drafters must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        return run(args, Path.cwd())
+    except KeyboardInterrupt:
+        return 130
+    except (UpError, StartupError) as exc:
+        print(f"specfleet up: {exc}", file=sys.stderr, flush=True)
+        return 1

@@ -1,0 +1,94 @@
+"""``specfleet up`` end to end: the real services as processes on loopback, tiny models.
+
+This is what ``make run`` does, on free ports so concurrent runs on one machine do not collide.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from shared import cli
+
+pytestmark = pytest.mark.e2e
+
+
+def _up(tmp_path: Path, models: dict[str, Path], *flags: str) -> list[str]:
+    drafts = f"{models['draft-L1']},{models['draft-L2']}"
+    return [sys.executable, "-m", "shared.cli", "up", "--port", "0", "--verifier-port", "0",
+            "--target", str(models["target"]), "--drafts", drafts, "--state-dir", str(tmp_path / "state"), *flags]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_make_tiny_models_prints_paths(tiny_models: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    out_dir = tiny_models["target"].parent
+    assert cli.main(["make-tiny-models", "--out", str(out_dir)]) == 0  # idempotent: the family exists
+    out = capsys.readouterr().out
+    assert f"target: {tiny_models['target']}" in out
+    assert f"draft-L2: {tiny_models['draft-L2']}" in out
+
+
+def test_up_smoke_answers_one_request_and_exits_zero(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    proc = subprocess.run(_up(tmp_path, tiny_models, "--smoke"), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for name in ("verifier", "coordinator", "drafter-1", "drafter-2"):
+        assert f"started {name}" in proc.stdout
+    assert "smoke: reply" in proc.stdout
+    assert re.search(r"smoke: \d+ tokens in [\d.]+ s = [\d.]+ tokens/s", proc.stdout)
+    for pid in re.findall(r"pid (\d+)", proc.stdout):
+        assert _gone(int(pid)), f"child {pid} outlived specfleet up"
+
+
+def test_up_runs_until_sigterm_then_stops_every_child(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    proc = subprocess.Popen(_up(tmp_path, tiny_models, "--drafters", "1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "Press Ctrl-C" in line:
+                break
+        assert any("specfleet is ready at http://127.0.0.1:" in line for line in lines), "".join(lines)
+        assert any("curl http://127.0.0.1:" in line for line in lines)
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, "".join(lines) + rest
+    assert "stopping every service" in rest
+    for pid in re.findall(r"pid (\d+)", "".join(lines)):
+        assert _gone(int(pid)), f"child {pid} outlived specfleet up"
+
+
+def test_up_names_the_service_that_died(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    broken = tmp_path / "broken-target"
+    broken.mkdir()
+    (broken / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    flags = _up(tmp_path, tiny_models, "--drafters", "1", "--ready-timeout", "120")
+    flags[flags.index("--target") + 1] = str(broken)
+    proc = subprocess.run(flags, capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "verifier (pid" in proc.stderr
+    assert str(tmp_path / "state" / "logs" / "verifier.log") in proc.stderr

@@ -1,0 +1,131 @@
+"""The ``specfleet`` command: dispatch, and how ``specfleet up`` plans and resolves its fleet."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from shared import cli
+from shared.up import Models, Ports, UpError, build_parser, connect_host, instructions, plan, resolve_models, up_main
+
+
+def test_no_command_prints_usage_and_fails(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main([]) == 2
+    assert "usage: specfleet" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["-h", "--help", "help"])
+def test_help(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main([flag]) == 0
+    out = capsys.readouterr().out
+    for command in ("up", "verifier", "drafter", "coordinator", "make-tiny-models"):
+        assert command in out
+
+
+def test_unknown_command(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["serve"]) == 2
+    assert "unknown command 'serve'" in capsys.readouterr().err
+
+
+def test_missing_service_module_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli._run_service("nosuch", []) == 1
+    assert "services.nosuch.main is missing" in capsys.readouterr().err
+
+
+def test_up_help_lists_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(["up", "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--host", "--port", "--verifier-port", "--drafters", "--target", "--drafts", "--redis-url",
+                 "--auth-token", "--torch-threads", "--smoke"):
+        assert flag in out
+
+
+def test_up_refuses_zero_drafters(capsys: pytest.CaptureFixture[str]) -> None:
+    assert up_main(["--drafters", "0"]) == 2
+    assert "--drafters must be at least 1" in capsys.readouterr().err
+
+
+def _model(path: Path) -> Path:
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    return path
+
+
+def test_resolve_prefers_models_target_and_its_draft_siblings(tmp_path: Path) -> None:
+    target = _model(tmp_path / "models" / "target")
+    d2, d1 = _model(tmp_path / "models" / "draft-b"), _model(tmp_path / "models" / "draft-a")
+    (tmp_path / "models" / "draft-empty").mkdir()  # no config.json: not a model
+    assert resolve_models("", "", tmp_path, tmp_path / ".specfleet") == Models(target, [d1, d2])
+
+
+def test_resolve_explicit_flags(tmp_path: Path) -> None:
+    target, draft = _model(tmp_path / "t"), _model(tmp_path / "d")
+    assert resolve_models(str(target), f" {draft} ,", tmp_path, tmp_path) == Models(target, [draft])
+
+
+@pytest.mark.parametrize(
+    ("target", "drafts", "fragment"),
+    [("missing", "", "not a model directory"), ("t", "", "no draft models found"), ("t", "nope", "not a model")],
+)
+def test_resolve_refusals(tmp_path: Path, target: str, drafts: str, fragment: str) -> None:
+    _model(tmp_path / "t")
+    with pytest.raises(UpError, match=fragment):
+        resolve_models(str(tmp_path / target), str(tmp_path / drafts) if drafts else "", tmp_path, tmp_path)
+
+
+def _plan(*flags: str) -> dict[str, list[str]]:
+    args = build_parser().parse_args(list(flags))
+    models = Models(Path("/m/target"), [Path("/m/draft-L1"), Path("/m/draft-L2")])
+    return dict(plan(args, models, Ports(coordinator=8000, verifier=8100)))
+
+
+def _flag(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def test_plan_default_fleet() -> None:
+    children = _plan()
+    assert list(children) == ["verifier", "coordinator", "drafter-1", "drafter-2"]
+    for name, argv in children.items():
+        assert argv[:3] == [sys.executable, "-m", "shared.cli"]
+        assert argv[3] == name.split("-")[0]
+        assert "--auth-token" not in argv  # travels by environment, never visible in ps
+    assert _flag(children["verifier"], "--port") == "8100"
+    assert _flag(children["verifier"], "--model") == "/m/target"
+    assert _flag(children["coordinator"], "--verifier-url") == "ws://127.0.0.1:8100/v1/frontend"
+    assert _flag(children["coordinator"], "--model") == "/m/target"
+    assert "--redis-url" not in children["coordinator"]
+    assert [_flag(children[f"drafter-{i}"], "--model") for i in (1, 2)] == ["/m/draft-L1", "/m/draft-L2"]
+    assert _flag(children["drafter-2"], "--node-id") == "drafter-2"
+    assert _flag(children["drafter-1"], "--queue-url") == "ws://127.0.0.1:8000/internal/queue"
+    assert _flag(children["drafter-1"], "--verifier-url") == "ws://127.0.0.1:8100/v1/drafter"
+    assert _flag(children["drafter-1"], "--torch-threads") == "1"
+
+
+def test_plan_round_robin_redis_and_wildcard_host() -> None:
+    children = _plan("--drafters", "3", "--redis-url", "redis://127.0.0.1:6390/0", "--host", "0.0.0.0",
+                     "--torch-threads", "2")
+    assert _flag(children["drafter-3"], "--model") == "/m/draft-L1"
+    assert _flag(children["drafter-3"], "--queue-url") == "redis://127.0.0.1:6390/0"
+    assert _flag(children["coordinator"], "--redis-url") == "redis://127.0.0.1:6390/0"
+    assert _flag(children["coordinator"], "--host") == "0.0.0.0"
+    assert _flag(children["coordinator"], "--verifier-url") == "ws://127.0.0.1:8100/v1/frontend"
+    assert _flag(children["verifier"], "--torch-threads") == "2"
+
+
+@pytest.mark.parametrize(("host", "near"), [("0.0.0.0", "127.0.0.1"), ("::", "127.0.0.1"), ("10.1.2.3", "10.1.2.3")])
+def test_connect_host(host: str, near: str) -> None:
+    assert connect_host(host) == near
+
+
+def test_instructions_show_curl_openai_and_websocket() -> None:
+    text = instructions("http://127.0.0.1:8000", "target")
+    assert "curl http://127.0.0.1:8000/v1/chat/completions" in text
+    assert '"model": "target"' in text
+    assert 'OpenAI(base_url="http://127.0.0.1:8000/v1"' in text
+    assert "ws://127.0.0.1:8000/v1/stream" in text

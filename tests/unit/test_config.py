@@ -1,0 +1,127 @@
+"""Config loading: defaults < SPECFLEET_* environment < CLI flags, with clear errors."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import pytest
+
+from services.coordinator.config import CoordinatorConfig
+from services.drafter.config import DrafterConfig
+from services.verifier.config import VerifierConfig
+from shared.config import ConfigError, build_parser, describe, env_name, flag_name, load_config, opt
+
+
+@dataclass
+class Demo:
+    """demo service: exercises every field type."""
+
+    port: int = opt(8000, "TCP port")
+    ratio: float = opt(0.5, "a float")
+    name: str = opt("alpha", "a string")
+    verbose: bool = opt(False, "a bool")
+    tags: list[str] = opt(["a", "b"], "a comma list")  # noqa: RUF009 - opt gives a default_factory
+    limit: int | None = opt(None, "an optional int")
+    auth_token: str = opt("", "a secret")
+
+
+def test_names() -> None:
+    assert flag_name("verifier_port") == "--verifier-port"
+    assert env_name("verifier_port") == "SPECFLEET_VERIFIER_PORT"
+
+
+def test_defaults() -> None:
+    cfg = load_config(Demo, [], env={})
+    assert cfg == Demo()
+    assert (cfg.port, cfg.ratio, cfg.name, cfg.verbose, cfg.tags, cfg.limit) == (8000, 0.5, "alpha", False, ["a", "b"],
+                                                                                 None)
+
+
+def test_list_default_is_not_shared_between_instances() -> None:
+    a, b = load_config(Demo, [], env={}), load_config(Demo, [], env={})
+    a.tags.append("c")
+    assert b.tags == ["a", "b"]
+
+
+def test_env_overrides_default() -> None:
+    cfg = load_config(Demo, [], env={"SPECFLEET_PORT": "9000", "SPECFLEET_NAME": "beta"})
+    assert (cfg.port, cfg.name) == (9000, "beta")
+
+
+def test_cli_beats_env() -> None:
+    cfg = load_config(Demo, ["--port", "9100"], env={"SPECFLEET_PORT": "9000"})
+    assert cfg.port == 9100
+
+
+def test_unrelated_env_is_ignored() -> None:
+    assert load_config(Demo, [], env={"PORT": "1", "SPECFLEET_OTHER": "x"}) == Demo()
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [("1", True), ("true", True), ("YES", True), ("on", True), ("0", False), ("false", False), ("No", False),
+     ("off", False), (" true ", True)],
+)
+def test_bool_parsing(raw: str, expected: bool) -> None:
+    assert load_config(Demo, ["--verbose", raw], env={}).verbose is expected
+    assert load_config(Demo, [], env={"SPECFLEET_VERBOSE": raw}).verbose is expected
+
+
+@pytest.mark.parametrize(("raw", "expected"), [("x,y", ["x", "y"]), (" x , y ,", ["x", "y"]), ("", []), ("z", ["z"])])
+def test_list_parsing(raw: str, expected: list[str]) -> None:
+    assert load_config(Demo, ["--tags", raw], env={}).tags == expected
+
+
+@pytest.mark.parametrize(("raw", "expected"), [("5", 5), ("none", None), ("", None), ("NULL", None)])
+def test_optional_parsing(raw: str, expected: int | None) -> None:
+    assert load_config(Demo, ["--limit", raw], env={}).limit == expected
+
+
+def test_float_parsing() -> None:
+    assert load_config(Demo, ["--ratio", "1e-3"], env={}).ratio == pytest.approx(1e-3)
+
+
+def test_bad_int_flag_is_a_clear_config_error() -> None:
+    with pytest.raises(ConfigError, match=r"--port='eighty' is not a valid int"):
+        load_config(Demo, ["--port", "eighty"], env={})
+
+
+def test_bad_env_value_names_the_variable() -> None:
+    with pytest.raises(ConfigError, match=r"SPECFLEET_PORT='8k' is not a valid int"):
+        load_config(Demo, [], env={"SPECFLEET_PORT": "8k"})
+
+
+@pytest.mark.parametrize(("flag", "raw"), [("--verbose", "maybe"), ("--ratio", "fast"), ("--limit", "1.5")])
+def test_other_bad_values(flag: str, raw: str) -> None:
+    with pytest.raises(ConfigError, match=flag):
+        load_config(Demo, [flag, raw], env={})
+
+
+def test_unknown_flag_exits_with_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        load_config(Demo, ["--nope", "1"], env={})
+    assert info.value.code == 2
+    assert "unrecognized arguments: --nope" in capsys.readouterr().err
+
+
+def test_help_lists_env_var_and_default() -> None:
+    text = build_parser(Demo, "specfleet demo", "demo").format_help()
+    assert "--port" in text and "SPECFLEET_PORT" in text and "default 8000" in text
+
+
+def test_describe_masks_secrets_only() -> None:
+    out = describe(load_config(Demo, ["--auth-token", "s3cret"], env={}))
+    assert out["auth_token"] == "***"
+    assert out["name"] == "alpha"
+    assert describe(Demo())["auth_token"] == ""  # an empty secret stays visibly empty
+
+
+@pytest.mark.parametrize("cls", [VerifierConfig, DrafterConfig, CoordinatorConfig])
+def test_service_configs_load_and_document_every_field(cls: type) -> None:
+    cfg = load_config(cls, [], env={})
+    for f in dataclasses.fields(cls):
+        assert f.metadata.get("help"), f"{cls.__name__}.{f.name} has no help text"
+    assert describe(cfg)["auth_token"] == ""
+    help_text = build_parser(cls, "specfleet").format_help()
+    assert "SPECFLEET_AUTH_TOKEN" in help_text
