@@ -10,10 +10,9 @@ import pytest
 import torch
 
 from shared.models import make_tiny_family
+from tests.redis_fixture import *  # noqa: F403  (the real redis-server fixture: redis_url)
 
 torch.set_num_threads(1)
-
-from tests.redis_fixture import *  # noqa: F403  (the real redis-server fixture: redis_url)
 
 
 @pytest.fixture(scope="session")
