@@ -1,0 +1,71 @@
+"""Composition of the coordinator app: model info, queue, verifier link, metrics and routes.
+
+Nothing here handles a request. ``create_app`` wires the parts, and the lifespan starts the
+verifier link with the server and closes what the app opened when it stops. Tests pass their own
+queue or link to run the same app against in-process or fake peers.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from services.coordinator.config import CoordinatorConfig
+from services.coordinator.errors import install_error_handlers
+from services.coordinator.generation import Generator
+from services.coordinator.metrics import CoordinatorMetrics
+from services.coordinator.model_info import ModelInfo
+from services.coordinator.queue_link import make_queue_router
+from services.coordinator.routes import router
+from services.coordinator.state import CoordinatorState
+from services.coordinator.verifier_link import VerifierLink
+from shared.queue import RequestQueue, open_queue
+from shared.queue_memory import MemoryQueue
+
+
+def default_node_id() -> str:
+    return f"coordinator-{socket.gethostname()[:80]}-{os.getpid()}"
+
+
+def create_app(
+    cfg: CoordinatorConfig,
+    queue: RequestQueue | None = None,
+    link: VerifierLink | None = None,
+    model: ModelInfo | None = None,
+) -> FastAPI:
+    """The coordinator as an ASGI app. Without a given queue: Redis Streams when ``redis_url``
+    is set, else an in-process MemoryQueue served to drafters on ``/internal/queue``."""
+    node_id = cfg.node_id or default_node_id()
+    model = model or ModelInfo.load(cfg.model, cfg.served_model_name)
+    owns_queue = queue is None
+    if queue is None:
+        queue = (open_queue(cfg.redis_url, stream=cfg.queue_stream, group=cfg.queue_group)
+                 if cfg.redis_url else MemoryQueue())
+    link = link or VerifierLink(cfg.verifier_url, node_id, cfg.auth_token, model.fingerprint)
+    metrics = CoordinatorMetrics()
+    state = CoordinatorState(
+        cfg=cfg, node_id=node_id, model=model, queue=queue, link=link,
+        generator=Generator(queue, link, node_id, cfg.request_timeout_s, metrics), metrics=metrics,
+    )
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        await link.start()
+        try:
+            yield
+        finally:
+            await link.stop()
+            if owns_queue:
+                await queue.close()
+
+    app = FastAPI(title="specfleet coordinator", lifespan=lifespan)
+    app.state.coordinator = state
+    install_error_handlers(app)
+    app.include_router(router)
+    if not cfg.redis_url:
+        app.include_router(make_queue_router(queue, cfg.auth_token, node_id=node_id))
+    return app

@@ -1,0 +1,160 @@
+"""One request's life inside the coordinator: queue it, then follow its TokenEvents to the end.
+
+``Generator.submit`` subscribes to the request's events *before* queueing it (so no event can
+slip past), and ``Submission.close`` always unsubscribes and, unless the verifier reported the
+request finished, sends Cancel so the verifier frees its cache. ``close`` never awaits: it must
+also work from cleanup code running in a task that was just cancelled by a client disconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import msgspec
+
+from services.coordinator.errors import ApiError, internal_error, request_timeout, service_unavailable
+from services.coordinator.metrics import CoordinatorMetrics
+from services.coordinator.openai_api import GenerationRequest
+from services.coordinator.verifier_link import VerifierLink
+from shared.log import get_logger
+from shared.protocol import QueuedRequest, TokenEvent
+from shared.queue import QueueError, RequestQueue
+
+log = get_logger("coordinator.generation")
+PUT_TIMEOUT_S = 10.0  # a queue that cannot take a request this fast is down, as far as clients care
+
+
+class ClientGone(Exception):
+    """The client disconnected; the request was cancelled and nobody is left to answer."""
+
+    status = 499  # nginx's "client closed request", for metrics only
+
+
+class Submission:
+    """A queued request whose events the caller reads with :meth:`events`."""
+
+    def __init__(
+        self, request_id: str, prompt_tokens: int, events: asyncio.Queue[TokenEvent], link: VerifierLink,
+        metrics: CoordinatorMetrics, timeout_s: float,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_tokens = prompt_tokens
+        self._generated = 0
+        self.final: TokenEvent | None = None
+        self._events = events
+        self._link = link
+        self._metrics = metrics
+        self._timeout_s = timeout_s
+        self._queued_at = time.monotonic()
+        self._deadline = self._queued_at + timeout_s
+        self._aborted = False
+        self._verifier_done = False
+        self._closed = False
+
+    def abort(self, reason: str) -> None:
+        """The client went away: end :meth:`events` (with ClientGone) as soon as possible."""
+        self._aborted = True
+        self._events.put_nowait(TokenEvent(request_id=self.request_id, origin="", token_ids=[], text="",
+                                           finished=True, finish_reason="cancelled", error=reason))
+
+    async def events(self) -> AsyncIterator[TokenEvent]:
+        """Yield the request's TokenEvents up to and including the final one.
+
+        Raises ApiError 504 on timeout, 503 if the verifier cancelled it (e.g. the link dropped),
+        500 if it failed, and ClientGone after :meth:`abort`.
+        """
+        first = True
+        while True:
+            remaining = self._deadline - time.monotonic()
+            try:
+                event = await asyncio.wait_for(self._events.get(), max(remaining, 0.0))
+            except TimeoutError:
+                log.warning("request timed out", request_id=self.request_id, timeout_s=self._timeout_s)
+                raise request_timeout(self._timeout_s) from None
+            if self._aborted:
+                raise ClientGone(self.request_id)
+            if first and (event.token_ids or event.text):
+                self._metrics.ttft.observe(time.monotonic() - self._queued_at)
+                first = False
+            if event.finished:
+                event = self._finish(event)
+            else:
+                self._generated += len(event.token_ids)
+            yield event
+            if event.finished:
+                return
+
+    def _finish(self, event: TokenEvent) -> TokenEvent:
+        """Check the final event; fill usage counts the verifier left at 0 from what we saw."""
+        self._verifier_done = True
+        if event.finish_reason == "cancelled":
+            raise service_unavailable(f"the request was cancelled: {event.error or 'by the verifier'}. Retry it.")
+        if event.error or event.finish_reason == "error":
+            raise internal_error(f"generation failed in the verifier: {event.error or 'unknown error'}")
+        self._generated += len(event.token_ids)
+        if not event.prompt_tokens or not event.completion_tokens:
+            event = msgspec.structs.replace(event, prompt_tokens=event.prompt_tokens or self.prompt_tokens,
+                                            completion_tokens=event.completion_tokens or self._generated)
+        self.final = event
+        self._metrics.finished(event)
+        return event
+
+    def close(self) -> None:
+        """Release the subscription; cancel the request in the verifier unless it finished there."""
+        if self._closed:
+            return
+        self._closed = True
+        self._link.unsubscribe(self.request_id)
+        self._metrics.in_flight.dec()
+        if not self._verifier_done:
+            self._link.cancel_nowait(self.request_id)
+            log.info("request cancelled", request_id=self.request_id, client_gone=self._aborted)
+
+
+class Generator:
+    """Turns validated requests into queued work and Submissions."""
+
+    def __init__(self, queue: RequestQueue, link: VerifierLink, node_id: str, timeout_s: float,
+                 metrics: CoordinatorMetrics) -> None:
+        self._queue = queue
+        self._link = link
+        self._node_id = node_id
+        self._timeout_s = timeout_s
+        self._metrics = metrics
+
+    async def submit(self, req: GenerationRequest) -> Submission:
+        """Queue ``req``; 503 when no verifier is connected to serve it or the queue is down."""
+        if not self._link.connected:
+            raise service_unavailable(
+                f"the verifier is not connected ({self._link.last_error or 'connecting'}); retry shortly"
+            )
+        rid = uuid.uuid4().hex
+        sub = Submission(rid, len(req.prompt_ids), self._link.subscribe(rid), self._link, self._metrics,
+                         self._timeout_s)
+        self._metrics.in_flight.inc()
+        queued = QueuedRequest(request_id=rid, prompt_ids=req.prompt_ids, params=req.params,
+                               origin=self._node_id, model=req.model, created_at=time.time())
+        try:
+            await asyncio.wait_for(self._queue.put(queued), PUT_TIMEOUT_S)
+        except (QueueError, OSError, TimeoutError) as exc:
+            sub.close()
+            reason = str(exc) or f"the queue did not accept it within {PUT_TIMEOUT_S:g} s"
+            raise service_unavailable(f"cannot queue the request: {reason}") from None
+        except BaseException:
+            sub.close()
+            raise
+        log.debug("request queued", request_id=rid, prompt_tokens=len(req.prompt_ids), kind=req.kind)
+        return sub
+
+
+async def collect(sub: Submission) -> tuple[str, TokenEvent]:
+    """Run a submission to its end; the whole text and the final event."""
+    parts = [event.text async for event in sub.events()]
+    assert sub.final is not None  # events() returns normally only after a successful final event
+    return "".join(parts), sub.final
+
+
+__all__ = ["ApiError", "ClientGone", "Generator", "Submission", "collect"]

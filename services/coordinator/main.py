@@ -1,0 +1,67 @@
+"""Run the coordinator: ``python -m services.coordinator.main`` or ``specfleet coordinator``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+
+import uvicorn
+
+from services.coordinator.app import create_app
+from services.coordinator.config import CoordinatorConfig
+from shared.config import describe, load_config
+from shared.log import get_logger, setup_logging
+from shared.models import ModelLoadError
+from shared.protocol import MAX_FRAME_BYTES
+from shared.queue import QueueError
+
+log = get_logger("coordinator.main")
+
+
+async def serve(cfg: CoordinatorConfig, ready: asyncio.Event | None = None) -> None:
+    """Serve until cancelled or signalled; ``ready`` is set once the port accepts connections."""
+    app = create_app(cfg)
+    config = uvicorn.Config(
+        app, host=cfg.host, port=cfg.port, log_config=None, access_log=False,
+        ws_max_size=MAX_FRAME_BYTES, lifespan="on", timeout_graceful_shutdown=5,
+    )
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve(), name="uvicorn")
+    try:
+        while not server.started:
+            if task.done():  # failed before binding (port in use, lifespan error): surface it
+                await task
+                raise OSError(f"the coordinator could not listen on {cfg.host}:{cfg.port}")
+            await asyncio.sleep(0.05)
+        port = server.servers[0].sockets[0].getsockname()[1] if server.servers else cfg.port
+        log.info("coordinator listening", host=cfg.host, port=port)
+        if ready is not None:
+            ready.set()
+        await asyncio.shield(task)  # a cancelled serve() shuts uvicorn down gracefully, below
+    finally:
+        if not task.done():
+            server.should_exit = True
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = load_config(CoordinatorConfig, argv, prog="specfleet coordinator")
+    setup_logging("coordinator", cfg.log_level)
+    settings = describe(cfg)
+    settings["api_key"] = "***" if cfg.api_key else ""
+    log.info("starting", **settings)
+    try:
+        asyncio.run(serve(cfg))
+    except (ModelLoadError, QueueError, OSError) as exc:
+        log.error("coordinator failed to start", error=str(exc))
+        print(f"specfleet coordinator: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

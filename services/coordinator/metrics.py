@@ -1,0 +1,87 @@
+"""Prometheus metrics of one coordinator, in a registry of its own.
+
+A per-app CollectorRegistry (not prometheus_client's global one) lets several coordinators live
+in one process, as they do in tests, without "duplicated timeseries" errors. Gauges that mirror
+someone else's state (queue depth, connected drafters) are refreshed at scrape time.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from shared.protocol import TokenEvent
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+_PREFIX = "specfleet_coordinator"
+
+
+class RequestTimer:
+    """Counts and times one request exactly once, whenever and wherever it ends: for a stream
+    that is long after the handler returned."""
+
+    def __init__(self, metrics: CoordinatorMetrics, endpoint: str) -> None:
+        self._metrics = metrics
+        self._endpoint = endpoint
+        self._start = time.perf_counter()
+        self._done = False
+
+    def finish(self, status: int) -> None:
+        if self._done:
+            return
+        self._done = True
+        self._metrics.requests.labels(self._endpoint, str(status)).inc()
+        self._metrics.latency.labels(self._endpoint).observe(time.perf_counter() - self._start)
+
+
+class CoordinatorMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(f"{_PREFIX}_requests", "Requests by endpoint and final HTTP status",
+                                ["endpoint", "status"], registry=r)
+        self.latency = Histogram(f"{_PREFIX}_request_latency_seconds", "Time from arrival to the last byte",
+                                 ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram(f"{_PREFIX}_time_to_first_token_seconds", "Time from queueing to the first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter(f"{_PREFIX}_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.completion_tokens = Counter(f"{_PREFIX}_completion_tokens", "Generated tokens of finished requests",
+                                         registry=r)
+        self.drafted_tokens = Counter(f"{_PREFIX}_drafted_tokens", "Draft tokens proposed for finished requests",
+                                      registry=r)
+        self.accepted_tokens = Counter(f"{_PREFIX}_accepted_tokens", "Draft tokens the verifier accepted",
+                                       registry=r)
+        self.acceptance_rate = Gauge(f"{_PREFIX}_acceptance_rate", "accepted / drafted tokens since start",
+                                     registry=r)
+        self.queue_depth = Gauge(f"{_PREFIX}_queue_depth", "Requests waiting for a drafter", registry=r)
+        self.drafters = Gauge(f"{_PREFIX}_connected_drafters", "Drafters in the verifier's latest FleetStatus",
+                              registry=r)
+        self.verifier_up = Gauge(f"{_PREFIX}_verifier_connected", "1 while the verifier link is up", registry=r)
+        self.in_flight = Gauge(f"{_PREFIX}_requests_in_flight", "Requests queued or generating", registry=r)
+        self._drafted = 0
+        self._accepted = 0
+
+    def start(self, endpoint: str) -> RequestTimer:
+        """Begin timing one request; the handler finishes it with the status it ended with."""
+        return RequestTimer(self, endpoint)
+
+    def finished(self, final: TokenEvent) -> None:
+        """Account a request's final TokenEvent (its counts are cumulative for the request)."""
+        self.prompt_tokens.inc(final.prompt_tokens)
+        self.completion_tokens.inc(final.completion_tokens)
+        self.drafted_tokens.inc(final.drafted_tokens)
+        self.accepted_tokens.inc(final.accepted_tokens)
+        self._drafted += final.drafted_tokens
+        self._accepted += final.accepted_tokens
+        if self._drafted:
+            self.acceptance_rate.set(self._accepted / self._drafted)
+
+    def render(self, queue_depth: int, drafters: int, verifier_up: bool) -> bytes:
+        self.queue_depth.set(queue_depth)
+        self.drafters.set(drafters)
+        self.verifier_up.set(1 if verifier_up else 0)
+        return generate_latest(self.registry)
+

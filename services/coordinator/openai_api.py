@@ -1,0 +1,224 @@
+"""The OpenAI request bodies: parsing them into one typed internal request, and nothing else.
+
+Both ``/v1/chat/completions`` and ``/v1/completions`` (and the WebSocket stream, which takes the
+same bodies) end up as a :class:`GenerationRequest`: token ids plus validated SamplingParams.
+Every way a body can be wrong becomes a 400 in the OpenAI error shape naming the offending
+``param``, checked here, before anything is queued. Unknown fields are ignored, as OpenAI-
+compatible servers do, so stock clients that send extra options keep working.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar, cast
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from services.coordinator.errors import invalid_request, model_not_found
+from services.coordinator.model_info import ModelInfo
+from shared.protocol import SamplingParams
+from shared.sampling import SamplingError, validate
+
+Kind = Literal["chat", "completion"]
+B = TypeVar("B", bound="_CommonBody")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_STOP = 16  # shared.protocol.SamplingParams bounds
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = False
+
+
+class ContentPart(_Strict):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Strict):
+    role: str
+    content: str | list[ContentPart] | None = None
+
+
+class _CommonBody(_Strict):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # extension (vLLM): 0 or -1 disable it
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # extension (vLLM)
+    n: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool | None = False  # extension (vLLM)
+
+
+class ChatBody(_CommonBody):
+    messages: list[ChatMessage] | None = None
+    max_completion_tokens: int | None = None
+
+
+class CompletionBody(_CommonBody):
+    prompt: str | list[str] | list[int] | list[list[int]] | None = None
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A validated request, ready to queue."""
+
+    kind: Kind
+    model: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+
+
+def parse_json(raw: bytes | str) -> dict[str, Any]:
+    """The request body as a JSON object, or a 400 saying why it is not one."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise invalid_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise invalid_request(f"the request body must be a JSON object, not {type(data).__name__}")
+    return data
+
+
+def _validated(cls: type[B], data: dict[str, Any]) -> B:
+    try:
+        return cls.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = [str(p) for p in first["loc"]]
+        param = loc[0] if loc else None
+        raise invalid_request(f"invalid value for '{'.'.join(loc[:1] + loc[2:]) or 'body'}': {first['msg']}",
+                              param) from None
+
+
+async def build_request(kind: Kind, data: dict[str, Any], model: ModelInfo, max_model_len: int) -> GenerationRequest:
+    """Validate an OpenAI body of the given kind and tokenize its prompt."""
+    body: _CommonBody
+    if kind == "chat":
+        chat = _validated(ChatBody, data)
+        _check_common(chat, model)
+        messages = _chat_messages(chat.messages)
+        prompt_ids = await asyncio.to_thread(model.encode_chat, messages)
+        max_tokens = chat.max_completion_tokens if chat.max_completion_tokens is not None else chat.max_tokens
+        prompt_param, body = "messages", chat
+    else:
+        comp = _validated(CompletionBody, data)
+        _check_common(comp, model)
+        prompt_ids = await _completion_ids(comp.prompt, model)
+        max_tokens = comp.max_tokens
+        prompt_param, body = "prompt", comp
+    if not prompt_ids:
+        raise invalid_request(f"the {prompt_param} tokenized to zero tokens; send some text", prompt_param)
+    if max_tokens is None:
+        remaining = max(1, max_model_len - len(prompt_ids))
+        max_tokens = remaining if kind == "chat" else min(COMPLETION_DEFAULT_MAX_TOKENS, remaining)
+    params = _sampling_params(body, max_tokens, model)
+    try:
+        validate(params, len(prompt_ids), max_model_len)
+    except SamplingError as exc:
+        raise invalid_request(str(exc), prompt_param if exc.param in ("messages", "prompt") else exc.param) from None
+    include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
+    return GenerationRequest(kind, model.served_name, prompt_ids, params, bool(body.stream), include_usage)
+
+
+def _check_common(body: _CommonBody, model: ModelInfo) -> None:
+    if body.model is not None and body.model != model.served_name:
+        raise model_not_found(body.model, model.served_name)
+    if body.n is not None and body.n != 1:
+        raise invalid_request(f"n={body.n} is not supported; specfleet generates exactly one choice (n=1)", "n")
+    if body.stream_options is not None and not body.stream:
+        raise invalid_request("stream_options is only allowed together with stream=true", "stream_options")
+
+
+def _chat_messages(messages: list[ChatMessage] | None) -> list[dict[str, str]]:
+    if not messages:
+        raise invalid_request("'messages' is required and must hold at least one message", "messages")
+    out = []
+    for i, msg in enumerate(messages):
+        if msg.role not in ROLES:
+            raise invalid_request(f"messages[{i}].role must be one of {', '.join(ROLES)}; got {msg.role!r}",
+                                  "messages")
+        out.append({"role": msg.role, "content": _content_text(msg.content, i)})
+    return out
+
+
+def _content_text(content: str | list[ContentPart] | None, index: int) -> str:
+    if isinstance(content, str):
+        return content
+    if content is None:
+        raise invalid_request(f"messages[{index}].content is required", "messages")
+    texts = []
+    for part in content:
+        if part.type != "text" or part.text is None:
+            raise invalid_request(
+                f"messages[{index}].content: only text parts are supported, got type {part.type!r}", "messages"
+            )
+        texts.append(part.text)
+    return "".join(texts)
+
+
+async def _completion_ids(prompt: str | list[str] | list[int] | list[list[int]] | None, model: ModelInfo) -> list[int]:
+    """A prompt is a string, a list of one string, or token ids (a list of ints, or a list of one)."""
+    if prompt is None or prompt == "" or prompt == []:
+        raise invalid_request("'prompt' is required and must not be empty", "prompt")
+    if isinstance(prompt, str):
+        return await asyncio.to_thread(model.encode_text, prompt)
+    if len(prompt) != 1 and not isinstance(prompt[0], int):
+        raise invalid_request(f"batched prompts are not supported: send one prompt, not {len(prompt)}", "prompt")
+    first = prompt[0]
+    if isinstance(first, str):
+        if not first:
+            raise invalid_request("'prompt' must not be empty", "prompt")
+        return await asyncio.to_thread(model.encode_text, first)
+    ids = cast(list[int], prompt) if isinstance(first, int) else list(first)
+    model.check_ids(ids, "prompt")
+    return ids
+
+
+def _stop_strings(stop: str | list[str] | None) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOP:
+        raise invalid_request(f"at most {MAX_STOP} stop sequences are supported, got {len(stops)}", "stop")
+    for s in stops:
+        if not 1 <= len(s) <= MAX_STOP_CHARS:
+            raise invalid_request(f"each stop sequence must be 1 to {MAX_STOP_CHARS} characters long", "stop")
+    return stops
+
+
+def _stop_ids(ids: list[int] | None, model: ModelInfo) -> list[int]:
+    ids = list(ids or [])
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise invalid_request(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are supported", "stop_token_ids")
+    model.check_ids(ids, "stop_token_ids")
+    return ids
+
+
+def _sampling_params(body: _CommonBody, max_tokens: int, model: ModelInfo) -> SamplingParams:
+    top_k = body.top_k if body.top_k is not None else 0
+    if top_k == -1 or top_k >= model.vocab_size:  # -1 is vLLM's "disabled"; >= vocab keeps everything
+        top_k = 0
+    return SamplingParams(
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=top_k,
+        seed=body.seed,
+        max_tokens=max_tokens,
+        stop=_stop_strings(body.stop),
+        stop_token_ids=_stop_ids(body.stop_token_ids, model),
+        ignore_eos=bool(body.ignore_eos),
+    )

@@ -1,0 +1,90 @@
+"""OpenAI response objects and stream chunks, built from the verifier's TokenEvents.
+
+Shapes follow OpenAI (and vLLM) so stock clients parse them: ``chat.completion`` /
+``text_completion`` bodies, ``chat.completion.chunk`` / ``text_completion`` stream chunks where
+the first chat chunk carries ``delta.role`` and the last carries ``finish_reason``, and an
+optional usage-only chunk at the end. Each non-streaming body also carries a ``specfleet``
+object with the request's drafted and accepted token counts (an extension; clients ignore it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from services.coordinator.openai_api import Kind
+from shared.protocol import TokenEvent
+
+
+def usage(final: TokenEvent) -> dict[str, int]:
+    return {
+        "prompt_tokens": final.prompt_tokens,
+        "completion_tokens": final.completion_tokens,
+        "total_tokens": final.prompt_tokens + final.completion_tokens,
+    }
+
+
+def speculation(final: TokenEvent) -> dict[str, int]:
+    return {"drafted_tokens": final.drafted_tokens, "accepted_tokens": final.accepted_tokens}
+
+
+def finish_reason(final: TokenEvent) -> str:
+    """OpenAI knows only "stop" and "length"; anything else never reaches a success body."""
+    return "length" if final.finish_reason == "length" else "stop"
+
+
+@dataclass(frozen=True)
+class Responder:
+    """Builds every body of one request; ids and timestamps stay identical across chunks."""
+
+    kind: Kind
+    request_id: str
+    model: str
+    created: int
+    include_usage: bool = False
+
+    @property
+    def id(self) -> str:
+        return ("chatcmpl-" if self.kind == "chat" else "cmpl-") + self.request_id
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def full(self, text: str, final: TokenEvent) -> dict[str, Any]:
+        """The non-streaming response."""
+        reason = finish_reason(final)
+        if self.kind == "chat":
+            body = self._head("chat.completion")
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": reason,
+            }
+        else:
+            body = self._head("text_completion")
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        body.update(choices=[choice], usage=usage(final), specfleet=speculation(final))
+        return body
+
+    def chunk(self, text: str, reason: str | None = None, first: bool = False) -> dict[str, Any]:
+        """One stream chunk adding ``text``; ``first`` opens the chat message with its role."""
+        if self.kind == "chat":
+            out = self._head("chat.completion.chunk")
+            delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {}
+            if text and not first:
+                delta["content"] = text
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        else:
+            out = self._head("text_completion")
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        out["choices"] = [choice]
+        if self.include_usage:
+            out["usage"] = None
+        return out
+
+    def usage_chunk(self, final: TokenEvent) -> dict[str, Any]:
+        """The last chunk when stream_options.include_usage is set: no choices, only usage."""
+        out = self._head("chat.completion.chunk" if self.kind == "chat" else "text_completion")
+        out.update(choices=[], usage=usage(final))
+        return out

@@ -1,0 +1,159 @@
+"""The coordinator's HTTP endpoints: OpenAI completions, the model list, health, readiness, metrics.
+
+Each handler is thin: check the key, parse the body (openai_api), queue it (generation), then
+either collect the result or hand the stream to stream.py. Every request is counted in the
+metrics exactly once with the status it really ended with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request, Response, WebSocket
+from fastapi.responses import JSONResponse
+
+from services.coordinator.errors import ApiError, unauthorized
+from services.coordinator.generation import ClientGone, Submission, collect
+from services.coordinator.metrics import CONTENT_TYPE
+from services.coordinator.openai_api import Kind, build_request, parse_json
+from services.coordinator.responses import Responder
+from services.coordinator.state import CoordinatorState, state_of
+from services.coordinator.stream import SubmissionStream, websocket_session
+
+router = APIRouter()
+MAX_BODY_BYTES = 16 * 1024 * 1024
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def chat_completions(request: Request) -> Response:
+    return await _complete("chat", request)
+
+
+@router.post("/v1/completions", response_model=None)
+async def completions(request: Request) -> Response:
+    return await _complete("completion", request)
+
+
+async def _complete(kind: Kind, request: Request) -> Response:
+    state = state_of(request)
+    timer = state.metrics.start("chat" if kind == "chat" else "completions")
+    try:
+        if not state.authorized(request.headers.get("authorization")):
+            raise unauthorized()
+        req = await build_request(kind, parse_json(await _read_body(request)), state.model, state.max_model_len())
+        sub = await state.generator.submit(req)
+        responder = Responder(kind, sub.request_id, req.model, int(time.time()), req.include_usage)
+        if req.stream:
+            return SubmissionStream(sub, responder, timer)
+        body = await _collect_unless_client_leaves(request, sub)
+        timer.finish(200)
+        return JSONResponse(responder.full(*body))
+    except ApiError as exc:
+        timer.finish(exc.status)
+        return exc.response()
+    except ClientGone:
+        timer.finish(ClientGone.status)
+        return Response(status_code=ClientGone.status)
+    except BaseException:
+        timer.finish(500)
+        raise
+
+
+async def _read_body(request: Request) -> bytes:
+    """The body, refusing (413) one larger than any prompt that fits a context could need."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise _too_large()
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise _too_large()
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large() -> ApiError:
+    return ApiError(413, f"the request body exceeds {MAX_BODY_BYTES // (1024 * 1024)} MiB",
+                    "invalid_request_error", None, "request_too_large")
+
+
+async def _collect_unless_client_leaves(request: Request, sub: Submission) -> tuple[str, Any]:
+    """Collect the whole completion, but cancel it if the client disconnects while waiting."""
+    watcher = asyncio.create_task(_abort_on_disconnect(request, sub), name="disconnect-watch")
+    try:
+        return await collect(sub)
+    finally:
+        sub.close()
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
+
+
+async def _abort_on_disconnect(request: Request, sub: Submission) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            sub.abort("the client disconnected")
+            return
+
+
+@router.websocket("/v1/stream")
+async def stream_ws(websocket: WebSocket) -> None:
+    state: CoordinatorState = websocket.app.state.coordinator
+    await websocket_session(websocket, state)
+
+
+@router.get("/v1/models", response_model=None)
+async def models(request: Request) -> Response:
+    state = state_of(request)
+    if not state.authorized(request.headers.get("authorization")):
+        return unauthorized().response()
+    card = {
+        "id": state.model.served_name,
+        "object": "model",
+        "created": state.model.created,
+        "owned_by": "specfleet",
+        "root": state.model.root,
+        "parent": None,
+        "max_model_len": state.max_model_len(),
+    }
+    return JSONResponse({"object": "list", "data": [card]})
+
+
+@router.get("/health")
+async def health() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get("/ready", response_model=None)
+async def ready(request: Request) -> Response:
+    """200 only when a request can actually be served: verifier linked and >= 1 drafter up."""
+    state = state_of(request)
+    link = state.link
+    missing = []
+    if not link.connected:
+        missing.append(f"verifier link is down: {link.last_error}")
+    elif not link.drafters:
+        missing.append("no drafter is connected to the verifier")
+    body = {
+        "status": "ready" if not missing else "not_ready",
+        "verifier_connected": link.connected,
+        "drafters": list(link.drafters),
+        "missing": missing,
+    }
+    return JSONResponse(body, status_code=200 if not missing else 503)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    state = state_of(request)
+    try:
+        depth = await asyncio.wait_for(state.queue.depth(), 2.0)
+    except Exception:  # an unreachable queue must not break the scrape; -1 flags it
+        depth = -1
+    data = state.metrics.render(depth, len(state.link.drafters), state.link.connected)
+    return Response(data, media_type=CONTENT_TYPE)

@@ -1,0 +1,43 @@
+"""Everything one coordinator app shares between its handlers, in one object on ``app.state``."""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from services.coordinator.config import CoordinatorConfig
+from services.coordinator.generation import Generator
+from services.coordinator.metrics import CoordinatorMetrics
+from services.coordinator.model_info import ModelInfo
+from services.coordinator.verifier_link import VerifierLink
+from shared.queue import RequestQueue
+
+
+@dataclass
+class CoordinatorState:
+    cfg: CoordinatorConfig
+    node_id: str
+    model: ModelInfo
+    queue: RequestQueue
+    link: VerifierLink
+    generator: Generator
+    metrics: CoordinatorMetrics
+
+    def max_model_len(self) -> int:
+        """The tighter of the target's own context and the verifier's configured limit."""
+        verifier = self.link.max_model_len
+        return min(self.model.max_model_len, verifier) if verifier > 0 else self.model.max_model_len
+
+    def authorized(self, authorization: str | None) -> bool:
+        """True when no api_key is set, or the header is exactly 'Bearer <api_key>'."""
+        if not self.cfg.api_key:
+            return True
+        expected = f"Bearer {self.cfg.api_key}".encode()
+        return authorization is not None and hmac.compare_digest(authorization.strip().encode(), expected)
+
+
+def state_of(request: Request) -> CoordinatorState:
+    state: CoordinatorState = request.app.state.coordinator
+    return state

@@ -1,0 +1,192 @@
+"""Streaming out: Server-Sent Events for the OpenAI endpoints, and the ``/v1/stream`` WebSocket.
+
+SSE follows OpenAI: ``data: {chunk}\\n\\n`` per chunk, ``data: [DONE]\\n\\n`` at the end, and an
+error that happens after the stream started is sent as ``data: {"error": {...}}`` (stock clients
+raise it). The WebSocket protocol is documented in services/coordinator/README.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, cast
+
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from services.coordinator.errors import ApiError, invalid_request, unauthorized
+from services.coordinator.generation import ClientGone, Submission
+from services.coordinator.metrics import RequestTimer
+from services.coordinator.openai_api import Kind, build_request, parse_json
+from services.coordinator.responses import Responder, finish_reason, speculation, usage
+from services.coordinator.state import CoordinatorState
+from shared.log import get_logger
+
+log = get_logger("coordinator.stream")
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def sse_body(sub: Submission, responder: Responder, timer: RequestTimer) -> AsyncIterator[bytes]:
+    """The SSE byte stream of one request; always closes the submission and the timer."""
+    status = 499  # if the client goes away, this generator is cancelled before setting another
+    try:
+        if responder.kind == "chat":
+            yield sse(responder.chunk("", first=True))
+        async for event in sub.events():
+            if event.text:
+                yield sse(responder.chunk(event.text))
+            if event.finished:
+                yield sse(responder.chunk("", finish_reason(event)))
+                if responder.include_usage:
+                    yield sse(responder.usage_chunk(event))
+        status = 200
+    except ApiError as exc:
+        status = exc.status
+        yield sse(exc.body())
+    except ClientGone:
+        return
+    finally:
+        sub.close()
+        timer.finish(status)
+    yield DONE
+
+
+class SubmissionStream(StreamingResponse):
+    """The SSE response of one submission. Closing the submission here as well as in the body
+    covers a client that leaves before the body generator even starts (its finally never runs)."""
+
+    def __init__(self, sub: Submission, responder: Responder, timer: RequestTimer) -> None:
+        super().__init__(sse_body(sub, responder, timer), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._sub = sub
+        self._timer = timer
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._sub.close()
+            self._timer.finish(ClientGone.status)
+
+
+# --- the /v1/stream WebSocket -----------------------------------------------------------------
+
+
+@dataclass
+class _Conn:
+    """One client socket: frames it sent that wait their turn, and the request being served."""
+
+    inbox: asyncio.Queue[str | bytes | None]
+    current: Submission | None = None
+    gone: bool = False
+
+
+_CLOSE_CODES = {503: 1013, 504: 1011, 500: 1011}  # 4xx -> 1008 (policy violation)
+
+
+async def websocket_session(ws: WebSocket, state: CoordinatorState) -> None:
+    """Serve requests sent on one socket, one after the other, until it closes or one fails."""
+    await ws.accept()
+    if not state.authorized(ws.headers.get("authorization")):
+        await _fail(ws, unauthorized())
+        return
+    conn = _Conn(inbox=asyncio.Queue())
+    reader = asyncio.create_task(_read(ws, conn), name="ws-reader")
+    try:
+        while (frame := await conn.inbox.get()) is not None:
+            if not await _serve_frame(ws, state, conn, frame):
+                return
+    finally:
+        reader.cancel()
+
+
+async def _read(ws: WebSocket, conn: _Conn) -> None:
+    """Receive frames; on disconnect, abort the request being served and stop the session."""
+    try:
+        while True:
+            message = await ws.receive()
+            if message["type"] == "websocket.disconnect":
+                break
+            conn.inbox.put_nowait(message.get("text") if message.get("text") is not None else message.get("bytes"))
+    except (WebSocketDisconnect, RuntimeError):
+        pass
+    conn.gone = True
+    if conn.current is not None:
+        conn.current.abort("the client closed the WebSocket")
+    conn.inbox.put_nowait(None)
+
+
+async def _serve_frame(ws: WebSocket, state: CoordinatorState, conn: _Conn, frame: str | bytes) -> bool:
+    """Serve one request frame; False when the socket must close (an error, or the client left)."""
+    timer = state.metrics.start("stream")
+    status = 499
+    try:
+        kind, body = _parse_frame(frame)
+        req = await build_request(kind, body, state.model, state.max_model_len())
+        sub = await state.generator.submit(req)
+        conn.current = sub
+        if conn.gone:  # the client left while we were tokenizing or queueing
+            sub.abort("the client closed the WebSocket")
+        try:
+            status = await _relay(ws, sub)
+        finally:
+            conn.current = None
+            sub.close()
+        return status == 200
+    except ApiError as exc:
+        status = exc.status
+        await _fail(ws, exc)
+        return False
+    finally:
+        timer.finish(status)
+
+
+def _parse_frame(frame: str | bytes) -> tuple[Kind, dict[str, Any]]:
+    if not isinstance(frame, str):
+        raise invalid_request("send each request as one JSON text frame, not a binary frame")
+    body = parse_json(frame)
+    kind = body.pop("kind", None)
+    if kind not in ("chat", "completion"):
+        raise invalid_request(f"'kind' must be \"chat\" or \"completion\", got {kind!r}", "kind")
+    body.pop("stream", None)
+    body.pop("stream_options", None)
+    return cast(Kind, kind), body
+
+
+async def _relay(ws: WebSocket, sub: Submission) -> int:
+    """Forward the submission's events as frames; the status it ended with (499: client gone)."""
+    rid = sub.request_id
+    try:
+        async for event in sub.events():
+            if event.token_ids or event.text:
+                await ws.send_text(_dump({"type": "token", "request_id": rid, "text": event.text,
+                                          "token_ids": list(event.token_ids)}))
+            if event.finished:
+                await ws.send_text(_dump({"type": "done", "request_id": rid, "finish_reason": finish_reason(event),
+                                          "usage": usage(event), "specfleet": speculation(event)}))
+    except ClientGone:
+        return 499
+    except (WebSocketDisconnect, RuntimeError, OSError):
+        sub.abort("the client closed the WebSocket")
+        return 499
+    return 200
+
+
+async def _fail(ws: WebSocket, exc: ApiError) -> None:
+    """Send the error frame and close; the client may already be gone, which is fine."""
+    try:
+        await ws.send_text(_dump({"type": "error", "error": exc.body()["error"]}))
+        await ws.close(_CLOSE_CODES.get(exc.status, 1008), exc.type)
+    except (WebSocketDisconnect, RuntimeError, OSError):
+        log.debug("websocket client left before the error frame", status=exc.status)
+
+
+def _dump(obj: dict[str, Any]) -> str:
+    return json.dumps(obj, separators=(",", ":"))

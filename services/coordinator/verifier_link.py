@@ -1,0 +1,240 @@
+"""The coordinator's persistent WebSocket link to the verifier (role "frontend").
+
+The verifier streams every committed token of the requests this coordinator queued back over
+this one link (TokenEvent, routed here by the request's ``origin``), plus periodic FleetStatus
+frames saying which drafters are up. The link routes each TokenEvent to the per-request
+asyncio.Queue its handler subscribed, sends Cancel when a client goes away, and reconnects
+with exponential backoff. Events sent while the link is down are lost, so a drop fails every
+in-flight request at once (a clear "cancelled" event) rather than leaving it to hang or to
+return text with holes in it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import websockets
+from websockets.asyncio.client import ClientConnection, connect
+
+from shared.log import get_logger
+from shared.protocol import (
+    MAX_FRAME_BYTES,
+    PROTOCOL_VERSION,
+    Cancel,
+    ErrorFrame,
+    FinishReason,
+    FleetStatus,
+    Hello,
+    ProtocolError,
+    Refused,
+    TokenEvent,
+    Welcome,
+    decode,
+    encode,
+)
+
+log = get_logger("coordinator.verifier_link")
+
+
+class LinkRefused(RuntimeError):
+    """The verifier answered the handshake, but not with a usable Welcome."""
+
+
+class VerifierLink:
+    """A self-healing client of the verifier's ``/v1/frontend`` endpoint."""
+
+    def __init__(
+        self,
+        url: str,
+        node_id: str,
+        auth_token: str = "",
+        tokenizer_fingerprint: str = "",
+        min_backoff_s: float = 0.1,
+        max_backoff_s: float = 5.0,
+        handshake_timeout_s: float = 10.0,
+    ) -> None:
+        self.url = url
+        self.node_id = node_id
+        self._auth_token = auth_token
+        self._fingerprint = tokenizer_fingerprint
+        self._min_backoff = min_backoff_s
+        self._max_backoff = max_backoff_s
+        self._handshake_timeout = handshake_timeout_s
+        self.welcome: Welcome | None = None
+        self.drafters: list[str] = []
+        self.sessions = 0
+        self.last_error = "not connected yet"
+        self._subs: dict[str, asyncio.Queue[TokenEvent]] = {}
+        self._outbox: asyncio.Queue[bytes] = asyncio.Queue()
+        self._up = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    # --- what request handlers use ------------------------------------------------------------
+
+    @property
+    def connected(self) -> bool:
+        return self._up.is_set()
+
+    def subscribe(self, request_id: str) -> asyncio.Queue[TokenEvent]:
+        """The queue that will receive ``request_id``'s TokenEvents; subscribe before queueing."""
+        if request_id in self._subs:
+            raise ValueError(f"request id {request_id!r} is already subscribed")
+        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self._subs[request_id] = queue
+        return queue
+
+    def unsubscribe(self, request_id: str) -> None:
+        self._subs.pop(request_id, None)
+
+    def cancel_nowait(self, request_id: str) -> None:
+        """Ask the verifier to stop ``request_id``. Never blocks, so it is safe in cleanup code
+        that runs inside an already-cancelled task; dropped when the link is down."""
+        if self.connected:
+            self._outbox.put_nowait(encode(Cancel(request_id=request_id)))
+        else:
+            log.debug("cancel dropped: verifier link is down", request_id=request_id)
+
+    async def cancel(self, request_id: str) -> None:
+        self.cancel_nowait(request_id)
+
+    async def wait_connected(self, timeout_s: float) -> bool:
+        """True once the link is up (Welcome received), False after ``timeout_s``."""
+        try:
+            await asyncio.wait_for(self._up.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    @property
+    def max_model_len(self) -> int:
+        """The verifier's context limit (0 until a Welcome arrived)."""
+        return self.welcome.max_model_len if self.welcome else 0
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name="verifier-link")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._down("the coordinator is shutting down")
+
+    async def _run(self) -> None:
+        delay = self._min_backoff
+        while True:
+            try:
+                await self._connect_once()
+                delay = self._min_backoff
+                reason = "the verifier closed the connection"
+            except LinkRefused as exc:
+                reason = str(exc)
+                delay = self._max_backoff  # a configuration problem: no point hammering
+                log.error("verifier refused the link", url=self.url, reason=reason)
+            except (OSError, TimeoutError, websockets.exceptions.WebSocketException, ProtocolError) as exc:
+                reason = f"{type(exc).__name__}: {exc}"
+                log.warning("verifier link failed", url=self.url, reason=reason, retry_in_s=delay)
+            self._down(reason)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self._max_backoff)
+
+    async def _connect_once(self) -> None:
+        headers = {"Authorization": f"Bearer {self._auth_token}"} if self._auth_token else None
+        async with connect(
+            self.url,
+            additional_headers=headers,
+            max_size=MAX_FRAME_BYTES,
+            open_timeout=self._handshake_timeout,
+            proxy=None,
+        ) as ws:
+            try:
+                self.welcome = await self._handshake(ws)
+            except LinkRefused as exc:
+                await ws.close(1008, "refused")  # a clean close, not the 1011 of an exception exit
+                raise exc
+            self._outbox = asyncio.Queue()
+            self._up.set()
+            self.last_error = ""
+            log.info("verifier link up", url=self.url, verifier=self.welcome.node_id,
+                     target_model=self.welcome.target_model, max_model_len=self.welcome.max_model_len)
+            writer = asyncio.create_task(self._write(ws), name="verifier-link-writer")
+            try:
+                async for raw in ws:
+                    self._dispatch(raw)
+            finally:
+                writer.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await writer
+
+    async def _handshake(self, ws: ClientConnection) -> Welcome:
+        hello = Hello(role="frontend", node_id=self.node_id, protocol_version=PROTOCOL_VERSION,
+                      tokenizer_fingerprint=self._fingerprint)
+        await ws.send(encode(hello))
+        reply = decode(await asyncio.wait_for(ws.recv(), self._handshake_timeout))
+        if isinstance(reply, Refused):
+            raise LinkRefused(f"the verifier refused this coordinator ({reply.code}): {reply.message}")
+        if not isinstance(reply, Welcome):
+            raise LinkRefused(f"expected a Welcome from the verifier, got {type(reply).__name__}")
+        if reply.protocol_version != PROTOCOL_VERSION:
+            raise LinkRefused(f"the verifier speaks protocol {reply.protocol_version}, we speak {PROTOCOL_VERSION}")
+        if self._fingerprint and reply.tokenizer_fingerprint and reply.tokenizer_fingerprint != self._fingerprint:
+            raise LinkRefused(
+                f"the verifier's tokenizer (fingerprint {reply.tokenizer_fingerprint}) differs from the one "
+                f"the coordinator loaded from --model ({self._fingerprint}); point both at the same target model"
+            )
+        return reply
+
+    async def _write(self, ws: ClientConnection) -> None:
+        while True:
+            frame = await self._outbox.get()
+            await ws.send(frame)
+
+    def _dispatch(self, raw: bytes | str) -> None:
+        try:
+            msg = decode(raw)
+        except ProtocolError as exc:
+            log.warning("bad frame from the verifier", error=str(exc))
+            return
+        if isinstance(msg, TokenEvent):
+            queue = self._subs.get(msg.request_id)
+            if queue is None:
+                log.debug("token event for an unknown request dropped", request_id=msg.request_id)
+            else:
+                queue.put_nowait(msg)
+        elif isinstance(msg, FleetStatus):
+            self.drafters = list(msg.drafters)
+            self.sessions = msg.sessions
+        elif isinstance(msg, ErrorFrame):
+            self._on_error_frame(msg)
+        else:
+            log.warning("unexpected frame from the verifier", type=type(msg).__name__)
+
+    def _on_error_frame(self, err: ErrorFrame) -> None:
+        queue = self._subs.get(err.request_id or "")
+        if queue is None:
+            log.warning("error from the verifier", code=err.code, message=err.message, request_id=err.request_id)
+            return
+        queue.put_nowait(_final_event(err.request_id or "", self.node_id, "error", f"{err.code}: {err.message}"))
+
+    def _down(self, reason: str) -> None:
+        """Mark the link down and fail every in-flight request: their events may be lost."""
+        was_up = self._up.is_set()
+        self._up.clear()
+        self.drafters = []
+        self.sessions = 0
+        self.last_error = reason
+        subs, self._subs = self._subs, {}
+        for rid, queue in subs.items():
+            queue.put_nowait(_final_event(rid, self.node_id, "cancelled", f"lost the link to the verifier: {reason}"))
+        if was_up:
+            log.warning("verifier link down", reason=reason, failed_requests=len(subs))
+
+
+def _final_event(request_id: str, origin: str, reason: FinishReason, error: str) -> TokenEvent:
+    return TokenEvent(request_id=request_id, origin=origin, token_ids=[], text="", finished=True,
+                      finish_reason=reason, error=error)

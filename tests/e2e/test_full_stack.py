@@ -1,0 +1,206 @@
+"""The whole fleet as real processes on loopback: coordinator, verifier, drafters, queue.
+
+* greedy output is token-identical to target-only greedy decoding (24 prompts; 1 drafter,
+  and 3 heterogeneous drafters serving concurrent sessions through Redis);
+* sampled output has the target's distribution over the first two tokens (chi-square over
+  2,000 seeded requests), for ids-only drafts and for sparse-q drafts, at temperature 1 and
+  with top-k/top-p;
+* the official ``openai`` client works unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+import websockets
+
+from shared.models import LoadedModel, load_model
+from shared.protocol import SamplingParams
+from tests.conftest import greedy_reference
+from tests.e2e.lossless_stats import first_two_distribution, lossless_p_values
+from tests.e2e.stack import Stack, StackSpec, run_stack
+
+pytestmark = pytest.mark.e2e
+
+PROMPTS = [
+    "def parse(", "import os\n", "class Queue:", "for i in range(", "return self.", "# Copyright",
+    "while True:\n    ", "if __name__ ==", "x = [", "try:\n    import", "print(", "with open(",
+]
+SAMPLES = int(os.environ.get("SPECFLEET_TEST_SAMPLES", "2000"))
+CONCURRENCY = 24
+
+
+@pytest.fixture(scope="module")
+def target(tiny_models: dict[str, Path]) -> LoadedModel:
+    return load_model(tiny_models["target"])
+
+
+@pytest.fixture(scope="module")
+def one_drafter(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """One drafter, ids-only drafts, the coordinator's in-process queue."""
+    spec = StackSpec(drafts=[tiny_models["draft-L2"]], max_sessions=CONCURRENCY)
+    with run_stack(tiny_models["target"], spec, tmp_path_factory.mktemp("logs-one")) as stack:
+        yield stack
+
+
+@pytest.fixture(scope="module")
+def three_drafters(tiny_models: dict[str, Path], redis_url: str,
+                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """Three drafters of two sizes sending sparse q, requests queued in a real Redis."""
+    drafts = [tiny_models["draft-L1"], tiny_models["draft-L2"], tiny_models["draft-L1"]]
+    spec = StackSpec(drafts=drafts, draft_mode="sampled", draft_top_k=8, redis_url=redis_url, max_sessions=8)
+    with run_stack(tiny_models["target"], spec, tmp_path_factory.mktemp("logs-three")) as stack:
+        yield stack
+
+
+async def stream_one(ws: Any, body: dict[str, Any]) -> tuple[list[int], str, dict[str, Any]]:
+    """One request over the coordinator's WebSocket: (token ids, text, final frame)."""
+    await ws.send(json.dumps(body))
+    ids: list[int] = []
+    text = ""
+    while True:
+        frame = json.loads(await ws.recv())
+        if frame["type"] == "token":
+            ids += frame["token_ids"]
+            text += frame["text"]
+        elif frame["type"] == "done":
+            return ids, text, frame
+        else:
+            raise AssertionError(f"unexpected frame {frame}")
+
+
+async def stream_many(stack: Stack, bodies: list[dict[str, Any]]) -> list[tuple[list[int], str, dict[str, Any]]]:
+    """Send all bodies over CONCURRENCY sockets at once, keeping the input order."""
+    results: list[Any] = [None] * len(bodies)
+    todo = list(enumerate(bodies))
+
+    async def worker() -> None:
+        async with websockets.connect(stack.ws_url, max_size=None) as ws:
+            while todo:
+                i, body = todo.pop()
+                results[i] = await stream_one(ws, body)
+
+    await asyncio.wait_for(asyncio.gather(*[worker() for _ in range(CONCURRENCY)]), 600)
+    return results
+
+
+def greedy_bodies() -> list[dict[str, Any]]:
+    bodies: list[dict[str, Any]] = []
+    for i, p in enumerate(PROMPTS):
+        bodies.append({"kind": "completion", "model": "target", "prompt": p, "max_tokens": 40, "temperature": 0})
+        bodies.append({"kind": "chat", "model": "target", "messages": [{"role": "user", "content": p}],
+                       "max_tokens": 40, "temperature": 0, "seed": i})
+    return bodies
+
+
+def prompt_ids(target: LoadedModel, body: dict[str, Any]) -> list[int]:
+    tok = target.tokenizer
+    if body["kind"] == "chat":
+        out = tok.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=True)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+    return list(tok(body["prompt"])["input_ids"])
+
+
+def check_greedy(stack: Stack, target: LoadedModel) -> None:
+    bodies = greedy_bodies()
+    results = asyncio.run(stream_many(stack, bodies))
+    assert len(bodies) >= 20
+    for body, (ids, text, done) in zip(bodies, results, strict=True):
+        ref = greedy_reference(target.model, prompt_ids(target, body), body["max_tokens"], target.eos_ids)
+        assert ids == ref, f"not token-identical for {body}"
+        assert text == target.tokenizer.decode(ref, skip_special_tokens=True)
+        assert done["usage"]["completion_tokens"] == len(ref)
+
+
+def test_greedy_identical_one_drafter(one_drafter: Stack, target: LoadedModel) -> None:
+    check_greedy(one_drafter, target)
+    metrics = httpx.get(one_drafter.base_url + "/metrics").text
+    accepted = [ln for ln in metrics.splitlines() if ln.startswith("specfleet_coordinator_accepted_tokens_total")]
+    assert accepted and float(accepted[0].split()[-1]) > 0, "speculation never accepted a draft"
+
+
+@pytest.mark.redis
+def test_greedy_identical_three_drafters_redis(three_drafters: Stack, target: LoadedModel) -> None:
+    check_greedy(three_drafters, target)
+
+
+SAMPLING_PROMPT = "def "
+
+
+def run_sampling(stack: Stack, target: LoadedModel, params: SamplingParams) -> dict[str, float]:
+    """p-values of the first-two-token distribution of SAMPLES seeded requests.
+
+    A correct sampler fails one alpha=0.01 test 1 % of the time, so a failing batch is retried
+    once with fresh seeds: a biased sampler fails both, a correct one fails both ~1e-4 of the time.
+    """
+    body = {"kind": "completion", "model": "target", "prompt": SAMPLING_PROMPT, "max_tokens": 2,
+            "ignore_eos": True, "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p}
+    joint = first_two_distribution(target.model, prompt_ids(target, body), params)
+    offset = int(os.environ.get("SPECFLEET_TEST_SEED_OFFSET", "0"))
+    for attempt in range(2):
+        seeds = range(offset + attempt * SAMPLES, offset + (attempt + 1) * SAMPLES)
+        results = asyncio.run(stream_many(stack, [{**body, "seed": seed} for seed in seeds]))
+        p_values = lossless_p_values([(ids[0], ids[1]) for ids, _, _ in results], joint)
+        print(f"attempt {attempt}: {p_values}")
+        if min(p_values.values()) > 0.01:
+            break
+    return p_values
+
+
+def test_chi_square_detects_a_lossy_sampler(target: LoadedModel, tiny_models: dict[str, Path]) -> None:
+    """Negative control: the draft model's own distribution (what trusting drafts would give) is caught."""
+    params = SAMPLING["t1"]
+    ids = prompt_ids(target, {"kind": "completion", "prompt": SAMPLING_PROMPT})
+    truth = first_two_distribution(target.model, ids, params)
+    wrong = first_two_distribution(load_model(tiny_models["draft-L2"]).model, ids, params)
+    gen = torch.Generator().manual_seed(0)
+    flat = torch.multinomial(wrong.flatten(), SAMPLES, replacement=True, generator=gen).tolist()
+    vocab = truth.shape[0]
+    assert min(lossless_p_values([(i // vocab, i % vocab) for i in flat], truth).values()) < 1e-6
+
+
+SAMPLING = {
+    "t1": SamplingParams(temperature=1.0, ignore_eos=True),
+    "topk-topp": SamplingParams(temperature=0.8, top_k=40, top_p=0.9, ignore_eos=True),
+}
+
+
+@pytest.mark.stat
+@pytest.mark.parametrize("name", list(SAMPLING))
+def test_sampling_lossless_ids_only(one_drafter: Stack, target: LoadedModel, name: str) -> None:
+    p_values = run_sampling(one_drafter, target, SAMPLING[name])
+    assert min(p_values.values()) > 0.01, p_values
+
+
+@pytest.mark.stat
+@pytest.mark.redis
+@pytest.mark.parametrize("name", list(SAMPLING))
+def test_sampling_lossless_sparse_q(three_drafters: Stack, target: LoadedModel, name: str) -> None:
+    p_values = run_sampling(three_drafters, target, SAMPLING[name])
+    print(name, p_values)
+    assert min(p_values.values()) > 0.01, p_values
+
+
+def test_openai_client_unchanged(one_drafter: Stack, target: LoadedModel) -> None:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=one_drafter.base_url + "/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "def f("}],
+                                          max_tokens=12, temperature=0)
+    assert chat.choices[0].message.content and chat.usage and chat.usage.completion_tokens > 0
+    comp = client.completions.create(model=model, prompt="import ", max_tokens=12, temperature=0)
+    ref = greedy_reference(target.model, list(target.tokenizer("import ")["input_ids"]), 12, target.eos_ids)
+    assert comp.choices[0].text == target.tokenizer.decode(ref, skip_special_tokens=True)
+    parts = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "def f("}], max_tokens=12, temperature=0, stream=True)
+        if c.choices]
+    assert "".join(parts) == chat.choices[0].message.content
