@@ -49,7 +49,8 @@ def create_app(
     metrics = CoordinatorMetrics()
     state = CoordinatorState(
         cfg=cfg, node_id=node_id, model=model, queue=queue, link=link,
-        generator=Generator(queue, link, node_id, cfg.request_timeout_s, metrics), metrics=metrics,
+        generator=Generator(queue, link, node_id, cfg.request_timeout_s, metrics, cfg.speculation),
+        metrics=metrics,
     )
 
     @asynccontextmanager

@@ -17,6 +17,11 @@ class CoordinatorConfig:
     redis_url: str = opt("", "redis://host:6379/0 to queue requests in Redis Streams; empty: in-process queue")
     queue_stream: str = opt("specfleet:requests", "Redis stream name")
     queue_group: str = opt("drafters", "Redis consumer group the drafters read with")
+    speculation: str = opt(
+        "auto",
+        "on: every request goes through the queue to a drafter; off: the verifier decodes target-only "
+        "(centralized serving, no drafters needed); auto: like on while a drafter is connected, else off",
+    )
     model: str = opt("", "local directory of the target model (tokenizer, chat template, /v1/models root)")
     served_model_name: str = opt("", "model id clients must ask for; empty uses the model directory's name")
     auth_token: str = opt("", "bearer token for the verifier link and the drafters' queue link")

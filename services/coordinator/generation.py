@@ -20,7 +20,7 @@ from services.coordinator.metrics import CoordinatorMetrics
 from services.coordinator.openai_api import GenerationRequest
 from services.coordinator.verifier_link import VerifierLink
 from shared.log import get_logger
-from shared.protocol import QueuedRequest, TokenEvent
+from shared.protocol import OpenSession, QueuedRequest, TokenEvent
 from shared.queue import QueueError, RequestQueue
 
 log = get_logger("coordinator.generation")
@@ -114,11 +114,18 @@ class Submission:
             log.info("request cancelled", request_id=self.request_id, client_gone=self._aborted)
 
 
+#: on: always through drafters; off: always target-only; auto: drafters when any is connected
+SPECULATION_MODES = ("on", "off", "auto")
+
+
 class Generator:
     """Turns validated requests into queued work and Submissions."""
 
     def __init__(self, queue: RequestQueue, link: VerifierLink, node_id: str, timeout_s: float,
-                 metrics: CoordinatorMetrics) -> None:
+                 metrics: CoordinatorMetrics, speculation: str = "auto") -> None:
+        if speculation not in SPECULATION_MODES:
+            raise ValueError(f"speculation must be one of {', '.join(SPECULATION_MODES)}, got {speculation!r}")
+        self.speculation = speculation
         self._queue = queue
         self._link = link
         self._node_id = node_id
@@ -135,6 +142,16 @@ class Generator:
         sub = Submission(rid, len(req.prompt_ids), self._link.subscribe(rid), self._link, self._metrics,
                          self._timeout_s)
         self._metrics.in_flight.inc()
+        if not self.speculative_now():
+            try:
+                self._link.open_target_only(OpenSession(
+                    request_id=rid, prompt_ids=req.prompt_ids, params=req.params, origin=self._node_id,
+                    speculative=False))
+            except ConnectionError as exc:
+                sub.close()
+                raise service_unavailable(f"cannot reach the verifier: {exc}") from None
+            log.debug("request sent target-only", request_id=rid, prompt_tokens=len(req.prompt_ids))
+            return sub
         queued = QueuedRequest(request_id=rid, prompt_ids=req.prompt_ids, params=req.params,
                                origin=self._node_id, model=req.model, created_at=time.time())
         try:
@@ -148,6 +165,11 @@ class Generator:
             raise
         log.debug("request queued", request_id=rid, prompt_tokens=len(req.prompt_ids), kind=req.kind)
         return sub
+
+
+    def speculative_now(self) -> bool:
+        """Whether the next request goes to a drafter (via the queue) or target-only to the verifier."""
+        return self.speculation == "on" or (self.speculation == "auto" and bool(self._link.drafters))
 
 
 async def collect(sub: Submission) -> tuple[str, TokenEvent]:

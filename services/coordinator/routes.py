@@ -131,13 +131,13 @@ async def health() -> dict[str, str]:
 
 @router.get("/ready", response_model=None)
 async def ready(request: Request) -> Response:
-    """200 only when a request can actually be served: verifier linked and >= 1 drafter up."""
+    """200 only when the verifier is linked and >= 1 drafter is up (just the verifier with speculation off)."""
     state = state_of(request)
     link = state.link
     missing = []
     if not link.connected:
         missing.append(f"verifier link is down: {link.last_error}")
-    elif not link.drafters:
+    elif not link.drafters and state.generator.speculation != "off":
         missing.append("no drafter is connected to the verifier")
     body = {
         "status": "ready" if not missing else "not_ready",

@@ -26,6 +26,7 @@ from shared.protocol import (
     FinishReason,
     FleetStatus,
     Hello,
+    OpenSession,
     ProtocolError,
     Refused,
     TokenEvent,
@@ -94,6 +95,12 @@ class VerifierLink:
             self._outbox.put_nowait(encode(Cancel(request_id=request_id)))
         else:
             log.debug("cancel dropped: verifier link is down", request_id=request_id)
+
+    def open_target_only(self, session: OpenSession) -> None:
+        """Ask the verifier to decode a session by itself (no drafter). Raises when the link is down."""
+        if not self.connected:
+            raise ConnectionError(f"the verifier link is down: {self.last_error}")
+        self._outbox.put_nowait(encode(session))
 
     async def cancel(self, request_id: str) -> None:
         self.cancel_nowait(request_id)

@@ -23,6 +23,7 @@ class StackSpec:
     max_sessions: int = 16  # per drafter
     redis_url: str = ""
     extra_verifier: list[str] = field(default_factory=list)
+    extra_coordinator: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -46,7 +47,8 @@ def run_stack(target: Path, spec: StackSpec, log_dir: Path) -> Iterator[Stack]:
         sup.start("verifier", _svc("verifier", "--port", str(vport), "--model", str(target),
                                    "--draft-len", str(spec.draft_len), *common, *spec.extra_verifier))
         coord = ["--port", str(cport), "--model", str(target), "--verifier-url",
-                 f"ws://127.0.0.1:{vport}/v1/frontend", *common]
+                 f"ws://127.0.0.1:{vport}/v1/frontend", *common,
+                 *spec.extra_coordinator]
         if spec.redis_url:
             coord += ["--redis-url", spec.redis_url]
         sup.start("coordinator", _svc("coordinator", *coord, threads=False))

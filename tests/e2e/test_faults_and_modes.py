@@ -1,0 +1,59 @@
+"""Target-only serving, and a drafter killed mid-generation: no request is lost or altered."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from shared.models import LoadedModel, load_model
+from tests.conftest import greedy_reference
+from tests.e2e.stack import StackSpec, run_stack
+from tests.e2e.test_full_stack import prompt_ids, stream_many
+
+pytestmark = pytest.mark.e2e
+
+
+def bodies(n: int, max_tokens: int) -> list[dict[str, object]]:
+    return [{"kind": "completion", "model": "target", "prompt": f"def f{i}(x", "max_tokens": max_tokens,
+             "temperature": 0, "ignore_eos": True} for i in range(n)]
+
+
+def assert_greedy(target: LoadedModel, sent: list[dict[str, object]], results: list[tuple]) -> None:
+    for body, (ids, _, done) in zip(sent, results, strict=True):
+        ref = greedy_reference(target.model, prompt_ids(target, body), int(body["max_tokens"]), set())  # type: ignore[call-overload]
+        assert ids == ref and done["finish_reason"] == "length"
+
+
+def test_target_only_serving_without_drafters(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    target = load_model(tiny_models["target"])
+    spec = StackSpec(drafts=[], extra_coordinator=["--speculation", "off"])
+    with run_stack(tiny_models["target"], spec, tmp_path) as stack:
+        sent = bodies(8, 24)
+        results = asyncio.run(stream_many(stack, sent))
+    assert_greedy(target, sent, results)
+    assert all(done["specfleet"]["drafted_tokens"] == 0 for _, _, done in results)
+
+
+def test_killed_drafter_loses_no_request(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    """SIGKILL one of two drafters while its sessions run: they finish target-only, unchanged."""
+    target = load_model(tiny_models["target"])
+    spec = StackSpec(drafts=[tiny_models["draft-L2"], tiny_models["draft-L2"]], max_sessions=6, draft_len=2)
+    with run_stack(tiny_models["target"], spec, tmp_path) as stack:
+        victim = next(c for c in stack.supervisor.children if c.name == "drafter-1")
+
+        async def run() -> list[tuple]:
+            work = asyncio.create_task(stream_many(stack, sent))
+            await asyncio.sleep(0.6)
+            os.kill(victim.proc.pid, signal.SIGKILL)
+            return await work
+
+        sent = bodies(12, 160)
+        results = asyncio.run(run())
+        assert victim.proc.wait(5) == -signal.SIGKILL
+        verifier_log = (tmp_path / "verifier.log").read_text()
+    assert "sessions continue target-only" in verifier_log, "the kill landed after drafter-1's sessions ended"
+    assert_greedy(target, sent, results)
