@@ -22,6 +22,8 @@ from types import FrameType
 
 import httpx
 
+from shared.fleet import FleetSpec, child_env, connect_host
+from shared.fleet import plan as fleet_plan
 from shared.supervisor import StartupError, Supervisor, death_report
 
 
@@ -73,11 +75,6 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def connect_host(host: str) -> str:
-    """Where local peers reach a server bound to ``host`` (a wildcard bind is reached on loopback)."""
-    return "127.0.0.1" if host in ("", "0.0.0.0", "::", "[::]") else host
-
-
 def _model_dir(path: Path, what: str) -> Path:
     if not (path / "config.json").is_file():
         raise UpError(f"{what} {path} is not a model directory (no config.json); check --target/--drafts")
@@ -111,25 +108,12 @@ def resolve_models(target: str, drafts: str, cwd: Path, state_dir: Path) -> Mode
 
 
 def plan(args: argparse.Namespace, models: Models, ports: Ports) -> list[tuple[str, list[str]]]:
-    """(name, argv) of every child, in start order. The auth token travels by environment, not argv."""
-    base = [sys.executable, "-m", "shared.cli"]
-    near = connect_host(args.host)
-    threads = ["--torch-threads", str(args.torch_threads)]
-    verifier = [*base, "verifier", "--host", args.host, "--port", str(ports.verifier),
-                "--model", str(models.target), *threads]
-    coordinator = [*base, "coordinator", "--host", args.host, "--port", str(ports.coordinator),
-                   "--model", str(models.target), "--verifier-url", f"ws://{near}:{ports.verifier}/v1/frontend"]
-    if args.redis_url:
-        coordinator += ["--redis-url", args.redis_url]
-    queue_url = args.redis_url or f"ws://{near}:{ports.coordinator}/internal/queue"
-    children = [("verifier", verifier), ("coordinator", coordinator)]
-    for i in range(1, args.drafters + 1):
-        draft = models.drafts[(i - 1) % len(models.drafts)]
-        children.append((f"drafter-{i}", [
-            *base, "drafter", "--node-id", f"drafter-{i}", "--model", str(draft),
-            "--verifier-url", f"ws://{near}:{ports.verifier}/v1/drafter", "--queue-url", queue_url, *threads,
-        ]))
-    return children
+    """(name, argv) of every child, in start order; drafts are assigned round-robin."""
+    drafts = [models.drafts[i % len(models.drafts)] for i in range(args.drafters)]
+    return fleet_plan(FleetSpec(
+        target=models.target, drafts=drafts, host=args.host, coordinator_port=ports.coordinator,
+        verifier_port=ports.verifier, redis_url=args.redis_url, torch_threads=args.torch_threads,
+    ))
 
 
 def instructions(base_url: str, model_id: str) -> str:
@@ -195,9 +179,7 @@ def run(args: argparse.Namespace, cwd: Path) -> int:
     models = resolve_models(args.target, args.drafts, cwd, state)
     ports = Ports(args.port or free_port(), args.verifier_port or free_port())
     token = args.auth_token or secrets.token_urlsafe(24)
-    env = {"SPECFLEET_AUTH_TOKEN": token, "PYTHONUNBUFFERED": "1"}
-    if args.torch_threads > 0:
-        env["OMP_NUM_THREADS"] = str(args.torch_threads)
+    env = child_env(token, args.torch_threads)
     sup = Supervisor(state / "logs")
     # Explicit handlers: a shell starts background jobs with SIGINT ignored, and SIGTERM must
     # unwind through the same path as Ctrl-C so the children are always stopped.

@@ -1,0 +1,86 @@
+"""A whole fleet on one machine: what to start (``plan``) and a context that runs it.
+
+``specfleet up``, the end-to-end tests and the benchmarks all start their fleets through here,
+so a flag added to a service is passed the same way everywhere. Children run as
+``python -m shared.cli <service> ...``; the auth token travels in the environment, not argv.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shared.supervisor import Supervisor
+
+
+@dataclass(frozen=True)
+class FleetSpec:
+    target: Path
+    drafts: list[Path]  # one drafter process per entry (repeat a path for several of one size)
+    host: str = "127.0.0.1"
+    coordinator_port: int = 8000
+    verifier_port: int = 8100
+    redis_url: str = ""
+    torch_threads: int = 1
+    verifier_flags: list[str] = field(default_factory=list)
+    coordinator_flags: list[str] = field(default_factory=list)
+    drafter_flags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Fleet:
+    base_url: str  # the coordinator, e.g. http://127.0.0.1:8000
+    ws_url: str  # its WebSocket token stream
+    supervisor: Supervisor
+
+
+def connect_host(host: str) -> str:
+    """Where local peers reach a server bound to ``host`` (a wildcard bind is reached on loopback)."""
+    return "127.0.0.1" if host in ("", "0.0.0.0", "::", "[::]") else host
+
+
+def plan(spec: FleetSpec) -> list[tuple[str, list[str]]]:
+    """(name, argv) of every child, in start order: verifier, coordinator, drafter-1..N."""
+    base = [sys.executable, "-m", "shared.cli"]
+    near = connect_host(spec.host)
+    threads = ["--torch-threads", str(spec.torch_threads)]
+    verifier = [*base, "verifier", "--host", spec.host, "--port", str(spec.verifier_port),
+                "--model", str(spec.target), *threads, *spec.verifier_flags]
+    coordinator = [*base, "coordinator", "--host", spec.host, "--port", str(spec.coordinator_port),
+                   "--model", str(spec.target), "--verifier-url", f"ws://{near}:{spec.verifier_port}/v1/frontend",
+                   *spec.coordinator_flags]
+    if spec.redis_url:
+        coordinator += ["--redis-url", spec.redis_url]
+    queue_url = spec.redis_url or f"ws://{near}:{spec.coordinator_port}/internal/queue"
+    children = [("verifier", verifier), ("coordinator", coordinator)]
+    for i, draft in enumerate(spec.drafts, start=1):
+        children.append((f"drafter-{i}", [
+            *base, "drafter", "--node-id", f"drafter-{i}", "--model", str(draft),
+            "--verifier-url", f"ws://{near}:{spec.verifier_port}/v1/drafter", "--queue-url", queue_url, *threads,
+            *spec.drafter_flags,
+        ]))
+    return children
+
+
+def child_env(auth_token: str, torch_threads: int) -> dict[str, str]:
+    env = {"SPECFLEET_AUTH_TOKEN": auth_token, "PYTHONUNBUFFERED": "1"}
+    if torch_threads > 0:
+        env["OMP_NUM_THREADS"] = str(torch_threads)
+    return env
+
+
+@contextmanager
+def running_fleet(spec: FleetSpec, log_dir: Path, auth_token: str, ready_timeout_s: float = 180.0) -> Iterator[Fleet]:
+    """Start every child, wait for the coordinator's /ready, yield, then stop them all."""
+    sup = Supervisor(log_dir)
+    try:
+        for name, argv in plan(spec):
+            sup.start(name, argv, child_env(auth_token, spec.torch_threads))
+        base_url = f"http://{connect_host(spec.host)}:{spec.coordinator_port}"
+        sup.wait_ready(f"{base_url}/ready", ready_timeout_s)
+        yield Fleet(base_url, base_url.replace("http://", "ws://", 1) + "/v1/stream", sup)
+    finally:
+        sup.stop()
