@@ -123,7 +123,9 @@ class DrafterLoop:
                 await self._slot_freed.wait()
                 continue
             try:
-                deliveries = await self.queue.get(self.node_id, max_items=free, timeout_s=QUEUE_POLL_S)
+                # One at a time: drafters pulling side by side then take turns, instead of the
+                # first one with free slots swallowing the whole backlog.
+                deliveries = await self.queue.get(self.node_id, max_items=1, timeout_s=QUEUE_POLL_S)
             except QueueError as exc:
                 log.warning("queue unavailable; retrying", error=str(exc), retry_in_s=self.reconnect_s)
                 await asyncio.sleep(self.reconnect_s)

@@ -1,0 +1,1 @@
+"""Benchmarks: real fleets on this machine, policies and baselines side by side in one run."""
