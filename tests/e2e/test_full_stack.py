@@ -204,3 +204,11 @@ def test_openai_client_unchanged(one_drafter: Stack, target: LoadedModel) -> Non
         model=model, messages=[{"role": "user", "content": "def f("}], max_tokens=12, temperature=0, stream=True)
         if c.choices]
     assert "".join(parts) == chat.choices[0].message.content
+
+
+def test_seed_reproduces_sampled_output(one_drafter: Stack) -> None:
+    body = {"kind": "completion", "model": "target", "prompt": "class ", "max_tokens": 24, "temperature": 1.0,
+            "ignore_eos": True}
+    runs = asyncio.run(stream_many(one_drafter, [{**body, "seed": 7}, {**body, "seed": 7}, {**body, "seed": 8}]))
+    assert runs[0][0] == runs[1][0], "the same seed gave different samples"
+    assert runs[0][0] != runs[2][0], "different seeds gave the same 24 samples"
