@@ -56,19 +56,24 @@ def validate(params: SamplingParams, prompt_len: int, max_model_len: int) -> Non
         )
 
 
+#: Temperatures below this are served as greedy: dividing logits by them overflows float32.
+GREEDY_BELOW = 1e-5
+
+
 def is_greedy(params: SamplingParams) -> bool:
-    return params.temperature == 0.0
+    return params.temperature < GREEDY_BELOW
 
 
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Turn raw logits ``[..., V]`` into the exact distribution that is sampled from.
 
-    Greedy (temperature 0) gives a one-hot on the argmax. Computation is in float32.
+    Greedy (temperature below GREEDY_BELOW) gives a one-hot on the argmax. Computation is in
+    float32, with the row maximum subtracted first so small temperatures cannot overflow.
     """
     logits = logits.float()
     if is_greedy(params):
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits / params.temperature
+    logits = (logits - logits.max(-1, keepdim=True).values) / params.temperature
     vocab = logits.shape[-1]
     if 0 < params.top_k < vocab:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]

@@ -23,6 +23,7 @@ class VerifierConfig:
     max_batch_tokens: int = opt(2048, "most new tokens (last committed + drafts) in one forward pass")
     draft_len: int = opt(4, "draft tokens per round given to each session (Fixed-S allocation)")
     max_draft_tokens: int = opt(16, "upper bound on any session's draft budget")
+    draft_timeout_s: float = opt(30.0, "a session whose drafter sends no draft this long continues target-only")
     allocation: str = opt("fixed", "draft-length allocation policy: fixed")
     batching: str = opt("fcfs", "batch selection policy: fcfs")
     torch_threads: int = opt(0, "torch intra-op threads; 0 leaves torch's default")

@@ -34,9 +34,9 @@ class IncrementalText:
         """The new settled text since the last release (everything, when final)."""
         end = len(self.text)
         if not final:
-            if self.text.endswith("\ufffd"):
-                end = len(self.text.rstrip("\ufffd"))
-            end = min(end, len(self.text) - self._hold)
+            # A trailing U+FFFD is a character still being decoded: it is not settled text and
+            # must not use up any of the hold-back kept for a possible stop string.
+            end = len(self.text.rstrip("\ufffd")) - self._hold
         if end <= self._emitted:
             return ""
         delta = self.text[self._emitted : end]

@@ -14,6 +14,7 @@ same way (the centralized-serving baseline and the fallback that keeps requests 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -65,11 +66,14 @@ class Engine:
     def __init__(
         self, backend: VerifierBackend, tokenizer: Any, eos_ids: set[int], outbox: Outbox,
         allocator: Allocator, batcher: BatchPolicy, limits: BatchLimits, max_sessions: int,
-        max_draft_tokens: int,
+        max_draft_tokens: int, draft_timeout_s: float = 30.0,
     ) -> None:
+        if limits.max_sessions < 1 or limits.max_tokens < 1:
+            raise ValueError("batch limits must allow at least one session and one token")
         self.backend, self.outbox = backend, outbox
         self.allocator, self.batcher, self.limits = allocator, batcher, limits
         self.max_draft_tokens = max_draft_tokens
+        self.draft_timeout_s = draft_timeout_s
         self.sessions: dict[str, Session] = {}
         self.finished_ids: OrderedDict[str, None] = OrderedDict()
         self.stats = EngineStats()
@@ -92,6 +96,7 @@ class Engine:
         log.info("engine started", allocation=self.allocator.name, batching=self.batcher.name)
         while self._running:
             await self._drain(block=not self._ready())
+            self._expire_silent_drafters()
             ready = self._ready()
             if ready:
                 await self._step(ready)
@@ -100,10 +105,22 @@ class Engine:
         return [s for s in self.sessions.values() if s.status is Status.READY]
 
     async def _drain(self, block: bool) -> None:
-        if block:
-            await self.intake.handle(await self.inbox.get())
+        if block:  # wake at least every second, so silent drafters are noticed
+            try:
+                await self.intake.handle(await asyncio.wait_for(self.inbox.get(), 1.0))
+            except TimeoutError:
+                return
         while not self.inbox.empty():
             await self.intake.handle(self.inbox.get_nowait())
+
+    def _expire_silent_drafters(self) -> None:
+        """A session whose drafter sent no draft for draft_timeout_s continues target-only."""
+        now = time.monotonic()
+        for s in self.sessions.values():
+            if s.status is Status.WAITING_DRAFT and now - s.waiting_since > self.draft_timeout_s:
+                log.warning("no draft in time; session continues target-only", request_id=s.request_id,
+                            drafter=s.drafter, waited_s=round(now - s.waiting_since, 1))
+                s.detach()
 
     async def _step(self, ready: list[Session]) -> None:
         cands = [Candidate(s.request_id, 1 + len(s.draft_tokens()), s.context_len, s.ready_since) for s in ready]
@@ -117,21 +134,31 @@ class Engine:
             return
         self.stats.steps += 1
         self.stats.verified_sessions += len(chosen)
-        applied = [self._apply(s, n, tokens) for s, (n, tokens) in zip(chosen, outcomes, strict=True)]
+        applied = []
+        for s, outcome in zip(chosen, outcomes, strict=True):
+            if isinstance(outcome, str):
+                self.end(s, "error", error=outcome)
+            else:
+                applied.append(self._apply(s, *outcome))
         budgets = self.allocator.assign([r for r, _ in applied])
         for r, kept in applied:
             self._publish(r, kept, budgets.get(r.session_id, 0))
 
     # --- verification (runs in a worker thread) ------------------------------------------
 
-    def _verify(self, batch: list[Session]) -> list[tuple[int, list[int]]]:
+    def _verify(self, batch: list[Session]) -> list[tuple[int, list[int]] | str]:
+        """Per session: (drafts accepted, tokens to commit), or an error message for that session alone."""
         items = [ScoreItem(s.request_id, [s.last_token, *s.draft_tokens()]) for s in batch]
         logits = self.backend.score(items)
-        outcomes = []
+        outcomes: list[tuple[int, list[int]] | str] = []
         for s, rows in zip(batch, logits, strict=True):
-            n, extra = self._accept(s, rows)
-            self.backend.commit(s.request_id, 1 + n)
-            outcomes.append((n, [*s.draft_tokens()[:n], extra]))
+            try:
+                n, extra = self._accept(s, rows)
+                self.backend.commit(s.request_id, 1 + n)
+                outcomes.append((n, [*s.draft_tokens()[:n], extra]))
+            except Exception as exc:  # one bad session must not fail the others in its batch
+                log.exception("acceptance failed", request_id=s.request_id)
+                outcomes.append(f"acceptance failed: {exc}")
         return outcomes
 
     def _accept(self, s: Session, rows: torch.Tensor) -> tuple[int, int]:
@@ -178,7 +205,7 @@ class Engine:
         elif s.autonomous:
             s.mark_ready()
         else:
-            s.status = Status.WAITING_DRAFT
+            s.wait_for_draft()
 
     def emit_tokens(self, s: Session, token_ids: list[int], error: str = "") -> None:
         """Send the frontend this round's tokens and the text they settle."""

@@ -53,18 +53,18 @@ class Intake:
         if len(eng.sessions) >= self.max_sessions:
             return self._error(conn_id, role, "busy", f"verifier holds {self.max_sessions} sessions; retry", rid)
         problem = self._check_request(msg)
-        if problem:
-            self._error(conn_id, role, "invalid", problem, rid)
+        if not problem:
+            try:
+                await asyncio.to_thread(eng.backend.open, rid, list(msg.prompt_ids))
+            except (BackendError, RuntimeError) as exc:
+                eng.backend.close(rid)
+                log.exception("prefill failed", request_id=rid)
+                problem = f"prefill failed: {exc}"
+        if problem:  # the verifier owns the request now: tell its client, then the opener
             eng.outbox.to_frontend(msg.origin, TokenEvent(
                 request_id=rid, origin=msg.origin, token_ids=[], text="", finished=True,
                 finish_reason="error", prompt_tokens=len(msg.prompt_ids), error=problem))
-            return None
-        try:
-            await asyncio.to_thread(eng.backend.open, rid, list(msg.prompt_ids))
-        except (BackendError, RuntimeError) as exc:
-            eng.backend.close(rid)
-            log.exception("prefill failed", request_id=rid)
-            return self._error(conn_id, role, "invalid", f"prefill failed: {exc}", rid)
+            return self._error(conn_id, role, "invalid", problem, rid)
         drafter = conn_id if role == "drafter" and msg.speculative else None
         s = Session.create(rid, msg.origin, list(msg.prompt_ids), msg.params, drafter,
                            eng.backend.max_model_len, self.eos_ids, self.tokenizer)
@@ -109,21 +109,15 @@ class Intake:
     def _detach(self, conn_id: str, request_id: str) -> None:
         s = self.engine.sessions.get(request_id)
         if s is not None and conn_id in (s.drafter, s.owner):
-            self._make_autonomous(s)
+            s.detach()
 
     def _drafter_gone(self, conn_id: str) -> None:
         """The drafter's link closed: its sessions continue target-only, so no request is lost."""
         moved = [s for s in self.engine.sessions.values() if conn_id in (s.drafter, s.owner)]
         for s in moved:
-            self._make_autonomous(s)
+            s.detach()
         if moved:
             log.warning("drafter gone; sessions continue target-only", conn=conn_id, sessions=len(moved))
-
-    def _make_autonomous(self, s: Session) -> None:
-        s.drafter = None
-        s.owner = None
-        if s.status is Status.WAITING_DRAFT:
-            s.mark_ready()
 
     def _cancel(self, request_id: str) -> None:
         s = self.engine.sessions.get(request_id)

@@ -36,7 +36,7 @@ def build(cfg: VerifierConfig) -> tuple[Hub, Engine]:
         backend, loaded.tokenizer, loaded.eos_ids, hub,
         allocator=make_allocator(cfg.allocation, cfg.draft_len), batcher=make_batcher(cfg.batching),
         limits=BatchLimits(cfg.max_batch_sessions, cfg.max_batch_tokens), max_sessions=cfg.max_sessions,
-        max_draft_tokens=cfg.max_draft_tokens,
+        max_draft_tokens=cfg.max_draft_tokens, draft_timeout_s=cfg.draft_timeout_s,
     )
     hub.engine = engine
     return hub, engine

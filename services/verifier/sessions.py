@@ -44,6 +44,7 @@ class Session:
     drafted: int = 0
     accepted: int = 0
     ready_since: float = 0.0
+    waiting_since: float = field(default_factory=time.monotonic)
     created_at: float = field(default_factory=time.monotonic)
     gen: torch.Generator = field(default_factory=lambda: make_generator(None))
 
@@ -77,6 +78,18 @@ class Session:
         self.draft = draft
         self.status = Status.READY
         self.ready_since = time.monotonic()
+
+    def wait_for_draft(self) -> None:
+        self.draft = None
+        self.status = Status.WAITING_DRAFT
+        self.waiting_since = time.monotonic()
+
+    def detach(self) -> None:
+        """Continue without a drafter (it left, closed the session, or went silent)."""
+        self.drafter = None
+        self.owner = None
+        if self.status is Status.WAITING_DRAFT:
+            self.mark_ready()
 
     def draft_tokens(self) -> list[int]:
         """The drafts to verify this round, clipped so the context limit is never crossed."""

@@ -51,7 +51,8 @@ class Running:
 @pytest_asyncio.fixture
 async def verifier(tiny_models: dict[str, Path]) -> AsyncIterator[Running]:
     port = free_port()
-    cfg = VerifierConfig(port=port, model=str(tiny_models["target"]), auth_token=TOKEN, draft_len=3)
+    cfg = VerifierConfig(port=port, model=str(tiny_models["target"]), auth_token=TOKEN, draft_len=3,
+                         draft_timeout_s=1.5)
     ready = asyncio.Event()
     task = asyncio.create_task(serve(cfg, ready))
     await asyncio.wait_for(ready.wait(), 60)
@@ -249,3 +250,27 @@ async def test_fuzzed_frames_never_stop_the_verifier(verifier: Running) -> None:
         ref = greedy_reference(verifier.target.model, prompt, GREEDY.max_tokens, verifier.target.eos_ids)
         committed, _ = await drive_session(peer, "after-fuzz", prompt, GREEDY, noisy_oracle(ref, len(prompt), 1))
         assert committed == ref
+
+
+@pytest.mark.asyncio
+async def test_silent_drafter_times_out_to_target_only(verifier: Running) -> None:
+    prompt = [3, 70, 71, 72]
+    ref = greedy_reference(verifier.target.model, prompt, GREEDY.max_tokens, verifier.target.eos_ids)
+    async with connect(verifier.url, "frontend") as fe, connect(verifier.url, "drafter",
+                                                                  verifier.target.fingerprint) as peer:
+        await peer.recv(Welcome)
+        await peer.send(OpenSession(request_id="silent", prompt_ids=prompt, params=GREEDY, origin="test-frontend"))
+        await peer.recv(SessionOpened, rid="silent")  # ... and never sends a draft
+        ids, _, last = await collect_text(fe, "silent")
+    assert ids == ref and last.drafted_tokens == 0
+
+
+@pytest.mark.asyncio
+async def test_tiny_temperature_does_not_fail_its_batch(verifier: Running) -> None:
+    prompt = [3, 80, 81]
+    async with connect(verifier.url, "frontend") as fe:
+        for rid, temp in (("normal", 1.0), ("tiny", 1e-40)):
+            await fe.send(OpenSession(request_id=rid, prompt_ids=prompt, origin="test-frontend", speculative=False,
+                                      params=SamplingParams(temperature=temp, max_tokens=16, ignore_eos=True)))
+        finals = [(await collect_text(fe, rid))[2] for rid in ("normal", "tiny")]
+    assert [f.finish_reason for f in finals] == ["length", "length"]

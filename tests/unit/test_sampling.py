@@ -149,3 +149,11 @@ def test_validate_refuses_with_param_name(
 )
 def test_validate_accepts_servable_requests(params: SamplingParams) -> None:
     validate(params, prompt_len=4, max_model_len=64)
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-9, 1e-6])
+def test_tiny_temperature_is_greedy_not_nan(temperature: float) -> None:
+    logits = torch.tensor([[3.0, 1.0, 2.9, -5.0]]) * 100
+    probs = probs_from_logits(logits, SamplingParams(temperature=temperature))
+    assert torch.isfinite(probs).all()
+    assert probs.argmax().item() == 0 and probs.max().item() == pytest.approx(1.0)

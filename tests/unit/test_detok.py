@@ -1,0 +1,37 @@
+"""IncrementalText: settled text only, never any part of a stop string, nothing lost."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from services.verifier.detok import IncrementalText
+from shared.models import load_tokenizer
+
+CASES = [
+    # (stops, generated text, what the client must see)
+    ([], "plain text, no stops", "plain text, no stops"),
+    (["ab"], "xxabyy", "xx"),
+    (["aé"], "xxaéyy", "xx"),  # a multi-byte character inside the stop string
+    (["。"], "你好。再见", "你好"),
+    (["é!"], "héllo é!", "héllo "),
+    (["zz", "ll"], "hello", "he"),
+    (["never"], "héllo wörld", "héllo wörld"),
+]
+
+
+@pytest.mark.parametrize(("stops", "text", "expected"), CASES)
+def test_release_never_leaks_a_stop(tiny_models: dict[str, Path], stops: list[str], text: str,
+                                    expected: str) -> None:
+    tok = load_tokenizer(tiny_models["target"])
+    tracker = IncrementalText(tok, stops)
+    released = []
+    for token in tok.encode(text, add_special_tokens=False):
+        stopped = tracker.push(token)
+        released.append(tracker.release(final=stopped))
+        if stopped:
+            break
+    else:
+        released.append(tracker.release(final=True))
+    assert "".join(released) == expected
