@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed
 # Extra pytest flags, e.g. `make test PYTEST_FLAGS="-x -k cli"`.
 PYTEST_FLAGS ?=
 
-.PHONY: help install run test test-e2e smoke lint clean distclean
+.PHONY: help install run test test-e2e smoke lint bench clean distclean demo-models demo-models-eval
 
 help:
 	@echo "make run        start the verifier, the coordinator and 2 drafters on this machine (specfleet up)"
@@ -20,6 +20,9 @@ help:
 	@echo "make test-e2e   only the end-to-end tier (real services as processes on loopback)"
 	@echo "make smoke      specfleet up --smoke: start everything, send one request, stop"
 	@echo "make lint       ruff check and mypy"
+	@echo "make bench      serving benchmark: target-only vs 1 and 2 drafters (bench/results/)"
+	@echo "make demo-models       train the demo model family into models/ (CPU, ~50 min, resumable)"
+	@echo "make demo-models-eval  re-measure models/ and rewrite MEASUREMENTS.json and the model cards"
 	@echo "make install    create $(VENV) with $(PYTHON) and pip install -e '.[dev]' (idempotent)"
 	@echo "make clean      remove run state (.specfleet), tool caches and build output"
 	@echo "make distclean  clean, and remove $(VENV) too"
@@ -49,7 +52,19 @@ smoke: install
 
 lint: install
 	$(BIN)/ruff check .
-	$(BIN)/mypy shared services
+	$(BIN)/mypy shared services training bench
+
+# The demo model family (training/): corpus -> BPE -> target -> distilled drafts -> models/.
+# Checkpoints live in .specfleet/training, so an interrupted run continues where it stopped.
+demo-models: install
+	$(BIN)/python -m training all --state-dir .specfleet/training --out-dir models
+
+demo-models-eval: install
+	$(BIN)/python -m training eval --state-dir .specfleet/training --out-dir models
+
+# Real fleets side by side in one run; writes bench/results/serving.{json,md,png}. Minutes, not CI.
+bench: install
+	$(BIN)/python -m bench.serving
 
 clean:
 	rm -rf .specfleet build dist .pytest_cache .mypy_cache .ruff_cache

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -144,8 +145,9 @@ def _corpus_lines(limit_bytes: int) -> list[str]:
     return lines
 
 
-def make_tokenizer(out_dir: Path, vocab_size: int = 320) -> Any:
-    """Train a byte-level BPE on stdlib source and save it with a chat template."""
+def train_bpe(texts: Iterable[str], out_dir: Path, vocab_size: int, show_progress: bool = False) -> Any:
+    """Fit a byte-level BPE (any text round-trips) with specfleet's special tokens and chat
+    template, and save it as a Hugging Face tokenizer in out_dir."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -156,15 +158,21 @@ def make_tokenizer(out_dir: Path, vocab_size: int = 320) -> Any:
         vocab_size=vocab_size,
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+        show_progress=show_progress,
     )
-    tok.train_from_iterator(_corpus_lines(400_000), trainer=trainer)
+    tok.train_from_iterator(texts, trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|end|>", pad_token="<|pad|>", clean_up_tokenization_spaces=False
     )
     fast.chat_template = CHAT_TEMPLATE
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(str(out_dir))
     return fast
+
+
+def make_tokenizer(out_dir: Path, vocab_size: int = 320) -> Any:
+    """The tiny test models' BPE, fitted on stdlib source."""
+    return train_bpe(_corpus_lines(400_000), out_dir, vocab_size)
 
 
 @dataclass(frozen=True)
