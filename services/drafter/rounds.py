@@ -84,6 +84,7 @@ class SessionRunner:
             await self.link.send(frame)
             reply = await self._reply_to_open(inbox)
             if isinstance(reply, SessionOpened):
+                log.info("session opened", request_id=req.request_id, draft_budget=reply.draft_budget)
                 return reply
             if isinstance(reply, Verdict):
                 session.finish_reason = reply.finish_reason or "cancelled"

@@ -23,6 +23,7 @@ class StackSpec:
     max_sessions: int = 16  # per drafter
     redis_url: str = ""
     extra_coordinator: list[str] = field(default_factory=list)
+    drafter_log_level: str = "warning"
 
 
 @contextmanager
@@ -33,7 +34,8 @@ def run_stack(target: Path, spec: StackSpec, log_dir: Path) -> Iterator[Fleet]:
         redis_url=spec.redis_url,
         verifier_flags=[*quiet, "--draft-len", str(spec.draft_len)],
         coordinator_flags=[*quiet, *spec.extra_coordinator],
-        drafter_flags=[*quiet, "--max-sessions", str(spec.max_sessions), "--draft-mode", spec.draft_mode,
+        drafter_flags=["--log-level", spec.drafter_log_level, "--max-sessions", str(spec.max_sessions),
+                       "--draft-mode", spec.draft_mode,
                        "--draft-top-k", str(spec.draft_top_k), "--claim-idle-ms", "2000"],
     )
     with running_fleet(fleet, log_dir, TOKEN) as running:

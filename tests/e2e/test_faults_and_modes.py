@@ -41,17 +41,21 @@ def test_target_only_serving_without_drafters(tiny_models: dict[str, Path], tmp_
 def test_killed_drafter_loses_no_request(tiny_models: dict[str, Path], tmp_path: Path) -> None:
     """SIGKILL one of two drafters while its sessions run: they finish target-only, unchanged."""
     target = load_model(tiny_models["target"])
-    spec = StackSpec(drafts=[tiny_models["draft-L2"], tiny_models["draft-L2"]], max_sessions=6, draft_len=2)
+    spec = StackSpec(drafts=[tiny_models["draft-L2"], tiny_models["draft-L2"]], max_sessions=6, draft_len=2,
+                     drafter_log_level="info")
     with run_stack(tiny_models["target"], spec, tmp_path) as stack:
         victim = next(c for c in stack.supervisor.children if c.name == "drafter-1")
 
         async def run() -> list[tuple]:
             work = asyncio.create_task(stream_many(stack, sent))
-            await asyncio.sleep(0.6)
+            for _ in range(400):  # kill as soon as the victim holds live sessions
+                if "session opened" in victim.log_path.read_text():
+                    break
+                await asyncio.sleep(0.01)
             os.kill(victim.proc.pid, signal.SIGKILL)
             return await work
 
-        sent = bodies(12, 160)
+        sent = bodies(12, 300)
         results = asyncio.run(run())
         assert victim.proc.wait(5) == -signal.SIGKILL
         verifier_log = (tmp_path / "verifier.log").read_text()
