@@ -148,21 +148,21 @@ class Engine:
 
     def _verify(self, batch: list[Session]) -> list[tuple[int, list[int]] | str]:
         """Per session: (drafts accepted, tokens to commit), or an error message for that session alone."""
-        items = [ScoreItem(s.request_id, [s.last_token, *s.draft_tokens()]) for s in batch]
+        drafts = [s.draft_tokens() for s in batch]
+        items = [ScoreItem(s.request_id, [s.last_token, *d]) for s, d in zip(batch, drafts, strict=True)]
         logits = self.backend.score(items)
         outcomes: list[tuple[int, list[int]] | str] = []
-        for s, rows in zip(batch, logits, strict=True):
+        for s, d, rows in zip(batch, drafts, logits, strict=True):
             try:
-                n, extra = self._accept(s, rows)
+                n, extra = self._accept(s, d, rows)
                 self.backend.commit(s.request_id, 1 + n)
-                outcomes.append((n, [*s.draft_tokens()[:n], extra]))
+                outcomes.append((n, [*d[:n], extra]))
             except Exception as exc:  # one bad session must not fail the others in its batch
                 log.exception("acceptance failed", request_id=s.request_id)
                 outcomes.append(f"acceptance failed: {exc}")
         return outcomes
 
-    def _accept(self, s: Session, rows: torch.Tensor) -> tuple[int, int]:
-        drafts = s.draft_tokens()
+    def _accept(self, s: Session, drafts: list[int], rows: torch.Tensor) -> tuple[int, int]:
         if is_greedy(s.params):
             return verify_greedy(drafts, rows.argmax(-1).tolist())
         p = probs_from_logits(rows, s.params)

@@ -41,7 +41,7 @@ class Intake:
         elif isinstance(msg, Cancel) and item.role == "frontend":
             self._cancel(msg.request_id)
         elif msg is not None:
-            self._reply(item, "unexpected", f"a {item.role} may not send {type(msg).__name__}", None)
+            self._error(item.conn_id, "unexpected", f"a {item.role} may not send {type(msg).__name__}", None)
 
     # --- opening -----------------------------------------------------------------------
 
@@ -49,9 +49,9 @@ class Intake:
         eng = self.engine
         rid = msg.request_id
         if rid in eng.sessions or rid in eng.finished_ids:
-            return self._error(conn_id, role, "duplicate", f"request {rid} is already served or finished", rid)
+            return self._error(conn_id, "duplicate", f"request {rid} is already served or finished", rid)
         if len(eng.sessions) >= self.max_sessions:
-            return self._error(conn_id, role, "busy", f"verifier holds {self.max_sessions} sessions; retry", rid)
+            return self._error(conn_id, "busy", f"verifier holds {self.max_sessions} sessions; retry", rid)
         problem = self._check_request(msg)
         if not problem:
             try:
@@ -64,7 +64,7 @@ class Intake:
             eng.outbox.to_frontend(msg.origin, TokenEvent(
                 request_id=rid, origin=msg.origin, token_ids=[], text="", finished=True,
                 finish_reason="error", prompt_tokens=len(msg.prompt_ids), error=problem))
-            return self._error(conn_id, role, "invalid", problem, rid)
+            return self._error(conn_id, "invalid", problem, rid)
         drafter = conn_id if role == "drafter" and msg.speculative else None
         s = Session.create(rid, msg.origin, list(msg.prompt_ids), msg.params, drafter,
                            eng.backend.max_model_len, self.eos_ids, self.tokenizer)
@@ -93,15 +93,15 @@ class Intake:
         s = self.engine.sessions.get(msg.request_id)
         rid = msg.request_id
         if s is None or s.drafter != conn_id:
-            return self._error(conn_id, "drafter", "unknown_session", f"no session {rid} for this drafter", rid)
+            return self._error(conn_id, "unknown_session", f"no session {rid} for this drafter", rid)
         if s.status is not Status.WAITING_DRAFT or msg.round != s.round:
-            return self._error(conn_id, "drafter", "out_of_turn",
+            return self._error(conn_id, "out_of_turn",
                                f"session {rid} expects round {s.round}, got a draft for round {msg.round}", rid)
         vocab = self.engine.backend.vocab_size
         if msg.token_ids and max(msg.token_ids) >= vocab:
-            return self._error(conn_id, "drafter", "invalid", f"draft token outside the vocabulary of {vocab}", rid)
+            return self._error(conn_id, "invalid", f"draft token outside the vocabulary of {vocab}", rid)
         if msg.q is not None and len(msg.q) != len(msg.token_ids):
-            return self._error(conn_id, "drafter", "invalid",
+            return self._error(conn_id, "invalid",
                                f"draft has {len(msg.token_ids)} tokens but {len(msg.q)} q rows", rid)
         s.mark_ready(msg)
         return None
@@ -126,8 +126,5 @@ class Intake:
 
     # --- replies -----------------------------------------------------------------------
 
-    def _error(self, conn_id: str, role: str, code: str, message: str, rid: str | None) -> None:
+    def _error(self, conn_id: str, code: str, message: str, rid: str | None) -> None:
         self.engine.outbox.to_conn(conn_id, ErrorFrame(code=code, message=message, request_id=rid))
-
-    def _reply(self, item: Inbound, code: str, message: str, rid: str | None) -> None:
-        self._error(item.conn_id, item.role, code, message, rid)
