@@ -18,6 +18,7 @@ Every p and q here is the distribution *after* temperature/top-k/top-p, exactly 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -67,8 +68,8 @@ def one_hot(token: int, vocab: int) -> torch.Tensor:
     return q
 
 
-def dense_q(sparse: SparseQ, token: int, vocab: int) -> torch.Tensor:
-    """Expand a wire SparseQ into a dense vector, refusing one that cannot be what was sampled."""
+def check_sparse_q(sparse: SparseQ, token: int, vocab: int) -> float:
+    """Refuse a wire SparseQ that cannot be what ``token`` was sampled from; returns its mass."""
     if len(sparse.ids) != len(sparse.probs):
         raise DraftError(f"q has {len(sparse.ids)} ids but {len(sparse.probs)} probs")
     if not sparse.ids:
@@ -82,15 +83,31 @@ def dense_q(sparse: SparseQ, token: int, vocab: int) -> torch.Tensor:
         raise DraftError(f"token id {bad} in the draft or its q is outside the vocabulary of {vocab}")
     if not all(0.0 <= p <= 1.0 for p in sparse.probs):  # also refuses NaN
         raise DraftError("q has a probability outside [0, 1]")
-    ids = torch.tensor(sparse.ids, dtype=torch.long)
-    probs = torch.tensor(sparse.probs, dtype=torch.float32)
-    mass = float(probs.sum())
+    mass = math.fsum(sparse.probs)
     if abs(mass - 1.0) > Q_MASS_TOLERANCE:
         raise DraftError(f"q's probabilities sum to {mass:.6f}, not 1")
-    q = torch.zeros(vocab, dtype=torch.float32).index_put_((ids,), probs / mass)
-    if float(q[token]) <= 0.0:
+    if token not in sparse.ids or sparse.probs[sparse.ids.index(token)] <= 0.0:
         raise DraftError(f"drafted token {token} has probability 0 under its own q")
-    return q
+    return mass
+
+
+def dense_q(sparse: SparseQ, token: int, vocab: int) -> torch.Tensor:
+    """Expand a wire SparseQ into a dense vector, refusing one that cannot be what was sampled."""
+    mass = check_sparse_q(sparse, token, vocab)
+    ids = torch.tensor(sparse.ids, dtype=torch.long)
+    probs = torch.tensor(sparse.probs, dtype=torch.float32)
+    return torch.zeros(vocab, dtype=torch.float32).index_put_((ids,), probs / mass)
+
+
+def accepted_prefix(p_x: Sequence[float], q_x: Sequence[float], u: Sequence[float]) -> int:
+    """How many leading drafts are accepted: x_j is kept while u_j < min(1, p_j(x_j) / q_j(x_j)).
+
+    ``u`` are independent uniforms on [0, 1); ``q_x`` is 1 for ids-only drafts (one-hot q).
+    """
+    n = 0
+    while n < len(p_x) and u[n] * q_x[n] < p_x[n]:  # u < p/q without dividing (q(x) > 0)
+        n += 1
+    return n
 
 
 def verify_sampled(
@@ -104,11 +121,11 @@ def verify_sampled(
     Returns (number of drafts accepted, the verifier's extra token).
     """
     assert p.shape[0] == len(draft) + 1, "need one target row per draft plus the bonus row"
-    vocab = p.shape[-1]
-    for j, token in enumerate(draft):
-        q_j = q[j] if q is not None else one_hot(token, vocab)
-        u = float(torch.rand((), generator=gen))
-        if u < accept_probability(p[j], q_j, token):
-            continue
-        return j, sample(residual(p[j], q_j), gen)
-    return len(draft), sample(p[len(draft)], gen)
+    k, vocab = len(draft), p.shape[-1]
+    p_x = [float(p[j, t]) for j, t in enumerate(draft)]
+    q_x = [float(q[j][t]) for j, t in enumerate(draft)] if q is not None else [1.0] * k
+    n = accepted_prefix(p_x, q_x, torch.rand(k, generator=gen).tolist() if k else [])
+    if n == k:
+        return k, sample(p[k], gen)
+    q_n = q[n] if q is not None else one_hot(draft[n], vocab)
+    return n, sample(residual(p[n], q_n), gen)

@@ -15,6 +15,11 @@ Links and who speaks on them:
   Hello, QueuePull, QueueAck;  coordinator -> drafter: Welcome, QueueDelivery
 * Redis stream entries hold one encoded QueuedRequest each.
 
+A ``Batch`` frame carries several round-level messages for one peer (the Verdicts or
+TokenEvents of one engine step, a drafter's Drafts of one batched drafting step): one frame
+per peer per step instead of one per session. Receivers handle its items in order, exactly as
+if each had come in a frame of its own.
+
 The version rule: a peer whose ``Hello.protocol_version`` differs from ours is refused at the
 handshake with a message naming both versions.
 """
@@ -25,7 +30,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 #: Largest frame any service accepts. A 32k-token prompt is ~200 KiB; sparse q for 64 draft
 #: positions x 64 entries is ~50 KiB. 4 MiB leaves room and still bounds a hostile peer.
 MAX_FRAME_BYTES = 4 * 1024 * 1024
@@ -227,6 +232,17 @@ class QueueAck(_Msg, tag="queue_ack", frozen=True):
     delivery_id: str
 
 
+#: messages a Batch may carry
+Batchable = Draft | Verdict | SessionOpened | TokenEvent | ErrorFrame | CloseSession | Cancel
+MAX_BATCH_ITEMS = 4096
+
+
+class Batch(_Msg, tag="batch", frozen=True):
+    """Several round-level messages for one peer, in order (see the module docstring)."""
+
+    items: Annotated[list[Batchable], msgspec.Meta(min_length=1, max_length=MAX_BATCH_ITEMS)]
+
+
 Message = (
     QueuedRequest
     | Hello
@@ -244,6 +260,7 @@ Message = (
     | QueuePull
     | QueueDelivery
     | QueueAck
+    | Batch
 )
 
 _encoder = msgspec.msgpack.Encoder()
@@ -252,6 +269,16 @@ _decoder: msgspec.msgpack.Decoder[Message] = msgspec.msgpack.Decoder(Message)
 
 def encode(msg: Message) -> bytes:
     return _encoder.encode(msg)
+
+
+def encode_many(msgs: list[Batchable]) -> bytes:
+    """One frame for several messages to the same peer: the message itself when there is one."""
+    return _encoder.encode(msgs[0] if len(msgs) == 1 else Batch(items=msgs))
+
+
+def unpack(msg: Message) -> list[Message]:
+    """The messages a frame carries: a Batch's items, or the message itself."""
+    return list(msg.items) if isinstance(msg, Batch) else [msg]
 
 
 def decode(data: bytes | bytearray | memoryview | str, max_bytes: int = MAX_FRAME_BYTES) -> Message:

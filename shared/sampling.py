@@ -18,6 +18,7 @@ __all__ = [
     "SamplingParams",
     "is_greedy",
     "make_generator",
+    "probs_from_logit_rows",
     "probs_from_logits",
     "sample",
     "validate",
@@ -73,20 +74,41 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     logits = logits.float()
     if is_greedy(params):
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = (logits - logits.max(-1, keepdim=True).values) / params.temperature
+    rows = logits.reshape(-1, logits.shape[-1])
+    n = rows.shape[0]
+    probs = probs_from_logit_rows(rows, [params.temperature] * n, [params.top_k] * n, [params.top_p] * n)
+    return probs.view(logits.shape)
+
+
+def probs_from_logit_rows(
+    logits: torch.Tensor, temperature: list[float], top_k: list[int], top_p: list[float]
+) -> torch.Tensor:
+    """The sampled distribution of each row of ``logits [R, V]``, each row with its own settings.
+
+    Temperature first, then top-k (ties with the k-th logit stay in), then top-p: the smallest
+    set of most likely tokens whose mass reaches top_p (a token is dropped when the mass strictly
+    before it already reaches top_p; at least one token stays). Rows must not be greedy. One
+    sort serves both truncations, and only when some row truncates.
+    """
+    logits = logits.float()
     vocab = logits.shape[-1]
-    if 0 < params.top_k < vocab:
-        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        sorted_probs = sorted_logits.softmax(-1)
-        # Drop a token when the mass strictly before it already reaches top_p (keeps >= 1 token).
+    temps = torch.tensor(temperature, dtype=torch.float32, device=logits.device).unsqueeze(1)
+    x = (logits - logits.max(-1, keepdim=True).values) / temps
+    cut_k = [k if 0 < k < vocab else vocab for k in top_k]
+    cut_p = [p if p < 1.0 else float("inf") for p in top_p]
+    if min(cut_k) == vocab and min(cut_p) == float("inf"):
+        return x.softmax(-1)
+    ordered, order = torch.sort(x, dim=-1, descending=True)
+    if min(cut_k) < vocab:
+        kth = ordered.gather(-1, torch.tensor(cut_k, device=x.device).unsqueeze(1) - 1)
+        x = x.masked_fill(x < kth, float("-inf"))
+        ordered = ordered.masked_fill(ordered < kth, float("-inf"))
+    if min(cut_p) < float("inf"):
+        sorted_probs = ordered.softmax(-1)
         mass_before = sorted_probs.cumsum(-1) - sorted_probs
-        drop_sorted = mass_before >= params.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits.softmax(-1)
+        drop_sorted = mass_before >= torch.tensor(cut_p, device=x.device).unsqueeze(1)
+        x = x.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted), float("-inf"))
+    return x.softmax(-1)
 
 
 def make_generator(seed: int | None) -> torch.Generator:

@@ -26,6 +26,7 @@ from shared.protocol import (
     FinishReason,
     FleetStatus,
     Hello,
+    Message,
     OpenSession,
     ProtocolError,
     Refused,
@@ -33,6 +34,7 @@ from shared.protocol import (
     Welcome,
     decode,
     encode,
+    unpack,
 )
 
 log = get_logger("coordinator.verifier_link")
@@ -203,10 +205,14 @@ class VerifierLink:
 
     def _dispatch(self, raw: bytes | str) -> None:
         try:
-            msg = decode(raw)
+            msgs = unpack(decode(raw))
         except ProtocolError as exc:
             log.warning("bad frame from the verifier", error=str(exc))
             return
+        for msg in msgs:
+            self._dispatch_one(msg)
+
+    def _dispatch_one(self, msg: Message) -> None:
         if isinstance(msg, TokenEvent):
             queue = self._subs.get(msg.request_id)
             if queue is None:

@@ -30,6 +30,7 @@ from shared.protocol import (
     Welcome,
     decode,
     encode,
+    unpack,
 )
 
 log = get_logger("drafter.link")
@@ -177,10 +178,14 @@ class VerifierLink:
 
     def _route(self, raw: bytes | str) -> None:
         try:
-            msg = decode(raw)
+            msgs = unpack(decode(raw))
         except ProtocolError as exc:
             log.warning("dropped a bad frame from the verifier", error=str(exc))
             return
+        for msg in msgs:
+            self._route_one(msg)
+
+    def _route_one(self, msg: Message) -> None:
         if isinstance(msg, SessionOpened | Verdict) or (isinstance(msg, ErrorFrame) and msg.request_id):
             inbox = self._inboxes.get(msg.request_id or "")
             if inbox is not None:

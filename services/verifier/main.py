@@ -4,51 +4,82 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import sys
 
 import torch
 
 from services.verifier.allocation import make_allocator
-from services.verifier.backends.torch_backend import TorchBackend
 from services.verifier.batching import BatchLimits, make_batcher
 from services.verifier.config import VerifierConfig
-from services.verifier.engine import Engine
+from services.verifier.core import CoreLimits, TorchCore
+from services.verifier.core_api import Result
+from services.verifier.intake import Intake
+from services.verifier.metrics import VerifierMetrics
+from services.verifier.output import Output
+from services.verifier.scheduler import Scheduler
 from services.verifier.server import Hub, fleet_status_loop, start_server
+from services.verifier.sessions import Routes
 from shared.config import ConfigError, describe, load_config
 from shared.log import get_logger, setup_logging
 from shared.models import ModelLoadError, load_model
+from shared.runner import KVError, ModelRunner
 
 log = get_logger("verifier")
+#: the automatic KV budget on a CPU: this share of RAM, at most AUTO_KV_CPU_MAX bytes
+AUTO_KV_CPU_SHARE = 0.2
+AUTO_KV_CPU_MAX = 2 * 2**30
+#: ... and on a GPU, this share of the memory still free after the model loaded
+AUTO_KV_GPU_SHARE = 0.8
 
 
-def build(cfg: VerifierConfig) -> tuple[Hub, Engine]:
-    """Load the target and wire backend, policies, engine and hub together."""
+def kv_budget_bytes(cfg: VerifierConfig) -> int:
+    if cfg.kv_cache_gb > 0:
+        return int(cfg.kv_cache_gb * 2**30)
+    if cfg.device.startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info(torch.device(cfg.device))
+        return int(free * AUTO_KV_GPU_SHARE)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return min(AUTO_KV_CPU_MAX, int(ram * AUTO_KV_CPU_SHARE))
+
+
+def build(cfg: VerifierConfig, loop: asyncio.AbstractEventLoop) -> tuple[Hub, TorchCore]:
+    """Load the target and wire runner, policies, engine core, output and hub together."""
     if not cfg.model:
         raise ModelLoadError("no target model given: pass --model DIR or set SPECFLEET_MODEL")
     if cfg.torch_threads > 0:
         torch.set_num_threads(cfg.torch_threads)
     loaded = load_model(cfg.model, cfg.device, cfg.dtype, cfg.max_model_len)
-    pad = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else 0
-    backend = TorchBackend(loaded, pad_id=pad)
-    hub = Hub(loaded.name, loaded.fingerprint, loaded.max_model_len, cfg.max_draft_tokens, cfg.auth_token)
-    engine = Engine(
-        backend, loaded.tokenizer, loaded.eos_ids, hub,
-        allocator=make_allocator(cfg.allocation, cfg.draft_len), batcher=make_batcher(cfg.batching),
-        limits=BatchLimits(cfg.max_batch_sessions, cfg.max_batch_tokens), max_sessions=cfg.max_sessions,
-        max_draft_tokens=cfg.max_draft_tokens, draft_timeout_s=cfg.draft_timeout_s,
-    )
-    hub.engine = engine
-    return hub, engine
+    try:
+        runner = ModelRunner(loaded, kv_budget_bytes(cfg), cfg.runner)
+    except KVError as exc:
+        raise ModelLoadError(f"cannot set up the KV cache: {exc}") from None
+    metrics = VerifierMetrics()
+    routes = Routes(cfg.max_sessions)
+    hub = Hub(loaded.name, loaded.fingerprint, loaded.max_model_len, cfg.max_draft_tokens, cfg.auth_token, routes,
+              metrics)
+    output = Output(hub, routes, metrics)
+    scheduler = Scheduler(make_batcher(cfg.batching), BatchLimits(cfg.max_batch_sessions, cfg.max_batch_tokens),
+                          cfg.prefill_chunk)
+    def deliver(results: list[Result]) -> None:  # called on the core's thread
+        loop.call_soon_threadsafe(output.on_results, results)
+
+    core = TorchCore(runner, loaded.eos_ids, make_allocator(cfg.allocation, cfg.draft_len), scheduler,
+                     CoreLimits(cfg.max_draft_tokens, cfg.draft_timeout_s, cfg.max_waiting), deliver, metrics)
+    output.core = core
+    hub.intake = Intake(core, routes, output, loaded.tokenizer)
+    return hub, core
 
 
 async def serve(cfg: VerifierConfig, ready: asyncio.Event | None = None) -> None:
-    hub, engine = await asyncio.to_thread(build, cfg)
+    hub, core = await asyncio.to_thread(build, cfg, asyncio.get_running_loop())
+    core.start()
     server = await start_server(hub, cfg.host, cfg.port)
     port = server.sockets[0].getsockname()[1] if server.sockets else cfg.port
     log.info("verifier listening", host=cfg.host, port=port, model=hub.welcome.target_model,
              max_model_len=hub.welcome.max_model_len)
-    tasks = [asyncio.create_task(engine.run()), asyncio.create_task(fleet_status_loop(hub))]
+    tasks = [asyncio.create_task(fleet_status_loop(hub))]
     if ready is not None:
         ready.set()
     stop = asyncio.Event()
@@ -62,7 +93,7 @@ async def serve(cfg: VerifierConfig, ready: asyncio.Event | None = None) -> None
             if t.done() and t.exception():
                 raise t.exception()  # type: ignore[misc]
     finally:
-        engine.stop()
+        await asyncio.to_thread(core.stop)
         for t in tasks:
             t.cancel()
         server.close()

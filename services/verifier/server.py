@@ -3,10 +3,12 @@
 ``/v1/drafter``   drafters: Hello -> Welcome (tokenizer fingerprint checked), then sessions
 ``/v1/frontend``  coordinators: Hello -> Welcome, then TokenEvents/FleetStatus flow to them
 ``/health``       plain HTTP 200 for liveness probes
+``/metrics``      Prometheus text (``services/verifier/metrics.py``)
 
 Every frame is decoded with ``shared.protocol.decode``; a bad frame is answered with an
-ErrorFrame and the connection keeps going. Each connection has its own outbound queue and
-writer task, so a slow peer never blocks the engine.
+ErrorFrame and the connection keeps going. Each connection has its own bounded outbound queue
+and writer task, so a slow peer never blocks the engine; a peer that falls
+``OUTBOX_FRAMES`` frames behind is disconnected (its sessions are handled as for any lost peer).
 """
 
 from __future__ import annotations
@@ -15,18 +17,23 @@ import asyncio
 import contextlib
 import hmac
 import itertools
+import time
 from dataclasses import dataclass, field
 from http import HTTPStatus
 
 from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
-from services.verifier.engine import Engine
+from services.verifier.intake import Intake
+from services.verifier.metrics import VerifierMetrics
+from services.verifier.sessions import Routes
 from shared.log import get_logger
 from shared.protocol import (
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
+    Batchable,
     ErrorFrame,
     FleetStatus,
     Hello,
@@ -36,6 +43,8 @@ from shared.protocol import (
     Welcome,
     decode,
     encode,
+    encode_many,
+    unpack,
 )
 
 log = get_logger("verifier.server")
@@ -43,6 +52,8 @@ PATH_ROLES = {"/v1/drafter": "drafter", "/v1/frontend": "frontend"}
 HELLO_TIMEOUT_S = 10.0
 FLEET_STATUS_EVERY_S = 5.0
 _conn_ids = itertools.count(1)
+#: frames a peer may fall behind before it is disconnected as too slow
+OUTBOX_FRAMES = 8192
 
 
 @dataclass
@@ -51,49 +62,66 @@ class Peer:
     role: str
     node_id: str
     model: str
-    outbox: asyncio.Queue[Message | None] = field(default_factory=asyncio.Queue)
+    ws: ServerConnection
+    outbox: asyncio.Queue[bytes | None] = field(default_factory=lambda: asyncio.Queue(OUTBOX_FRAMES))
+
+    def put(self, frame: bytes) -> None:
+        try:
+            self.outbox.put_nowait(frame)
+        except asyncio.QueueFull:
+            log.error("peer fell too far behind; disconnecting it", conn=self.conn_id, node_id=self.node_id,
+                      frames=OUTBOX_FRAMES)
+            self.ws.transport.abort()
 
 
 class Hub:
-    """Connected peers, and the Outbox the engine sends through."""
+    """Connected peers: what the output side sends through, and the WebSocket handlers."""
 
     def __init__(self, target_model: str, fingerprint: str, max_model_len: int, max_draft_tokens: int,
-                 auth_token: str) -> None:
+                 auth_token: str, routes: Routes, metrics: VerifierMetrics) -> None:
         self.peers: dict[str, Peer] = {}
         self.welcome = Welcome(node_id="verifier", protocol_version=PROTOCOL_VERSION, target_model=target_model,
                                tokenizer_fingerprint=fingerprint, max_model_len=max_model_len,
                                max_draft_tokens=max_draft_tokens)
         self.auth_token = auth_token
-        self.engine: Engine | None = None
+        self.routes = routes
+        self.metrics = metrics
+        self.intake: Intake | None = None
 
-    # --- Outbox ------------------------------------------------------------------------
+    # --- sending -------------------------------------------------------------------------
 
-    def to_conn(self, conn_id: str, msg: Message) -> None:
+    def send(self, conn_id: str, msgs: list[Batchable]) -> None:
         peer = self.peers.get(conn_id)
         if peer is not None:
-            peer.outbox.put_nowait(msg)
+            peer.put(encode_many(msgs))
 
-    def to_frontend(self, origin: str, msg: Message) -> None:
+    def send_frontend(self, origin: str, msgs: list[Batchable]) -> None:
+        frame = b""
         for peer in self.peers.values():
             if peer.role == "frontend" and peer.node_id == origin:
-                peer.outbox.put_nowait(msg)
+                frame = frame or encode_many(msgs)
+                peer.put(frame)
 
     def fleet_status(self) -> FleetStatus:
         drafters = sorted(p.node_id for p in self.peers.values() if p.role == "drafter")
-        sessions = len(self.engine.sessions) if self.engine else 0
-        return FleetStatus(drafters=drafters, sessions=sessions, target_model=self.welcome.target_model)
+        return FleetStatus(drafters=drafters, sessions=len(self.routes), target_model=self.welcome.target_model)
 
     def broadcast_fleet(self) -> None:
-        status = self.fleet_status()
+        frame = encode(self.fleet_status())
         for peer in self.peers.values():
             if peer.role == "frontend":
-                peer.outbox.put_nowait(status)
+                peer.put(frame)
 
     # --- HTTP layer ----------------------------------------------------------------------
 
     def process_request(self, connection: ServerConnection, request: Request) -> Response | None:
         if request.path == "/health":
             return connection.respond(HTTPStatus.OK, "ok\n")
+        if request.path == "/metrics":
+            body = self.metrics.render()
+            headers = Headers([("Content-Type", "text/plain; version=0.0.4; charset=utf-8"),
+                               ("Content-Length", str(len(body)))])
+            return Response(HTTPStatus.OK.value, "OK", headers, body)
         if request.path not in PATH_ROLES:
             return connection.respond(HTTPStatus.NOT_FOUND, "use /v1/drafter or /v1/frontend\n")
         if self.auth_token:
@@ -110,23 +138,22 @@ class Hub:
         hello = await self._handshake(ws, role)
         if hello is None:
             return
-        peer = Peer(f"{role}-{next(_conn_ids)}", role, hello.node_id, hello.model)
+        peer = Peer(f"{role}-{next(_conn_ids)}", role, hello.node_id, hello.model, ws)
         self.peers[peer.conn_id] = peer
         log.info("peer connected", conn=peer.conn_id, node_id=peer.node_id, model=peer.model)
-        peer.outbox.put_nowait(self.welcome)
+        peer.put(encode(self.welcome))
         writer = asyncio.create_task(self._write(ws, peer))
         if role == "drafter":
             self.broadcast_fleet()
         else:
-            peer.outbox.put_nowait(self.fleet_status())
+            peer.put(encode(self.fleet_status()))
         try:
             await self._read(ws, peer)
         finally:
             self.peers.pop(peer.conn_id, None)
-            peer.outbox.put_nowait(None)
             writer.cancel()
-            if role == "drafter" and self.engine is not None:
-                self.engine.submit(peer.conn_id, "gone", None)
+            if role == "drafter" and self.intake is not None:
+                self.intake.handle(peer.conn_id, "gone", None)
             self.broadcast_fleet()
             log.info("peer disconnected", conn=peer.conn_id, node_id=peer.node_id)
 
@@ -167,20 +194,22 @@ class Hub:
             await ws.close(1008, code)
 
     async def _read(self, ws: ServerConnection, peer: Peer) -> None:
-        assert self.engine is not None
+        assert self.intake is not None
         with contextlib.suppress(ConnectionClosed):
             async for raw in ws:
+                received = time.perf_counter()
                 try:
                     msg = decode(raw)
                 except ProtocolError as exc:
-                    peer.outbox.put_nowait(ErrorFrame(code="bad_frame", message=str(exc)))
+                    peer.put(encode(ErrorFrame(code="bad_frame", message=str(exc))))
                     continue
-                self.engine.submit(peer.conn_id, peer.role, msg)
+                for item in unpack(msg):
+                    self.intake.handle(peer.conn_id, peer.role, item, received)
 
     async def _write(self, ws: ServerConnection, peer: Peer) -> None:
         with contextlib.suppress(ConnectionClosed):
-            while (msg := await peer.outbox.get()) is not None:
-                await ws.send(encode(msg))
+            while (frame := await peer.outbox.get()) is not None:
+                await ws.send(frame)
 
 
 async def start_server(hub: Hub, host: str, port: int) -> Server:

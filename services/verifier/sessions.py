@@ -1,128 +1,59 @@
-"""Per-session state on the verifier: committed tokens, stop decisions, statistics.
+"""The event loop's view of each session: whom to tell, its text so far, its counts.
 
-One ``Session`` per request, with an explicit status. The verifier owns the committed text:
-it alone decides when a session stops (eos, stop token, stop string, max_tokens, context).
+The engine core owns the tokens and the KV cache; this side owns everything that reaches a
+peer: which drafter connection gets the per-round Verdicts, which frontend gets the
+TokenEvents, the incremental text with its stop strings, and the request ids already served
+(a re-delivered request is answered "duplicate").
 """
 
 from __future__ import annotations
 
-import enum
-import time
-from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from collections import OrderedDict
+from dataclasses import dataclass
 
 from services.verifier.detok import IncrementalText
-from shared.protocol import Draft, FinishReason, SamplingParams
-from shared.sampling import make_generator
 
-
-class Status(enum.Enum):
-    WAITING_DRAFT = "waiting_draft"  # a drafter owns the next move
-    READY = "ready"  # can be verified in the next batch
-    FINISHED = "finished"
+#: finished request ids remembered, so a re-delivered request is answered "duplicate"
+FINISHED_IDS_KEPT = 100_000
 
 
 @dataclass
-class Session:
+class Route:
     request_id: str
-    origin: str  # the frontend that receives TokenEvents
-    prompt_ids: list[int]
-    params: SamplingParams
-    drafter: str | None  # connection id of the drafter, None when autonomous (target-only)
-    max_model_len: int
-    eos_ids: set[int]
+    origin: str  # the frontend node that receives TokenEvents
+    opener: str  # the connection that sent OpenSession
+    drafter: str | None  # connection that gets per-round Verdicts; None when target-only
+    owner: str | None  # the drafter connection that opened it: told when it finishes
+    prompt_tokens: int
     text: IncrementalText
-    status: Status = Status.WAITING_DRAFT
-    owner: str | None = None  # the drafter connection that opened it (gets the final Verdict)
-    round: int = 0
-    draft_budget: int = 0
-    draft: Draft | None = None
-    generated: list[int] = field(default_factory=list)
-    finish_reason: FinishReason | None = None
+    completion_tokens: int = 0
     drafted: int = 0
     accepted: int = 0
-    ready_since: float = 0.0
-    waiting_since: float = field(default_factory=time.monotonic)
-    created_at: float = field(default_factory=time.monotonic)
-    gen: torch.Generator = field(default_factory=lambda: make_generator(None))
 
-    @classmethod
-    def create(
-        cls, request_id: str, origin: str, prompt_ids: list[int], params: SamplingParams,
-        drafter: str | None, max_model_len: int, eos_ids: set[int], tokenizer: Any,
-    ) -> Session:
-        s = cls(
-            request_id=request_id, origin=origin, prompt_ids=list(prompt_ids), params=params,
-            drafter=drafter, max_model_len=max_model_len, eos_ids=set() if params.ignore_eos else eos_ids,
-            text=IncrementalText(tokenizer, list(params.stop)), gen=make_generator(params.seed),
-        )
-        if drafter is None:
-            s.mark_ready()
-        return s
 
-    @property
-    def autonomous(self) -> bool:
-        return self.drafter is None
+class Routes:
+    def __init__(self, max_sessions: int) -> None:
+        self.max_sessions = max_sessions
+        self.open: dict[str, Route] = {}
+        self._finished: OrderedDict[str, None] = OrderedDict()
 
-    @property
-    def last_token(self) -> int:
-        return self.generated[-1] if self.generated else self.prompt_ids[-1]
+    def __len__(self) -> int:
+        return len(self.open)
 
-    @property
-    def context_len(self) -> int:
-        return len(self.prompt_ids) + len(self.generated)
+    def get(self, request_id: str) -> Route | None:
+        return self.open.get(request_id)
 
-    def mark_ready(self, draft: Draft | None = None) -> None:
-        self.draft = draft
-        self.status = Status.READY
-        self.ready_since = time.monotonic()
+    def known(self, request_id: str) -> bool:
+        return request_id in self.open or request_id in self._finished
 
-    def wait_for_draft(self) -> None:
-        self.draft = None
-        self.status = Status.WAITING_DRAFT
-        self.waiting_since = time.monotonic()
+    def add(self, route: Route) -> None:
+        self.open[route.request_id] = route
 
-    def detach(self) -> None:
-        """Continue without a drafter (it left, closed the session, or went silent)."""
-        self.drafter = None
-        self.owner = None
-        if self.status is Status.WAITING_DRAFT:
-            self.mark_ready()
+    def close(self, request_id: str) -> None:
+        if self.open.pop(request_id, None) is not None:
+            self._finished[request_id] = None
+            while len(self._finished) > FINISHED_IDS_KEPT:
+                self._finished.popitem(last=False)
 
-    def draft_tokens(self) -> list[int]:
-        """The drafts to verify this round, clipped so the context limit is never crossed."""
-        if self.draft is None:
-            return []
-        room = self.max_model_len - self.context_len - 1
-        return list(self.draft.token_ids[: max(0, min(self.draft_budget, room))])
-
-    def commit(self, new_tokens: list[int]) -> list[int]:
-        """Append this round's tokens, stopping at the first stop condition.
-
-        Returns the tokens actually committed (a suffix after a stop is dropped).
-        """
-        kept: list[int] = []
-        for token in new_tokens:
-            kept.append(token)
-            self.generated.append(token)
-            reason = self._stop_reason(token)
-            if reason is not None:
-                self.finish(reason)
-                break
-        return kept
-
-    def _stop_reason(self, token: int) -> FinishReason | None:
-        if token in self.eos_ids or token in self.params.stop_token_ids:
-            return "stop"
-        if self.text.push(token):
-            return "stop"
-        if len(self.generated) >= self.params.max_tokens or self.context_len >= self.max_model_len:
-            return "length"
-        return None
-
-    def finish(self, reason: FinishReason) -> None:
-        if self.status is not Status.FINISHED:
-            self.status = Status.FINISHED
-            self.finish_reason = reason
+    def of_conn(self, conn_id: str) -> list[Route]:
+        return [r for r in self.open.values() if conn_id in (r.drafter, r.owner)]

@@ -35,6 +35,7 @@ from shared.protocol import (
     Welcome,
     decode,
     encode,
+    unpack,
 )
 from tests.conftest import free_port, greedy_reference
 
@@ -74,9 +75,9 @@ class Peer:
     async def _read(self) -> None:
         with contextlib.suppress(websockets.ConnectionClosed):
             async for raw in self.ws:
-                msg = decode(raw)
-                rid = getattr(msg, "request_id", None)
-                (self.box(rid) if rid else self.control).put_nowait(msg)
+                for msg in unpack(decode(raw)):
+                    rid = getattr(msg, "request_id", None)
+                    (self.box(rid) if rid else self.control).put_nowait(msg)
 
     def box(self, rid: str) -> asyncio.Queue[Message]:
         return self.inbox.setdefault(rid, asyncio.Queue())

@@ -44,6 +44,9 @@ SAMPLES: list[P.Message] = [
     P.QueuePull(max_items=8),
     P.QueueDelivery(delivery_id="1-0", request=QREQ),
     P.QueueAck(delivery_id="1-0"),
+    P.Batch(items=[P.Verdict(request_id="r1", round=0, accepted=0, token_ids=[4], finished=False, finish_reason=None,
+                             draft_budget=4),
+                   P.ErrorFrame(code="busy", message="retry", request_id="r2")]),
 ]
 
 
@@ -190,3 +193,17 @@ def test_encode_of_a_struct_is_msgpack_map_with_type_tag() -> None:
     raw = _raw(P.Cancel(request_id="r9"))
     assert raw == {"type": "cancel", "request_id": "r9"}
     assert isinstance(msgspec.msgpack.decode(P.encode(P.Cancel(request_id="r9"))), dict)
+
+
+def test_batch_packs_several_messages_and_unpacks_in_order() -> None:
+    verdicts = [P.Verdict(request_id=f"r{i}", round=i, accepted=0, token_ids=[i], finished=False, finish_reason=None,
+                          draft_budget=2) for i in range(3)]
+    assert P.unpack(P.decode(P.encode_many(verdicts))) == verdicts
+    assert P.decode(P.encode_many(verdicts[:1])) == verdicts[0]  # one message travels alone
+
+
+@pytest.mark.parametrize("items", [[], [P.QueuePull(max_items=1)], [P.Batch(items=[P.Cancel(request_id="r")])]])
+def test_batch_refuses_empty_or_unbatchable_items(items: list[typing.Any]) -> None:
+    raw = msgpack.packb({"type": "batch", "items": [msgspec.to_builtins(i) for i in items]})
+    with pytest.raises(P.ProtocolError):
+        P.decode(raw)

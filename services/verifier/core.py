@@ -1,0 +1,277 @@
+"""The torch engine core: a thread that owns the target model, the KV arena and the schedule.
+
+    while running:
+        1. drain commands   (new requests, drafts, detaches, finishes)
+        2. admit            (reserve KV for waiting requests, oldest first, while it fits)
+        3. schedule         (verification rounds, then prefill chunks: ``Scheduler``)
+        4. forward          (one packed pass of the target over every segment)
+        5. judge + commit   (acceptance maths, token-level stops, KV rollback, next budgets)
+        6. deliver          (hand the step's results to the event loop, without waiting)
+
+The event loop encodes and sends step N's results while this thread already runs step N+1, so
+the model never waits for the network. Only this thread touches requests and the arena.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from services.verifier.allocation import Allocator, RoundStats
+from services.verifier.core_api import (
+    AddDraft,
+    AddRequest,
+    Admitted,
+    Command,
+    CoreBusy,
+    Deliver,
+    Detach,
+    Detached,
+    Finish,
+    KVStats,
+    OutOfTurn,
+    Refused,
+    Result,
+    Rounded,
+)
+from services.verifier.judge import judge
+from services.verifier.metrics import VerifierMetrics
+from services.verifier.requests import Request, Status
+from services.verifier.scheduler import Scheduler, Step
+from shared.log import get_logger
+from shared.runner import KVError, ModelRunner
+
+log = get_logger("verifier.core")
+IDLE_WAKE_S = 0.25  # an idle core still wakes this often to notice silent drafters
+
+
+@dataclass(frozen=True)
+class CoreLimits:
+    max_draft_tokens: int
+    draft_timeout_s: float
+    max_waiting: int  # requests held for KV memory before new ones are refused as busy
+    max_commands: int = 65536
+
+
+class TorchCore:
+    def __init__(self, runner: ModelRunner, eos_ids: set[int], allocator: Allocator, scheduler: Scheduler,
+                 limits: CoreLimits, deliver: Deliver, metrics: VerifierMetrics) -> None:
+        self.runner = runner
+        self.vocab_size = runner.vocab_size
+        self.max_model_len = runner.max_model_len
+        self.eos_ids = frozenset(eos_ids)
+        self.allocator, self.scheduler, self.limits = allocator, scheduler, limits
+        self.deliver, self.metrics = deliver, metrics
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self._commands: queue.Queue[Command | None] = queue.Queue(limits.max_commands)
+        # Detach/Finish are never refused: they free work, and there is at most one per session.
+        self._control: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._results: list[Result] = []
+        self._running = False
+        self._thread: threading.Thread | None = None
+        self._last_step_start = 0.0
+
+    # --- the VerifierCore interface (event loop thread) -------------------------------------
+
+    def start(self) -> None:
+        self._running = True
+        self._thread = threading.Thread(target=self._run, name="verifier-core", daemon=True)
+        self._thread.start()
+
+    def submit(self, command: Command) -> None:
+        if isinstance(command, Detach | Finish):
+            self._control.put(command)
+            with contextlib.suppress(queue.Full):
+                self._commands.put_nowait(None)  # wake a blocked loop
+            return
+        try:
+            self._commands.put_nowait(command)
+        except queue.Full:
+            raise CoreBusy(f"the verifier core has {self.limits.max_commands} commands queued") from None
+
+    def stop(self) -> None:
+        self._running = False
+        self._commands.put(None)  # a wake-up; _running is already False
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def kv_stats(self) -> KVStats:
+        kv = self.runner.kv
+        return KVStats(budget_bytes=kv.budget_bytes, reserved_bytes=kv.reserved_tokens * kv.shape.bytes_per_token,
+                       cached_tokens=kv.cached_tokens, sessions=kv.sessions, waiting=len(self.waiting))
+
+    # --- the loop ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        log.info("engine core started", allocation=self.allocator.name, batching=self.scheduler.batcher.name)
+        while self._running:
+            self._drain(block=not self._has_work())
+            scheduled = time.perf_counter()
+            self._expire_silent_drafters()
+            self._admit()
+            step = self.scheduler.schedule(self.requests.values())
+            if step:
+                self._step(step, scheduled)
+            self._flush()
+
+    def _has_work(self) -> bool:
+        return any(self.scheduler.verifiable(r) or (r.slot is not None and r.to_prefill > 0)
+                   for r in self.requests.values()) or self._can_admit()
+
+    def _drain(self, block: bool) -> None:
+        """Handle every queued command; wait up to IDLE_WAKE_S for one when there is no work."""
+        if block and self._control.empty():
+            try:
+                first = self._commands.get(timeout=IDLE_WAKE_S)
+            except queue.Empty:
+                return
+            if first is not None:
+                self._handle(first)
+        while not self._control.empty():
+            self._handle(self._control.get_nowait())
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command is not None:  # None is only a wake-up
+                self._handle(command)
+
+    def _flush(self) -> None:
+        if self._results:
+            results, self._results = self._results, []
+            self.deliver(results)
+
+    # --- commands ------------------------------------------------------------------------
+
+    def _handle(self, command: Command) -> None:
+        if isinstance(command, AddRequest):
+            self._add(command)
+        elif isinstance(command, AddDraft):
+            self._draft(command)
+        elif isinstance(command, Detach):
+            req = self.requests.get(command.request_id)
+            if req is not None:
+                req.detach()
+        elif isinstance(command, Finish):
+            req = self.requests.get(command.request_id)
+            if req is not None:
+                req.finish("cancelled")
+                self._retire(req)
+
+    def _add(self, cmd: AddRequest) -> None:
+        req = Request.create(cmd.request_id, cmd.prompt_ids, cmd.params, cmd.speculative, self.max_model_len,
+                             self.eos_ids)
+        need = req.kv_tokens_needed(self.limits.max_draft_tokens)
+        if need > self.runner.kv.tokens:
+            self._results.append(Refused(cmd.request_id, "invalid", (
+                f"the request needs {need} tokens of KV cache but the verifier holds {self.runner.kv.tokens} in all; "
+                "ask for fewer max_tokens or raise the verifier's --kv-cache-gb")))
+        elif len(self.waiting) >= self.limits.max_waiting:
+            self._results.append(Refused(cmd.request_id, "busy", (
+                f"the verifier's KV cache is full and {len(self.waiting)} requests already wait for it; retry later")))
+        else:
+            self.requests[req.request_id] = req
+            self.waiting.append(req)
+
+    def _draft(self, cmd: AddDraft) -> None:
+        req = self.requests.get(cmd.request_id)
+        if req is None or req.status is not Status.WAITING_DRAFT or cmd.round != req.round:
+            where = f"round {req.round}" if req is not None else "no open session"
+            self._results.append(OutOfTurn(cmd.request_id, f"session {cmd.request_id} expects {where}, "
+                                                           f"got a draft for round {cmd.round}"))
+            return
+        req.draft_ids, req.draft_q = cmd.token_ids, cmd.q
+        self.metrics.draft_wait.observe(max(0.0, cmd.received_at - req.waiting_since))
+        req.mark_ready()
+
+    def _expire_silent_drafters(self) -> None:
+        now = time.perf_counter()
+        for req in self.requests.values():
+            if req.status is Status.WAITING_DRAFT and now - req.waiting_since > self.limits.draft_timeout_s:
+                log.warning("no draft in time; session continues target-only", request_id=req.request_id,
+                            waited_s=round(now - req.waiting_since, 1))
+                req.detach()
+                self._results.append(Detached(req.request_id))
+
+    # --- admission -----------------------------------------------------------------------
+
+    def _can_admit(self) -> bool:
+        return bool(self.waiting) and self.runner.kv.fits(
+            self.waiting[0].kv_tokens_needed(self.limits.max_draft_tokens))
+
+    def _admit(self) -> None:
+        while self._can_admit():
+            req = self.waiting.popleft()
+            req.slot = self.runner.kv.allocate(req.kv_tokens_needed(self.limits.max_draft_tokens))
+            budget = min(self.allocator.initial(req.request_id), self.limits.max_draft_tokens) if req.speculative else 0
+            req.draft_budget = budget
+            if req.speculative:
+                req.await_draft()
+            else:
+                req.mark_ready()
+            self._results.append(Admitted(req.request_id, budget))
+        self.metrics.set_kv(self.kv_stats())
+
+    # --- one step --------------------------------------------------------------------------
+
+    def _step(self, step: Step, scheduled: float) -> None:
+        t0 = time.perf_counter()
+        for req, _ in step.verify:
+            self.metrics.queue_wait.observe(t0 - req.ready_since)
+        try:
+            logits = self.runner.forward(step.segments)
+            t1 = time.perf_counter()
+            verdicts = judge(step.verify, logits) if step.verify and logits is not None else []
+        except (KVError, RuntimeError, ValueError) as exc:  # fail this step's sessions, keep serving
+            log.exception("verification step failed", sessions=len(step.segments))
+            for req in [r for r, _ in step.verify] + step.prefill:
+                self._fail(req, f"verification failed: {exc}")
+            return
+        kept = [self._commit(req, drafts, v.accepted, v.tokens) for (req, drafts), v in
+                zip(step.verify, verdicts, strict=True)]
+        budgets = self.allocator.assign([RoundStats(req.request_id, None, len(d), v.accepted, len(req.committed))
+                                         for (req, d), v in zip(step.verify, verdicts, strict=True)])
+        for (req, drafts), v, k in zip(step.verify, verdicts, kept, strict=True):
+            self._publish_round(req, len(drafts), v.accepted, k, budgets.get(req.request_id, 0))
+        self.metrics.observe_step(step, scheduled, t0, t1, time.perf_counter(), self._last_step_start)
+        self._last_step_start = t0
+
+    def _commit(self, req: Request, drafts: list[int], accepted: int, tokens: list[int]) -> list[int]:
+        """Roll the KV back past rejected drafts and commit the round's tokens; returns those kept."""
+        assert req.slot is not None
+        req.slot.truncate(req.slot.length - (len(drafts) - accepted))  # keep the accepted drafts' keys/values
+        req.drafted += len(drafts)
+        req.accepted += accepted
+        return req.commit(tokens)
+
+    def _publish_round(self, req: Request, drafted: int, accepted: int, kept: list[int], budget: int) -> None:
+        finished = req.status is Status.FINISHED
+        budget = 0 if finished or not req.speculative else min(budget, self.limits.max_draft_tokens)
+        self._results.append(Rounded(req.request_id, req.round, drafted, accepted, kept, finished,
+                                     req.finish_reason, budget))
+        self.metrics.count_round(drafted, accepted, len(kept))
+        if finished:
+            self._retire(req)
+        else:
+            req.draft_budget = budget
+            req.next_round()
+
+    def _fail(self, req: Request, error: str) -> None:
+        req.finish("error")
+        self._results.append(Rounded(req.request_id, req.round, 0, 0, [], True, "error", 0, error=error))
+        self._retire(req)
+
+    def _retire(self, req: Request) -> None:
+        self.requests.pop(req.request_id, None)
+        if req.slot is not None:
+            self.runner.kv.free(req.slot)
+            req.slot = None
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.allocator.forget(req.request_id)

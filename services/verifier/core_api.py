@@ -1,0 +1,139 @@
+"""The verifier's engine core as the event loop sees it: commands in, results out.
+
+The core owns the target model, the KV cache and every scheduling decision, and runs apart
+from the event loop (the torch core on a thread of its own, as vLLM's EngineCore runs in a
+process of its own), so the model never waits for network I/O. The event loop side
+(``server``, ``intake``, ``output``) validates frames, turns them into these commands, and
+turns the core's results into wire messages.
+
+A core implementation takes commands with :meth:`VerifierCore.submit` from the event loop
+thread and hands back lists of results through the ``deliver`` callback it was built with;
+results of one step arrive together, in order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from shared.protocol import FinishReason, SamplingParams, SparseQ
+
+# --- commands (event loop -> core) ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    speculative: bool  # wait for a drafter's drafts each round (else decode target-only)
+
+
+@dataclass(frozen=True)
+class AddDraft:
+    request_id: str
+    round: int
+    token_ids: list[int]
+    q: list[SparseQ] | None
+    received_at: float  # time.perf_counter() when the frame arrived
+
+
+@dataclass(frozen=True)
+class Detach:
+    """The session's drafter is gone: decode it target-only from now on."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Finish:
+    """Stop a session now (cancelled, or a stop string ended it); the core frees it silently."""
+
+    request_id: str
+
+
+Command = AddRequest | AddDraft | Detach | Finish
+
+# --- results (core -> event loop) ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """KV memory is reserved; the drafter may draft round 0 (the prompt is prefilled meanwhile)."""
+
+    request_id: str
+    draft_budget: int
+
+
+@dataclass(frozen=True)
+class Refused:
+    """The core cannot serve the request. ``code``: busy (retry later) or invalid (never)."""
+
+    request_id: str
+    code: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Rounded:
+    """One verified round: ``tokens`` are the accepted drafts then the target's own token."""
+
+    request_id: str
+    round: int
+    drafted: int
+    accepted: int
+    tokens: list[int]
+    finished: bool
+    finish_reason: FinishReason | None
+    draft_budget: int
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class OutOfTurn:
+    """A draft that does not belong to the session's current round (or to no session)."""
+
+    request_id: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Detached:
+    """The core gave up waiting for this session's drafter (silent too long)."""
+
+    request_id: str
+
+
+Result = Admitted | Refused | Rounded | OutOfTurn | Detached
+Deliver = Callable[[list[Result]], None]
+
+
+@dataclass
+class KVStats:
+    budget_bytes: int
+    reserved_bytes: int
+    cached_tokens: int
+    sessions: int
+    waiting: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class VerifierCore(Protocol):
+    vocab_size: int
+    max_model_len: int
+
+    def start(self) -> None:
+        """Begin serving (the torch core starts its thread)."""
+
+    def submit(self, command: Command) -> None:
+        """Queue a command; never blocks. Raises CoreBusy when the command queue is full."""
+
+    def stop(self) -> None:
+        """Stop serving and wait for the core to wind down."""
+
+    def kv_stats(self) -> KVStats: ...
+
+
+class CoreBusy(RuntimeError):
+    """The core's command queue is full: the verifier is overloaded; retry later."""

@@ -1,0 +1,98 @@
+"""The acceptance step over one batch: from the target's logits to each session's verdict.
+
+The forward pass returns logits rows for every verified session, back to back: for a session
+with k drafts, k + 1 rows (its last committed token, then each draft). Work is vectorised over
+the whole batch where the maths allows:
+
+* one argmax over every row serves all greedy sessions (no softmax, no copy);
+* one call turns the sampled sessions' rows into their distributions, each row with its own
+  temperature, top-k and top-p; one gather reads p(x) of every drafted token;
+* one ``.tolist()`` each brings those to Python; per session there remain its k uniforms and
+  one draw from its generator (the residual, or the bonus row).
+
+The rules themselves are the pure functions of ``shared.acceptance``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from services.verifier.requests import Request
+from shared.acceptance import accepted_prefix, one_hot, residual, verify_greedy
+from shared.protocol import SparseQ
+from shared.sampling import probs_from_logit_rows, sample
+
+
+@dataclass(frozen=True)
+class Verdict:
+    accepted: int
+    tokens: list[int]  # accepted drafts, then the target's own token
+
+
+def judge(batch: Sequence[tuple[Request, list[int]]], logits: torch.Tensor) -> list[Verdict]:
+    """Verdicts for ``batch`` (request, drafts verified) whose rows fill ``logits`` in order."""
+    starts, row = [], 0
+    for _, drafts in batch:
+        starts.append(row)
+        row += len(drafts) + 1
+    out: list[Verdict | None] = [None] * len(batch)
+    greedy = [i for i, (req, _) in enumerate(batch) if req.greedy]
+    if greedy:
+        argmax = logits.argmax(-1).tolist()
+        for i in greedy:
+            drafts = batch[i][1]
+            n, extra = verify_greedy(drafts, argmax[starts[i] : starts[i] + len(drafts) + 1])
+            out[i] = Verdict(n, [*drafts[:n], extra])
+    sampled = [i for i, (req, _) in enumerate(batch) if not req.greedy]
+    if sampled:
+        for i, verdict in zip(sampled, _judge_sampled([batch[i] for i in sampled], [starts[i] for i in sampled],
+                                                      logits), strict=True):
+            out[i] = verdict
+    return [v for v in out if v is not None]
+
+
+def _judge_sampled(batch: Sequence[tuple[Request, list[int]]], starts: list[int],
+                   logits: torch.Tensor) -> list[Verdict]:
+    rows = [r for s, (_, d) in zip(starts, batch, strict=True) for r in range(s, s + len(d) + 1)]
+    if len(rows) != logits.shape[0]:
+        logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+    params = [req.params for req, d in batch for _ in range(len(d) + 1)]
+    p = probs_from_logit_rows(logits, [x.temperature for x in params], [x.top_k for x in params],
+                              [x.top_p for x in params])
+    local, offset = [], 0
+    for _, drafts in batch:
+        local.append(offset)
+        offset += len(drafts) + 1
+    draft_rows = [local[b] + j for b, (_, d) in enumerate(batch) for j in range(len(d))]
+    draft_ids = [t for _, d in batch for t in d]
+    p_x = p[draft_rows, draft_ids].tolist() if draft_ids else []
+    verdicts, at = [], 0
+    for (req, drafts), start in zip(batch, local, strict=True):
+        k = len(drafts)
+        verdicts.append(_accept(req, drafts, p[start : start + k + 1], p_x[at : at + k]))
+        at += k
+    return verdicts
+
+
+def _accept(req: Request, drafts: list[int], p: torch.Tensor, p_x: list[float]) -> Verdict:
+    k = len(drafts)
+    q_x = [_q_of(req.draft_q[j], t) for j, t in enumerate(drafts)] if req.draft_q else [1.0] * k
+    n = accepted_prefix(p_x, q_x, torch.rand(k, generator=req.gen).tolist() if k else [])
+    if n == k:
+        return Verdict(k, [*drafts, sample(p[k], req.gen)])
+    vocab = p.shape[-1]
+    q_row = _dense(req.draft_q[n], vocab) if req.draft_q else one_hot(drafts[n], vocab)
+    return Verdict(n, [*drafts[:n], sample(residual(p[n], q_row), req.gen)])
+
+
+def _q_of(q: SparseQ, token: int) -> float:
+    """q(x) for the drafted token (intake checked it is listed, with probability > 0)."""
+    return q.probs[q.ids.index(token)] / sum(q.probs)
+
+
+def _dense(q: SparseQ, vocab: int) -> torch.Tensor:
+    probs = torch.tensor(q.probs, dtype=torch.float32)
+    return torch.zeros(vocab).index_put_((torch.tensor(q.ids),), probs / probs.sum())

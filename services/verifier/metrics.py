@@ -1,0 +1,82 @@
+"""Prometheus metrics of one verifier: where each round's time goes, and the KV cache.
+
+Served at ``GET /metrics`` on the verifier's port. The step histograms split a step into
+``schedule`` (admission and batch choice), ``forward`` (the model), ``accept`` (the acceptance
+maths, commits and next budgets) and ``total``; ``step_period`` is the time between the starts
+of back-to-back steps, which also counts the event loop's share of the CPU. ``publish`` is the
+event loop's time to turn one step's results into frames. ``queue_wait`` is how long a ready
+round waited for a step; ``draft_wait`` how long the verifier waited for a drafter's draft
+(drafting plus both network legs). ``python -m bench profile`` prints these side by side.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from services.verifier.core_api import KVStats
+from services.verifier.scheduler import Step
+
+_P = "specfleet_verifier"
+#: 50 us .. 2.5 s, finer where rounds live
+_TIME = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2e-3, 3e-3, 5e-3, 7.5e-3, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1,
+         0.25, 0.5, 1.0, 2.5)
+_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+#: a gap longer than this between steps is idleness, not step time
+MAX_PERIOD_S = 0.5
+
+
+class VerifierMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.step = Histogram(f"{_P}_step_seconds", "Engine step time by phase", ["phase"], buckets=_TIME, registry=r)
+        self.step_period = Histogram(f"{_P}_step_period_seconds", "Start-to-start time of back-to-back steps",
+                                     buckets=_TIME, registry=r)
+        self.queue_wait = Histogram(f"{_P}_queue_wait_seconds", "Ready round -> its step starts", buckets=_TIME,
+                                    registry=r)
+        self.draft_wait = Histogram(f"{_P}_draft_wait_seconds", "Verdict out -> next draft in (drafting + network)",
+                                    buckets=_TIME, registry=r)
+        self.publish = Histogram(f"{_P}_publish_seconds", "Event loop: one step's results -> frames queued",
+                                 buckets=_TIME, registry=r)
+        self.batch_sessions = Histogram(f"{_P}_batch_sessions", "Sessions per step", buckets=_SIZES, registry=r)
+        self.batch_tokens = Histogram(f"{_P}_batch_tokens", "Tokens fed per step", buckets=_SIZES, registry=r)
+        self.steps = Counter(f"{_P}_steps", "Engine steps", registry=r)
+        self.rounds = Counter(f"{_P}_rounds", "Verified rounds", registry=r)
+        self.prefill_tokens = Counter(f"{_P}_prefill_tokens", "Prompt tokens cached", registry=r)
+        self.drafted = Counter(f"{_P}_drafted_tokens", "Draft tokens verified", registry=r)
+        self.accepted = Counter(f"{_P}_accepted_tokens", "Draft tokens accepted", registry=r)
+        self.generated = Counter(f"{_P}_generated_tokens", "Tokens committed", registry=r)
+        self.kv_budget = Gauge(f"{_P}_kv_budget_bytes", "KV arena size", registry=r)
+        self.kv_reserved = Gauge(f"{_P}_kv_reserved_bytes", "KV bytes reserved by admitted sessions", registry=r)
+        self.kv_cached = Gauge(f"{_P}_kv_cached_tokens", "Tokens whose keys/values are cached", registry=r)
+        self.sessions = Gauge(f"{_P}_sessions", "Sessions holding KV memory", registry=r)
+        self.waiting = Gauge(f"{_P}_waiting_sessions", "Sessions waiting for KV memory", registry=r)
+
+    def observe_step(self, step: Step, scheduled: float, start: float, forward_end: float, end: float,
+                     previous_start: float) -> None:
+        """Times of one step: schedule from ``scheduled``, forward from ``start``, then accept."""
+        self.step.labels("schedule").observe(start - scheduled)
+        self.step.labels("forward").observe(forward_end - start)
+        self.step.labels("accept").observe(end - forward_end)
+        self.step.labels("total").observe(end - scheduled)
+        if 0 < start - previous_start < MAX_PERIOD_S:
+            self.step_period.observe(start - previous_start)
+        self.steps.inc()
+        self.batch_sessions.observe(len(step.segments))
+        self.batch_tokens.observe(step.verify_tokens + step.prefill_tokens)
+        self.prefill_tokens.inc(step.prefill_tokens)
+
+    def count_round(self, drafted: int, accepted: int, committed: int) -> None:
+        self.rounds.inc()
+        self.drafted.inc(drafted)
+        self.accepted.inc(accepted)
+        self.generated.inc(committed)
+
+    def set_kv(self, kv: KVStats) -> None:
+        self.kv_budget.set(kv.budget_bytes)
+        self.kv_reserved.set(kv.reserved_bytes)
+        self.kv_cached.set(kv.cached_tokens)
+        self.sessions.set(kv.sessions)
+        self.waiting.set(kv.waiting)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

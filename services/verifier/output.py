@@ -1,0 +1,160 @@
+"""From engine results to frames: Verdicts for drafters, TokenEvents for frontends.
+
+Runs on the event loop while the engine core already computes the next step. For each round
+it pushes the new tokens through the session's incremental detokenizer, where stop strings
+are found (a stop string ends the session here, and the core is told to drop it), then queues
+one frame per peer for the whole step: a step's Verdicts to one drafter, or its TokenEvents to
+one coordinator, travel as a single Batch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import Protocol
+
+from services.verifier.core_api import (
+    Admitted,
+    Detached,
+    Finish,
+    OutOfTurn,
+    Refused,
+    Result,
+    Rounded,
+    VerifierCore,
+)
+from services.verifier.metrics import VerifierMetrics
+from services.verifier.sessions import Route, Routes
+from shared.log import get_logger
+from shared.protocol import Batchable, ErrorFrame, FinishReason, OpenSession, SessionOpened, TokenEvent, Verdict
+
+log = get_logger("verifier.output")
+
+
+class Peers(Protocol):
+    """The connection registry (the server's Hub)."""
+
+    def send(self, conn_id: str, msgs: list[Batchable]) -> None: ...
+
+    def send_frontend(self, origin: str, msgs: list[Batchable]) -> None: ...
+
+
+class Output:
+    def __init__(self, peers: Peers, routes: Routes, metrics: VerifierMetrics) -> None:
+        self.peers = peers
+        self.routes = routes
+        self.metrics = metrics
+        self.core: VerifierCore | None = None  # set once built (it needs our on_results)
+        self._to_conn: defaultdict[str, list[Batchable]] = defaultdict(list)
+        self._to_origin: defaultdict[str, list[Batchable]] = defaultdict(list)
+
+    # --- results of one engine step ------------------------------------------------------
+
+    def on_results(self, results: list[Result]) -> None:
+        started = time.perf_counter()
+        for r in results:
+            if isinstance(r, Rounded):
+                self._round(r)
+            elif isinstance(r, Admitted):
+                self._admitted(r)
+            elif isinstance(r, Refused):
+                self._refused(r)
+            elif isinstance(r, OutOfTurn):
+                route = self.routes.get(r.request_id)
+                if route is not None and route.drafter is not None:
+                    self._conn(route.drafter, ErrorFrame(code="out_of_turn", message=r.message,
+                                                         request_id=r.request_id))
+            elif isinstance(r, Detached):
+                route = self.routes.get(r.request_id)
+                if route is not None:
+                    route.drafter = route.owner = None
+        self.flush()
+        self.metrics.publish.observe(time.perf_counter() - started)
+
+    def _admitted(self, r: Admitted) -> None:
+        route = self.routes.get(r.request_id)
+        if route is not None and route.owner is not None:
+            self._conn(route.owner, SessionOpened(request_id=r.request_id, draft_budget=r.draft_budget))
+
+    def _refused(self, r: Refused) -> None:
+        route = self.routes.get(r.request_id)
+        if route is None:
+            return
+        if r.code != "busy":  # the verifier owned it: its client hears why
+            self._event(route, [], finished=True, reason="error", error=r.message)
+        self._conn(route.opener, ErrorFrame(code=r.code, message=r.message, request_id=r.request_id))
+        self.routes.close(r.request_id)
+
+    def _round(self, r: Rounded) -> None:
+        route = self.routes.get(r.request_id)
+        if route is None:  # ended here already (cancel, stop string): the core's result is stale
+            return
+        kept, stopped = [], False
+        for token in r.tokens:
+            kept.append(token)
+            if route.text.push(token):
+                stopped = True
+                break
+        finished = r.finished or stopped
+        reason: FinishReason | None = "stop" if stopped else r.finish_reason
+        if stopped and not r.finished and self.core is not None:
+            self.core.submit(Finish(r.request_id))
+        route.completion_tokens += len(kept)
+        route.drafted += r.drafted
+        route.accepted += r.accepted
+        self._event(route, kept, finished, reason, r.error)
+        peer = route.drafter if route.drafter is not None else (route.owner if finished else None)
+        if peer is not None:
+            self._conn(peer, Verdict(request_id=r.request_id, round=r.round, accepted=r.accepted, token_ids=kept,
+                                     finished=finished, finish_reason=reason,
+                                     draft_budget=0 if finished else r.draft_budget))
+        if finished:
+            self.routes.close(r.request_id)
+
+    # --- out-of-turn endings (event loop initiated) ---------------------------------------
+
+    def end(self, request_id: str, reason: FinishReason, error: str = "") -> None:
+        """Finish a session now (a cancel): tell its client and its drafter, forget it."""
+        route = self.routes.get(request_id)
+        if route is None:
+            return
+        self._event(route, [], finished=True, reason=reason, error=error)
+        peer = route.drafter or route.owner
+        if peer is not None:
+            self._conn(peer, Verdict(request_id=request_id, round=0, accepted=0, token_ids=[], finished=True,
+                                     finish_reason=reason, draft_budget=0))
+        self.routes.close(request_id)
+        self.flush()
+
+    def failed_open(self, msg: OpenSession, problem: str) -> None:
+        """A request refused at the door: its client gets the reason as a final event."""
+        self._to_origin[msg.origin].append(TokenEvent(
+            request_id=msg.request_id, origin=msg.origin, token_ids=[], text="", finished=True, finish_reason="error",
+            prompt_tokens=len(msg.prompt_ids), error=problem))
+        self.flush()
+
+    def error(self, conn_id: str, code: str, message: str, request_id: str | None) -> None:
+        self._conn(conn_id, ErrorFrame(code=code, message=message, request_id=request_id))
+        self.flush()
+
+    # --- frames --------------------------------------------------------------------------
+
+    def _event(self, route: Route, tokens: list[int], finished: bool, reason: FinishReason | None,
+               error: str = "") -> None:
+        self._to_origin[route.origin].append(TokenEvent(
+            request_id=route.request_id, origin=route.origin, token_ids=tokens, text=route.text.release(finished),
+            finished=finished, finish_reason=reason if finished else None, prompt_tokens=route.prompt_tokens,
+            completion_tokens=route.completion_tokens, drafted_tokens=route.drafted, accepted_tokens=route.accepted,
+            error=error))
+
+    def _conn(self, conn_id: str, msg: Batchable) -> None:
+        self._to_conn[conn_id].append(msg)
+
+    def flush(self) -> None:
+        """Send what this step produced: one frame per peer."""
+        for conn_id, msgs in self._to_conn.items():
+            self.peers.send(conn_id, msgs)
+        for origin, msgs in self._to_origin.items():
+            self.peers.send_frontend(origin, msgs)
+        self._to_conn.clear()
+        self._to_origin.clear()

@@ -1,0 +1,141 @@
+"""Per-session state inside the engine core: one ``Request`` per session, with a status enum.
+
+    WAITING        admitted by the event loop, waiting for KV memory
+    WAITING_DRAFT  a drafter owns the next move (its draft for ``round``)
+    READY          can be verified in the next step (it has a draft, or decodes target-only)
+    FINISHED
+
+Independently of the status, a request may still have prompt tokens to prefill: the committed
+tokens not yet in its KV slot, except the last one, which every round feeds first. The core
+decides token-level stops (eos, stop tokens, max_tokens, the context); stop *strings* are text
+and are decided by the event loop's output side, which then finishes the request.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from shared.protocol import FinishReason, SamplingParams, SparseQ
+from shared.runner import KVSlot
+from shared.sampling import is_greedy, make_generator
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    WAITING_DRAFT = "waiting_draft"
+    READY = "ready"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_len: int
+    params: SamplingParams
+    speculative: bool
+    max_model_len: int
+    eos_ids: frozenset[int]
+    committed: list[int]  # prompt + generated
+    gen: torch.Generator
+    status: Status = Status.WAITING
+    slot: KVSlot | None = None
+    round: int = 0
+    draft_budget: int = 0
+    draft_ids: list[int] = field(default_factory=list)
+    draft_q: list[SparseQ] | None = None
+    finish_reason: FinishReason | None = None
+    drafted: int = 0
+    accepted: int = 0
+    arrived_at: float = field(default_factory=time.perf_counter)
+    ready_since: float = 0.0  # perf_counter: when it became READY (queue wait starts)
+    waiting_since: float = field(default_factory=time.perf_counter)  # when it began waiting for a draft
+
+    @classmethod
+    def create(cls, request_id: str, prompt_ids: list[int], params: SamplingParams, speculative: bool,
+               max_model_len: int, eos_ids: frozenset[int]) -> Request:
+        return cls(request_id=request_id, prompt_len=len(prompt_ids), params=params, speculative=speculative,
+                   max_model_len=max_model_len, eos_ids=frozenset() if params.ignore_eos else eos_ids,
+                   committed=list(prompt_ids), gen=make_generator(params.seed))
+
+    # --- derived ---------------------------------------------------------------------------
+
+    @property
+    def greedy(self) -> bool:
+        return is_greedy(self.params)
+
+    @property
+    def generated(self) -> int:
+        return len(self.committed) - self.prompt_len
+
+    @property
+    def cached(self) -> int:
+        return self.slot.length if self.slot is not None else 0
+
+    @property
+    def to_prefill(self) -> int:
+        """Committed tokens still to cache before the round can run (all but the last)."""
+        return len(self.committed) - 1 - self.cached
+
+    def kv_tokens_needed(self, max_draft_tokens: int) -> int:
+        """KV rows to reserve: everything this request can ever hold, so it never runs out."""
+        most = self.prompt_len + self.params.max_tokens + max_draft_tokens
+        return min(self.max_model_len, most)
+
+    def drafts_to_verify(self) -> list[int]:
+        """This round's drafts, clipped to the budget and so the context limit is never crossed."""
+        room = self.max_model_len - len(self.committed) - 1
+        return self.draft_ids[: max(0, min(self.draft_budget, room))]
+
+    # --- transitions -----------------------------------------------------------------------
+
+    def mark_ready(self) -> None:
+        self.status = Status.READY
+        self.ready_since = time.perf_counter()
+
+    def await_draft(self) -> None:
+        self.draft_ids, self.draft_q = [], None
+        self.status = Status.WAITING_DRAFT
+        self.waiting_since = time.perf_counter()
+
+    def next_round(self) -> None:
+        """After a verified round: wait for the drafter, or go straight on when target-only."""
+        self.round += 1
+        self.draft_ids, self.draft_q = [], None
+        if self.speculative:
+            self.await_draft()
+        else:
+            self.mark_ready()
+
+    def detach(self) -> None:
+        """Continue target-only (the drafter left or went silent)."""
+        self.speculative = False
+        if self.status is Status.WAITING_DRAFT:
+            self.mark_ready()
+
+    def commit(self, tokens: list[int]) -> list[int]:
+        """Append a round's tokens up to the first token-level stop; returns those kept."""
+        kept: list[int] = []
+        for token in tokens:
+            kept.append(token)
+            self.committed.append(token)
+            reason = self._stop_reason(token)
+            if reason is not None:
+                self.finish(reason)
+                break
+        return kept
+
+    def _stop_reason(self, token: int) -> FinishReason | None:
+        if token in self.eos_ids or token in self.params.stop_token_ids:
+            return "stop"
+        if self.generated >= self.params.max_tokens or len(self.committed) >= self.max_model_len:
+            return "length"
+        return None
+
+    def finish(self, reason: FinishReason) -> None:
+        if self.status is not Status.FINISHED:
+            self.status = Status.FINISHED
+            self.finish_reason = reason

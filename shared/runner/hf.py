@@ -1,0 +1,69 @@
+"""The generic path: the transformers model's own forward, with specfleet's arena attention.
+
+transformers lets a model call a registered attention function by name. This one writes the
+step's new keys/values into the arena and attends per session (:func:`paged_attention`), so
+any decoder whose attention is plain scaled dot-product works unchanged, at the cost of the
+transformers forward's own overhead. Attention variants it does not implement (sliding
+windows, logit soft-capping, attention sinks) are refused, never silently approximated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from shared.runner.step import StepPlan, paged_attention, write_kv
+
+ATTN_NAME = "specfleet_arena"
+#: keyword arguments transformers may pass that change the attention maths
+_UNSUPPORTED = ("sliding_window", "softcap", "s_aux", "sinks")
+
+
+class UnsupportedAttention(RuntimeError):
+    pass
+
+
+@dataclass
+class _StepContext:
+    plan: StepPlan
+    arena: torch.Tensor
+
+
+def _arena_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: Any, scaling: float | None = None, specfleet_step: _StepContext | None = None,
+                     **kwargs: Any) -> tuple[torch.Tensor, None]:
+    if specfleet_step is None:  # called outside a runner step: behave as transformers' own sdpa
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    bad = [k for k in _UNSUPPORTED if kwargs.get(k) is not None]
+    if bad:
+        raise UnsupportedAttention(f"this model's attention uses {', '.join(bad)}, which the torch backend does not "
+                                   "implement; serve it with the vLLM backend")
+    kv = specfleet_step.arena[module.layer_idx]
+    write_kv(kv, specfleet_step.plan, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    heads, dim = query.shape[1], query.shape[3]
+    scale = scaling if scaling is not None else dim**-0.5
+    out = paged_attention(query[0].transpose(0, 1), kv, specfleet_step.plan, key.shape[1], scale)
+    return out.view(1, -1, heads, dim), None
+
+
+AttentionInterface.register(ATTN_NAME, _arena_attention)
+
+
+class HFDecoder:
+    """Forward through transformers' own modules with the arena attention switched in."""
+
+    def __init__(self, model: Any) -> None:
+        model.set_attn_implementation(ATTN_NAME)
+        self.model = model
+
+    def hidden(self, plan: StepPlan, arena: torch.Tensor) -> torch.Tensor:
+        out = self.model.model(input_ids=plan.input_ids.unsqueeze(0), position_ids=plan.positions.unsqueeze(0),
+                               use_cache=False, specfleet_step=_StepContext(plan, arena))
+        return out.last_hidden_state[0]  # already through the final norm
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(hidden).float()

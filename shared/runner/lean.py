@@ -1,0 +1,148 @@
+"""A lean forward pass for Llama-family decoders (Llama, Mistral, Qwen2, Qwen3), on the KV arena.
+
+It runs the loaded transformers model's own weights with a short, fixed sequence of kernels per
+layer: one fused QKV matmul, rotary embedding on queries and keys together, one arena write,
+per-session attention, one fused gate/up matmul. Compared with the generic transformers forward
+it skips mask construction, cache objects and most small ops, which on a CPU are most of the
+cost of a small model. :func:`supports` says which configurations it implements exactly;
+anything else runs through :mod:`shared.runner.hf`. The runner checks both against transformers
+at load time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers.activations import ACT2FN
+
+from shared.runner.step import StepPlan, paged_attention, write_kv
+
+SUPPORTED_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+STATIC_ROPE = frozenset({"default", "linear", "llama3", "yarn"})
+
+
+def supports(model: Any) -> str:
+    """Empty when this module implements ``model`` exactly; else the reason it does not."""
+    cfg = model.config
+    if cfg.model_type not in SUPPORTED_TYPES:
+        return f"model type {cfg.model_type!r} is not one of {sorted(SUPPORTED_TYPES)}"
+    if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])):
+        return "some layers use sliding-window attention"
+    window = getattr(cfg, "sliding_window", None)
+    if window is not None and window < cfg.max_position_embeddings:
+        return f"sliding_window={window} is shorter than the context"
+    rope = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope not in STATIC_ROPE:
+        return f"rope type {rope!r} is not one of {sorted(STATIC_ROPE)}"
+    if cfg.hidden_act not in ACT2FN:
+        return f"activation {cfg.hidden_act!r} is unknown"
+    if getattr(cfg, "partial_rotary_factor", 1.0) != 1.0:
+        return "partial rotary embeddings are not implemented"
+    return ""
+
+
+def _fuse(modules: list[Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate linear layers' weights (and biases) and make the layers views of the result,
+    so the fused matmul costs no extra memory and the transformers model stays usable."""
+    weight = torch.cat([m.weight.detach() for m in modules])
+    biases = [m.bias for m in modules]
+    bias = None
+    if any(b is not None for b in biases):
+        bias = torch.cat([b.detach() if b is not None else torch.zeros(m.weight.shape[0], dtype=weight.dtype,
+                                                                         device=weight.device)
+                          for m, b in zip(modules, biases, strict=True)])
+    row = 0
+    for m in modules:
+        rows = m.weight.shape[0]
+        m.weight = torch.nn.Parameter(weight[row : row + rows], requires_grad=False)
+        if bias is not None and m.bias is not None:
+            m.bias = torch.nn.Parameter(bias[row : row + rows], requires_grad=False)
+        row += rows
+    return weight, bias
+
+
+@dataclass
+class _Layer:
+    norm_in: torch.Tensor
+    norm_post: torch.Tensor
+    qkv_w: torch.Tensor
+    qkv_b: torch.Tensor | None
+    o_w: torch.Tensor
+    o_b: torch.Tensor | None
+    gate_up_w: torch.Tensor
+    gate_up_b: torch.Tensor | None
+    down_w: torch.Tensor
+    down_b: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+
+
+class LeanDecoder:
+    """Forward of a supported decoder over a :class:`StepPlan`, writing keys/values to the arena."""
+
+    def __init__(self, model: Any) -> None:
+        cfg = model.config
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
+        self.eps = cfg.rms_norm_eps
+        self.intermediate = cfg.intermediate_size
+        self.act = ACT2FN[cfg.hidden_act]
+        self.scale = self.head_dim**-0.5
+        base = model.model
+        self.embed = base.embed_tokens.weight
+        self.final_norm = base.norm.weight
+        self.lm_head = model.lm_head
+        self.rotary = base.rotary_emb
+        half = self.head_dim // 2
+        self.rot_sign = torch.cat([-torch.ones(half), torch.ones(self.head_dim - half)]).to(self.embed)
+        self.layers = [self._layer(layer) for layer in base.layers]
+
+    def _layer(self, layer: Any) -> _Layer:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv_w, qkv_b = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+        gu_w, gu_b = _fuse([mlp.gate_proj, mlp.up_proj])
+        q_norm = getattr(attn, "q_norm", None)
+        k_norm = getattr(attn, "k_norm", None)
+        return _Layer(
+            norm_in=layer.input_layernorm.weight, norm_post=layer.post_attention_layernorm.weight,
+            qkv_w=qkv_w, qkv_b=qkv_b, o_w=attn.o_proj.weight, o_b=attn.o_proj.bias, gate_up_w=gu_w, gate_up_b=gu_b,
+            down_w=mlp.down_proj.weight, down_b=mlp.down_proj.bias,
+            q_norm=q_norm.weight if q_norm is not None else None, k_norm=k_norm.weight if k_norm is not None else None,
+        )
+
+    def hidden(self, plan: StepPlan, arena: torch.Tensor) -> torch.Tensor:
+        """Run every layer; returns the final hidden states ``[T, hidden]`` (before the last norm)."""
+        x = F.embedding(plan.input_ids, self.embed)
+        cos, sin = self.rotary(x, plan.positions.unsqueeze(0))
+        cos, sin = cos[0].unsqueeze(1), (sin[0] * self.rot_sign).unsqueeze(1)  # [T, 1, D]
+        for index, layer in enumerate(self.layers):
+            x = self._block(x, layer, cos, sin, plan, arena[index])
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        h = F.rms_norm(hidden, (hidden.shape[-1],), self.final_norm, self.eps)
+        return self.lm_head(h).float()
+
+    def _block(self, x: torch.Tensor, w: _Layer, cos: torch.Tensor, sin: torch.Tensor, plan: StepPlan,
+               kv: torch.Tensor) -> torch.Tensor:
+        tokens, heads, kv_heads, dim = x.shape[0], self.heads, self.kv_heads, self.head_dim
+        qkv = F.linear(F.rms_norm(x, (x.shape[-1],), w.norm_in, self.eps), w.qkv_w, w.qkv_b)
+        qkv = qkv.view(tokens, heads + 2 * kv_heads, dim)
+        q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+        if w.q_norm is not None and w.k_norm is not None:
+            q = F.rms_norm(q, (dim,), w.q_norm, self.eps)
+            k = F.rms_norm(k, (dim,), w.k_norm, self.eps)
+            qk = torch.cat([q, k], 1)
+        else:
+            qk = qkv[:, : heads + kv_heads]
+        qk = qk * cos + qk.roll(dim // 2, -1) * sin  # rotary on queries and keys at once
+        write_kv(kv, plan, qk[:, heads:], v)
+        attn = paged_attention(qk[:, :heads], kv, plan, kv_heads, self.scale)
+        x = x + F.linear(attn, w.o_w, w.o_b)
+        gate_up = F.linear(F.rms_norm(x, (x.shape[-1],), w.norm_post, self.eps), w.gate_up_w, w.gate_up_b)
+        return x + F.linear(self.act(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :], w.down_w,
+                            w.down_b)

@@ -1,0 +1,133 @@
+"""One packed forward step over many sessions: the flat layout and the attention plan.
+
+Every session contributes a *segment*: its new tokens (the committed tokens not yet cached,
+then any drafts), written after its ``slot.length`` cached rows. The tokens of all segments are
+packed into one flat sequence ``[T]`` (no padding), so the linear layers see one matrix, and
+attention runs per segment over a view of that session's own arena rows:
+
+* queries of segment b attend to rows ``[0, length_b + n_b)`` of its slot;
+* new token i sees cached rows and new tokens ``0..i`` (a causal mask only when n_b > 1);
+* logits are computed only for the rows a caller asks for (``logits_from``): none for a
+  prefill chunk, the last committed token plus the drafts for a verification.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from shared.runner.kv import KVError, KVSlot
+
+
+@dataclass(frozen=True)
+class Segment:
+    slot: KVSlot
+    tokens: Sequence[int]
+    logits_from: int  # rows [logits_from, len(tokens)) get logits; len(tokens) for none
+
+    @property
+    def logit_rows(self) -> int:
+        return len(self.tokens) - self.logits_from
+
+
+@dataclass(frozen=True)
+class AttnSpan:
+    """Where one segment sits in the flat batch and in the arena."""
+
+    q_start: int  # first flat row of this segment
+    n: int  # its new tokens
+    kv_start: int  # first arena row of its slot
+    kv_len: int  # rows it attends to: cached + new
+    mask: torch.Tensor | None  # additive [groups * n, kv_len], rows ordered (group, token); None when n == 1
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    write_rows: torch.Tensor  # [T] arena rows the new keys/values go to
+    spans: list[AttnSpan]
+    logit_rows: torch.Tensor | None  # flat rows to compute logits for; None when every row is wanted
+    rows_wanted: int
+
+
+def _causal_tail_mask(n: int, past: int, groups: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Additive mask for n new queries after ``past`` cached keys: query i sees keys <= past + i."""
+    mask = torch.full((n, past + n), float("-inf"), dtype=dtype, device=device).triu_(past + 1)
+    return mask.repeat(groups, 1) if groups > 1 else mask
+
+
+def plan_step(segments: Sequence[Segment], groups: int, dtype: torch.dtype, device: torch.device) -> StepPlan:
+    """Lay out ``segments`` as one flat step. Raises KVError if a segment overflows its slot."""
+    ids: list[int] = []
+    positions: list[int] = []
+    rows: list[int] = []
+    logit_rows: list[int] = []
+    spans: list[AttnSpan] = []
+    all_rows = True
+    for seg in segments:
+        n, past, slot = len(seg.tokens), seg.slot.length, seg.slot
+        if n == 0:
+            raise KVError("a segment must feed at least one token")
+        if past + n > slot.capacity:
+            raise KVError(f"a segment of {n} tokens overflows its KV slot ({past} of {slot.capacity} rows used)")
+        if not 0 <= seg.logits_from <= n:
+            raise KVError(f"logits_from={seg.logits_from} is outside the segment's {n} tokens")
+        q_start = len(ids)
+        ids.extend(seg.tokens)
+        positions.extend(range(past, past + n))
+        rows.extend(range(slot.start + past, slot.start + past + n))
+        logit_rows.extend(range(q_start + seg.logits_from, q_start + n))
+        all_rows = all_rows and seg.logits_from == 0
+        mask = _causal_tail_mask(n, past, groups, dtype, device) if n > 1 else None
+        spans.append(AttnSpan(q_start, n, slot.start, past + n, mask))
+    as_long = {"dtype": torch.long, "device": device}
+    return StepPlan(
+        input_ids=torch.tensor(ids, **as_long),  # type: ignore[arg-type]
+        positions=torch.tensor(positions, **as_long),  # type: ignore[arg-type]
+        write_rows=torch.tensor(rows, **as_long),  # type: ignore[arg-type]
+        spans=spans,
+        logit_rows=None if all_rows else torch.tensor(logit_rows, **as_long),  # type: ignore[arg-type]
+        rows_wanted=len(logit_rows),
+    )
+
+
+def commit_step(segments: Sequence[Segment]) -> None:
+    """After the forward: every fed token is now cached (callers roll back rejected drafts)."""
+    for seg in segments:
+        seg.slot.length += len(seg.tokens)
+
+
+def write_kv(kv: torch.Tensor, plan: StepPlan, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Store the step's new keys and values ``[T, kv_heads, D]`` in one layer of the arena."""
+    kv.index_copy_(2, plan.write_rows, torch.stack([keys, values]).transpose(1, 2))
+
+
+def paged_attention(q: torch.Tensor, kv: torch.Tensor, plan: StepPlan, kv_heads: int, scale: float) -> torch.Tensor:
+    """Attention of the flat queries ``q [T, H, D]`` over each segment's arena rows.
+
+    ``kv`` is one layer of the arena, ``[2, kv_heads, tokens, D]``, with this step's new rows
+    already written (see :func:`write_kv`). Returns ``[T, H * D]``. Grouped-query heads are folded into the query
+    axis, so each segment costs two batched matmuls over its kv heads.
+    """
+    heads, dim = q.shape[1], q.shape[2]
+    groups = heads // kv_heads
+    outs = []
+    for span in plan.spans:
+        n = span.n
+        rows = kv[:, :, span.kv_start : span.kv_start + span.kv_len]  # a view: [2, kv_heads, L, D]
+        keys = rows[0].transpose(1, 2)  # [kv_heads, D, L]
+        values = rows[1]  # [kv_heads, L, D]
+        qs = q[span.q_start : span.q_start + n]
+        if n == 1:
+            qs = qs.view(kv_heads, groups, dim)
+            scores = torch.bmm(qs, keys).mul_(scale)
+        else:
+            qs = qs.view(n, kv_heads, groups, dim).permute(1, 2, 0, 3).reshape(kv_heads, groups * n, dim)
+            scores = torch.baddbmm(span.mask, qs, keys, alpha=scale)  # type: ignore[arg-type]
+        probs = scores.softmax(-1) if scores.dtype == torch.float32 else scores.softmax(-1, torch.float32).to(q.dtype)
+        out = torch.bmm(probs, values)  # [kv_heads, groups * n, D]
+        outs.append(out.view(kv_heads, groups, n, dim).permute(2, 0, 1, 3).reshape(n, heads * dim))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
