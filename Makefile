@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed
 # Extra pytest flags, e.g. `make test PYTEST_FLAGS="-x -k cli"`.
 PYTEST_FLAGS ?=
 
-.PHONY: help install run test test-e2e smoke lint bench clean distclean demo-models demo-models-eval
+.PHONY: help install run test test-e2e smoke lint bench profile clean distclean demo-models demo-models-eval
 
 help:
 	@echo "make run        start the verifier, the coordinator and 2 drafters on this machine (specfleet up)"
@@ -20,7 +20,8 @@ help:
 	@echo "make test-e2e   only the end-to-end tier (real services as processes on loopback)"
 	@echo "make smoke      specfleet up --smoke: start everything, send one request, stop"
 	@echo "make lint       ruff check and mypy"
-	@echo "make bench      serving benchmark: target-only vs 1 and 2 drafters (bench/results/)"
+	@echo "make bench      benchmarks, edge emulated by pinning: serving + raw costs + targets, step time vs context (bench/results/)"
+	@echo "make profile    where a round's time goes: per-phase breakdown of a short pinned run"
 	@echo "make demo-models       train the demo model family into models/ (CPU, ~50 min, resumable)"
 	@echo "make demo-models-eval  re-measure models/ and rewrite MEASUREMENTS.json and the model cards"
 	@echo "make install    create $(VENV) with $(PYTHON) and pip install -e '.[dev]' (idempotent)"
@@ -62,9 +63,14 @@ demo-models: install
 demo-models-eval: install
 	$(BIN)/python -m training eval --state-dir .specfleet/training --out-dir models
 
-# Real fleets side by side in one run; writes bench/results/serving.{json,md,png}. Minutes, not CI.
+# Real fleets side by side in one run, the edge emulated by pinning (the verifier on CPU 0, the
+# rest on CPU 1); writes bench/results/{serving,context}.{json,md,png}. Minutes, not CI.
 bench: install
-	$(BIN)/python -m bench.serving
+	$(BIN)/python -m bench serving
+	$(BIN)/python -m bench context
+
+profile: install
+	$(BIN)/python -m bench profile
 
 clean:
 	rm -rf .specfleet build dist .pytest_cache .mypy_cache .ruff_cache

@@ -3,6 +3,11 @@
 ``specfleet up``, the end-to-end tests and the benchmarks all start their fleets through here,
 so a flag added to a service is passed the same way everywhere. Children run as
 ``python -m shared.cli <service> ...``; the auth token travels in the environment, not argv.
+
+Edge emulation: with ``server_cpus`` and ``edge_cpus`` set, the verifier runs pinned to the
+server CPUs (``taskset``) and the coordinator and drafters to the edge CPUs, so on one machine
+the verifier has cores of its own, as the central GPU box has, and the edge's work cannot take
+time from it. The benchmarks pin their load clients to the edge too.
 """
 
 from __future__ import annotations
@@ -28,6 +33,9 @@ class FleetSpec:
     verifier_flags: list[str] = field(default_factory=list)
     coordinator_flags: list[str] = field(default_factory=list)
     drafter_flags: list[str] = field(default_factory=list)
+    drafter_metrics_ports: list[int] = field(default_factory=list)  # one per drafter; empty: no /metrics
+    server_cpus: str = ""  # e.g. "0": pin the verifier here (taskset list syntax)
+    edge_cpus: str = ""  # e.g. "1": pin the coordinator and drafters here
 
 
 @dataclass
@@ -40,6 +48,20 @@ class Fleet:
 def connect_host(host: str) -> str:
     """Where local peers reach a server bound to ``host`` (a wildcard bind is reached on loopback)."""
     return "127.0.0.1" if host in ("", "0.0.0.0", "::", "[::]") else host
+
+
+def pinned(argv: list[str], cpus: str) -> list[str]:
+    """``argv`` run on the CPUs ``cpus`` (all CPUs when empty)."""
+    return ["taskset", "-c", cpus, *argv] if cpus else argv
+
+
+def parse_cpus(cpus: str) -> set[int]:
+    """'0,2-3' -> {0, 2, 3} (taskset's list syntax)."""
+    out: set[int] = set()
+    for part in filter(None, cpus.split(",")):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
 
 
 def plan(spec: FleetSpec) -> list[tuple[str, list[str]]]:
@@ -55,13 +77,15 @@ def plan(spec: FleetSpec) -> list[tuple[str, list[str]]]:
     if spec.redis_url:
         coordinator += ["--redis-url", spec.redis_url]
     queue_url = spec.redis_url or f"ws://{near}:{spec.coordinator_port}/internal/queue"
-    children = [("verifier", verifier), ("coordinator", coordinator)]
+    children = [("verifier", pinned(verifier, spec.server_cpus)), ("coordinator", pinned(coordinator, spec.edge_cpus))]
     for i, draft in enumerate(spec.drafts, start=1):
-        children.append((f"drafter-{i}", [
+        metrics = (["--metrics-port", str(spec.drafter_metrics_ports[i - 1])]
+                   if len(spec.drafter_metrics_ports) >= i else [])
+        children.append((f"drafter-{i}", pinned([
             *base, "drafter", "--node-id", f"drafter-{i}", "--model", str(draft),
             "--verifier-url", f"ws://{near}:{spec.verifier_port}/v1/drafter", "--queue-url", queue_url, *threads,
-            *spec.drafter_flags,
-        ]))
+            *metrics, *spec.drafter_flags,
+        ], spec.edge_cpus)))
     return children
 
 

@@ -30,5 +30,10 @@ class DrafterConfig:
     controller: str = opt("fixed", "when to stop drafting within the verifier's budget: fixed (draft it all)")
     claim_idle_ms: int = opt(30000, "Redis: claim requests another drafter left pending this long")
     reconnect_s: float = opt(1.0, "seconds between reconnect attempts to the verifier or queue")
+    kv_cache_gb: float = opt(0.0, "draft KV cache in GiB; 0 sizes it for max_sessions full-context sessions (at "
+                                  "most 20%% of RAM)")
+    runner: str = opt("auto", "model runner: auto (lean where the architecture allows), lean, hf")
+    metrics_port: int = opt(0, "serve Prometheus /metrics on this port (0: off)")
+    metrics_host: str = opt("127.0.0.1", "interface for /metrics (0.0.0.0 in containers)")
     torch_threads: int = opt(0, "torch intra-op threads; 0 leaves torch's default")
     log_level: str = opt("info", "debug, info, warning, error")

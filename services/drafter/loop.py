@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from services.drafter.control.base import DraftController
 from services.drafter.link import VerifierLink
+from services.drafter.metrics import DrafterMetrics
 from services.drafter.proposers.base import Proposer
 from services.drafter.rounds import SessionAborted, SessionRunner
 from services.drafter.sessions import DraftSession
@@ -60,6 +61,7 @@ class DrafterLoop:
         new_controller: Callable[[], DraftController],
         reconnect_s: float = 1.0,
         on_session_end: Callable[[DraftSession], None] | None = None,
+        metrics: DrafterMetrics | None = None,
     ) -> None:
         self.node_id = node_id
         self.max_sessions = max_sessions
@@ -70,6 +72,7 @@ class DrafterLoop:
         self.new_controller = new_controller
         self.reconnect_s = reconnect_s
         self.on_session_end = on_session_end
+        self.metrics = metrics or DrafterMetrics()
         self.stats = LoopStats()
         self._sessions: dict[str, DraftSession] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -87,7 +90,7 @@ class DrafterLoop:
                 self.stats.connections += 1
                 if ready is not None:
                     ready.set()
-                runner = SessionRunner(self.link, self.proposer, self.worker, welcome.max_draft_tokens)
+                runner = SessionRunner(self.link, self.proposer, self.worker, welcome.max_draft_tokens, self.metrics)
                 await self._serve_connection(runner)
                 await self._release()
                 log.warning("lost the verifier; sessions left to the verifier, reconnecting",
@@ -141,6 +144,7 @@ class DrafterLoop:
             return
         session = DraftSession.from_delivery(delivery, self.new_controller())
         self._sessions[rid] = session
+        self.metrics.sessions.set(len(self._sessions))
         self._tasks[rid] = asyncio.create_task(self._serve(runner, session), name=f"session-{rid}")
         log.debug("session admitted", request_id=rid, active=len(self._sessions))
 
@@ -161,6 +165,7 @@ class DrafterLoop:
         finally:
             self._sessions.pop(rid, None)
             self._tasks.pop(rid, None)
+            self.metrics.sessions.set(len(self._sessions))
             self._slot_freed.set()
             if self.on_session_end is not None:
                 self.on_session_end(session)

@@ -19,6 +19,7 @@ from services.drafter.config import DrafterConfig
 from services.drafter.control import CONTROLLERS, make_controller
 from services.drafter.link import LinkRefused, VerifierLink
 from services.drafter.loop import DrafterLoop
+from services.drafter.metrics import DrafterMetrics
 from services.drafter.proposers.draft_model import DRAFT_MODES, MAX_Q_ENTRIES, DraftModelProposer
 from services.drafter.sessions import DraftSession
 from services.drafter.worker import ComputeWorker
@@ -27,9 +28,12 @@ from shared.log import get_logger, setup_logging
 from shared.models import LoadedModel, ModelLoadError, load_model
 from shared.protocol import PROTOCOL_VERSION, Hello
 from shared.queue import RequestQueue, open_queue
+from shared.runner import ModelRunner
+from shared.runner.runner import kv_shape
 
 log = get_logger("drafter.main")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+AUTO_KV_RAM_SHARE = 0.2
 
 
 def check_config(cfg: DrafterConfig, need_model: bool = True) -> None:
@@ -51,10 +55,21 @@ def check_config(cfg: DrafterConfig, need_model: bool = True) -> None:
         problems.append("--node-id must be at most 128 characters")
     if not cfg.reconnect_s > 0:
         problems.append(f"--reconnect-s must be > 0, got {cfg.reconnect_s}")
+    if not 0 <= cfg.metrics_port <= 65535:
+        problems.append(f"--metrics-port must be in [0, 65535], got {cfg.metrics_port}")
     if cfg.log_level.lower() not in LOG_LEVELS:
         problems.append(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {cfg.log_level!r}")
     if problems:
         raise ConfigError("; ".join(problems))
+
+
+def kv_budget_bytes(cfg: DrafterConfig, loaded: LoadedModel) -> int:
+    """The draft KV arena: --kv-cache-gb, or room for max_sessions full-context sessions."""
+    if cfg.kv_cache_gb > 0:
+        return int(cfg.kv_cache_gb * 2**30)
+    per_token = kv_shape(loaded.model).bytes_per_token
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return min(cfg.max_sessions * loaded.max_model_len * per_token, int(ram * AUTO_KV_RAM_SHARE))
 
 
 def default_node_id() -> str:
@@ -90,13 +105,17 @@ async def serve(
     hello = Hello(role="drafter", node_id=node_id, protocol_version=PROTOCOL_VERSION,
                   tokenizer_fingerprint=loaded.fingerprint, model=loaded.name[:128] or "draft",
                   max_sessions=cfg.max_sessions)
+    runner = await asyncio.to_thread(ModelRunner, loaded, kv_budget_bytes(cfg, loaded), cfg.runner)
+    metrics = DrafterMetrics()
+    if cfg.metrics_port:
+        metrics.serve(cfg.metrics_host, cfg.metrics_port)
     worker = ComputeWorker()
     loop = DrafterLoop(
         node_id=node_id, max_sessions=cfg.max_sessions,
         link=VerifierLink(cfg.verifier_url, hello, cfg.auth_token), queue=request_queue,
-        proposer=DraftModelProposer(loaded, cfg.draft_mode, cfg.draft_top_k), worker=worker,
+        proposer=DraftModelProposer(runner, loaded.eos_ids, cfg.draft_mode, cfg.draft_top_k), worker=worker,
         new_controller=lambda: make_controller(cfg.controller), reconnect_s=cfg.reconnect_s,
-        on_session_end=on_session_end,
+        on_session_end=on_session_end, metrics=metrics,
     )
     try:
         await loop.run(ready)

@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
+from typing import Any
 
 from services.drafter.link import LINK_LOST, Inbound, LinkDown, VerifierLink
+from services.drafter.metrics import DrafterMetrics
 from services.drafter.proposers.base import EMPTY_PROPOSAL, Proposal, Proposer
 from services.drafter.sessions import DraftSession
 from services.drafter.worker import ComputeWorker
@@ -45,11 +48,13 @@ class SessionRunner:
         proposer: Proposer,
         worker: ComputeWorker,
         max_draft_tokens: int,
+        metrics: DrafterMetrics | None = None,
     ) -> None:
         self.link = link
         self.proposer = proposer
         self.worker = worker
         self.max_draft_tokens = max(0, min(max_draft_tokens, MAX_DRAFT_TOKENS))
+        self.metrics = metrics or DrafterMetrics()
 
     async def run(self, session: DraftSession) -> bool:
         """Serve one session to its end. Returns True when its delivery should be acked.
@@ -62,7 +67,7 @@ class SessionRunner:
             opened = await self._open(session, inbox)
             if opened is None:
                 return True
-            self.worker.submit(self.proposer.start, rid, list(session.committed))
+            self.worker.submit(self.proposer.start, rid, list(session.committed), session.params.max_tokens)
             session.budget = opened.draft_budget
             while session.finish_reason is None:
                 await self._round(session, inbox)
@@ -117,7 +122,8 @@ class SessionRunner:
         rid = session.request_id
         budget = session.useful_draft_len(min(session.budget, self.max_draft_tokens))
         k = max(0, min(budget, session.controller.begin_round(budget)))
-        proposal = await self._draft(session, k)
+        began = time.perf_counter()
+        proposal, started, ended = await self._draft(session, k)
         early = _drain_final(inbox)  # cancelled while we drafted? then do not send a dead draft
         if early is not None:
             session.apply_verdict(early, drafted=0)
@@ -125,7 +131,11 @@ class SessionRunner:
         drafted = len(proposal.token_ids)
         await self.link.send(Draft(request_id=rid, round=session.round, token_ids=proposal.token_ids,
                                    q=proposal.q))
+        sent = time.perf_counter()
         reply = await self._reply_to_draft(session, inbox)
+        if isinstance(reply, Verdict):
+            self.metrics.observe_round(started - began, ended - started, sent - ended, time.perf_counter() - sent,
+                                       drafted, min(reply.accepted, drafted))
         if isinstance(reply, ErrorFrame):
             await self._abandon(session, reply)
             return
@@ -137,20 +147,21 @@ class SessionRunner:
         if session.finish_reason is None:
             self.worker.submit(self.proposer.commit, rid, new, min(reply.accepted, drafted))
 
-    async def _draft(self, session: DraftSession, k: int) -> Proposal:
+    async def _draft(self, session: DraftSession, k: int) -> tuple[Proposal, float, float]:
+        """The round's proposal, and when the worker started and ended computing it."""
+        now = time.perf_counter()
         if k == 0 or session.drafting_disabled:
-            return EMPTY_PROPOSAL
-        start = time.monotonic()
+            return EMPTY_PROPOSAL, now, now
         try:
-            return await self.worker.run(self.proposer.propose, session.request_id, k, session.params,
-                                         session.rng, session.controller)
+            proposal, started, ended = await self.worker.run(_timed, self.proposer.propose, session.request_id, k,
+                                                             session.params, session.rng, session.controller)
         except Exception as exc:  # a broken draft must not break the request: go target-only
             session.drafting_disabled = repr(exc)
             log.exception("drafting failed; the session continues with empty drafts",
                           request_id=session.request_id)
-            return EMPTY_PROPOSAL
-        finally:
-            session.stats.draft_s += time.monotonic() - start
+            return EMPTY_PROPOSAL, now, time.perf_counter()
+        session.stats.draft_s += ended - started
+        return proposal, started, ended
 
     async def _reply_to_draft(self, session: DraftSession, inbox: asyncio.Queue[Inbound]) -> Verdict | ErrorFrame:
         while True:
@@ -168,6 +179,13 @@ class SessionRunner:
         session.finish_reason = "error"
         await self.link.send(CloseSession(request_id=session.request_id,
                                           reason=f"drafter stopped after verifier error {err.code}"))
+
+
+def _timed(fn: Callable[..., Proposal], *args: Any) -> tuple[Proposal, float, float]:
+    """Run ``fn`` (on the compute worker) and say when it started and ended."""
+    started = time.perf_counter()
+    result = fn(*args)
+    return result, started, time.perf_counter()
 
 
 async def _next(inbox: asyncio.Queue[Inbound]) -> SessionOpened | Verdict | ErrorFrame:

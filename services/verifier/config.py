@@ -25,6 +25,8 @@ class VerifierConfig:
     kv_cache_gb: float = opt(0.0, "KV cache in GiB; 0: 20%% of RAM, at most 2 GiB, on CPU; 80%% of free GPU memory")
     max_waiting: int = opt(256, "sessions held waiting for KV memory; beyond that new sessions are refused as busy")
     runner: str = opt("auto", "model runner: auto (lean where the architecture allows), lean, hf")
+    core_mode: str = opt("auto", "engine core: thread (overlaps network I/O with the model), inline (on the event "
+                                 "loop; best with one CPU), auto (inline when pinned to one CPU)")
     draft_len: int = opt(4, "draft tokens per round given to each session (Fixed-S allocation)")
     max_draft_tokens: int = opt(16, "upper bound on any session's draft budget")
     draft_timeout_s: float = opt(30.0, "a session whose drafter sends no draft this long continues target-only")

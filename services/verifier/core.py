@@ -8,12 +8,21 @@
         5. judge + commit   (acceptance maths, token-level stops, KV rollback, next budgets)
         6. deliver          (hand the step's results to the event loop, without waiting)
 
-The event loop encodes and sends step N's results while this thread already runs step N+1, so
-the model never waits for the network. Only this thread touches requests and the arena.
+Two ways to run it, same loop body (``--core-mode``):
+
+* ``thread``: on a thread of its own. The event loop encodes and sends step N's results while
+  the core already runs step N+1, so the model never waits for the network. This is the mode
+  for a server with cores to spare (and for a GPU, where the forward is asynchronous anyway).
+* ``inline``: as a task on the event loop, yielding to it between steps. With a single CPU
+  there is nothing to overlap with, and the thread mode's cost is pure loss: GIL hand-overs and
+  context switches at every step. ``auto`` picks inline when the process may use one CPU.
+
+Only the core touches requests and the arena.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import queue
 import threading
@@ -47,6 +56,7 @@ from shared.runner import KVError, ModelRunner
 
 log = get_logger("verifier.core")
 IDLE_WAKE_S = 0.25  # an idle core still wakes this often to notice silent drafters
+EXPIRY_CHECK_S = 0.1  # how often the loop looks for drafters that went silent
 
 
 @dataclass(frozen=True)
@@ -59,7 +69,7 @@ class CoreLimits:
 
 class TorchCore:
     def __init__(self, runner: ModelRunner, eos_ids: set[int], allocator: Allocator, scheduler: Scheduler,
-                 limits: CoreLimits, deliver: Deliver, metrics: VerifierMetrics) -> None:
+                 limits: CoreLimits, deliver: Deliver, metrics: VerifierMetrics, threaded: bool = True) -> None:
         self.runner = runner
         self.vocab_size = runner.vocab_size
         self.max_model_len = runner.max_model_len
@@ -68,37 +78,49 @@ class TorchCore:
         self.deliver, self.metrics = deliver, metrics
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
-        self._commands: queue.Queue[Command | None] = queue.Queue(limits.max_commands)
-        # Detach/Finish are never refused: they free work, and there is at most one per session.
-        self._control: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        # One ordered stream. AddRequest/AddDraft beyond max_commands are refused (CoreBusy);
+        # Detach/Finish never are: they free work, and there is at most one per session.
+        self._commands: queue.Queue[Command | None] = queue.Queue()
         self._results: list[Result] = []
         self._running = False
+        self.threaded = threaded
         self._thread: threading.Thread | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._wake: asyncio.Event | None = None  # inline mode: set by submit()
         self._last_step_start = 0.0
+        self._expiry_checked = 0.0
 
     # --- the VerifierCore interface (event loop thread) -------------------------------------
 
     def start(self) -> None:
+        """Start serving: a thread of its own, or (inline) a task on the running event loop."""
         self._running = True
-        self._thread = threading.Thread(target=self._run, name="verifier-core", daemon=True)
-        self._thread.start()
+        log.info("engine core started", mode="thread" if self.threaded else "inline",
+                 allocation=self.allocator.name, batching=self.scheduler.batcher.name)
+        if self.threaded:
+            self._thread = threading.Thread(target=self._run_thread, name="verifier-core", daemon=True)
+            self._thread.start()
+        else:
+            self._wake = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._run_inline(), name="verifier-core")
 
     def submit(self, command: Command) -> None:
-        if isinstance(command, Detach | Finish):
-            self._control.put(command)
-            with contextlib.suppress(queue.Full):
-                self._commands.put_nowait(None)  # wake a blocked loop
-            return
-        try:
-            self._commands.put_nowait(command)
-        except queue.Full:
-            raise CoreBusy(f"the verifier core has {self.limits.max_commands} commands queued") from None
+        if not isinstance(command, Detach | Finish) and self._commands.qsize() >= self.limits.max_commands:
+            raise CoreBusy(f"the verifier core has {self.limits.max_commands} commands queued")
+        self._commands.put_nowait(command)
+        if self._wake is not None:
+            self._wake.set()
 
-    def stop(self) -> None:
+    async def aclose(self) -> None:
+        """Stop serving and wait until the loop has ended."""
         self._running = False
-        self._commands.put(None)  # a wake-up; _running is already False
+        if self._wake is not None:
+            self._wake.set()
+        if self._task is not None:
+            await self._task
         if self._thread is not None:
-            self._thread.join(timeout=30)
+            self._commands.put_nowait(None)  # a wake-up; _running is already False
+            await asyncio.to_thread(self._thread.join, 30)
 
     def kv_stats(self) -> KVStats:
         kv = self.runner.kv
@@ -107,40 +129,45 @@ class TorchCore:
 
     # --- the loop ------------------------------------------------------------------------
 
-    def _run(self) -> None:
-        log.info("engine core started", allocation=self.allocator.name, batching=self.scheduler.batcher.name)
+    def _run_thread(self) -> None:
         while self._running:
-            self._drain(block=not self._has_work())
-            scheduled = time.perf_counter()
-            self._expire_silent_drafters()
-            self._admit()
-            step = self.scheduler.schedule(self.requests.values())
-            if step:
-                self._step(step, scheduled)
-            self._flush()
+            self._iterate(block=not self._has_work())
+
+    async def _run_inline(self) -> None:
+        assert self._wake is not None
+        while self._running:
+            if not self._has_work() and self._commands.empty():
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), IDLE_WAKE_S)
+            self._iterate(block=False)
+            await asyncio.sleep(0)  # let the event loop read frames and send this step's results
+
+    def _iterate(self, block: bool) -> None:
+        """One turn of the loop: commands, admission, at most one step, results out."""
+        self._drain(block)
+        scheduled = time.perf_counter()
+        self._expire_silent_drafters()
+        self._admit()
+        step = self.scheduler.schedule(self.requests.values())
+        if step:
+            self._step(step, scheduled)
+        self._flush()
 
     def _has_work(self) -> bool:
         return any(self.scheduler.verifiable(r) or (r.slot is not None and r.to_prefill > 0)
                    for r in self.requests.values()) or self._can_admit()
 
     def _drain(self, block: bool) -> None:
-        """Handle every queued command; wait up to IDLE_WAKE_S for one when there is no work."""
-        if block and self._control.empty():
-            try:
-                first = self._commands.get(timeout=IDLE_WAKE_S)
-            except queue.Empty:
-                return
-            if first is not None:
-                self._handle(first)
-        while not self._control.empty():
-            self._handle(self._control.get_nowait())
-        while True:
-            try:
+        """Handle every queued command, in order; wait up to IDLE_WAKE_S for one when there is no work."""
+        try:
+            command = self._commands.get(timeout=IDLE_WAKE_S) if block else self._commands.get_nowait()
+            while True:
+                if command is not None:  # None is only a wake-up
+                    self._handle(command)
                 command = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if command is not None:  # None is only a wake-up
-                self._handle(command)
+        except queue.Empty:
+            return
 
     def _flush(self) -> None:
         if self._results:
@@ -168,16 +195,18 @@ class TorchCore:
         req = Request.create(cmd.request_id, cmd.prompt_ids, cmd.params, cmd.speculative, self.max_model_len,
                              self.eos_ids)
         need = req.kv_tokens_needed(self.limits.max_draft_tokens)
+        must_wait = bool(self.waiting) or not self.runner.kv.fits(need)
         if need > self.runner.kv.tokens:
             self._results.append(Refused(cmd.request_id, "invalid", (
                 f"the request needs {need} tokens of KV cache but the verifier holds {self.runner.kv.tokens} in all; "
                 "ask for fewer max_tokens or raise the verifier's --kv-cache-gb")))
-        elif len(self.waiting) >= self.limits.max_waiting:
+        elif must_wait and len(self.waiting) >= self.limits.max_waiting:
             self._results.append(Refused(cmd.request_id, "busy", (
                 f"the verifier's KV cache is full and {len(self.waiting)} requests already wait for it; retry later")))
         else:
             self.requests[req.request_id] = req
             self.waiting.append(req)
+            self._admit()
 
     def _draft(self, cmd: AddDraft) -> None:
         req = self.requests.get(cmd.request_id)
@@ -192,6 +221,9 @@ class TorchCore:
 
     def _expire_silent_drafters(self) -> None:
         now = time.perf_counter()
+        if now - self._expiry_checked < EXPIRY_CHECK_S:
+            return
+        self._expiry_checked = now
         for req in self.requests.values():
             if req.status is Status.WAITING_DRAFT and now - req.waiting_since > self.limits.draft_timeout_s:
                 log.warning("no draft in time; session continues target-only", request_id=req.request_id,
@@ -206,6 +238,8 @@ class TorchCore:
             self.waiting[0].kv_tokens_needed(self.limits.max_draft_tokens))
 
     def _admit(self) -> None:
+        if not self._can_admit():
+            return
         while self._can_admit():
             req = self.waiting.popleft()
             req.slot = self.runner.kv.allocate(req.kv_tokens_needed(self.limits.max_draft_tokens))
@@ -275,3 +309,4 @@ class TorchCore:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.allocator.forget(req.request_id)
+        self.metrics.set_kv(self.kv_stats())

@@ -8,7 +8,8 @@ turns the core's results into wire messages.
 
 A core implementation takes commands with :meth:`VerifierCore.submit` from the event loop
 thread and hands back lists of results through the ``deliver`` callback it was built with;
-results of one step arrive together, in order.
+results of one step arrive together, in order. ``deliver`` may be called from another thread:
+the builder wraps it accordingly.
 """
 
 from __future__ import annotations
@@ -124,12 +125,12 @@ class VerifierCore(Protocol):
     max_model_len: int
 
     def start(self) -> None:
-        """Begin serving (the torch core starts its thread)."""
+        """Begin serving (called on the running event loop)."""
 
     def submit(self, command: Command) -> None:
-        """Queue a command; never blocks. Raises CoreBusy when the command queue is full."""
+        """Queue a command (event loop thread); never blocks. Raises CoreBusy when the queue is full."""
 
-    def stop(self) -> None:
+    async def aclose(self) -> None:
         """Stop serving and wait for the core to wind down."""
 
     def kv_stats(self) -> KVStats: ...

@@ -32,6 +32,7 @@ AUTO_KV_CPU_SHARE = 0.2
 AUTO_KV_CPU_MAX = 2 * 2**30
 #: ... and on a GPU, this share of the memory still free after the model loaded
 AUTO_KV_GPU_SHARE = 0.8
+CORE_MODES = ("auto", "thread", "inline")
 
 
 def kv_budget_bytes(cfg: VerifierConfig) -> int:
@@ -42,6 +43,15 @@ def kv_budget_bytes(cfg: VerifierConfig) -> int:
         return int(free * AUTO_KV_GPU_SHARE)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return min(AUTO_KV_CPU_MAX, int(ram * AUTO_KV_CPU_SHARE))
+
+
+def core_threaded(mode: str) -> bool:
+    """thread / inline / auto: a thread of its own unless the process may use a single CPU."""
+    if mode not in CORE_MODES:
+        raise ModelLoadError(f"--core-mode must be one of {', '.join(CORE_MODES)}, got {mode!r}")
+    if mode == "auto":
+        return len(os.sched_getaffinity(0)) > 1
+    return mode == "thread"
 
 
 def build(cfg: VerifierConfig, loop: asyncio.AbstractEventLoop) -> tuple[Hub, TorchCore]:
@@ -62,11 +72,17 @@ def build(cfg: VerifierConfig, loop: asyncio.AbstractEventLoop) -> tuple[Hub, To
     output = Output(hub, routes, metrics)
     scheduler = Scheduler(make_batcher(cfg.batching), BatchLimits(cfg.max_batch_sessions, cfg.max_batch_tokens),
                           cfg.prefill_chunk)
-    def deliver(results: list[Result]) -> None:  # called on the core's thread
-        loop.call_soon_threadsafe(output.on_results, results)
+    threaded = core_threaded(cfg.core_mode)
+
+    def deliver(results: list[Result]) -> None:
+        if threaded:  # called on the core's thread
+            loop.call_soon_threadsafe(output.on_results, results)
+        else:
+            output.on_results(results)
 
     core = TorchCore(runner, loaded.eos_ids, make_allocator(cfg.allocation, cfg.draft_len), scheduler,
-                     CoreLimits(cfg.max_draft_tokens, cfg.draft_timeout_s, cfg.max_waiting), deliver, metrics)
+                     CoreLimits(cfg.max_draft_tokens, cfg.draft_timeout_s, cfg.max_waiting), deliver, metrics,
+                     threaded=threaded)
     output.core = core
     hub.intake = Intake(core, routes, output, loaded.tokenizer)
     return hub, core
@@ -93,7 +109,7 @@ async def serve(cfg: VerifierConfig, ready: asyncio.Event | None = None) -> None
             if t.done() and t.exception():
                 raise t.exception()  # type: ignore[misc]
     finally:
-        await asyncio.to_thread(core.stop)
+        await core.aclose()
         for t in tasks:
             t.cancel()
         server.close()

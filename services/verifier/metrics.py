@@ -6,12 +6,14 @@ maths, commits and next budgets) and ``total``; ``step_period`` is the time betw
 of back-to-back steps, which also counts the event loop's share of the CPU. ``publish`` is the
 event loop's time to turn one step's results into frames. ``queue_wait`` is how long a ready
 round waited for a step; ``draft_wait`` how long the verifier waited for a drafter's draft
-(drafting plus both network legs). ``python -m bench profile`` prints these side by side.
+(drafting plus both network legs). ``process_cpu_seconds_total`` is the process's CPU time, so
+CPU per step over forward per step is the machinery's overhead whether or not the verifier
+idles. ``python -m bench profile`` prints these side by side.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
 from services.verifier.core_api import KVStats
 from services.verifier.scheduler import Step
@@ -28,6 +30,7 @@ MAX_PERIOD_S = 0.5
 class VerifierMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        ProcessCollector(registry=r)  # process_cpu_seconds_total: the verifier's whole CPU use
         self.step = Histogram(f"{_P}_step_seconds", "Engine step time by phase", ["phase"], buckets=_TIME, registry=r)
         self.step_period = Histogram(f"{_P}_step_period_seconds", "Start-to-start time of back-to-back steps",
                                      buckets=_TIME, registry=r)

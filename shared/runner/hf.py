@@ -15,7 +15,9 @@ from typing import Any
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from shared.models import ModelLoadError
 from shared.runner.step import StepPlan, paged_attention, write_kv
 
 ATTN_NAME = "specfleet_arena"
@@ -23,8 +25,8 @@ ATTN_NAME = "specfleet_arena"
 _UNSUPPORTED = ("sliding_window", "softcap", "s_aux", "sinks")
 
 
-class UnsupportedAttention(RuntimeError):
-    pass
+class UnsupportedAttention(ModelLoadError):
+    """A load error: the self-check meets it first, and callers report ModelLoadError cleanly."""
 
 
 @dataclass
@@ -38,6 +40,9 @@ def _arena_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
                      **kwargs: Any) -> tuple[torch.Tensor, None]:
     if specfleet_step is None:  # called outside a runner step: behave as transformers' own sdpa
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    window = kwargs.get("sliding_window")
+    if window is not None and max(span.kv_len for span in specfleet_step.plan.spans) <= window:
+        kwargs.pop("sliding_window")  # a window no session reaches changes nothing
     bad = [k for k in _UNSUPPORTED if kwargs.get(k) is not None]
     if bad:
         raise UnsupportedAttention(f"this model's attention uses {', '.join(bad)}, which the torch backend does not "
@@ -51,6 +56,9 @@ def _arena_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
 
 
 AttentionInterface.register(ATTN_NAME, _arena_attention)
+# Outside a step the model must build the masks sdpa gets (padding!); transformers builds none for
+# an attention name without a mask function. Inside a step a 4D placeholder skips mask building.
+AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
 
 
 class HFDecoder:
@@ -59,11 +67,15 @@ class HFDecoder:
     def __init__(self, model: Any) -> None:
         model.set_attn_implementation(ATTN_NAME)
         self.model = model
+        self.base = model.base_model  # .model for Llama-likes, .transformer for GPT-2, ...
+        self.head = model.get_output_embeddings()
+        device = next(model.parameters()).device
+        self.no_mask = torch.zeros((1, 1, 0, 0), dtype=torch.bool, device=device)  # ignored by _arena_attention
 
     def hidden(self, plan: StepPlan, arena: torch.Tensor) -> torch.Tensor:
-        out = self.model.model(input_ids=plan.input_ids.unsqueeze(0), position_ids=plan.positions.unsqueeze(0),
-                               use_cache=False, specfleet_step=_StepContext(plan, arena))
+        out = self.base(input_ids=plan.input_ids.unsqueeze(0), position_ids=plan.positions.unsqueeze(0),
+                        attention_mask=self.no_mask, use_cache=False, specfleet_step=_StepContext(plan, arena))
         return out.last_hidden_state[0]  # already through the final norm
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(hidden).float()
+        return self.head(hidden).float()

@@ -51,8 +51,7 @@ class KVShape:
 
     @property
     def bytes_per_token(self) -> int:
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return self.layers * 2 * self.kv_heads * self.head_dim * itemsize
+        return self.layers * 2 * self.kv_heads * self.head_dim * self.dtype.itemsize
 
 
 class KVArena:

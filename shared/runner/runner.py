@@ -91,7 +91,12 @@ class ModelRunner:
         ids = torch.randint(0, self.vocab_size, (tokens,), generator=gen).tolist()
         ref = self._reference(input_ids=torch.tensor([ids], device=self.device), use_cache=False).logits[0].float()
         a, b = self.kv.allocate(tokens), self.kv.allocate(tokens)
-        assert a is not None and b is not None, "the KV arena cannot hold the self-check"
+        if a is None or b is None:
+            for slot in (a, b):
+                if slot is not None:
+                    self.kv.free(slot)
+            raise ModelLoadError(f"the KV cache ({self.kv.tokens} tokens) is too small even for the {tokens}-token "
+                                 "self-check; raise --kv-cache-gb")
         try:
             split = tokens // 2
             self.forward([Segment(a, ids[:split], split)])

@@ -109,25 +109,35 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, plan: StepPlan, kv_heads:
     """Attention of the flat queries ``q [T, H, D]`` over each segment's arena rows.
 
     ``kv`` is one layer of the arena, ``[2, kv_heads, tokens, D]``, with this step's new rows
-    already written (see :func:`write_kv`). Returns ``[T, H * D]``. Grouped-query heads are folded into the query
-    axis, so each segment costs two batched matmuls over its kv heads.
+    already written (see :func:`write_kv`). Returns ``[T, H * D]``. Grouped-query heads are
+    folded into the query axis, so each segment costs two batched matmuls over its kv heads,
+    written straight into its rows of the output. The per-segment loop is the price of
+    reading each session's cache in place: a padded batch would copy every cache every step.
     """
-    heads, dim = q.shape[1], q.shape[2]
+    tokens, heads, dim = q.shape
     groups = heads // kv_heads
-    outs = []
+    out = torch.empty((tokens, heads * dim), dtype=q.dtype, device=q.device)
+    no_bias = _no_bias(q)
     for span in plan.spans:
-        n = span.n
+        n, start = span.n, span.q_start
         rows = kv[:, :, span.kv_start : span.kv_start + span.kv_len]  # a view: [2, kv_heads, L, D]
-        keys = rows[0].transpose(1, 2)  # [kv_heads, D, L]
-        values = rows[1]  # [kv_heads, L, D]
-        qs = q[span.q_start : span.q_start + n]
-        if n == 1:
-            qs = qs.view(kv_heads, groups, dim)
-            scores = torch.bmm(qs, keys).mul_(scale)
-        else:
-            qs = qs.view(n, kv_heads, groups, dim).permute(1, 2, 0, 3).reshape(kv_heads, groups * n, dim)
-            scores = torch.baddbmm(span.mask, qs, keys, alpha=scale)  # type: ignore[arg-type]
-        probs = scores.softmax(-1) if scores.dtype == torch.float32 else scores.softmax(-1, torch.float32).to(q.dtype)
-        out = torch.bmm(probs, values)  # [kv_heads, groups * n, D]
-        outs.append(out.view(kv_heads, groups, n, dim).permute(2, 0, 1, 3).reshape(n, heads * dim))
-    return outs[0] if len(outs) == 1 else torch.cat(outs)
+        if n == 1:  # decoding: the query row folds into [kv_heads, groups, D] as it is
+            scores = torch.baddbmm(no_bias, q[start].view(kv_heads, groups, dim), rows[0].transpose(1, 2), beta=0.0,
+                                   alpha=scale)
+            torch.bmm(_softmax(scores), rows[1], out=out[start].view(kv_heads, groups, dim))
+            continue
+        qs = q[start : start + n].view(n, kv_heads, groups, dim).permute(1, 2, 0, 3).reshape(kv_heads, groups * n, dim)
+        scores = torch.baddbmm(span.mask, qs, rows[0].transpose(1, 2), alpha=scale)  # type: ignore[arg-type]
+        attn = torch.bmm(_softmax(scores), rows[1]).view(kv_heads, groups, n, dim)
+        out[start : start + n].view(n, kv_heads, groups, dim).copy_(attn.permute(2, 0, 1, 3))
+    return out
+
+
+def _softmax(scores: torch.Tensor) -> torch.Tensor:
+    """Softmax over keys, in float32 for half-precision models (as transformers' eager attention)."""
+    return scores.softmax(-1) if scores.dtype == torch.float32 else scores.softmax(-1, torch.float32).to(scores.dtype)
+
+
+def _no_bias(like: torch.Tensor) -> torch.Tensor:
+    """A broadcastable dummy for baddbmm with beta=0 (its values are never read)."""
+    return torch.zeros((1, 1, 1), dtype=like.dtype, device=like.device)

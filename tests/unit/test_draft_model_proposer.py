@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from services.drafter.proposers.base import ProposerError
 from services.drafter.proposers.draft_model import DraftModelProposer, common_prefix_len
 from shared.models import LoadedModel, load_model, make_tiny_family
 from shared.protocol import MAX_DRAFT_TOKENS, SamplingParams
+from shared.runner import ModelRunner
 from shared.sampling import make_generator, probs_from_logits
 
 torch.set_num_threads(1)
@@ -30,6 +32,12 @@ def draft(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
     return load_model(paths["draft-L1"])
 
 
+def make(draft: LoadedModel, **kwargs: Any) -> DraftModelProposer:
+    """A proposer on its own runner and KV arena (room for a few full-context sessions)."""
+    runner = ModelRunner(draft, 4 * draft.max_model_len * 1024, self_check=False)
+    return DraftModelProposer(runner, draft.eos_ids, **kwargs)
+
+
 def reference_greedy(model: LoadedModel, ids: list[int], k: int) -> list[int]:
     """Argmax decoding with plain transformers calls, no cache: the ground truth."""
     seq = list(ids)
@@ -41,12 +49,12 @@ def reference_greedy(model: LoadedModel, ids: list[int], k: int) -> list[int]:
 
 
 def test_greedy_proposal_is_argmax_decoding(draft: LoadedModel) -> None:
-    proposer = DraftModelProposer(draft)
-    proposer.start("s", PROMPT)
+    proposer = make(draft)
+    proposer.start("s", PROMPT, 64)
     proposal = proposer.propose("s", 6, GREEDY, make_generator(0))
     assert proposal.token_ids == reference_greedy(draft, PROMPT, 6)
     assert proposal.q is None
-    assert len(proposal.steps) == 6
+    assert proposal.steps == []  # no controller reads features, so none are computed
 
 
 @pytest.mark.parametrize(
@@ -54,23 +62,23 @@ def test_greedy_proposal_is_argmax_decoding(draft: LoadedModel) -> None:
 )
 def test_proposal_after_rollback_equals_fresh_cache(draft: LoadedModel, accepted: int, with_bonus: bool) -> None:
     """Accept some drafts, then the verifier's own token (absent when a stop cut the round short)."""
-    proposer = DraftModelProposer(draft)
-    proposer.start("s", PROMPT)
+    proposer = make(draft)
+    proposer.start("s", PROMPT, 64)
     first = proposer.propose("s", 5, GREEDY, make_generator(0)).token_ids
     bonus = [(first[accepted] + 1) % draft.vocab_size] if accepted < 5 else [17]
     committed_new = first[:accepted] + (bonus if with_bonus else [])
     proposer.commit("s", committed_new, accepted)
     after = proposer.propose("s", 5, GREEDY, make_generator(0)).token_ids
 
-    fresh = DraftModelProposer(draft)
-    fresh.start("f", PROMPT + committed_new)
+    fresh = make(draft)
+    fresh.start("f", PROMPT + committed_new, 64)
     assert after == fresh.propose("f", 5, GREEDY, make_generator(0)).token_ids
     assert after == reference_greedy(draft, PROMPT + committed_new, 5)
 
 
 def test_cache_keeps_accepted_tokens_and_drops_rejected(draft: LoadedModel) -> None:
-    proposer = DraftModelProposer(draft)
-    proposer.start("s", PROMPT)
+    proposer = make(draft)
+    proposer.start("s", PROMPT, 64)
     first = proposer.propose("s", 4, GREEDY, make_generator(0)).token_ids
     # Fed: the prompt, then drafts 0..2 (the last draft's logits were never needed).
     assert proposer.cached_tokens("s") == len(PROMPT) + 3
@@ -81,14 +89,14 @@ def test_cache_keeps_accepted_tokens_and_drops_rejected(draft: LoadedModel) -> N
 
 
 def test_sampled_proposal_is_deterministic_per_seed_and_matches_fresh_cache(draft: LoadedModel) -> None:
-    a = DraftModelProposer(draft, mode="sampled", draft_top_k=8)
-    a.start("s", PROMPT)
+    a = make(draft, mode="sampled", draft_top_k=8)
+    a.start("s", PROMPT, 64)
     first = a.propose("s", 4, WARM, make_generator(11)).token_ids
     a.commit("s", [*first[:1], 3], 1)
     after = a.propose("s", 4, WARM, make_generator(12))
 
-    b = DraftModelProposer(draft, mode="sampled", draft_top_k=8)
-    b.start("s", [*PROMPT, *first[:1], 3])
+    b = make(draft, mode="sampled", draft_top_k=8)
+    b.start("s", [*PROMPT, *first[:1], 3], 64)
     fresh = b.propose("s", 4, WARM, make_generator(12))
     assert after.token_ids == fresh.token_ids
     assert after.q is not None and fresh.q is not None
@@ -104,8 +112,8 @@ def test_sampled_proposal_is_deterministic_per_seed_and_matches_fresh_cache(draf
 ])
 def test_sampled_q_is_the_truncated_request_distribution(draft: LoadedModel, params: SamplingParams) -> None:
     top_k = 8
-    proposer = DraftModelProposer(draft, mode="sampled", draft_top_k=top_k)
-    proposer.start("s", PROMPT)
+    proposer = make(draft, mode="sampled", draft_top_k=top_k)
+    proposer.start("s", PROMPT, 64)
     proposal = proposer.propose("s", 4, params, make_generator(5))
     assert proposal.q is not None and len(proposal.q) == len(proposal.token_ids) == 4
     seq = list(PROMPT)
@@ -126,8 +134,8 @@ def test_sampled_q_is_the_truncated_request_distribution(draft: LoadedModel, par
 
 
 def test_sampled_tokens_follow_q(draft: LoadedModel) -> None:
-    proposer = DraftModelProposer(draft, mode="sampled", draft_top_k=4)
-    proposer.start("s", PROMPT)
+    proposer = make(draft, mode="sampled", draft_top_k=4)
+    proposer.start("s", PROMPT, 64)
     gen = make_generator(99)
     draws = 1500
     counts: Counter[int] = Counter()
@@ -142,8 +150,8 @@ def test_sampled_tokens_follow_q(draft: LoadedModel) -> None:
 
 
 def test_temperature_zero_drafts_greedily_even_in_sampled_mode(draft: LoadedModel) -> None:
-    proposer = DraftModelProposer(draft, mode="sampled")
-    proposer.start("s", PROMPT)
+    proposer = make(draft, mode="sampled")
+    proposer.start("s", PROMPT, 64)
     proposal = proposer.propose("s", 3, GREEDY, make_generator(0))
     assert proposal.q is None
     assert proposal.token_ids == reference_greedy(draft, PROMPT, 3)
@@ -153,6 +161,7 @@ class _StopAt:
     """A controller that stops (keeping or discarding the token) at a given position."""
 
     name = "stop-at"
+    wants_features = True
 
     def __init__(self, position: int, decision: StepDecision) -> None:
         self.position, self.decision = position, decision
@@ -171,8 +180,8 @@ class _StopAt:
 
 @pytest.mark.parametrize(("decision", "expected_len"), [(StepDecision.STOP, 3), (StepDecision.DISCARD, 2)])
 def test_controller_can_stop_drafting(draft: LoadedModel, decision: StepDecision, expected_len: int) -> None:
-    proposer = DraftModelProposer(draft)
-    proposer.start("s", PROMPT)
+    proposer = make(draft)
+    proposer.start("s", PROMPT, 64)
     controller = _StopAt(2, decision)
     proposal = proposer.propose("s", 6, GREEDY, make_generator(0), controller)
     assert proposal.token_ids == reference_greedy(draft, PROMPT, 6)[:expected_len]
@@ -180,15 +189,34 @@ def test_controller_can_stop_drafting(draft: LoadedModel, decision: StepDecision
 
 
 def test_step_features_describe_the_draft_distribution(draft: LoadedModel) -> None:
-    proposer = DraftModelProposer(draft)
-    proposer.start("s", PROMPT)
-    proposal = proposer.propose("s", 4, GREEDY, make_generator(0), FixedController())
+    proposer = make(draft)
+    proposer.start("s", PROMPT, 64)
+    proposal = proposer.propose("s", 4, GREEDY, make_generator(0), _StopAt(99, StepDecision.CONTINUE))
+    assert len(proposal.steps) == 4
     for pos, (token, step) in enumerate(zip(proposal.token_ids, proposal.steps, strict=True)):
         assert (step.position, step.budget, step.token_id) == (pos, 4, token)
         assert step.token_prob == pytest.approx(step.top1_prob)  # greedy drafts the top-1 token
         assert 0.0 <= step.top2_prob <= step.top1_prob <= 1.0
         assert step.margin >= 0.0
         assert 0.0 <= step.entropy <= float(torch.log(torch.tensor(draft.vocab_size)))
+
+
+def test_fixed_controller_skips_features(draft: LoadedModel) -> None:
+    proposer = make(draft)
+    proposer.start("s", PROMPT, 64)
+    proposal = proposer.propose("s", 4, GREEDY, make_generator(0), FixedController())
+    assert proposal.token_ids == reference_greedy(draft, PROMPT, 4) and proposal.steps == []
+
+
+def test_a_full_draft_kv_cache_disables_drafting_not_the_session(draft: LoadedModel) -> None:
+    runner = ModelRunner(draft, 100 * 1024, self_check=False)  # room for ~100 tokens in all
+    proposer = DraftModelProposer(runner, draft.eos_ids)
+    proposer.start("big", PROMPT, 500)
+    assert proposer.propose("big", 4, GREEDY, make_generator(0)).token_ids == []
+    proposer.start("small", PROMPT, 8)
+    assert len(proposer.propose("small", 4, GREEDY, make_generator(0)).token_ids) == 4
+    proposer.close("small")
+    assert runner.kv.reserved_tokens == 0
 
 
 def test_fixed_controller_drafts_the_whole_budget() -> None:
@@ -203,30 +231,30 @@ def test_fixed_controller_drafts_the_whole_budget() -> None:
 
 
 def test_draft_length_is_clamped_to_context_and_wire_limit(draft: LoadedModel) -> None:
-    proposer = DraftModelProposer(draft)
-    proposer.start("long", [5 + i % 300 for i in range(draft.max_model_len - 3)])
+    proposer = make(draft)
+    proposer.start("long", [5 + i % 300 for i in range(draft.max_model_len - 3)], 64)
     assert len(proposer.propose("long", 10, GREEDY, make_generator(0)).token_ids) == 3
-    proposer.start("s", PROMPT)
+    proposer.start("s", PROMPT, 64)
     assert len(proposer.propose("s", MAX_DRAFT_TOKENS + 10, GREEDY, make_generator(0)).token_ids) == MAX_DRAFT_TOKENS
     assert proposer.propose("s", 0, GREEDY, make_generator(0)).token_ids == []
 
 
 def test_out_of_vocabulary_tokens_disable_drafting_not_the_session(draft: LoadedModel) -> None:
-    proposer = DraftModelProposer(draft)
-    proposer.start("s", PROMPT)
+    proposer = make(draft)
+    proposer.start("s", PROMPT, 64)
     proposer.commit("s", [draft.vocab_size + 5], 0)
     assert proposer.propose("s", 4, GREEDY, make_generator(0)).token_ids == []
 
 
 def test_unknown_session_and_bad_settings_are_refused(draft: LoadedModel) -> None:
-    proposer = DraftModelProposer(draft)
+    proposer = make(draft)
     with pytest.raises(ProposerError, match="no draft session 'ghost'"):
         proposer.propose("ghost", 3, GREEDY, make_generator(0))
     proposer.close("ghost")  # idempotent
     with pytest.raises(ValueError, match="draft_mode must be one of greedy, sampled"):
-        DraftModelProposer(draft, mode="beam")
+        make(draft, mode="beam")
     with pytest.raises(ValueError, match="draft_top_k must be in"):
-        DraftModelProposer(draft, mode="sampled", draft_top_k=0)
+        make(draft, mode="sampled", draft_top_k=0)
 
 
 @pytest.mark.parametrize(("a", "b", "n"), [([], [], 0), ([1, 2], [1, 2, 3], 2), ([1, 2, 3], [1, 9], 1), ([4], [5], 0)])
@@ -235,8 +263,8 @@ def test_common_prefix_len(a: list[int], b: list[int], n: int) -> None:
 
 
 def test_drafting_stops_after_an_end_token(draft: LoadedModel) -> None:
-    proposer = DraftModelProposer(draft)
-    proposer.start("s", PROMPT)
+    proposer = make(draft)
+    proposer.start("s", PROMPT, 64)
     expected = reference_greedy(draft, PROMPT, 5)
     stop_at = SamplingParams(temperature=0.0, stop_token_ids=[expected[1]])
     assert proposer.propose("s", 5, stop_at, make_generator(0)).token_ids == expected[:2]

@@ -49,9 +49,14 @@ class StepFeatures:
 
 
 class DraftController(Protocol):
-    """Per-session drafting policy. Implementations: fixed (here); wisp, adaspec (later)."""
+    """Per-session drafting policy. Implementations: fixed (here); wisp, adaspec (later).
+
+    ``wants_features``: whether ``on_step`` reads the step features. When False the proposer
+    neither computes them (a softmax over the vocabulary per token) nor calls ``on_step``.
+    """
 
     name: str
+    wants_features: bool
 
     def begin_round(self, budget: int) -> int:
         """The most tokens to draft this round (0..budget)."""

@@ -9,6 +9,7 @@ class FixedController:
     """Drafts exactly the budget, never stops early. The baseline every adaptive policy must beat."""
 
     name = "fixed"
+    wants_features = False  # it never stops early, so drafting skips the per-token features
 
     def begin_round(self, budget: int) -> int:
         return max(0, budget)

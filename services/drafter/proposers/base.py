@@ -30,7 +30,7 @@ class Proposal:
 
     ``q`` is None for ids-only drafts (the verifier treats q as one-hot on each token, which is
     exact), or one SparseQ per token: the exact distribution that token was sampled from.
-    ``steps`` are the controller features of the kept tokens, for logs and metrics.
+    ``steps`` are the controller features of the kept tokens, when the controller reads them.
     """
 
     token_ids: list[int]
@@ -44,8 +44,9 @@ EMPTY_PROPOSAL = Proposal(token_ids=[])
 class Proposer(Protocol):
     name: str
 
-    def start(self, session_id: str, prompt_ids: list[int]) -> None:
-        """Begin a session whose committed sequence is ``prompt_ids``."""
+    def start(self, session_id: str, prompt_ids: list[int], max_new_tokens: int) -> None:
+        """Begin a session whose committed sequence is ``prompt_ids``; it will grow by at most
+        ``max_new_tokens`` committed tokens (plus one round's drafts)."""
 
     def propose(
         self,

@@ -1,6 +1,10 @@
-"""The draft language model as a proposer, with one isolated KV cache per session (StarSD §3).
+"""The draft language model as a proposer, with one isolated KV slot per session (StarSD §3).
 
-Cache invariant per session: the cache holds the keys/values of ``cached``, a list of token ids
+The model runs through ``shared.runner.ModelRunner``: each session owns a slot of the runner's
+KV arena, reserved when the session starts, so a draft step writes only its new token's keys
+and values and a rollback only moves the slot's length.
+
+Cache invariant per session: the slot holds the keys/values of ``cached``, a list of token ids
 that is always a prefix of what was fed. Before drafting, the cache is cut back to the longest
 prefix it shares with the committed sequence, keeping at least the last committed token out of
 it (its logits are what the first draft token is chosen from). That one rule rolls back
@@ -18,16 +22,14 @@ Draft modes:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
-from transformers import DynamicCache
 
 from services.drafter.control.base import DraftController, StepDecision, StepFeatures
 from services.drafter.proposers.base import EMPTY_PROPOSAL, Proposal, ProposerError
 from shared.log import get_logger
-from shared.models import LoadedModel
 from shared.protocol import MAX_DRAFT_TOKENS, SamplingParams, SparseQ
+from shared.runner import KVSlot, ModelRunner, Segment
 from shared.sampling import is_greedy, probs_from_logits
 
 DRAFT_MODES = ("greedy", "sampled")
@@ -40,8 +42,8 @@ log = get_logger("drafter.proposer")
 @dataclass
 class _SessionCache:
     committed: list[int]
-    cache: DynamicCache
-    cached: list[int] = field(default_factory=list)  # the tokens the cache holds, in order
+    slot: KVSlot | None
+    cached: list[int] = field(default_factory=list)  # the tokens the slot holds, in order
     disabled: str = ""  # why this session cannot be drafted for; empty: it can
 
 
@@ -58,26 +60,31 @@ class DraftModelProposer:
 
     name = "draft_model"
 
-    def __init__(self, loaded: LoadedModel, mode: str = "greedy", draft_top_k: int = 16) -> None:
+    def __init__(self, runner: ModelRunner, eos_ids: set[int], mode: str = "greedy", draft_top_k: int = 16) -> None:
         if mode not in DRAFT_MODES:
             raise ValueError(f"draft_mode must be one of {', '.join(DRAFT_MODES)}, got {mode!r}")
         if not 1 <= draft_top_k <= MAX_Q_ENTRIES:
             raise ValueError(f"draft_top_k must be in [1, {MAX_Q_ENTRIES}], got {draft_top_k}")
-        self.model: Any = loaded.model
-        self.device = next(self.model.parameters()).device
-        self.vocab_size = loaded.vocab_size
-        self.max_model_len = loaded.max_model_len
-        self.eos_ids = frozenset(loaded.eos_ids)
+        self.runner = runner
+        self.vocab_size = runner.vocab_size
+        self.max_model_len = runner.max_model_len
+        self.eos_ids = frozenset(eos_ids)
         self.mode = mode
         self.draft_top_k = draft_top_k
         self._sessions: dict[str, _SessionCache] = {}
 
     # --- lifecycle -----------------------------------------------------------------------
 
-    def start(self, session_id: str, prompt_ids: list[int]) -> None:
-        state = _SessionCache(committed=list(prompt_ids), cache=DynamicCache(config=self.model.config))
+    def start(self, session_id: str, prompt_ids: list[int], max_new_tokens: int) -> None:
+        need = max(1, min(self.max_model_len, len(prompt_ids) + max_new_tokens + MAX_DRAFT_TOKENS))
+        slot = self.runner.kv.allocate(need) if need <= self.runner.kv.tokens else None
+        state = _SessionCache(committed=list(prompt_ids), slot=slot)
         self._sessions[session_id] = state
-        if not prompt_ids:
+        if slot is None:
+            state.disabled = (f"the draft KV cache has no room for {need} more tokens; raise the drafter's "
+                              "--kv-cache-gb or lower --max-sessions")
+            log.warning("session drafts nothing", request_id=session_id, reason=state.disabled)
+        elif not prompt_ids:
             state.disabled = "the prompt is empty: there is no committed token to continue from"
         self._check_ids(session_id, state, prompt_ids)
 
@@ -87,7 +94,9 @@ class DraftModelProposer:
         self._check_ids(session_id, state, committed_new_tokens)
 
     def close(self, session_id: str) -> None:
-        self._sessions.pop(session_id, None)
+        state = self._sessions.pop(session_id, None)
+        if state is not None and state.slot is not None:
+            self.runner.kv.free(state.slot)
 
     def cached_tokens(self, session_id: str) -> int:
         """How many tokens the session's cache holds (for tests and stats)."""
@@ -109,48 +118,57 @@ class DraftModelProposer:
             return EMPTY_PROPOSAL
         sampled = self.mode == "sampled" and not is_greedy(params)
         enders = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
+        watch = controller if controller is not None and controller.wants_features else None
+        self._rollback(state)
+        feed = state.committed[len(state.cached) :]
+        with torch.inference_mode():
+            return self._draft(state, feed, k, params, rng, sampled, enders, watch)
+
+    def _draft(self, state: _SessionCache, feed: list[int], k: int, params: SamplingParams, rng: torch.Generator,
+               sampled: bool, enders: frozenset[int], watch: DraftController | None) -> Proposal:
         tokens: list[int] = []
         qs: list[SparseQ] = []
         steps: list[StepFeatures] = []
-        with torch.inference_mode():
-            self._rollback(state)
-            feed = state.committed[len(state.cached) :]
-            for position in range(k):
-                logits = self._forward(state, feed)
-                token, q = self._choose(logits, params, rng, sampled)
+        for position in range(k):
+            logits = self._forward(state, feed)
+            token, q = self._choose(logits, params, rng, sampled)
+            if watch is not None:
                 step = _features(logits, token, position, k)
-                decision = controller.on_step(step) if controller is not None else StepDecision.CONTINUE
+                decision = watch.on_step(step)
                 if decision is StepDecision.DISCARD:
                     break
-                tokens.append(token)
                 steps.append(step)
-                if q is not None:
-                    qs.append(q)
-                if decision is StepDecision.STOP or token in enders:  # nothing follows an end token
-                    break
-                feed = [token]
+            else:
+                decision = StepDecision.CONTINUE
+            tokens.append(token)
+            if q is not None:
+                qs.append(q)
+            if decision is StepDecision.STOP or token in enders:  # nothing follows an end token
+                break
+            feed = [token]
         return Proposal(token_ids=tokens, q=qs if sampled else None, steps=steps)
 
     def _clamp(self, state: _SessionCache, k: int) -> int:
-        """Never draft past the draft model's context or the wire's per-frame ceiling."""
-        if state.disabled:
+        """Never draft past the slot, the draft model's context or the wire's per-frame ceiling."""
+        if state.disabled or state.slot is None:
             return 0
-        room = self.max_model_len - len(state.committed)
+        room = min(self.max_model_len, state.slot.capacity) - len(state.committed)
         return max(0, min(k, room, MAX_DRAFT_TOKENS))
 
     def _rollback(self, state: _SessionCache) -> None:
+        assert state.slot is not None
         keep = min(common_prefix_len(state.cached, state.committed), len(state.committed) - 1)
-        drop = len(state.cached) - keep
-        if drop > 0:
-            state.cache.crop(-drop)  # negative: remove that many tokens (positive is deprecated)
+        if keep < len(state.cached):
+            state.slot.truncate(keep)
             del state.cached[keep:]
 
     def _forward(self, state: _SessionCache, feed: list[int]) -> torch.Tensor:
         """Feed the uncached tokens; return the logits for the position after the last one."""
-        ids = torch.tensor([feed], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=ids, past_key_values=state.cache, use_cache=True, logits_to_keep=1)
+        assert state.slot is not None
+        logits = self.runner.forward([Segment(state.slot, feed, len(feed) - 1)])
         state.cached.extend(feed)
-        return out.logits[0, -1].float().cpu()
+        assert logits is not None
+        return logits[0]
 
     def _choose(
         self, logits: torch.Tensor, params: SamplingParams, rng: torch.Generator, sampled: bool

@@ -1,0 +1,21 @@
+"""``python -m bench <command>``: profile (round breakdown), serving (make bench), context, costs."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {"profile": "bench.profile", "serving": "bench.serving", "context": "bench.context",
+            "costs": "bench.costs"}
+
+
+def main() -> int:
+    if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:
+        print(f"usage: python -m bench {{{','.join(COMMANDS)}}} [flags]  (--help after a command for its flags)")
+        return 2
+    module = importlib.import_module(COMMANDS[sys.argv[1]])
+    return int(module.main(sys.argv[2:]))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,154 @@
+"""Raw model costs, measured with nothing around the model (run pinned by the benchmarks).
+
+    python -m bench.costs --model models/target --decode 128 --shapes 1x128x1,1x128x5,16x128x5
+
+prints one JSON object:
+
+* ``hf_decode_tok_s``: a plain transformers greedy loop with its KV cache (DynamicCache), the
+  "raw decode rate" of the model, and ``runner_decode_tok_s``: the same loop on specfleet's
+  model runner (arena KV cache, lean forward);
+* ``forward_ms``: the median time of one runner forward for each shape ``BxCxN`` (B sessions,
+  C tokens of cached context each, N new tokens each), and ``hf_forward_ms`` for the same
+  shapes through transformers with a padded DynamicCache.
+
+Every number is a median over repeats, after warm-up, with one torch thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from shared.models import load_model
+from shared.runner import ModelRunner, Segment
+
+WARMUP = 3
+
+
+def median_ms(fn: Callable[[], object], repeats: int) -> float:
+    for _ in range(WARMUP):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+@torch.inference_mode()
+def hf_decode(model: Any, prompt: list[int], tokens: int) -> float:
+    """Tokens/s of plain transformers greedy decoding with its own KV cache."""
+    out = model(input_ids=torch.tensor([prompt]), use_cache=True)
+    cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    start = time.perf_counter()
+    for _ in range(tokens):
+        out = model(input_ids=token, past_key_values=cache, use_cache=True)
+        token = out.logits[:, -1:].argmax(-1)
+    return tokens / (time.perf_counter() - start)
+
+
+def runner_decode(runner: ModelRunner, prompt: list[int], tokens: int) -> float:
+    """Tokens/s of the same greedy loop on the runner (the model part of target-only serving)."""
+    slot = runner.kv.allocate(len(prompt) + tokens + 1)
+    assert slot is not None
+    try:
+        runner.forward([Segment(slot, prompt[:-1], len(prompt) - 1)])
+        token = prompt[-1]
+        start = time.perf_counter()
+        for _ in range(tokens):
+            logits = runner.forward([Segment(slot, [token], 0)])
+            assert logits is not None
+            token = int(logits[0].argmax())
+        return tokens / (time.perf_counter() - start)
+    finally:
+        runner.kv.free(slot)
+
+
+def runner_forward_ms(runner: ModelRunner, batch: int, context: int, new: int, repeats: int) -> float:
+    """Median time of one forward over ``batch`` sessions x ``new`` tokens after ``context`` cached."""
+    slots = [runner.kv.allocate(context + new + 1) for _ in range(batch)]
+    assert all(s is not None for s in slots), "the benchmark's KV arena is too small"
+    gen = torch.Generator().manual_seed(0)
+    try:
+        for slot in slots:
+            assert slot is not None
+            if context:
+                ids = torch.randint(0, runner.vocab_size, (context,), generator=gen).tolist()
+                runner.forward([Segment(slot, ids, context)])
+        segments = [Segment(s, [1] * new, 0) for s in slots if s is not None]
+
+        def step() -> None:
+            runner.forward(segments)
+            for seg in segments:
+                seg.slot.truncate(context)
+
+        return median_ms(step, repeats)
+    finally:
+        for slot in slots:
+            if slot is not None:
+                runner.kv.free(slot)
+
+
+@torch.inference_mode()
+def hf_forward_ms(model: Any, batch: int, context: int, new: int, repeats: int) -> float:
+    """The same step through transformers: a padded batch and its DynamicCache (for contrast)."""
+    ids = torch.randint(0, model.config.vocab_size, (batch, context), generator=torch.Generator().manual_seed(0))
+    cache = model(input_ids=ids, use_cache=True).past_key_values
+    x = torch.ones((batch, new), dtype=torch.long)
+    positions = torch.arange(context, context + new).expand(batch, new)
+    mask = torch.ones((batch, context + new), dtype=torch.long)
+
+    def step() -> None:
+        model(input_ids=x, position_ids=positions, attention_mask=mask, past_key_values=cache, use_cache=True)
+        cache.crop(-new)
+
+    return median_ms(step, repeats)
+
+
+def parse_shape(text: str) -> tuple[int, int, int]:
+    b, c, n = (int(x) for x in text.lower().split("x"))
+    return b, c, n
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.costs", description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--decode", type=int, default=0, help="tokens of greedy decoding to time (0: skip)")
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--shapes", default="", help="comma list of BxCxN forward shapes")
+    p.add_argument("--hf-shapes", action="store_true", help="also time the shapes through transformers")
+    p.add_argument("--repeats", type=int, default=15)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    loaded = load_model(args.model)
+    shapes = [parse_shape(s) for s in args.shapes.split(",") if s]
+    need = max([b * (c + n + 1) for b, c, n in shapes] + [args.prompt_len + args.decode + 1]) + 64
+    runner = ModelRunner(loaded, need * kv_bytes(loaded), "auto")
+    prompt = list(range(5, 5 + args.prompt_len))
+    out: dict[str, Any] = {"model": args.model, "runner": runner.kind}
+    if args.decode:
+        out["hf_decode_tok_s"] = statistics.median(hf_decode(loaded.model, prompt, args.decode) for _ in range(3))
+        out["runner_decode_tok_s"] = statistics.median(runner_decode(runner, prompt, args.decode) for _ in range(3))
+    out["forward_ms"] = {f"{b}x{c}x{n}": runner_forward_ms(runner, b, c, n, args.repeats) for b, c, n in shapes}
+    if args.hf_shapes:
+        out["hf_forward_ms"] = {f"{b}x{c}x{n}": hf_forward_ms(loaded.model, b, c, n, args.repeats)
+                                for b, c, n in shapes}
+    print(json.dumps(out))
+    return 0
+
+
+def kv_bytes(loaded: Any) -> int:
+    from shared.runner.runner import kv_shape
+
+    return kv_shape(loaded.model).bytes_per_token
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,63 @@
+"""Edge emulation on one machine: the verifier gets CPUs of its own, the edge gets the rest.
+
+Every benchmark takes ``--server-cpus`` and ``--edge-cpus`` (taskset list syntax; defaults
+"0" and "1" on a machine with at least two CPUs) and ``--no-pin`` to run unpinned. The
+verifier (and target-only serving) runs on the server CPUs; the coordinator, the drafters
+and the load client run on the edge CPUs. Raw model costs are measured in pinned child
+processes on the same CPUs, in the same run, so every ratio compares like with like.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from shared.fleet import parse_cpus, pinned
+
+
+@dataclass(frozen=True)
+class Edge:
+    server_cpus: str  # "" when not pinned
+    edge_cpus: str
+
+    @property
+    def pinned(self) -> bool:
+        return bool(self.server_cpus)
+
+    def pin_self_to_edge(self) -> None:
+        """The load client runs at the edge, beside the coordinator and drafters."""
+        if self.edge_cpus:
+            os.sched_setaffinity(0, parse_cpus(self.edge_cpus))
+
+    def describe(self) -> str:
+        if not self.pinned:
+            return "not pinned: every process may use every CPU"
+        return f"verifier on CPU {self.server_cpus}; coordinator, drafters and load client on CPU {self.edge_cpus}"
+
+
+def add_edge_flags(p: argparse.ArgumentParser) -> None:
+    two = len(os.sched_getaffinity(0)) >= 2
+    p.add_argument("--server-cpus", default="0" if two else "", help="CPUs of the verifier (taskset syntax)")
+    p.add_argument("--edge-cpus", default="1" if two else "", help="CPUs of the coordinator, drafters, client")
+    p.add_argument("--no-pin", action="store_true", help="do not pin anything (no edge emulation)")
+
+
+def edge_from(args: argparse.Namespace) -> Edge:
+    if args.no_pin or not args.server_cpus or not args.edge_cpus:
+        return Edge("", "")
+    return Edge(args.server_cpus, args.edge_cpus)
+
+
+def run_pinned(module: str, cpus: str, args: list[str], timeout_s: float = 1800.0) -> Any:
+    """Run ``python -m module args`` on ``cpus`` and return the JSON it prints last."""
+    argv = pinned([sys.executable, "-m", module, *args], cpus)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, env=env, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"{module} failed ({out.returncode}):\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])

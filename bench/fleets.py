@@ -1,0 +1,117 @@
+"""Benchmark fleets: a scenario's real services on loopback, pinned, with their /metrics.
+
+A scenario is target-only serving (no drafters, coordinator ``--speculation off``) or N
+drafters with one draft model. The fleet starts through ``shared.fleet`` exactly as
+``specfleet up`` starts it, with the verifier pinned to the server CPUs and everything else to
+the edge CPUs (``bench.edge``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import statistics
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.client import Outcome, run_load
+from bench.edge import Edge
+from bench.scrape import Snapshot, diff_all, merged, scrape_all
+from shared.fleet import Fleet, FleetSpec, running_fleet
+from shared.up import free_port
+
+PROMPTS = [
+    "def read_config(path):\n", "class LRUCache:\n    def __init__(self", "import os\nimport sys\n\n",
+    "    for key, value in items.items():\n", "def main(argv=None):\n", "# Parse the header\n",
+    "try:\n    import json\nexcept", "    return self._", "with open(filename) as f:\n",
+    "def __repr__(self):\n", "if __name__ == '__main__':\n", "raise ValueError(",
+    "    @property\n    def", "lines = text.splitlines()\n", "async def fetch(", "    # Compute the",
+]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    drafters: int = 0  # 0: target-only
+    draft: str = ""  # draft model directory (with drafters)
+    draft_len: int = 4
+    verifier_flags: tuple[str, ...] = ()
+    drafter_flags: tuple[str, ...] = ()
+
+
+@dataclass
+class Run:
+    """One scenario at one concurrency: tokens/s per repeat and what the services measured."""
+
+    scenario: str
+    concurrency: int
+    rates: list[float]
+    outcomes: list[Outcome]
+    metrics: dict[str, Snapshot] = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return statistics.median(self.rates)
+
+    @property
+    def acceptance(self) -> float:
+        drafted = sum(o.drafted for o in self.outcomes)
+        return sum(o.accepted for o in self.outcomes) / drafted if drafted else 0.0
+
+
+def bodies(n: int, max_tokens: int, model: str, temperature: float = 0.0) -> list[dict[str, Any]]:
+    return [{"kind": "completion", "model": model, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": max_tokens,
+             "temperature": temperature, "ignore_eos": True} for i in range(n)]
+
+
+@dataclass
+class BenchFleet:
+    fleet: Fleet
+    urls: dict[str, str]  # service -> /metrics URL
+
+    def scrape(self) -> dict[str, Snapshot]:
+        return scrape_all(self.urls)
+
+
+def fleet_spec(target: Path, sc: Scenario, edge: Edge) -> tuple[FleetSpec, dict[str, str]]:
+    quiet = ["--log-level", "warning"]
+    ports = [free_port() for _ in range(sc.drafters)]
+    spec = FleetSpec(
+        target=target, drafts=[Path(sc.draft)] * sc.drafters, coordinator_port=free_port(),
+        verifier_port=free_port(), drafter_metrics_ports=ports, server_cpus=edge.server_cpus, edge_cpus=edge.edge_cpus,
+        verifier_flags=[*quiet, "--draft-len", str(sc.draft_len), *sc.verifier_flags],
+        coordinator_flags=[*quiet, "--speculation", "on" if sc.drafters else "off"],
+        drafter_flags=[*quiet, "--max-sessions", "64", *sc.drafter_flags],
+    )
+    urls = {"verifier": f"http://127.0.0.1:{spec.verifier_port}/metrics",
+            "coordinator": f"http://127.0.0.1:{spec.coordinator_port}/metrics",
+            **{f"drafter-{i + 1}": f"http://127.0.0.1:{p}/metrics" for i, p in enumerate(ports)}}
+    return spec, urls
+
+
+@contextmanager
+def bench_fleet(target: Path, sc: Scenario, edge: Edge, log_dir: Path) -> Iterator[BenchFleet]:
+    spec, urls = fleet_spec(target, sc, edge)
+    with running_fleet(spec, log_dir / sc.name.replace(" ", "_"), secrets.token_urlsafe(16)) as fleet:
+        bf = BenchFleet(fleet, urls)
+        asyncio.run(run_load(fleet.ws_url, bodies(4, 16, target.name), 2))  # warm-up
+        yield bf
+
+
+def measure(bf: BenchFleet, sc: Scenario, concurrency: int, repeats: int, requests: int, max_tokens: int,
+            model: str, temperature: float = 0.0) -> Run:
+    before = bf.scrape()
+    rates, outcomes = [], []
+    for _ in range(repeats):
+        wall, outs = asyncio.run(run_load(bf.fleet.ws_url, bodies(requests, max_tokens, model, temperature),
+                                          concurrency))
+        rates.append(sum(o.tokens for o in outs) / wall)
+        outcomes += outs
+    return Run(sc.name, concurrency, rates, outcomes, diff_all(bf.scrape(), before))
+
+
+def drafters_of(run: Run) -> Snapshot:
+    return merged([snap for name, snap in run.metrics.items() if name.startswith("drafter")])

@@ -1,0 +1,98 @@
+"""Where a round's time goes: ``python -m bench profile``.
+
+Starts a pinned fleet (verifier on the server CPUs; coordinator, one drafter and the load
+client on the edge CPUs), sends greedy requests at each ``--concurrency``, and prints the mean
+time per round and per step of every phase the services measure (their Prometheus histograms),
+side by side. Use it before and after a change to the round's machinery.
+
+    python -m bench profile [--concurrency 1,16] [--requests 8] [--max-tokens 128] [--target DIR] [--draft DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+from bench.edge import add_edge_flags, edge_from
+from bench.fleets import Run, Scenario, bench_fleet, drafters_of, measure
+from shared.up import resolve_models
+
+V = "specfleet_verifier"
+D = "specfleet_drafter"
+C = "specfleet_coordinator"
+
+
+def breakdown(run: Run) -> list[tuple[str, float, str]]:
+    """(phase, mean milliseconds, what it is) rows for one run."""
+    v, d, c = run.metrics["verifier"], drafters_of(run), run.metrics.get("coordinator")
+    ms = 1e3
+    rows = [
+        ("drafter: wait for the compute worker", d.mean(f"{D}_round_phase_seconds", phase="worker_wait") * ms, "round"),
+        ("drafter: draft compute", d.mean(f"{D}_round_phase_seconds", phase="draft") * ms, "round"),
+        ("drafter: hand-off and send", d.mean(f"{D}_round_phase_seconds", phase="send") * ms, "round"),
+        ("drafter: wait for the verdict", d.mean(f"{D}_round_phase_seconds", phase="verify_wait") * ms, "round"),
+        ("drafter: whole round", d.mean(f"{D}_round_phase_seconds", phase="round") * ms, "round"),
+        ("verifier: draft in -> its step starts", v.mean(f"{V}_queue_wait_seconds") * ms, "round"),
+        ("verifier: wait for a draft", v.mean(f"{V}_draft_wait_seconds") * ms, "round"),
+        ("verifier: schedule", v.mean(f"{V}_step_seconds", phase="schedule") * ms, "step"),
+        ("verifier: forward", v.mean(f"{V}_step_seconds", phase="forward") * ms, "step"),
+        ("verifier: accept + commit", v.mean(f"{V}_step_seconds", phase="accept") * ms, "step"),
+        ("verifier: publish (results -> frames)", v.mean(f"{V}_publish_seconds") * ms, "step"),
+        ("verifier: step period (start to start)", v.mean(f"{V}_step_period_seconds") * ms, "step"),
+    ]
+    if c is not None and c.count(f"{C}_relay_seconds"):
+        rows.append(("coordinator: relay (verifier frame -> client)", c.mean(f"{C}_relay_seconds") * ms, "event"))
+    inside = (v.mean(f"{V}_queue_wait_seconds") + v.mean(f"{V}_step_seconds", phase="total")
+              + v.mean(f"{V}_publish_seconds")) * ms
+    rows.append(("derived: network + event loops (verdict wait - verifier)",
+                 d.mean(f"{D}_round_phase_seconds", phase="verify_wait") * ms - inside, "round"))
+    return rows
+
+
+def report(run: Run) -> str:
+    v = run.metrics["verifier"]
+    steps = v.count(f"{V}_step_seconds", phase="forward")
+    sessions = v.mean(f"{V}_batch_sessions")
+    tokens = v.mean(f"{V}_batch_tokens")
+    period, forward = v.mean(f"{V}_step_period_seconds"), v.mean(f"{V}_step_seconds", phase="forward")
+    lines = [f"## {run.scenario}, {run.concurrency} concurrent: {run.tokens_per_s:.1f} tokens/s, "
+             f"acceptance {run.acceptance:.3f}, {steps:.0f} steps of {sessions:.1f} sessions / {tokens:.1f} tokens",
+             "", "| phase | mean ms | per |", "|---|---|---|"]
+    lines += [f"| {name} | {value:.3f} | {per} |" for name, value, per in breakdown(run)]
+    cpu = v.value("process_cpu_seconds_total") / steps if steps else 0.0
+    if forward:
+        lines += ["", f"verifier CPU per step {cpu * 1e3:.3f} ms; CPU per step / forward = {cpu / forward:.3f}; "
+                      f"step period / forward = {period / forward:.3f} (the period includes waiting for drafts)"]
+    return "\n".join(lines)
+
+
+def smallest(drafts: list[Path]) -> Path:
+    """The cheapest draft: the one with the fewest bytes of weights."""
+    return min(drafts, key=lambda d: sum(f.stat().st_size for f in d.glob("*.safetensors")))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench profile", description=__doc__.splitlines()[0])
+    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16])
+    p.add_argument("--requests", type=int, default=8, help="requests per concurrency level (at least the level)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--draft-len", type=int, default=4)
+    p.add_argument("--target", default="")
+    p.add_argument("--draft", default="", help="draft model dir (default: the smallest draft beside the target)")
+    add_edge_flags(p)
+    args = p.parse_args(argv)
+    edge = edge_from(args)
+    edge.pin_self_to_edge()
+    models = resolve_models(args.target, args.draft, Path.cwd(), Path(".specfleet"))
+    sc = Scenario("1 drafter", drafters=1, draft=str(smallest(models.drafts)), draft_len=args.draft_len)
+    print(f"# round breakdown ({edge.describe()})\n")
+    with tempfile.TemporaryDirectory() as logs, bench_fleet(models.target, sc, edge, Path(logs)) as bf:
+        for conc in args.concurrency:
+            run = measure(bf, sc, conc, 1, max(args.requests, conc), args.max_tokens, models.target.name)
+            print(report(run) + "\n", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,48 @@
+"""Prometheus metrics of one drafter: where each of its rounds' time goes.
+
+A round, seen from the drafter: wait for the compute worker (``worker_wait``), draft
+(``draft``: the draft model's forwards and sampling), send the Draft (``send``), then wait for
+the Verdict (``verify_wait``: both network legs plus the verifier's queue, forward and
+publish). ``round`` is the whole of it. Served on ``--metrics-port`` (0 leaves it off).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, start_http_server
+
+from shared.log import get_logger
+
+log = get_logger("drafter.metrics")
+_P = "specfleet_drafter"
+_TIME = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2e-3, 3e-3, 5e-3, 7.5e-3, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1,
+         0.25, 0.5, 1.0, 2.5)
+
+
+class DrafterMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        ProcessCollector(registry=r)
+        self.phase = Histogram(f"{_P}_round_phase_seconds", "Round time by phase: worker_wait, draft, send, "
+                               "verify_wait, round", ["phase"], buckets=_TIME, registry=r)
+        self.rounds = Counter(f"{_P}_rounds", "Rounds played", registry=r)
+        self.drafted = Counter(f"{_P}_drafted_tokens", "Draft tokens sent", registry=r)
+        self.accepted = Counter(f"{_P}_accepted_tokens", "Draft tokens the verifier accepted", registry=r)
+        self.sessions = Gauge(f"{_P}_sessions", "Sessions being served", registry=r)
+
+    def observe_round(self, worker_wait: float, draft: float, send: float, verify_wait: float, drafted: int,
+                      accepted: int) -> None:
+        self.phase.labels("worker_wait").observe(worker_wait)
+        self.phase.labels("draft").observe(draft)
+        self.phase.labels("send").observe(send)
+        self.phase.labels("verify_wait").observe(verify_wait)
+        self.phase.labels("round").observe(worker_wait + draft + send + verify_wait)
+        self.rounds.inc()
+        self.drafted.inc(drafted)
+        self.accepted.inc(accepted)
+
+    def serve(self, host: str, port: int) -> int:
+        """Expose /metrics on a background thread; returns the bound port."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        bound = int(server.server_port)
+        log.info("metrics served", host=host, port=bound)
+        return bound

@@ -1,0 +1,178 @@
+"""The verifier's engine core, driven in-process: scheduling, chunked prefill, KV admission, rounds.
+
+The core runs synchronously here (``_iterate``), so every assertion is about what one loop
+turn does; the socket-level behaviour is tested in tests/integration/test_verifier.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from services.verifier.allocation import FixedAllocator
+from services.verifier.batching import BatchLimits, FcfsBatcher
+from services.verifier.core import CoreLimits, TorchCore
+from services.verifier.core_api import (
+    AddDraft,
+    AddRequest,
+    Admitted,
+    Detach,
+    Detached,
+    Finish,
+    OutOfTurn,
+    Refused,
+    Result,
+    Rounded,
+)
+from services.verifier.metrics import VerifierMetrics
+from services.verifier.requests import Status
+from services.verifier.scheduler import Scheduler
+from shared.models import LoadedModel, load_model
+from shared.protocol import SamplingParams
+from shared.runner import ModelRunner
+from shared.runner.runner import kv_shape
+from tests.conftest import greedy_reference
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_models: dict[str, Path]) -> LoadedModel:
+    return load_model(tiny_models["target"])
+
+
+class Harness:
+    def __init__(self, target: LoadedModel, kv_tokens: int = 4096, prefill_chunk: int = 256,
+                 max_batch_tokens: int = 2048, max_waiting: int = 8, draft_timeout_s: float = 60.0) -> None:
+        per_token = kv_shape(target.model).bytes_per_token
+        self.runner = ModelRunner(target, kv_tokens * per_token, self_check=False)
+        self.results: list[Result] = []
+        self.core = TorchCore(self.runner, target.eos_ids, FixedAllocator(3),
+                              Scheduler(FcfsBatcher(), BatchLimits(32, max_batch_tokens), prefill_chunk),
+                              CoreLimits(8, draft_timeout_s, max_waiting), self.results.extend, VerifierMetrics(),
+                              threaded=False)
+
+    def turn(self, n: int = 1) -> list[Result]:
+        start = len(self.results)
+        for _ in range(n):
+            self.core._iterate(block=False)
+        return self.results[start:]
+
+    def of(self, kind: type, rid: str | None = None) -> list[Result]:
+        return [r for r in self.results if isinstance(r, kind) and (rid is None or r.request_id == rid)]
+
+    def tokens(self, rid: str) -> list[int]:
+        return [t for r in self.of(Rounded, rid) for t in r.tokens]  # type: ignore[attr-defined]
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return [3 + (seed * 31 + i * 7) % 250 for i in range(n)]
+
+
+def test_target_only_sessions_decode_exactly_the_reference(target: LoadedModel) -> None:
+    h = Harness(target)
+    prompts = [prompt(i, 5 + 3 * i) for i in range(4)]
+    for i, p in enumerate(prompts):
+        h.core.submit(AddRequest(f"r{i}", p, GREEDY, speculative=False))
+    h.turn(40)
+    for i, p in enumerate(prompts):
+        assert h.tokens(f"r{i}") == greedy_reference(target.model, p, GREEDY.max_tokens, target.eos_ids)
+        assert h.of(Rounded, f"r{i}")[-1].finished  # type: ignore[attr-defined]
+    assert h.runner.kv.reserved_tokens == 0 and not h.core.requests  # everything freed
+
+
+def test_long_prompt_is_prefilled_in_chunks_while_others_keep_decoding(target: LoadedModel) -> None:
+    h = Harness(target, prefill_chunk=16)
+    short, long = prompt(1, 6), prompt(2, 120)
+    h.core.submit(AddRequest("short", short, GREEDY, speculative=False))
+    h.turn(2)  # the short session is decoding
+    h.core.submit(AddRequest("long", long, GREEDY, speculative=False))
+    chunks = []
+    for _ in range(10):
+        before = len(h.tokens("short"))
+        h.turn()
+        chunks.append(h.core.requests["long"].cached if "long" in h.core.requests else len(long))
+        if not h.of(Rounded, "short") or h.of(Rounded, "short")[-1].finished:  # type: ignore[attr-defined]
+            break
+        assert len(h.tokens("short")) > before  # every step also advanced the short session
+    assert chunks[0] == 16 and chunks[1] == 32  # at most one chunk per step beside running rounds
+    h.turn(40)
+    assert h.tokens("long") == greedy_reference(target.model, long, GREEDY.max_tokens, target.eos_ids)
+
+
+def test_a_step_with_nothing_to_verify_prefills_up_to_the_token_budget(target: LoadedModel) -> None:
+    h = Harness(target, prefill_chunk=16, max_batch_tokens=100)
+    h.core.submit(AddRequest("long", prompt(3, 150), GREEDY, speculative=True))
+    h.turn()
+    assert h.core.requests["long"].cached == 100
+
+
+def test_speculative_round_accepts_the_target_own_tokens(target: LoadedModel) -> None:
+    h = Harness(target)
+    p = prompt(4, 9)
+    ref = greedy_reference(target.model, p, GREEDY.max_tokens, target.eos_ids)
+    h.core.submit(AddRequest("s", p, GREEDY, speculative=True))
+    h.turn()
+    admitted = h.of(Admitted, "s")[0]
+    assert admitted.draft_budget == 3 and h.core.requests["s"].status is Status.WAITING_DRAFT  # type: ignore[attr-defined]
+    h.core.submit(AddDraft("s", 0, [ref[0], ref[1], (ref[2] + 1) % 300], None, 0.0))
+    h.turn()
+    first = h.of(Rounded, "s")[0]
+    assert (first.accepted, first.tokens) == (2, ref[:3])  # type: ignore[attr-defined]
+    assert h.core.requests["s"].slot.length == len(p) + 2  # type: ignore[union-attr]  # rejected draft rolled back
+
+
+def test_out_of_turn_drafts_are_refused_and_change_nothing(target: LoadedModel) -> None:
+    h = Harness(target)
+    h.core.submit(AddRequest("s", prompt(5, 6), GREEDY, speculative=True))
+    h.turn()
+    h.core.submit(AddDraft("s", 3, [5], None, 0.0))
+    h.core.submit(AddDraft("ghost", 0, [5], None, 0.0))
+    h.turn()
+    assert [r.request_id for r in h.of(OutOfTurn)] == ["s", "ghost"]
+    assert h.core.requests["s"].status is Status.WAITING_DRAFT and not h.of(Rounded)
+
+
+def test_kv_admission_holds_requests_until_memory_frees_then_refuses_beyond_the_queue(target: LoadedModel) -> None:
+    h = Harness(target, kv_tokens=40, max_waiting=1)  # each request below reserves 6 + 12 + 8 = 26 rows
+    for rid in ("a", "b", "c"):
+        h.core.submit(AddRequest(rid, prompt(6, 6), GREEDY, speculative=False))
+    h.turn()
+    assert [r.request_id for r in h.of(Admitted)] == ["a"]
+    refused = h.of(Refused, "c")
+    assert refused and refused[0].code == "busy"  # type: ignore[attr-defined]
+    assert h.core.kv_stats().waiting == 1
+    h.turn(30)
+    assert [r.request_id for r in h.of(Admitted)] == ["a", "b"]  # b got a's memory once a finished
+    assert h.of(Rounded, "b")[-1].finished  # type: ignore[attr-defined]
+
+
+def test_a_request_larger_than_the_whole_cache_is_refused_at_once(target: LoadedModel) -> None:
+    h = Harness(target, kv_tokens=20)
+    h.core.submit(AddRequest("huge", prompt(7, 6), SamplingParams(temperature=0.0, max_tokens=100), False))
+    h.turn()
+    refused = h.of(Refused, "huge")[0]
+    assert refused.code == "invalid" and "--kv-cache-gb" in refused.message  # type: ignore[attr-defined]
+
+
+def test_finish_frees_the_session_and_its_memory_silently(target: LoadedModel) -> None:
+    h = Harness(target)
+    h.core.submit(AddRequest("s", prompt(8, 6), GREEDY, speculative=True))
+    h.turn()
+    assert h.runner.kv.reserved_tokens > 0
+    h.core.submit(Finish("s"))
+    assert not h.turn()
+    assert h.runner.kv.reserved_tokens == 0 and "s" not in h.core.requests
+
+
+def test_detach_and_silent_drafters_continue_target_only(target: LoadedModel) -> None:
+    h = Harness(target, draft_timeout_s=0.0)
+    p = prompt(9, 7)
+    h.core.submit(AddRequest("silent", p, GREEDY, speculative=True))
+    h.core.submit(AddRequest("left", p, GREEDY, speculative=True))
+    h.core.submit(Detach("left"))
+    h.turn(30)
+    ref = greedy_reference(target.model, p, GREEDY.max_tokens, target.eos_ids)
+    assert h.tokens("silent") == ref and h.tokens("left") == ref
+    assert [r.request_id for r in h.of(Detached)] == ["silent"]  # a Detach command needs no echo
