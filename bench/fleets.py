@@ -83,7 +83,7 @@ def fleet_spec(target: Path, sc: Scenario, edge: Edge) -> tuple[FleetSpec, dict[
         target=target, drafts=[Path(sc.draft)] * sc.drafters, coordinator_port=free_port(),
         verifier_port=free_port(), drafter_metrics_ports=ports, server_cpus=edge.server_cpus, edge_cpus=edge.edge_cpus,
         verifier_flags=[*quiet, "--draft-len", str(sc.draft_len), *sc.verifier_flags],
-        coordinator_flags=[*quiet, "--speculation", "on" if sc.drafters else "off"],
+        coordinator_flags=[*quiet, "--speculation", "on" if sc.drafters else "off", "--max-in-flight", "0"],
         drafter_flags=[*quiet, "--max-sessions", "64", *sc.drafter_flags],
     )
     urls = {"verifier": f"http://127.0.0.1:{spec.verifier_port}/metrics",

@@ -61,9 +61,11 @@ def report(run: Run) -> str:
              "", "| phase | mean ms | per |", "|---|---|---|"]
     lines += [f"| {name} | {value:.3f} | {per} |" for name, value, per in breakdown(run)]
     cpu = v.value("process_cpu_seconds_total") / steps if steps else 0.0
-    if forward:
-        lines += ["", f"verifier CPU per step {cpu * 1e3:.3f} ms; CPU per step / forward = {cpu / forward:.3f}; "
-                      f"step period / forward = {period / forward:.3f} (the period includes waiting for drafts)"]
+    fcpu = v.value(f"{V}_forward_cpu_seconds_total") / steps if steps else 0.0
+    if fcpu:
+        lines += ["", f"verifier CPU per step {cpu * 1e3:.3f} ms, of which the forward {fcpu * 1e3:.3f} ms: "
+                      f"CPU per step / forward CPU = {cpu / fcpu:.3f}; step period / forward = {period / forward:.3f} "
+                      "(the period includes waiting for drafts)"]
     return "\n".join(lines)
 
 

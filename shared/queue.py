@@ -31,9 +31,14 @@ class QueueError(RuntimeError):
     """The queue backend is unreachable or refused an operation; the message says which."""
 
 
+class QueueFull(QueueError):
+    """``put`` refused: the queue already holds its maximum number of waiting requests. Unlike
+    other QueueErrors this is transient: retry once consumers have taken some."""
+
+
 class RequestQueue(Protocol):
     async def put(self, request: QueuedRequest) -> None:
-        """Append a request (producers: the coordinator)."""
+        """Append a request (producers: the coordinator); QueueFull when a bounded queue is full."""
 
     async def get(self, consumer: str, max_items: int = 1, timeout_s: float | None = None) -> list[Delivery]:
         """Up to max_items deliveries for this consumer; waits up to timeout_s (None: forever)

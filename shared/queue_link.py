@@ -164,7 +164,8 @@ class QueueLinkClient:
         headers = {"Authorization": f"Bearer {self._auth_token}"} if self._auth_token else {}
         try:
             ws = await connect(
-                self._url, additional_headers=headers, max_size=MAX_FRAME_BYTES, open_timeout=self._open_timeout_s
+                self._url, additional_headers=headers, max_size=MAX_FRAME_BYTES, open_timeout=self._open_timeout_s,
+                compression=None,
             )
         except InvalidStatus as exc:
             raise QueueError(

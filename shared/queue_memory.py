@@ -10,6 +10,10 @@ Semantics match the Redis transport so that drafters cannot tell them apart:
 * A delivered request stays with its consumer until ACKed; ``release(consumer)`` puts that
   consumer's unacknowledged requests back at the FRONT, in their original order (they were
   first in line, and a drafter crash must not push them behind later arrivals).
+* Bounded: at most ``max_depth`` requests wait (not yet delivered); ``put`` on a full queue raises
+  QueueFull at once instead of letting a backlog grow without limit. Delivered requests do not
+  count (their consumers hold them), and ``release`` always puts them back, even past the bound:
+  they were accepted once and must not be lost.
 * ``ack`` is idempotent and consumer-agnostic, like XACK + XDEL: "this request is finished"
   removes it wherever it is - held by another consumer after a re-delivery, or back in line
   after a release. A late ACK from a drafter whose link dropped therefore still prevents a
@@ -23,15 +27,21 @@ from collections import OrderedDict
 
 from shared.log import get_logger
 from shared.protocol import QueuedRequest
-from shared.queue import Delivery, QueueError
+from shared.queue import Delivery, QueueError, QueueFull
 
 log = get_logger("queue.memory")
+#: the default bound on waiting requests (the coordinator passes its --max-queue)
+DEFAULT_MAX_DEPTH = 1024
 
 
 class MemoryQueue:
     """An asyncio FIFO with per-consumer acknowledgement tracking. Not thread-safe: one loop."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_depth: int = DEFAULT_MAX_DEPTH) -> None:
+        """``max_depth``: most requests waiting at once; 0 means no bound."""
+        if max_depth < 0:
+            raise ValueError(f"max_depth must be >= 0 (0: no bound), got {max_depth}")
+        self.max_depth = max_depth
         self._ready: OrderedDict[str, QueuedRequest] = OrderedDict()
         self._held: dict[str, dict[str, QueuedRequest]] = {}  # consumer -> {delivery_id: request}
         self._owner: dict[str, str] = {}  # delivery_id -> consumer holding it
@@ -40,7 +50,12 @@ class MemoryQueue:
         self._closed = False
 
     async def put(self, request: QueuedRequest) -> None:
+        """Append ``request``; QueueFull when ``max_depth`` requests already wait."""
         self._check_open()
+        if self.max_depth and len(self._ready) >= self.max_depth:
+            raise QueueFull(
+                f"the in-process request queue is full: {self.max_depth} requests already wait for a drafter"
+            )
         self._next_id += 1
         self._ready[str(self._next_id)] = request
         await self._notify()

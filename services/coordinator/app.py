@@ -14,7 +14,8 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from services.coordinator.config import CoordinatorConfig
+from services.coordinator.admission import InFlightLimit
+from services.coordinator.config import CoordinatorConfig, check_config
 from services.coordinator.errors import install_error_handlers
 from services.coordinator.generation import Generator
 from services.coordinator.metrics import CoordinatorMetrics
@@ -38,18 +39,22 @@ def create_app(
     model: ModelInfo | None = None,
 ) -> FastAPI:
     """The coordinator as an ASGI app. Without a given queue: Redis Streams when ``redis_url``
-    is set, else an in-process MemoryQueue served to drafters on ``/internal/queue``."""
+    is set, else an in-process MemoryQueue (at most ``max_queue`` waiting) served to drafters on
+    ``/internal/queue``."""
+    check_config(cfg)
     node_id = cfg.node_id or default_node_id()
     model = model or ModelInfo.load(cfg.model, cfg.served_model_name)
     owns_queue = queue is None
     if queue is None:
         queue = (open_queue(cfg.redis_url, stream=cfg.queue_stream, group=cfg.queue_group)
-                 if cfg.redis_url else MemoryQueue())
+                 if cfg.redis_url else MemoryQueue(max_depth=cfg.max_queue))
     link = link or VerifierLink(cfg.verifier_url, node_id, cfg.auth_token, model.fingerprint)
     metrics = CoordinatorMetrics()
+    metrics.in_flight_limit.set(cfg.max_in_flight)
+    admission = InFlightLimit(cfg.max_in_flight, cfg.retry_after_s, metrics.in_flight)
     state = CoordinatorState(
         cfg=cfg, node_id=node_id, model=model, queue=queue, link=link,
-        generator=Generator(queue, link, node_id, cfg.request_timeout_s, metrics, cfg.speculation),
+        generator=Generator(queue, link, node_id, cfg.request_timeout_s, metrics, cfg.speculation, admission),
         metrics=metrics,
     )
 

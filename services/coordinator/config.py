@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.config import opt
+from shared.config import ConfigError, opt
 
 
 @dataclass
@@ -27,5 +27,27 @@ class CoordinatorConfig:
     auth_token: str = opt("", "bearer token for the verifier link and the drafters' queue link")
     api_key: str = opt("", "if set, clients must send 'Authorization: Bearer <api_key>'")
     request_timeout_s: float = opt(600.0, "fail a request that has not finished after this many seconds")
+    max_in_flight: int = opt(
+        256,
+        "most requests admitted at once (reading, queued or generating); further ones get 429 with "
+        "Retry-After at once; 0: no limit",
+    )
+    max_queue: int = opt(
+        1024,
+        "most requests the in-process queue holds waiting for a drafter; a full queue answers 429 with "
+        "Retry-After; 0: no limit (unused with --redis-url)",
+    )
+    retry_after_s: int = opt(1, "the Retry-After seconds sent with 429 (overload) and 503 (verifier busy) answers")
     node_id: str = opt("", "this coordinator's name; empty picks coordinator-<hostname>-<pid>")
     log_level: str = opt("info", "debug, info, warning, error")
+
+
+def check_config(cfg: CoordinatorConfig) -> None:
+    """Raise ConfigError naming every out-of-range backpressure setting."""
+    problems = [f"--{name.replace('_', '-')} must be >= 0 (0: no limit), got {value}"
+                for name, value in (("max_in_flight", cfg.max_in_flight), ("max_queue", cfg.max_queue))
+                if value < 0]
+    if cfg.retry_after_s < 1:
+        problems.append(f"--retry-after-s must be >= 1, got {cfg.retry_after_s}")
+    if problems:
+        raise ConfigError("; ".join(problems))

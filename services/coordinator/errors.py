@@ -29,6 +29,7 @@ class ApiError(Exception):
         type_: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        retry_after: int | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -36,12 +37,17 @@ class ApiError(Exception):
         self.type = type_
         self.param = param
         self.code = code
+        #: set on overload refusals (429, verifier-busy 503): seconds after which a retry may succeed
+        self.retry_after = retry_after
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
 
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after)} if self.retry_after is not None else {}
+
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers())
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
@@ -74,6 +80,24 @@ def unauthorized() -> ApiError:
 
 def service_unavailable(message: str) -> ApiError:
     return ApiError(503, message, "service_unavailable", None, "service_unavailable")
+
+
+def too_many_requests(message: str, retry_after_s: int) -> ApiError:
+    """429 as OpenAI sends it: the client should back off and retry after ``retry_after_s``."""
+    return ApiError(429, message, "requests", None, "rate_limit_exceeded", retry_after=retry_after_s)
+
+
+def verifier_busy(reason: str, retry_after_s: int) -> ApiError:
+    """503: the verifier refused the request because its sessions or KV cache are full."""
+    return ApiError(
+        503,
+        f"The verifier is at capacity and refused the request ({reason or 'busy'}). "
+        f"Retry after {retry_after_s} s.",
+        "service_unavailable",
+        None,
+        "verifier_busy",
+        retry_after=retry_after_s,
+    )
 
 
 def request_timeout(seconds: float) -> ApiError:

@@ -2,8 +2,9 @@
 
 ``Generator.submit`` subscribes to the request's events *before* queueing it (so no event can
 slip past), and ``Submission.close`` always unsubscribes and, unless the verifier reported the
-request finished, sends Cancel so the verifier frees its cache. ``close`` never awaits: it must
-also work from cleanup code running in a task that was just cancelled by a client disconnect.
+request finished, sends Cancel so the verifier frees its cache, and releases the request's
+admission slot. ``close`` never awaits: it must also work from cleanup code running in a task
+that was just cancelled by a client disconnect.
 """
 
 from __future__ import annotations
@@ -15,13 +16,21 @@ from collections.abc import AsyncIterator
 
 import msgspec
 
-from services.coordinator.errors import ApiError, internal_error, request_timeout, service_unavailable
+from services.coordinator.admission import InFlightLimit, Slot
+from services.coordinator.errors import (
+    ApiError,
+    internal_error,
+    request_timeout,
+    service_unavailable,
+    too_many_requests,
+    verifier_busy,
+)
 from services.coordinator.metrics import CoordinatorMetrics
 from services.coordinator.openai_api import GenerationRequest
-from services.coordinator.verifier_link import VerifierLink
+from services.coordinator.verifier_link import Inbound, VerifierLink
 from shared.log import get_logger
 from shared.protocol import OpenSession, QueuedRequest, TokenEvent
-from shared.queue import QueueError, RequestQueue
+from shared.queue import QueueError, QueueFull, RequestQueue
 
 log = get_logger("coordinator.generation")
 PUT_TIMEOUT_S = 10.0  # a queue that cannot take a request this fast is down, as far as clients care
@@ -34,20 +43,28 @@ class ClientGone(Exception):
 
 
 class Submission:
-    """A queued request whose events the caller reads with :meth:`events`."""
+    """A queued request whose events the caller reads with :meth:`events`.
+
+    It owns the request's admission ``slot`` (see admission.py): :meth:`close` releases it.
+    """
 
     def __init__(
-        self, request_id: str, prompt_tokens: int, events: asyncio.Queue[TokenEvent], link: VerifierLink,
-        metrics: CoordinatorMetrics, timeout_s: float,
+        self, request_id: str, prompt_tokens: int, events: asyncio.Queue[Inbound], link: VerifierLink,
+        metrics: CoordinatorMetrics, timeout_s: float, *, slot: Slot | None = None, retry_after_s: int = 1,
     ) -> None:
         self.request_id = request_id
         self.prompt_tokens = prompt_tokens
         self._generated = 0
         self.final: TokenEvent | None = None
+        #: ``time.perf_counter()`` when the event :meth:`events` yielded last came in from the verifier
+        self.arrived = 0.0
         self._events = events
+        self._peeked: Inbound | None = None
         self._link = link
         self._metrics = metrics
         self._timeout_s = timeout_s
+        self._slot = slot
+        self._retry_after_s = retry_after_s
         self._queued_at = time.monotonic()
         self._deadline = self._queued_at + timeout_s
         self._aborted = False
@@ -57,43 +74,74 @@ class Submission:
     def abort(self, reason: str) -> None:
         """The client went away: end :meth:`events` (with ClientGone) as soon as possible."""
         self._aborted = True
-        self._events.put_nowait(TokenEvent(request_id=self.request_id, origin="", token_ids=[], text="",
-                                           finished=True, finish_reason="cancelled", error=reason))
+        cancelled = TokenEvent(request_id=self.request_id, origin="", token_ids=[], text="", finished=True,
+                               finish_reason="cancelled", error=reason)
+        self._events.put_nowait(Inbound(cancelled, time.perf_counter()))
+
+    async def started(self) -> None:
+        """Wait for the request's first event without consuming it (:meth:`events` yields it).
+
+        Raises as :meth:`events` does when that first event is already a failure (verifier busy:
+        503 with Retry-After; error: 500; link lost: 503), on timeout and after :meth:`abort`, so a
+        stream that waits for this before sending its headers still answers with the real status.
+        """
+        if self._peeked is None:
+            self._peeked = await self._next()
+        if self._peeked.event.finished:
+            self._check(self._peeked)
 
     async def events(self) -> AsyncIterator[TokenEvent]:
         """Yield the request's TokenEvents up to and including the final one.
 
-        Raises ApiError 504 on timeout, 503 if the verifier cancelled it (e.g. the link dropped),
-        500 if it failed, and ClientGone after :meth:`abort`.
+        Raises ApiError 504 on timeout, 503 if the verifier was busy (with Retry-After) or cancelled
+        it (e.g. the link dropped), 500 if it failed, and ClientGone after :meth:`abort`.
         """
         first = True
         while True:
-            remaining = self._deadline - time.monotonic()
-            try:
-                event = await asyncio.wait_for(self._events.get(), max(remaining, 0.0))
-            except TimeoutError:
-                log.warning("request timed out", request_id=self.request_id, timeout_s=self._timeout_s)
-                raise request_timeout(self._timeout_s) from None
-            if self._aborted:
-                raise ClientGone(self.request_id)
+            item = await self._next()
+            event = item.event
+            self.arrived = item.arrived
             if first and (event.token_ids or event.text):
                 self._metrics.ttft.observe(time.monotonic() - self._queued_at)
                 first = False
             if event.finished:
-                event = self._finish(event)
+                event = self._finish(item)
             else:
                 self._generated += len(event.token_ids)
             yield event
             if event.finished:
                 return
 
-    def _finish(self, event: TokenEvent) -> TokenEvent:
-        """Check the final event; fill usage counts the verifier left at 0 from what we saw."""
+    async def _next(self) -> Inbound:
+        """The next event (the one :meth:`started` peeked at first), within the request's deadline."""
+        if self._peeked is not None:
+            item, self._peeked = self._peeked, None
+        else:
+            try:
+                item = await asyncio.wait_for(self._events.get(), max(self._deadline - time.monotonic(), 0.0))
+            except TimeoutError:
+                log.warning("request timed out", request_id=self.request_id, timeout_s=self._timeout_s)
+                raise request_timeout(self._timeout_s) from None
+        if self._aborted:
+            raise ClientGone(self.request_id)
+        return item
+
+    def _check(self, item: Inbound) -> None:
+        """The verifier is done with the request: raise the ApiError a failed final event stands for."""
         self._verifier_done = True
+        event = item.event
+        if item.code == "busy":
+            log.info("verifier busy; request refused", request_id=self.request_id, reason=event.error)
+            raise verifier_busy(event.error, self._retry_after_s)
         if event.finish_reason == "cancelled":
             raise service_unavailable(f"the request was cancelled: {event.error or 'by the verifier'}. Retry it.")
         if event.error or event.finish_reason == "error":
             raise internal_error(f"generation failed in the verifier: {event.error or 'unknown error'}")
+
+    def _finish(self, item: Inbound) -> TokenEvent:
+        """Check the final event; fill usage counts the verifier left at 0 from what we saw."""
+        self._check(item)
+        event = item.event
         self._generated += len(event.token_ids)
         if not event.prompt_tokens or not event.completion_tokens:
             event = msgspec.structs.replace(event, prompt_tokens=event.prompt_tokens or self.prompt_tokens,
@@ -103,12 +151,14 @@ class Submission:
         return event
 
     def close(self) -> None:
-        """Release the subscription; cancel the request in the verifier unless it finished there."""
+        """Release the subscription and the admission slot; cancel the request in the verifier
+        unless it finished (or was refused) there. Idempotent; never awaits."""
         if self._closed:
             return
         self._closed = True
         self._link.unsubscribe(self.request_id)
-        self._metrics.in_flight.dec()
+        if self._slot is not None:
+            self._slot.release()
         if not self._verifier_done:
             self._link.cancel_nowait(self.request_id)
             log.info("request cancelled", request_id=self.request_id, client_gone=self._aborted)
@@ -119,53 +169,67 @@ SPECULATION_MODES = ("on", "off", "auto")
 
 
 class Generator:
-    """Turns validated requests into queued work and Submissions."""
+    """Turns validated requests into queued work and Submissions; ``admission`` caps how many
+    requests are inside at once."""
 
     def __init__(self, queue: RequestQueue, link: VerifierLink, node_id: str, timeout_s: float,
-                 metrics: CoordinatorMetrics, speculation: str = "auto") -> None:
+                 metrics: CoordinatorMetrics, speculation: str = "auto",
+                 admission: InFlightLimit | None = None) -> None:
         if speculation not in SPECULATION_MODES:
             raise ValueError(f"speculation must be one of {', '.join(SPECULATION_MODES)}, got {speculation!r}")
         self.speculation = speculation
+        self.admission = admission if admission is not None else InFlightLimit(0, 1, metrics.in_flight)
         self._queue = queue
         self._link = link
         self._node_id = node_id
         self._timeout_s = timeout_s
         self._metrics = metrics
 
-    async def submit(self, req: GenerationRequest) -> Submission:
-        """Queue ``req``; 503 when no verifier is connected to serve it or the queue is down."""
+    async def submit(self, req: GenerationRequest, slot: Slot | None = None) -> Submission:
+        """Queue ``req``: 503 when no verifier is connected to serve it or the queue is down, 429
+        (Retry-After) when the queue is full. Takes over ``slot``: the Submission's close releases
+        it, and so does a failure here."""
         if not self._link.connected:
+            if slot is not None:
+                slot.release()
             raise service_unavailable(
                 f"the verifier is not connected ({self._link.last_error or 'connecting'}); retry shortly"
             )
         rid = uuid.uuid4().hex
         sub = Submission(rid, len(req.prompt_ids), self._link.subscribe(rid), self._link, self._metrics,
-                         self._timeout_s)
-        self._metrics.in_flight.inc()
-        if not self.speculative_now():
-            try:
-                self._link.open_target_only(OpenSession(
-                    request_id=rid, prompt_ids=req.prompt_ids, params=req.params, origin=self._node_id,
-                    speculative=False))
-            except ConnectionError as exc:
-                sub.close()
-                raise service_unavailable(f"cannot reach the verifier: {exc}") from None
-            log.debug("request sent target-only", request_id=rid, prompt_tokens=len(req.prompt_ids))
-            return sub
-        queued = QueuedRequest(request_id=rid, prompt_ids=req.prompt_ids, params=req.params,
-                               origin=self._node_id, model=req.model, created_at=time.time())
+                         self._timeout_s, slot=slot, retry_after_s=self.admission.retry_after_s)
         try:
-            await asyncio.wait_for(self._queue.put(queued), PUT_TIMEOUT_S)
-        except (QueueError, OSError, TimeoutError) as exc:
-            sub.close()
-            reason = str(exc) or f"the queue did not accept it within {PUT_TIMEOUT_S:g} s"
-            raise service_unavailable(f"cannot queue the request: {reason}") from None
+            if self.speculative_now():
+                await self._enqueue(req, rid)
+            else:
+                self._open_target_only(req, rid)
         except BaseException:
-            sub.close()
+            sub.close()  # releases the slot
             raise
-        log.debug("request queued", request_id=rid, prompt_tokens=len(req.prompt_ids), kind=req.kind)
         return sub
 
+    def _open_target_only(self, req: GenerationRequest, rid: str) -> None:
+        try:
+            self._link.open_target_only(OpenSession(
+                request_id=rid, prompt_ids=req.prompt_ids, params=req.params, origin=self._node_id,
+                speculative=False))
+        except ConnectionError as exc:
+            raise service_unavailable(f"cannot reach the verifier: {exc}") from None
+        log.debug("request sent target-only", request_id=rid, prompt_tokens=len(req.prompt_ids))
+
+    async def _enqueue(self, req: GenerationRequest, rid: str) -> None:
+        queued = QueuedRequest(request_id=rid, prompt_ids=req.prompt_ids, params=req.params,
+                               origin=self._node_id, model=req.model, created_at=time.time())
+        retry_after = self.admission.retry_after_s
+        try:
+            await asyncio.wait_for(self._queue.put(queued), PUT_TIMEOUT_S)
+        except QueueFull as exc:
+            raise too_many_requests(f"Cannot queue the request: {exc}. Retry after {retry_after} s; "
+                                    "more drafters drain the queue faster.", retry_after) from None
+        except (QueueError, OSError, TimeoutError) as exc:
+            reason = str(exc) or f"the queue did not accept it within {PUT_TIMEOUT_S:g} s"
+            raise service_unavailable(f"cannot queue the request: {reason}") from None
+        log.debug("request queued", request_id=rid, prompt_tokens=len(req.prompt_ids), kind=req.kind)
 
     def speculative_now(self) -> bool:
         """Whether the next request goes to a drafter (via the queue) or target-only to the verifier."""

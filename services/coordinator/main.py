@@ -10,7 +10,7 @@ import uvicorn
 
 from services.coordinator.app import create_app
 from services.coordinator.config import CoordinatorConfig
-from shared.config import describe, load_config
+from shared.config import ConfigError, describe, load_config
 from shared.log import get_logger, setup_logging
 from shared.models import ModelLoadError
 from shared.protocol import MAX_FRAME_BYTES
@@ -25,6 +25,7 @@ async def serve(cfg: CoordinatorConfig, ready: asyncio.Event | None = None) -> N
     config = uvicorn.Config(
         app, host=cfg.host, port=cfg.port, log_config=None, access_log=False,
         ws_max_size=MAX_FRAME_BYTES, lifespan="on", timeout_graceful_shutdown=5,
+        ws_per_message_deflate=False,  # token frames are small: deflating each costs CPU for nothing
     )
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve(), name="uvicorn")
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     log.info("starting", **settings)
     try:
         asyncio.run(serve(cfg))
-    except (ModelLoadError, QueueError, OSError) as exc:
+    except (ConfigError, ModelLoadError, QueueError, OSError) as exc:
         log.error("coordinator failed to start", error=str(exc))
         print(f"specfleet coordinator: error: {exc}", file=sys.stderr)
         return 2

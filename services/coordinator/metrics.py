@@ -16,6 +16,8 @@ from shared.protocol import TokenEvent
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+#: relaying one event is normally tens of microseconds; the top buckets catch a stalled loop or client
+_RELAY_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 _PREFIX = "specfleet_coordinator"
 
 
@@ -60,13 +62,25 @@ class CoordinatorMetrics:
         self.drafters = Gauge(f"{_PREFIX}_connected_drafters", "Drafters in the verifier's latest FleetStatus",
                               registry=r)
         self.verifier_up = Gauge(f"{_PREFIX}_verifier_connected", "1 while the verifier link is up", registry=r)
-        self.in_flight = Gauge(f"{_PREFIX}_requests_in_flight", "Requests queued or generating", registry=r)
+        self.in_flight = Gauge(f"{_PREFIX}_requests_in_flight",
+                               "Admitted requests (being read, queued or generating); capped by --max-in-flight",
+                               registry=r)
+        self.in_flight_limit = Gauge(f"{_PREFIX}_max_in_flight", "The in-flight cap (0: none)", registry=r)
+        self.relay = Histogram(f"{_PREFIX}_relay_seconds",
+                               "Time from a TokenEvent frame arriving from the verifier to its bytes being handed "
+                               "to the client (SSE chunk or WebSocket frame sent)",
+                               ["transport"], buckets=_RELAY_BUCKETS, registry=r)
         self._drafted = 0
         self._accepted = 0
 
     def start(self, endpoint: str) -> RequestTimer:
         """Begin timing one request; the handler finishes it with the status it ended with."""
         return RequestTimer(self, endpoint)
+
+    def relayed(self, transport: str, arrived: float) -> None:
+        """One event's bytes went to the client (``transport``: sse or websocket); ``arrived`` is the
+        ``time.perf_counter()`` at which its frame came in from the verifier."""
+        self.relay.labels(transport).observe(time.perf_counter() - arrived)
 
     def finished(self, final: TokenEvent) -> None:
         """Account a request's final TokenEvent (its counts are cumulative for the request)."""

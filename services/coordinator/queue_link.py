@@ -142,7 +142,10 @@ class _QueueLink:
         self._ws = ws
         self._queue = queue
         self._consumer = consumer
-        self._pulls: asyncio.Queue[int] = asyncio.Queue()
+        # Bounded, like everything a link buffers: a pull is answered only when the queue has work, so
+        # a client could otherwise pile them up; deliveries per pull are capped by QueuePull.max_items
+        # and each frame is sent (awaited) before the next pull is served.
+        self._pulls: asyncio.Queue[int] = asyncio.Queue(maxsize=MAX_OUTSTANDING_PULLS)
         self._send_lock = asyncio.Lock()
 
     async def run(self) -> None:
@@ -185,15 +188,15 @@ class _QueueLink:
 
     async def _handle(self, msg: Message) -> None:
         if isinstance(msg, QueuePull):
-            if self._pulls.qsize() >= MAX_OUTSTANDING_PULLS:
+            try:
+                self._pulls.put_nowait(msg.max_items)
+            except asyncio.QueueFull:
                 await self.send(
                     ErrorFrame(
                         code="too_many_pulls",
                         message=(f"{MAX_OUTSTANDING_PULLS} pulls already wait; pull again after deliveries arrive"),
                     )
                 )
-                return
-            self._pulls.put_nowait(msg.max_items)
         elif isinstance(msg, QueueAck):
             try:
                 await self._queue.ack(self._consumer, msg.delivery_id)

@@ -1,8 +1,9 @@
 """The coordinator's HTTP endpoints: OpenAI completions, the model list, health, readiness, metrics.
 
-Each handler is thin: check the key, parse the body (openai_api), queue it (generation), then
-either collect the result or hand the stream to stream.py. Every request is counted in the
-metrics exactly once with the status it really ended with.
+Each handler is thin: check the key, take an admission slot (429 at --max-in-flight), parse the
+body (openai_api), queue it (generation), then either collect the result or hand the stream to
+stream.py. Every request is counted in the metrics exactly once with the status it really ended
+with, and its admission slot is released exactly once (by its Submission's close).
 """
 
 from __future__ import annotations
@@ -10,20 +11,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request, Response, WebSocket
 from fastapi.responses import JSONResponse
 
 from services.coordinator.errors import ApiError, unauthorized
 from services.coordinator.generation import ClientGone, Submission, collect
-from services.coordinator.metrics import CONTENT_TYPE
-from services.coordinator.openai_api import Kind, build_request, parse_json
+from services.coordinator.metrics import CONTENT_TYPE, RequestTimer
+from services.coordinator.openai_api import Kind, parse_json
 from services.coordinator.responses import Responder
 from services.coordinator.state import CoordinatorState, state_of
 from services.coordinator.stream import SubmissionStream, websocket_session
 
 router = APIRouter()
+T = TypeVar("T")
 MAX_BODY_BYTES = 16 * 1024 * 1024
 
 
@@ -43,12 +46,14 @@ async def _complete(kind: Kind, request: Request) -> Response:
     try:
         if not state.authorized(request.headers.get("authorization")):
             raise unauthorized()
-        req = await build_request(kind, parse_json(await _read_body(request)), state.model, state.max_model_len())
-        sub = await state.generator.submit(req)
+        req, sub = await state.start(kind, lambda: _read_json(request))
         responder = Responder(kind, sub.request_id, req.model, int(time.time()), req.include_usage)
         if req.stream:
-            return SubmissionStream(sub, responder, timer)
-        body = await _collect_unless_client_leaves(request, sub)
+            return await _stream(request, sub, responder, timer)
+        try:
+            body = await _unless_client_leaves(request, sub, collect(sub))
+        finally:
+            sub.close()
         timer.finish(200)
         return JSONResponse(responder.full(*body))
     except ApiError as exc:
@@ -60,6 +65,21 @@ async def _complete(kind: Kind, request: Request) -> Response:
     except BaseException:
         timer.finish(500)
         raise
+
+
+async def _stream(request: Request, sub: Submission, responder: Responder, timer: RequestTimer) -> Response:
+    """Wait for the first event before committing to a 200 event stream, so that a request refused
+    at once (verifier busy, failed, timed out) still gets its real status and Retry-After."""
+    try:
+        await _unless_client_leaves(request, sub, sub.started())
+    except BaseException:
+        sub.close()
+        raise
+    return SubmissionStream(sub, responder, timer, state_of(request).metrics)
+
+
+async def _read_json(request: Request) -> dict[str, Any]:
+    return parse_json(await _read_body(request))
 
 
 async def _read_body(request: Request) -> bytes:
@@ -81,13 +101,12 @@ def _too_large() -> ApiError:
                     "invalid_request_error", None, "request_too_large")
 
 
-async def _collect_unless_client_leaves(request: Request, sub: Submission) -> tuple[str, Any]:
-    """Collect the whole completion, but cancel it if the client disconnects while waiting."""
+async def _unless_client_leaves(request: Request, sub: Submission, work: Awaitable[T]) -> T:
+    """Await ``work`` (on ``sub``'s events), but abort ``sub`` if the client disconnects meanwhile."""
     watcher = asyncio.create_task(_abort_on_disconnect(request, sub), name="disconnect-watch")
     try:
-        return await collect(sub)
+        return await work
     finally:
-        sub.close()
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await watcher

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import hmac
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
 
 from services.coordinator.config import CoordinatorConfig
-from services.coordinator.generation import Generator
+from services.coordinator.generation import Generator, Submission
 from services.coordinator.metrics import CoordinatorMetrics
 from services.coordinator.model_info import ModelInfo
+from services.coordinator.openai_api import GenerationRequest, Kind, build_request
 from services.coordinator.verifier_link import VerifierLink
 from shared.queue import RequestQueue
 
@@ -29,6 +32,20 @@ class CoordinatorState:
         """The tighter of the target's own context and the verifier's configured limit."""
         verifier = self.link.max_model_len
         return min(self.model.max_model_len, verifier) if verifier > 0 else self.model.max_model_len
+
+    async def start(
+        self, kind: Kind, load_body: Callable[[], Awaitable[dict[str, Any]]]
+    ) -> tuple[GenerationRequest, Submission]:
+        """Admit one request (429 at the in-flight cap, before its body is even read), then load,
+        validate and submit it. The Submission owns the admission slot; on any failure here the
+        slot is already released."""
+        slot = self.generator.admission.admit()
+        try:
+            req = await build_request(kind, await load_body(), self.model, self.max_model_len())
+        except BaseException:
+            slot.release()
+            raise
+        return req, await self.generator.submit(req, slot)
 
     def authorized(self, authorization: str | None) -> bool:
         """True when no api_key is set, or the header is exactly 'Bearer <api_key>'."""

@@ -3,6 +3,9 @@
 SSE follows OpenAI: ``data: {chunk}\\n\\n`` per chunk, ``data: [DONE]\\n\\n`` at the end, and an
 error that happens after the stream started is sent as ``data: {"error": {...}}`` (stock clients
 raise it). The WebSocket protocol is documented in services/coordinator/README.md.
+
+Both observe ``relay_seconds``: from the arrival of an event's frame from the verifier to the
+moment its bytes were handed to the server for the client (the ASGI send returned).
 """
 
 from __future__ import annotations
@@ -19,8 +22,8 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from services.coordinator.errors import ApiError, invalid_request, unauthorized
 from services.coordinator.generation import ClientGone, Submission
-from services.coordinator.metrics import RequestTimer
-from services.coordinator.openai_api import Kind, build_request, parse_json
+from services.coordinator.metrics import CoordinatorMetrics, RequestTimer
+from services.coordinator.openai_api import Kind, parse_json
 from services.coordinator.responses import Responder, finish_reason, speculation, usage
 from services.coordinator.state import CoordinatorState
 from shared.log import get_logger
@@ -33,7 +36,9 @@ def sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
-async def sse_body(sub: Submission, responder: Responder, timer: RequestTimer) -> AsyncIterator[bytes]:
+async def sse_body(
+    sub: Submission, responder: Responder, timer: RequestTimer, metrics: CoordinatorMetrics
+) -> AsyncIterator[bytes]:
     """The SSE byte stream of one request; always closes the submission and the timer."""
     status = 499  # if the client goes away, this generator is cancelled before setting another
     try:
@@ -46,6 +51,8 @@ async def sse_body(sub: Submission, responder: Responder, timer: RequestTimer) -
                 yield sse(responder.chunk("", finish_reason(event)))
                 if responder.include_usage:
                     yield sse(responder.usage_chunk(event))
+            if event.text or event.finished:  # resumed here: the server's send of its bytes returned
+                metrics.relayed("sse", sub.arrived)
         status = 200
     except ApiError as exc:
         status = exc.status
@@ -62,8 +69,8 @@ class SubmissionStream(StreamingResponse):
     """The SSE response of one submission. Closing the submission here as well as in the body
     covers a client that leaves before the body generator even starts (its finally never runs)."""
 
-    def __init__(self, sub: Submission, responder: Responder, timer: RequestTimer) -> None:
-        super().__init__(sse_body(sub, responder, timer), media_type="text/event-stream",
+    def __init__(self, sub: Submission, responder: Responder, timer: RequestTimer, metrics: CoordinatorMetrics) -> None:
+        super().__init__(sse_body(sub, responder, timer, metrics), media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._sub = sub
         self._timer = timer
@@ -77,6 +84,11 @@ class SubmissionStream(StreamingResponse):
 
 
 # --- the /v1/stream WebSocket -----------------------------------------------------------------
+
+#: Request frames one socket may have waiting while it serves another. Past this the socket is
+#: not read until the current request ends (TCP pushes back on the client), so a client that
+#: pipelines without limit cannot make the coordinator buffer its frames without limit.
+MAX_PIPELINED = 16
 
 
 @dataclass
@@ -97,10 +109,10 @@ async def websocket_session(ws: WebSocket, state: CoordinatorState) -> None:
     if not state.authorized(ws.headers.get("authorization")):
         await _fail(ws, unauthorized())
         return
-    conn = _Conn(inbox=asyncio.Queue())
+    conn = _Conn(inbox=asyncio.Queue(maxsize=MAX_PIPELINED))
     reader = asyncio.create_task(_read(ws, conn), name="ws-reader")
     try:
-        while (frame := await conn.inbox.get()) is not None:
+        while not conn.gone and (frame := await conn.inbox.get()) is not None:
             if not await _serve_frame(ws, state, conn, frame):
                 return
     finally:
@@ -114,38 +126,47 @@ async def _read(ws: WebSocket, conn: _Conn) -> None:
             message = await ws.receive()
             if message["type"] == "websocket.disconnect":
                 break
-            conn.inbox.put_nowait(message.get("text") if message.get("text") is not None else message.get("bytes"))
+            await conn.inbox.put(message.get("text") if message.get("text") is not None else message.get("bytes"))
     except (WebSocketDisconnect, RuntimeError):
         pass
     conn.gone = True
     if conn.current is not None:
         conn.current.abort("the client closed the WebSocket")
-    conn.inbox.put_nowait(None)
+    await conn.inbox.put(None)
 
 
 async def _serve_frame(ws: WebSocket, state: CoordinatorState, conn: _Conn, frame: str | bytes) -> bool:
-    """Serve one request frame; False when the socket must close (an error, or the client left)."""
+    """Serve one request frame; False when the socket must close (an error, or the client left).
+
+    An overload refusal (429 at the in-flight cap or a full queue, 503 when the verifier is busy)
+    ends only this request: its error frame says when to retry and the socket stays open.
+    """
     timer = state.metrics.start("stream")
     status = 499
     try:
         kind, body = _parse_frame(frame)
-        req = await build_request(kind, body, state.model, state.max_model_len())
-        sub = await state.generator.submit(req)
+        _, sub = await state.start(kind, lambda: _loaded(body))
         conn.current = sub
         if conn.gone:  # the client left while we were tokenizing or queueing
             sub.abort("the client closed the WebSocket")
         try:
-            status = await _relay(ws, sub)
+            status = await _relay(ws, sub, state.metrics)
         finally:
             conn.current = None
             sub.close()
         return status == 200
     except ApiError as exc:
         status = exc.status
+        if exc.retry_after is not None:
+            return await _refuse(ws, exc)
         await _fail(ws, exc)
         return False
     finally:
         timer.finish(status)
+
+
+async def _loaded(body: dict[str, Any]) -> dict[str, Any]:
+    return body
 
 
 def _parse_frame(frame: str | bytes) -> tuple[Kind, dict[str, Any]]:
@@ -160,7 +181,7 @@ def _parse_frame(frame: str | bytes) -> tuple[Kind, dict[str, Any]]:
     return cast(Kind, kind), body
 
 
-async def _relay(ws: WebSocket, sub: Submission) -> int:
+async def _relay(ws: WebSocket, sub: Submission, metrics: CoordinatorMetrics) -> int:
     """Forward the submission's events as frames; the status it ended with (499: client gone)."""
     rid = sub.request_id
     try:
@@ -171,12 +192,24 @@ async def _relay(ws: WebSocket, sub: Submission) -> int:
             if event.finished:
                 await ws.send_text(_dump({"type": "done", "request_id": rid, "finish_reason": finish_reason(event),
                                           "usage": usage(event), "specfleet": speculation(event)}))
+            if event.token_ids or event.text or event.finished:
+                metrics.relayed("websocket", sub.arrived)
     except ClientGone:
         return 499
     except (WebSocketDisconnect, RuntimeError, OSError):
         sub.abort("the client closed the WebSocket")
         return 499
     return 200
+
+
+async def _refuse(ws: WebSocket, exc: ApiError) -> bool:
+    """Send an overload refusal, with ``retry_after`` (seconds), and keep the socket; False when
+    the client is already gone."""
+    try:
+        await ws.send_text(_dump({"type": "error", "error": exc.body()["error"], "retry_after": exc.retry_after}))
+    except (WebSocketDisconnect, RuntimeError, OSError):
+        return False
+    return True
 
 
 async def _fail(ws: WebSocket, exc: ApiError) -> None:

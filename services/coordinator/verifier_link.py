@@ -2,17 +2,21 @@
 
 The verifier streams every committed token of the requests this coordinator queued back over
 this one link (TokenEvent, routed here by the request's ``origin``), plus periodic FleetStatus
-frames saying which drafters are up. The link routes each TokenEvent to the per-request
-asyncio.Queue its handler subscribed, sends Cancel when a client goes away, and reconnects
-with exponential backoff. Events sent while the link is down are lost, so a drop fails every
-in-flight request at once (a clear "cancelled" event) rather than leaving it to hang or to
-return text with holes in it.
+frames saying which drafters are up. The link routes each TokenEvent (also inside a Batch) to
+the per-request asyncio.Queue its handler subscribed, as an :class:`Inbound` stamped with the
+time its frame arrived (for the relay-time metric), turns an ErrorFrame about a request into a
+final Inbound carrying the verifier's error code (``busy`` becomes a 503), sends Cancel when a
+client goes away, and reconnects with exponential backoff. Events sent while the link is down
+are lost, so a drop fails every in-flight request at once (a clear "cancelled" event) rather
+than leaving it to hang or to return text with holes in it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
+from dataclasses import dataclass
 
 import websockets
 from websockets.asyncio.client import ClientConnection, connect
@@ -44,6 +48,17 @@ class LinkRefused(RuntimeError):
     """The verifier answered the handshake, but not with a usable Welcome."""
 
 
+@dataclass(frozen=True, slots=True)
+class Inbound:
+    """One TokenEvent for a subscriber. ``arrived``: ``time.perf_counter()`` when its frame came in
+    from the verifier. ``code``: the verifier's ErrorFrame code when the event stands for one
+    (e.g. "busy": its sessions or KV cache are full), else empty."""
+
+    event: TokenEvent
+    arrived: float
+    code: str = ""
+
+
 class VerifierLink:
     """A self-healing client of the verifier's ``/v1/frontend`` endpoint."""
 
@@ -68,7 +83,7 @@ class VerifierLink:
         self.drafters: list[str] = []
         self.sessions = 0
         self.last_error = "not connected yet"
-        self._subs: dict[str, asyncio.Queue[TokenEvent]] = {}
+        self._subs: dict[str, asyncio.Queue[Inbound]] = {}
         self._outbox: asyncio.Queue[bytes] = asyncio.Queue()
         self._up = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -79,11 +94,18 @@ class VerifierLink:
     def connected(self) -> bool:
         return self._up.is_set()
 
-    def subscribe(self, request_id: str) -> asyncio.Queue[TokenEvent]:
-        """The queue that will receive ``request_id``'s TokenEvents; subscribe before queueing."""
+    def subscribe(self, request_id: str) -> asyncio.Queue[Inbound]:
+        """The queue that will receive ``request_id``'s TokenEvents; subscribe before queueing.
+
+        Unbounded on purpose, and still bounded in practice: the verifier sends one event per
+        round that commits at least one token, plus one final event, so a request never has more
+        than ``max_tokens + 1`` events (and only the ones its client has not read yet wait here;
+        the number of requests is capped by --max-in-flight). A maxsize would make the one
+        reader of this link block on a single slow client and stall every other request.
+        """
         if request_id in self._subs:
             raise ValueError(f"request id {request_id!r} is already subscribed")
-        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        queue: asyncio.Queue[Inbound] = asyncio.Queue()
         self._subs[request_id] = queue
         return queue
 
@@ -204,35 +226,39 @@ class VerifierLink:
             await ws.send(frame)
 
     def _dispatch(self, raw: bytes | str) -> None:
+        arrived = time.perf_counter()  # before decoding: the relay time includes it
         try:
             msgs = unpack(decode(raw))
         except ProtocolError as exc:
             log.warning("bad frame from the verifier", error=str(exc))
             return
         for msg in msgs:
-            self._dispatch_one(msg)
+            self._dispatch_one(msg, arrived)
 
-    def _dispatch_one(self, msg: Message) -> None:
+    def _dispatch_one(self, msg: Message, arrived: float) -> None:
         if isinstance(msg, TokenEvent):
             queue = self._subs.get(msg.request_id)
             if queue is None:
                 log.debug("token event for an unknown request dropped", request_id=msg.request_id)
             else:
-                queue.put_nowait(msg)
+                queue.put_nowait(Inbound(msg, arrived))
         elif isinstance(msg, FleetStatus):
             self.drafters = list(msg.drafters)
             self.sessions = msg.sessions
         elif isinstance(msg, ErrorFrame):
-            self._on_error_frame(msg)
+            self._on_error_frame(msg, arrived)
         else:
             log.warning("unexpected frame from the verifier", type=type(msg).__name__)
 
-    def _on_error_frame(self, err: ErrorFrame) -> None:
+    def _on_error_frame(self, err: ErrorFrame, arrived: float) -> None:
+        """An error about one of our requests ends it. The code travels with the final event, so
+        that a refusal for capacity ("busy") can be told apart from a real failure."""
         queue = self._subs.get(err.request_id or "")
         if queue is None:
             log.warning("error from the verifier", code=err.code, message=err.message, request_id=err.request_id)
             return
-        queue.put_nowait(_final_event(err.request_id or "", self.node_id, "error", f"{err.code}: {err.message}"))
+        text = err.message if err.code == "busy" else f"{err.code}: {err.message}"
+        queue.put_nowait(Inbound(_final_event(err.request_id or "", self.node_id, "error", text), arrived, err.code))
 
     def _down(self, reason: str) -> None:
         """Mark the link down and fail every in-flight request: their events may be lost."""
@@ -242,8 +268,10 @@ class VerifierLink:
         self.sessions = 0
         self.last_error = reason
         subs, self._subs = self._subs, {}
+        now = time.perf_counter()
         for rid, queue in subs.items():
-            queue.put_nowait(_final_event(rid, self.node_id, "cancelled", f"lost the link to the verifier: {reason}"))
+            final = _final_event(rid, self.node_id, "cancelled", f"lost the link to the verifier: {reason}")
+            queue.put_nowait(Inbound(final, now))
         if was_up:
             log.warning("verifier link down", reason=reason, failed_requests=len(subs))
 

@@ -258,9 +258,10 @@ class TorchCore:
         t0 = time.perf_counter()
         for req, _ in step.verify:
             self.metrics.queue_wait.observe(t0 - req.ready_since)
+        cpu0 = time.thread_time()
         try:
             logits = self.runner.forward(step.segments)
-            t1 = time.perf_counter()
+            t1, cpu1 = time.perf_counter(), time.thread_time()
             verdicts = judge(step.verify, logits) if step.verify and logits is not None else []
         except (KVError, RuntimeError, ValueError) as exc:  # fail this step's sessions, keep serving
             log.exception("verification step failed", sessions=len(step.segments))
@@ -273,7 +274,7 @@ class TorchCore:
                                          for (req, d), v in zip(step.verify, verdicts, strict=True)])
         for (req, drafts), v, k in zip(step.verify, verdicts, kept, strict=True):
             self._publish_round(req, len(drafts), v.accepted, k, budgets.get(req.request_id, 0))
-        self.metrics.observe_step(step, scheduled, t0, t1, time.perf_counter(), self._last_step_start)
+        self.metrics.observe_step(step, scheduled, t0, t1, time.perf_counter(), self._last_step_start, cpu1 - cpu0)
         self._last_step_start = t0
 
     def _commit(self, req: Request, drafts: list[int], accepted: int, tokens: list[int]) -> list[int]:

@@ -8,7 +8,8 @@ the whole batch where the maths allows:
 * one call turns the sampled sessions' rows into their distributions, each row with its own
   temperature, top-k and top-p; one gather reads p(x) of every drafted token;
 * one ``.tolist()`` each brings those to Python; per session there remain its k uniforms and
-  one draw from its generator (the residual, or the bonus row).
+  one draw from its generator, from the residual or the bonus row, all of which reach the host
+  in one transfer (two synchronisations per step on a GPU, whatever the batch).
 
 The rules themselves are the pure functions of ``shared.acceptance``.
 """
@@ -56,6 +57,9 @@ def judge(batch: Sequence[tuple[Request, list[int]]], logits: torch.Tensor) -> l
 
 def _judge_sampled(batch: Sequence[tuple[Request, list[int]]], starts: list[int],
                    logits: torch.Tensor) -> list[Verdict]:
+    """Sampled sessions: their distributions in one call, p(x) of every draft in one gather and one
+    transfer, then per session its uniforms; the rows left to sample from (a residual, or the bonus
+    row) are built where the logits live and moved to the host together."""
     rows = [r for s, (_, d) in zip(starts, batch, strict=True) for r in range(s, s + len(d) + 1)]
     if len(rows) != logits.shape[0]:
         logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
@@ -69,30 +73,33 @@ def _judge_sampled(batch: Sequence[tuple[Request, list[int]]], starts: list[int]
     draft_rows = [local[b] + j for b, (_, d) in enumerate(batch) for j in range(len(d))]
     draft_ids = [t for _, d in batch for t in d]
     p_x = p[draft_rows, draft_ids].tolist() if draft_ids else []
-    verdicts, at = [], 0
+    accepted, last, at = [], [], 0
     for (req, drafts), start in zip(batch, local, strict=True):
         k = len(drafts)
-        verdicts.append(_accept(req, drafts, p[start : start + k + 1], p_x[at : at + k]))
+        n = _accepted(req, drafts, p_x[at : at + k])
         at += k
-    return verdicts
+        accepted.append(n)
+        last.append(p[start + k] if n == k else residual(p[start + n], _q_row(req, drafts, n, p.shape[-1], p.device)))
+    final = torch.stack(last).cpu()
+    return [Verdict(n, [*drafts[:n], sample(final[i], req.gen)])
+            for i, ((req, drafts), n) in enumerate(zip(batch, accepted, strict=True))]
 
 
-def _accept(req: Request, drafts: list[int], p: torch.Tensor, p_x: list[float]) -> Verdict:
+def _accepted(req: Request, drafts: list[int], p_x: list[float]) -> int:
     k = len(drafts)
     q_x = [_q_of(req.draft_q[j], t) for j, t in enumerate(drafts)] if req.draft_q else [1.0] * k
-    n = accepted_prefix(p_x, q_x, torch.rand(k, generator=req.gen).tolist() if k else [])
-    if n == k:
-        return Verdict(k, [*drafts, sample(p[k], req.gen)])
-    vocab = p.shape[-1]
-    q_row = _dense(req.draft_q[n], vocab) if req.draft_q else one_hot(drafts[n], vocab)
-    return Verdict(n, [*drafts[:n], sample(residual(p[n], q_row), req.gen)])
+    return accepted_prefix(p_x, q_x, torch.rand(k, generator=req.gen).tolist() if k else [])
+
+
+def _q_row(req: Request, drafts: list[int], n: int, vocab: int, device: torch.device) -> torch.Tensor:
+    """The dense q the rejected draft n was drawn from: its sparse q, or one-hot (ids-only)."""
+    if not req.draft_q:
+        return one_hot(drafts[n], vocab).to(device)
+    q = req.draft_q[n]
+    probs = torch.tensor(q.probs, dtype=torch.float32)
+    return torch.zeros(vocab).index_put_((torch.tensor(q.ids),), probs / probs.sum()).to(device)
 
 
 def _q_of(q: SparseQ, token: int) -> float:
     """q(x) for the drafted token (intake checked it is listed, with probability > 0)."""
     return q.probs[q.ids.index(token)] / sum(q.probs)
-
-
-def _dense(q: SparseQ, vocab: int) -> torch.Tensor:
-    probs = torch.tensor(q.probs, dtype=torch.float32)
-    return torch.zeros(vocab).index_put_((torch.tensor(q.ids),), probs / probs.sum())

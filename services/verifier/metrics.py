@@ -6,9 +6,10 @@ maths, commits and next budgets) and ``total``; ``step_period`` is the time betw
 of back-to-back steps, which also counts the event loop's share of the CPU. ``publish`` is the
 event loop's time to turn one step's results into frames. ``queue_wait`` is how long a ready
 round waited for a step; ``draft_wait`` how long the verifier waited for a drafter's draft
-(drafting plus both network legs). ``process_cpu_seconds_total`` is the process's CPU time, so
-CPU per step over forward per step is the machinery's overhead whether or not the verifier
-idles. ``python -m bench profile`` prints these side by side.
+(drafting plus both network legs). ``process_cpu_seconds_total`` is the process's CPU time and
+``forward_cpu_seconds`` the CPU time of the forwards alone, so their ratio is the machinery's
+overhead whether or not the verifier idles, and whatever the host steals from a virtual CPU.
+``python -m bench profile`` prints these side by side.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ class VerifierMetrics:
                                  buckets=_TIME, registry=r)
         self.batch_sessions = Histogram(f"{_P}_batch_sessions", "Sessions per step", buckets=_SIZES, registry=r)
         self.batch_tokens = Histogram(f"{_P}_batch_tokens", "Tokens fed per step", buckets=_SIZES, registry=r)
+        self.forward_cpu = Counter(f"{_P}_forward_cpu_seconds", "CPU time of the forward passes (the model alone)",
+                                   registry=r)
         self.steps = Counter(f"{_P}_steps", "Engine steps", registry=r)
         self.rounds = Counter(f"{_P}_rounds", "Verified rounds", registry=r)
         self.prefill_tokens = Counter(f"{_P}_prefill_tokens", "Prompt tokens cached", registry=r)
@@ -55,8 +58,9 @@ class VerifierMetrics:
         self.waiting = Gauge(f"{_P}_waiting_sessions", "Sessions waiting for KV memory", registry=r)
 
     def observe_step(self, step: Step, scheduled: float, start: float, forward_end: float, end: float,
-                     previous_start: float) -> None:
+                     previous_start: float, forward_cpu: float) -> None:
         """Times of one step: schedule from ``scheduled``, forward from ``start``, then accept."""
+        self.forward_cpu.inc(forward_cpu)
         self.step.labels("schedule").observe(start - scheduled)
         self.step.labels("forward").observe(forward_end - start)
         self.step.labels("accept").observe(end - forward_end)

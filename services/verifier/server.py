@@ -213,8 +213,10 @@ class Hub:
 
 
 async def start_server(hub: Hub, host: str, port: int) -> Server:
+    # No per-message deflate: frames are small MessagePack, and compressing each one costs
+    # both ends CPU on every round.
     server = await serve(hub.handle, host, port, process_request=hub.process_request,
-                         max_size=MAX_FRAME_BYTES, ping_interval=20, ping_timeout=60)
+                         max_size=MAX_FRAME_BYTES, ping_interval=20, ping_timeout=60, compression=None)
     return server
 
 

@@ -1,33 +1,50 @@
 """Test peers for the coordinator: a real loopback WebSocket "verifier" and a live server harness.
 
 ``FakeVerifier`` speaks the real frontend protocol (Hello -> Welcome, FleetStatus, TokenEvent,
-Cancel) on a real socket, and plays drafter + verifier by taking QueuedRequests from a queue
-and emitting scripted TokenEvents: ``max_tokens`` tokens " w0", " w1", ... two per event,
-finish_reason "length". Prompts whose text contains a marker change the script:
-``HANG`` never answers, ``FAIL`` ends in an error event, ``SLOW`` waits between events.
+Cancel, OpenSession, ErrorFrame, Batch) on a real socket, and plays drafter + verifier by taking
+QueuedRequests from a queue (or target-only OpenSessions from the coordinator) and emitting
+scripted TokenEvents: ``max_tokens`` tokens " w0", " w1", ... two per event, finish_reason
+"length". Prompts whose text contains a marker change the script: ``HANG`` never answers,
+``FAIL`` ends in an error event, ``SLOW`` waits between events, ``GATE`` waits until
+``fake.gate`` is set; for target-only sessions, ``BUSY`` is refused with ErrorFrame "busy" and
+``BROKEN`` with another ErrorFrame code (both inside a Batch frame, as the real verifier sends).
 
 ``LiveCoordinator`` runs the coordinator under a real uvicorn server plus a FakeVerifier in a
 background thread with its own event loop, so synchronous clients (openai, httpx, websockets)
 can talk to it over loopback.
+
+``in_process`` runs the coordinator app in the test's own event loop (lifespan included) with an
+httpx ASGITransport client; ``RawHttp`` and ``RawWebSocket`` drive single requests through the
+ASGI app by hand, so a test can make the client vanish at a moment of its choosing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import threading
+from collections.abc import AsyncIterator, Callable, MutableMapping
+from dataclasses import dataclass
 from typing import Any
 
+import httpx
 import uvicorn
+from fastapi import FastAPI
 from websockets.asyncio.server import Server, ServerConnection, serve
 
 from services.coordinator.app import create_app
 from services.coordinator.config import CoordinatorConfig
+from services.coordinator.model_info import ModelInfo
+from services.coordinator.state import CoordinatorState
 from shared.protocol import (
     PROTOCOL_VERSION,
+    Batch,
     Cancel,
+    ErrorFrame,
     FleetStatus,
     Hello,
+    OpenSession,
     QueuedRequest,
     Refused,
     TokenEvent,
@@ -69,7 +86,9 @@ class FakeVerifier:
         self.auth_headers: list[str | None] = []
         self.cancels: list[str] = []
         self.seen: list[QueuedRequest] = []
+        self.opened: list[OpenSession] = []
         self.completed: list[str] = []
+        self.gate = asyncio.Event()
         self._server: Server | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
 
@@ -129,6 +148,9 @@ class FakeVerifier:
                 msg = decode(raw)
                 if isinstance(msg, Cancel):
                     self.cancels.append(msg.request_id)
+                elif isinstance(msg, OpenSession):
+                    self.opened.append(msg)
+                    self._spawn(self._open(ws, msg))
         finally:
             if self.frontends.get(hello.node_id) is ws:
                 del self.frontends[hello.node_id]
@@ -150,9 +172,23 @@ class FakeVerifier:
         if ws is not None:
             await ws.send(encode(event))
 
-    async def _generate(self, req: QueuedRequest, delivery_id: str) -> None:
+    async def _open(self, ws: ServerConnection, req: OpenSession) -> None:
+        """A target-only session: refused when its prompt says BUSY or BROKEN, else generated."""
+        prompt, rid = self.tokenizer.decode(req.prompt_ids), req.request_id
+        if "BUSY" in prompt:
+            err = ErrorFrame(code="busy", message="the verifier holds 2 sessions; retry later", request_id=rid)
+        elif "BROKEN" in prompt:
+            err = ErrorFrame(code="duplicate", message="request is already served", request_id=rid)
+        else:
+            await self._generate(req)
+            return
+        await ws.send(encode(Batch(items=[err])))
+
+    async def _generate(self, req: QueuedRequest | OpenSession, delivery_id: str | None = None) -> None:
         prompt = self.tokenizer.decode(req.prompt_ids)
         rid, n = req.request_id, req.params.max_tokens
+        if "GATE" in prompt:
+            await self.gate.wait()
         if "HANG" not in prompt:
             delay = SLOW_DELAY_S if "SLOW" in prompt else 0.0
             for start in range(0, n, 2):
@@ -171,8 +207,9 @@ class FakeVerifier:
                     error="boom: the fake verifier failed" if failed else ""))
             else:
                 self.completed.append(rid)
-        assert self.queue is not None
-        await self.queue.ack("fake-drafter", delivery_id)
+        if delivery_id is not None:
+            assert self.queue is not None
+            await self.queue.ack("fake-drafter", delivery_id)
 
 
 class LiveCoordinator:
@@ -245,3 +282,163 @@ class LiveCoordinator:
         server.should_exit = True
         await task
         await self.fake.stop()
+
+
+# --- in-process: the app in the test's loop ----------------------------------------------------
+
+
+async def until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    """Wait (polling) until ``predicate`` holds; fail the test if it does not within ``timeout_s``."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+@dataclass
+class InProcess:
+    app: FastAPI
+    state: CoordinatorState
+    fake: FakeVerifier
+    queue: MemoryQueue
+    http: httpx.AsyncClient
+
+    @property
+    def in_flight(self) -> int:
+        return self.state.generator.admission.in_flight
+
+    async def metric(self, name: str) -> float:
+        """One sample of /metrics, e.g. 'specfleet_coordinator_requests_in_flight' (0.0 if absent)."""
+        text = (await self.http.get("/metrics")).text
+        for line in text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split(" ")[1])
+        return 0.0
+
+
+@contextlib.asynccontextmanager
+async def in_process(
+    model: ModelInfo, *, consume: bool = True, max_depth: int = 1024, drafters: tuple[str, ...] = ("fake-drafter",),
+    **cfg: Any,
+) -> AsyncIterator[InProcess]:
+    """The coordinator app (lifespan running) in this loop, against a FakeVerifier on loopback.
+    ``consume=False``: nothing takes requests off the queue; ``cfg``: CoordinatorConfig fields."""
+    queue = MemoryQueue(max_depth=max_depth)
+    fake = FakeVerifier(queue if consume else None, model.tokenizer, drafters=drafters)
+    await fake.start()
+    try:
+        config = CoordinatorConfig(model=model.root, verifier_url=fake.url, node_id="coord-inproc", **cfg)
+        app = create_app(config, queue=queue, model=model)
+        state: CoordinatorState = app.state.coordinator
+        async with app.router.lifespan_context(app):
+            await until(lambda: state.link.connected and len(state.link.drafters) == len(drafters))
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://coordinator", timeout=30) as http:
+                yield InProcess(app, state, fake, queue, http)
+    finally:
+        await fake.stop()
+
+
+AsgiMessage = MutableMapping[str, Any]
+
+
+def _scope(kind: str, path: str, headers: list[tuple[bytes, bytes]]) -> dict[str, Any]:
+    return {"type": kind, "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1", "method": "POST",
+            "scheme": "http" if kind == "http" else "ws", "path": path, "raw_path": path.encode(),
+            "query_string": b"", "root_path": "", "headers": headers, "client": ("127.0.0.1", 50000),
+            "server": ("coordinator", 80), "subprotocols": []}
+
+
+class RawHttp:
+    """One POST driven through the ASGI app by hand, as uvicorn would (ASGI spec 2.3): after
+    :meth:`disconnect`, ``receive`` says http.disconnect and sends go nowhere."""
+
+    def __init__(self, app: FastAPI, path: str, body: dict[str, Any]) -> None:
+        self._app = app
+        self._path = path
+        self._body = json.dumps(body).encode()
+        self._body_sent = False
+        self._gone = asyncio.Event()
+        self.status: int | None = None
+        self.headers: dict[str, str] = {}
+        self.chunks: list[bytes] = []
+        self.got_chunk = asyncio.Event()
+
+    def disconnect(self) -> None:
+        self._gone.set()
+
+    async def run(self) -> None:
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(self._body)).encode())]
+        await self._app(_scope("http", self._path, headers), self._receive, self._send)
+
+    async def _receive(self) -> AsgiMessage:
+        if not self._body_sent:
+            self._body_sent = True
+            return {"type": "http.request", "body": self._body, "more_body": False}
+        await self._gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def _send(self, message: AsgiMessage) -> None:
+        if self._gone.is_set():
+            return
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+            self.headers = {k.decode().lower(): v.decode() for k, v in message.get("headers", [])}
+        elif message.get("body"):
+            self.chunks.append(message["body"])
+            self.got_chunk.set()
+
+
+class RawWebSocket:
+    """A ``/v1/stream`` client driven through the ASGI app by hand, in this loop."""
+
+    def __init__(self, app: FastAPI, path: str = "/v1/stream") -> None:
+        self._app = app
+        self._path = path
+        self._to_app: asyncio.Queue[AsgiMessage] = asyncio.Queue()
+        self._from_app: asyncio.Queue[AsgiMessage] = asyncio.Queue()
+        self._gone = False
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> RawWebSocket:
+        self._to_app.put_nowait({"type": "websocket.connect"})
+        self._task = asyncio.create_task(self._app(_scope("websocket", self._path, []), self._to_app.get, self._send))
+        accepted = await asyncio.wait_for(self._from_app.get(), 10)
+        assert accepted["type"] == "websocket.accept", accepted
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if not self._gone:
+            await self.disconnect()
+
+    async def _send(self, message: AsgiMessage) -> None:
+        if self._gone:
+            raise OSError("the client disconnected")  # what uvicorn raises (ClientDisconnected)
+        await self._from_app.put(message)
+
+    async def send_json(self, obj: dict[str, Any]) -> None:
+        await self._to_app.put({"type": "websocket.receive", "text": json.dumps(obj)})
+
+    async def receive(self, timeout_s: float = 10) -> dict[str, Any]:
+        """The next frame as JSON, or ``{"type": "close", "code": ...}`` when the server closed."""
+        message = await asyncio.wait_for(self._from_app.get(), timeout_s)
+        if message["type"] == "websocket.close":
+            return {"type": "close", "code": message.get("code", 1000)}
+        loaded: dict[str, Any] = json.loads(message["text"])
+        return loaded
+
+    async def run(self, body: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """Send one request; its token frames and the frame that ended it (done or error)."""
+        await self.send_json(body)
+        tokens = []
+        while (frame := await self.receive())["type"] == "token":
+            tokens.append(frame)
+        return tokens, frame
+
+    async def disconnect(self) -> None:
+        """The client goes away; wait for the server's session to end."""
+        self._gone = True
+        await self._to_app.put({"type": "websocket.disconnect", "code": 1001})
+        assert self._task is not None
+        with contextlib.suppress(OSError):
+            await asyncio.wait_for(self._task, 10)

@@ -70,7 +70,7 @@ async def test_handshake_status_routing_and_cancel(info: ModelInfo) -> None:
             link.subscribe("r1")
         await fake.emit("c1", event("unknown-request"))  # dropped, no crash
         await fake.emit("c1", event("r1", finished=True, finish_reason="stop"))
-        got = await asyncio.wait_for(queue.get(), 5)
+        got = (await asyncio.wait_for(queue.get(), 5)).event
         assert got.request_id == "r1" and got.finished
         await link.cancel("r1")
         await until(lambda: fake.cancels == ["r1"])
@@ -107,7 +107,7 @@ async def test_drop_fails_in_flight_requests_and_reconnects(info: ModelInfo) -> 
         assert await link.wait_connected(5)
         queue = link.subscribe("r1")
         await fake.drop_frontends()
-        failed = await asyncio.wait_for(queue.get(), 5)
+        failed = (await asyncio.wait_for(queue.get(), 5)).event
         assert failed.finished and failed.finish_reason == "cancelled" and "lost the link" in failed.error
         await until(lambda: len(fake.hellos) == 2 and link.connected)
         assert link.drafters == ["fake-drafter"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -11,7 +12,7 @@ from services.coordinator.errors import ApiError
 from services.coordinator.generation import ClientGone, Submission
 from services.coordinator.metrics import CoordinatorMetrics
 from services.coordinator.responses import Responder
-from services.coordinator.verifier_link import VerifierLink
+from services.coordinator.verifier_link import Inbound, VerifierLink
 from shared.protocol import TokenEvent
 
 FINAL = TokenEvent(request_id="r", origin="c", token_ids=[1], text="!", finished=True, finish_reason="stop",
@@ -44,10 +45,14 @@ def test_completion_body_and_chunks() -> None:
     assert chunk["object"] == "text_completion" and chunk["choices"][0]["text"] == "q" and "usage" not in chunk
 
 
-def make_sub(timeout_s: float = 5.0) -> tuple[Submission, asyncio.Queue[TokenEvent], VerifierLink]:
+def make_sub(timeout_s: float = 5.0) -> tuple[Submission, asyncio.Queue[Inbound], VerifierLink]:
     link = VerifierLink("ws://127.0.0.1:1/v1/frontend", "c")  # never started: cancels are dropped
     queue = link.subscribe("r")
-    return Submission("r", 9, queue, link, CoordinatorMetrics(), timeout_s), queue, link
+    return Submission("r", 9, queue, link, CoordinatorMetrics(), timeout_s, retry_after_s=3), queue, link
+
+
+def push(queue: asyncio.Queue[Inbound], event: TokenEvent, code: str = "") -> None:
+    queue.put_nowait(Inbound(event, time.perf_counter(), code))
 
 
 async def drain(sub: Submission) -> list[TokenEvent]:
@@ -61,8 +66,8 @@ def ev(**kw: Any) -> TokenEvent:
 @pytest.mark.asyncio
 async def test_submission_fills_missing_usage_counts() -> None:
     sub, queue, _ = make_sub()
-    queue.put_nowait(ev())
-    queue.put_nowait(ev(finished=True, finish_reason="length"))
+    push(queue, ev())
+    push(queue, ev(finished=True, finish_reason="length"))
     events = await drain(sub)
     assert len(events) == 2 and sub.final is not None
     assert (sub.final.prompt_tokens, sub.final.completion_tokens) == (9, 4)
@@ -76,7 +81,7 @@ async def test_submission_fills_missing_usage_counts() -> None:
 ])
 async def test_submission_maps_bad_finals(final: dict[str, Any], status: int) -> None:
     sub, queue, _ = make_sub()
-    queue.put_nowait(ev(finished=True, **final))
+    push(queue, ev(finished=True, **final))
     with pytest.raises(ApiError) as info:
         await drain(sub)
     assert info.value.status == status
@@ -93,7 +98,7 @@ async def test_submission_times_out_with_504() -> None:
 @pytest.mark.asyncio
 async def test_abort_ends_events_and_close_is_idempotent() -> None:
     sub, queue, link = make_sub()
-    queue.put_nowait(ev())
+    push(queue, ev())
     sub.abort("client left")
     with pytest.raises(ClientGone):
         await drain(sub)
@@ -118,3 +123,141 @@ def test_authorized(key: str, header: str | None, ok: bool) -> None:
     state = CoordinatorState(cfg=CoordinatorConfig(api_key=key), node_id="c", model=None, queue=None,  # type: ignore[arg-type]
                              link=None, generator=None, metrics=None)  # type: ignore[arg-type]
     assert state.authorized(header) is ok
+
+
+# --- backpressure -------------------------------------------------------------------------------
+
+
+def test_in_flight_limit_refuses_at_the_cap_and_releases_once() -> None:
+    from prometheus_client import CollectorRegistry, Gauge
+
+    from services.coordinator.admission import InFlightLimit
+
+    registry = CollectorRegistry()
+    limit = InFlightLimit(2, retry_after_s=5, gauge=Gauge("g", "in flight", registry=registry))
+    a, b = limit.admit(), limit.admit()
+    assert limit.in_flight == 2 and registry.get_sample_value("g") == 2
+    with pytest.raises(ApiError) as info:
+        limit.admit()
+    err = info.value
+    assert (err.status, err.type, err.code, err.retry_after) == (429, "requests", "rate_limit_exceeded", 5)
+    assert err.response().headers["retry-after"] == "5" and "--max-in-flight" in err.message
+    a.release()
+    a.release()  # idempotent: the count drops once
+    assert limit.in_flight == 1 and a.released and not b.released and registry.get_sample_value("g") == 1
+    limit.admit()
+    assert limit.in_flight == 2
+
+
+def test_in_flight_limit_zero_means_no_limit() -> None:
+    from services.coordinator.admission import InFlightLimit
+
+    limit = InFlightLimit(0, retry_after_s=1)
+    slots = [limit.admit() for _ in range(1000)]
+    for slot in slots:
+        slot.release()
+    assert limit.in_flight == 0
+    with pytest.raises(ValueError, match="max_in_flight"):
+        InFlightLimit(-1, retry_after_s=1)
+
+
+@pytest.mark.asyncio
+async def test_submission_close_releases_its_slot_once() -> None:
+    from services.coordinator.admission import InFlightLimit
+
+    limit = InFlightLimit(1, retry_after_s=1)
+    link = VerifierLink("ws://127.0.0.1:1/v1/frontend", "c")
+    sub = Submission("r", 1, link.subscribe("r"), link, CoordinatorMetrics(), 5.0, slot=limit.admit())
+    assert limit.in_flight == 1
+    sub.close()
+    sub.close()
+    assert limit.in_flight == 0
+
+
+@pytest.mark.asyncio
+async def test_verifier_busy_is_503_with_retry_after() -> None:
+    sub, queue, _ = make_sub()
+    push(queue, ev(token_ids=[], text="", finished=True, finish_reason="error", error="sessions full"), code="busy")
+    with pytest.raises(ApiError) as info:
+        await drain(sub)
+    err = info.value
+    assert (err.status, err.type, err.code, err.retry_after) == (503, "service_unavailable", "verifier_busy", 3)
+    assert "at capacity" in err.message and "sessions full" in err.message and "Retry after 3 s" in err.message
+    assert err.response().headers["retry-after"] == "3"
+
+
+@pytest.mark.asyncio
+async def test_started_peeks_without_consuming() -> None:
+    sub, queue, _ = make_sub()
+    push(queue, ev())
+    push(queue, ev(finished=True, finish_reason="length"))
+    await sub.started()
+    await sub.started()  # still the same first event
+    assert [e.text for e in await drain(sub)] == ["ab", "ab"]
+    busy, busy_queue, _ = make_sub()
+    push(busy_queue, ev(finished=True, finish_reason="error", error="full"), code="busy")
+    with pytest.raises(ApiError, match="at capacity"):
+        await busy.started()
+
+
+def test_link_routes_batched_events_and_keeps_the_error_code() -> None:
+    from shared.protocol import Batch, ErrorFrame, encode
+
+    link = VerifierLink("ws://127.0.0.1:1/v1/frontend", "c")
+    busy, broken = link.subscribe("busy"), link.subscribe("broken")
+    link._dispatch(encode(Batch(items=[
+        TokenEvent(request_id="busy", origin="c", token_ids=[1], text="a"),
+        ErrorFrame(code="busy", message="KV cache full", request_id="busy"),
+        ErrorFrame(code="duplicate", message="seen it", request_id="broken"),
+    ])))
+    first, second = busy.get_nowait(), busy.get_nowait()
+    assert first.code == "" and first.event.text == "a" and first.arrived <= second.arrived
+    assert second.code == "busy" and second.event.finished and second.event.error == "KV cache full"
+    other = broken.get_nowait()
+    assert other.code == "duplicate" and other.event.finish_reason == "error"
+    assert other.event.error == "duplicate: seen it"
+
+
+@pytest.mark.asyncio
+async def test_memory_queue_is_bounded() -> None:
+    from shared.protocol import QueuedRequest, SamplingParams
+    from shared.queue import QueueError, QueueFull
+    from shared.queue_memory import DEFAULT_MAX_DEPTH, MemoryQueue
+
+    def req(i: int) -> QueuedRequest:
+        return QueuedRequest(request_id=f"r{i}", prompt_ids=[1], params=SamplingParams(max_tokens=1),
+                             origin="c", model="m", created_at=0.0)
+
+    assert MemoryQueue().max_depth == DEFAULT_MAX_DEPTH
+    q = MemoryQueue(max_depth=2)
+    await q.put(req(0))
+    await q.put(req(1))
+    with pytest.raises(QueueFull, match="full: 2 requests already wait") as info:
+        await q.put(req(2))
+    assert isinstance(info.value, QueueError)
+    taken = await q.get("d", 2, 0)
+    await q.put(req(3))
+    await q.put(req(4))
+    await q.release("d")  # never drops what it already accepted, even past the bound
+    assert await q.depth() == 4
+    for d in await q.get("d", 4, 0):
+        await q.ack("d", d.delivery_id)
+    await q.put(req(5))
+    assert [d.request.request_id for d in taken] == ["r0", "r1"]
+    unbounded = MemoryQueue(max_depth=0)
+    for i in range(DEFAULT_MAX_DEPTH + 1):
+        await unbounded.put(req(i))
+    with pytest.raises(ValueError, match="max_depth"):
+        MemoryQueue(max_depth=-1)
+
+
+def test_backpressure_settings_are_checked() -> None:
+    from services.coordinator.config import CoordinatorConfig, check_config
+    from shared.config import ConfigError, load_config
+
+    cfg = load_config(CoordinatorConfig, ["--max-in-flight", "8"], env={"SPECFLEET_MAX_QUEUE": "16"})
+    assert (cfg.max_in_flight, cfg.max_queue, cfg.retry_after_s) == (8, 16, 1)
+    check_config(cfg)
+    check_config(CoordinatorConfig(max_in_flight=0, max_queue=0))  # 0: no limit
+    with pytest.raises(ConfigError, match=r"--max-in-flight must be >= 0.*--max-queue.*--retry-after-s"):
+        check_config(CoordinatorConfig(max_in_flight=-1, max_queue=-2, retry_after_s=0))
