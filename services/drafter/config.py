@@ -33,6 +33,8 @@ class DrafterConfig:
     kv_cache_gb: float = opt(0.0, "draft KV cache in GiB; 0 sizes it for max_sessions full-context sessions (at "
                                   "most 20%% of RAM)")
     runner: str = opt("auto", "model runner: auto (lean where the architecture allows), lean, hf")
+    compute_mode: str = opt("auto", "where the draft model runs: thread (beside the event loop), inline (on it; best "
+                                    "with one CPU), auto (inline when pinned to one CPU)")
     metrics_port: int = opt(0, "serve Prometheus /metrics on this port (0: off)")
     metrics_host: str = opt("127.0.0.1", "interface for /metrics (0.0.0.0 in containers)")
     torch_threads: int = opt(0, "torch intra-op threads; 0 leaves torch's default")

@@ -34,6 +34,7 @@ from shared.runner.runner import kv_shape
 log = get_logger("drafter.main")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 AUTO_KV_RAM_SHARE = 0.2
+COMPUTE_MODES = ("auto", "thread", "inline")
 
 
 def check_config(cfg: DrafterConfig, need_model: bool = True) -> None:
@@ -55,12 +56,19 @@ def check_config(cfg: DrafterConfig, need_model: bool = True) -> None:
         problems.append("--node-id must be at most 128 characters")
     if not cfg.reconnect_s > 0:
         problems.append(f"--reconnect-s must be > 0, got {cfg.reconnect_s}")
+    if cfg.compute_mode not in COMPUTE_MODES:
+        problems.append(f"--compute-mode must be one of {', '.join(COMPUTE_MODES)}, got {cfg.compute_mode!r}")
     if not 0 <= cfg.metrics_port <= 65535:
         problems.append(f"--metrics-port must be in [0, 65535], got {cfg.metrics_port}")
     if cfg.log_level.lower() not in LOG_LEVELS:
         problems.append(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {cfg.log_level!r}")
     if problems:
         raise ConfigError("; ".join(problems))
+
+
+def compute_inline(mode: str) -> bool:
+    """thread / inline / auto: inline when the process may use a single CPU."""
+    return mode == "inline" or (mode == "auto" and len(os.sched_getaffinity(0)) == 1)
 
 
 def kv_budget_bytes(cfg: DrafterConfig, loaded: LoadedModel) -> int:
@@ -109,7 +117,7 @@ async def serve(
     metrics = DrafterMetrics()
     if cfg.metrics_port:
         metrics.serve(cfg.metrics_host, cfg.metrics_port)
-    worker = ComputeWorker()
+    worker = ComputeWorker(inline=compute_inline(cfg.compute_mode))
     loop = DrafterLoop(
         node_id=node_id, max_sessions=cfg.max_sessions,
         link=VerifierLink(cfg.verifier_url, hello, cfg.auth_token), queue=request_queue,

@@ -1,4 +1,4 @@
-"""The one thread that runs the draft model.
+"""The one place that runs the draft model.
 
 Every proposer call goes through a single-thread executor: the model never runs two forward
 passes at once, calls run in submission order (so a session's ``commit`` always lands before
@@ -6,6 +6,10 @@ its next ``propose``), and the event loop stays free for network traffic meanwhi
 executor rather than ``asyncio.to_thread`` plus a lock: when a session task is cancelled while
 its draft is computing, an asyncio lock would be released early and let a second forward pass
 start beside the first; the executor simply runs the next job after the current one ends.
+
+``inline=True`` runs every call on the event loop itself instead (``--compute-mode inline``):
+with a single CPU there is nothing for the network to overlap with, and the two thread
+hand-overs per round only add latency. Order and exclusivity hold trivially.
 """
 
 from __future__ import annotations
@@ -23,11 +27,14 @@ log = get_logger("drafter.worker")
 
 
 class ComputeWorker:
-    def __init__(self, name: str = "draft-compute") -> None:
+    def __init__(self, name: str = "draft-compute", inline: bool = False) -> None:
+        self.inline = inline
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run ``fn(*args)`` on the worker thread and await its result."""
+        """Run ``fn(*args)`` on the worker thread (or inline) and await its result."""
+        if self.inline:
+            return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
@@ -35,6 +42,12 @@ class ComputeWorker:
 
         After shutdown this is a no-op: the proposer's state is being discarded anyway.
         """
+        if self.inline:
+            try:
+                fn(*args)
+            except Exception as exc:
+                log.error("draft worker job failed", error=repr(exc))
+            return
         try:
             fut = self._pool.submit(fn, *args)
         except RuntimeError:  # "cannot schedule new futures after shutdown"
