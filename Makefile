@@ -64,10 +64,12 @@ demo-models-eval: install
 	$(BIN)/python -m training eval --state-dir .specfleet/training --out-dir models
 
 # Real fleets side by side in one run, the edge emulated by pinning (the verifier on CPU 0, the
-# rest on CPU 1); writes bench/results/{serving,context}.{json,md,png}. Minutes, not CI.
+# rest on CPU 1); writes bench/results/{serving,serving-t1,context,qwire}.*. Minutes, not CI.
 bench: install
 	$(BIN)/python -m bench serving
+	$(BIN)/python -m bench serving --temperature 1
 	$(BIN)/python -m bench context
+	$(BIN)/python -m bench qwire
 
 profile: install
 	$(BIN)/python -m bench profile

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-COMMANDS = {"profile": "bench.profile", "serving": "bench.serving", "context": "bench.context",
+COMMANDS = {"profile": "bench.profile", "serving": "bench.serving", "context": "bench.context", "qwire": "bench.qwire",
             "costs": "bench.costs"}
 
 

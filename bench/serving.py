@@ -8,11 +8,13 @@ In one run, on one machine, with the edge emulated by pinning (``bench.edge``):
 1. raw model costs, in pinned child processes: the target's plain transformers greedy loop
    (the model's raw decode rate) and the same loop on specfleet's runner, and pure forwards of
    the shapes the targets need; the draft's forward on the edge CPU;
-2. real fleets: target-only serving, and 1 drafter (the smallest draft, greedy, k =
-   ``--draft-len``), each at every concurrency, ``--repeats`` times; tokens/s is the median;
+2. real fleets: target-only serving, and 1 drafter (the smallest draft, default draft mode,
+   k = ``--draft-len``), each at every concurrency, ``--repeats`` times, with requests at
+   ``--temperature``; tokens/s is the median;
 3. the fast-rounds targets, computed from those numbers (``bench.targets``).
 
-Writes ``<out>/serving.json``, ``serving.md`` (tables and targets) and ``serving.png``.
+Writes ``<out>/serving.json``, ``serving.md`` (tables and targets) and ``serving.png``
+(``serving-t<T>.*`` for a temperature other than 0).
 """
 
 from __future__ import annotations
@@ -55,14 +57,15 @@ def run_all(target: Path, scs: list[Scenario], args: argparse.Namespace, edge: E
             with bench_fleet(target, sc, edge, Path(logs)) as bf:
                 for conc in args.concurrency:
                     runs.append(measure(bf, sc, conc, args.repeats, max(args.requests, conc), args.max_tokens,
-                                        target.name))
+                                        target.name, args.temperature))
                     bar.update(1)
     return runs
 
 
 def write(rows: list[dict[str, Any]], checks: list[dict[str, Any]], meta: dict[str, Any], out: Path) -> str:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "serving.json").write_text(json.dumps({"meta": meta, "rows": rows, "targets": checks}, indent=2))
+    stem = "serving" if meta["temperature"] == 0 else f"serving-t{meta['temperature']:g}"
+    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows, "targets": checks}, indent=2))
     lines = [f"Command: `{meta['command']}` ({meta['when']}; {meta['edge']}).", "",
              "| scenario | concurrency | tokens/s (median) | runs | vs target-only | acceptance | "
              "verifier CPU per step / forward |", "|---|---|---|---|---|---|---|"]
@@ -76,12 +79,12 @@ def write(rows: list[dict[str, Any]], checks: list[dict[str, Any]], meta: dict[s
     lines += [f"| {c['name']} | {c['value']:.3f} | {c['goal']} | {'yes' if c['met'] else 'NO'} |" for c in checks]
     lines += ["", "How each is computed:", ""] + [f"- {c['name']}: {c['how']}" for c in checks]
     text = "\n".join(lines) + "\n"
-    (out / "serving.md").write_text(text)
-    plot(rows, out / "serving.png")
+    (out / f"{stem}.md").write_text(text)
+    plot(rows, out / f"{stem}.png", meta["temperature"])
     return text
 
 
-def plot(rows: list[dict[str, Any]], path: Path) -> None:
+def plot(rows: list[dict[str, Any]], path: Path, temperature: float) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -97,7 +100,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         ax.bar([j + i * width for j in range(len(concs))], vals, width, label=name)
     ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(concs))], [f"{c} concurrent" for c in concs])
     ax.set_ylabel("generated tokens/s (median)")
-    ax.set_title("specfleet serving, edge emulated by pinning (same run)")
+    ax.set_title(f"specfleet serving at temperature {temperature:g}, edge emulated by pinning (same run)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -110,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16])
     p.add_argument("--draft-len", type=int, default=4)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="request temperature (0: greedy); results go to serving-t<T>.* when not 0")
     p.add_argument("--target", default="")
     p.add_argument("--draft", default="", help="draft model dir (default: the smallest draft beside the target)")
     p.add_argument("--out", default="bench/results")
@@ -125,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [run_row(r, drafters_of(r) if r.scenario != "target-only" else None) for r in runs]
     meta = {"command": "python -m bench.serving " + " ".join(argv or []), "target": str(models.target),
             "draft": str(draft), "repeats": args.repeats, "requests": args.requests, "max_tokens": args.max_tokens,
-            "draft_len": args.draft_len, "edge": edge.describe(), "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "draft_len": args.draft_len, "temperature": args.temperature,
+            "edge": edge.describe(), "when": time.strftime("%Y-%m-%d %H:%M:%S"),
             "costs": costs}
     print(write(rows, targets(rows, costs, args.draft_len), meta, Path(args.out)))
     return 0

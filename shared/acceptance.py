@@ -18,20 +18,11 @@ Every p and q here is the distribution *after* temperature/top-k/top-p, exactly 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
 
-from shared.protocol import SparseQ
 from shared.sampling import sample
-
-#: Tolerance on a sparse q's total mass before it is refused as malformed.
-Q_MASS_TOLERANCE = 1e-3
-
-
-class DraftError(ValueError):
-    """A draft's q is inconsistent with its tokens (refused; the round is not verified)."""
 
 
 def verify_greedy(draft: Sequence[int], target_argmax: Sequence[int]) -> tuple[int, int]:
@@ -66,37 +57,6 @@ def one_hot(token: int, vocab: int) -> torch.Tensor:
     q = torch.zeros(vocab, dtype=torch.float32)
     q[token] = 1.0
     return q
-
-
-def check_sparse_q(sparse: SparseQ, token: int, vocab: int) -> float:
-    """Refuse a wire SparseQ that cannot be what ``token`` was sampled from; returns its mass."""
-    if len(sparse.ids) != len(sparse.probs):
-        raise DraftError(f"q has {len(sparse.ids)} ids but {len(sparse.probs)} probs")
-    if not sparse.ids:
-        raise DraftError("q is empty; it must list at least the drafted token")
-    if len(set(sparse.ids)) != len(sparse.ids):
-        raise DraftError("q lists a token id twice")
-    # Structs built in-process skip the wire bounds, so range-check here: a negative id would
-    # silently index from the end of the vocabulary.
-    bad = next((i for i in [token, *sparse.ids] if not 0 <= i < vocab), None)
-    if bad is not None:
-        raise DraftError(f"token id {bad} in the draft or its q is outside the vocabulary of {vocab}")
-    if not all(0.0 <= p <= 1.0 for p in sparse.probs):  # also refuses NaN
-        raise DraftError("q has a probability outside [0, 1]")
-    mass = math.fsum(sparse.probs)
-    if abs(mass - 1.0) > Q_MASS_TOLERANCE:
-        raise DraftError(f"q's probabilities sum to {mass:.6f}, not 1")
-    if token not in sparse.ids or sparse.probs[sparse.ids.index(token)] <= 0.0:
-        raise DraftError(f"drafted token {token} has probability 0 under its own q")
-    return mass
-
-
-def dense_q(sparse: SparseQ, token: int, vocab: int) -> torch.Tensor:
-    """Expand a wire SparseQ into a dense vector, refusing one that cannot be what was sampled."""
-    mass = check_sparse_q(sparse, token, vocab)
-    ids = torch.tensor(sparse.ids, dtype=torch.long)
-    probs = torch.tensor(sparse.probs, dtype=torch.float32)
-    return torch.zeros(vocab, dtype=torch.float32).index_put_((ids,), probs / mass)
 
 
 def accepted_prefix(p_x: Sequence[float], q_x: Sequence[float], u: Sequence[float]) -> int:

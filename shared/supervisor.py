@@ -16,8 +16,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -29,12 +29,25 @@ class StartupError(RuntimeError):
     """The fleet did not become ready; the message names the culprit and shows its log."""
 
 
+#: Restart backoff of a restartable child: first delay, ceiling, and how long a run must last for
+#: the delay to start over. Exit code 2 means "refused its configuration": never restarted.
+RESTART_FIRST_S = 1.0
+RESTART_MAX_S = 30.0
+RESTART_RESET_AFTER_S = 60.0
+NO_RESTART_CODES = frozenset({2})
+
+
 @dataclass
 class Child:
     name: str
     argv: list[str]
     log_path: Path
     proc: subprocess.Popen[bytes]
+    env: dict[str, str] = field(default_factory=dict)
+    restart: bool = False  # restart it with backoff when it dies, instead of stopping the fleet
+    restarts: int = 0
+    started_at: float = field(default_factory=time.monotonic)
+    backoff_s: float = RESTART_FIRST_S
 
     @property
     def alive(self) -> bool:
@@ -76,22 +89,41 @@ class Supervisor:
         self.env = dict(os.environ if env is None else env)
         self.children: list[Child] = []
 
-    def start(self, name: str, argv: Sequence[str], env: Mapping[str, str] | None = None) -> Child:
+    def start(self, name: str, argv: Sequence[str], env: Mapping[str, str] | None = None,
+              restart: bool = False) -> Child:
+        """Start a child. ``restart``: when it dies, ``watch`` restarts it with backoff."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"
-        with log_path.open("wb") as log:
-            proc = subprocess.Popen(
-                list(argv),
+        full_env = {**self.env, **(env or {})}
+        child = Child(name, list(argv), log_path, self._spawn(list(argv), log_path, full_env, "wb"), full_env,
+                      restart)
+        self.children.append(child)
+        return child
+
+    @staticmethod
+    def _spawn(argv: list[str], log_path: Path, env: dict[str, str], mode: str) -> subprocess.Popen[bytes]:
+        with log_path.open(mode) as log:
+            return subprocess.Popen(
+                argv,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env={**self.env, **(env or {})},
+                env=env,
                 start_new_session=True,
                 preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
             )
-        child = Child(name, list(argv), log_path, proc)
-        self.children.append(child)
-        return child
+
+    def restart(self, child: Child) -> None:
+        """Start a dead child again, appending to its log; the next delay doubles (up to a ceiling)
+        unless its last run lasted long enough to count as healthy."""
+        ran_s = time.monotonic() - child.started_at
+        child.backoff_s = RESTART_FIRST_S if ran_s >= RESTART_RESET_AFTER_S else min(2 * child.backoff_s,
+                                                                                      RESTART_MAX_S)
+        with child.log_path.open("ab") as log:
+            log.write(f"\n--- restarted by the supervisor (restart {child.restarts + 1}) ---\n".encode())
+        child.proc = self._spawn(child.argv, child.log_path, child.env, "ab")
+        child.restarts += 1
+        child.started_at = time.monotonic()
 
     def dead(self) -> list[Child]:
         return [c for c in self.children if not c.alive]
@@ -124,12 +156,26 @@ class Supervisor:
             f"running; raise --ready-timeout if the models are large. Last lines of each log:\n{logs}"
         )
 
-    def watch(self, poll_s: float = 0.5) -> Child:
-        """Block until any child exits and return it."""
+    def watch(self, poll_s: float = 0.5, on_restart: Callable[[Child, float], None] | None = None) -> Child:
+        """Block until a child dies that must not be restarted, and return it.
+
+        A restartable child that dies is started again after its backoff delay (``on_restart`` is
+        told first, with the delay), unless it exited with a code in NO_RESTART_CODES.
+        """
+        due: dict[str, float] = {}
         while True:
-            dead = self.dead()
-            if dead:
-                return dead[0]
+            now = time.monotonic()
+            for child in self.dead():
+                if not child.restart or child.proc.returncode in NO_RESTART_CODES:
+                    return child
+                if child.name not in due:
+                    delay = child.backoff_s if now - child.started_at < RESTART_RESET_AFTER_S else RESTART_FIRST_S
+                    due[child.name] = now + delay
+                    if on_restart is not None:
+                        on_restart(child, delay)
+                elif now >= due[child.name]:
+                    del due[child.name]
+                    self.restart(child)
             time.sleep(poll_s)
 
     def stop(self, grace_s: float = 10.0) -> None:

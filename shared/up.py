@@ -24,7 +24,7 @@ import httpx
 
 from shared.fleet import FleetSpec, child_env, connect_host
 from shared.fleet import plan as fleet_plan
-from shared.supervisor import StartupError, Supervisor, death_report
+from shared.supervisor import Child, StartupError, Supervisor, death_report
 
 
 class UpError(RuntimeError):
@@ -53,6 +53,7 @@ _FLAGS: list[tuple[str, type, object, str]] = [
     ("--redis-url", str, "", "queue in Redis Streams (redis://host:6379/0) instead of in-process"),
     ("--auth-token", str, "", "bearer token between the services (default: random per run)"),
     ("--torch-threads", int, 1, "torch threads per service"),
+    ("--drafter-metrics-port", int, 0, "drafter i serves Prometheus /metrics on this port + i - 1 (0: off)"),
     ("--ready-timeout", float, 180.0, "seconds to wait for the coordinator's /ready"),
     ("--state-dir", str, ".specfleet", "where tiny models and logs go"),
 ]
@@ -113,6 +114,8 @@ def plan(args: argparse.Namespace, models: Models, ports: Ports) -> list[tuple[s
     return fleet_plan(FleetSpec(
         target=models.target, drafts=drafts, host=args.host, coordinator_port=ports.coordinator,
         verifier_port=ports.verifier, redis_url=args.redis_url, torch_threads=args.torch_threads,
+        drafter_metrics_ports=[args.drafter_metrics_port + i for i in range(args.drafters)]
+        if args.drafter_metrics_port else [],
     ))
 
 
@@ -169,6 +172,10 @@ def smoke(base_url: str, model_id: str) -> None:
     print(f"smoke: {tokens} tokens in {elapsed:.2f} s = {tokens / elapsed:.1f} tokens/s", flush=True)
 
 
+def _restarting(child: Child, delay_s: float) -> None:
+    print(f"specfleet up: restarting in {delay_s:g} s: {death_report(child)}", file=sys.stderr, flush=True)
+
+
 def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
@@ -186,7 +193,7 @@ def run(args: argparse.Namespace, cwd: Path) -> int:
     previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         for name, argv in plan(args, models, ports):
-            child = sup.start(name, argv, env)
+            child = sup.start(name, argv, env, restart=name.startswith("drafter"))
             print(f"started {name:<12} pid {child.proc.pid:<7} log {child.log_path}", flush=True)
         base_url = f"http://{connect_host(args.host)}:{ports.coordinator}"
         sup.wait_ready(f"{base_url}/ready", args.ready_timeout)
@@ -195,7 +202,8 @@ def run(args: argparse.Namespace, cwd: Path) -> int:
             smoke(base_url, model_id)
             return 0
         print(instructions(base_url, model_id), flush=True)
-        print(f"specfleet up: stopping: {death_report(sup.watch())}", file=sys.stderr, flush=True)
+        print(f"specfleet up: stopping: {death_report(sup.watch(on_restart=_restarting))}", file=sys.stderr,
+              flush=True)
         return 1
     except KeyboardInterrupt:
         print("specfleet up: stopping every service ...", flush=True)

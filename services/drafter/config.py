@@ -25,8 +25,12 @@ class DrafterConfig:
     device: str = opt("cpu", "torch device: cpu, cuda, ...")
     dtype: str = opt("auto", "auto, float32, float16, bfloat16")
     max_sessions: int = opt(4, "sessions served concurrently (requests taken from the queue at once)")
-    draft_mode: str = opt("greedy", "greedy (ids-only drafts) or sampled (send the exact sparse q)")
-    draft_top_k: int = opt(16, "with draft_mode=sampled: sample from the top-k of the draft's distribution")
+    draft_mode: str = opt("sampled", "sampled: sampled requests are drafted from their own distribution and its "
+                                     "nucleus goes on the wire as q (greedy requests get argmax ids); greedy: argmax "
+                                     "ids for every request (the baseline)")
+    q_mass: float = opt(0.98, "sampled drafts: keep the draft distribution's most likely tokens up to this mass")
+    q_max_entries: int = opt(4096, "sampled drafts: but at most this many tokens per position (6 bytes each; "
+                                   "lower it for slow links, see bench/results/qwire.md)")
     controller: str = opt("fixed", "when to stop drafting within the verifier's budget: fixed (draft it all)")
     claim_idle_ms: int = opt(30000, "Redis: claim requests another drafter left pending this long")
     reconnect_s: float = opt(1.0, "seconds between reconnect attempts to the verifier or queue")

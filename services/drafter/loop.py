@@ -5,8 +5,9 @@ Per verifier connection:
 * admission takes requests from the queue whenever a slot is free (up to ``max_sessions``),
   so the draft model never idles while work waits, and never serves more sessions than it
   can keep ahead of the verifier (StarSD's N_max; the operator sets it);
-* each admitted request runs as its own task (``rounds.SessionRunner``); their draft compute
-  funnels through the one compute worker, their frames share one WebSocket;
+* each admitted request runs as its own task (``rounds.SessionRunner``); their draft jobs go to
+  one ``DraftBatcher``, which drafts every ready session together on the compute worker, and
+  their frames share one WebSocket;
 * a finished session acks its queue delivery and frees its slot at once.
 
 When the link drops, sessions are dropped WITHOUT acking (the verifier finishes them
@@ -20,6 +21,7 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from services.drafter.batcher import DraftBatcher
 from services.drafter.control.base import DraftController
 from services.drafter.link import VerifierLink
 from services.drafter.metrics import DrafterMetrics
@@ -90,8 +92,10 @@ class DrafterLoop:
                 self.stats.connections += 1
                 if ready is not None:
                     ready.set()
-                runner = SessionRunner(self.link, self.proposer, self.worker, welcome.max_draft_tokens, self.metrics)
-                await self._serve_connection(runner)
+                batcher = DraftBatcher(self.proposer, self.worker, self.metrics, self.max_sessions)
+                runner = SessionRunner(self.link, self.proposer, self.worker, batcher, welcome.max_draft_tokens,
+                                       self.metrics)
+                await self._serve_connection(runner, batcher)
                 await self._release()
                 log.warning("lost the verifier; sessions left to the verifier, reconnecting",
                             retry_in_s=self.reconnect_s)
@@ -101,18 +105,19 @@ class DrafterLoop:
             await self.link.close()
             await self._release()
 
-    async def _serve_connection(self, runner: SessionRunner) -> None:
+    async def _serve_connection(self, runner: SessionRunner, batcher: DraftBatcher) -> None:
         """Admit and serve sessions until the link drops."""
         receiver = asyncio.create_task(self.link.receive_loop(), name="verifier-receive")
         admission = asyncio.create_task(self._admit(runner), name="admission")
+        drafting = asyncio.create_task(batcher.run(), name="draft-batcher")
         try:
-            done, _ = await asyncio.wait({receiver, admission}, return_when=asyncio.FIRST_COMPLETED)
-            if admission in done:
-                admission.result()  # admission only ends by raising: surface the bug
+            done, _ = await asyncio.wait({receiver, admission, drafting}, return_when=asyncio.FIRST_COMPLETED)
+            for task in done - {receiver}:
+                task.result()  # admission and drafting only end by raising: surface the bug
         finally:
-            for task in (admission, receiver):
+            for task in (admission, drafting, receiver):
                 task.cancel()
-            await asyncio.gather(admission, receiver, return_exceptions=True)
+            await asyncio.gather(admission, drafting, receiver, return_exceptions=True)
             await self._drop_sessions()
             await self.link.close()
 

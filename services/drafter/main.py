@@ -20,13 +20,14 @@ from services.drafter.control import CONTROLLERS, make_controller
 from services.drafter.link import LinkRefused, VerifierLink
 from services.drafter.loop import DrafterLoop
 from services.drafter.metrics import DrafterMetrics
-from services.drafter.proposers.draft_model import DRAFT_MODES, MAX_Q_ENTRIES, DraftModelProposer
+from services.drafter.proposers.draft_model import DRAFT_MODES, DraftModelProposer
 from services.drafter.sessions import DraftSession
 from services.drafter.worker import ComputeWorker
 from shared.config import ConfigError, describe, load_config
+from shared.draft_q import Nucleus
 from shared.log import get_logger, setup_logging
 from shared.models import LoadedModel, ModelLoadError, load_model
-from shared.protocol import PROTOCOL_VERSION, Hello
+from shared.protocol import MAX_Q_ENTRIES, PROTOCOL_VERSION, Hello
 from shared.queue import RequestQueue, open_queue
 from shared.runner import ModelRunner
 from shared.runner.runner import kv_shape
@@ -48,8 +49,10 @@ def check_config(cfg: DrafterConfig, need_model: bool = True) -> None:
         problems.append(f"--max-sessions must be in [1, 100000], got {cfg.max_sessions}")
     if cfg.draft_mode not in DRAFT_MODES:
         problems.append(f"--draft-mode must be one of {', '.join(DRAFT_MODES)}, got {cfg.draft_mode!r}")
-    if not 1 <= cfg.draft_top_k <= MAX_Q_ENTRIES:
-        problems.append(f"--draft-top-k must be in [1, {MAX_Q_ENTRIES}], got {cfg.draft_top_k}")
+    if not 0.0 < cfg.q_mass <= 1.0:
+        problems.append(f"--q-mass must be in (0, 1], got {cfg.q_mass}")
+    if not 1 <= cfg.q_max_entries <= MAX_Q_ENTRIES:
+        problems.append(f"--q-max-entries must be in [1, {MAX_Q_ENTRIES}], got {cfg.q_max_entries}")
     if cfg.controller not in CONTROLLERS:
         problems.append(f"--controller must be one of {', '.join(sorted(CONTROLLERS))}, got {cfg.controller!r}")
     if len(cfg.node_id) > 128:
@@ -121,7 +124,8 @@ async def serve(
     loop = DrafterLoop(
         node_id=node_id, max_sessions=cfg.max_sessions,
         link=VerifierLink(cfg.verifier_url, hello, cfg.auth_token), queue=request_queue,
-        proposer=DraftModelProposer(runner, loaded.eos_ids, cfg.draft_mode, cfg.draft_top_k), worker=worker,
+        proposer=DraftModelProposer(runner, loaded.eos_ids, cfg.draft_mode, Nucleus(cfg.q_mass, cfg.q_max_entries)),
+        worker=worker,
         new_controller=lambda: make_controller(cfg.controller), reconnect_s=cfg.reconnect_s,
         on_session_end=on_session_end, metrics=metrics,
     )

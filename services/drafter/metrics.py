@@ -1,9 +1,11 @@
 """Prometheus metrics of one drafter: where each of its rounds' time goes.
 
-A round, seen from the drafter: wait for the compute worker (``worker_wait``), draft
-(``draft``: the draft model's forwards and sampling), send the Draft (``send``), then wait for
-the Verdict (``verify_wait``: both network legs plus the verifier's queue, forward and
-publish). ``round`` is the whole of it. Served on ``--metrics-port`` (0 leaves it off).
+A round, seen from the drafter: wait for the draft model (``worker_wait``: StarSD's queueing
+T_wait), draft (``draft``: the batch's forwards and sampling), send the Draft (``send``), then
+wait for the Verdict (``verify_wait``: both network legs plus the verifier's queue, forward and
+publish). ``round`` is the whole of it. The model's busy and idle seconds give its idle fraction
+(T_idle); ``draft_batch_sessions`` how many sessions each batch drafted. Served on
+``--metrics-port`` (0 leaves it off).
 """
 
 from __future__ import annotations
@@ -28,6 +30,15 @@ class DrafterMetrics:
         self.drafted = Counter(f"{_P}_drafted_tokens", "Draft tokens sent", registry=r)
         self.accepted = Counter(f"{_P}_accepted_tokens", "Draft tokens the verifier accepted", registry=r)
         self.sessions = Gauge(f"{_P}_sessions", "Sessions being served", registry=r)
+        self.resumed = Counter(f"{_P}_sessions_resumed", "Sessions taken over from a drafter that left, from "
+                               "their committed text", registry=r)
+        self.draft_busy = Counter(f"{_P}_model_busy_seconds", "Time the draft model spent drafting", registry=r)
+        self.draft_idle = Counter(f"{_P}_model_idle_seconds", "Time the draft model waited for a ready session "
+                                  "(StarSD's T_idle)", registry=r)
+        self.job_wait = Histogram(f"{_P}_job_wait_seconds", "A ready session's wait for the draft model (StarSD's "
+                                  "T_wait)", buckets=_TIME, registry=r)
+        self.batch_size = Histogram(f"{_P}_draft_batch_sessions", "Sessions drafted together in one batch",
+                                    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64), registry=r)
 
     def observe_round(self, worker_wait: float, draft: float, send: float, verify_wait: float, drafted: int,
                       accepted: int) -> None:

@@ -1,7 +1,8 @@
 """One session's conversation with the verifier: open, draft/verdict rounds, finish.
 
 Rounds of one session are strictly sequential (one outstanding Draft); many sessions run this
-concurrently, each as its own asyncio task, sharing the link and the compute worker.
+concurrently, each as its own asyncio task, sharing the link and the draft model: their draft
+jobs go to the batcher, which drafts whichever sessions are ready together.
 
 Outcomes, and what happens to the queue delivery:
 
@@ -16,12 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
-from typing import Any
 
+from services.drafter.batcher import DraftBatcher
 from services.drafter.link import LINK_LOST, Inbound, LinkDown, VerifierLink
 from services.drafter.metrics import DrafterMetrics
-from services.drafter.proposers.base import EMPTY_PROPOSAL, Proposal, Proposer
+from services.drafter.proposers.base import EMPTY_PROPOSAL, DraftJob, Proposal, Proposer
 from services.drafter.sessions import DraftSession
 from services.drafter.worker import ComputeWorker
 from shared.log import get_logger
@@ -47,12 +47,14 @@ class SessionRunner:
         link: VerifierLink,
         proposer: Proposer,
         worker: ComputeWorker,
+        batcher: DraftBatcher,
         max_draft_tokens: int,
         metrics: DrafterMetrics | None = None,
     ) -> None:
         self.link = link
         self.proposer = proposer
         self.worker = worker
+        self.batcher = batcher
         self.max_draft_tokens = max(0, min(max_draft_tokens, MAX_DRAFT_TOKENS))
         self.metrics = metrics or DrafterMetrics()
 
@@ -89,7 +91,12 @@ class SessionRunner:
             await self.link.send(frame)
             reply = await self._reply_to_open(inbox)
             if isinstance(reply, SessionOpened):
-                log.info("session opened", request_id=req.request_id, draft_budget=reply.draft_budget)
+                if reply.committed_ids or reply.round:  # resumed: another drafter served it before us
+                    session.committed.extend(reply.committed_ids)
+                    session.round = reply.round
+                    self.metrics.resumed.inc()
+                log.info("session opened", request_id=req.request_id, draft_budget=reply.draft_budget,
+                         resumed_at_token=len(reply.committed_ids), round=reply.round)
                 return reply
             if isinstance(reply, Verdict):
                 session.finish_reason = reply.finish_reason or "cancelled"
@@ -153,8 +160,8 @@ class SessionRunner:
         if k == 0 or session.drafting_disabled:
             return EMPTY_PROPOSAL, now, now
         try:
-            proposal, started, ended = await self.worker.run(_timed, self.proposer.propose, session.request_id, k,
-                                                             session.params, session.rng, session.controller)
+            proposal, started, ended = await self.batcher.propose(
+                DraftJob(session.request_id, k, session.params, session.rng, session.controller))
         except Exception as exc:  # a broken draft must not break the request: go target-only
             session.drafting_disabled = repr(exc)
             log.exception("drafting failed; the session continues with empty drafts",
@@ -179,13 +186,6 @@ class SessionRunner:
         session.finish_reason = "error"
         await self.link.send(CloseSession(request_id=session.request_id,
                                           reason=f"drafter stopped after verifier error {err.code}"))
-
-
-def _timed(fn: Callable[..., Proposal], *args: Any) -> tuple[Proposal, float, float]:
-    """Run ``fn`` (on the compute worker) and say when it started and ended."""
-    started = time.perf_counter()
-    result = fn(*args)
-    return result, started, time.perf_counter()
 
 
 async def _next(inbox: asyncio.Queue[Inbound]) -> SessionOpened | Verdict | ErrorFrame:

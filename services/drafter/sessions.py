@@ -36,7 +36,7 @@ class DraftSession:
     delivery: Delivery
     controller: DraftController
     committed: list[int] = field(default_factory=list)
-    rng: torch.Generator = field(default_factory=lambda: make_generator(None))
+    rng: torch.Generator = field(default_factory=lambda: make_generator(None, "draft"))
     round: int = 0
     budget: int = 0
     finish_reason: str | None = None
@@ -52,7 +52,7 @@ class DraftSession:
             delivery=delivery,
             controller=controller,
             committed=list(req.prompt_ids),
-            rng=make_generator(req.params.seed),
+            rng=make_generator(req.params.seed, "draft"),
         )
 
     @property

@@ -35,6 +35,8 @@ from services.verifier.core_api import (
     AddDraft,
     AddRequest,
     Admitted,
+    Attach,
+    Attached,
     Command,
     CoreBusy,
     Deliver,
@@ -105,7 +107,7 @@ class TorchCore:
             self._task = asyncio.get_running_loop().create_task(self._run_inline(), name="verifier-core")
 
     def submit(self, command: Command) -> None:
-        if not isinstance(command, Detach | Finish) and self._commands.qsize() >= self.limits.max_commands:
+        if not isinstance(command, Detach | Attach | Finish) and self._commands.qsize() >= self.limits.max_commands:
             raise CoreBusy(f"the verifier core has {self.limits.max_commands} commands queued")
         self._commands.put_nowait(command)
         if self._wake is not None:
@@ -185,6 +187,8 @@ class TorchCore:
             req = self.requests.get(command.request_id)
             if req is not None:
                 req.detach()
+        elif isinstance(command, Attach):
+            self._attach(command)
         elif isinstance(command, Finish):
             req = self.requests.get(command.request_id)
             if req is not None:
@@ -218,6 +222,14 @@ class TorchCore:
         req.draft_ids, req.draft_q = cmd.token_ids, cmd.q
         self.metrics.draft_wait.observe(max(0.0, cmd.received_at - req.waiting_since))
         req.mark_ready()
+
+    def _attach(self, cmd: Attach) -> None:
+        req = self.requests.get(cmd.request_id)
+        if req is None or req.status is Status.FINISHED or not req.attach():
+            return  # finishing: its final Verdict reaches the new drafter; waiting: Admitted opens it
+        if req.draft_budget == 0:
+            req.draft_budget = min(self.allocator.initial(req.request_id), self.limits.max_draft_tokens)
+        self._results.append(Attached(req.request_id, req.committed[req.prompt_len:], req.round, req.draft_budget))
 
     def _expire_silent_drafters(self) -> None:
         now = time.perf_counter()

@@ -54,7 +54,14 @@ class Finish:
     request_id: str
 
 
-Command = AddRequest | AddDraft | Detach | Finish
+@dataclass(frozen=True)
+class Attach:
+    """A drafter resumes a session that runs target-only: speculate again from its next round."""
+
+    request_id: str
+
+
+Command = AddRequest | AddDraft | Detach | Attach | Finish
 
 # --- results (core -> event loop) ----------------------------------------------------------
 
@@ -106,7 +113,17 @@ class Detached:
     request_id: str
 
 
-Result = Admitted | Refused | Rounded | OutOfTurn | Detached
+@dataclass(frozen=True)
+class Attached:
+    """A resumed session waits for a draft for ``round``, after ``generated`` committed tokens."""
+
+    request_id: str
+    generated: list[int]
+    round: int
+    draft_budget: int
+
+
+Result = Admitted | Refused | Rounded | OutOfTurn | Detached | Attached
 Deliver = Callable[[list[Result]], None]
 
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.verifier.core_api import AddDraft, AddRequest, CoreBusy, Detach, Finish, VerifierCore
+from services.verifier.core_api import AddDraft, AddRequest, Attach, CoreBusy, Detach, Finish, VerifierCore
 from services.verifier.detok import IncrementalText
 from services.verifier.output import Output
 from services.verifier.sessions import Route, Routes
-from shared.acceptance import DraftError, check_sparse_q
+from shared.draft_q import DraftError, check
 from shared.log import get_logger
 from shared.protocol import Cancel, CloseSession, Draft, Message, OpenSession
 from shared.sampling import SamplingError, validate
@@ -47,6 +47,9 @@ class Intake:
 
     def _open(self, conn_id: str, role: str, msg: OpenSession) -> None:
         rid = msg.request_id
+        route = self.routes.get(rid)
+        if route is not None and route.drafter is None and role == "drafter" and msg.speculative:
+            return self._resume(conn_id, route)
         if self.routes.known(rid):
             return self.output.error(conn_id, "duplicate", f"request {rid} is already served or finished", rid)
         if len(self.routes) >= self.routes.max_sessions:
@@ -68,6 +71,13 @@ class Intake:
         log.info("session opened", request_id=rid, prompt_len=len(msg.prompt_ids), drafter=drafter,
                  temperature=msg.params.temperature)
         return None
+
+    def _resume(self, conn_id: str, route: Route) -> None:
+        """A drafter re-opens a session whose drafter left: it drafts again from the committed text
+        (the verifier owns it, so no token is lost or repeated)."""
+        route.drafter = route.owner = conn_id
+        self._submit(conn_id, Attach(route.request_id))
+        log.info("session resumed by a drafter", request_id=route.request_id, drafter=conn_id)
 
     def _check_request(self, msg: OpenSession) -> str:
         vocab = self.core.vocab_size
@@ -96,7 +106,7 @@ class Intake:
         if q is not None:
             try:
                 for sparse, token in zip(q, msg.token_ids, strict=True):
-                    check_sparse_q(sparse, token, vocab)
+                    check(sparse, token, vocab)
             except DraftError as exc:  # verifying as ids-only is still exactly lossless
                 log.warning("draft q refused; verifying ids-only", request_id=rid, reason=str(exc))
                 q = None
@@ -123,8 +133,8 @@ class Intake:
             self.output.end(request_id, "cancelled")
             self._submit("", Finish(request_id))
 
-    def _submit(self, conn_id: str, command: Detach | Finish | AddDraft) -> None:
-        """Detach and Finish always go through; a draft the core cannot queue is refused as busy."""
+    def _submit(self, conn_id: str, command: Detach | Attach | Finish | AddDraft) -> None:
+        """Detach, Attach and Finish always go through; a draft the core cannot queue is refused as busy."""
         try:
             self.core.submit(command)
         except CoreBusy as exc:

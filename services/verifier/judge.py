@@ -23,7 +23,7 @@ import torch
 
 from services.verifier.requests import Request
 from shared.acceptance import accepted_prefix, one_hot, residual, verify_greedy
-from shared.protocol import SparseQ
+from shared.draft_q import dense, q_of
 from shared.sampling import probs_from_logit_rows, sample
 
 
@@ -87,7 +87,7 @@ def _judge_sampled(batch: Sequence[tuple[Request, list[int]]], starts: list[int]
 
 def _accepted(req: Request, drafts: list[int], p_x: list[float]) -> int:
     k = len(drafts)
-    q_x = [_q_of(req.draft_q[j], t) for j, t in enumerate(drafts)] if req.draft_q else [1.0] * k
+    q_x = [q_of(req.draft_q[j], t) for j, t in enumerate(drafts)] if req.draft_q else [1.0] * k
     return accepted_prefix(p_x, q_x, torch.rand(k, generator=req.gen).tolist() if k else [])
 
 
@@ -95,11 +95,4 @@ def _q_row(req: Request, drafts: list[int], n: int, vocab: int, device: torch.de
     """The dense q the rejected draft n was drawn from: its sparse q, or one-hot (ids-only)."""
     if not req.draft_q:
         return one_hot(drafts[n], vocab).to(device)
-    q = req.draft_q[n]
-    probs = torch.tensor(q.probs, dtype=torch.float32)
-    return torch.zeros(vocab).index_put_((torch.tensor(q.ids),), probs / probs.sum()).to(device)
-
-
-def _q_of(q: SparseQ, token: int) -> float:
-    """q(x) for the drafted token (intake checked it is listed, with probability > 0)."""
-    return q.probs[q.ids.index(token)] / sum(q.probs)
+    return dense(req.draft_q[n], vocab).to(device)

@@ -15,6 +15,7 @@ from typing import Protocol
 
 from services.verifier.core_api import (
     Admitted,
+    Attached,
     Detached,
     Finish,
     OutOfTurn,
@@ -64,6 +65,8 @@ class Output:
                 if route is not None and route.drafter is not None:
                     self._conn(route.drafter, ErrorFrame(code="out_of_turn", message=r.message,
                                                          request_id=r.request_id))
+            elif isinstance(r, Attached):
+                self._attached(r)
             elif isinstance(r, Detached):
                 route = self.routes.get(r.request_id)
                 if route is not None:
@@ -75,6 +78,12 @@ class Output:
         route = self.routes.get(r.request_id)
         if route is not None and route.owner is not None:
             self._conn(route.owner, SessionOpened(request_id=r.request_id, draft_budget=r.draft_budget))
+
+    def _attached(self, r: Attached) -> None:
+        route = self.routes.get(r.request_id)
+        if route is not None and route.drafter is not None:
+            self._conn(route.drafter, SessionOpened(request_id=r.request_id, draft_budget=r.draft_budget,
+                                                    committed_ids=r.generated, round=r.round))
 
     def _refused(self, r: Refused) -> None:
         route = self.routes.get(r.request_id)

@@ -59,7 +59,7 @@ class Request:
                max_model_len: int, eos_ids: frozenset[int]) -> Request:
         return cls(request_id=request_id, prompt_len=len(prompt_ids), params=params, speculative=speculative,
                    max_model_len=max_model_len, eos_ids=frozenset() if params.ignore_eos else eos_ids,
-                   committed=list(prompt_ids), gen=make_generator(params.seed))
+                   committed=list(prompt_ids), gen=make_generator(params.seed, "verify"))
 
     # --- derived ---------------------------------------------------------------------------
 
@@ -115,6 +115,15 @@ class Request:
         self.speculative = False
         if self.status is Status.WAITING_DRAFT:
             self.mark_ready()
+
+    def attach(self) -> bool:
+        """Speculate again (a drafter resumed the session). True when the drafter must be told
+        the committed state now; False when the session is not admitted yet (admission tells it)."""
+        self.speculative = True
+        if self.status is Status.READY:  # a target-only round not run yet: it waits for a draft instead
+            self.await_draft()
+            return True
+        return self.status is Status.WAITING_DRAFT
 
     def commit(self, tokens: list[int]) -> list[int]:
         """Append a round's tokens up to the first token-level stop; returns those kept."""

@@ -17,8 +17,9 @@ Stack = Fleet
 @dataclass
 class StackSpec:
     drafts: list[Path]  # one drafter per entry
-    draft_mode: str = "greedy"
-    draft_top_k: int = 16
+    draft_mode: str = "sampled"  # greedy: ids-only drafts for every request
+    q_mass: float = 0.98  # sampled drafts: the q nucleus's mass...
+    q_max_entries: int = 4096  # ...and most entries
     draft_len: int = 4
     max_sessions: int = 16  # per drafter
     redis_url: str = ""
@@ -35,8 +36,8 @@ def run_stack(target: Path, spec: StackSpec, log_dir: Path) -> Iterator[Fleet]:
         verifier_flags=[*quiet, "--draft-len", str(spec.draft_len)],
         coordinator_flags=[*quiet, *spec.extra_coordinator],
         drafter_flags=["--log-level", spec.drafter_log_level, "--max-sessions", str(spec.max_sessions),
-                       "--draft-mode", spec.draft_mode,
-                       "--draft-top-k", str(spec.draft_top_k), "--claim-idle-ms", "2000"],
+                       "--draft-mode", spec.draft_mode, "--q-mass", str(spec.q_mass),
+                       "--q-max-entries", str(spec.q_max_entries), "--claim-idle-ms", "2000"],
     )
     with running_fleet(fleet, log_dir, TOKEN) as running:
         yield running

@@ -5,6 +5,7 @@ This is what ``make run`` does, on free ports so concurrent runs on one machine 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -13,10 +14,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
+import httpx
 import pytest
 
 from shared import cli
+from shared.models import load_model
+from tests.conftest import free_port, greedy_reference
+from tests.e2e.test_full_stack import prompt_ids, stream_many
 
 pytestmark = pytest.mark.e2e
 
@@ -94,3 +100,55 @@ def test_up_names_the_service_that_died(tiny_models: dict[str, Path], tmp_path: 
     named = [svc for svc in ("verifier", "coordinator") if f"{svc} (pid" in proc.stderr]
     assert named, proc.stderr
     assert str(tmp_path / "state" / "logs" / f"{named[0]}.log") in proc.stderr
+
+
+def test_up_restarts_a_killed_drafter_and_resumes_its_sessions(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    """kill -9 a drafter with 20 requests in flight: every request completes, greedy output is the
+    target's own, the survivor resumes the victim's sessions, and the victim is started again."""
+    metrics_port = free_port()
+    proc = subprocess.Popen(_up(tmp_path, tiny_models, "--drafter-metrics-port", str(metrics_port)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = _until_ready(proc)
+        base_url = next(m.group(1) for line in lines if (m := re.search(r"ready at (http://\S+)", line)))
+        victim = int(next(m.group(1) for line in lines if (m := re.search(r"started drafter-1\s+pid (\d+)", line))))
+        stack = SimpleNamespace(ws_url=base_url.replace("http://", "ws://") + "/v1/stream")
+        sent = [{"kind": "completion", "model": "target", "prompt": f"def f{i}(x", "max_tokens": 96,
+                 "temperature": 0, "ignore_eos": True} for i in range(20)]
+
+        async def run() -> list[tuple]:
+            work = asyncio.create_task(stream_many(stack, sent))  # type: ignore[arg-type]
+            await asyncio.sleep(1.0)
+            os.kill(victim, signal.SIGKILL)
+            return await work
+
+        results = asyncio.run(run())
+        survivor = httpx.get(f"http://127.0.0.1:{metrics_port + 1}/metrics", timeout=10).text
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    target = load_model(tiny_models["target"])
+    for body, (ids, _, done) in zip(sent, results, strict=True):
+        assert ids == greedy_reference(target.model, prompt_ids(target, body), 96, set())
+        assert done["finish_reason"] == "length"
+    assert "restarting in" in err and "drafter-1" in err, err
+    resumed = re.search(r"^specfleet_drafter_sessions_resumed_total (\S+)$", survivor, re.M)
+    assert resumed is not None and float(resumed.group(1)) >= 1, survivor
+    verifier_log = (tmp_path / "state" / "logs" / "verifier.log").read_text()
+    assert "session resumed by a drafter" in verifier_log
+
+
+def _until_ready(proc: subprocess.Popen[str]) -> list[str]:
+    assert proc.stdout is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and not any("Press Ctrl-C" in line for line in lines):
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+    assert any("specfleet is ready" in line for line in lines), "".join(lines)
+    return lines

@@ -46,7 +46,7 @@ def target(tiny_models: dict[str, Path]) -> LoadedModel:
 @pytest.fixture(scope="module")
 def one_drafter(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """One drafter, ids-only drafts, the coordinator's in-process queue."""
-    spec = StackSpec(drafts=[tiny_models["draft-L2"]], max_sessions=CONCURRENCY)
+    spec = StackSpec(drafts=[tiny_models["draft-L2"]], draft_mode="greedy", max_sessions=CONCURRENCY)
     with run_stack(tiny_models["target"], spec, tmp_path_factory.mktemp("logs-one")) as stack:
         yield stack
 
@@ -54,9 +54,13 @@ def one_drafter(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathF
 @pytest.fixture(scope="module")
 def three_drafters(tiny_models: dict[str, Path], redis_url: str,
                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """Three drafters of two sizes sending sparse q, requests queued in a real Redis."""
+    """Three drafters of two sizes sending sparse q, requests queued in a real Redis.
+
+    The nucleus is cut small (8 entries) so that q leaves mass out: still lossless.
+    """
     drafts = [tiny_models["draft-L1"], tiny_models["draft-L2"], tiny_models["draft-L1"]]
-    spec = StackSpec(drafts=drafts, draft_mode="sampled", draft_top_k=8, redis_url=redis_url, max_sessions=8)
+    spec = StackSpec(drafts=drafts, draft_mode="sampled", q_mass=0.99, q_max_entries=8, redis_url=redis_url,
+                     max_sessions=8)
     with run_stack(tiny_models["target"], spec, tmp_path_factory.mktemp("logs-three")) as stack:
         yield stack
 

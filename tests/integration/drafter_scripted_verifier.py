@@ -1,9 +1,12 @@
 """A scripted stand-in for the verifier's /v1/drafter endpoint, for the drafter's tests.
 
 It accepts the first draft token of every round and adds a token of its own, finishing after
-``finish_after`` generated tokens, and checks every greedy draft against the draft model's own
+``finish_after`` generated tokens, and checks every ids-only draft (the drafter sends ids only
+for argmax drafts: greedy requests, or any request in greedy mode) against the draft model's own
 greedy continuation of the committed sequence (recomputed from scratch, no cache), so a wrong
-KV-cache rollback in the drafter shows up in ``problems``.
+KV-cache rollback in the drafter shows up in ``problems``. A draft's q is refused as the real
+verifier refuses it (``shared.draft_q.check``) and must be the draft model's warped distribution
+at that position, restricted to the q's support (a sampled draft's rollback is checked too).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from websockets.asyncio.server import ServerConnection
 
-from shared.acceptance import dense_q
+from shared.draft_q import DraftError, check, dense
 from shared.models import LoadedModel
 from shared.protocol import (
     PROTOCOL_VERSION,
@@ -24,13 +27,16 @@ from shared.protocol import (
     Refused,
     SamplingParams,
     SessionOpened,
+    SparseQ,
     Verdict,
     Welcome,
     decode,
     encode,
 )
+from shared.sampling import probs_from_logits
 
 BUDGET = 3
+Q_RTOL = 2e-3  # q travels as float16
 
 
 def greedy_continuation(model: LoadedModel, ids: list[int], k: int) -> list[int]:
@@ -53,6 +59,7 @@ class ScriptedVerifier:
     cancel_after_open: set[str] = field(default_factory=set)  # send an unsolicited cancel right after opening
     drop_after_first_draft: bool = False  # close the first connection at its first Draft
     check_greedy: bool = True
+    check_q: bool = True  # compare each q with the draft model's distribution
     hellos: list[Hello] = field(default_factory=list)
     auth_headers: list[str | None] = field(default_factory=list)
     opens: list[str] = field(default_factory=list)
@@ -138,9 +145,36 @@ class ScriptedVerifier:
     def _check(self, msg: Draft, seq: list[int]) -> None:
         params = self._params[msg.request_id]
         if msg.q is not None:
-            for token, q in zip(msg.token_ids, msg.q, strict=True):
-                dense_q(q, token, self.draft.vocab_size)  # raises on an invalid q
-        elif self.check_greedy and params.temperature == 0.0:
+            if len(msg.q) != len(msg.token_ids):
+                self.problems.append(f"{msg.request_id} round {msg.round}: {len(msg.q)} q for "
+                                     f"{len(msg.token_ids)} tokens")
+                return
+            for i, (token, q) in enumerate(zip(msg.token_ids, msg.q, strict=True)):
+                problem = self._check_q(q, token, [*seq, *msg.token_ids[:i]], params)
+                if problem:
+                    self.problems.append(f"{msg.request_id} round {msg.round} position {i}: {problem}")
+        elif self.check_greedy:  # ids only: argmax drafts, whatever the request's temperature
             expected = greedy_continuation(self.draft, seq, len(msg.token_ids))
             if msg.token_ids != expected:
                 self.problems.append(f"{msg.request_id} round {msg.round}: {msg.token_ids} != {expected}")
+
+    def _check_q(self, q: SparseQ, token: int, context: list[int], params: SamplingParams) -> str:
+        """Why ``q`` is not what ``token`` was drafted from after ``context``; empty when it is."""
+        vocab = self.draft.vocab_size
+        try:
+            check(q, token, vocab)
+        except DraftError as exc:
+            return f"invalid q: {exc}"
+        got = dense(q, vocab)
+        if abs(float(got.sum()) - 1.0) > 1e-5 or float(got[token]) <= 0.0:
+            return f"q sums to {float(got.sum())} and gives the drafted token {float(got[token])}"
+        if not self.check_q:
+            return ""
+        with torch.inference_mode():
+            probs = probs_from_logits(self.draft.model(input_ids=torch.tensor([context])).logits[0, -1], params)
+        support = got > 0
+        want = torch.where(support, probs, torch.zeros_like(probs))
+        want = want / want.sum()
+        if not torch.allclose(got, want, rtol=Q_RTOL, atol=1e-6):
+            return f"q is off the draft model's distribution by {float((got - want).abs().max()):.2e}"
+        return ""

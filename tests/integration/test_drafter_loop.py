@@ -119,6 +119,7 @@ async def test_sessions_commit_the_verifiers_tokens_and_ack(draft: LoadedModel) 
             await h.queue.put(request(rid, prompt, temperature=0.0, max_tokens=7))
         await h.wait_for(lambda: len(h.ended) == 3 and len(h.queue.acked) == 3)
     assert verifier.problems == []  # every draft was the draft model's greedy continuation
+    assert all(d.q is None for d in verifier.drafts)  # greedy requests get ids only (sampled mode)
     assert verifier.auth_headers == ["Bearer sekrit"]
     hello = verifier.hellos[0]
     assert (hello.role, hello.node_id, hello.protocol_version) == ("drafter", "drafter-test", PROTOCOL_VERSION)
@@ -138,17 +139,32 @@ async def test_sessions_commit_the_verifiers_tokens_and_ack(draft: LoadedModel) 
 
 
 @pytest.mark.asyncio
-async def test_sampled_mode_sends_a_valid_sparse_q(draft: LoadedModel) -> None:
+@pytest.mark.parametrize(("overrides", "max_entries"), [({}, 4096), ({"q_mass": 0.9, "q_max_entries": 8}, 8)],
+                         ids=["default", "small-nucleus"])
+async def test_sampled_mode_sends_a_valid_sparse_q(draft: LoadedModel, overrides: dict[str, object],
+                                                   max_entries: int) -> None:
     verifier = ScriptedVerifier(draft, finish_after=5)
-    async with running(draft, verifier, draft_mode="sampled", draft_top_k=8) as h:
+    async with running(draft, verifier, **overrides) as h:  # draft_mode defaults to sampled
         await h.queue.put(request("warm", [12, 40, 77], temperature=0.8, seed=1, max_tokens=5))
         await h.queue.put(request("cold", [12, 40, 77], temperature=0.0, max_tokens=5))
         await h.wait_for(lambda: len(h.queue.acked) == 2)
     warm = [d for d in verifier.drafts if d.request_id == "warm" and d.token_ids]
     cold = [d for d in verifier.drafts if d.request_id == "cold" and d.token_ids]
     assert warm and all(d.q is not None and len(d.q) == len(d.token_ids) for d in warm)
+    assert all(len(q.ids) // 4 == len(q.probs) // 2 <= max_entries for d in warm for q in d.q or [])
     assert cold and all(d.q is None for d in cold)
-    assert verifier.problems == []
+    assert verifier.problems == []  # every q was valid and the draft model's distribution
+
+
+@pytest.mark.asyncio
+async def test_greedy_mode_sends_ids_only_at_any_temperature(draft: LoadedModel) -> None:
+    verifier = ScriptedVerifier(draft, finish_after=5)
+    async with running(draft, verifier, draft_mode="greedy") as h:
+        await h.queue.put(request("warm", [12, 40, 77], temperature=0.8, seed=1, max_tokens=5))
+        await h.wait_for(lambda: len(h.queue.acked) == 1)
+    warm = [d for d in verifier.drafts if d.request_id == "warm" and d.token_ids]
+    assert warm and all(d.q is None for d in warm)
+    assert verifier.problems == []  # and each was the draft model's argmax continuation
 
 
 @pytest.mark.asyncio
@@ -249,9 +265,14 @@ async def _close(server: Server) -> None:
     await server.wait_closed()
 
 
-def test_main_exits_2_on_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["--draft-mode", "beam", "--model", "x"]) == 2
-    assert "--draft-mode must be one of greedy, sampled" in capsys.readouterr().err
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--draft-mode", "beam"], "--draft-mode must be one of sampled, greedy"),
+    (["--q-mass", "0"], "--q-mass must be in (0, 1], got 0.0"),
+    (["--q-max-entries", "5000"], "--q-max-entries must be in [1, 4096], got 5000"),
+])
+def test_main_exits_2_on_bad_flags(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
+    assert main([*argv, "--model", "x"]) == 2
+    assert message in capsys.readouterr().err
 
 
 @pytest.mark.asyncio

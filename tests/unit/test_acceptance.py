@@ -20,8 +20,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from shared.acceptance import DraftError, accept_probability, dense_q, one_hot, residual, verify_greedy, verify_sampled
-from shared.protocol import SparseQ
+from shared.acceptance import accept_probability, one_hot, residual, verify_greedy, verify_sampled
 from shared.sampling import make_generator
 
 V = 5
@@ -54,7 +53,7 @@ def test_sampled_with_one_hot_target_equals_greedy(seed: int) -> None:
     argmax = torch.randint(0, V, (4,), generator=rng).tolist()
     draft = [argmax[0], argmax[1] if seed % 2 else (argmax[1] + 1) % V, argmax[2]]
     p = torch.stack([one_hot(t, V) for t in argmax])
-    assert verify_sampled(draft, p, None, make_generator(seed)) == verify_greedy(draft, argmax)
+    assert verify_sampled(draft, p, None, make_generator(seed, "verify")) == verify_greedy(draft, argmax)
 
 
 # --- exact enumeration -----------------------------------------------------------------------------------
@@ -163,7 +162,7 @@ def test_accept_probability(px: float, qx: float, expected: float) -> None:
 def _simulate(p: torch.Tensor, d: torch.Tensor, send_q: bool, k: int, n: int, seed: int) -> Counter[tuple[int, ...]]:
     """Run rounds of verify_sampled until N_OUT tokens are out, n times; count the outputs."""
     drafter = torch.Generator().manual_seed(seed)
-    verifier = make_generator(seed + 1)
+    verifier = make_generator(seed + 1, "verify")
     rows = torch.cat([p, p[-1:].expand(k, V)]).float()  # bonus rows past N_OUT are never reached
     counts: Counter[tuple[int, ...]] = Counter()
     for _ in range(n):
@@ -192,36 +191,3 @@ def test_verify_sampled_matches_target_by_sampling(kind: str, send_q: bool) -> N
         freq = sum(counts[(a, b)] for b in range(V)) / n
         expected = float(p[0, a])
         assert abs(freq - expected) <= 5 * math.sqrt(expected * (1 - expected) / n) + 1e-9
-
-
-# --- dense_q refusals ------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("ids", "probs", "token", "fragment"),
-    [
-        ([1, 2], [0.5, 0.4], 1, "sum to"),
-        ([1, 2], [0.7, 0.7], 1, "sum to"),
-        ([1, 1], [0.5, 0.5], 1, "twice"),
-        ([1, 2], [1.0, 0.0], 2, "probability 0"),
-        ([1, 2], [0.5, 0.5], 3, "probability 0"),  # drafted token not listed at all
-        ([1, 9], [0.5, 0.5], 1, "outside the vocabulary"),
-        ([1, -1], [0.5, 0.5], 1, "outside the vocabulary"),
-        ([1, 2], [0.5, 0.5], 9, "outside the vocabulary"),
-        ([1, 2], [0.5], 1, "ids but"),
-        ([], [], 1, "empty"),
-        ([1, 2], [1.5, -0.5], 1, "outside [0, 1]"),
-        ([1, 2], [float("nan"), 1.0], 1, "outside [0, 1]"),
-    ],
-)
-def test_dense_q_refusals(ids: list[int], probs: list[float], token: int, fragment: str) -> None:
-    with pytest.raises(DraftError, match=fragment.replace("[", r"\[")):
-        dense_q(SparseQ(ids=ids, probs=probs), token, vocab=V)
-
-
-def test_dense_q_expands_and_renormalises_within_tolerance() -> None:
-    q = dense_q(SparseQ(ids=[3, 0], probs=[0.6, 0.3999]), 3, vocab=V)
-    assert q.shape == (V,)
-    assert float(q.sum()) == pytest.approx(1.0)
-    assert float(q[3]) == pytest.approx(0.6 / 0.9999)
-    assert float(q[1]) == 0.0

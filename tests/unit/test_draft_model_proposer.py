@@ -1,4 +1,5 @@
-"""The draft-model proposer: greedy = argmax decoding, rollback = fresh cache, sampled q exact."""
+"""The draft-model proposer: greedy = argmax decoding, rollback = fresh cache, sampled q exact,
+a batch of sessions = each session alone."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ import pytest
 import torch
 
 from services.drafter.control import make_controller
-from services.drafter.control.base import StepDecision, StepFeatures
+from services.drafter.control.base import DraftController, StepDecision, StepFeatures
 from services.drafter.control.fixed import FixedController
-from services.drafter.proposers.base import ProposerError
+from services.drafter.proposers.base import EMPTY_PROPOSAL, DraftJob, Proposal, ProposerError
 from services.drafter.proposers.draft_model import DraftModelProposer, common_prefix_len
+from shared.draft_q import Nucleus, dense, read
 from shared.models import LoadedModel, load_model, make_tiny_family
 from shared.protocol import MAX_DRAFT_TOKENS, SamplingParams
 from shared.runner import ModelRunner
@@ -24,6 +26,7 @@ torch.set_num_threads(1)
 PROMPT = [12, 40, 77, 5, 130, 9, 64]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
 WARM = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=64, seed=3)
+FP16_RTOL = 2e-3  # float16 keeps 11 significant bits; renormalising adds one more rounding
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +41,18 @@ def make(draft: LoadedModel, **kwargs: Any) -> DraftModelProposer:
     return DraftModelProposer(runner, draft.eos_ids, **kwargs)
 
 
+def gen(seed: int) -> torch.Generator:
+    return make_generator(seed, "draft")
+
+
+def propose(proposer: DraftModelProposer, session_id: str, k: int, params: SamplingParams,
+            rng: torch.Generator, controller: DraftController | None = None) -> Proposal:
+    """One session alone: a batch of one job."""
+    proposals = proposer.propose([DraftJob(session_id, k, params, rng, controller)])
+    assert len(proposals) == 1
+    return proposals[0]
+
+
 def reference_greedy(model: LoadedModel, ids: list[int], k: int) -> list[int]:
     """Argmax decoding with plain transformers calls, no cache: the ground truth."""
     seq = list(ids)
@@ -48,13 +63,33 @@ def reference_greedy(model: LoadedModel, ids: list[int], k: int) -> list[int]:
     return seq[len(ids):]
 
 
+def reference_draft(model: LoadedModel, ids: list[int], k: int) -> list[int]:
+    """What a greedy request drafts: argmax decoding that ends after an end token."""
+    out = reference_greedy(model, ids, k)
+    ends = [i for i, t in enumerate(out) if t in model.eos_ids]
+    return out[: ends[0] + 1] if ends else out
+
+
+def reference_logits(model: LoadedModel, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return model.model(input_ids=torch.tensor([ids])).logits[0, -1]
+
+
 def test_greedy_proposal_is_argmax_decoding(draft: LoadedModel) -> None:
     proposer = make(draft)
     proposer.start("s", PROMPT, 64)
-    proposal = proposer.propose("s", 6, GREEDY, make_generator(0))
+    proposal = propose(proposer, "s", 6, GREEDY, gen(0))
     assert proposal.token_ids == reference_greedy(draft, PROMPT, 6)
     assert proposal.q is None
     assert proposal.steps == []  # no controller reads features, so none are computed
+
+
+def test_greedy_mode_sends_ids_only_at_any_temperature(draft: LoadedModel) -> None:
+    proposer = make(draft, mode="greedy")
+    proposer.start("s", PROMPT, 64)
+    proposal = propose(proposer, "s", 4, WARM, gen(0))
+    assert proposal.token_ids == reference_greedy(draft, PROMPT, 4)
+    assert proposal.q is None
 
 
 @pytest.mark.parametrize(
@@ -64,45 +99,147 @@ def test_proposal_after_rollback_equals_fresh_cache(draft: LoadedModel, accepted
     """Accept some drafts, then the verifier's own token (absent when a stop cut the round short)."""
     proposer = make(draft)
     proposer.start("s", PROMPT, 64)
-    first = proposer.propose("s", 5, GREEDY, make_generator(0)).token_ids
+    first = propose(proposer, "s", 5, GREEDY, gen(0)).token_ids
     bonus = [(first[accepted] + 1) % draft.vocab_size] if accepted < 5 else [17]
     committed_new = first[:accepted] + (bonus if with_bonus else [])
     proposer.commit("s", committed_new, accepted)
-    after = proposer.propose("s", 5, GREEDY, make_generator(0)).token_ids
+    after = propose(proposer, "s", 5, GREEDY, gen(0)).token_ids
 
     fresh = make(draft)
     fresh.start("f", PROMPT + committed_new, 64)
-    assert after == fresh.propose("f", 5, GREEDY, make_generator(0)).token_ids
+    assert after == propose(fresh, "f", 5, GREEDY, gen(0)).token_ids
     assert after == reference_greedy(draft, PROMPT + committed_new, 5)
 
 
 def test_cache_keeps_accepted_tokens_and_drops_rejected(draft: LoadedModel) -> None:
     proposer = make(draft)
     proposer.start("s", PROMPT, 64)
-    first = proposer.propose("s", 4, GREEDY, make_generator(0)).token_ids
+    first = propose(proposer, "s", 4, GREEDY, gen(0)).token_ids
     # Fed: the prompt, then drafts 0..2 (the last draft's logits were never needed).
     assert proposer.cached_tokens("s") == len(PROMPT) + 3
     proposer.commit("s", [*first[:2], (first[2] + 1) % draft.vocab_size], 2)
-    proposer.propose("s", 1, GREEDY, make_generator(0))
+    propose(proposer, "s", 1, GREEDY, gen(0))
     # Rolled back to prompt + 2 accepted drafts, then fed the verifier's token.
     assert proposer.cached_tokens("s") == len(PROMPT) + 3
 
 
-def test_sampled_proposal_is_deterministic_per_seed_and_matches_fresh_cache(draft: LoadedModel) -> None:
-    a = make(draft, mode="sampled", draft_top_k=8)
-    a.start("s", PROMPT, 64)
-    first = a.propose("s", 4, WARM, make_generator(11)).token_ids
-    a.commit("s", [*first[:1], 3], 1)
-    after = a.propose("s", 4, WARM, make_generator(12))
+# --- batches ------------------------------------------------------------------------------------
 
-    b = make(draft, mode="sampled", draft_top_k=8)
+BATCH_PROMPTS = {"a": PROMPT, "b": [9, 9, 130, 64, 3, 88, 21, 150, 7, 42, 11, 260, 33], "c": [200, 14]}
+
+
+def test_a_batch_drafts_each_session_as_if_it_were_alone(draft: LoadedModel) -> None:
+    """Different prompt lengths, different k, then different rollbacks: the batch changes nothing."""
+    batched = make(draft)
+    alone = {sid: make(draft) for sid in BATCH_PROMPTS}
+    for sid, prompt in BATCH_PROMPTS.items():
+        batched.start(sid, prompt, 64)
+        alone[sid].start(sid, prompt, 64)
+    committed = {sid: list(prompt) for sid, prompt in BATCH_PROMPTS.items()}
+
+    ks = {"a": 5, "b": 2, "c": 7}
+    got = batched.propose([DraftJob(sid, k, GREEDY, gen(0)) for sid, k in ks.items()])
+    for sid, proposal in zip(ks, got, strict=True):
+        assert proposal.token_ids == propose(alone[sid], sid, ks[sid], GREEDY, gen(0)).token_ids
+        assert proposal.token_ids == reference_draft(draft, committed[sid], ks[sid])
+        assert proposal.q is None
+
+    # Round two: "a" accepts 2 and gets a bonus, "b" accepts all, "c" accepts none. Now one
+    # session feeds a rolled-back token, one two tokens, one a single new one, in another order.
+    drafts = {sid: p.token_ids for sid, p in zip(ks, got, strict=True)}
+    new = {"a": [*drafts["a"][:2], (drafts["a"][2] + 1) % draft.vocab_size], "b": [*drafts["b"], 17],
+           "c": [(drafts["c"][0] + 1) % draft.vocab_size]}
+    accepted = {"a": 2, "b": 2, "c": 0}
+    for sid in BATCH_PROMPTS:
+        batched.commit(sid, new[sid], accepted[sid])
+        alone[sid].commit(sid, new[sid], accepted[sid])
+        committed[sid] += new[sid]
+    ks = {"c": 3, "a": 6, "b": 4}
+    got = batched.propose([DraftJob(sid, k, GREEDY, gen(0)) for sid, k in ks.items()])
+    for sid, proposal in zip(ks, got, strict=True):
+        assert proposal.token_ids == propose(alone[sid], sid, ks[sid], GREEDY, gen(0)).token_ids
+        assert proposal.token_ids == reference_draft(draft, committed[sid], ks[sid])
+
+
+def test_a_sampled_session_in_a_batch_draws_what_it_draws_alone(draft: LoadedModel) -> None:
+    """Each session samples with its own generator: batching with a greedy one changes nothing."""
+    batched, alone = make(draft), make(draft)
+    for p in (batched, alone):
+        p.start("warm", PROMPT, 64)
+        p.start("cold", BATCH_PROMPTS["b"], 64)
+    warm, cold = batched.propose([DraftJob("warm", 5, WARM, gen(7)), DraftJob("cold", 3, GREEDY, gen(0))])
+    warm_alone = propose(alone, "warm", 5, WARM, gen(7))
+    assert warm.token_ids == warm_alone.token_ids
+    assert warm.q is not None and warm_alone.q is not None
+    for qa, qb in zip(warm.q, warm_alone.q, strict=True):
+        (ids_a, probs_a), (ids_b, probs_b) = read(qa), read(qb)
+        assert ids_a.tolist() == ids_b.tolist()
+        torch.testing.assert_close(probs_a, probs_b, rtol=FP16_RTOL, atol=1e-6)
+    assert cold.q is None and cold.token_ids == reference_greedy(draft, BATCH_PROMPTS["b"], 3)
+
+
+def test_sessions_leaving_the_batch_early_do_not_stop_the_others(draft: LoadedModel) -> None:
+    proposer = make(draft)
+    for sid, prompt in BATCH_PROMPTS.items():
+        proposer.start(sid, prompt, 64)
+    end = reference_greedy(draft, BATCH_PROMPTS["b"], 2)[1]
+    controller = _StopAt(0, StepDecision.STOP)
+    a, b, c = proposer.propose([
+        DraftJob("a", 6, GREEDY, gen(0), controller),  # the controller stops it after one token
+        DraftJob("b", 6, SamplingParams(temperature=0.0, stop_token_ids=[end]), gen(0)),  # ends at its 2nd
+        DraftJob("c", 6, SamplingParams(temperature=0.0, ignore_eos=True), gen(0)),  # drafts all 6
+    ])
+    assert a.token_ids == reference_greedy(draft, BATCH_PROMPTS["a"], 1)
+    assert [s.position for s in controller.seen] == [0]
+    assert b.token_ids == reference_greedy(draft, BATCH_PROMPTS["b"], 2)
+    assert c.token_ids == reference_greedy(draft, BATCH_PROMPTS["c"], 6)
+
+
+def test_an_unknown_or_closed_session_gets_an_empty_proposal_and_the_rest_are_drafted(
+        draft: LoadedModel) -> None:
+    proposer = make(draft)
+    proposer.start("a", BATCH_PROMPTS["a"], 64)
+    proposer.start("gone", BATCH_PROMPTS["b"], 64)
+    proposer.start("c", BATCH_PROMPTS["c"], 64)
+    proposer.close("gone")  # closed while its job waited
+    got = proposer.propose([DraftJob("a", 3, GREEDY, gen(0)), DraftJob("ghost", 3, GREEDY, gen(0)),
+                            DraftJob("gone", 3, GREEDY, gen(0)), DraftJob("c", 4, GREEDY, gen(0))])
+    assert got[1] == got[2] == EMPTY_PROPOSAL
+    assert got[0].token_ids == reference_greedy(draft, BATCH_PROMPTS["a"], 3)
+    assert got[3].token_ids == reference_greedy(draft, BATCH_PROMPTS["c"], 4)
+    assert proposer.propose([]) == []
+
+
+# --- sampled drafts -----------------------------------------------------------------------------
+
+def test_sampled_proposal_is_deterministic_per_seed_and_matches_fresh_cache(draft: LoadedModel) -> None:
+    nucleus = Nucleus(mass=0.95, max_entries=8)
+    a = make(draft, mode="sampled", nucleus=nucleus)
+    a.start("s", PROMPT, 64)
+    first = propose(a, "s", 4, WARM, gen(11)).token_ids
+    a.commit("s", [*first[:1], 3], 1)
+    after = propose(a, "s", 4, WARM, gen(12))
+
+    b = make(draft, mode="sampled", nucleus=nucleus)
     b.start("s", [*PROMPT, *first[:1], 3], 64)
-    fresh = b.propose("s", 4, WARM, make_generator(12))
+    fresh = propose(b, "s", 4, WARM, gen(12))
     assert after.token_ids == fresh.token_ids
     assert after.q is not None and fresh.q is not None
     for qa, qb in zip(after.q, fresh.q, strict=True):
-        assert qa.ids == qb.ids
-        assert qa.probs == pytest.approx(qb.probs, abs=1e-5)
+        (ids_a, probs_a), (ids_b, probs_b) = read(qa), read(qb)
+        assert ids_a.tolist() == ids_b.tolist()
+        torch.testing.assert_close(probs_a, probs_b, rtol=FP16_RTOL, atol=1e-6)
+
+
+def nucleus_of(probs: torch.Tensor, nucleus: Nucleus) -> tuple[list[int], torch.Tensor]:
+    """The expected nucleus, written out: most likely first, until the mass or the cap."""
+    values, ids = probs.double().sort(descending=True)
+    keep = 1
+    while keep < min(nucleus.max_entries, len(values)) and float(values[:keep].sum()) < nucleus.mass:
+        keep += 1
+    values, ids = values[:keep], ids[:keep]
+    nonzero = values > 0
+    return ids[nonzero].tolist(), values[nonzero]
 
 
 @pytest.mark.parametrize("params", [
@@ -110,52 +247,80 @@ def test_sampled_proposal_is_deterministic_per_seed_and_matches_fresh_cache(draf
     SamplingParams(temperature=0.7, top_k=5, max_tokens=8),
     SamplingParams(temperature=1.3, top_p=0.5, max_tokens=8),
 ])
-def test_sampled_q_is_the_truncated_request_distribution(draft: LoadedModel, params: SamplingParams) -> None:
-    top_k = 8
-    proposer = make(draft, mode="sampled", draft_top_k=top_k)
+@pytest.mark.parametrize("nucleus", [Nucleus(mass=0.9, max_entries=1024), Nucleus(mass=0.99, max_entries=8)])
+def test_sampled_q_is_the_request_distributions_nucleus(draft: LoadedModel, params: SamplingParams,
+                                                        nucleus: Nucleus) -> None:
+    proposer = make(draft, mode="sampled", nucleus=nucleus)
     proposer.start("s", PROMPT, 64)
-    proposal = proposer.propose("s", 4, params, make_generator(5))
+    proposal = propose(proposer, "s", 4, params, gen(5))
     assert proposal.q is not None and len(proposal.q) == len(proposal.token_ids) == 4
     seq = list(PROMPT)
     for token, q in zip(proposal.token_ids, proposal.q, strict=True):
-        assert token in q.ids
-        assert abs(sum(q.probs) - 1.0) < 1e-3
-        assert all(0.0 < p <= 1.0 for p in q.probs)
-        assert len(set(q.ids)) == len(q.ids) <= top_k
-        with torch.inference_mode():
-            logits = draft.model(input_ids=torch.tensor([seq])).logits[0, -1]
-        full = probs_from_logits(logits, params)
-        expected = full.topk(top_k)
-        keep = expected.values > 0
-        assert q.ids == expected.indices[keep].tolist()
-        renorm = expected.values[keep] / expected.values[keep].sum()
-        assert q.probs == pytest.approx(renorm.tolist(), abs=1e-5)
+        ids, probs = read(q)
+        assert token in ids.tolist()
+        assert float(probs.sum()) == pytest.approx(1.0, abs=1e-9)
+        assert bool((probs > 0).all()) and bool((probs <= 1).all())
+        assert len(set(ids.tolist())) == len(ids) <= nucleus.max_entries
+        want_ids, want = nucleus_of(probs_from_logits(reference_logits(draft, seq), params), nucleus)
+        assert ids.tolist() == want_ids
+        torch.testing.assert_close(probs, want / want.sum(), rtol=FP16_RTOL, atol=1e-6)
+        seq.append(token)
+
+
+def test_sampled_q_with_the_whole_nucleus_is_the_request_distribution(draft: LoadedModel) -> None:
+    """mass=1 and room for the whole vocabulary: q is the warped distribution itself."""
+    nucleus = Nucleus(mass=1.0, max_entries=4096)
+    assert draft.vocab_size <= nucleus.max_entries
+    proposer = make(draft, mode="sampled", nucleus=nucleus)
+    proposer.start("s", PROMPT, 64)
+    proposal = propose(proposer, "s", 4, WARM, gen(21))
+    assert proposal.q is not None and len(proposal.q) == len(proposal.token_ids) == 4
+    seq = list(PROMPT)
+    for token, q in zip(proposal.token_ids, proposal.q, strict=True):
+        ids, probs = read(q)
+        assert float(probs.sum()) == pytest.approx(1.0, abs=1e-9)
+        assert token in ids.tolist() and len(ids) <= nucleus.max_entries
+        want = probs_from_logits(reference_logits(draft, seq), WARM)
+        # float16 keeps ~3 significant digits and flushes entries below ~6e-8 to 0 (left out)
+        torch.testing.assert_close(dense(q, draft.vocab_size), want, rtol=FP16_RTOL, atol=1e-6)
         seq.append(token)
 
 
 def test_sampled_tokens_follow_q(draft: LoadedModel) -> None:
-    proposer = make(draft, mode="sampled", draft_top_k=4)
+    proposer = make(draft, mode="sampled", nucleus=Nucleus(mass=1.0, max_entries=4))
     proposer.start("s", PROMPT, 64)
-    gen = make_generator(99)
+    rng = gen(99)
     draws = 1500
     counts: Counter[int] = Counter()
     q = None
     for _ in range(draws):  # same committed state each time: the cache re-feeds only the last token
-        proposal = proposer.propose("s", 1, SamplingParams(temperature=1.0), gen)
+        proposal = propose(proposer, "s", 1, SamplingParams(temperature=1.0), rng)
         counts[proposal.token_ids[0]] += 1
         q = proposal.q[0] if proposal.q else None
     assert q is not None
-    tv = 0.5 * sum(abs(counts[i] / draws - p) for i, p in zip(q.ids, q.probs, strict=True))
+    ids, probs = read(q)
+    assert len(ids) == 4 and set(counts) <= set(ids.tolist())
+    tv = 0.5 * sum(abs(counts[i] / draws - p) for i, p in zip(ids.tolist(), probs.tolist(), strict=True))
     assert tv < 0.06, f"empirical draft frequencies are {tv:.3f} away from q in total variation"
 
 
 def test_temperature_zero_drafts_greedily_even_in_sampled_mode(draft: LoadedModel) -> None:
     proposer = make(draft, mode="sampled")
     proposer.start("s", PROMPT, 64)
-    proposal = proposer.propose("s", 3, GREEDY, make_generator(0))
+    proposal = propose(proposer, "s", 3, GREEDY, gen(0))
     assert proposal.q is None
     assert proposal.token_ids == reference_greedy(draft, PROMPT, 3)
 
+
+def test_sampled_is_the_default_mode(draft: LoadedModel) -> None:
+    proposer = make(draft)
+    assert proposer.mode == "sampled" and proposer.nucleus == Nucleus(mass=0.98, max_entries=4096)
+    proposer.start("s", PROMPT, 64)
+    proposal = propose(proposer, "s", 2, WARM, gen(0))
+    assert proposal.q is not None and len(proposal.q) == 2
+
+
+# --- controllers ----------------------------------------------------------------------------------
 
 class _StopAt:
     """A controller that stops (keeping or discarding the token) at a given position."""
@@ -183,7 +348,7 @@ def test_controller_can_stop_drafting(draft: LoadedModel, decision: StepDecision
     proposer = make(draft)
     proposer.start("s", PROMPT, 64)
     controller = _StopAt(2, decision)
-    proposal = proposer.propose("s", 6, GREEDY, make_generator(0), controller)
+    proposal = propose(proposer, "s", 6, GREEDY, gen(0), controller)
     assert proposal.token_ids == reference_greedy(draft, PROMPT, 6)[:expected_len]
     assert [s.position for s in controller.seen] == [0, 1, 2]
 
@@ -191,7 +356,7 @@ def test_controller_can_stop_drafting(draft: LoadedModel, decision: StepDecision
 def test_step_features_describe_the_draft_distribution(draft: LoadedModel) -> None:
     proposer = make(draft)
     proposer.start("s", PROMPT, 64)
-    proposal = proposer.propose("s", 4, GREEDY, make_generator(0), _StopAt(99, StepDecision.CONTINUE))
+    proposal = propose(proposer, "s", 4, GREEDY, gen(0), _StopAt(99, StepDecision.CONTINUE))
     assert len(proposal.steps) == 4
     for pos, (token, step) in enumerate(zip(proposal.token_ids, proposal.steps, strict=True)):
         assert (step.position, step.budget, step.token_id) == (pos, 4, token)
@@ -204,19 +369,8 @@ def test_step_features_describe_the_draft_distribution(draft: LoadedModel) -> No
 def test_fixed_controller_skips_features(draft: LoadedModel) -> None:
     proposer = make(draft)
     proposer.start("s", PROMPT, 64)
-    proposal = proposer.propose("s", 4, GREEDY, make_generator(0), FixedController())
+    proposal = propose(proposer, "s", 4, GREEDY, gen(0), FixedController())
     assert proposal.token_ids == reference_greedy(draft, PROMPT, 4) and proposal.steps == []
-
-
-def test_a_full_draft_kv_cache_disables_drafting_not_the_session(draft: LoadedModel) -> None:
-    runner = ModelRunner(draft, 100 * 1024, self_check=False)  # room for ~100 tokens in all
-    proposer = DraftModelProposer(runner, draft.eos_ids)
-    proposer.start("big", PROMPT, 500)
-    assert proposer.propose("big", 4, GREEDY, make_generator(0)).token_ids == []
-    proposer.start("small", PROMPT, 8)
-    assert len(proposer.propose("small", 4, GREEDY, make_generator(0)).token_ids) == 4
-    proposer.close("small")
-    assert runner.kv.reserved_tokens == 0
 
 
 def test_fixed_controller_drafts_the_whole_budget() -> None:
@@ -230,31 +384,52 @@ def test_fixed_controller_drafts_the_whole_budget() -> None:
         make_controller("nope")
 
 
+# --- limits and refusals --------------------------------------------------------------------------
+
+def test_a_full_draft_kv_cache_disables_drafting_not_the_session(draft: LoadedModel) -> None:
+    runner = ModelRunner(draft, 100 * 1024, self_check=False)  # room for ~100 tokens in all
+    proposer = DraftModelProposer(runner, draft.eos_ids)
+    proposer.start("big", PROMPT, 500)
+    assert propose(proposer, "big", 4, GREEDY, gen(0)).token_ids == []
+    proposer.start("small", PROMPT, 8)
+    assert len(propose(proposer, "small", 4, GREEDY, gen(0)).token_ids) == 4
+    # in one batch too: the session without a slot drafts nothing, the other drafts
+    big, small = proposer.propose([DraftJob("big", 4, GREEDY, gen(0)), DraftJob("small", 4, GREEDY, gen(0))])
+    assert big.token_ids == [] and len(small.token_ids) == 4
+    proposer.close("small")
+    assert runner.kv.reserved_tokens == 0
+
+
 def test_draft_length_is_clamped_to_context_and_wire_limit(draft: LoadedModel) -> None:
     proposer = make(draft)
     proposer.start("long", [5 + i % 300 for i in range(draft.max_model_len - 3)], 64)
-    assert len(proposer.propose("long", 10, GREEDY, make_generator(0)).token_ids) == 3
+    assert len(propose(proposer, "long", 10, GREEDY, gen(0)).token_ids) == 3
     proposer.start("s", PROMPT, 64)
-    assert len(proposer.propose("s", MAX_DRAFT_TOKENS + 10, GREEDY, make_generator(0)).token_ids) == MAX_DRAFT_TOKENS
-    assert proposer.propose("s", 0, GREEDY, make_generator(0)).token_ids == []
+    assert len(propose(proposer, "s", MAX_DRAFT_TOKENS + 10, GREEDY, gen(0)).token_ids) == MAX_DRAFT_TOKENS
+    assert propose(proposer, "s", 0, GREEDY, gen(0)).token_ids == []
 
 
 def test_out_of_vocabulary_tokens_disable_drafting_not_the_session(draft: LoadedModel) -> None:
     proposer = make(draft)
     proposer.start("s", PROMPT, 64)
     proposer.commit("s", [draft.vocab_size + 5], 0)
-    assert proposer.propose("s", 4, GREEDY, make_generator(0)).token_ids == []
+    assert propose(proposer, "s", 4, GREEDY, gen(0)).token_ids == []
 
 
 def test_unknown_session_and_bad_settings_are_refused(draft: LoadedModel) -> None:
     proposer = make(draft)
+    assert propose(proposer, "ghost", 3, GREEDY, gen(0)) == EMPTY_PROPOSAL  # a job for it drafts nothing
     with pytest.raises(ProposerError, match="no draft session 'ghost'"):
-        proposer.propose("ghost", 3, GREEDY, make_generator(0))
+        proposer.commit("ghost", [1], 0)
+    with pytest.raises(ProposerError, match="no draft session 'ghost'"):
+        proposer.cached_tokens("ghost")
     proposer.close("ghost")  # idempotent
-    with pytest.raises(ValueError, match="draft_mode must be one of greedy, sampled"):
+    with pytest.raises(ValueError, match="draft_mode must be one of sampled, greedy, got 'beam'"):
         make(draft, mode="beam")
-    with pytest.raises(ValueError, match="draft_top_k must be in"):
-        make(draft, mode="sampled", draft_top_k=0)
+    with pytest.raises(ValueError, match=r"the q nucleus mass must be in \(0, 1\], got 0.0"):
+        make(draft, mode="sampled", nucleus=Nucleus(mass=0.0))
+    with pytest.raises(ValueError, match=r"the q nucleus size must be in \[1, 4096\], got 0"):
+        make(draft, mode="sampled", nucleus=Nucleus(max_entries=0))
 
 
 @pytest.mark.parametrize(("a", "b", "n"), [([], [], 0), ([1, 2], [1, 2, 3], 2), ([1, 2, 3], [1, 9], 1), ([4], [5], 0)])
@@ -267,4 +442,4 @@ def test_drafting_stops_after_an_end_token(draft: LoadedModel) -> None:
     proposer.start("s", PROMPT, 64)
     expected = reference_greedy(draft, PROMPT, 5)
     stop_at = SamplingParams(temperature=0.0, stop_token_ids=[expected[1]])
-    assert proposer.propose("s", 5, stop_at, make_generator(0)).token_ids == expected[:2]
+    assert propose(proposer, "s", 5, stop_at, gen(0)).token_ids == expected[:2]

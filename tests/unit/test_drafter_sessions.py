@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from services.drafter.config import DrafterConfig
 from services.drafter.control.fixed import FixedController
@@ -13,6 +14,7 @@ from services.drafter.sessions import DraftSession
 from shared.config import ConfigError, load_config
 from shared.protocol import QueuedRequest, SamplingParams, Verdict
 from shared.queue import Delivery
+from shared.sampling import make_generator
 
 
 def session(max_tokens: int = 10, seed: int | None = 4) -> DraftSession:
@@ -50,25 +52,41 @@ def test_apply_verdict_tracks_committed_tokens_and_stats() -> None:
 
 
 def test_seeded_sessions_draw_the_same_randomness() -> None:
-    import torch
-
     a, b = session(seed=4), session(seed=4)
     assert torch.rand(3, generator=a.rng).tolist() == torch.rand(3, generator=b.rng).tolist()
 
 
+def test_a_session_drafts_from_the_draft_stream_not_the_verifiers() -> None:
+    s = session(seed=4)
+    assert s.rng.initial_seed() == make_generator(4, "draft").initial_seed()
+    assert s.rng.initial_seed() != make_generator(4, "verify").initial_seed()
+    assert session(seed=None).rng.initial_seed() != session(seed=None).rng.initial_seed()  # fresh entropy
+
+
 def test_config_flags_and_checks() -> None:
-    cfg = load_config(DrafterConfig, ["--model", "/m", "--draft-mode", "sampled", "--controller", "fixed"], env={})
+    cfg = load_config(DrafterConfig, ["--model", "/m", "--draft-mode", "greedy", "--controller", "fixed",
+                                      "--q-mass", "0.9", "--q-max-entries", "64"], env={})
     check_config(cfg)
-    assert (cfg.draft_mode, cfg.controller, cfg.max_sessions) == ("sampled", "fixed", 4)
+    assert (cfg.draft_mode, cfg.controller, cfg.max_sessions) == ("greedy", "fixed", 4)
+    assert (cfg.q_mass, cfg.q_max_entries) == (0.9, 64)
     assert default_node_id().startswith("drafter-")
+
+
+def test_config_defaults_draft_sampled_with_a_099_nucleus() -> None:
+    cfg = load_config(DrafterConfig, ["--model", "/m"], env={})
+    check_config(cfg)
+    assert (cfg.draft_mode, cfg.q_mass, cfg.q_max_entries) == ("sampled", 0.98, 4096)
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
     ({"model": ""}, "--model is required"),
     ({"verifier_url": "http://x"}, "--verifier-url must be a ws:// or wss:// URL"),
     ({"max_sessions": 0}, "--max-sessions must be in [1, 100000]"),
-    ({"draft_mode": "beam"}, "--draft-mode must be one of greedy, sampled"),
-    ({"draft_top_k": 0}, "--draft-top-k must be in [1, 4096]"),
+    ({"draft_mode": "beam"}, "--draft-mode must be one of sampled, greedy"),
+    ({"q_mass": 0.0}, "--q-mass must be in (0, 1], got 0.0"),
+    ({"q_mass": 1.5}, "--q-mass must be in (0, 1], got 1.5"),
+    ({"q_max_entries": 0}, "--q-max-entries must be in [1, 4096], got 0"),
+    ({"q_max_entries": 4097}, "--q-max-entries must be in [1, 4096], got 4097"),
     ({"controller": "psychic"}, "--controller must be one of fixed"),
     ({"reconnect_s": 0.0}, "--reconnect-s must be > 0"),
     ({"log_level": "loud"}, "--log-level must be one of"),

@@ -12,7 +12,8 @@ import torch
 
 from services.verifier.judge import judge
 from services.verifier.requests import Request
-from shared.acceptance import dense_q, verify_greedy, verify_sampled
+from shared.acceptance import verify_greedy, verify_sampled
+from shared.draft_q import check, dense, pack
 from shared.protocol import SamplingParams, SparseQ
 from shared.sampling import make_generator, probs_from_logit_rows, probs_from_logits
 
@@ -33,7 +34,12 @@ def _request(i: int, params: SamplingParams) -> Request:
 def _sparse(gen: torch.Generator, token: int) -> SparseQ:
     ids = sorted({token, *torch.randint(0, VOCAB, (5,), generator=gen).tolist()})
     probs = torch.rand(len(ids), generator=gen) + 0.05
-    return SparseQ(ids=ids, probs=(probs / probs.sum()).tolist())
+    return pack(torch.tensor(ids), (probs / probs.sum()).half())
+
+
+def _checked_dense(q: SparseQ, token: int) -> torch.Tensor:
+    check(q, token, VOCAB)
+    return dense(q, VOCAB)
 
 
 def test_rows_with_their_own_settings_equal_each_row_alone() -> None:
@@ -60,10 +66,10 @@ def test_batch_verdicts_equal_each_session_judged_alone(seed: int, with_q: bool)
         rows.append(torch.randn(k + 1, VOCAB, generator=gen) * 2)
     got = judge(batch, torch.cat(rows))
     for (req, drafts), logits, verdict in zip(batch, rows, got, strict=True):
-        alone = make_generator(req.params.seed)
+        alone = make_generator(req.params.seed, "verify")
         if req.greedy:
             n, extra = verify_greedy(drafts, logits.argmax(-1).tolist())
         else:
-            q = [dense_q(sq, t, VOCAB) for sq, t in zip(req.draft_q, drafts, strict=True)] if req.draft_q else None
+            q = [_checked_dense(sq, t) for sq, t in zip(req.draft_q, drafts, strict=True)] if req.draft_q else None
             n, extra = verify_sampled(drafts, probs_from_logits(logits, req.params), q, alone)
         assert (verdict.accepted, verdict.tokens) == (n, [*drafts[:n], extra])

@@ -12,8 +12,10 @@ import typing
 import msgpack
 import msgspec
 import pytest
+import torch
 
 from shared import protocol as P
+from shared.draft_q import pack
 
 PARAMS = P.SamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=7, max_tokens=32, stop=["\n\n"],
                           stop_token_ids=[3], ignore_eos=True)
@@ -30,8 +32,9 @@ SAMPLES: list[P.Message] = [
     P.OpenSession(request_id="r1", prompt_ids=[5, 6], params=P.SamplingParams(), origin="coord-1",
                   speculative=False),
     P.SessionOpened(request_id="r1", draft_budget=4),
-    P.Draft(request_id="r1", round=3, token_ids=[9, 10], q=[P.SparseQ(ids=[9, 11], probs=[0.75, 0.25]),
-                                                           P.SparseQ(ids=[10], probs=[1.0])]),
+    P.Draft(request_id="r1", round=3, token_ids=[9, 10],
+            q=[pack(torch.tensor([9, 11]), torch.tensor([0.75, 0.25]).half()),
+               pack(torch.tensor([10]), torch.tensor([1.0]).half())]),
     P.Verdict(request_id="r1", round=3, accepted=1, token_ids=[9, 12], finished=True, finish_reason="stop",
               draft_budget=0),
     P.CloseSession(request_id="r1", reason="done"),
@@ -126,14 +129,14 @@ def test_invalid_queued_request_refused(mutate: typing.Callable[[dict[str, typin
 @pytest.mark.parametrize(
     "bad_q",
     [
-        {"ids": [1], "probs": [1.5]},  # probability above 1
-        {"ids": [1], "probs": [-0.1]},  # negative probability
-        {"ids": [], "probs": []},  # empty
-        {"ids": [-1], "probs": [1.0]},  # negative id
+        {"ids": [1], "probs": [1.0]},  # lists, not packed bytes
+        {"ids": b"", "probs": b""},  # empty
+        {"ids": b"\x01\0\0\0" * (P.MAX_Q_ENTRIES + 1), "probs": b"\0\x3c" * (P.MAX_Q_ENTRIES + 1)},  # too many
+        {"ids": b"\x01\0\0\0"},  # no probabilities
     ],
 )
-def test_invalid_sparse_q_refused(bad_q: dict[str, list[float]]) -> None:
-    raw = _raw(P.Draft(request_id="r", round=0, token_ids=[1], q=[P.SparseQ(ids=[1], probs=[1.0])]))
+def test_invalid_sparse_q_refused(bad_q: dict[str, object]) -> None:
+    raw = _raw(P.Draft(request_id="r", round=0, token_ids=[1], q=[P.SparseQ(ids=b"\x01\0\0\0", probs=b"\0\x3c")]))
     raw["q"] = [bad_q]
     with pytest.raises(P.ProtocolError):
         P.decode(_pack(raw))

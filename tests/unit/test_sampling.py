@@ -108,15 +108,28 @@ def test_top_k_then_top_p_applies_nucleus_to_the_renormalised_top_k() -> None:
 
 def test_seeded_sampling_is_reproducible() -> None:
     probs = torch.softmax(_logits(7)[0], -1)
-    a = [sample(probs, g) for g in [make_generator(42)] for _ in range(20)]
-    b = [sample(probs, g) for g in [make_generator(42)] for _ in range(20)]
+    a = [sample(probs, g) for g in [make_generator(42, "verify")] for _ in range(20)]
+    b = [sample(probs, g) for g in [make_generator(42, "verify")] for _ in range(20)]
     assert a == b
-    assert make_generator(None).initial_seed() != make_generator(None).initial_seed()
+    assert make_generator(None, "draft").initial_seed() != make_generator(None, "draft").initial_seed()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 42, 2**63 - 1, -5])
+def test_a_seeded_requests_streams_are_distinct_and_reproducible(seed: int) -> None:
+    draft, verify = make_generator(seed, "draft"), make_generator(seed, "verify")
+    assert draft.initial_seed() != verify.initial_seed()
+    assert draft.initial_seed() == make_generator(seed, "draft").initial_seed()
+    assert torch.rand(4, generator=draft).tolist() != torch.rand(4, generator=verify).tolist()
+
+
+def test_unknown_stream_refused() -> None:
+    with pytest.raises(ValueError, match="unknown random stream"):
+        make_generator(1, "drafter")
 
 
 def test_sample_never_draws_a_zero_probability_token() -> None:
     probs = torch.tensor([0.0, 0.5, 0.0, 0.5])
-    gen = make_generator(0)
+    gen = make_generator(0, "verify")
     assert {sample(probs, gen) for _ in range(200)} == {1, 3}
 
 

@@ -5,12 +5,14 @@ from its single compute worker thread, so implementations need no locking; calls
 session come strictly in order: ``start``, then rounds of ``propose`` / ``commit``, then
 ``close``.
 
+``propose`` takes a batch of jobs, one per session, and drafts them together.
 ``commit`` hands over the tokens the verifier committed after a round (the accepted drafts,
 then its own token); the proposer rolls back whatever it had speculated past them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -29,7 +31,8 @@ class Proposal:
     """Draft tokens for one round.
 
     ``q`` is None for ids-only drafts (the verifier treats q as one-hot on each token, which is
-    exact), or one SparseQ per token: the exact distribution that token was sampled from.
+    exact), or one SparseQ per token: the exact distribution that token was sampled from
+    (``shared.draft_q``).
     ``steps`` are the controller features of the kept tokens, when the controller reads them.
     """
 
@@ -41,6 +44,17 @@ class Proposal:
 EMPTY_PROPOSAL = Proposal(token_ids=[])
 
 
+@dataclass(frozen=True)
+class DraftJob:
+    """One session's drafting request for one round."""
+
+    session_id: str
+    k: int  # draft at most this many tokens
+    params: SamplingParams
+    rng: torch.Generator  # the session's drafting stream (independent of the verifier's)
+    controller: DraftController | None = None
+
+
 class Proposer(Protocol):
     name: str
 
@@ -48,15 +62,11 @@ class Proposer(Protocol):
         """Begin a session whose committed sequence is ``prompt_ids``; it will grow by at most
         ``max_new_tokens`` committed tokens (plus one round's drafts)."""
 
-    def propose(
-        self,
-        session_id: str,
-        k: int,
-        params: SamplingParams,
-        rng: torch.Generator,
-        controller: DraftController | None = None,
-    ) -> Proposal:
-        """Up to ``k`` tokens continuing the committed sequence (the controller may stop early)."""
+    def propose(self, jobs: Sequence[DraftJob]) -> list[Proposal]:
+        """For each job, up to ``k`` tokens continuing its session's committed sequence (the
+        controller may stop early), in job order. Sessions are drafted together: a draft model
+        runs one forward per draft position for the whole batch (StarSD §3). A job whose session
+        was closed meanwhile gets an empty proposal."""
 
     def commit(self, session_id: str, committed_new_tokens: list[int], accepted: int) -> None:
         """The verifier committed these tokens; the first ``accepted`` were our drafts."""

@@ -10,31 +10,37 @@ prefix it shares with the committed sequence, keeping at least the last committe
 it (its logits are what the first draft token is chosen from). That one rule rolls back
 rejected drafts, keeps accepted ones, and never recomputes a token the cache already holds.
 
+Sessions are drafted in batches (StarSD §3): each draft position of every session in the batch
+is one packed forward of the draft model, so a batch of B sessions drafting k tokens costs k
+forwards, not B·k. A session leaves the batch when it has its k tokens, drafts an end token,
+or its controller stops it.
+
 Draft modes:
 
-* ``greedy``: draft the argmax, send ids only. The verifier treats q as one-hot, which is exact.
-* ``sampled`` (requests with temperature > 0 only): take the request's own distribution
-  (``probs_from_logits``: temperature, top-k, top-p), keep its ``draft_top_k`` largest entries,
-  renormalise, sample from that with the session's generator, and send that distribution as a
-  SparseQ. Temperature 0 requests are always drafted greedily.
+* ``sampled`` (the default): a greedy request gets argmax ids (the verifier treats q as one-hot,
+  which is exact); a sampled request is drafted from its own distribution (temperature, top-k,
+  top-p, as the target samples), cut to a nucleus, with the session's drafting generator, and
+  that nucleus goes on the wire as the draft's q (``shared.draft_q``).
+* ``greedy`` (the baseline): argmax ids for every request. Lossless at any temperature, but at
+  temperature 1 each draft is accepted only with probability p(x).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from services.drafter.control.base import DraftController, StepDecision, StepFeatures
-from services.drafter.proposers.base import EMPTY_PROPOSAL, Proposal, ProposerError
+from services.drafter.proposers.base import EMPTY_PROPOSAL, DraftJob, Proposal, ProposerError
+from shared.draft_q import Nucleus, draft_token
 from shared.log import get_logger
-from shared.protocol import MAX_DRAFT_TOKENS, SamplingParams, SparseQ
+from shared.protocol import MAX_DRAFT_TOKENS, SparseQ
 from shared.runner import KVSlot, ModelRunner, Segment
-from shared.sampling import is_greedy, probs_from_logits
+from shared.sampling import is_greedy
 
-DRAFT_MODES = ("greedy", "sampled")
-#: SparseQ carries at most this many entries per position (see shared.protocol).
-MAX_Q_ENTRIES = 4096
+DRAFT_MODES = ("sampled", "greedy")
 
 log = get_logger("drafter.proposer")
 
@@ -45,6 +51,29 @@ class _SessionCache:
     slot: KVSlot | None
     cached: list[int] = field(default_factory=list)  # the tokens the slot holds, in order
     disabled: str = ""  # why this session cannot be drafted for; empty: it can
+
+
+@dataclass
+class _Drafting:
+    """One session's draft in progress within a batched ``propose``."""
+
+    index: int  # the job's position in the batch
+    job: DraftJob
+    state: _SessionCache
+    k: int
+    sampled: bool
+    enders: frozenset[int]
+    watch: DraftController | None
+    feed: list[int]  # tokens the next forward feeds for this session
+    tokens: list[int] = field(default_factory=list)
+    qs: list[SparseQ] = field(default_factory=list)
+    steps: list[StepFeatures] = field(default_factory=list)
+    done: bool = False
+
+    @property
+    def slot(self) -> KVSlot:
+        assert self.state.slot is not None  # a session without a slot drafts nothing
+        return self.state.slot
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -60,17 +89,16 @@ class DraftModelProposer:
 
     name = "draft_model"
 
-    def __init__(self, runner: ModelRunner, eos_ids: set[int], mode: str = "greedy", draft_top_k: int = 16) -> None:
+    def __init__(self, runner: ModelRunner, eos_ids: set[int], mode: str = "sampled",
+                 nucleus: Nucleus | None = None) -> None:
         if mode not in DRAFT_MODES:
             raise ValueError(f"draft_mode must be one of {', '.join(DRAFT_MODES)}, got {mode!r}")
-        if not 1 <= draft_top_k <= MAX_Q_ENTRIES:
-            raise ValueError(f"draft_top_k must be in [1, {MAX_Q_ENTRIES}], got {draft_top_k}")
         self.runner = runner
         self.vocab_size = runner.vocab_size
         self.max_model_len = runner.max_model_len
         self.eos_ids = frozenset(eos_ids)
         self.mode = mode
-        self.draft_top_k = draft_top_k
+        self.nucleus = nucleus or Nucleus()
         self._sessions: dict[str, _SessionCache] = {}
 
     # --- lifecycle -----------------------------------------------------------------------
@@ -104,49 +132,58 @@ class DraftModelProposer:
 
     # --- drafting ------------------------------------------------------------------------
 
-    def propose(
-        self,
-        session_id: str,
-        k: int,
-        params: SamplingParams,
-        rng: torch.Generator,
-        controller: DraftController | None = None,
-    ) -> Proposal:
-        state = self._get(session_id)
-        k = self._clamp(state, k)
-        if k == 0:
-            return EMPTY_PROPOSAL
-        sampled = self.mode == "sampled" and not is_greedy(params)
-        enders = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
-        watch = controller if controller is not None and controller.wants_features else None
-        self._rollback(state)
-        feed = state.committed[len(state.cached) :]
+    def propose(self, jobs: Sequence[DraftJob]) -> list[Proposal]:
+        """Draft every job's session together: one forward per draft position for all of them."""
+        drafts = [d for i, job in enumerate(jobs) if (d := self._begin(i, job)) is not None]
+        live = drafts
         with torch.inference_mode():
-            return self._draft(state, feed, k, params, rng, sampled, enders, watch)
+            while live:
+                logits = self.runner.forward([Segment(d.slot, d.feed, len(d.feed) - 1) for d in live])
+                assert logits is not None
+                argmax = logits.argmax(-1).tolist()  # every greedy row in one op
+                for row, d in enumerate(live):
+                    d.state.cached.extend(d.feed)
+                    self._step(d, logits[row], argmax[row])
+                live = [d for d in live if not d.done]
+        out = [EMPTY_PROPOSAL] * len(jobs)
+        for d in drafts:
+            out[d.index] = Proposal(token_ids=d.tokens, q=d.qs if d.sampled else None, steps=d.steps)
+        return out
 
-    def _draft(self, state: _SessionCache, feed: list[int], k: int, params: SamplingParams, rng: torch.Generator,
-               sampled: bool, enders: frozenset[int], watch: DraftController | None) -> Proposal:
-        tokens: list[int] = []
-        qs: list[SparseQ] = []
-        steps: list[StepFeatures] = []
-        for position in range(k):
-            logits = self._forward(state, feed)
-            token, q = self._choose(logits, params, rng, sampled)
-            if watch is not None:
-                step = _features(logits, token, position, k)
-                decision = watch.on_step(step)
-                if decision is StepDecision.DISCARD:
-                    break
-                steps.append(step)
-            else:
-                decision = StepDecision.CONTINUE
-            tokens.append(token)
-            if q is not None:
-                qs.append(q)
-            if decision is StepDecision.STOP or token in enders:  # nothing follows an end token
-                break
-            feed = [token]
-        return Proposal(token_ids=tokens, q=qs if sampled else None, steps=steps)
+    def _begin(self, index: int, job: DraftJob) -> _Drafting | None:
+        """Roll the session's cache back to its committed sequence; None when it drafts nothing."""
+        state = self._sessions.get(job.session_id)
+        if state is None:  # closed while its job waited
+            return None
+        k = self._clamp(state, job.k)
+        if k == 0:
+            return None
+        self._rollback(state)
+        watch = job.controller if job.controller is not None and job.controller.wants_features else None
+        enders = frozenset(job.params.stop_token_ids) | (frozenset() if job.params.ignore_eos else self.eos_ids)
+        return _Drafting(index, job, state, k, self.mode == "sampled" and not is_greedy(job.params), enders, watch,
+                         feed=state.committed[len(state.cached):])
+
+    def _step(self, d: _Drafting, logits: torch.Tensor, argmax: int) -> None:
+        """Choose the next token of one session from its logits row; decide whether to go on."""
+        if d.sampled:
+            token, q = draft_token(logits, d.job.params, d.job.rng, self.nucleus)
+        else:
+            token, q = argmax, None
+        decision = StepDecision.CONTINUE
+        if d.watch is not None:
+            step = _features(logits, token, len(d.tokens), d.k)
+            decision = d.watch.on_step(step)
+            if decision is StepDecision.DISCARD:
+                d.done = True
+                return
+            d.steps.append(step)
+        d.tokens.append(token)
+        if q is not None:
+            d.qs.append(q)
+        # nothing follows an end token
+        d.done = decision is StepDecision.STOP or token in d.enders or len(d.tokens) >= d.k
+        d.feed = [token]
 
     def _clamp(self, state: _SessionCache, k: int) -> int:
         """Never draft past the slot, the draft model's context or the wire's per-frame ceiling."""
@@ -161,27 +198,6 @@ class DraftModelProposer:
         if keep < len(state.cached):
             state.slot.truncate(keep)
             del state.cached[keep:]
-
-    def _forward(self, state: _SessionCache, feed: list[int]) -> torch.Tensor:
-        """Feed the uncached tokens; return the logits for the position after the last one."""
-        assert state.slot is not None
-        logits = self.runner.forward([Segment(state.slot, feed, len(feed) - 1)])
-        state.cached.extend(feed)
-        assert logits is not None
-        return logits[0]
-
-    def _choose(
-        self, logits: torch.Tensor, params: SamplingParams, rng: torch.Generator, sampled: bool
-    ) -> tuple[int, SparseQ | None]:
-        if not sampled:
-            return int(logits.argmax()), None
-        probs = probs_from_logits(logits, params)
-        values, ids = probs.topk(min(self.draft_top_k, probs.shape[-1]))
-        nonzero = values > 0
-        values, ids = values[nonzero].double(), ids[nonzero]
-        values = values / values.sum()
-        token = int(ids[torch.multinomial(values, 1, generator=rng)].item())
-        return token, SparseQ(ids=ids.tolist(), probs=[min(1.0, p) for p in values.tolist()])
 
     # --- helpers -------------------------------------------------------------------------
 

@@ -1,0 +1,88 @@
+"""Work-conserving batched drafting (StarSD §3): one draft model, many sessions.
+
+Session tasks do not call the draft model themselves. Each hands its round's ``DraftJob`` to
+the batcher and awaits the proposal. The batcher's loop is short:
+
+    while running:
+        1. wait until at least one job is ready (the draft model idles only when none is);
+        2. take every ready job (up to ``max_batch``) and draft them together: one forward per
+           draft position for the whole batch, on the compute worker;
+        3. hand each session its proposal.
+
+Sessions whose verdicts come back while a batch is drafting form the next batch, so the draft
+model stays busy as long as any session is ready, and network I/O (on the event loop) never
+waits for it. The metrics give StarSD's quantities: the draft model's idle fraction (T_idle),
+each job's wait for the model (T_wait) and the batch sizes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+from services.drafter.metrics import DrafterMetrics
+from services.drafter.proposers.base import DraftJob, Proposal, Proposer
+from services.drafter.worker import ComputeWorker
+from shared.log import get_logger
+
+log = get_logger("drafter.batcher")
+
+
+class DraftBatcher:
+    def __init__(self, proposer: Proposer, worker: ComputeWorker, metrics: DrafterMetrics | None = None,
+                 max_batch: int = 64) -> None:
+        self.proposer = proposer
+        self.worker = worker
+        self.metrics = metrics or DrafterMetrics()
+        self.max_batch = max_batch
+        self._ready: list[tuple[DraftJob, float, asyncio.Future[tuple[Proposal, float, float]]]] = []
+        self._wake = asyncio.Event()
+
+    async def propose(self, job: DraftJob) -> tuple[Proposal, float, float]:
+        """The job's proposal, and when its batch started and ended drafting."""
+        fut: asyncio.Future[tuple[Proposal, float, float]] = asyncio.get_running_loop().create_future()
+        self._ready.append((job, time.perf_counter(), fut))
+        self._wake.set()
+        return await fut
+
+    async def run(self) -> None:
+        """Draft batches until cancelled."""
+        idle_since = time.perf_counter()
+        while True:
+            if not self._ready:
+                self._wake.clear()
+                await self._wake.wait()
+            began = time.perf_counter()
+            self.metrics.draft_idle.inc(began - idle_since)
+            batch = [item for item in self._ready[: self.max_batch] if not item[2].done()]
+            del self._ready[: self.max_batch]
+            if batch:
+                await self._draft(batch, began)
+            idle_since = time.perf_counter()
+
+    async def _draft(self, batch: list[tuple[DraftJob, float, asyncio.Future[tuple[Proposal, float, float]]]],
+                     began: float) -> None:
+        for _, queued, _ in batch:
+            self.metrics.job_wait.observe(began - queued)
+        self.metrics.batch_size.observe(len(batch))
+        try:
+            proposals, started, ended = await self.worker.run(_timed, self.proposer.propose, [j for j, _, _ in batch])
+        except Exception as exc:  # every session of the batch goes on without drafts (rounds.py)
+            log.exception("batched drafting failed", sessions=len(batch))
+            for _, _, fut in batch:
+                if not fut.done():
+                    fut.set_exception(exc)
+            return
+        self.metrics.draft_busy.inc(ended - started)
+        for (_, _, fut), proposal in zip(batch, proposals, strict=True):
+            if not fut.done():
+                fut.set_result((proposal, started, ended))
+
+
+def _timed(fn: Callable[..., list[Proposal]], *args: Any) -> tuple[list[Proposal], float, float]:
+    """Run ``fn`` (on the compute worker) and say when it started and ended."""
+    started = time.perf_counter()
+    result = fn(*args)
+    return result, started, time.perf_counter()

@@ -1,0 +1,121 @@
+"""Sampling-aware drafting: the q a drafter samples from and sends, and how the verifier reads it.
+
+A sampled request is drafted from the request's own distribution: temperature, top-k and top-p
+applied exactly as the target applies them (``shared.sampling.probs_from_logits``). That
+distribution is cut to a *nucleus* that suits an edge link and a large vocabulary: the most
+likely tokens, in order, until their mass reaches ``mass`` or there are ``max_entries`` of them.
+On the wire (``shared.protocol.SparseQ``) ids are uint32 and probabilities float16: 6 bytes per
+entry, whatever the vocabulary. The defaults (mass 0.98, at most 4096 entries) come from
+``python -m bench qwire`` (bench/results/qwire.md): on the demo pair at T = 1 they keep 99 % of
+the full q's acceptance at ~11 KB per position; a slow link lowers the cap, at the price that
+table shows.
+
+Exactness: the drafter samples from exactly what it sends, q = w / sum(w), where w are the
+float16 values and the sum is taken in float64; the verifier reads the same q back with
+:func:`read`. Speculative sampling is lossless for any q, so the cut never changes the output;
+it only costs acceptance: sum(min(p, q_cut)) >= sum(min(p, q)) - (the mass left out).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from shared.protocol import MAX_Q_ENTRIES, SamplingParams, SparseQ
+from shared.sampling import probs_from_logits
+
+#: Tolerance on a wire q's total mass above 1 (float16 rounding) before it is refused.
+Q_MASS_TOLERANCE = 2e-3
+
+
+class DraftError(ValueError):
+    """A draft's q is inconsistent with its tokens (refused; the round is not verified)."""
+
+
+@dataclass(frozen=True)
+class Nucleus:
+    """How much of the draft distribution goes on the wire."""
+
+    mass: float = 0.98  # keep the most likely tokens until their probability reaches this
+    max_entries: int = MAX_Q_ENTRIES  # but never more than this many (the bound on bytes per position)
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.mass <= 1.0:
+            raise ValueError(f"the q nucleus mass must be in (0, 1], got {self.mass}")
+        if not 1 <= self.max_entries <= MAX_Q_ENTRIES:
+            raise ValueError(f"the q nucleus size must be in [1, {MAX_Q_ENTRIES}], got {self.max_entries}")
+
+
+def cut(probs: torch.Tensor, nucleus: Nucleus) -> tuple[torch.Tensor, torch.Tensor]:
+    """The nucleus of one distribution ``probs [V]``: (ids int64, float16 weights), most likely first.
+
+    Entries that are 0 (removed by the request's top-k/top-p) or round to 0 in float16 are left out.
+    """
+    values, ids = probs.float().topk(min(nucleus.max_entries, probs.shape[-1]))
+    keep = int(torch.searchsorted(values.cumsum(0), torch.tensor([nucleus.mass]), right=False).item()) + 1
+    values, ids = values[:keep].half(), ids[:keep]
+    nonzero = values > 0
+    return ids[nonzero], values[nonzero]
+
+
+def pack(ids: torch.Tensor, weights: torch.Tensor) -> SparseQ:
+    """The wire form of a nucleus (ids as little-endian uint32, weights as float16)."""
+    return SparseQ(ids=ids.numpy().astype("<u4").tobytes(), probs=weights.numpy().astype("<f2").tobytes())
+
+
+def _raw(q: SparseQ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids int64, float64 weights) as sent, unchecked."""
+    ids = torch.from_numpy(np.frombuffer(q.ids, dtype="<u4").astype(np.int64))
+    return ids, torch.from_numpy(np.frombuffer(q.probs, dtype="<f2").astype(np.float64))
+
+
+def read(q: SparseQ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids int64, q float64) from the wire: the exact distribution the drafter sampled from."""
+    ids, weights = _raw(q)
+    return ids, weights / weights.sum()
+
+
+def draft_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator,
+                nucleus: Nucleus) -> tuple[int, SparseQ]:
+    """Sample one draft token for a sampled request from the nucleus of its distribution."""
+    ids, weights = cut(probs_from_logits(logits, params), nucleus)
+    q = weights.double()
+    token = int(ids[torch.multinomial(q / q.sum(), 1, generator=gen)].item())
+    return token, pack(ids, weights)
+
+
+def check(q: SparseQ, token: int, vocab: int) -> float:
+    """Refuse a wire q that cannot be what ``token`` was sampled from; returns q(token)."""
+    if len(q.ids) % 4 or len(q.probs) % 2 or len(q.ids) // 4 != len(q.probs) // 2:
+        raise DraftError(f"q has {len(q.ids)} id bytes but {len(q.probs)} probability bytes")
+    ids, weights = _raw(q)
+    if ids.numel() == 0:
+        raise DraftError("q is empty; it must list at least the drafted token")
+    if not bool(((ids >= 0) & (ids < vocab)).all()) or not 0 <= token < vocab:
+        raise DraftError(f"a token id in the draft or its q is outside the vocabulary of {vocab}")
+    if ids.unique().numel() != ids.numel():
+        raise DraftError("q lists a token id twice")
+    if not bool(((weights >= 0) & (weights <= 1)).all()):  # also refuses NaN
+        raise DraftError("q has a probability outside [0, 1]")
+    mass = float(weights.sum())
+    if not 0.0 < mass <= 1.0 + Q_MASS_TOLERANCE or not math.isfinite(mass):
+        raise DraftError(f"q's probabilities sum to {mass:.6f}; they must sum to at most 1")
+    at = (ids == token).nonzero()
+    if at.numel() == 0 or float(weights[at[0, 0]]) <= 0.0:
+        raise DraftError(f"drafted token {token} has probability 0 under its own q")
+    return float(weights[at[0, 0]]) / mass
+
+
+def q_of(q: SparseQ, token: int) -> float:
+    """q(token) of a checked wire q."""
+    ids, probs = read(q)
+    return float(probs[(ids == token).nonzero()[0, 0]])
+
+
+def dense(q: SparseQ, vocab: int) -> torch.Tensor:
+    """A checked wire q as a dense float32 vector over the vocabulary."""
+    ids, probs = read(q)
+    return torch.zeros(vocab, dtype=torch.float32).index_put_((ids,), probs.float())
