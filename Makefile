@@ -20,7 +20,7 @@ help:
 	@echo "make test-e2e   only the end-to-end tier (real services as processes on loopback)"
 	@echo "make smoke      specfleet up --smoke: start everything, send one request, stop"
 	@echo "make lint       ruff check and mypy"
-	@echo "make bench      benchmarks, edge emulated by pinning: serving + raw costs + targets, step time vs context (bench/results/)"
+	@echo "make bench      benchmarks, edge pinned: serving (T=0, T=1), step time vs context, q on the wire, drafting policies (bench/results/)"
 	@echo "make profile    where a round's time goes: per-phase breakdown of a short pinned run"
 	@echo "make demo-models       train the demo model family into models/ (CPU, ~50 min, resumable)"
 	@echo "make demo-models-eval  re-measure models/ and rewrite MEASUREMENTS.json and the model cards"
@@ -64,12 +64,13 @@ demo-models-eval: install
 	$(BIN)/python -m training eval --state-dir .specfleet/training --out-dir models
 
 # Real fleets side by side in one run, the edge emulated by pinning (the verifier on CPU 0, the
-# rest on CPU 1); writes bench/results/{serving,serving-t1,context,qwire}.*. Minutes, not CI.
+# rest on CPU 1); writes bench/results/{serving,serving-t1,context,qwire,policies}.*. Minutes, not CI.
 bench: install
-	$(BIN)/python -m bench serving
+	$(BIN)/python -m bench serving --concurrency 1,2,4,8,16
 	$(BIN)/python -m bench serving --temperature 1
 	$(BIN)/python -m bench context
 	$(BIN)/python -m bench qwire
+	$(BIN)/python -m bench policies
 
 profile: install
 	$(BIN)/python -m bench profile

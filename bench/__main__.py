@@ -1,12 +1,12 @@
-"""``python -m bench <command>``: profile (round breakdown), serving (make bench), context, costs."""
+"""``python -m bench <command>``: profile, serving, context, qwire, policies (make bench), costs."""
 
 from __future__ import annotations
 
 import importlib
 import sys
 
-COMMANDS = {"profile": "bench.profile", "serving": "bench.serving", "context": "bench.context", "qwire": "bench.qwire",
-            "costs": "bench.costs"}
+COMMANDS = {"profile": "bench.profile", "serving": "bench.serving", "context": "bench.context",
+            "qwire": "bench.qwire", "policies": "bench.policies", "costs": "bench.costs"}
 
 
 def main() -> int:

@@ -44,8 +44,12 @@ def raw_costs(target: Path, draft: Path, k: int, edge: Edge) -> dict[str, Any]:
     return {"target": server, "draft": draft_costs}
 
 
-def scenarios(draft: Path, k: int) -> list[Scenario]:
-    return [Scenario("target-only"), Scenario(f"1 drafter k={k}", drafters=1, draft=str(draft), draft_len=k)]
+def scenarios(draft: Path, k: int, temperature: float) -> list[Scenario]:
+    out = [Scenario("target-only"), Scenario(f"1 drafter k={k}", drafters=1, draft=str(draft), draft_len=k)]
+    if temperature == 0:  # pipelined drafting serves greedy sessions: measure its gain beside it
+        out.append(Scenario(f"1 drafter k={k}, no pipelining", drafters=1, draft=str(draft), draft_len=k,
+                            drafter_flags=("--pipeline-sessions", "0")))
+    return out
 
 
 def run_all(target: Path, scs: list[Scenario], args: argparse.Namespace, edge: Edge) -> list[Run]:
@@ -68,13 +72,15 @@ def write(rows: list[dict[str, Any]], checks: list[dict[str, Any]], meta: dict[s
     (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows, "targets": checks}, indent=2))
     lines = [f"Command: `{meta['command']}` ({meta['when']}; {meta['edge']}).", "",
              "| scenario | concurrency | tokens/s (median) | runs | vs target-only | acceptance | "
-             "verifier CPU per step / forward |", "|---|---|---|---|---|---|---|"]
+             "verifier CPU per step / forward | drafted tokens/s | draft model idle | lookaheads used |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     base = {r["concurrency"]: r["tokens_per_s"] for r in rows if r["scenario"] == "target-only"}
     for r in rows:
         ratio = r["tokens_per_s"] / base[r["concurrency"]] if base.get(r["concurrency"]) else float("nan")
         runs = ", ".join(f"{x:.0f}" for x in r["tokens_per_s_runs"])
         lines.append(f"| {r['scenario']} | {r['concurrency']} | {r['tokens_per_s']:.1f} | {runs} | {ratio:.2f}x | "
-                     f"{r['acceptance']:.3f} | {r['cpu_per_step_over_forward']:.3f} |")
+                     f"{r['acceptance']:.3f} | {r['cpu_per_step_over_forward']:.3f} | {r['drafted_tok_s']:.0f} | "
+                     f"{r['draft_idle_fraction']:.2f} | {r['lookahead_used']:.0f} |")
     lines += ["", "| target | measured | goal | met |", "|---|---|---|---|"]
     lines += [f"| {c['name']} | {c['value']:.3f} | {c['goal']} | {'yes' if c['met'] else 'NO'} |" for c in checks]
     lines += ["", "How each is computed:", ""] + [f"- {c['name']}: {c['how']}" for c in checks]
@@ -126,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     draft = smallest(models.drafts)
     print(f"raw model costs ({edge.describe()}) ...", flush=True)
     costs = raw_costs(models.target, draft, args.draft_len, edge)
-    runs = run_all(models.target, scenarios(draft, args.draft_len), args, edge)
+    runs = run_all(models.target, scenarios(draft, args.draft_len, args.temperature), args, edge)
     rows = [run_row(r, drafters_of(r) if r.scenario != "target-only" else None) for r in runs]
     meta = {"command": "python -m bench.serving " + " ".join(argv or []), "target": str(models.target),
             "draft": str(draft), "repeats": args.repeats, "requests": args.requests, "max_tokens": args.max_tokens,

@@ -35,7 +35,21 @@ def run_row(run: Run, drafter: Snapshot | None) -> dict[str, Any]:
         "step_period_over_forward": v.mean(f"{V}_step_period_seconds") / forward if forward else 0.0,
         "draft_ms_per_round": drafter.mean("specfleet_drafter_round_phase_seconds", phase="draft") * 1e3
         if drafter is not None else 0.0,
+        "drafted_tok_s": run.tokens_per_s * sum(o.drafted for o in run.outcomes) / max(1, sum(
+            o.tokens for o in run.outcomes)),
+        "draft_idle_fraction": _idle(drafter),
+        "lookahead_used": drafter.value("specfleet_drafter_lookaheads_total", outcome="used")
+        if drafter is not None else 0.0,
     }
+
+
+def _idle(drafter: Snapshot | None) -> float:
+    """The draft model's idle fraction (StarSD's T_idle share) over the run."""
+    if drafter is None:
+        return 0.0
+    idle = drafter.value("specfleet_drafter_model_idle_seconds_total")
+    busy = drafter.value("specfleet_drafter_model_busy_seconds_total")
+    return idle / (idle + busy) if idle + busy else 0.0
 
 
 def _row(rows: list[dict[str, Any]], spec: bool, conc: int) -> dict[str, Any] | None:

@@ -104,6 +104,16 @@ def load_model(
     )
 
 
+def load_vocabulary(path: str | Path) -> LoadedModel:
+    """A model directory's tokenizer alone, no weights: what a model-free drafter needs to join
+    a fleet (the verifier checks the tokenizer fingerprint)."""
+    path = Path(path)
+    tokenizer = load_tokenizer(path)
+    return LoadedModel(model=None, tokenizer=tokenizer, name=path.name, path=str(path.resolve()),
+                       fingerprint=tokenizer_fingerprint(tokenizer), eos_ids=_eos_ids(None, tokenizer),
+                       vocab_size=len(tokenizer))
+
+
 def _check_dir(path: Path) -> None:
     if not path.is_dir():
         raise ModelLoadError(

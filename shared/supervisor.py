@@ -47,7 +47,7 @@ class Child:
     restart: bool = False  # restart it with backoff when it dies, instead of stopping the fleet
     restarts: int = 0
     started_at: float = field(default_factory=time.monotonic)
-    backoff_s: float = RESTART_FIRST_S
+    backoff_s: float = 0.0  # the next restart delay after a short run; 0: RESTART_FIRST_S
 
     @property
     def alive(self) -> bool:
@@ -113,12 +113,18 @@ class Supervisor:
                 preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
             )
 
+    @staticmethod
+    def restart_delay(child: Child, died_at: float) -> float:
+        """How long to wait before restarting ``child``, which died at ``died_at``: the first delay
+        after a healthy run (one of RESTART_RESET_AFTER_S or more), else the doubled delay of the
+        last restart (up to RESTART_MAX_S). Also sets the delay that follows this one."""
+        healthy = died_at - child.started_at >= RESTART_RESET_AFTER_S
+        delay = RESTART_FIRST_S if healthy or child.backoff_s <= 0 else child.backoff_s
+        child.backoff_s = min(2 * delay, RESTART_MAX_S)
+        return delay
+
     def restart(self, child: Child) -> None:
-        """Start a dead child again, appending to its log; the next delay doubles (up to a ceiling)
-        unless its last run lasted long enough to count as healthy."""
-        ran_s = time.monotonic() - child.started_at
-        child.backoff_s = RESTART_FIRST_S if ran_s >= RESTART_RESET_AFTER_S else min(2 * child.backoff_s,
-                                                                                      RESTART_MAX_S)
+        """Start a dead child again, appending to its log."""
         with child.log_path.open("ab") as log:
             log.write(f"\n--- restarted by the supervisor (restart {child.restarts + 1}) ---\n".encode())
         child.proc = self._spawn(child.argv, child.log_path, child.env, "ab")
@@ -169,7 +175,7 @@ class Supervisor:
                 if not child.restart or child.proc.returncode in NO_RESTART_CODES:
                     return child
                 if child.name not in due:
-                    delay = child.backoff_s if now - child.started_at < RESTART_RESET_AFTER_S else RESTART_FIRST_S
+                    delay = self.restart_delay(child, now)
                     due[child.name] = now + delay
                     if on_restart is not None:
                         on_restart(child, delay)

@@ -11,8 +11,10 @@ the batcher and awaits the proposal. The batcher's loop is short:
 
 Sessions whose verdicts come back while a batch is drafting form the next batch, so the draft
 model stays busy as long as any session is ready, and network I/O (on the event loop) never
-waits for it. The metrics give StarSD's quantities: the draft model's idle fraction (T_idle),
-each job's wait for the model (T_wait) and the batch sizes.
+waits for it. Lookaheads (``lookahead.py``) only use time the model would otherwise idle.
+The metrics give StarSD's quantities: the draft model's idle fraction (T_idle), each job's
+wait for the model (T_wait) and the batch sizes; ``capacity`` turns the batch timings into
+StarSD's per-session service time S.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from services.drafter.capacity import Capacity
 from services.drafter.metrics import DrafterMetrics
 from services.drafter.proposers.base import DraftJob, Proposal, Proposer
 from services.drafter.worker import ComputeWorker
@@ -37,6 +40,7 @@ class DraftBatcher:
         self.worker = worker
         self.metrics = metrics or DrafterMetrics()
         self.max_batch = max_batch
+        self.capacity = Capacity()
         self._ready: list[tuple[DraftJob, float, asyncio.Future[tuple[Proposal, float, float]]]] = []
         self._wake = asyncio.Event()
 
@@ -56,11 +60,21 @@ class DraftBatcher:
                 await self._wake.wait()
             began = time.perf_counter()
             self.metrics.draft_idle.inc(began - idle_since)
-            batch = [item for item in self._ready[: self.max_batch] if not item[2].done()]
-            del self._ready[: self.max_batch]
+            batch = self._next_batch()
             if batch:
                 await self._draft(batch, began)
             idle_since = time.perf_counter()
+
+    def _next_batch(self) -> list[tuple[DraftJob, float, asyncio.Future[tuple[Proposal, float, float]]]]:
+        """Up to ``max_batch`` ready jobs, oldest first. Lookaheads (jobs that assume a draft in
+        flight) only fill time the draft model would otherwise idle: they run when no round is
+        waiting to be drafted, never beside one, so they cannot slow a real round down."""
+        self._ready = [item for item in self._ready if not item[2].done()]
+        rounds = [item for item in self._ready if not item[0].assume]
+        batch = (rounds or self._ready)[: self.max_batch]
+        taken = {id(item) for item in batch}
+        self._ready = [item for item in self._ready if id(item) not in taken]
+        return batch
 
     async def _draft(self, batch: list[tuple[DraftJob, float, asyncio.Future[tuple[Proposal, float, float]]]],
                      began: float) -> None:
@@ -76,6 +90,8 @@ class DraftBatcher:
                     fut.set_exception(exc)
             return
         self.metrics.draft_busy.inc(ended - started)
+        if not batch[0][0].assume:  # a batch is all rounds or all lookaheads (_next_batch)
+            self.capacity.observe_batch(ended - started, len(batch))
         for (_, _, fut), proposal in zip(batch, proposals, strict=True):
             if not fut.done():
                 fut.set_result((proposal, started, ended))

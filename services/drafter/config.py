@@ -25,13 +25,24 @@ class DrafterConfig:
     device: str = opt("cpu", "torch device: cpu, cuda, ...")
     dtype: str = opt("auto", "auto, float32, float16, bfloat16")
     max_sessions: int = opt(4, "sessions served concurrently (requests taken from the queue at once)")
+    proposer: str = opt("draft-model", "what drafts: draft-model (--model is a draft LM) or ngram (prompt lookup: no "
+                                       "model; --model only provides the tokenizer, e.g. the target's directory)")
+    ngram_max: int = opt(4, "proposer=ngram: longest n-gram to match")
+    ngram_min: int = opt(1, "proposer=ngram: shortest n-gram to match")
     draft_mode: str = opt("sampled", "sampled: sampled requests are drafted from their own distribution and its "
                                      "nucleus goes on the wire as q (greedy requests get argmax ids); greedy: argmax "
                                      "ids for every request (the baseline)")
     q_mass: float = opt(0.98, "sampled drafts: keep the draft distribution's most likely tokens up to this mass")
     q_max_entries: int = opt(4096, "sampled drafts: but at most this many tokens per position (6 bytes each; "
                                    "lower it for slow links, see bench/results/qwire.md)")
-    controller: str = opt("fixed", "when to stop drafting within the verifier's budget: fixed (draft it all)")
+    pipeline_sessions: int = opt(2, "greedy sessions draft their next round while this one is verified, while this "
+                                    "drafter serves at most this many sessions (0: never; see bench/RESULTS.md)")
+    admission: str = opt("max-sessions", "how many sessions to claim: max-sessions (up to --max-sessions), or starsd "
+                                         "(also at most StarSD's N_max, estimated from measured timings)")
+    controller: str = opt("fixed", "when to stop drafting within the verifier's budget: fixed (draft it all, the "
+                                   "baseline), threshold (stop after a token the draft model is unsure of), or adaspec "
+                                   "(stop when one more token would lower expected tokens per second)")
+    threshold: float = opt(0.4, "controller=threshold: stop when the draft's top probability is below this")
     claim_idle_ms: int = opt(30000, "Redis: claim requests another drafter left pending this long")
     reconnect_s: float = opt(1.0, "seconds between reconnect attempts to the verifier or queue")
     kv_cache_gb: float = opt(0.0, "draft KV cache in GiB; 0 sizes it for max_sessions full-context sessions (at "

@@ -2,9 +2,11 @@
 
 Per verifier connection:
 
-* admission takes requests from the queue whenever a slot is free (up to ``max_sessions``),
-  so the draft model never idles while work waits, and never serves more sessions than it
-  can keep ahead of the verifier (StarSD's N_max; the operator sets it);
+* admission takes requests from the queue whenever a slot is free, so the draft model never
+  idles while work waits, and never serves more sessions than ``max_sessions``; with
+  ``--admission starsd`` also no more than StarSD's N_max, estimated from its own timings
+  (``capacity.py``). That rule keeps each session faster than the target alone; against a
+  verifier that batches sessions it can cost total throughput, so it is opt-in;
 * each admitted request runs as its own task (``rounds.SessionRunner``); their draft jobs go to
   one ``DraftBatcher``, which drafts every ready session together on the compute worker, and
   their frames share one WebSocket;
@@ -34,6 +36,8 @@ from shared.queue import Delivery, QueueError, RequestQueue
 
 log = get_logger("drafter.loop")
 
+#: --admission choices (see the module docstring)
+ADMISSIONS = ("max-sessions", "starsd")
 #: How long one queue poll waits before admission re-checks its state.
 QUEUE_POLL_S = 1.0
 #: Upper bound on queue calls made while shutting down, so a dead queue cannot hang the exit.
@@ -64,7 +68,11 @@ class DrafterLoop:
         reconnect_s: float = 1.0,
         on_session_end: Callable[[DraftSession], None] | None = None,
         metrics: DrafterMetrics | None = None,
+        pipeline_sessions: int = 2,
+        admission: str = "max-sessions",
     ) -> None:
+        self.pipeline_sessions = pipeline_sessions
+        self.admission = admission
         self.node_id = node_id
         self.max_sessions = max_sessions
         self.link = link
@@ -94,7 +102,8 @@ class DrafterLoop:
                     ready.set()
                 batcher = DraftBatcher(self.proposer, self.worker, self.metrics, self.max_sessions)
                 runner = SessionRunner(self.link, self.proposer, self.worker, batcher, welcome.max_draft_tokens,
-                                       self.metrics)
+                                       self.metrics, self.pipeline_sessions,
+                                       lambda: len(self._sessions))
                 await self._serve_connection(runner, batcher)
                 await self._release()
                 log.warning("lost the verifier; sessions left to the verifier, reconnecting",
@@ -126,7 +135,8 @@ class DrafterLoop:
     async def _admit(self, runner: SessionRunner) -> None:
         while True:
             self._slot_freed.clear()
-            free = self.max_sessions - len(self._sessions)
+            n_max = runner.batcher.capacity.n_max if self.admission == "starsd" else None  # capacity.py
+            free = min(self.max_sessions, n_max or self.max_sessions) - len(self._sessions)
             if free <= 0:
                 await self._slot_freed.wait()
                 continue

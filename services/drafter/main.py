@@ -16,17 +16,19 @@ import sys
 from collections.abc import Callable
 
 from services.drafter.config import DrafterConfig
-from services.drafter.control import CONTROLLERS, make_controller
+from services.drafter.control import CONTROLLERS, ControlSettings, make_controller
 from services.drafter.link import LinkRefused, VerifierLink
-from services.drafter.loop import DrafterLoop
+from services.drafter.loop import ADMISSIONS, DrafterLoop
 from services.drafter.metrics import DrafterMetrics
+from services.drafter.proposers.base import Proposer
 from services.drafter.proposers.draft_model import DRAFT_MODES, DraftModelProposer
+from services.drafter.proposers.ngram import NgramProposer
 from services.drafter.sessions import DraftSession
 from services.drafter.worker import ComputeWorker
 from shared.config import ConfigError, describe, load_config
 from shared.draft_q import Nucleus
 from shared.log import get_logger, setup_logging
-from shared.models import LoadedModel, ModelLoadError, load_model
+from shared.models import LoadedModel, ModelLoadError, load_model, load_vocabulary
 from shared.protocol import MAX_Q_ENTRIES, PROTOCOL_VERSION, Hello
 from shared.queue import RequestQueue, open_queue
 from shared.runner import ModelRunner
@@ -36,6 +38,7 @@ log = get_logger("drafter.main")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 AUTO_KV_RAM_SHARE = 0.2
 COMPUTE_MODES = ("auto", "thread", "inline")
+PROPOSERS = ("draft-model", "ngram")
 
 
 def check_config(cfg: DrafterConfig, need_model: bool = True) -> None:
@@ -47,12 +50,22 @@ def check_config(cfg: DrafterConfig, need_model: bool = True) -> None:
         problems.append(f"--verifier-url must be a ws:// or wss:// URL, got {cfg.verifier_url!r}")
     if not 1 <= cfg.max_sessions <= 100_000:
         problems.append(f"--max-sessions must be in [1, 100000], got {cfg.max_sessions}")
+    if cfg.proposer not in PROPOSERS:
+        problems.append(f"--proposer must be one of {', '.join(PROPOSERS)}, got {cfg.proposer!r}")
+    if not 1 <= cfg.ngram_min <= cfg.ngram_max:
+        problems.append(f"--ngram-min and --ngram-max need 1 <= min <= max, got {cfg.ngram_min} and {cfg.ngram_max}")
     if cfg.draft_mode not in DRAFT_MODES:
         problems.append(f"--draft-mode must be one of {', '.join(DRAFT_MODES)}, got {cfg.draft_mode!r}")
     if not 0.0 < cfg.q_mass <= 1.0:
         problems.append(f"--q-mass must be in (0, 1], got {cfg.q_mass}")
     if not 1 <= cfg.q_max_entries <= MAX_Q_ENTRIES:
         problems.append(f"--q-max-entries must be in [1, {MAX_Q_ENTRIES}], got {cfg.q_max_entries}")
+    if cfg.pipeline_sessions < 0:
+        problems.append(f"--pipeline-sessions must be >= 0, got {cfg.pipeline_sessions}")
+    if cfg.admission not in ADMISSIONS:
+        problems.append(f"--admission must be one of {', '.join(ADMISSIONS)}, got {cfg.admission!r}")
+    if not 0.0 <= cfg.threshold <= 1.0:
+        problems.append(f"--threshold must be in [0, 1], got {cfg.threshold}")
     if cfg.controller not in CONTROLLERS:
         problems.append(f"--controller must be one of {', '.join(sorted(CONTROLLERS))}, got {cfg.controller!r}")
     if len(cfg.node_id) > 128:
@@ -83,6 +96,17 @@ def kv_budget_bytes(cfg: DrafterConfig, loaded: LoadedModel) -> int:
     return min(cfg.max_sessions * loaded.max_model_len * per_token, int(ram * AUTO_KV_RAM_SHARE))
 
 
+def _load(cfg: DrafterConfig) -> LoadedModel:
+    return load_vocabulary(cfg.model) if cfg.proposer == "ngram" else load_model(cfg.model, cfg.device, cfg.dtype)
+
+
+async def _proposer(cfg: DrafterConfig, loaded: LoadedModel) -> Proposer:
+    if cfg.proposer == "ngram":
+        return NgramProposer(loaded.eos_ids, cfg.ngram_max, cfg.ngram_min)
+    runner = await asyncio.to_thread(ModelRunner, loaded, kv_budget_bytes(cfg, loaded), cfg.runner)
+    return DraftModelProposer(runner, loaded.eos_ids, cfg.draft_mode, Nucleus(cfg.q_mass, cfg.q_max_entries))
+
+
 def default_node_id() -> str:
     return f"drafter-{socket.gethostname()}-{os.getpid()}"[:128]
 
@@ -107,7 +131,7 @@ async def serve(
         import torch
 
         torch.set_num_threads(cfg.torch_threads)
-    loaded = model if model is not None else await asyncio.to_thread(load_model, cfg.model, cfg.device, cfg.dtype)
+    loaded = model if model is not None else await asyncio.to_thread(_load, cfg)
     log.info("drafter starting", **{**describe(cfg), "node_id": node_id, "draft_model": loaded.name,
                                     "tokenizer_fingerprint": loaded.fingerprint})
     own_queue = queue is None
@@ -116,18 +140,19 @@ async def serve(
     hello = Hello(role="drafter", node_id=node_id, protocol_version=PROTOCOL_VERSION,
                   tokenizer_fingerprint=loaded.fingerprint, model=loaded.name[:128] or "draft",
                   max_sessions=cfg.max_sessions)
-    runner = await asyncio.to_thread(ModelRunner, loaded, kv_budget_bytes(cfg, loaded), cfg.runner)
+    proposer = await _proposer(cfg, loaded)
     metrics = DrafterMetrics()
     if cfg.metrics_port:
         metrics.serve(cfg.metrics_host, cfg.metrics_port)
     worker = ComputeWorker(inline=compute_inline(cfg.compute_mode))
+    controls = ControlSettings(cfg.threshold)  # one per drafter: AdaSpec's clock and calibration are shared
     loop = DrafterLoop(
         node_id=node_id, max_sessions=cfg.max_sessions,
         link=VerifierLink(cfg.verifier_url, hello, cfg.auth_token), queue=request_queue,
-        proposer=DraftModelProposer(runner, loaded.eos_ids, cfg.draft_mode, Nucleus(cfg.q_mass, cfg.q_max_entries)),
-        worker=worker,
-        new_controller=lambda: make_controller(cfg.controller), reconnect_s=cfg.reconnect_s,
-        on_session_end=on_session_end, metrics=metrics,
+        proposer=proposer, worker=worker, reconnect_s=cfg.reconnect_s,
+        new_controller=lambda: make_controller(cfg.controller, controls),
+        on_session_end=on_session_end, metrics=metrics, pipeline_sessions=cfg.pipeline_sessions,
+        admission=cfg.admission,
     )
     try:
         await loop.run(ready)

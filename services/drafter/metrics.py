@@ -30,6 +30,14 @@ class DrafterMetrics:
         self.drafted = Counter(f"{_P}_drafted_tokens", "Draft tokens sent", registry=r)
         self.accepted = Counter(f"{_P}_accepted_tokens", "Draft tokens the verifier accepted", registry=r)
         self.sessions = Gauge(f"{_P}_sessions", "Sessions being served", registry=r)
+        self.lookahead = Counter(f"{_P}_lookaheads", "Pipelined drafts by outcome: used (the verdict made them "
+                                 "true), missed (all accepted, but a wrong guess or nothing past it), dropped (a draft "
+                                 "was rejected)",
+                                 ["outcome"], registry=r)
+        self.n_full = Gauge(f"{_P}_n_full", "StarSD's N_full: sessions from which the draft model never idles "
+                            "(0 until estimated)", registry=r)
+        self.n_max = Gauge(f"{_P}_n_max", "StarSD's N_max: the most sessions this drafter claims (0 until "
+                           "estimated)", registry=r)
         self.resumed = Counter(f"{_P}_sessions_resumed", "Sessions taken over from a drafter that left, from "
                                "their committed text", registry=r)
         self.draft_busy = Counter(f"{_P}_model_busy_seconds", "Time the draft model spent drafting", registry=r)

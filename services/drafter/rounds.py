@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 from services.drafter.batcher import DraftBatcher
 from services.drafter.link import LINK_LOST, Inbound, LinkDown, VerifierLink
@@ -26,6 +27,7 @@ from services.drafter.sessions import DraftSession
 from services.drafter.worker import ComputeWorker
 from shared.log import get_logger
 from shared.protocol import MAX_DRAFT_TOKENS, CloseSession, Draft, ErrorFrame, OpenSession, SessionOpened, Verdict
+from shared.sampling import is_greedy
 
 log = get_logger("drafter.rounds")
 
@@ -50,7 +52,11 @@ class SessionRunner:
         batcher: DraftBatcher,
         max_draft_tokens: int,
         metrics: DrafterMetrics | None = None,
+        pipeline_sessions: int = 2,
+        active: Callable[[], int] = lambda: 1,
     ) -> None:
+        self.pipeline_sessions = pipeline_sessions
+        self.active = active  # how many sessions this drafter serves now
         self.link = link
         self.proposer = proposer
         self.worker = worker
@@ -77,6 +83,7 @@ class SessionRunner:
         except LinkDown as exc:
             raise SessionAborted(str(exc)) from None
         finally:
+            session.lookahead.cancel()
             self.link.unregister(rid)
             self.worker.submit(self.proposer.close, rid)
 
@@ -130,7 +137,8 @@ class SessionRunner:
         budget = session.useful_draft_len(min(session.budget, self.max_draft_tokens))
         k = max(0, min(budget, session.controller.begin_round(budget)))
         began = time.perf_counter()
-        proposal, started, ended = await self._draft(session, k)
+        ready = session.lookahead.take(k)
+        proposal, started, ended = (ready, began, began) if ready is not None else await self._draft(session, k)
         early = _drain_final(inbox)  # cancelled while we drafted? then do not send a dead draft
         if early is not None:
             session.apply_verdict(early, drafted=0)
@@ -139,20 +147,47 @@ class SessionRunner:
         await self.link.send(Draft(request_id=rid, round=session.round, token_ids=proposal.token_ids,
                                    q=proposal.q))
         sent = time.perf_counter()
+        self._look_ahead(session, proposal, k)
         reply = await self._reply_to_draft(session, inbox)
+        verdict_at = time.perf_counter()
         if isinstance(reply, Verdict):
-            self.metrics.observe_round(started - began, ended - started, sent - ended, time.perf_counter() - sent,
+            self._observe_capacity(verdict_at - sent, len(reply.token_ids))
+            self.metrics.observe_round(started - began, ended - started, sent - ended, verdict_at - sent,
                                        drafted, min(reply.accepted, drafted))
         if isinstance(reply, ErrorFrame):
+            session.lookahead.cancel()
             await self._abandon(session, reply)
             return
         if reply.finished and reply.round != session.round:  # an unsolicited cancel
+            session.lookahead.cancel()
             session.apply_verdict(reply, drafted=0)
             return
         new = session.apply_verdict(reply, drafted)
-        session.controller.end_round(drafted, min(reply.accepted, drafted))
+        session.controller.end_round(drafted, min(reply.accepted, drafted), ended - started, verdict_at - sent)
         if session.finish_reason is None:
             self.worker.submit(self.proposer.commit, rid, new, min(reply.accepted, drafted))
+        await session.lookahead.settle(reply, drafted, self.metrics)
+
+    def _observe_capacity(self, return_s: float, committed: int) -> None:
+        capacity = self.batcher.capacity
+        capacity.observe_round(return_s, committed)
+        if capacity.warm:
+            self.metrics.n_full.set(capacity.n_full or 0)
+            self.metrics.n_max.set(capacity.n_max or 0)
+
+    def _look_ahead(self, session: DraftSession, sent: Proposal, k: int) -> None:
+        """Greedy sessions draft their next round while this one is verified (lookahead.py), while
+        the draft model has time for it: at most ``pipeline_sessions`` sessions, and fewer than
+        StarSD's N_full (capacity.py). With more, lookaheads only took edge CPU from real rounds."""
+        if not sent.token_ids or not is_greedy(session.params) or session.drafting_disabled:
+            return
+        n_full = self.batcher.capacity.n_full
+        if self.active() > self.pipeline_sessions or (n_full is not None and self.active() >= n_full):
+            return
+        base = len(session.committed)
+        # no controller: a lookahead is not a round, and must not touch a controller's round state
+        session.lookahead.start(self.batcher, DraftJob(session.request_id, k + 1, session.params, session.rng,
+                                                       None, tuple(sent.token_ids), base))
 
     async def _draft(self, session: DraftSession, k: int) -> tuple[Proposal, float, float]:
         """The round's proposal, and when the worker started and ended computing it."""

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from services.drafter.control.base import DraftController
+from services.drafter.lookahead import Lookahead
 from shared.protocol import SamplingParams, Verdict
 from shared.queue import Delivery
 from shared.sampling import make_generator
@@ -43,6 +44,7 @@ class DraftSession:
     drafting_disabled: str = ""  # set when the proposer failed; the session then sends empty drafts
     extra_deliveries: list[str] = field(default_factory=list)  # duplicate deliveries to ack at the end
     stats: SessionStats = field(default_factory=SessionStats)
+    lookahead: Lookahead = field(default_factory=Lookahead)
     started_at: float = field(default_factory=time.monotonic)
 
     @classmethod

@@ -25,6 +25,7 @@ class StackSpec:
     redis_url: str = ""
     extra_coordinator: list[str] = field(default_factory=list)
     drafter_log_level: str = "warning"
+    extra_drafter: list[str] = field(default_factory=list)
 
 
 @contextmanager
@@ -37,7 +38,7 @@ def run_stack(target: Path, spec: StackSpec, log_dir: Path) -> Iterator[Fleet]:
         coordinator_flags=[*quiet, *spec.extra_coordinator],
         drafter_flags=["--log-level", spec.drafter_log_level, "--max-sessions", str(spec.max_sessions),
                        "--draft-mode", spec.draft_mode, "--q-mass", str(spec.q_mass),
-                       "--q-max-entries", str(spec.q_max_entries), "--claim-idle-ms", "2000"],
+                       "--q-max-entries", str(spec.q_max_entries), "--claim-idle-ms", "2000", *spec.extra_drafter],
     )
     with running_fleet(fleet, log_dir, TOKEN) as running:
         yield running

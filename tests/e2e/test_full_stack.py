@@ -131,6 +131,16 @@ def test_greedy_identical_one_drafter(one_drafter: Stack, target: LoadedModel) -
     assert accepted and float(accepted[0].split()[-1]) > 0, "speculation never accepted a draft"
 
 
+@pytest.mark.parametrize("policy", [["--controller", "threshold", "--threshold", "0.6"], ["--proposer", "ngram"],
+                                    ["--controller", "adaspec"], ["--pipeline-sessions", "0"]],
+                         ids=["threshold", "ngram", "adaspec", "no-pipelining"])
+def test_greedy_identical_under_every_drafting_policy(policy: list[str], tiny_models: dict[str, Path],
+                                                      target: LoadedModel, tmp_path: Path) -> None:
+    spec = StackSpec(drafts=[tiny_models["draft-L2"]], max_sessions=CONCURRENCY, extra_drafter=policy)
+    with run_stack(tiny_models["target"], spec, tmp_path) as stack:
+        check_greedy(stack, target)
+
+
 @pytest.mark.redis
 def test_greedy_identical_three_drafters_redis(three_drafters: Stack, target: LoadedModel) -> None:
     check_greedy(three_drafters, target)

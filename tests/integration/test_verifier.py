@@ -275,3 +275,99 @@ async def test_tiny_temperature_does_not_fail_its_batch(verifier: Running) -> No
                                       params=SamplingParams(temperature=temp, max_tokens=16, ignore_eos=True)))
         finals = [(await collect_text(fe, rid))[2] for rid in ("normal", "tiny")]
     assert [f.finish_reason for f in finals] == ["length", "length"]
+
+
+async def open_resumed(peer: Peer, rid: str, prompt: list[int], params: SamplingParams,
+                       deadline_s: float = 10.0) -> SessionOpened:
+    """Re-open ``rid`` from ``peer``. Until the verifier has seen the old drafter's link close,
+    the session still has that drafter and the open is answered "duplicate": retry a little."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + deadline_s
+    while True:
+        await peer.send(OpenSession(request_id=rid, prompt_ids=prompt, params=params, origin="test-frontend"))
+        reply = await peer.recv(SessionOpened, ErrorFrame, rid=rid)
+        if isinstance(reply, SessionOpened):
+            return reply
+        assert reply.code == "duplicate" and loop.time() < deadline, reply
+        await asyncio.sleep(0.005)
+
+
+@pytest.mark.asyncio
+async def test_another_drafter_resumes_a_session_whose_drafter_left(verifier: Running) -> None:
+    """Drafter A plays round 0 and drops its link; the session goes on target-only until drafter B
+    re-opens it: B gets the committed tokens and the round to draft for, drafts, and gets the
+    verdicts. The client sees one greedy decoding of the target, nothing lost or repeated."""
+    fp = verifier.target.fingerprint
+    prompt = [3, 90, 91, 92, 93]
+    # long enough that the target-only stretch between A leaving and B resuming cannot finish it
+    params = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
+    ref = greedy_reference(verifier.target.model, prompt, params.max_tokens, set())
+    async with connect(verifier.url, "frontend") as fe, connect(verifier.url, "drafter", fp,
+                                                                  node_id="drafter-b") as b:
+        await b.recv(Welcome)
+        async with connect(verifier.url, "drafter", fp, node_id="drafter-a") as a:
+            await a.recv(Welcome)
+            played, _ = await drive_session(a, "resume", prompt, params, noisy_oracle(ref, len(prompt), 5),
+                                            stop_after_rounds=1)
+        assert 0 < len(played) < params.max_tokens
+
+        opened = await open_resumed(b, "resume", prompt, params)
+        assert opened.round >= 1 and opened.draft_budget > 0
+        committed = list(opened.committed_ids)
+        assert len(committed) >= len(played) and committed == ref[: len(committed)]
+        assert len(committed) < params.max_tokens, "the session ended before B resumed it: lengthen it"
+
+        rnd, budget, rounds = opened.round, opened.draft_budget, 0
+        while True:  # B drafts the true continuation: all accepted, and the session ends quickly
+            pos = len(committed)
+            await b.send(Draft(request_id="resume", round=rnd, token_ids=ref[pos : pos + budget]))
+            verdict = await b.recv(Verdict, rid="resume")
+            assert verdict.round == rnd
+            assert verdict.accepted == min(budget, len(ref) - pos)
+            committed += verdict.token_ids
+            rounds += 1
+            if verdict.finished:
+                break
+            rnd, budget = rnd + 1, verdict.draft_budget
+        assert rounds >= 1 and verdict.finish_reason == "length"
+        ids, text, last = await collect_text(fe, "resume")
+    assert committed == ref
+    assert ids == ref and last.completion_tokens == len(ref) and last.finish_reason == "length"
+    assert text == verifier.target.tokenizer.decode(ref, skip_special_tokens=True)
+    assert last.accepted_tokens > 0
+
+
+@pytest.mark.asyncio
+async def test_a_session_whose_drafter_is_connected_cannot_be_taken_over(verifier: Running) -> None:
+    fp = verifier.target.fingerprint
+    prompt = [3, 100, 101, 102]
+    ref = greedy_reference(verifier.target.model, prompt, GREEDY.max_tokens, verifier.target.eos_ids)
+    async with connect(verifier.url, "frontend") as fe, \
+            connect(verifier.url, "drafter", fp, node_id="drafter-a") as a, \
+            connect(verifier.url, "drafter", fp, node_id="drafter-b") as b:
+        await a.recv(Welcome)
+        await b.recv(Welcome)
+        await a.send(OpenSession(request_id="taken", prompt_ids=prompt, params=GREEDY, origin="test-frontend"))
+        opened = await a.recv(SessionOpened, rid="taken")
+        assert (opened.committed_ids, opened.round) == ([], 0)  # a fresh session, not a resumed one
+        await b.send(OpenSession(request_id="taken", prompt_ids=prompt, params=GREEDY, origin="test-frontend"))
+        assert (await b.recv(ErrorFrame, rid="taken")).code == "duplicate"
+        await b.send(Draft(request_id="taken", round=0, token_ids=ref[:3]))  # nor may it draft for it
+        assert (await b.recv(ErrorFrame, rid="taken")).code == "unknown_session"
+        # A still owns the session: its rounds go on, and B never hears of them
+        committed: list[int] = []
+        accepted = 0
+        rnd, budget = 0, opened.draft_budget
+        while True:
+            pos = len(committed)
+            await a.send(Draft(request_id="taken", round=rnd, token_ids=ref[pos : pos + budget]))
+            verdict = await a.recv(Verdict, rid="taken")
+            assert verdict.round == rnd
+            committed += verdict.token_ids
+            accepted += verdict.accepted
+            if verdict.finished:
+                break
+            rnd, budget = rnd + 1, verdict.draft_budget
+        ids, _, _ = await collect_text(fe, "taken")
+        assert committed == ids == ref and accepted > 0
+        assert b.box("taken").empty()

@@ -380,7 +380,7 @@ def test_fixed_controller_drafts_the_whole_budget() -> None:
     step = StepFeatures(position=0, budget=5, token_id=1, token_prob=0.01, top1_prob=0.01, top2_prob=0.01,
                         entropy=5.0)
     assert controller.on_step(step) is StepDecision.CONTINUE
-    with pytest.raises(ValueError, match="unknown controller 'nope'; choose one of: fixed"):
+    with pytest.raises(ValueError, match="unknown controller 'nope'; choose one of: adaspec, fixed, threshold"):
         make_controller("nope")
 
 

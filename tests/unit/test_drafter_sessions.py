@@ -87,7 +87,7 @@ def test_config_defaults_draft_sampled_with_a_099_nucleus() -> None:
     ({"q_mass": 1.5}, "--q-mass must be in (0, 1], got 1.5"),
     ({"q_max_entries": 0}, "--q-max-entries must be in [1, 4096], got 0"),
     ({"q_max_entries": 4097}, "--q-max-entries must be in [1, 4096], got 4097"),
-    ({"controller": "psychic"}, "--controller must be one of fixed"),
+    ({"controller": "psychic"}, "--controller must be one of adaspec, fixed, threshold"),
     ({"reconnect_s": 0.0}, "--reconnect-s must be > 0"),
     ({"log_level": "loud"}, "--log-level must be one of"),
 ])

@@ -3,19 +3,36 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
+from services.drafter.control.adaspec import AdaSpecController, AdaSpecState
 from services.drafter.control.base import DraftController, StepDecision, StepFeatures
 from services.drafter.control.fixed import FixedController
+from services.drafter.control.threshold import DEFAULT_THRESHOLD, ThresholdController
 
-__all__ = ["CONTROLLERS", "DraftController", "StepDecision", "StepFeatures", "make_controller"]
+__all__ = ["CONTROLLERS", "ControlSettings", "DraftController", "StepDecision", "StepFeatures", "make_controller"]
+
+
+@dataclass(frozen=True)
+class ControlSettings:
+    """The controllers' tunables (drafter flags)."""
+
+    threshold: float = DEFAULT_THRESHOLD
+    adaspec: AdaSpecState = field(default_factory=AdaSpecState)  # shared by all sessions of a drafter
+
 
 #: name -> factory of a fresh per-session controller
-CONTROLLERS: dict[str, Callable[[], DraftController]] = {"fixed": FixedController}
+CONTROLLERS: dict[str, Callable[[ControlSettings], DraftController]] = {
+    "fixed": lambda s: FixedController(),
+    "threshold": lambda s: ThresholdController(s.threshold),
+    "adaspec": lambda s: AdaSpecController(s.adaspec),
+}
 
 
-def make_controller(name: str) -> DraftController:
+def make_controller(name: str, settings: ControlSettings | None = None) -> DraftController:
     """A new controller for one session; ValueError naming the choices for an unknown name."""
     try:
-        return CONTROLLERS[name]()
+        factory = CONTROLLERS[name]
     except KeyError:
         raise ValueError(f"unknown controller {name!r}; choose one of: {', '.join(sorted(CONTROLLERS))}") from None
+    return factory(settings or ControlSettings())

@@ -64,5 +64,7 @@ class DraftController(Protocol):
     def on_step(self, step: StepFeatures) -> StepDecision:
         """Decide about the token just drafted."""
 
-    def end_round(self, drafted: int, accepted: int) -> None:
-        """Feedback: of ``drafted`` tokens sent, the target accepted the first ``accepted``."""
+    def end_round(self, drafted: int, accepted: int, draft_s: float = 0.0, verify_s: float = 0.0) -> None:
+        """Feedback: of ``drafted`` tokens sent, the target accepted the first ``accepted``; drafting
+        took ``draft_s`` (0 when the draft was ready from a lookahead) and the verdict came
+        ``verify_s`` after the Draft was sent."""

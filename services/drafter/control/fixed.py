@@ -17,5 +17,5 @@ class FixedController:
     def on_step(self, step: StepFeatures) -> StepDecision:
         return StepDecision.CONTINUE
 
-    def end_round(self, drafted: int, accepted: int) -> None:
+    def end_round(self, drafted: int, accepted: int, draft_s: float = 0.0, verify_s: float = 0.0) -> None:
         return None

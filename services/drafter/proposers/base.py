@@ -39,6 +39,7 @@ class Proposal:
     token_ids: list[int]
     q: list[SparseQ] | None = None
     steps: list[StepFeatures] = field(default_factory=list)
+    final: bool = False  # drafting ended on its own (an end token, or the controller stopped it)
 
 
 EMPTY_PROPOSAL = Proposal(token_ids=[])
@@ -53,6 +54,10 @@ class DraftJob:
     params: SamplingParams
     rng: torch.Generator  # the session's drafting stream (independent of the verifier's)
     controller: DraftController | None = None
+    #: draft after the first ``base`` committed tokens plus ``assume`` (a lookahead: the Draft in
+    #: flight, assumed accepted); ``base`` < 0 means after every committed token
+    assume: tuple[int, ...] = ()
+    base: int = -1
 
 
 class Proposer(Protocol):

@@ -69,6 +69,7 @@ class _Drafting:
     qs: list[SparseQ] = field(default_factory=list)
     steps: list[StepFeatures] = field(default_factory=list)
     done: bool = False
+    final: bool = False  # stopped on its own, not by reaching k
 
     @property
     def slot(self) -> KVSlot:
@@ -147,7 +148,7 @@ class DraftModelProposer:
                 live = [d for d in live if not d.done]
         out = [EMPTY_PROPOSAL] * len(jobs)
         for d in drafts:
-            out[d.index] = Proposal(token_ids=d.tokens, q=d.qs if d.sampled else None, steps=d.steps)
+            out[d.index] = Proposal(token_ids=d.tokens, q=d.qs if d.sampled else None, steps=d.steps, final=d.final)
         return out
 
     def _begin(self, index: int, job: DraftJob) -> _Drafting | None:
@@ -155,14 +156,15 @@ class DraftModelProposer:
         state = self._sessions.get(job.session_id)
         if state is None:  # closed while its job waited
             return None
-        k = self._clamp(state, job.k)
+        context = state.committed if job.base < 0 else [*state.committed[: job.base], *job.assume]
+        k = self._clamp(state, len(context), job.k)
         if k == 0:
             return None
-        self._rollback(state)
+        self._rollback(state, context)
         watch = job.controller if job.controller is not None and job.controller.wants_features else None
         enders = frozenset(job.params.stop_token_ids) | (frozenset() if job.params.ignore_eos else self.eos_ids)
         return _Drafting(index, job, state, k, self.mode == "sampled" and not is_greedy(job.params), enders, watch,
-                         feed=state.committed[len(state.cached):])
+                         feed=context[len(state.cached):])
 
     def _step(self, d: _Drafting, logits: torch.Tensor, argmax: int) -> None:
         """Choose the next token of one session from its logits row; decide whether to go on."""
@@ -175,26 +177,27 @@ class DraftModelProposer:
             step = _features(logits, token, len(d.tokens), d.k)
             decision = d.watch.on_step(step)
             if decision is StepDecision.DISCARD:
-                d.done = True
+                d.done = d.final = True
                 return
             d.steps.append(step)
         d.tokens.append(token)
         if q is not None:
             d.qs.append(q)
-        # nothing follows an end token
-        d.done = decision is StepDecision.STOP or token in d.enders or len(d.tokens) >= d.k
+        d.final = decision is StepDecision.STOP or token in d.enders  # nothing follows an end token
+        d.done = d.final or len(d.tokens) >= d.k
         d.feed = [token]
 
-    def _clamp(self, state: _SessionCache, k: int) -> int:
+    def _clamp(self, state: _SessionCache, context_len: int, k: int) -> int:
         """Never draft past the slot, the draft model's context or the wire's per-frame ceiling."""
         if state.disabled or state.slot is None:
             return 0
-        room = min(self.max_model_len, state.slot.capacity) - len(state.committed)
+        room = min(self.max_model_len, state.slot.capacity) - context_len
         return max(0, min(k, room, MAX_DRAFT_TOKENS))
 
-    def _rollback(self, state: _SessionCache) -> None:
+    def _rollback(self, state: _SessionCache, context: list[int]) -> None:
+        """Cut the cache back to what it shares with ``context``, keeping the last token out."""
         assert state.slot is not None
-        keep = min(common_prefix_len(state.cached, state.committed), len(state.committed) - 1)
+        keep = min(common_prefix_len(state.cached, context), len(context) - 1)
         if keep < len(state.cached):
             state.slot.truncate(keep)
             del state.cached[keep:]

@@ -1,0 +1,145 @@
+"""AdaSpec's adaptive drafter (adaspec.txt §4-5.1): draft while expected throughput still rises.
+
+The efficiency of a round that drafts j tokens is E(j) / T(j):
+
+* E(j) = 1 + sum_{i<=j} prod_{m<=i} a_m, the expected committed tokens (eq. 6-7): a_m is the
+  conditional probability that draft m is accepted given the ones before it were, estimated from
+  the draft model's confidence in it (its probability), through a calibration learned from the
+  verifier's verdicts;
+* T(j) = j t_draft + z0 + z1 j, the expected round time: the drafter's measured time per draft
+  token, and a line fitted to the measured return time (send, verify, verdict) against j.
+
+E/T is quasi-concave in j (Theorem 4.3), so drafting stops at the first j where one more token is
+predicted to lower it. Predict, execute, correct (§5.1): before each draft step the next token's
+confidence is predicted as the historical mean at that position; after the step, its actual
+confidence replaces the prediction. The clock and the calibration are shared by all sessions
+of one drafter; each session's controller keeps only its round.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.drafter.control.base import StepDecision, StepFeatures
+
+BINS = 10  # confidence bins of the calibration
+ALPHA = 0.05  # weight of a new observation in the moving averages
+MAX_POSITIONS = 64
+
+
+def _ewma(old: float, new: float, alpha: float = ALPHA) -> float:
+    return (1 - alpha) * old + alpha * new
+
+
+@dataclass
+class RoundClock:
+    """T(j): time per draft token, and the return time as a line in the draft length."""
+
+    draft_token_s: float = 0.0
+    # exponentially weighted sums for the least-squares line return_s = z0 + z1 * drafted
+    _w: float = 0.0
+    _x: float = 0.0
+    _y: float = 0.0
+    _xx: float = 0.0
+    _xy: float = 0.0
+
+    def observe(self, drafted: int, draft_s: float, return_s: float) -> None:
+        if drafted > 0 and draft_s > 0:
+            per = draft_s / drafted
+            self.draft_token_s = per if self.draft_token_s == 0 else _ewma(self.draft_token_s, per)
+        x, decay = float(drafted), 1 - ALPHA
+        self._w, self._x, self._y = decay * self._w + 1, decay * self._x + x, decay * self._y + return_s
+        self._xx, self._xy = decay * self._xx + x * x, decay * self._xy + x * return_s
+
+    def line(self) -> tuple[float, float]:
+        """(z0, z1) of the return time; a flat line until the draft lengths vary."""
+        if self._w == 0:
+            return 0.0, 0.0
+        mean_x, mean_y = self._x / self._w, self._y / self._w
+        var = self._xx / self._w - mean_x * mean_x
+        z1 = max(0.0, (self._xy / self._w - mean_x * mean_y) / var) if var > 1e-9 else 0.0
+        return max(0.0, mean_y - z1 * mean_x), z1
+
+    def round_time(self, j: int) -> float:
+        z0, z1 = self.line()
+        return j * self.draft_token_s + z0 + z1 * j
+
+
+@dataclass
+class Calibration:
+    """Confidence -> probability of acceptance (given the drafts before were accepted)."""
+
+    rate: list[float] = field(default_factory=lambda: [(b + 0.5) / BINS for b in range(BINS)])
+    mean_conf: list[float] = field(default_factory=list)  # historical mean confidence by position
+
+    def accept(self, confidence: float) -> float:
+        return self.rate[min(BINS - 1, max(0, int(confidence * BINS)))]
+
+    def predicted_confidence(self, position: int) -> float:
+        if position < len(self.mean_conf):
+            return self.mean_conf[position]
+        return self.mean_conf[-1] if self.mean_conf else 0.5
+
+    def observe(self, confidences: list[float], accepted: int) -> None:
+        """Drafts 0..accepted-1 were accepted, draft ``accepted`` (if sent) rejected; later ones
+        were never judged, so they teach nothing."""
+        for i, c in enumerate(confidences[: accepted + 1]):
+            b = min(BINS - 1, max(0, int(c * BINS)))
+            self.rate[b] = _ewma(self.rate[b], 1.0 if i < accepted else 0.0)
+        for i, c in enumerate(confidences[:MAX_POSITIONS]):
+            if i < len(self.mean_conf):
+                self.mean_conf[i] = _ewma(self.mean_conf[i], c)
+            else:
+                self.mean_conf.append(c)
+
+
+@dataclass
+class AdaSpecState:
+    """What all sessions of one drafter share."""
+
+    clock: RoundClock = field(default_factory=RoundClock)
+    calibration: Calibration = field(default_factory=Calibration)
+
+
+def efficiency(alphas: list[float], clock: RoundClock) -> float:
+    """E(j) / T(j) for the drafts so far (j = len(alphas))."""
+    expected, chain = 1.0, 1.0
+    for a in alphas:
+        chain *= a
+        expected += chain
+    t = clock.round_time(len(alphas))
+    return expected / t if t > 0 else float("inf")
+
+
+class AdaSpecController:
+    name = "adaspec"
+    wants_features = True
+
+    def __init__(self, shared: AdaSpecState) -> None:
+        self.shared = shared
+        self._alphas: list[float] = []
+        self._confs: list[float] = []
+        self._budget = 0
+
+    def begin_round(self, budget: int) -> int:
+        self._alphas, self._confs, self._budget = [], [], budget
+        if budget <= 0 or self.shared.clock.draft_token_s == 0:  # nothing measured yet: draft the budget
+            return max(0, budget)
+        return budget if self._worth_one_more() else 0
+
+    def on_step(self, step: StepFeatures) -> StepDecision:
+        self._confs.append(step.token_prob)  # correct: the executed token's own confidence
+        self._alphas.append(self.shared.calibration.accept(step.token_prob))
+        if len(self._alphas) >= self._budget or self.shared.clock.draft_token_s == 0:
+            return StepDecision.CONTINUE
+        return StepDecision.CONTINUE if self._worth_one_more() else StepDecision.STOP
+
+    def _worth_one_more(self) -> bool:
+        """Predict the next token's acceptance from history; execute only if E/T would rise."""
+        cal, clock = self.shared.calibration, self.shared.clock
+        guess = cal.accept(cal.predicted_confidence(len(self._alphas)))
+        return efficiency([*self._alphas, guess], clock) > efficiency(self._alphas, clock)
+
+    def end_round(self, drafted: int, accepted: int, draft_s: float = 0.0, verify_s: float = 0.0) -> None:
+        self.shared.calibration.observe(self._confs[:drafted], accepted)
+        self.shared.clock.observe(drafted, draft_s, verify_s)

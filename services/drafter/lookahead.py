@@ -1,0 +1,94 @@
+"""Pipelined drafting: draft the next round while this one is being verified.
+
+After a session sends its Draft, it asks the batcher for a *lookahead*: tokens that continue the
+sent draft as if the verifier accepted all of it (SpecEdge's proactive edge drafting). The first
+lookahead token guesses the verifier's own token after a fully accepted draft; the rest continue
+from that guess. When the Verdict accepts every draft and its last token equals the guess, the
+rest of the lookahead is the next round's draft, ready at once, its keys and values already in
+the draft cache. Otherwise it is dropped (the proposer's rollback discards it from the cache).
+
+The draft model would sit idle during verification anyway, so a dropped lookahead costs only
+edge compute, and a batched lookahead rides along with other sessions' drafts.
+
+Only greedy requests pipeline: their drafts are argmax and draw no randomness, so whether a
+lookahead ran or was used never changes a seeded request's random stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import replace
+
+from services.drafter.batcher import DraftBatcher
+from services.drafter.control.base import StepFeatures
+from services.drafter.metrics import DrafterMetrics
+from services.drafter.proposers.base import DraftJob, Proposal
+from shared.protocol import Verdict
+
+
+class Lookahead:
+    """One session's lookahead: at most one in flight, and at most one ready draft."""
+
+    def __init__(self) -> None:
+        self._task: asyncio.Task[tuple[Proposal, float, float]] | None = None
+        self._ready: Proposal | None = None
+
+    def start(self, batcher: DraftBatcher, job: DraftJob) -> None:
+        """Draft ``job`` (its ``assume`` is the Draft just sent) while the verdict is awaited."""
+        self.cancel()
+        self._task = asyncio.create_task(_one_token_at_a_time(batcher, job), name=f"lookahead-{job.session_id}")
+
+    def take(self, k: int) -> Proposal | None:
+        """The next round's draft, if the last lookahead came true; at most ``k`` tokens."""
+        ready, self._ready = self._ready, None
+        if ready is None or k <= 0:
+            return None
+        return Proposal(token_ids=ready.token_ids[:k], q=None, steps=ready.steps[:k])
+
+    async def settle(self, verdict: Verdict, drafted: int, metrics: DrafterMetrics) -> None:
+        """Keep the lookahead when the verdict made its guess true; drop it otherwise."""
+        task, self._task = self._task, None
+        if task is None:
+            return
+        if verdict.finished or verdict.accepted < drafted or not verdict.token_ids:
+            await _drop(task)
+            metrics.lookahead.labels("dropped").inc()
+            return
+        try:
+            proposal, _, _ = await task
+        except Exception:  # the batcher logged it; the round simply drafts afresh
+            return
+        if proposal.token_ids[:1] == [verdict.token_ids[-1]] and len(proposal.token_ids) > 1:
+            self._ready = Proposal(token_ids=proposal.token_ids[1:], q=None, steps=proposal.steps[1:])
+            metrics.lookahead.labels("used").inc()
+        else:
+            metrics.lookahead.labels("missed").inc()
+
+    def cancel(self) -> None:
+        self._ready = None
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+
+
+async def _one_token_at_a_time(batcher: DraftBatcher, job: DraftJob) -> tuple[Proposal, float, float]:
+    """Draft the lookahead one token per batch, so a round that becomes ready meanwhile waits for
+    one forward at most, never for a whole lookahead (the batcher drafts rounds first)."""
+    tokens: list[int] = []
+    steps: list[StepFeatures] = []
+    started = ended = 0.0
+    for _ in range(job.k):
+        step, began, ended = await batcher.propose(replace(job, k=1, assume=(*job.assume, *tokens)))
+        started = started or began
+        tokens += step.token_ids
+        steps += step.steps
+        if not step.token_ids or step.final:  # an end token, or the controller stopped it
+            break
+    return Proposal(token_ids=tokens, steps=steps), started, ended
+
+
+async def _drop(task: asyncio.Task[tuple[Proposal, float, float]]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task

@@ -1,0 +1,379 @@
+"""The drafter's pipeline: lookahead drafting (drafting round n+1 while round n is verified), the
+batcher drafting rounds before lookaheads, and StarSD's N_full / N_max estimates."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.drafter.batcher import DraftBatcher
+from services.drafter.capacity import ALPHA, WARM_ROUNDS, Capacity
+from services.drafter.lookahead import Lookahead
+from services.drafter.metrics import DrafterMetrics
+from services.drafter.proposers.base import DraftJob, Proposal
+from services.drafter.proposers.draft_model import DraftModelProposer
+from services.drafter.worker import ComputeWorker
+from shared.models import LoadedModel, load_model
+from shared.protocol import SamplingParams, Verdict
+from shared.runner import ModelRunner
+from shared.sampling import make_generator
+
+torch.set_num_threads(1)
+
+PROMPT = [12, 40, 77, 5, 130, 9, 64]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)  # drafts always have k tokens
+K = 4
+
+
+@pytest.fixture(scope="module")
+def draft(tiny_models: dict[str, Path]) -> LoadedModel:
+    return load_model(tiny_models["draft-L1"])
+
+
+def make(draft: LoadedModel) -> DraftModelProposer:
+    """A proposer on its own runner and KV arena, as in test_draft_model_proposer."""
+    runner = ModelRunner(draft, 4 * draft.max_model_len * 1024, self_check=False)
+    return DraftModelProposer(runner, draft.eos_ids)
+
+
+def gen() -> torch.Generator:
+    return make_generator(0, "draft")
+
+
+def reference_greedy(model: LoadedModel, ids: list[int], k: int) -> list[int]:
+    """Argmax decoding with plain transformers calls, no cache: the ground truth."""
+    seq = list(ids)
+    with torch.inference_mode():
+        for _ in range(k):
+            seq.append(int(model.model(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(ids):]
+
+
+def verdict(token_ids: list[int], accepted: int, finished: bool = False) -> Verdict:
+    return Verdict(request_id="s", round=0, accepted=accepted, token_ids=token_ids, finished=finished,
+                   finish_reason="length" if finished else None, draft_budget=0 if finished else K)
+
+
+def outcomes(metrics: DrafterMetrics) -> dict[str, float]:
+    get = metrics.registry.get_sample_value
+    return {o: get("specfleet_drafter_lookaheads_total", {"outcome": o}) or 0.0 for o in ("used", "missed", "dropped")}
+
+
+@contextlib.asynccontextmanager
+async def running(batcher: DraftBatcher) -> AsyncIterator[DraftBatcher]:
+    task = asyncio.create_task(batcher.run())
+    try:
+        yield batcher
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+class Pipeline:
+    """A real proposer for session "s", its inline compute worker and a batcher."""
+
+    def __init__(self, draft: LoadedModel) -> None:
+        self.proposer = make(draft)
+        self.proposer.start("s", PROMPT, 64)
+        self.metrics = DrafterMetrics()
+        self.batcher = DraftBatcher(self.proposer, ComputeWorker(inline=True), self.metrics)
+        self.committed = list(PROMPT)
+
+    async def round(self, k: int = K) -> list[int]:
+        proposal, _, _ = await self.batcher.propose(DraftJob("s", k, GREEDY, gen()))
+        return proposal.token_ids
+
+    def look_ahead(self, lookahead: Lookahead, sent: list[int]) -> None:
+        """What the session runner does right after sending ``sent``: draft k + 1 tokens past it."""
+        lookahead.start(self.batcher, DraftJob("s", K + 1, GREEDY, gen(), None, tuple(sent), len(self.committed)))
+
+    def commit(self, tokens: list[int], accepted: int) -> None:
+        self.proposer.commit("s", tokens, accepted)
+        self.committed += tokens
+
+
+# --- lookahead ----------------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_a_lookahead_job_drafts_what_the_next_round_drafts_if_the_guess_comes_true(
+        draft: LoadedModel) -> None:
+    p = Pipeline(draft)
+    async with running(p.batcher):
+        sent = await p.round()
+        look, _, _ = await p.batcher.propose(DraftJob("s", K + 1, GREEDY, gen(), None, tuple(sent), len(PROMPT)))
+        assert look.token_ids == reference_greedy(draft, PROMPT + sent, K + 1)
+        # the verifier accepts every draft and adds the lookahead's first token: the next round,
+        # drafted normally after that commit, is the rest of the lookahead
+        p.commit([*sent, look.token_ids[0]], len(sent))
+        assert await p.round(K) == look.token_ids[1:]
+
+
+@pytest.mark.asyncio
+async def test_a_lookahead_that_came_true_is_the_next_rounds_draft(draft: LoadedModel) -> None:
+    p = Pipeline(draft)
+    lookahead = Lookahead()
+    async with running(p.batcher):
+        sent = await p.round()
+        expected = reference_greedy(draft, PROMPT + sent, K + 1)
+        p.look_ahead(lookahead, sent)
+        tokens = [*sent, expected[0]]  # all accepted, and the verifier's token is the guessed one
+        p.commit(tokens, len(sent))  # the session runner commits before it settles
+        await lookahead.settle(verdict(tokens, len(sent)), len(sent), p.metrics)
+        assert outcomes(p.metrics) == {"used": 1.0, "missed": 0.0, "dropped": 0.0}
+        ready = lookahead.take(K)
+        assert ready is not None and ready.token_ids == expected[1:] and ready.q is None
+        assert lookahead.take(K) is None  # a lookahead is used once
+        # it is exactly what drafting the round now would give
+        assert await p.round(K) == expected[1:]
+
+
+@pytest.mark.asyncio
+async def test_take_gives_at_most_the_new_budget(draft: LoadedModel) -> None:
+    p = Pipeline(draft)
+    lookahead = Lookahead()
+    async with running(p.batcher):
+        sent = await p.round()
+        expected = reference_greedy(draft, PROMPT + sent, K + 1)
+        p.look_ahead(lookahead, sent)
+        await lookahead.settle(verdict([*sent, expected[0]], len(sent)), len(sent), p.metrics)
+        ready = lookahead.take(2)
+    assert ready is not None and ready.token_ids == expected[1:3]
+
+
+@pytest.mark.asyncio
+async def test_a_lookahead_whose_guess_missed_is_not_used(draft: LoadedModel) -> None:
+    p = Pipeline(draft)
+    lookahead = Lookahead()
+    async with running(p.batcher):
+        sent = await p.round()
+        guess = reference_greedy(draft, PROMPT + sent, 1)[0]
+        other = (guess + 1) % draft.vocab_size
+        p.look_ahead(lookahead, sent)
+        tokens = [*sent, other]  # every draft accepted, but the verifier chose another token
+        p.commit(tokens, len(sent))
+        await lookahead.settle(verdict(tokens, len(sent)), len(sent), p.metrics)
+        assert lookahead.take(K) is None
+        assert outcomes(p.metrics) == {"used": 0.0, "missed": 1.0, "dropped": 0.0}
+        # the lookahead's tokens in the draft cache are rolled back: the next round is as if it never ran
+        assert await p.round(K) == reference_greedy(draft, PROMPT + tokens, K)
+
+
+@pytest.mark.asyncio
+async def test_a_lookahead_past_a_rejected_draft_is_dropped(draft: LoadedModel) -> None:
+    p = Pipeline(draft)
+    lookahead = Lookahead()
+    async with running(p.batcher):
+        sent = await p.round()
+        p.look_ahead(lookahead, sent)
+        tokens = [*sent[:2], (sent[2] + 1) % draft.vocab_size]  # two accepted, the third rejected
+        p.commit(tokens, 2)
+        await lookahead.settle(verdict(tokens, 2), len(sent), p.metrics)
+        assert lookahead.take(K) is None
+        assert outcomes(p.metrics) == {"used": 0.0, "missed": 0.0, "dropped": 1.0}
+        assert await p.round(K) == reference_greedy(draft, PROMPT + tokens, K)
+
+
+@pytest.mark.asyncio
+async def test_a_lookahead_is_dropped_when_the_session_finishes(draft: LoadedModel) -> None:
+    p = Pipeline(draft)
+    lookahead = Lookahead()
+    async with running(p.batcher):
+        sent = await p.round()
+        guess = reference_greedy(draft, PROMPT + sent, 1)[0]
+        p.look_ahead(lookahead, sent)
+        await lookahead.settle(verdict([*sent, guess], len(sent), finished=True), len(sent), p.metrics)
+        assert lookahead.take(K) is None
+    assert outcomes(p.metrics) == {"used": 0.0, "missed": 0.0, "dropped": 1.0}
+
+
+@pytest.mark.asyncio
+async def test_a_cancelled_lookahead_settles_to_nothing_and_the_batcher_goes_on(draft: LoadedModel) -> None:
+    p = Pipeline(draft)
+    lookahead = Lookahead()
+    async with running(p.batcher):
+        sent = await p.round()
+        guess = reference_greedy(draft, PROMPT + sent, 1)[0]
+        p.look_ahead(lookahead, sent)
+        lookahead.cancel()
+        await lookahead.settle(verdict([*sent, guess], len(sent)), len(sent), p.metrics)
+        assert lookahead.take(K) is None
+        assert outcomes(p.metrics) == {"used": 0.0, "missed": 0.0, "dropped": 0.0}
+        tokens = [*sent, guess]
+        p.commit(tokens, len(sent))
+        assert await p.round(K) == reference_greedy(draft, PROMPT + tokens, K)
+
+
+@pytest.mark.asyncio
+async def test_lookaheads_chain_over_rounds(draft: LoadedModel) -> None:
+    """Three rounds in which the verifier agrees with the draft model: after the first, every
+    round's draft comes from the previous round's lookahead, and the text is argmax decoding."""
+    p = Pipeline(draft)
+    lookahead = Lookahead()
+    truth = reference_greedy(draft, PROMPT, 3 * (K + 1))
+    async with running(p.batcher):
+        sent = await p.round()
+        for _ in range(3):
+            p.look_ahead(lookahead, sent)
+            tokens = truth[len(p.committed) - len(PROMPT):][: len(sent) + 1]
+            assert tokens[:-1] == sent
+            p.commit(tokens, len(sent))
+            await lookahead.settle(verdict(tokens, len(sent)), len(sent), p.metrics)
+            ready = lookahead.take(K)
+            assert ready is not None
+            sent = ready.token_ids
+    assert p.committed == PROMPT + truth[: len(p.committed) - len(PROMPT)]
+    assert outcomes(p.metrics)["used"] == 3.0
+
+
+# --- batcher priority -----------------------------------------------------------------------------
+
+
+class Recorder:
+    """A proposer that records each batch (session ids) and can hold a batch until released."""
+
+    name = "recorder"
+
+    def __init__(self) -> None:
+        self.batches: list[list[str]] = []
+        self.hold = threading.Event()
+        self.hold.set()
+        self.entered = threading.Event()
+
+    def start(self, session_id: str, prompt_ids: list[int], max_new_tokens: int) -> None:
+        pass
+
+    def propose(self, jobs: Sequence[DraftJob]) -> list[Proposal]:
+        self.batches.append([j.session_id for j in jobs])
+        self.entered.set()
+        self.hold.wait(10)
+        time.sleep(0.001)  # a measurable batch time
+        return [Proposal(token_ids=[7] * j.k) for j in jobs]
+
+    def commit(self, session_id: str, committed_new_tokens: list[int], accepted: int) -> None:
+        pass
+
+    def close(self, session_id: str) -> None:
+        pass
+
+
+def round_job(sid: str) -> DraftJob:
+    return DraftJob(sid, 2, GREEDY, gen())
+
+
+def lookahead_job(sid: str) -> DraftJob:
+    return DraftJob(sid, 1, GREEDY, gen(), None, (5, 6), len(PROMPT))
+
+
+async def queued(batcher: DraftBatcher, jobs: list[DraftJob]) -> list[asyncio.Task[tuple[Proposal, float, float]]]:
+    tasks = [asyncio.create_task(batcher.propose(j)) for j in jobs]
+    await asyncio.sleep(0)  # each task queues its job
+    return tasks
+
+
+def batch_ids(batch: Sequence[tuple[DraftJob, float, object]]) -> list[str]:
+    return [job.session_id for job, _, _ in batch]
+
+
+@pytest.mark.asyncio
+async def test_next_batch_takes_rounds_first_and_lookaheads_only_when_no_round_is_ready() -> None:
+    batcher = DraftBatcher(Recorder(), ComputeWorker(inline=True), DrafterMetrics(), max_batch=2)
+    tasks = await queued(batcher, [lookahead_job("la1"), round_job("r1"), lookahead_job("la2"), round_job("r2"),
+                                   round_job("r3")])
+    tasks[1].cancel()  # a session that went away while its job waited
+    await asyncio.sleep(0)
+    assert batch_ids(batcher._next_batch()) == ["r2", "r3"]  # oldest first, at most max_batch
+    assert batch_ids(batcher._next_batch()) == ["la1", "la2"]
+    assert batcher._next_batch() == []
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@pytest.mark.asyncio
+async def test_a_round_that_becomes_ready_during_a_batch_goes_before_waiting_lookaheads() -> None:
+    recorder = Recorder()
+    worker = ComputeWorker()  # a real worker thread, so the event loop queues jobs while a batch drafts
+    batcher = DraftBatcher(recorder, worker, DrafterMetrics())
+    try:
+        async with running(batcher):
+            recorder.hold.clear()
+            first = await queued(batcher, [round_job("r0")])
+            await asyncio.to_thread(recorder.entered.wait, 10)  # r0 is drafting
+            later = await queued(batcher, [lookahead_job("la"), round_job("r1"), round_job("r2")])
+            recorder.hold.set()
+            results = await asyncio.wait_for(asyncio.gather(*first, *later), 10)
+    finally:
+        worker.shutdown()
+    assert recorder.batches == [["r0"], ["r1", "r2"], ["la"]]
+    assert [len(p.token_ids) for p, _, _ in results] == [2, 1, 2, 2]
+    assert all(started <= ended for _, started, ended in results)
+
+
+@pytest.mark.asyncio
+async def test_lookahead_batches_do_not_feed_the_service_time_estimate() -> None:
+    batcher = DraftBatcher(Recorder(), ComputeWorker(inline=True), DrafterMetrics())
+    async with running(batcher):
+        await batcher.propose(lookahead_job("la"))
+        assert batcher.capacity.service_s == 0.0
+        await batcher.propose(round_job("r"))
+        assert batcher.capacity.service_s > 0.0
+
+
+# --- capacity (StarSD §4.2) -----------------------------------------------------------------------
+
+
+def warmed(service_s: float, return_s: float, tokens: int, rounds: int = WARM_ROUNDS) -> Capacity:
+    cap = Capacity()
+    for _ in range(rounds):
+        cap.observe_batch(4 * service_s, 4)
+        cap.observe_round(return_s, tokens)
+    return cap
+
+
+def test_capacity_says_nothing_until_warm() -> None:
+    cap = warmed(0.01, 0.035, 3, rounds=WARM_ROUNDS - 1)
+    assert not cap.warm and cap.n_full is None and cap.n_max is None
+    cap.observe_round(0.035, 3)
+    assert cap.warm and cap.n_full is not None
+    rounds_only = Capacity()  # rounds seen, but never a drafting batch: S unknown
+    for _ in range(WARM_ROUNDS):
+        rounds_only.observe_round(0.035, 3)
+    assert not rounds_only.warm and rounds_only.n_full is None and rounds_only.n_max is None
+
+
+@pytest.mark.parametrize(("service_s", "return_s", "tokens", "n_full", "n_max"), [
+    (0.01, 0.035, 3, 5, 10),  # Z/S = 3.5: N_full = 4 + 1; E Z / S = 10.5
+    (0.01, 0.025, 1, 4, 4),  # E Z / S = 2.5 < N_full: N_max is N_full
+    (0.02, 0.01, 2, 2, 2),  # the draft is slower than the return: two sessions fill it
+    (0.002, 0.0507, 4, 27, 101),  # Z/S = 25.35
+])
+def test_n_full_and_n_max(service_s: float, return_s: float, tokens: int, n_full: int, n_max: int) -> None:
+    cap = warmed(service_s, return_s, tokens)
+    assert cap.service_s == pytest.approx(service_s) and cap.return_s == pytest.approx(return_s)
+    assert cap.n_full == n_full == math.ceil(return_s / service_s) + 1
+    assert cap.n_max == n_max == max(n_full, math.floor(tokens * return_s / service_s))
+
+
+def test_capacity_estimates_are_moving_averages_per_session() -> None:
+    cap = Capacity()
+    cap.observe_batch(0.02, 2)  # the first observation is taken as it is: S = 0.02 / 2
+    assert cap.service_s == pytest.approx(0.01)
+    cap.observe_batch(0.03, 1)
+    assert cap.service_s == pytest.approx((1 - ALPHA) * 0.01 + ALPHA * 0.03)
+    cap.observe_batch(1.0, 0)  # an empty batch says nothing
+    assert cap.service_s == pytest.approx((1 - ALPHA) * 0.01 + ALPHA * 0.03)
+    cap.observe_round(0.05, 3)
+    cap.observe_round(0.15, 1)
+    assert cap.return_s == pytest.approx((1 - ALPHA) * 0.05 + ALPHA * 0.15)
+    assert cap.tokens_per_round == pytest.approx((1 - ALPHA) * 3 + ALPHA * 1)
+    assert cap.rounds == 2
