@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from shared.protocol import MAX_Q_ENTRIES, SamplingParams, SparseQ
-from shared.sampling import probs_from_logits
+from shared.sampling import probs_from_logits, sample
 
 #: Tolerance on a wire q's total mass above 1 (float16 rounding) before it is refused.
 Q_MASS_TOLERANCE = 2e-3
@@ -82,37 +82,50 @@ def draft_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generat
                 nucleus: Nucleus) -> tuple[int, SparseQ]:
     """Sample one draft token for a sampled request from the nucleus of its distribution."""
     ids, weights = cut(probs_from_logits(logits, params), nucleus)
-    q = weights.double()
-    token = int(ids[torch.multinomial(q / q.sum(), 1, generator=gen)].item())
+    token = int(ids[sample(weights, gen)])
     return token, pack(ids, weights)
 
 
-def check(q: SparseQ, token: int, vocab: int) -> float:
-    """Refuse a wire q that cannot be what ``token`` was sampled from; returns q(token)."""
+@dataclass(frozen=True)
+class CheckedQ:
+    """A wire q that passed :func:`check`, parsed once: the distribution the draft came from."""
+
+    ids: torch.Tensor  # int64
+    probs: torch.Tensor  # float64, normalised
+    token_prob: float  # q(drafted token)
+
+    def dense(self, vocab: int) -> torch.Tensor:
+        return torch.zeros(vocab, dtype=torch.float32).index_put_((self.ids,), self.probs.float())
+
+
+def check(q: SparseQ, token: int, vocab: int) -> CheckedQ:
+    """Refuse a wire q that cannot be what ``token`` was sampled from; returns it parsed.
+
+    Runs once per draft position on the verifier's event loop, so it stays in numpy: a few
+    vectorised passes over the entries, no sort.
+    """
     if len(q.ids) % 4 or len(q.probs) % 2 or len(q.ids) // 4 != len(q.probs) // 2:
         raise DraftError(f"q has {len(q.ids)} id bytes but {len(q.probs)} probability bytes")
-    ids, weights = _raw(q)
-    if ids.numel() == 0:
+    ids = np.frombuffer(q.ids, dtype="<u4")
+    weights = np.frombuffer(q.probs, dtype="<f2").astype(np.float64)
+    if ids.size == 0:
         raise DraftError("q is empty; it must list at least the drafted token")
-    if not bool(((ids >= 0) & (ids < vocab)).all()) or not 0 <= token < vocab:
+    if int(ids.max()) >= vocab or not 0 <= token < vocab:
         raise DraftError(f"a token id in the draft or its q is outside the vocabulary of {vocab}")
-    if ids.unique().numel() != ids.numel():
+    seen = np.zeros(vocab, dtype=bool)
+    seen[ids] = True
+    if int(seen.sum()) != ids.size:
         raise DraftError("q lists a token id twice")
     if not bool(((weights >= 0) & (weights <= 1)).all()):  # also refuses NaN
         raise DraftError("q has a probability outside [0, 1]")
     mass = float(weights.sum())
     if not 0.0 < mass <= 1.0 + Q_MASS_TOLERANCE or not math.isfinite(mass):
         raise DraftError(f"q's probabilities sum to {mass:.6f}; they must sum to at most 1")
-    at = (ids == token).nonzero()
-    if at.numel() == 0 or float(weights[at[0, 0]]) <= 0.0:
+    at = np.flatnonzero(ids == token)
+    if at.size == 0 or weights[at[0]] <= 0.0:
         raise DraftError(f"drafted token {token} has probability 0 under its own q")
-    return float(weights[at[0, 0]]) / mass
-
-
-def q_of(q: SparseQ, token: int) -> float:
-    """q(token) of a checked wire q."""
-    ids, probs = read(q)
-    return float(probs[(ids == token).nonzero()[0, 0]])
+    probs = weights / mass
+    return CheckedQ(torch.from_numpy(ids.astype(np.int64)), torch.from_numpy(probs), float(probs[at[0]]))
 
 
 def dense(q: SparseQ, vocab: int) -> torch.Tensor:

@@ -18,7 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from shared.protocol import FinishReason, SamplingParams, SparseQ
+from shared.draft_q import CheckedQ
+from shared.protocol import FinishReason, SamplingParams
 
 # --- commands (event loop -> core) ---------------------------------------------------------
 
@@ -36,7 +37,7 @@ class AddDraft:
     request_id: str
     round: int
     token_ids: list[int]
-    q: list[SparseQ] | None
+    q: list[CheckedQ] | None  # checked and parsed by intake
     received_at: float  # time.perf_counter() when the frame arrived
 
 

@@ -102,14 +102,12 @@ class Intake:
         if msg.q is not None and len(msg.q) != len(msg.token_ids):
             return self.output.error(conn_id, "invalid",
                                      f"draft has {len(msg.token_ids)} tokens but {len(msg.q)} q rows", rid)
-        q = msg.q
-        if q is not None:
-            try:
-                for sparse, token in zip(q, msg.token_ids, strict=True):
-                    check(sparse, token, vocab)
+        q = None
+        if msg.q is not None:
+            try:  # parsed here, once; the core's acceptance step reads the parsed rows
+                q = [check(sparse, token, vocab) for sparse, token in zip(msg.q, msg.token_ids, strict=True)]
             except DraftError as exc:  # verifying as ids-only is still exactly lossless
                 log.warning("draft q refused; verifying ids-only", request_id=rid, reason=str(exc))
-                q = None
         self._submit(conn_id, AddDraft(rid, msg.round, list(msg.token_ids), q, received_at))
         return None
 

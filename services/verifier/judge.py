@@ -23,7 +23,6 @@ import torch
 
 from services.verifier.requests import Request
 from shared.acceptance import accepted_prefix, one_hot, residual, verify_greedy
-from shared.draft_q import dense, q_of
 from shared.sampling import probs_from_logit_rows, sample
 
 
@@ -87,7 +86,7 @@ def _judge_sampled(batch: Sequence[tuple[Request, list[int]]], starts: list[int]
 
 def _accepted(req: Request, drafts: list[int], p_x: list[float]) -> int:
     k = len(drafts)
-    q_x = [q_of(req.draft_q[j], t) for j, t in enumerate(drafts)] if req.draft_q else [1.0] * k
+    q_x = [req.draft_q[j].token_prob for j in range(k)] if req.draft_q else [1.0] * k
     return accepted_prefix(p_x, q_x, torch.rand(k, generator=req.gen).tolist() if k else [])
 
 
@@ -95,4 +94,4 @@ def _q_row(req: Request, drafts: list[int], n: int, vocab: int, device: torch.de
     """The dense q the rejected draft n was drawn from: its sparse q, or one-hot (ids-only)."""
     if not req.draft_q:
         return one_hot(drafts[n], vocab).to(device)
-    return dense(req.draft_q[n], vocab).to(device)
+    return req.draft_q[n].dense(vocab).to(device)

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shared.protocol import FinishReason, SamplingParams, SparseQ
+from shared.draft_q import CheckedQ
+from shared.protocol import FinishReason, SamplingParams
 from shared.runner import KVSlot
 from shared.sampling import is_greedy, make_generator
 
@@ -46,7 +47,7 @@ class Request:
     round: int = 0
     draft_budget: int = 0
     draft_ids: list[int] = field(default_factory=list)
-    draft_q: list[SparseQ] | None = None
+    draft_q: list[CheckedQ] | None = None
     finish_reason: FinishReason | None = None
     drafted: int = 0
     accepted: int = 0

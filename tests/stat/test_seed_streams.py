@@ -23,7 +23,7 @@ import torch
 
 from services.verifier.judge import judge
 from services.verifier.requests import Request
-from shared.draft_q import Nucleus, draft_token
+from shared.draft_q import Nucleus, check, draft_token
 from shared.protocol import SamplingParams
 from shared.sampling import make_generator, probs_from_logits
 
@@ -56,7 +56,7 @@ def _first_token_counts(streams: Streams) -> torch.Tensor:
             drafts.append(token)
             qs.append(q)
         req = Request.create(f"r{seed}", [1], PARAMS, True, 64, frozenset())
-        req.gen, req.draft_q = verifier, qs
+        req.gen, req.draft_q = verifier, [check(q, t, V) for q, t in zip(qs, drafts, strict=True)]
         verdict = judge([(req, drafts)], TARGET)[0]
         counts[verdict.tokens[0]] += 1
     return counts / SEEDS

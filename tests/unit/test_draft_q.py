@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from shared.draft_q import DraftError, Nucleus, check, cut, dense, draft_token, pack, q_of, read
+from shared.draft_q import DraftError, Nucleus, check, cut, dense, draft_token, pack, read
 from shared.protocol import SamplingParams, SparseQ
 from shared.sampling import make_generator, probs_from_logits
 
@@ -52,8 +52,9 @@ def test_wire_round_trip_is_the_sampled_distribution(seed: int) -> None:
     assert torch.equal(got, want)  # bit-exact: the verifier reads the q the drafter sampled from
     assert len(q.ids) == 4 * len(ids) and len(q.probs) == 2 * len(ids)  # 6 bytes per entry
     token = int(ids[0])
-    assert check(q, token, V) == pytest.approx(float(want[0]))
-    assert q_of(q, token) == float(want[0])
+    checked = check(q, token, V)
+    assert checked.token_prob == float(want[0])
+    assert torch.equal(checked.dense(V), dense(q, V))
     assert float(dense(q, V).sum()) == pytest.approx(1.0)
 
 
@@ -112,7 +113,7 @@ def test_check_refuses_a_q_that_cannot_be_what_was_sampled(q: SparseQ, token: in
 
 def test_a_partial_nucleus_is_accepted_and_renormalised() -> None:
     q = _q([3, 0], [0.6, 0.3])
-    assert check(q, 3, V) == pytest.approx(0.6 / 0.9, rel=1e-3)
+    assert check(q, 3, V).token_prob == pytest.approx(0.6 / 0.9, rel=1e-3)
     assert float(dense(q, V)[3]) == pytest.approx(0.6 / 0.9, rel=1e-3)
 
 

@@ -13,7 +13,7 @@ import torch
 from services.verifier.judge import judge
 from services.verifier.requests import Request
 from shared.acceptance import verify_greedy, verify_sampled
-from shared.draft_q import check, dense, pack
+from shared.draft_q import check, pack
 from shared.protocol import SamplingParams, SparseQ
 from shared.sampling import make_generator, probs_from_logit_rows, probs_from_logits
 
@@ -37,11 +37,6 @@ def _sparse(gen: torch.Generator, token: int) -> SparseQ:
     return pack(torch.tensor(ids), (probs / probs.sum()).half())
 
 
-def _checked_dense(q: SparseQ, token: int) -> torch.Tensor:
-    check(q, token, VOCAB)
-    return dense(q, VOCAB)
-
-
 def test_rows_with_their_own_settings_equal_each_row_alone() -> None:
     logits = torch.randn(len(MIXED) - 1, VOCAB, generator=torch.Generator().manual_seed(0)) * 3
     sampled = [p for p in MIXED if p.temperature > 0]
@@ -61,7 +56,7 @@ def test_batch_verdicts_equal_each_session_judged_alone(seed: int, with_q: bool)
         drafts = torch.randint(0, VOCAB, (k,), generator=gen).tolist()
         req = _request(i, params)
         if with_q and params.temperature > 0:
-            req.draft_q = [_sparse(gen, t) for t in drafts]
+            req.draft_q = [check(_sparse(gen, t), t, VOCAB) for t in drafts]
         batch.append((req, drafts))
         rows.append(torch.randn(k + 1, VOCAB, generator=gen) * 2)
     got = judge(batch, torch.cat(rows))
@@ -70,6 +65,6 @@ def test_batch_verdicts_equal_each_session_judged_alone(seed: int, with_q: bool)
         if req.greedy:
             n, extra = verify_greedy(drafts, logits.argmax(-1).tolist())
         else:
-            q = [_checked_dense(sq, t) for sq, t in zip(req.draft_q, drafts, strict=True)] if req.draft_q else None
+            q = [cq.dense(VOCAB) for cq in req.draft_q] if req.draft_q else None
             n, extra = verify_sampled(drafts, probs_from_logits(logits, req.params), q, alone)
         assert (verdict.accepted, verdict.tokens) == (n, [*drafts[:n], extra])
