@@ -65,15 +65,7 @@ def test_up_runs_until_sigterm_then_stops_every_child(tiny_models: dict[str, Pat
                             stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     try:
-        assert proc.stdout is not None
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if "Press Ctrl-C" in line:
-                break
+        lines = _until_ready(proc)
         assert any("specfleet is ready at http://127.0.0.1:" in line for line in lines), "".join(lines)
         assert any("curl http://127.0.0.1:" in line for line in lines)
         proc.send_signal(signal.SIGTERM)
