@@ -49,13 +49,24 @@ class Nucleus:
             raise ValueError(f"the q nucleus size must be in [1, {MAX_Q_ENTRIES}], got {self.max_entries}")
 
 
+#: The nucleus is first looked for among this many most likely tokens: a peaked distribution (the
+#: usual case for a real draft model) then costs a partial top-k, not a sort of the vocabulary.
+FIRST_LOOK = 256
+
+
 def cut(probs: torch.Tensor, nucleus: Nucleus) -> tuple[torch.Tensor, torch.Tensor]:
     """The nucleus of one distribution ``probs [V]``: (ids int64, float16 weights), most likely first.
 
     Entries that are 0 (removed by the request's top-k/top-p) or round to 0 in float16 are left out.
     """
-    values, ids = probs.float().topk(min(nucleus.max_entries, probs.shape[-1]))
-    keep = int(torch.searchsorted(values.cumsum(0), torch.tensor([nucleus.mass]), right=False).item()) + 1
+    probs = probs.float()
+    cap = min(nucleus.max_entries, probs.shape[-1])
+    values, ids = probs.topk(min(FIRST_LOOK, cap))
+    mass = values.cumsum(0)
+    if float(mass[-1]) < nucleus.mass and values.shape[0] < cap:  # a flat distribution: look further
+        values, ids = probs.topk(cap)
+        mass = values.cumsum(0)
+    keep = int(torch.searchsorted(mass, torch.tensor([nucleus.mass]), right=False).item()) + 1
     values, ids = values[:keep].half(), ids[:keep]
     nonzero = values > 0
     return ids[nonzero], values[nonzero]

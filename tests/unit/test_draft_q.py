@@ -121,3 +121,17 @@ def test_a_partial_nucleus_is_accepted_and_renormalised() -> None:
 def test_nucleus_settings_validated(mass: float, entries: int) -> None:
     with pytest.raises(ValueError, match="nucleus"):
         Nucleus(mass, entries)
+
+
+@pytest.mark.parametrize("scale", [0.5, 2.0, 6.0, 12.0])  # from flat (a full sort) to peaked (a partial top-k)
+@pytest.mark.parametrize(("mass", "max_entries"), [(0.98, 4096), (0.5, 4096), (0.999, 100), (1.0, 300)])
+def test_cut_equals_the_nucleus_of_the_fully_sorted_distribution(scale: float, mass: float, max_entries: int) -> None:
+    vocab = 2000
+    probs = torch.softmax(torch.randn(vocab, generator=torch.Generator().manual_seed(9)) * scale, -1)
+    ordered, order = probs.sort(descending=True)
+    cap = min(max_entries, vocab)
+    keep = min(cap, int((ordered.cumsum(0) < mass).sum()) + 1)
+    ids, weights = cut(probs, Nucleus(mass, max_entries))
+    want = order[:keep][ordered[:keep].half() > 0]
+    assert ids.tolist() == want.tolist()
+    assert torch.equal(weights, probs[want].half())
