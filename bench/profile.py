@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=8, help="requests per concurrency level (at least the level)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--draft-len", type=int, default=4)
+    p.add_argument("--temperature", type=float, default=0.0, help="request temperature (0: greedy)")
     p.add_argument("--target", default="")
     p.add_argument("--draft", default="", help="draft model dir (default: the smallest draft beside the target)")
     add_edge_flags(p)
@@ -91,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# round breakdown ({edge.describe()})\n")
     with tempfile.TemporaryDirectory() as logs, bench_fleet(models.target, sc, edge, Path(logs)) as bf:
         for conc in args.concurrency:
-            run = measure(bf, sc, conc, 1, max(args.requests, conc), args.max_tokens, models.target.name)
+            run = measure(bf, sc, conc, 1, max(args.requests, conc), args.max_tokens, models.target.name,
+                          args.temperature)
             print(report(run) + "\n", flush=True)
     return 0
 
