@@ -77,16 +77,19 @@ def pack(ids: torch.Tensor, weights: torch.Tensor) -> SparseQ:
     return SparseQ(ids=ids.numpy().astype("<u4").tobytes(), probs=weights.numpy().astype("<f2").tobytes())
 
 
-def _raw(q: SparseQ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids int64, float64 weights) as sent, unchecked."""
-    ids = torch.from_numpy(np.frombuffer(q.ids, dtype="<u4").astype(np.int64))
-    return ids, torch.from_numpy(np.frombuffer(q.probs, dtype="<f2").astype(np.float64))
+def _parse(q: SparseQ) -> tuple[np.ndarray, np.ndarray]:
+    """(uint32 ids, float64 weights) as sent, unchecked: the one place that decodes the bytes."""
+    return np.frombuffer(q.ids, dtype="<u4"), np.frombuffer(q.probs, dtype="<f2").astype(np.float64)
 
 
 def read(q: SparseQ) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids int64, q float64) from the wire: the exact distribution the drafter sampled from."""
-    ids, weights = _raw(q)
-    return ids, weights / weights.sum()
+    ids, weights = _parse(q)
+    return torch.from_numpy(ids.astype(np.int64)), torch.from_numpy(weights / weights.sum())
+
+
+def _scatter(ids: torch.Tensor, probs: torch.Tensor, vocab: int) -> torch.Tensor:
+    return torch.zeros(vocab, dtype=torch.float32).index_put_((ids,), probs.float())
 
 
 def draft_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator,
@@ -106,7 +109,7 @@ class CheckedQ:
     token_prob: float  # q(drafted token)
 
     def dense(self, vocab: int) -> torch.Tensor:
-        return torch.zeros(vocab, dtype=torch.float32).index_put_((self.ids,), self.probs.float())
+        return _scatter(self.ids, self.probs, vocab)
 
 
 def check(q: SparseQ, token: int, vocab: int) -> CheckedQ:
@@ -117,8 +120,7 @@ def check(q: SparseQ, token: int, vocab: int) -> CheckedQ:
     """
     if len(q.ids) % 4 or len(q.probs) % 2 or len(q.ids) // 4 != len(q.probs) // 2:
         raise DraftError(f"q has {len(q.ids)} id bytes but {len(q.probs)} probability bytes")
-    ids = np.frombuffer(q.ids, dtype="<u4")
-    weights = np.frombuffer(q.probs, dtype="<f2").astype(np.float64)
+    ids, weights = _parse(q)
     if ids.size == 0:
         raise DraftError("q is empty; it must list at least the drafted token")
     if int(ids.max()) >= vocab or not 0 <= token < vocab:
@@ -141,5 +143,4 @@ def check(q: SparseQ, token: int, vocab: int) -> CheckedQ:
 
 def dense(q: SparseQ, vocab: int) -> torch.Tensor:
     """A checked wire q as a dense float32 vector over the vocabulary."""
-    ids, probs = read(q)
-    return torch.zeros(vocab, dtype=torch.float32).index_put_((ids,), probs.float())
+    return _scatter(*read(q), vocab)
