@@ -30,6 +30,16 @@ PROMPTS = [
     "def __repr__(self):\n", "if __name__ == '__main__':\n", "raise ValueError(",
     "    @property\n    def", "lines = text.splitlines()\n", "async def fetch(", "    # Compute the",
 ]
+#: prompts no benchmark measures with: what a policy learns from (WISP's predictor) before it is measured
+TRAIN_PROMPTS = [
+    "def parse_args(argv):\n", "class Node:\n    def __init__(self", "import json\nimport re\n\n",
+    "    while queue:\n", "def load(path, encoding='utf-8'):\n", "# Write the results\n",
+    "for i in range(len(items)):\n", "    def __eq__(self, other):\n", "with tempfile.TemporaryDirectory() as d:\n",
+    "def test_roundtrip():\n", "class Config(dataclass):\n", "logger = logging.getLogger(",
+    "    if not isinstance(value, int):\n", "result = {k: v for k, v in", "async def handle(request):\n",
+    "    # Normalise the", "def merge(a, b):\n", "except KeyError as exc:\n", "    yield from self._",
+    "total = sum(", "class Stack:\n", "def fib(n):\n", "    return sorted(", "from pathlib import Path\n\n",
+]
 
 
 @dataclass(frozen=True)
@@ -62,8 +72,9 @@ class Run:
         return sum(o.accepted for o in self.outcomes) / drafted if drafted else 0.0
 
 
-def bodies(n: int, max_tokens: int, model: str, temperature: float = 0.0) -> list[dict[str, Any]]:
-    return [{"kind": "completion", "model": model, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": max_tokens,
+def bodies(n: int, max_tokens: int, model: str, temperature: float = 0.0,
+           prompts: list[str] = PROMPTS) -> list[dict[str, Any]]:
+    return [{"kind": "completion", "model": model, "prompt": prompts[i % len(prompts)], "max_tokens": max_tokens,
              "temperature": temperature, "ignore_eos": True} for i in range(n)]
 
 
@@ -102,11 +113,11 @@ def bench_fleet(target: Path, sc: Scenario, edge: Edge, log_dir: Path) -> Iterat
 
 
 def measure(bf: BenchFleet, sc: Scenario, concurrency: int, repeats: int, requests: int, max_tokens: int,
-            model: str, temperature: float = 0.0) -> Run:
+            model: str, temperature: float = 0.0, prompts: list[str] = PROMPTS) -> Run:
     before = bf.scrape()
     rates, outcomes = [], []
     for _ in range(repeats):
-        wall, outs = asyncio.run(run_load(bf.fleet.ws_url, bodies(requests, max_tokens, model, temperature),
+        wall, outs = asyncio.run(run_load(bf.fleet.ws_url, bodies(requests, max_tokens, model, temperature, prompts),
                                           concurrency))
         rates.append(sum(o.tokens for o in outs) / wall)
         outcomes += outs

@@ -3,6 +3,7 @@
     specfleet up [--smoke] [flags]        verifier + coordinator + drafters on this machine
     specfleet verifier|drafter|coordinator [flags]
     specfleet make-tiny-models [--out DIR]
+    specfleet wisp-train SAMPLES.csv [--out wisp.json]
 
 Service modules are imported only when their subcommand runs, so ``specfleet up`` (the
 supervisor) never loads torch or a model itself, and a broken service cannot break the others.
@@ -28,6 +29,7 @@ commands:
   drafter           run a drafter: a small draft model proposing tokens for many sessions
   coordinator       run the coordinator: the OpenAI-compatible front door and request queue
   make-tiny-models  create tiny random test models (a target and two drafts)
+  wisp-train        train the WISP drafting controller's rejection predictor from a drafter's samples
 
 `specfleet <command> --help` lists the command's flags; every service flag also has a
 SPECFLEET_* environment variable.
@@ -77,6 +79,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run_service(command, rest)
     if command == "make-tiny-models":
         return _make_tiny_models(rest)
+    if command == "wisp-train":
+        from services.drafter.wisp_train import main as wisp_train
+
+        return wisp_train(rest)
     if command == "up":
         from shared.up import up_main
 

@@ -40,9 +40,16 @@ class DrafterConfig:
     admission: str = opt("max-sessions", "how many sessions to claim: max-sessions (up to --max-sessions), or starsd "
                                          "(also at most StarSD's N_max, estimated from measured timings)")
     controller: str = opt("fixed", "when to stop drafting within the verifier's budget: fixed (draft it all, the "
-                                   "baseline), threshold (stop after a token the draft model is unsure of), or adaspec "
-                                   "(stop when one more token would lower expected tokens per second)")
+                                   "baseline), threshold (stop after a token the draft model is unsure of), adaspec "
+                                   "(stop when one more token would lower expected tokens per second), or wisp (stop "
+                                   "at the first token an MLP on the draft's logit statistics predicts rejected)")
     threshold: float = opt(0.4, "controller=threshold: stop when the draft's top probability is below this")
+    wisp_model: str = opt("", "controller=wisp: start from this predictor (written by `specfleet wisp-train`); "
+                              "empty: draft the whole budget until one is trained in the background")
+    wisp_train_after: int = opt(2000, "controller=wisp: retrain the predictor in the background after this many "
+                                      "new labelled tokens (0: never; keep --wisp-model as it is)")
+    wisp_samples: str = opt("", "controller=wisp: append every labelled token (features, accepted) to this CSV, "
+                                "the input of `specfleet wisp-train`")
     claim_idle_ms: int = opt(30000, "Redis: claim requests another drafter left pending this long")
     reconnect_s: float = opt(1.0, "seconds between reconnect attempts to the verifier or queue")
     kv_cache_gb: float = opt(0.0, "draft KV cache in GiB; 0 sizes it for max_sessions full-context sessions (at "

@@ -10,6 +10,10 @@ the draft cache. Otherwise it is dropped (the proposer's rollback discards it fr
 The draft model would sit idle during verification anyway, so a dropped lookahead costs only
 edge compute, and a batched lookahead rides along with other sessions' drafts.
 
+A lookahead is drafted without the session's controller (it is not a round), but with the
+step features the controller reads; the round that takes it lets the controller screen it token
+by token, so a policy stops a ready draft where it would have stopped a fresh one.
+
 Only greedy requests pipeline: their drafts are argmax and draw no randomness, so whether a
 lookahead ran or was used never changes a seeded request's random stream.
 """
@@ -21,7 +25,7 @@ import contextlib
 from dataclasses import replace
 
 from services.drafter.batcher import DraftBatcher
-from services.drafter.control.base import StepFeatures
+from services.drafter.control.base import DraftController, StepDecision, StepFeatures
 from services.drafter.metrics import DrafterMetrics
 from services.drafter.proposers.base import DraftJob, Proposal
 from shared.protocol import Verdict
@@ -39,12 +43,16 @@ class Lookahead:
         self.cancel()
         self._task = asyncio.create_task(_one_token_at_a_time(batcher, job), name=f"lookahead-{job.session_id}")
 
-    def take(self, k: int) -> Proposal | None:
-        """The next round's draft, if the last lookahead came true; at most ``k`` tokens."""
+    def take(self, k: int, controller: DraftController | None = None) -> Proposal | None:
+        """The next round's draft, if the last lookahead came true: at most ``k`` tokens, and
+        screened by the session's controller as if it had watched them being drafted."""
         ready, self._ready = self._ready, None
         if ready is None or k <= 0:
             return None
-        return Proposal(token_ids=ready.token_ids[:k], q=None, steps=ready.steps[:k])
+        n = min(k, len(ready.token_ids))
+        if controller is not None and controller.wants_features and len(ready.steps) >= n:
+            n = _screen(controller, ready.steps[:n], k)
+        return Proposal(token_ids=ready.token_ids[:n], q=None, steps=ready.steps[:n])
 
     async def settle(self, verdict: Verdict, drafted: int, metrics: DrafterMetrics) -> None:
         """Keep the lookahead when the verdict made its guess true; drop it otherwise."""
@@ -70,6 +78,17 @@ class Lookahead:
         if self._task is not None:
             self._task.cancel()
             self._task = None
+
+
+def _screen(controller: DraftController, steps: list[StepFeatures], budget: int) -> int:
+    """How many of a ready lookahead's tokens the controller keeps (its round has begun)."""
+    for i, step in enumerate(steps):
+        decision = controller.on_step(replace(step, position=i, budget=budget))
+        if decision is StepDecision.DISCARD:
+            return i
+        if decision is StepDecision.STOP:
+            return i + 1
+    return len(steps)
 
 
 async def _one_token_at_a_time(batcher: DraftBatcher, job: DraftJob) -> tuple[Proposal, float, float]:

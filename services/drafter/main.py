@@ -14,9 +14,12 @@ import signal
 import socket
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from services.drafter.config import DrafterConfig
 from services.drafter.control import CONTROLLERS, ControlSettings, make_controller
+from services.drafter.control.rejection_predictor import RejectionMLP
+from services.drafter.control.wisp import WispState
 from services.drafter.link import LinkRefused, VerifierLink
 from services.drafter.loop import ADMISSIONS, DrafterLoop
 from services.drafter.metrics import DrafterMetrics
@@ -68,6 +71,7 @@ def check_config(cfg: DrafterConfig, need_model: bool = True) -> None:
         problems.append(f"--threshold must be in [0, 1], got {cfg.threshold}")
     if cfg.controller not in CONTROLLERS:
         problems.append(f"--controller must be one of {', '.join(sorted(CONTROLLERS))}, got {cfg.controller!r}")
+    problems += _wisp_problems(cfg)
     if len(cfg.node_id) > 128:
         problems.append("--node-id must be at most 128 characters")
     if not cfg.reconnect_s > 0:
@@ -80,6 +84,28 @@ def check_config(cfg: DrafterConfig, need_model: bool = True) -> None:
         problems.append(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {cfg.log_level!r}")
     if problems:
         raise ConfigError("; ".join(problems))
+
+
+def _wisp_problems(cfg: DrafterConfig) -> list[str]:
+    problems = []
+    if cfg.wisp_train_after < 0:
+        problems.append(f"--wisp-train-after must be >= 0, got {cfg.wisp_train_after}")
+    if cfg.wisp_model:
+        try:
+            RejectionMLP.load(Path(cfg.wisp_model))
+        except ValueError as exc:
+            problems.append(f"--wisp-model: {exc}")
+    if cfg.wisp_samples and not Path(cfg.wisp_samples).parent.is_dir():
+        problems.append(f"--wisp-samples: the directory of {cfg.wisp_samples} does not exist")
+    return problems
+
+
+def control_settings(cfg: DrafterConfig) -> ControlSettings:
+    """One per drafter: AdaSpec's clock and calibration and WISP's predictor are shared by its sessions."""
+    samples = Path(cfg.wisp_samples) if cfg.wisp_samples else None
+    wisp = WispState(model=RejectionMLP.load(Path(cfg.wisp_model)) if cfg.wisp_model else None,
+                     train_after=cfg.wisp_train_after, samples_path=samples)
+    return ControlSettings(cfg.threshold, wisp=wisp)
 
 
 def compute_inline(mode: str) -> bool:
@@ -145,7 +171,7 @@ async def serve(
     if cfg.metrics_port:
         metrics.serve(cfg.metrics_host, cfg.metrics_port)
     worker = ComputeWorker(inline=compute_inline(cfg.compute_mode))
-    controls = ControlSettings(cfg.threshold)  # one per drafter: AdaSpec's clock and calibration are shared
+    controls = control_settings(cfg)
     loop = DrafterLoop(
         node_id=node_id, max_sessions=cfg.max_sessions,
         link=VerifierLink(cfg.verifier_url, hello, cfg.auth_token), queue=request_queue,
@@ -158,6 +184,7 @@ async def serve(
         await loop.run(ready)
     finally:
         await asyncio.to_thread(worker.shutdown)
+        controls.wisp.close()
         if own_queue:
             with contextlib.suppress(Exception):
                 await request_queue.close()

@@ -137,7 +137,7 @@ class SessionRunner:
         budget = session.useful_draft_len(min(session.budget, self.max_draft_tokens))
         k = max(0, min(budget, session.controller.begin_round(budget)))
         began = time.perf_counter()
-        ready = session.lookahead.take(k)
+        ready = session.lookahead.take(k, session.controller)
         proposal, started, ended = (ready, began, began) if ready is not None else await self._draft(session, k)
         early = _drain_final(inbox)  # cancelled while we drafted? then do not send a dead draft
         if early is not None:
@@ -185,9 +185,11 @@ class SessionRunner:
         if self.active() > self.pipeline_sessions or (n_full is not None and self.active() >= n_full):
             return
         base = len(session.committed)
-        # no controller: a lookahead is not a round, and must not touch a controller's round state
+        # no controller: a lookahead is not a round, and must not touch a controller's round state;
+        # its features are kept so the controller screens it when the next round takes it
         session.lookahead.start(self.batcher, DraftJob(session.request_id, k + 1, session.params, session.rng,
-                                                       None, tuple(sent.token_ids), base))
+                                                       None, tuple(sent.token_ids), base,
+                                                       features=session.controller.wants_features))
 
     async def _draft(self, session: DraftSession, k: int) -> tuple[Proposal, float, float]:
         """The round's proposal, and when the worker started and ended computing it."""

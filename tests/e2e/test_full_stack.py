@@ -141,6 +141,23 @@ def test_greedy_identical_under_every_drafting_policy(policy: list[str], tiny_mo
         check_greedy(stack, target)
 
 
+def test_wisp_learns_from_verdicts_and_stays_greedy_identical(tiny_models: dict[str, Path], target: LoadedModel,
+                                                              tmp_path: Path) -> None:
+    """The WISP controller labels tokens from live verdicts, trains its predictor in the background
+    mid-run and stops drafts with it, and the output stays the target's own."""
+    samples = tmp_path / "wisp-samples.csv"
+    spec = StackSpec(drafts=[tiny_models["draft-L2"]], max_sessions=CONCURRENCY, drafter_log_level="info",
+                     extra_drafter=["--controller", "wisp", "--wisp-train-after", "40", "--wisp-samples",
+                                    str(samples)])
+    with run_stack(tiny_models["target"], spec, tmp_path / "logs") as stack:
+        check_greedy(stack, target)
+    rows = samples.read_text().splitlines()
+    assert rows[0].endswith(",accepted") and len(rows) > 80
+    assert {r.rsplit(",", 1)[1] for r in rows[1:]} == {"0", "1"}
+    drafter_log = next((tmp_path / "logs").glob("drafter*.log")).read_text()
+    assert "WISP predictor trained" in drafter_log
+
+
 @pytest.mark.redis
 def test_greedy_identical_three_drafters_redis(three_drafters: Stack, target: LoadedModel) -> None:
     check_greedy(three_drafters, target)

@@ -16,6 +16,7 @@ import torch
 
 from services.drafter.batcher import DraftBatcher
 from services.drafter.capacity import ALPHA, WARM_ROUNDS, Capacity
+from services.drafter.control.threshold import ThresholdController
 from services.drafter.lookahead import Lookahead
 from services.drafter.metrics import DrafterMetrics
 from services.drafter.proposers.base import DraftJob, Proposal
@@ -148,6 +149,32 @@ async def test_take_gives_at_most_the_new_budget(draft: LoadedModel) -> None:
         await lookahead.settle(verdict([*sent, expected[0]], len(sent)), len(sent), p.metrics)
         ready = lookahead.take(2)
     assert ready is not None and ready.token_ids == expected[1:3]
+
+
+@pytest.mark.asyncio
+async def test_a_ready_lookahead_is_screened_as_the_controller_would_screen_a_fresh_round(
+        draft: LoadedModel) -> None:
+    p = Pipeline(draft)
+    lookahead = Lookahead()
+    async with running(p.batcher):
+        sent = await p.round()
+        expected = reference_greedy(draft, PROMPT + sent, K + 1)
+        lookahead.start(p.batcher, DraftJob("s", K + 1, GREEDY, gen(), None, tuple(sent), len(p.committed),
+                                            features=True))
+        tokens = [*sent, expected[0]]
+        p.commit(tokens, len(sent))
+        await lookahead.settle(verdict(tokens, len(sent)), len(sent), p.metrics)
+        threshold = ThresholdController(0.0)
+        ready = lookahead._ready
+        assert ready is not None and len(ready.steps) == K
+        # a threshold just above the second token's confidence stops after it
+        threshold.threshold = ready.steps[1].top1_prob + 1e-9
+        threshold.begin_round(K)
+        screened = lookahead.take(K, threshold)
+        threshold.begin_round(K)
+        fresh, _, _ = await p.batcher.propose(DraftJob("s", K, GREEDY, gen(), threshold))
+    assert screened is not None and screened.token_ids == fresh.token_ids
+    assert len(fresh.token_ids) <= 2 and [s.position for s in screened.steps] == list(range(len(fresh.token_ids)))
 
 
 @pytest.mark.asyncio

@@ -9,6 +9,7 @@ from services.drafter.control.adaspec import AdaSpecController, AdaSpecState
 from services.drafter.control.base import DraftController, StepDecision, StepFeatures
 from services.drafter.control.fixed import FixedController
 from services.drafter.control.threshold import DEFAULT_THRESHOLD, ThresholdController
+from services.drafter.control.wisp import WispController, WispState
 
 __all__ = ["CONTROLLERS", "ControlSettings", "DraftController", "StepDecision", "StepFeatures", "make_controller"]
 
@@ -19,6 +20,7 @@ class ControlSettings:
 
     threshold: float = DEFAULT_THRESHOLD
     adaspec: AdaSpecState = field(default_factory=AdaSpecState)  # shared by all sessions of a drafter
+    wisp: WispState = field(default_factory=WispState)  # likewise: the predictor and its samples
 
 
 #: name -> factory of a fresh per-session controller
@@ -26,6 +28,7 @@ CONTROLLERS: dict[str, Callable[[ControlSettings], DraftController]] = {
     "fixed": lambda s: FixedController(),
     "threshold": lambda s: ThresholdController(s.threshold),
     "adaspec": lambda s: AdaSpecController(s.adaspec),
+    "wisp": lambda s: WispController(s.wisp),
 }
 
 

@@ -41,6 +41,7 @@ class StepFeatures:
     top1_prob: float
     top2_prob: float
     entropy: float  # nats
+    logit_std: float = 0.0  # spread of the raw logits over the vocabulary
 
     @property
     def margin(self) -> float:
@@ -49,7 +50,7 @@ class StepFeatures:
 
 
 class DraftController(Protocol):
-    """Per-session drafting policy. Implementations: fixed (here); wisp, adaspec (later).
+    """Per-session drafting policy. Implementations: fixed, threshold, adaspec, wisp.
 
     ``wants_features``: whether ``on_step`` reads the step features. When False the proposer
     neither computes them (a softmax over the vocabulary per token) nor calls ``on_step``.

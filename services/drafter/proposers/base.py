@@ -58,6 +58,8 @@ class DraftJob:
     #: flight, assumed accepted); ``base`` < 0 means after every committed token
     assume: tuple[int, ...] = ()
     base: int = -1
+    #: compute step features without a controller (a lookahead its controller screens later)
+    features: bool = False
 
 
 class Proposer(Protocol):

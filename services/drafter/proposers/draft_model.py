@@ -64,6 +64,7 @@ class _Drafting:
     sampled: bool
     enders: frozenset[int]
     watch: DraftController | None
+    features: bool  # compute step features (for ``watch``, or for a later screening)
     feed: list[int]  # tokens the next forward feeds for this session
     tokens: list[int] = field(default_factory=list)
     qs: list[SparseQ] = field(default_factory=list)
@@ -164,6 +165,7 @@ class DraftModelProposer:
         watch = job.controller if job.controller is not None and job.controller.wants_features else None
         enders = frozenset(job.params.stop_token_ids) | (frozenset() if job.params.ignore_eos else self.eos_ids)
         return _Drafting(index, job, state, k, self.mode == "sampled" and not is_greedy(job.params), enders, watch,
+                         watch is not None or job.features,
                          feed=context[len(state.cached):])
 
     def _step(self, d: _Drafting, logits: torch.Tensor, argmax: int) -> None:
@@ -173,9 +175,9 @@ class DraftModelProposer:
         else:
             token, q = argmax, None
         decision = StepDecision.CONTINUE
-        if d.watch is not None:
+        if d.features:
             step = _features(logits, token, len(d.tokens), d.k)
-            decision = d.watch.on_step(step)
+            decision = d.watch.on_step(step) if d.watch is not None else StepDecision.CONTINUE
             if decision is StepDecision.DISCARD:
                 d.done = d.final = True
                 return
@@ -229,4 +231,5 @@ def _features(logits: torch.Tensor, token: int, position: int, budget: int) -> S
         top1_prob=top[0],
         top2_prob=top[1] if len(top) > 1 else 0.0,
         entropy=float(torch.special.entr(probs).sum()),
+        logit_std=float(logits.float().std()),
     )
