@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.drafter.batcher import DraftBatcher
+from services.drafter.capacity import Capacity
 from services.drafter.control.base import DraftController
 from services.drafter.link import VerifierLink
 from services.drafter.metrics import DrafterMetrics
@@ -42,6 +43,14 @@ ADMISSIONS = ("max-sessions", "starsd")
 QUEUE_POLL_S = 1.0
 #: Upper bound on queue calls made while shutting down, so a dead queue cannot hang the exit.
 SHUTDOWN_QUEUE_TIMEOUT_S = 5.0
+
+
+def session_limit(admission: str, max_sessions: int, capacity: Capacity) -> int:
+    """How many sessions this drafter serves now: ``max_sessions``, and with ``starsd`` admission
+    also at most StarSD's N_max once the estimate is warm. A drafter at its limit does not poll
+    the queue, so requests go to drafters with capacity left."""
+    n_max = capacity.n_max if admission == "starsd" else None
+    return min(max_sessions, n_max or max_sessions)
 
 
 @dataclass
@@ -135,8 +144,7 @@ class DrafterLoop:
     async def _admit(self, runner: SessionRunner) -> None:
         while True:
             self._slot_freed.clear()
-            n_max = runner.batcher.capacity.n_max if self.admission == "starsd" else None  # capacity.py
-            free = min(self.max_sessions, n_max or self.max_sessions) - len(self._sessions)
+            free = session_limit(self.admission, self.max_sessions, runner.batcher.capacity) - len(self._sessions)
             if free <= 0:
                 await self._slot_freed.wait()
                 continue

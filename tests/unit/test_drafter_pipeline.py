@@ -18,6 +18,7 @@ from services.drafter.batcher import DraftBatcher
 from services.drafter.capacity import ALPHA, WARM_ROUNDS, Capacity
 from services.drafter.control.threshold import ThresholdController
 from services.drafter.lookahead import Lookahead
+from services.drafter.loop import session_limit
 from services.drafter.metrics import DrafterMetrics
 from services.drafter.proposers.base import DraftJob, Proposal
 from services.drafter.proposers.draft_model import DraftModelProposer
@@ -404,3 +405,16 @@ def test_capacity_estimates_are_moving_averages_per_session() -> None:
     assert cap.return_s == pytest.approx((1 - ALPHA) * 0.05 + ALPHA * 0.15)
     assert cap.tokens_per_round == pytest.approx((1 - ALPHA) * 3 + ALPHA * 1)
     assert cap.rounds == 2
+
+
+@pytest.mark.parametrize(("admission", "warm", "limit"), [
+    ("max-sessions", True, 8),  # the default never looks at N_max
+    ("starsd", False, 8),  # no estimate yet: no limit but max_sessions
+    ("starsd", True, 3),  # S 0.25, Z 0.5, E 1: N_max = max(N_full = 3, floor(1 * 0.5 / 0.25) = 2)
+])
+def test_session_limit_is_n_max_under_starsd_admission(admission: str, warm: bool, limit: int) -> None:
+    cap = Capacity()
+    cap.observe_batch(0.25, 1)
+    for _ in range(WARM_ROUNDS if warm else 1):
+        cap.observe_round(0.5, 1)
+    assert session_limit(admission, 8, cap) == limit
