@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed
 # Extra pytest flags, e.g. `make test PYTEST_FLAGS="-x -k cli"`.
 PYTEST_FLAGS ?=
 
-.PHONY: help install run test test-e2e smoke lint bench profile clean distclean demo-models demo-models-eval
+.PHONY: help install run test test-e2e smoke lint bench profile profile-verifier clean distclean demo-models demo-models-eval
 
 help:
 	@echo "make run        start the verifier, the coordinator and 2 drafters on this machine (specfleet up)"
@@ -22,6 +22,7 @@ help:
 	@echo "make lint       ruff check and mypy"
 	@echo "make bench      benchmarks, edge pinned: serving (T=0, T=1), step time vs context, q on the wire, drafting policies (bench/results/)"
 	@echo "make profile    where a round's time goes: per-phase breakdown of a short pinned run"
+	@echo "make profile-verifier  fit the verifier's step-time estimator (WISP eq. 19) on timed forwards -> .specfleet/verifier-profile.json"
 	@echo "make demo-models       train the demo model family into models/ (CPU, ~50 min, resumable)"
 	@echo "make demo-models-eval  re-measure models/ and rewrite MEASUREMENTS.json and the model cards"
 	@echo "make install    create $(VENV) with $(PYTHON) and pip install -e '.[dev]' (idempotent)"
@@ -74,6 +75,12 @@ bench: install
 
 profile: install
 	$(BIN)/python -m bench profile
+
+# WISP's verification-time estimator: time the target's forward over batch shapes, fit eq. 19,
+# report R² and MAPE on held-out shapes (a few minutes; PROFILE_FLAGS=--quick: about 30 s).
+PROFILE_FLAGS ?=
+profile-verifier: install
+	$(BIN)/python -m services.verifier.profile --model models/target --out .specfleet/verifier-profile.json $(PROFILE_FLAGS)
 
 clean:
 	rm -rf .specfleet build dist .pytest_cache .mypy_cache .ruff_cache

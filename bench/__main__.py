@@ -1,4 +1,5 @@
-"""``python -m bench <command>``: profile, serving, context, qwire, policies (make bench), costs."""
+"""``python -m bench <command>``: profile, serving, context, qwire, policies (make bench), costs,
+verifier-policies."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import importlib
 import sys
 
 COMMANDS = {"profile": "bench.profile", "serving": "bench.serving", "context": "bench.context",
-            "qwire": "bench.qwire", "policies": "bench.policies", "costs": "bench.costs"}
+            "qwire": "bench.qwire", "policies": "bench.policies", "costs": "bench.costs",
+            "verifier-policies": "bench.verifier_policies"}
 
 
 def main() -> int:

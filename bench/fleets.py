@@ -50,6 +50,8 @@ class Scenario:
     draft_len: int = 4
     verifier_flags: tuple[str, ...] = ()
     drafter_flags: tuple[str, ...] = ()
+    drafts: tuple[str, ...] = ()  # one draft model per drafter (overrides ``draft``)
+    per_drafter_flags: tuple[tuple[str, ...], ...] = ()  # drafter i also gets entry i
 
 
 @dataclass
@@ -91,11 +93,13 @@ def fleet_spec(target: Path, sc: Scenario, edge: Edge) -> tuple[FleetSpec, dict[
     quiet = ["--log-level", "warning"]
     ports = [free_port() for _ in range(sc.drafters)]
     spec = FleetSpec(
-        target=target, drafts=[Path(sc.draft)] * sc.drafters, coordinator_port=free_port(),
+        target=target, drafts=[Path(d) for d in sc.drafts] or [Path(sc.draft)] * sc.drafters,
+        coordinator_port=free_port(),
         verifier_port=free_port(), drafter_metrics_ports=ports, server_cpus=edge.server_cpus, edge_cpus=edge.edge_cpus,
         verifier_flags=[*quiet, "--draft-len", str(sc.draft_len), *sc.verifier_flags],
         coordinator_flags=[*quiet, "--speculation", "on" if sc.drafters else "off", "--max-in-flight", "0"],
         drafter_flags=[*quiet, "--max-sessions", "64", *sc.drafter_flags],
+        per_drafter_flags=[list(f) for f in sc.per_drafter_flags],
     )
     urls = {"verifier": f"http://127.0.0.1:{spec.verifier_port}/metrics",
             "coordinator": f"http://127.0.0.1:{spec.coordinator_port}/metrics",

@@ -33,6 +33,7 @@ class FleetSpec:
     verifier_flags: list[str] = field(default_factory=list)
     coordinator_flags: list[str] = field(default_factory=list)
     drafter_flags: list[str] = field(default_factory=list)
+    per_drafter_flags: list[list[str]] = field(default_factory=list)  # drafter i also gets entry i, if any
     drafter_metrics_ports: list[int] = field(default_factory=list)  # one per drafter; empty: no /metrics
     server_cpus: str = ""  # e.g. "0": pin the verifier here (taskset list syntax)
     edge_cpus: str = ""  # e.g. "1": pin the coordinator and drafters here
@@ -43,6 +44,7 @@ class Fleet:
     base_url: str  # the coordinator, e.g. http://127.0.0.1:8000
     ws_url: str  # its WebSocket token stream
     supervisor: Supervisor
+    verifier_url: str = ""  # the verifier's HTTP side: /health, /metrics, /status
 
 
 def connect_host(host: str) -> str:
@@ -84,7 +86,7 @@ def plan(spec: FleetSpec) -> list[tuple[str, list[str]]]:
         children.append((f"drafter-{i}", pinned([
             *base, "drafter", "--node-id", f"drafter-{i}", "--model", str(draft),
             "--verifier-url", f"ws://{near}:{spec.verifier_port}/v1/drafter", "--queue-url", queue_url, *threads,
-            *metrics, *spec.drafter_flags,
+            *metrics, *spec.drafter_flags, *(spec.per_drafter_flags[i - 1] if len(spec.per_drafter_flags) >= i else []),
         ], spec.edge_cpus)))
     return children
 
@@ -105,6 +107,7 @@ def running_fleet(spec: FleetSpec, log_dir: Path, auth_token: str, ready_timeout
             sup.start(name, argv, child_env(auth_token, spec.torch_threads))
         base_url = f"http://{connect_host(spec.host)}:{spec.coordinator_port}"
         sup.wait_ready(f"{base_url}/ready", ready_timeout_s)
-        yield Fleet(base_url, base_url.replace("http://", "ws://", 1) + "/v1/stream", sup)
+        verifier_url = f"http://{connect_host(spec.host)}:{spec.verifier_port}"
+        yield Fleet(base_url, base_url.replace("http://", "ws://", 1) + "/v1/stream", sup, verifier_url)
     finally:
         sup.stop()

@@ -30,7 +30,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 #: Largest frame any service accepts. A 32k-token prompt is ~200 KiB; sparse q for 64 draft
 #: positions x 4096 entries is 1.5 MiB. 4 MiB leaves room and still bounds a hostile peer.
 MAX_FRAME_BYTES = 4 * 1024 * 1024
@@ -44,6 +44,8 @@ Name = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
 Role = Literal["drafter", "frontend"]
 FinishReason = Literal["stop", "length", "cancelled", "error"]
+Probability = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+SloRate = Annotated[float, msgspec.Meta(gt=0.0, le=10_000.0)]  # tokens per second
 
 
 class ProtocolError(ValueError):
@@ -96,6 +98,7 @@ class QueuedRequest(_Msg, tag="queued_request", frozen=True):
     model: Name
     created_at: float
     protocol_version: int = PROTOCOL_VERSION
+    slo_tokens_per_s: SloRate | None = None  # the request's SLO class (WISP batching); None: the default
 
 
 # --- handshake ------------------------------------------------------------------------------
@@ -137,6 +140,7 @@ class OpenSession(_Msg, tag="open_session", frozen=True):
     params: SamplingParams
     origin: Name
     speculative: bool = True
+    slo_tokens_per_s: SloRate | None = None  # token-speed SLO class (WISP batching); None: the verifier's default
 
 
 class SessionOpened(_Msg, tag="session_opened", frozen=True):
@@ -144,7 +148,7 @@ class SessionOpened(_Msg, tag="session_opened", frozen=True):
     carries the tokens the verifier committed so far and the round to draft for."""
 
     request_id: RequestId
-    draft_budget: int  # how many tokens to draft for the first round
+    draft_budget: int  # how many tokens to draft for the first round (0: as in Verdict)
     committed_ids: list[TokenId] = []  # generated tokens already committed (resume only)
     round: Annotated[int, msgspec.Meta(ge=0)] = 0  # the round the first Draft is for
 
@@ -160,6 +164,9 @@ class Draft(_Msg, tag="draft", frozen=True):
     round: Annotated[int, msgspec.Meta(ge=0)]
     token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_DRAFT_TOKENS)]
     q: Annotated[list[SparseQ], msgspec.Meta(max_length=MAX_DRAFT_TOKENS)] | None = None
+    #: the draft model's probability of each drafted token, when it computed one (AdaSpec's
+    #: confidence prior: the verifier's trim policy drops the least likely tail tokens)
+    confidence: Annotated[list[Probability], msgspec.Meta(max_length=MAX_DRAFT_TOKENS)] | None = None
 
 
 class Verdict(_Msg, tag="verdict", frozen=True):
@@ -175,7 +182,9 @@ class Verdict(_Msg, tag="verdict", frozen=True):
     token_ids: list[TokenId]
     finished: bool
     finish_reason: FinishReason | None
-    draft_budget: int  # tokens to draft for the next round (0: send an empty draft)
+    #: tokens to draft for the next round; 0: send nothing, the verifier runs that round
+    #: target-only without waiting and sends its Verdict (which carries the next budget)
+    draft_budget: int
 
 
 class CloseSession(_Msg, tag="close_session", frozen=True):

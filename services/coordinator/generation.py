@@ -212,14 +212,15 @@ class Generator:
         try:
             self._link.open_target_only(OpenSession(
                 request_id=rid, prompt_ids=req.prompt_ids, params=req.params, origin=self._node_id,
-                speculative=False))
+                speculative=False, slo_tokens_per_s=req.slo_tokens_per_s))
         except ConnectionError as exc:
             raise service_unavailable(f"cannot reach the verifier: {exc}") from None
         log.debug("request sent target-only", request_id=rid, prompt_tokens=len(req.prompt_ids))
 
     async def _enqueue(self, req: GenerationRequest, rid: str) -> None:
         queued = QueuedRequest(request_id=rid, prompt_ids=req.prompt_ids, params=req.params,
-                               origin=self._node_id, model=req.model, created_at=time.time())
+                               origin=self._node_id, model=req.model, created_at=time.time(),
+                               slo_tokens_per_s=req.slo_tokens_per_s)
         retry_after = self.admission.retry_after_s
         try:
             await asyncio.wait_for(self._queue.put(queued), PUT_TIMEOUT_S)

@@ -61,6 +61,9 @@ class _CommonBody(_Strict):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = False  # extension (vLLM)
+    #: extension (specfleet): the request's SLO class, a token-speed target the verifier's WISP
+    #: batching schedules against (``--batching wisp``); None: the verifier's default class
+    slo_tokens_per_s: float | None = Field(default=None, gt=0.0, le=10_000.0)
 
 
 class ChatBody(_CommonBody):
@@ -82,6 +85,7 @@ class GenerationRequest:
     params: SamplingParams
     stream: bool
     include_usage: bool
+    slo_tokens_per_s: float | None = None
 
 
 def parse_json(raw: bytes | str) -> dict[str, Any]:
@@ -133,7 +137,8 @@ async def build_request(kind: Kind, data: dict[str, Any], model: ModelInfo, max_
     except SamplingError as exc:
         raise invalid_request(str(exc), prompt_param if exc.param in ("messages", "prompt") else exc.param) from None
     include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
-    return GenerationRequest(kind, model.served_name, prompt_ids, params, bool(body.stream), include_usage)
+    return GenerationRequest(kind, model.served_name, prompt_ids, params, bool(body.stream), include_usage,
+                             body.slo_tokens_per_s)
 
 
 def _check_common(body: _CommonBody, model: ModelInfo) -> None:

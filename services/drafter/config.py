@@ -50,6 +50,9 @@ class DrafterConfig:
                                       "new labelled tokens (0: never; keep --wisp-model as it is)")
     wisp_samples: str = opt("", "controller=wisp: append every labelled token (features, accepted) to this CSV, "
                                 "the input of `specfleet wisp-train`")
+    send_confidence: bool = opt(False, "send each draft token's draft-model probability with the draft (the "
+                                       "verifier's --trim adaspec reads it; sent anyway with a controller that "
+                                       "computes it: threshold, adaspec, wisp)")
     claim_idle_ms: int = opt(30000, "Redis: claim requests another drafter left pending this long")
     reconnect_s: float = opt(1.0, "seconds between reconnect attempts to the verifier or queue")
     kv_cache_gb: float = opt(0.0, "draft KV cache in GiB; 0 sizes it for max_sessions full-context sessions (at "

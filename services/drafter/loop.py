@@ -78,9 +78,11 @@ class DrafterLoop:
         on_session_end: Callable[[DraftSession], None] | None = None,
         metrics: DrafterMetrics | None = None,
         pipeline_sessions: int = 2,
+        send_confidence: bool = False,
         admission: str = "max-sessions",
     ) -> None:
         self.pipeline_sessions = pipeline_sessions
+        self.send_confidence = send_confidence
         self.admission = admission
         self.node_id = node_id
         self.max_sessions = max_sessions
@@ -112,7 +114,7 @@ class DrafterLoop:
                 batcher = DraftBatcher(self.proposer, self.worker, self.metrics, self.max_sessions)
                 runner = SessionRunner(self.link, self.proposer, self.worker, batcher, welcome.max_draft_tokens,
                                        self.metrics, self.pipeline_sessions,
-                                       lambda: len(self._sessions))
+                                       lambda: len(self._sessions), self.send_confidence)
                 await self._serve_connection(runner, batcher)
                 await self._release()
                 log.warning("lost the verifier; sessions left to the verifier, reconnecting",

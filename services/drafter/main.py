@@ -178,6 +178,7 @@ async def serve(
         proposer=proposer, worker=worker, reconnect_s=cfg.reconnect_s,
         new_controller=lambda: make_controller(cfg.controller, controls),
         on_session_end=on_session_end, metrics=metrics, pipeline_sessions=cfg.pipeline_sessions,
+        send_confidence=cfg.send_confidence,
         admission=cfg.admission,
     )
     try:

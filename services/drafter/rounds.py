@@ -54,8 +54,10 @@ class SessionRunner:
         metrics: DrafterMetrics | None = None,
         pipeline_sessions: int = 2,
         active: Callable[[], int] = lambda: 1,
+        send_confidence: bool = False,
     ) -> None:
         self.pipeline_sessions = pipeline_sessions
+        self.send_confidence = send_confidence  # compute draft probabilities even without a controller that reads them
         self.active = active  # how many sessions this drafter serves now
         self.link = link
         self.proposer = proposer
@@ -92,7 +94,7 @@ class SessionRunner:
     async def _open(self, session: DraftSession, inbox: asyncio.Queue[Inbound]) -> SessionOpened | None:
         req = session.delivery.request
         frame = OpenSession(request_id=req.request_id, prompt_ids=list(req.prompt_ids), params=req.params,
-                            origin=req.origin, speculative=True)
+                            origin=req.origin, speculative=True, slo_tokens_per_s=req.slo_tokens_per_s)
         delay = BUSY_RETRY_FIRST_S
         while True:
             await self.link.send(frame)
@@ -134,6 +136,9 @@ class SessionRunner:
 
     async def _round(self, session: DraftSession, inbox: asyncio.Queue[Inbound]) -> None:
         rid = session.request_id
+        if session.budget == 0:  # the verifier runs this round target-only, without waiting for us
+            await self._target_round(session, inbox)
+            return
         budget = session.useful_draft_len(min(session.budget, self.max_draft_tokens))
         k = max(0, min(budget, session.controller.begin_round(budget)))
         began = time.perf_counter()
@@ -145,7 +150,7 @@ class SessionRunner:
             return
         drafted = len(proposal.token_ids)
         await self.link.send(Draft(request_id=rid, round=session.round, token_ids=proposal.token_ids,
-                                   q=proposal.q))
+                                   q=proposal.q, confidence=_confidence(proposal)))
         sent = time.perf_counter()
         self._look_ahead(session, proposal, k)
         reply = await self._reply_to_draft(session, inbox)
@@ -168,6 +173,18 @@ class SessionRunner:
             self.worker.submit(self.proposer.commit, rid, new, min(reply.accepted, drafted))
         await session.lookahead.settle(reply, drafted, self.metrics)
 
+    async def _target_round(self, session: DraftSession, inbox: asyncio.Queue[Inbound]) -> None:
+        """A round with budget 0: no draft is sent; the verifier decodes one token and sends the
+        Verdict, whose budget says whether the next round is drafted again."""
+        session.lookahead.cancel()  # it assumed drafts this round will not have
+        reply = await self._reply_to_draft(session, inbox)
+        if isinstance(reply, ErrorFrame):
+            await self._abandon(session, reply)
+            return
+        new = session.apply_verdict(reply, drafted=0)
+        if session.finish_reason is None:
+            self.worker.submit(self.proposer.commit, session.request_id, new, 0)
+
     def _observe_capacity(self, return_s: float, committed: int) -> None:
         capacity = self.batcher.capacity
         capacity.observe_round(return_s, committed)
@@ -189,7 +206,7 @@ class SessionRunner:
         # its features are kept so the controller screens it when the next round takes it
         session.lookahead.start(self.batcher, DraftJob(session.request_id, k + 1, session.params, session.rng,
                                                        None, tuple(sent.token_ids), base,
-                                                       features=session.controller.wants_features))
+                                                       features=self._wants_features(session)))
 
     async def _draft(self, session: DraftSession, k: int) -> tuple[Proposal, float, float]:
         """The round's proposal, and when the worker started and ended computing it."""
@@ -198,7 +215,8 @@ class SessionRunner:
             return EMPTY_PROPOSAL, now, now
         try:
             proposal, started, ended = await self.batcher.propose(
-                DraftJob(session.request_id, k, session.params, session.rng, session.controller))
+                DraftJob(session.request_id, k, session.params, session.rng, session.controller,
+                         features=self._wants_features(session)))
         except Exception as exc:  # a broken draft must not break the request: go target-only
             session.drafting_disabled = repr(exc)
             log.exception("drafting failed; the session continues with empty drafts",
@@ -206,6 +224,9 @@ class SessionRunner:
             return EMPTY_PROPOSAL, now, time.perf_counter()
         session.stats.draft_s += ended - started
         return proposal, started, ended
+
+    def _wants_features(self, session: DraftSession) -> bool:
+        return self.send_confidence or session.controller.wants_features
 
     async def _reply_to_draft(self, session: DraftSession, inbox: asyncio.Queue[Inbound]) -> Verdict | ErrorFrame:
         while True:
@@ -241,3 +262,10 @@ def _drain_final(inbox: asyncio.Queue[Inbound]) -> Verdict | None:
         if isinstance(msg, Verdict) and msg.finished:
             return msg
     return None
+
+
+def _confidence(proposal: Proposal) -> list[float] | None:
+    """The draft model's probability of each drafted token, when the proposer computed them all."""
+    if not proposal.token_ids or len(proposal.steps) != len(proposal.token_ids):
+        return None
+    return [min(1.0, max(0.0, step.token_prob)) for step in proposal.steps]

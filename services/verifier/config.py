@@ -27,10 +27,28 @@ class VerifierConfig:
     runner: str = opt("auto", "model runner: auto (lean where the architecture allows), lean, hf")
     core_mode: str = opt("auto", "engine core: thread (overlaps network I/O with the model), inline (on the event "
                                  "loop; best with one CPU), auto (inline when pinned to one CPU)")
-    draft_len: int = opt(4, "draft tokens per round given to each session (Fixed-S allocation)")
+    draft_len: int = opt(4, "draft tokens per round given to each session (Fixed-S), and the adaptive "
+                            "policies' first length")
     max_draft_tokens: int = opt(16, "upper bound on any session's draft budget")
     draft_timeout_s: float = opt(30.0, "a session whose drafter sends no draft this long continues target-only")
-    allocation: str = opt("fixed", "draft-length allocation policy: fixed")
-    batching: str = opt("fcfs", "batch selection policy: fcfs")
+    allocation: str = opt("fixed", "draft-length allocation: fixed (Fixed-S), random (Random-S), goodspeed (gradient "
+                                   "scheduling of a global budget for proportional fairness), smartspec (the length "
+                                   "0..--smartspec-max-len that maximises goodput; 0 turns speculation off)")
+    draft_capacity: int = opt(0, "GoodSpeed's C: draft tokens per round over all sessions (fixed gives C/N each, "
+                                 "random a random split); 0: --draft-len per speculating session")
+    goodspeed_eta: float = opt(0.1, "GoodSpeed's η: smoothing of each session's acceptance estimate α̂ (eq. 3)")
+    goodspeed_beta: float = opt(0.5, "GoodSpeed's β: smoothing of each session's goodput X (eq. 4)")
+    smartspec_max_len: int = opt(8, "SmartSpec's V: the longest proposal length it considers")
+    allocation_seed: int = opt(-1, "allocation=random: seed of the random splits (-1: unseeded)")
+    batching: str = opt("fcfs", "batch selection: fcfs (oldest ready first), wisp (SLO-aware: requests past their "
+                                "latest start first by deadline, then by utility density, within deadlines)")
+    slo_tokens_per_s: float = opt(0.0, "SLO class (tokens/s) of requests that name none (extension field "
+                                       "slo_tokens_per_s); 0: best effort")
+    wisp_delta_ms: float = opt(20.0, "batching=wisp: guard time δ subtracted from each latest start time")
+    trim: str = opt("none", "draft trim: none, adaspec (drop the least likely tail drafts while that raises the "
+                            "batch's estimated tokens per second; needs drafters that send confidences)")
+    tpot_slo_ms: float = opt(0.0, "trim=adaspec: refuse batch shapes whose predicted step exceeds this (0: off)")
+    estimator_file: str = opt("", "step-time coefficients from `make profile-verifier` (refined online); empty: "
+                                  "start from a generic CPU guess")
     torch_threads: int = opt(0, "torch intra-op threads; 0 leaves torch's default")
     log_level: str = opt("info", "debug, info, warning, error")

@@ -30,7 +30,9 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from services.verifier.allocation import Allocator, RoundStats
+from services.verifier.allocation import Allocator, GoodputTracker, RoundStats
+from services.verifier.batching.estimator import StepTimeEstimator
+from services.verifier.batching.wisp import slo_met
 from services.verifier.core_api import (
     AddDraft,
     AddRequest,
@@ -49,10 +51,11 @@ from services.verifier.core_api import (
     Result,
     Rounded,
 )
-from services.verifier.judge import judge
+from services.verifier.judge import Verdict, judge
 from services.verifier.metrics import VerifierMetrics
 from services.verifier.requests import Request, Status
 from services.verifier.scheduler import Scheduler, Step
+from services.verifier.status import policy_status
 from shared.log import get_logger
 from shared.runner import KVError, ModelRunner
 
@@ -67,12 +70,17 @@ class CoreLimits:
     draft_timeout_s: float
     max_waiting: int  # requests held for KV memory before new ones are refused as busy
     max_commands: int = 65536
+    default_slo_tokens_per_s: float | None = None  # SLO class of requests that name none
 
 
 class TorchCore:
     def __init__(self, runner: ModelRunner, eos_ids: set[int], allocator: Allocator, scheduler: Scheduler,
-                 limits: CoreLimits, deliver: Deliver, metrics: VerifierMetrics, threaded: bool = True) -> None:
+                 limits: CoreLimits, deliver: Deliver, metrics: VerifierMetrics, threaded: bool = True,
+                 tracker: GoodputTracker | None = None, estimator: StepTimeEstimator | None = None) -> None:
         self.runner = runner
+        self.tracker = tracker or GoodputTracker()  # α̂ and X per session, whatever the policy
+        self.estimator = estimator or scheduler.estimator  # step time from shapes, refined by every step
+        metrics.set_policies(allocator.name, scheduler.batcher.name, scheduler.trim.name)
         self.vocab_size = runner.vocab_size
         self.max_model_len = runner.max_model_len
         self.eos_ids = frozenset(eos_ids)
@@ -98,7 +106,7 @@ class TorchCore:
         """Start serving: a thread of its own, or (inline) a task on the running event loop."""
         self._running = True
         log.info("engine core started", mode="thread" if self.threaded else "inline",
-                 allocation=self.allocator.name, batching=self.scheduler.batcher.name)
+                 allocation=self.allocator.name, batching=self.scheduler.batcher.name, trim=self.scheduler.trim.name)
         if self.threaded:
             self._thread = threading.Thread(target=self._run_thread, name="verifier-core", daemon=True)
             self._thread.start()
@@ -123,6 +131,16 @@ class TorchCore:
         if self._thread is not None:
             self._commands.put_nowait(None)  # a wake-up; _running is already False
             await asyncio.to_thread(self._thread.join, 30)
+
+    def status(self) -> dict[str, object]:
+        """The policies and their live estimates, for ``GET /status`` (read from the event loop
+        while the core may change them: a copy that raced a change is simply taken again)."""
+        for _ in range(5):
+            try:
+                return policy_status(self.allocator, self.scheduler, self.tracker, self.estimator)
+            except RuntimeError:  # a dict changed size while copied
+                continue
+        return {"error": "the engine core was too busy to read; retry"}
 
     def kv_stats(self) -> KVStats:
         kv = self.runner.kv
@@ -152,6 +170,9 @@ class TorchCore:
         self._expire_silent_drafters()
         self._admit()
         step = self.scheduler.schedule(self.requests.values())
+        if step.verify:
+            self.metrics.batch_decision.observe(self.scheduler.last_decision_s)
+            self.metrics.trimmed.inc(self.scheduler.last_trimmed)
         if step:
             self._step(step, scheduled)
         self._flush()
@@ -187,6 +208,7 @@ class TorchCore:
             req = self.requests.get(command.request_id)
             if req is not None:
                 req.detach()
+                self.tracker.detach(req.request_id)
         elif isinstance(command, Attach):
             self._attach(command)
         elif isinstance(command, Finish):
@@ -197,7 +219,7 @@ class TorchCore:
 
     def _add(self, cmd: AddRequest) -> None:
         req = Request.create(cmd.request_id, cmd.prompt_ids, cmd.params, cmd.speculative, self.max_model_len,
-                             self.eos_ids)
+                             self.eos_ids, cmd.drafter, cmd.slo_tokens_per_s or self.limits.default_slo_tokens_per_s)
         need = req.kv_tokens_needed(self.limits.max_draft_tokens)
         must_wait = bool(self.waiting) or not self.runner.kv.fits(need)
         if need > self.runner.kv.tokens:
@@ -219,16 +241,20 @@ class TorchCore:
             self._results.append(OutOfTurn(cmd.request_id, f"session {cmd.request_id} expects {where}, "
                                                            f"got a draft for round {cmd.round}"))
             return
-        req.draft_ids, req.draft_q = cmd.token_ids, cmd.q
-        self.metrics.draft_wait.observe(max(0.0, cmd.received_at - req.waiting_since))
+        req.draft_ids, req.draft_q, req.draft_conf = cmd.token_ids, cmd.q, cmd.confidence
+        req.draft_wait_s = max(0.0, cmd.received_at - req.waiting_since)
+        self.metrics.draft_wait.observe(req.draft_wait_s)
         req.mark_ready()
 
     def _attach(self, cmd: Attach) -> None:
         req = self.requests.get(cmd.request_id)
-        if req is None or req.status is Status.FINISHED or not req.attach():
-            return  # finishing: its final Verdict reaches the new drafter; waiting: Admitted opens it
-        if req.draft_budget == 0:
-            req.draft_budget = min(self.allocator.initial(req.request_id), self.limits.max_draft_tokens)
+        if req is None or req.status is Status.FINISHED:
+            return  # finishing: its final Verdict reaches the new drafter
+        self.tracker.open(req.request_id, cmd.drafter or None)
+        if req.slot is not None and req.status is Status.READY:  # its next round may be drafted again
+            req.draft_budget = self._initial_budget(req.request_id)
+        if not req.attach(cmd.drafter):
+            return  # waiting for KV memory: Admitted opens it
         self._results.append(Attached(req.request_id, req.committed[req.prompt_len:], req.round, req.draft_budget))
 
     def _expire_silent_drafters(self) -> None:
@@ -241,6 +267,7 @@ class TorchCore:
                 log.warning("no draft in time; session continues target-only", request_id=req.request_id,
                             waited_s=round(now - req.waiting_since, 1))
                 req.detach()
+                self.tracker.detach(req.request_id)
                 self._results.append(Detached(req.request_id))
 
     # --- admission -----------------------------------------------------------------------
@@ -255,14 +282,18 @@ class TorchCore:
         while self._can_admit():
             req = self.waiting.popleft()
             req.slot = self.runner.kv.allocate(req.kv_tokens_needed(self.limits.max_draft_tokens))
-            budget = min(self.allocator.initial(req.request_id), self.limits.max_draft_tokens) if req.speculative else 0
-            req.draft_budget = budget
             if req.speculative:
-                req.await_draft()
-            else:
-                req.mark_ready()
+                self.tracker.open(req.request_id, req.drafter or None)
+            budget = self._initial_budget(req.request_id) if req.speculative else 0
+            req.draft_budget = budget
+            req.begin_round()
             self._results.append(Admitted(req.request_id, budget))
         self.metrics.set_kv(self.kv_stats())
+
+    def _initial_budget(self, session_id: str) -> int:
+        budget = min(self.allocator.initial(session_id, self.tracker), self.limits.max_draft_tokens)
+        self.tracker.set_budget(session_id, budget)
+        return budget
 
     # --- one step --------------------------------------------------------------------------
 
@@ -274,6 +305,8 @@ class TorchCore:
         try:
             logits = self.runner.forward(step.segments)
             t1, cpu1 = time.perf_counter(), time.thread_time()
+            self.metrics.observe_estimate(self.estimator.predict(step.shapes), t1 - t0)
+            self.estimator.observe(step.shapes, t1 - t0)
             verdicts = judge(step.verify, logits) if step.verify and logits is not None else []
         except (KVError, RuntimeError, ValueError) as exc:  # fail this step's sessions, keep serving
             log.exception("verification step failed", sessions=len(step.segments))
@@ -282,12 +315,29 @@ class TorchCore:
             return
         kept = [self._commit(req, drafts, v.accepted, v.tokens) for (req, drafts), v in
                 zip(step.verify, verdicts, strict=True)]
-        budgets = self.allocator.assign([RoundStats(req.request_id, None, len(d), v.accepted, len(req.committed))
-                                         for (req, d), v in zip(step.verify, verdicts, strict=True)])
+        budgets = self._next_budgets(step, verdicts)
         for (req, drafts), v, k in zip(step.verify, verdicts, kept, strict=True):
             self._publish_round(req, len(drafts), v.accepted, k, budgets.get(req.request_id, 0))
         self.metrics.observe_step(step, scheduled, t0, t1, time.perf_counter(), self._last_step_start, cpu1 - cpu0)
         self._last_step_start = t0
+
+    def _next_budgets(self, step: Step, verdicts: list[Verdict]) -> dict[str, int]:
+        """Fold the speculating sessions' rounds into the tracker; the allocator's next budgets."""
+        rounds = [RoundStats(req.request_id, req.drafter or None, len(d), v.accepted, len(req.committed), v.accept_prob,
+                             req.draft_wait_s)
+                  for (req, d), v in zip(step.verify, verdicts, strict=True)
+                  if req.speculative and req.status is not Status.FINISHED]
+        for r in rounds:
+            self.tracker.observe(r)
+            self.metrics.count_drafter(r.drafter or "", r.accepted)
+        started = time.perf_counter()
+        budgets = self.allocator.assign(rounds, self.tracker) if rounds else {}
+        self.metrics.allocation_time.observe(time.perf_counter() - started)
+        for sid, budget in budgets.items():
+            self.tracker.set_budget(sid, min(budget, self.limits.max_draft_tokens))
+        if rounds:
+            self.metrics.observe_allocation(self.tracker)
+        return budgets
 
     def _commit(self, req: Request, drafts: list[int], accepted: int, tokens: list[int]) -> list[int]:
         """Roll the KV back past rejected drafts and commit the round's tokens; returns those kept."""
@@ -321,5 +371,8 @@ class TorchCore:
             req.slot = None
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.allocator.forget(req.request_id)
+        self.tracker.forget(req.request_id)
+        if req.finish_reason in ("stop", "length"):
+            self.metrics.count_slo(req.slo_tokens_per_s,
+                                   slo_met(req.arrived_at, req.generated, req.slo_tokens_per_s, time.perf_counter()))
         self.metrics.set_kv(self.kv_stats())

@@ -30,6 +30,8 @@ class AddRequest:
     prompt_ids: list[int]
     params: SamplingParams
     speculative: bool  # wait for a drafter's drafts each round (else decode target-only)
+    drafter: str = ""  # the drafter's node id, for per-drafter estimates and metrics
+    slo_tokens_per_s: float | None = None  # the request's token-speed SLO class (None: the default)
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,7 @@ class AddDraft:
     token_ids: list[int]
     q: list[CheckedQ] | None  # checked and parsed by intake
     received_at: float  # time.perf_counter() when the frame arrived
+    confidence: list[float] | None = None  # the draft model's probability of each token (AdaSpec trim)
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,7 @@ class Attach:
     """A drafter resumes a session that runs target-only: speculate again from its next round."""
 
     request_id: str
+    drafter: str = ""
 
 
 Command = AddRequest | AddDraft | Detach | Attach | Finish
@@ -152,6 +156,9 @@ class VerifierCore(Protocol):
         """Stop serving and wait for the core to wind down."""
 
     def kv_stats(self) -> KVStats: ...
+
+    def status(self) -> dict[str, object]:
+        """The policies and their live estimates (``GET /status``)."""
 
 
 class CoreBusy(RuntimeError):

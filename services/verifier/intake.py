@@ -8,6 +8,7 @@ well-formed work.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from services.verifier.core_api import AddDraft, AddRequest, Attach, CoreBusy, Detach, Finish, VerifierCore
@@ -23,8 +24,10 @@ log = get_logger("verifier.intake")
 
 
 class Intake:
-    def __init__(self, core: VerifierCore, routes: Routes, output: Output, tokenizer: Any) -> None:
+    def __init__(self, core: VerifierCore, routes: Routes, output: Output, tokenizer: Any,
+                 names: Callable[[str], str] = str) -> None:
         self.core = core
+        self.names = names  # connection id -> the peer's node id (its name in metrics)
         self.routes = routes
         self.output = output
         self.tokenizer = tokenizer
@@ -64,7 +67,8 @@ class Intake:
         self.routes.add(Route(rid, msg.origin, conn_id, drafter, conn_id if role == "drafter" else None,
                               len(msg.prompt_ids), IncrementalText(self.tokenizer, list(msg.params.stop))))
         try:
-            self.core.submit(AddRequest(rid, list(msg.prompt_ids), msg.params, speculative))
+            self.core.submit(AddRequest(rid, list(msg.prompt_ids), msg.params, speculative,
+                                        self.names(conn_id) if speculative else "", msg.slo_tokens_per_s))
         except CoreBusy as exc:
             self.routes.close(rid)
             return self.output.error(conn_id, "busy", str(exc), rid)
@@ -76,7 +80,7 @@ class Intake:
         """A drafter re-opens a session whose drafter left: it drafts again from the committed text
         (the verifier owns it, so no token is lost or repeated)."""
         route.drafter = route.owner = conn_id
-        self._submit(conn_id, Attach(route.request_id))
+        self._submit(conn_id, Attach(route.request_id, self.names(conn_id)))
         log.info("session resumed by a drafter", request_id=route.request_id, drafter=conn_id)
 
     def _check_request(self, msg: OpenSession) -> str:
@@ -108,7 +112,8 @@ class Intake:
                 q = [check(sparse, token, vocab) for sparse, token in zip(msg.q, msg.token_ids, strict=True)]
             except DraftError as exc:  # verifying as ids-only is still exactly lossless
                 log.warning("draft q refused; verifying ids-only", request_id=rid, reason=str(exc))
-        self._submit(conn_id, AddDraft(rid, msg.round, list(msg.token_ids), q, received_at))
+        confidence = msg.confidence if msg.confidence and len(msg.confidence) == len(msg.token_ids) else None
+        self._submit(conn_id, AddDraft(rid, msg.round, list(msg.token_ids), q, received_at, confidence))
         return None
 
     def _detach(self, conn_id: str, request_id: str) -> None:

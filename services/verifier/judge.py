@@ -30,6 +30,9 @@ from shared.sampling import probs_from_logit_rows, sample
 class Verdict:
     accepted: int
     tokens: list[int]  # accepted drafts, then the target's own token
+    #: Σ over every draft of its acceptance probability min(1, p/q) (GoodSpeed eq. 3); for a
+    #: greedy request 1 where the draft is the target's argmax given the drafts before it, else 0
+    accept_prob: float = 0.0
 
 
 def judge(batch: Sequence[tuple[Request, list[int]]], logits: torch.Tensor) -> list[Verdict]:
@@ -44,8 +47,9 @@ def judge(batch: Sequence[tuple[Request, list[int]]], logits: torch.Tensor) -> l
         argmax = logits.argmax(-1).tolist()
         for i in greedy:
             drafts = batch[i][1]
-            n, extra = verify_greedy(drafts, argmax[starts[i] : starts[i] + len(drafts) + 1])
-            out[i] = Verdict(n, [*drafts[:n], extra])
+            rows = argmax[starts[i] : starts[i] + len(drafts) + 1]
+            n, extra = verify_greedy(drafts, rows)
+            out[i] = Verdict(n, [*drafts[:n], extra], float(sum(d == a for d, a in zip(drafts, rows, strict=False))))
     sampled = [i for i, (req, _) in enumerate(batch) if not req.greedy]
     if sampled:
         for i, verdict in zip(sampled, _judge_sampled([batch[i] for i in sampled], [starts[i] for i in sampled],
@@ -72,22 +76,25 @@ def _judge_sampled(batch: Sequence[tuple[Request, list[int]]], starts: list[int]
     draft_rows = [local[b] + j for b, (_, d) in enumerate(batch) for j in range(len(d))]
     draft_ids = [t for _, d in batch for t in d]
     p_x = p[draft_rows, draft_ids].tolist() if draft_ids else []
-    accepted, last, at = [], [], 0
+    accepted, probs, last, at = [], [], [], 0
     for (req, drafts), start in zip(batch, local, strict=True):
         k = len(drafts)
-        n = _accepted(req, drafts, p_x[at : at + k])
+        n, prob = _accepted(req, drafts, p_x[at : at + k])
         at += k
         accepted.append(n)
+        probs.append(prob)
         last.append(p[start + k] if n == k else residual(p[start + n], _q_row(req, drafts, n, p.shape[-1], p.device)))
     final = torch.stack(last).cpu()
-    return [Verdict(n, [*drafts[:n], sample(final[i], req.gen)])
+    return [Verdict(n, [*drafts[:n], sample(final[i], req.gen)], probs[i])
             for i, ((req, drafts), n) in enumerate(zip(batch, accepted, strict=True))]
 
 
-def _accepted(req: Request, drafts: list[int], p_x: list[float]) -> int:
+def _accepted(req: Request, drafts: list[int], p_x: list[float]) -> tuple[int, float]:
+    """Accepted drafts, and Σ min(1, p/q) over all of them."""
     k = len(drafts)
     q_x = [req.draft_q[j].token_prob for j in range(k)] if req.draft_q else [1.0] * k
-    return accepted_prefix(p_x, q_x, torch.rand(k, generator=req.gen).tolist() if k else [])
+    n = accepted_prefix(p_x, q_x, torch.rand(k, generator=req.gen).tolist() if k else [])
+    return n, sum(min(1.0, p / q) if q > 0 else 1.0 for p, q in zip(p_x, q_x, strict=True))
 
 
 def _q_row(req: Request, drafts: list[int], n: int, vocab: int, device: torch.device) -> torch.Tensor:

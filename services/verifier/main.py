@@ -10,8 +10,9 @@ import sys
 
 import torch
 
-from services.verifier.allocation import make_allocator
+from services.verifier.allocation import AllocationSettings, GoodputTracker, make_allocator
 from services.verifier.batching import BatchLimits, make_batcher
+from services.verifier.batching.estimator import StepTimeEstimator
 from services.verifier.config import VerifierConfig
 from services.verifier.core import CoreLimits, TorchCore
 from services.verifier.core_api import Result
@@ -21,6 +22,7 @@ from services.verifier.output import Output
 from services.verifier.scheduler import Scheduler
 from services.verifier.server import Hub, fleet_status_loop, start_server
 from services.verifier.sessions import Routes
+from services.verifier.trim import make_trim
 from shared.config import ConfigError, describe, load_config
 from shared.log import get_logger, setup_logging
 from shared.models import ModelLoadError, load_model
@@ -54,6 +56,17 @@ def core_threaded(mode: str) -> bool:
     return mode == "thread"
 
 
+def make_estimator(cfg: VerifierConfig) -> StepTimeEstimator:
+    """The step-time estimator: profiled coefficients when given, refined online either way."""
+    if not cfg.estimator_file:
+        return StepTimeEstimator()
+    try:
+        return StepTimeEstimator.load(cfg.estimator_file)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelLoadError(f"cannot read --estimator-file {cfg.estimator_file}: {exc}; "
+                             "write one with `make profile-verifier`") from None
+
+
 def build(cfg: VerifierConfig, loop: asyncio.AbstractEventLoop) -> tuple[Hub, TorchCore]:
     """Load the target and wire runner, policies, engine core, output and hub together."""
     if not cfg.model:
@@ -70,8 +83,19 @@ def build(cfg: VerifierConfig, loop: asyncio.AbstractEventLoop) -> tuple[Hub, To
     hub = Hub(loaded.name, loaded.fingerprint, loaded.max_model_len, cfg.max_draft_tokens, cfg.auth_token, routes,
               metrics)
     output = Output(hub, routes, metrics)
-    scheduler = Scheduler(make_batcher(cfg.batching), BatchLimits(cfg.max_batch_sessions, cfg.max_batch_tokens),
-                          cfg.prefill_chunk)
+    estimator, tracker = make_estimator(cfg), GoodputTracker(cfg.goodspeed_eta, cfg.goodspeed_beta)
+    slo = cfg.slo_tokens_per_s if cfg.slo_tokens_per_s > 0 else None
+    try:
+        batcher = make_batcher(cfg.batching, estimator, slo, delta_s=cfg.wisp_delta_ms / 1000)
+        trim = make_trim(cfg.trim, cfg.tpot_slo_ms / 1000 if cfg.tpot_slo_ms > 0 else None)
+        allocator = make_allocator(cfg.allocation, AllocationSettings(
+            cfg.draft_len, cfg.draft_capacity, min(cfg.max_draft_tokens, cfg.smartspec_max_len)
+            if cfg.allocation == "smartspec" else cfg.max_draft_tokens,
+            cfg.allocation_seed if cfg.allocation_seed >= 0 else None), estimator)
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from None
+    scheduler = Scheduler(batcher, BatchLimits(cfg.max_batch_sessions, cfg.max_batch_tokens), cfg.prefill_chunk,
+                          estimator, trim, tracker)
     threaded = core_threaded(cfg.core_mode)
 
     def deliver(results: list[Result]) -> None:
@@ -80,11 +104,12 @@ def build(cfg: VerifierConfig, loop: asyncio.AbstractEventLoop) -> tuple[Hub, To
         else:
             output.on_results(results)
 
-    core = TorchCore(runner, loaded.eos_ids, make_allocator(cfg.allocation, cfg.draft_len), scheduler,
-                     CoreLimits(cfg.max_draft_tokens, cfg.draft_timeout_s, cfg.max_waiting), deliver, metrics,
-                     threaded=threaded)
+    core = TorchCore(runner, loaded.eos_ids, allocator, scheduler,
+                     CoreLimits(cfg.max_draft_tokens, cfg.draft_timeout_s, cfg.max_waiting,
+                                default_slo_tokens_per_s=slo), deliver, metrics, threaded=threaded,
+                     tracker=tracker, estimator=estimator)
     output.core = core
-    hub.intake = Intake(core, routes, output, loaded.tokenizer)
+    hub.intake = Intake(core, routes, output, loaded.tokenizer, names=hub.node_name)
     return hub, core
 
 

@@ -10,12 +10,19 @@ round waited for a step; ``draft_wait`` how long the verifier waited for a draft
 ``forward_cpu_seconds`` the CPU time of the forwards alone, so their ratio is the machinery's
 overhead whether or not the verifier idles, and whatever the host steals from a virtual CPU.
 ``python -m bench profile`` prints these side by side.
+
+The policies' own gauges: per drafter its sessions' mean α̂, summed goodput X and draft
+budget S (GoodSpeed's eq. 3 and 4, whatever the allocation policy), and accepted tokens;
+``utility`` is Σ log X over live sessions; per SLO class the finished requests that attained
+or violated it; the time of each allocation and batch decision; and the step-time
+estimator's error on each step before that step refines it (held-out by construction).
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
+from services.verifier.allocation.tracker import GoodputTracker
 from services.verifier.core_api import KVStats
 from services.verifier.scheduler import Step
 
@@ -56,6 +63,30 @@ class VerifierMetrics:
         self.kv_cached = Gauge(f"{_P}_kv_cached_tokens", "Tokens whose keys/values are cached", registry=r)
         self.sessions = Gauge(f"{_P}_sessions", "Sessions holding KV memory", registry=r)
         self.waiting = Gauge(f"{_P}_waiting_sessions", "Sessions waiting for KV memory", registry=r)
+        self._policy_metrics(r)
+
+    def _policy_metrics(self, r: CollectorRegistry) -> None:
+        self.allocation_time = Histogram(f"{_P}_allocation_seconds", "One draft-length allocation decision",
+                                         buckets=_TIME, registry=r)
+        self.batch_decision = Histogram(f"{_P}_batch_decision_seconds", "One batch selection (and trim) decision",
+                                        buckets=_TIME, registry=r)
+        self.drafter_alpha = Gauge(f"{_P}_drafter_alpha", "Mean smoothed acceptance α̂ of a drafter's sessions",
+                                   ["drafter"], registry=r)
+        self.drafter_goodput = Gauge(f"{_P}_drafter_goodput", "Summed smoothed goodput X (tokens/round)",
+                                     ["drafter"], registry=r)
+        self.drafter_budget = Gauge(f"{_P}_drafter_budget", "Summed draft budget S of a drafter's sessions",
+                                    ["drafter"], registry=r)
+        self.drafter_accepted = Counter(f"{_P}_drafter_accepted_tokens", "Draft tokens accepted, per drafter",
+                                        ["drafter"], registry=r)
+        self.utility = Gauge(f"{_P}_utility", "GoodSpeed utility: sum of log X over live sessions", registry=r)
+        self.slo = Counter(f"{_P}_slo_requests", "Finished requests per SLO class (tokens/s) and outcome",
+                           ["slo_class", "outcome"], registry=r)
+        self.estimate_error = Histogram(f"{_P}_step_estimate_error_ratio",
+                                        "|predicted - measured| / measured forward time, before refining",
+                                        buckets=(0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0), registry=r)
+        self.policy = Gauge(f"{_P}_policy_info", "The policies this verifier runs (value 1)",
+                            ["allocation", "batching", "trim"], registry=r)
+        self.trimmed = Counter(f"{_P}_trimmed_tokens", "Draft tokens dropped by the trim policy", registry=r)
 
     def observe_step(self, step: Step, scheduled: float, start: float, forward_end: float, end: float,
                      previous_start: float, forward_cpu: float) -> None:
@@ -84,6 +115,28 @@ class VerifierMetrics:
         self.kv_cached.set(kv.cached_tokens)
         self.sessions.set(kv.sessions)
         self.waiting.set(kv.waiting)
+
+    def set_policies(self, allocation: str, batching: str, trim: str) -> None:
+        self.policy.labels(allocation, batching, trim).set(1)
+
+    def observe_allocation(self, tracker: GoodputTracker) -> None:
+        self.utility.set(tracker.sum_log_x())
+        for name, s in tracker.by_drafter().items():
+            self.drafter_alpha.labels(name).set(s.alpha)
+            self.drafter_goodput.labels(name).set(s.goodput)
+            self.drafter_budget.labels(name).set(s.budget)
+
+    def count_drafter(self, drafter: str, accepted: int) -> None:
+        if drafter:
+            self.drafter_accepted.labels(drafter).inc(accepted)
+
+    def count_slo(self, slo_tokens_per_s: float | None, met: bool) -> None:
+        label = "none" if slo_tokens_per_s is None else f"{slo_tokens_per_s:g}"
+        self.slo.labels(label, "attained" if met else "violated").inc()
+
+    def observe_estimate(self, predicted_s: float, measured_s: float) -> None:
+        if measured_s > 0:
+            self.estimate_error.observe(abs(predicted_s - measured_s) / measured_s)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -48,6 +48,10 @@ class Request:
     draft_budget: int = 0
     draft_ids: list[int] = field(default_factory=list)
     draft_q: list[CheckedQ] | None = None
+    draft_conf: list[float] | None = None  # the drafter's confidence in each draft token
+    drafter: str = ""  # node id of the drafter serving it ("" when target-only)
+    slo_tokens_per_s: float | None = None  # token-speed SLO (WISP batching); None: best effort
+    draft_wait_s: float = 0.0  # how long this round waited for its draft
     finish_reason: FinishReason | None = None
     drafted: int = 0
     accepted: int = 0
@@ -57,10 +61,12 @@ class Request:
 
     @classmethod
     def create(cls, request_id: str, prompt_ids: list[int], params: SamplingParams, speculative: bool,
-               max_model_len: int, eos_ids: frozenset[int]) -> Request:
+               max_model_len: int, eos_ids: frozenset[int], drafter: str = "",
+               slo_tokens_per_s: float | None = None) -> Request:
         return cls(request_id=request_id, prompt_len=len(prompt_ids), params=params, speculative=speculative,
                    max_model_len=max_model_len, eos_ids=frozenset() if params.ignore_eos else eos_ids,
-                   committed=list(prompt_ids), gen=make_generator(params.seed, "verify"))
+                   committed=list(prompt_ids), gen=make_generator(params.seed, "verify"), drafter=drafter,
+                   slo_tokens_per_s=slo_tokens_per_s)
 
     # --- derived ---------------------------------------------------------------------------
 
@@ -98,15 +104,21 @@ class Request:
         self.ready_since = time.perf_counter()
 
     def await_draft(self) -> None:
-        self.draft_ids, self.draft_q = [], None
+        self.draft_ids, self.draft_q, self.draft_conf = [], None, None
         self.status = Status.WAITING_DRAFT
         self.waiting_since = time.perf_counter()
 
     def next_round(self) -> None:
-        """After a verified round: wait for the drafter, or go straight on when target-only."""
+        """After a verified round: wait for the drafter, or go straight on when target-only or
+        when the round's budget is 0 (the drafter sends nothing for it)."""
         self.round += 1
-        self.draft_ids, self.draft_q = [], None
-        if self.speculative:
+        self.draft_ids, self.draft_q, self.draft_conf = [], None, None
+        self.draft_wait_s = 0.0
+        self.begin_round()
+
+    def begin_round(self) -> None:
+        """Wait for a draft if this round has a drafter and a budget; otherwise be ready now."""
+        if self.speculative and self.draft_budget > 0:
             self.await_draft()
         else:
             self.mark_ready()
@@ -117,12 +129,13 @@ class Request:
         if self.status is Status.WAITING_DRAFT:
             self.mark_ready()
 
-    def attach(self) -> bool:
+    def attach(self, drafter: str = "") -> bool:
         """Speculate again (a drafter resumed the session). True when the drafter must be told
         the committed state now; False when the session is not admitted yet (admission tells it)."""
         self.speculative = True
-        if self.status is Status.READY:  # a target-only round not run yet: it waits for a draft instead
-            self.await_draft()
+        self.drafter = drafter or self.drafter
+        if self.status is Status.READY:  # a target-only round not run yet: it may wait for a draft instead
+            self.begin_round()
             return True
         return self.status is Status.WAITING_DRAFT
 

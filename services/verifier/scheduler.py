@@ -5,7 +5,8 @@ Each step has a token budget (``max_tokens``) and a session budget (``max_sessio
 1. **Verify.** Sessions that are READY (their draft arrived, or they decode target-only) and
    whose prompt is cached, or whose uncached rest fits in one chunk, are offered to the batch
    policy (FCFS, WISP, ...). Each feeds its uncached committed tokens (at least the last
-   one) plus its drafts, and gets logits from its last committed token on.
+   one) plus its drafts, and gets logits from its last committed token on. The trim policy
+   (AdaSpec) may then drop the least likely tail drafts of the chosen sessions.
 2. **Prefill.** Sessions with more of the prompt to cache get chunks, oldest first, with no
    logits at all. While verification runs in the step, prefill takes at most ``prefill_chunk``
    tokens, so a long prompt is cached in pieces between rounds and running sessions keep
@@ -14,11 +15,16 @@ Each step has a token budget (``max_tokens``) and a session budget (``max_sessio
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from services.verifier.allocation.goodspeed import expected_tokens
+from services.verifier.allocation.tracker import GoodputTracker
 from services.verifier.batching import BatchLimits, BatchPolicy, Candidate
+from services.verifier.batching.estimator import SegmentShape, StepTimeEstimator
 from services.verifier.requests import Request, Status
+from services.verifier.trim import TrimItem, TrimPolicy, make_trim
 from shared.runner import Segment
 
 
@@ -27,6 +33,7 @@ class Step:
     verify: list[tuple[Request, list[int]]] = field(default_factory=list)  # (request, drafts)
     prefill: list[Request] = field(default_factory=list)
     segments: list[Segment] = field(default_factory=list)  # verify segments first, then prefill
+    shapes: list[SegmentShape] = field(default_factory=list)  # one per segment, for the step-time estimator
     prefill_tokens: int = 0
     verify_tokens: int = 0
 
@@ -35,12 +42,19 @@ class Step:
 
 
 class Scheduler:
-    def __init__(self, batcher: BatchPolicy, limits: BatchLimits, prefill_chunk: int) -> None:
+    def __init__(self, batcher: BatchPolicy, limits: BatchLimits, prefill_chunk: int,
+                 estimator: StepTimeEstimator | None = None, trim: TrimPolicy | None = None,
+                 tracker: GoodputTracker | None = None) -> None:
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.batcher = batcher
         self.limits = limits
         self.prefill_chunk = prefill_chunk
+        self.estimator = estimator or StepTimeEstimator()
+        self.trim = trim or make_trim("none")
+        self.tracker = tracker  # α̂ per session, for the candidates' expected tokens
+        self.last_decision_s = 0.0
+        self.last_trimmed = 0
 
     def verifiable(self, req: Request) -> bool:
         return req.status is Status.READY and req.to_prefill <= self.prefill_chunk
@@ -56,17 +70,45 @@ class Scheduler:
     def _add_verify(self, step: Step, ready: list[Request]) -> None:
         if not ready:
             return
+        started = time.perf_counter()
         drafts = {r.request_id: r.drafts_to_verify() for r in ready}
         by_id = {r.request_id: r for r in ready}
-        cands = [Candidate(r.request_id, r.to_prefill + 1 + len(drafts[r.request_id]), len(r.committed), r.ready_since)
-                 for r in ready]
-        for rid in self.batcher.select(cands, self.limits):
-            req, d = by_id[rid], drafts[rid]
+        chosen = [by_id[rid] for rid in self.batcher.select([self._candidate(r, drafts[r.request_id]) for r in ready],
+                                                            self.limits)]
+        keep = self._trim(chosen, drafts)
+        self.last_decision_s = time.perf_counter() - started
+        for req in chosen:
+            d = drafts[req.request_id][: keep.get(req.request_id, len(drafts[req.request_id]))]
             assert req.slot is not None
             feed = req.committed[req.cached :]
             step.verify.append((req, d))
             step.segments.append(Segment(req.slot, [*feed, *d], len(feed) - 1))
+            step.shapes.append(SegmentShape(new=len(feed) + len(d), cached=req.cached))
             step.verify_tokens += len(feed) + len(d)
+
+    def _candidate(self, r: Request, drafts: list[int]) -> Candidate:
+        est = self.tracker.sessions.get(r.request_id) if self.tracker is not None else None
+        expected = expected_tokens(est.alpha, len(drafts)) if est is not None else 1.0
+        return Candidate(r.request_id, r.to_prefill + 1 + len(drafts), len(r.committed), r.ready_since,
+                         cached=r.cached, arrived_at=r.arrived_at, generated=r.generated,
+                         slo_tokens_per_s=r.slo_tokens_per_s, expected_tokens=expected)
+
+    def _trim(self, chosen: list[Request], drafts: dict[str, list[int]]) -> dict[str, int]:
+        """Drafts to keep per session: the trim policy's choice where the drafts carry confidences."""
+        items, fixed = [], []
+        for req in chosen:
+            d, conf = drafts[req.request_id], req.draft_conf
+            fed = len(req.committed) - req.cached
+            if d and conf is not None and len(conf) >= len(d):
+                items.append(TrimItem(req.request_id, req.cached, fed, conf[: len(d)]))
+            else:
+                fixed.append(SegmentShape(new=fed + len(d), cached=req.cached))
+        if not items or self.trim.name == "none":
+            self.last_trimmed = 0
+            return {}
+        keep = self.trim.keep(items, self.estimator, fixed)
+        self.last_trimmed = sum(len(i.confidence) - keep.get(i.session_id, len(i.confidence)) for i in items)
+        return keep
 
     def _add_prefill(self, step: Step, pending: list[Request]) -> None:
         budget = self.limits.max_tokens - step.verify_tokens
@@ -80,5 +122,6 @@ class Scheduler:
             chunk = req.committed[req.cached : req.cached + n]
             step.prefill.append(req)
             step.segments.append(Segment(req.slot, chunk, n))
+            step.shapes.append(SegmentShape(new=n, cached=req.cached))
             step.prefill_tokens += n
             budget -= n

@@ -4,6 +4,7 @@
 ``/v1/frontend``  coordinators: Hello -> Welcome, then TokenEvents/FleetStatus flow to them
 ``/health``       plain HTTP 200 for liveness probes
 ``/metrics``      Prometheus text (``services/verifier/metrics.py``)
+``/status``       JSON: the allocation, batching and trim policies and their live estimates
 
 Every frame is decoded with ``shared.protocol.decode``; a bad frame is answered with an
 ErrorFrame and the connection keeps going. Each connection has its own bounded outbound queue
@@ -17,6 +18,7 @@ import asyncio
 import contextlib
 import hmac
 import itertools
+import json
 import time
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -90,6 +92,11 @@ class Hub:
 
     # --- sending -------------------------------------------------------------------------
 
+    def node_name(self, conn_id: str) -> str:
+        """The node id a connection introduced itself with (its connection id once it is gone)."""
+        peer = self.peers.get(conn_id)
+        return peer.node_id if peer is not None else conn_id
+
     def send(self, conn_id: str, msgs: list[Batchable]) -> None:
         peer = self.peers.get(conn_id)
         if peer is not None:
@@ -121,6 +128,11 @@ class Hub:
             body = self.metrics.render()
             headers = Headers([("Content-Type", "text/plain; version=0.0.4; charset=utf-8"),
                                ("Content-Length", str(len(body)))])
+            return Response(HTTPStatus.OK.value, "OK", headers, body)
+        if request.path == "/status":
+            status = self.intake.core.status() if self.intake is not None else {"error": "starting"}
+            body = json.dumps(status, indent=1).encode()
+            headers = Headers([("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
             return Response(HTTPStatus.OK.value, "OK", headers, body)
         if request.path not in PATH_ROLES:
             return connection.respond(HTTPStatus.NOT_FOUND, "use /v1/drafter or /v1/frontend\n")

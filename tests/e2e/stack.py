@@ -26,6 +26,7 @@ class StackSpec:
     extra_coordinator: list[str] = field(default_factory=list)
     drafter_log_level: str = "warning"
     extra_drafter: list[str] = field(default_factory=list)
+    extra_verifier: list[str] = field(default_factory=list)
 
 
 @contextmanager
@@ -34,7 +35,7 @@ def run_stack(target: Path, spec: StackSpec, log_dir: Path) -> Iterator[Fleet]:
     fleet = FleetSpec(
         target=target, drafts=spec.drafts, coordinator_port=free_port(), verifier_port=free_port(),
         redis_url=spec.redis_url,
-        verifier_flags=[*quiet, "--draft-len", str(spec.draft_len)],
+        verifier_flags=[*quiet, "--draft-len", str(spec.draft_len), *spec.extra_verifier],
         coordinator_flags=[*quiet, *spec.extra_coordinator],
         drafter_flags=["--log-level", spec.drafter_log_level, "--max-sessions", str(spec.max_sessions),
                        "--draft-mode", spec.draft_mode, "--q-mass", str(spec.q_mass),

@@ -96,10 +96,11 @@ async def stream_many(stack: Stack, bodies: list[dict[str, Any]]) -> list[tuple[
     return results
 
 
-def greedy_bodies() -> list[dict[str, Any]]:
+def greedy_bodies(extra: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     bodies: list[dict[str, Any]] = []
     for i, p in enumerate(PROMPTS):
-        bodies.append({"kind": "completion", "model": "target", "prompt": p, "max_tokens": 40, "temperature": 0})
+        bodies.append({"kind": "completion", "model": "target", "prompt": p, "max_tokens": 40, "temperature": 0,
+                       **(extra or {})})
         bodies.append({"kind": "chat", "model": "target", "messages": [{"role": "user", "content": p}],
                        "max_tokens": 40, "temperature": 0, "seed": i})
     return bodies
@@ -113,8 +114,8 @@ def prompt_ids(target: LoadedModel, body: dict[str, Any]) -> list[int]:
     return list(tok(body["prompt"])["input_ids"])
 
 
-def check_greedy(stack: Stack, target: LoadedModel) -> None:
-    bodies = greedy_bodies()
+def check_greedy(stack: Stack, target: LoadedModel, extra: dict[str, Any] | None = None) -> None:
+    bodies = greedy_bodies(extra)
     results = asyncio.run(stream_many(stack, bodies))
     assert len(bodies) >= 20
     for body, (ids, text, done) in zip(bodies, results, strict=True):
@@ -156,6 +157,29 @@ def test_wisp_learns_from_verdicts_and_stays_greedy_identical(tiny_models: dict[
     assert {r.rsplit(",", 1)[1] for r in rows[1:]} == {"0", "1"}
     drafter_log = next((tmp_path / "logs").glob("drafter*.log")).read_text()
     assert "WISP predictor trained" in drafter_log
+
+
+#: verifier policies: (verifier flags, drafter flags); every allocation, WISP batching, AdaSpec trim
+VERIFIER_POLICIES = {
+    "random": (["--allocation", "random", "--draft-capacity", "24", "--allocation-seed", "1"], []),
+    "goodspeed+wisp+adaspec": (["--allocation", "goodspeed", "--batching", "wisp", "--slo-tokens-per-s", "4",
+                                "--trim", "adaspec"], ["--send-confidence", "true"]),
+    "smartspec": (["--allocation", "smartspec"], []),
+}
+
+
+@pytest.mark.parametrize("name", list(VERIFIER_POLICIES))
+def test_greedy_identical_under_every_verifier_policy(name: str, tiny_models: dict[str, Path], target: LoadedModel,
+                                                      tmp_path: Path) -> None:
+    """Two heterogeneous drafters; half the requests name an SLO class of their own."""
+    verifier, drafter = VERIFIER_POLICIES[name]
+    spec = StackSpec(drafts=[tiny_models["draft-L1"], tiny_models["draft-L2"]], max_sessions=CONCURRENCY,
+                     extra_verifier=verifier, extra_drafter=drafter)
+    with run_stack(tiny_models["target"], spec, tmp_path) as stack:
+        check_greedy(stack, target, {"slo_tokens_per_s": 8.0})
+        metrics = httpx.get(stack.verifier_url + "/metrics").text
+    assert f'allocation="{verifier[1]}"' in metrics or "specfleet_verifier_utility" in metrics
+    assert "specfleet_verifier_drafter_alpha{" in metrics
 
 
 @pytest.mark.redis

@@ -6,12 +6,14 @@ turn does; the socket-level behaviour is tested in tests/integration/test_verifi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
-from services.verifier.allocation import FixedAllocator
+from services.verifier.allocation import Allocator, FixedAllocator, GoodputTracker, RoundStats
 from services.verifier.batching import BatchLimits, FcfsBatcher
+from services.verifier.batching.estimator import StepTimeEstimator
 from services.verifier.core import CoreLimits, TorchCore
 from services.verifier.core_api import (
     AddDraft,
@@ -28,6 +30,7 @@ from services.verifier.core_api import (
 from services.verifier.metrics import VerifierMetrics
 from services.verifier.requests import Status
 from services.verifier.scheduler import Scheduler
+from services.verifier.trim import TrimPolicy, make_trim
 from shared.models import LoadedModel, load_model
 from shared.protocol import SamplingParams
 from shared.runner import ModelRunner
@@ -44,12 +47,15 @@ def target(tiny_models: dict[str, Path]) -> LoadedModel:
 
 class Harness:
     def __init__(self, target: LoadedModel, kv_tokens: int = 4096, prefill_chunk: int = 256,
-                 max_batch_tokens: int = 2048, max_waiting: int = 8, draft_timeout_s: float = 60.0) -> None:
+                 max_batch_tokens: int = 2048, max_waiting: int = 8, draft_timeout_s: float = 60.0,
+                 allocator: Allocator | None = None, trim: TrimPolicy | None = None,
+                 estimator: StepTimeEstimator | None = None) -> None:
         per_token = kv_shape(target.model).bytes_per_token
         self.runner = ModelRunner(target, kv_tokens * per_token, self_check=False)
         self.results: list[Result] = []
-        self.core = TorchCore(self.runner, target.eos_ids, FixedAllocator(3),
-                              Scheduler(FcfsBatcher(), BatchLimits(32, max_batch_tokens), prefill_chunk),
+        self.core = TorchCore(self.runner, target.eos_ids, allocator or FixedAllocator(3),
+                              Scheduler(FcfsBatcher(), BatchLimits(32, max_batch_tokens), prefill_chunk, estimator,
+                                        trim),
                               CoreLimits(8, draft_timeout_s, max_waiting), self.results.extend, VerifierMetrics(),
                               threaded=False)
 
@@ -176,3 +182,70 @@ def test_detach_and_silent_drafters_continue_target_only(target: LoadedModel) ->
     ref = greedy_reference(target.model, p, GREEDY.max_tokens, target.eos_ids)
     assert h.tokens("silent") == ref and h.tokens("left") == ref
     assert [r.request_id for r in h.of(Detached)] == ["silent"]  # a Detach command needs no echo
+
+
+class EveryOther:
+    """Budget 2, then 0, then 2, ...: rounds with and without drafts, alternating."""
+
+    name = "every-other"
+
+    def __init__(self) -> None:
+        self.next: dict[str, int] = {}
+
+    def initial(self, session_id: str, tracker: GoodputTracker) -> int:
+        return 2
+
+    def assign(self, rounds: Sequence[RoundStats], tracker: GoodputTracker) -> dict[str, int]:
+        return {r.session_id: 0 if r.drafted else 2 for r in rounds}
+
+
+def test_rounds_with_budget_zero_run_target_only_without_waiting(target: LoadedModel) -> None:
+    h = Harness(target, allocator=EveryOther())
+    p = prompt(6, 7)
+    ref = greedy_reference(target.model, p, GREEDY.max_tokens, target.eos_ids)
+    h.core.submit(AddRequest("s", p, GREEDY, speculative=True))
+    h.turn()
+    budget, done = 2, []
+    while h.core.requests.get("s") is not None:
+        req = h.core.requests["s"]
+        if budget:  # the drafter's move: the target's own next tokens
+            assert req.status is Status.WAITING_DRAFT
+            h.core.submit(AddDraft("s", req.round, ref[len(done): len(done) + budget], None, 0.0))
+        else:
+            assert req.status is Status.READY  # no draft awaited
+        h.turn()
+        last = h.of(Rounded, "s")[-1]
+        done += last.tokens  # type: ignore[attr-defined]
+        budget = last.draft_budget  # type: ignore[attr-defined]
+    assert done == ref
+    assert [r.drafted for r in h.of(Rounded, "s")][:4] == [2, 0, 2, 0]  # type: ignore[attr-defined]
+
+
+def test_adaspec_trim_verifies_only_the_drafts_worth_their_cost(target: LoadedModel) -> None:
+    expensive = StepTimeEstimator(coef=(5e-3, 0.0, 0.0, 1e-3))  # each fed token costs 5x a step's fixed cost
+    h = Harness(target, trim=make_trim("adaspec"), estimator=expensive)
+    p = prompt(7, 9)
+    ref = greedy_reference(target.model, p, GREEDY.max_tokens, target.eos_ids)
+    h.core.submit(AddRequest("s", p, GREEDY, speculative=True))
+    h.turn()
+    h.core.submit(AddDraft("s", 0, ref[:3], None, 0.0, [0.99, 0.01, 0.01]))
+    h.turn()
+    first = h.of(Rounded, "s")[0]
+    assert first.drafted == 1 and first.tokens == ref[:2]  # type: ignore[attr-defined]
+    assert h.core.metrics.trimmed._value.get() == 2
+
+
+def test_the_tracker_learns_each_rounds_acceptance(target: LoadedModel) -> None:
+    h = Harness(target)
+    p = prompt(8, 9)
+    ref = greedy_reference(target.model, p, GREEDY.max_tokens, target.eos_ids)
+    h.core.submit(AddRequest("s", p, GREEDY, speculative=True, drafter="edge-1"))
+    h.turn()
+    h.core.submit(AddDraft("s", 0, [ref[0], (ref[1] + 1) % 300, ref[2]], None, 0.0))
+    h.turn()
+    est = h.core.tracker.sessions["s"]
+    t = h.core.tracker
+    # 1 of 3 drafts matches the argmax at its position (the third may too, given the wrong second)
+    assert est.drafter == "edge-1" and est.rounds == 1 and est.accepted == 1
+    matched = [pytest.approx((1 - t.eta) * t.alpha0 + t.eta * k / 3) for k in (1, 2)]
+    assert est.alpha in matched and est.goodput == pytest.approx((1 - t.beta) * t.goodput0 + t.beta * 2)

@@ -2,16 +2,41 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from services.verifier.allocation.base import Allocator, RoundStats
 from services.verifier.allocation.fixed import FixedAllocator
+from services.verifier.allocation.goodspeed import GoodSpeedAllocator
+from services.verifier.allocation.random_split import RandomAllocator
+from services.verifier.allocation.smartspec import SmartSpecAllocator
+from services.verifier.allocation.tracker import GoodputTracker
+from services.verifier.batching.estimator import StepTimeModel
 
-POLICIES = ("fixed",)
+POLICIES = ("fixed", "random", "goodspeed", "smartspec")
 
 
-def make_allocator(name: str, draft_len: int) -> Allocator:
+@dataclass(frozen=True)
+class AllocationSettings:
+    draft_len: int = 4  # Fixed-S's k, and the initial length of the adaptive policies
+    capacity: int = 0  # GoodSpeed's C: draft tokens per round over all sessions; 0: draft_len per session
+    max_len: int = 16  # no session gets more (SmartSpec's V)
+    seed: int | None = None  # Random-S
+
+
+def make_allocator(name: str, settings: AllocationSettings, model: StepTimeModel | None = None) -> Allocator:
+    s = settings
     if name == "fixed":
-        return FixedAllocator(draft_len)
+        return FixedAllocator(s.draft_len, s.capacity)
+    if name == "random":
+        return RandomAllocator(s.draft_len, s.capacity, s.max_len, s.seed)
+    if name == "goodspeed":
+        return GoodSpeedAllocator(s.draft_len, s.capacity, s.max_len)
+    if name == "smartspec":
+        if model is None:
+            raise ValueError("the smartspec allocation needs a verification-time estimator")
+        return SmartSpecAllocator(model, s.draft_len, s.max_len)
     raise ValueError(f"unknown allocation policy {name!r}; choose one of {', '.join(POLICIES)}")
 
 
-__all__ = ["POLICIES", "Allocator", "FixedAllocator", "RoundStats", "make_allocator"]
+__all__ = ["POLICIES", "AllocationSettings", "Allocator", "FixedAllocator", "GoodSpeedAllocator", "GoodputTracker",
+           "RandomAllocator", "RoundStats", "SmartSpecAllocator", "make_allocator"]

@@ -1,16 +1,24 @@
 """Draft-length allocation: how many tokens each session may draft in its next round.
 
-The engine calls ``assign`` after every verified batch with per-session statistics, and sends
-each session's budget back in its Verdict. GoodSpeed (gradient scheduling under a global
-budget C) and SmartSpec (goodput-maximising length, 0 turns speculation off) implement this
-same interface in the next wave, beside the Fixed-S baseline here.
+After every verified batch the engine core records each round in the :class:`GoodputTracker`
+(``tracker.py``) and asks the allocator for the next budgets, which go back in the Verdicts. A
+budget of 0 means "no draft this round": the session decodes target-only for that round
+without waiting for its drafter (SmartSpec's switch-off), and the drafter waits for the
+Verdict that gives it a budget again.
+
+Policies: Fixed-S and Random-S (GoodSpeed's baselines, ``fixed.py``, ``random_split.py``),
+GoodSpeed's gradient scheduling (``goodspeed.py``) and SmartSpec's goodput maximisation
+(``smartspec.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from services.verifier.allocation.tracker import GoodputTracker
 
 
 @dataclass(frozen=True)
@@ -18,20 +26,38 @@ class RoundStats:
     """What one session did in the round just verified."""
 
     session_id: str
-    drafter: str | None
+    drafter: str | None  # the drafter's node id (None: decodes target-only)
     drafted: int
     accepted: int
-    context_len: int
+    context_len: int  # committed tokens after the round
+    accept_prob: float = 0.0  # Σ min(1, p/q) over the drafted tokens (GoodSpeed eq. 3's numerator)
+    draft_wait_s: float = 0.0  # verdict out -> this round's draft in (drafting plus both network legs)
 
 
 class Allocator(Protocol):
     name: str
 
-    def initial(self, session_id: str) -> int:
-        """Budget for a session's first round."""
+    def initial(self, session_id: str, tracker: GoodputTracker) -> int:
+        """Budget for a session's first round (it is already registered in ``tracker``)."""
 
-    def assign(self, rounds: Sequence[RoundStats]) -> dict[str, int]:
-        """Budgets for the next round of each session in ``rounds``."""
+    def assign(self, rounds: Sequence[RoundStats], tracker: GoodputTracker) -> dict[str, int]:
+        """Budgets for the next round of each session in ``rounds`` (already observed by ``tracker``)."""
 
-    def forget(self, session_id: str) -> None:
-        """The session finished; drop any state about it."""
+
+def hand_out(targets: dict[str, int], rounds: Sequence[RoundStats], free: int) -> dict[str, int]:
+    """Budgets for the sessions in ``rounds``: their share of a joint allocation over every
+    speculating session, in order while the free capacity lasts. Rounds come back at different
+    times, so each session moves to its share when its own round returns; Σ S_i ≤ C throughout."""
+    out = {}
+    for r in rounds:
+        out[r.session_id] = min(targets.get(r.session_id, 0), free)
+        free -= out[r.session_id]
+    return out
+
+
+def free_capacity(capacity: int, rounds: Sequence[RoundStats], tracker: GoodputTracker) -> int:
+    """Tokens of the global budget C not promised to sessions outside ``rounds``: those keep the
+    budget they were sent until their own round comes back, so Σ S_i ≤ C holds at every moment."""
+    mine = {r.session_id for r in rounds}
+    held = sum(est.budget for sid, est in tracker.sessions.items() if sid not in mine)
+    return max(0, capacity - held)

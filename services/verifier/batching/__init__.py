@@ -4,14 +4,22 @@ from __future__ import annotations
 
 from services.verifier.batching.base import BatchLimits, BatchPolicy, Candidate
 from services.verifier.batching.fcfs import FcfsBatcher
+from services.verifier.batching.wisp import DEFAULT_DELTA_S, SumsTimeModel, WispBatcher, slo_met
 
-POLICIES = ("fcfs",)
+POLICIES = ("fcfs", "wisp")
 
 
-def make_batcher(name: str) -> BatchPolicy:
+def make_batcher(name: str, model: SumsTimeModel | None = None, default_slo_tokens_per_s: float | None = None, *,
+                 delta_s: float = DEFAULT_DELTA_S, kv_budget_tokens: int | None = None) -> BatchPolicy:
+    """The policy called ``name``. FCFS ignores the rest; WISP needs a verification-time ``model``."""
     if name == "fcfs":
         return FcfsBatcher()
+    if name == "wisp":
+        if model is None:
+            raise ValueError("batching policy 'wisp' needs a verification-time model (the step-time estimator)")
+        return WispBatcher(model, default_slo_tokens_per_s, delta_s=delta_s, kv_budget_tokens=kv_budget_tokens)
     raise ValueError(f"unknown batching policy {name!r}; choose one of {', '.join(POLICIES)}")
 
 
-__all__ = ["POLICIES", "BatchLimits", "BatchPolicy", "Candidate", "FcfsBatcher", "make_batcher"]
+__all__ = ["POLICIES", "BatchLimits", "BatchPolicy", "Candidate", "FcfsBatcher", "SumsTimeModel", "WispBatcher",
+           "make_batcher", "slo_met"]

@@ -1,8 +1,8 @@
 """Batch selection: which ready sessions go into the next verification pass.
 
-WISP's SLO-aware batching (EDF for sessions past their latest start, then utility density,
-checked against memory and deadlines) implements this interface in the next wave, beside the
-FCFS baseline here.
+Policies: FCFS (``fcfs.py``, the baseline) and WISP's SLO-aware batching (``wisp.py``: EDF
+for sessions past their latest start, then utility density, checked against memory and
+deadlines).
 """
 
 from __future__ import annotations
@@ -14,12 +14,23 @@ from typing import Protocol
 
 @dataclass(frozen=True)
 class Candidate:
-    """A session that is ready to be verified."""
+    """A session that is ready to be verified, with what a policy may weigh it by.
+
+    All times are ``time.perf_counter()`` seconds. The fields after ``ready_since`` have
+    defaults so a bare candidate (FCFS needs no more) stays valid; WISP reads them all
+    (wisp.txt §4.2: each request carries N̂_v, a memory footprint m̂ and a deadline).
+    """
 
     session_id: str
-    new_tokens: int  # last committed token + drafts
-    context_len: int
-    ready_since: float  # time.monotonic() when it became ready
+    new_tokens: int  # L_new: tokens fed this round (uncached committed ones, at least the last, + drafts)
+    context_len: int  # committed tokens (prompt + generated)
+    ready_since: float  # when it became ready (its queue wait starts)
+    cached: int = 0  # L_cached: KV rows the session already holds
+    arrived_at: float = 0.0  # when the request arrived: its token-speed clock starts here
+    generated: int = 0  # output tokens committed so far
+    slo_tokens_per_s: float | None = None  # its SLO class's token-speed target; None = best effort
+    expected_tokens: float = 1.0  # N̂_v: tokens this round is expected to commit (accepted drafts + 1)
+    kv_tokens: int = 0  # extra KV rows the round needs (0 when already reserved)
 
 
 @dataclass(frozen=True)
@@ -32,4 +43,4 @@ class BatchPolicy(Protocol):
     name: str
 
     def select(self, ready: Sequence[Candidate], limits: BatchLimits) -> list[str]:
-        """Session ids to verify together now (non-empty whenever ``ready`` is)."""
+        """Session ids to verify together now (non-empty whenever ``ready`` is), in admission order."""

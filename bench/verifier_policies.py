@@ -1,0 +1,281 @@
+"""The verifier's policies against their papers' baselines, one run (``python -m bench verifier-policies``).
+
+Every part starts real pinned fleets (the verifier on the server CPU, the rest on the edge CPU,
+``bench.edge``) and serves greedy completions over the coordinator's WebSocket:
+
+* **allocation** (GoodSpeed §IV): 3 heterogeneous drafters (draft-small, draft-large, and an
+  n-gram drafter), one session each, under a global budget C, with Fixed-S (C/N each),
+  Random-S and GoodSpeed. ``/status`` is polled for each drafter's smoothed goodput X; the
+  utility U = Σ log X is recorded against verified rounds. Reported: U's mean over the last
+  half of the run, and the round after which GoodSpeed's U stays within ``--settle`` of it.
+* **smartspec** (SmartSpec §5): target-only, fixed k and SmartSpec at each load of
+  ``--loads``: tokens/s and the ratio to target-only at the same load.
+* **wisp** (WISP §5): FCFS and WISP batching at each load of ``--wisp-loads``, requests spread
+  over 4 SLO classes (``--slo-classes``, tokens/s): the share of finished requests that missed
+  their class, from the verifier's counters, and the most sessions served at ≤ 5 % violations.
+* **trim** (AdaSpec §6): fixed k for each of ``--trim-ks`` and AdaSpec's trim of the longest
+  (drafters send confidences) at each load of ``--trim-loads``.
+
+Writes ``<out>/verifier-policies.{json,md}`` and ``<out>/goodspeed-utility.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.client import Outcome, run_load
+from bench.edge import Edge, add_edge_flags, edge_from
+from bench.fleets import PROMPTS, BenchFleet, Scenario, bench_fleet, bodies
+from bench.scrape import Snapshot
+from shared.up import resolve_models
+
+PARTS = ("allocation", "smartspec", "wisp", "trim")
+
+
+# --- allocation: GoodSpeed vs Fixed-S vs Random-S ---------------------------------------------
+
+
+def utility_trace(status_url: str, stop: threading.Event, every_s: float = 0.25) -> list[tuple[int, float]]:
+    """(rounds, U = Σ_d log X_d) samples until ``stop``; a drafter between sessions keeps its last X."""
+    trace: list[tuple[int, float]] = []
+    last: dict[str, float] = {}
+    while not stop.wait(every_s):
+        try:
+            status = httpx.get(status_url, timeout=5).json()
+        except (httpx.HTTPError, ValueError):
+            continue
+        last.update({name: d["goodput"] for name, d in status.get("drafters", {}).items()})
+        if len(last) >= 3:
+            trace.append((int(status["rounds"]), sum(math.log(max(x, 1e-9)) for x in last.values())))
+    return trace
+
+
+def settle_round(trace: list[tuple[int, float]], tolerance: float) -> tuple[float, int | None]:
+    """U's mean over the last half, and the first round after which U stays within ``tolerance`` of it."""
+    if not trace:
+        return float("nan"), None
+    tail = [u for _, u in trace[len(trace) // 2 :]]
+    final = sum(tail) / len(tail)
+    settled = None
+    for rounds, u in reversed(trace):
+        if abs(u - final) > tolerance:
+            break
+        settled = rounds
+    return final, settled
+
+
+def traced_load(bf: BenchFleet, reqs: list[dict[str, Any]], concurrency: int) -> tuple[
+        list[tuple[int, float]], float, list[Outcome]]:
+    """Serve ``reqs`` while a thread records the utility trace from the verifier's /status."""
+    stop = threading.Event()
+    result: list[list[tuple[int, float]]] = []
+    status_url = bf.urls["verifier"].replace("/metrics", "/status")
+    poller = threading.Thread(target=lambda: result.append(utility_trace(status_url, stop)))
+    poller.start()
+    try:
+        wall, outs = asyncio.run(run_load(bf.fleet.ws_url, reqs, concurrency))
+    finally:
+        stop.set()
+        poller.join()
+    return (result[0] if result else []), wall, outs
+
+
+def allocation_part(models: Any, args: argparse.Namespace, edge: Edge, logs: Path) -> dict[str, Any]:
+    drafts = (str(models.drafts[0]), str(models.drafts[-1]), str(models.drafts[0]))
+    per = ((), (), ("--proposer", "ngram"))
+    out: dict[str, Any] = {}
+    for policy in ("fixed", "random", "goodspeed"):
+        sc = Scenario(policy, drafters=3, drafts=drafts, per_drafter_flags=per, draft_len=args.capacity // 3 * 2,
+                      drafter_flags=("--max-sessions", "1"),
+                      verifier_flags=("--allocation", policy, "--draft-capacity", str(args.capacity),
+                                      "--allocation-seed", "7"))
+        started = time.perf_counter()
+        with bench_fleet(models.target, sc, edge, logs) as bf:
+            trace, wall, outs = traced_load(bf, bodies(args.allocation_requests, 128, models.target.name), 3)
+        final, settled = settle_round(trace, args.settle)
+        out[policy] = {"utility": final, "settled_round": settled, "rounds": trace[-1][0] if trace else 0,
+                       "tokens_per_s": sum(o.tokens for o in outs) / wall, "trace": trace,
+                       "seconds": time.perf_counter() - started}
+        print(f"  {policy}: U={final:.3f} settled at round {settled} of {out[policy]['rounds']}", flush=True)
+    return out
+
+
+# --- SmartSpec, WISP and the trim: tokens/s or SLO attainment by load --------------------------
+
+
+def serve_loads(models: Any, sc: Scenario, loads: list[int], edge: Edge, logs: Path, max_tokens: int,
+                body_extra: Callable[[int], dict[str, Any]] | None = None) -> dict[int, dict[str, float]]:
+    """Per load: tokens/s of ``max(8, 2 x load)`` requests, and the verifier's SLO counters' change."""
+    rows: dict[int, dict[str, float]] = {}
+    with bench_fleet(models.target, sc, edge, logs) as bf:
+        for load in loads:
+            n = max(8, 2 * load)
+            reqs = bodies(n, max_tokens, models.target.name, prompts=PROMPTS)
+            if body_extra is not None:
+                reqs = [{**b, **body_extra(i)} for i, b in enumerate(reqs)]
+            before = bf.scrape()["verifier"]
+            wall, outs = asyncio.run(run_load(bf.fleet.ws_url, reqs, load))
+            slo = _slo_counts(bf.scrape()["verifier"], before)
+            rows[load] = {"tokens_per_s": sum(o.tokens for o in outs) / wall, **slo}
+            print(f"  {sc.name} @{load}: {rows[load]}", flush=True)
+    return rows
+
+
+def _slo_counts(after: Snapshot, before: Snapshot) -> dict[str, float]:
+    def total(outcome: str) -> float:
+        return sum(v - before.get(k, 0.0) for k, v in after.items()
+                   if k[0] == "specfleet_verifier_slo_requests_total" and ("outcome", outcome) in k[1])
+    attained, violated = total("attained"), total("violated")
+    return {"violated": violated / (attained + violated) if attained + violated else float("nan"),
+            "slo_counted": attained + violated}
+
+
+def smartspec_part(models: Any, args: argparse.Namespace, edge: Edge, logs: Path) -> dict[str, Any]:
+    draft = str(models.drafts[0])
+    scs = [Scenario("target-only"), Scenario(f"fixed k={args.draft_len}", drafters=1, draft=draft,
+                                             draft_len=args.draft_len),
+           Scenario("smartspec", drafters=1, draft=draft, draft_len=args.draft_len,
+                    verifier_flags=("--allocation", "smartspec", *_estimator_flags(args)))]
+    return {sc.name: serve_loads(models, sc, args.loads, edge, logs, args.max_tokens) for sc in scs}
+
+
+def wisp_part(models: Any, args: argparse.Namespace, edge: Edge, logs: Path) -> dict[str, Any]:
+    draft = str(models.drafts[0])
+    classes = args.slo_classes
+
+    def slo(i: int) -> dict[str, Any]:
+        return {"slo_tokens_per_s": classes[i % len(classes)]}
+    out = {}
+    for policy in ("fcfs", "wisp"):
+        sc = Scenario(policy, drafters=1, draft=draft, draft_len=args.draft_len,
+                      verifier_flags=("--batching", policy, *_estimator_flags(args)))
+        out[policy] = serve_loads(models, sc, args.wisp_loads, edge, logs, args.max_tokens, slo)
+    return out
+
+
+def trim_part(models: Any, args: argparse.Namespace, edge: Edge, logs: Path) -> dict[str, Any]:
+    draft = str(models.drafts[0])
+    scs = [Scenario(f"fixed k={k}", drafters=1, draft=draft, draft_len=k) for k in args.trim_ks]
+    scs.append(Scenario(f"adaspec trim (k={max(args.trim_ks)})", drafters=1, draft=draft, draft_len=max(args.trim_ks),
+                        drafter_flags=("--send-confidence", "true"),
+                        verifier_flags=("--trim", "adaspec", *_estimator_flags(args))))
+    return {sc.name: serve_loads(models, sc, args.trim_loads, edge, logs, args.max_tokens) for sc in scs}
+
+
+def _estimator_flags(args: argparse.Namespace) -> tuple[str, ...]:
+    return ("--estimator-file", str(args.estimator_file)) if args.estimator_file else ()
+
+
+# --- report ------------------------------------------------------------------------------------
+
+
+def markdown(results: dict[str, Any]) -> str:
+    lines = [f"# Verifier policies ({results['meta']['when']}, edge: {results['meta']['edge']})", ""]
+    if "allocation" in results:
+        lines += ["## Allocation: GoodSpeed vs its baselines (3 heterogeneous drafters, one session each)", "",
+                  "| policy | U = Σ log X (last half) | settled at round | rounds | tokens/s |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {p} | {r['utility']:.3f} | {r['settled_round']} | {r['rounds']} | {r['tokens_per_s']:.1f} |"
+                  for p, r in results["allocation"].items()]
+        lines.append("")
+    for part, title, key in (("smartspec", "SmartSpec: tokens/s by load (ratio to target-only)", "tokens_per_s"),
+                             ("trim", "AdaSpec trim vs fixed k: tokens/s by load", "tokens_per_s"),
+                             ("wisp", "WISP vs FCFS: share of requests that missed their SLO class", "violated")):
+        if part in results:
+            lines += [f"## {title}", "", *_table(results[part], key, part == "smartspec"), ""]
+    return "\n".join(lines)
+
+
+def _table(part: dict[str, dict[Any, dict[str, float]]], key: str, ratio: bool) -> list[str]:
+    loads = sorted({int(load) for rows in part.values() for load in rows})
+    base = part.get("target-only", {})
+    out = ["| scenario | " + " | ".join(f"@{n}" for n in loads) + " |", "|---" * (len(loads) + 1) + "|"]
+    for name, rows in part.items():
+        cells = []
+        for n in loads:
+            row = rows.get(n) or rows.get(str(n))
+            value = row[key] if row else float("nan")
+            ref = base.get(n) or base.get(str(n))
+            cells.append(f"{value:.1f} ({value / ref[key]:.2f}x)" if ratio and ref and name != "target-only"
+                         else f"{value:.3f}" if key == "violated" else f"{value:.1f}")
+        out.append(f"| {name} | " + " | ".join(cells) + " |")
+    return out
+
+
+def plot(allocation: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for policy, r in allocation.items():
+        if r["trace"]:
+            ax.plot([t[0] for t in r["trace"]], [t[1] for t in r["trace"]], label=policy)
+    ax.set_xlabel("verified rounds (all drafters)")
+    ax.set_ylabel("U = Σ log X")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench verifier-policies", description=__doc__.split("\n\n")[0])
+    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    p.add_argument("--out", default="bench/results", help="results folder")
+    p.add_argument("--target", default="", help="target model directory (default models/target)")
+    p.add_argument("--drafts", default="", help="draft model directories, small first (default models/draft-*)")
+    p.add_argument("--capacity", type=int, default=12, help="allocation: GoodSpeed's C")
+    p.add_argument("--allocation-requests", type=int, default=24, help="allocation: requests (128 tokens) per policy")
+    p.add_argument("--settle", type=float, default=0.05, help="allocation: U within this of its final value")
+    p.add_argument("--draft-len", type=int, default=4, help="fixed k of the smartspec and wisp parts")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens per request (smartspec, wisp, trim)")
+    p.add_argument("--loads", default="1,4,16,64", help="smartspec: concurrent requests")
+    p.add_argument("--wisp-loads", default="24,48,96", help="wisp: concurrent requests")
+    p.add_argument("--slo-classes", default="10,20,30,40", help="wisp: SLO classes, tokens/s, spread over requests")
+    p.add_argument("--trim-loads", default="1,16", help="trim: concurrent requests")
+    p.add_argument("--trim-ks", default="2,4,6", help="trim: the fixed k baselines (the trim drafts the longest)")
+    p.add_argument("--estimator-file", default="", help="step-time coefficients (make profile-verifier)")
+    add_edge_flags(p)
+    args = p.parse_args(argv)
+    args.loads = [int(x) for x in args.loads.split(",")]
+    args.wisp_loads = [int(x) for x in args.wisp_loads.split(",")]
+    args.trim_loads = [int(x) for x in args.trim_loads.split(",")]
+    args.trim_ks = [int(x) for x in args.trim_ks.split(",")]
+    args.slo_classes = [float(x) for x in args.slo_classes.split(",")]
+    parts = [x for x in args.parts.split(",") if x]
+    if unknown := set(parts) - set(PARTS):
+        p.error(f"unknown parts {sorted(unknown)}; choose from {','.join(PARTS)}")
+    edge = edge_from(args)
+    edge.pin_self_to_edge()
+    models = resolve_models(args.target, args.drafts, Path.cwd(), Path(".specfleet"))
+    results: dict[str, Any] = {"meta": {"when": time.strftime("%Y-%m-%d %H:%M"), "edge": edge.describe()}}
+    run = {"allocation": allocation_part, "smartspec": smartspec_part, "wisp": wisp_part, "trim": trim_part}
+    with tempfile.TemporaryDirectory() as logs:
+        for part in parts:
+            print(f"{part}:", flush=True)
+            results[part] = run[part](models, args, edge, Path(logs))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "verifier-policies.json").write_text(json.dumps(results, indent=1))
+    (out / "verifier-policies.md").write_text(markdown(results))
+    if "allocation" in results:
+        plot(results["allocation"], out / "goodspeed-utility.png")
+    print(markdown(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,72 @@
+"""GoodSpeed's gradient scheduling of draft lengths (goodspeed.txt §III-B, eq. 5, Alg. 1).
+
+Each round the verifier picks integers S_i ≥ 0 with Σ S_i ≤ C that maximise
+
+    Σ_i x̂_i(S_i) / X_i,    x̂_i(S) = (1 − α̂_i^(S+1)) / (1 − α̂_i)
+
+the expected tokens of a round of S drafts weighted by ∇log X_i = 1/X_i, so a session whose
+smoothed goodput X_i is low gets more (proportional fairness). x̂_i(S+1) − x̂_i(S) = α̂_i^(S+1)
+falls as S grows: the objective is separable and concave in each S_i, so handing out tokens
+one at a time to the largest marginal gain is optimal (``greedy_lengths``; a test checks it
+against brute force). α̂_i and X_i come from the shared tracker (eq. 3 and 4).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+from services.verifier.allocation.base import RoundStats, free_capacity, hand_out
+from services.verifier.allocation.fixed import capacity_for
+from services.verifier.allocation.tracker import GoodputTracker
+
+
+def expected_tokens(alpha: float, length: int) -> float:
+    """x̂(S): tokens a round of ``length`` drafts commits on average, the verifier's own included."""
+    if alpha >= 1.0:
+        return float(length + 1)
+    return (1.0 - alpha ** (length + 1)) / (1.0 - alpha)
+
+
+def greedy_lengths(alphas: Sequence[float], weights: Sequence[float], capacity: int, max_len: int) -> list[int]:
+    """argmax Σ_i w_i·x̂(α_i, S_i) subject to Σ S_i ≤ capacity and 0 ≤ S_i ≤ max_len.
+
+    The gain of S_i -> S_i + 1 is w_i·α_i^(S_i+1), non-increasing in S_i, so the greedy choice of
+    the largest gain is optimal for this separable concave problem. Tokens with no gain stay unused.
+    """
+    lengths = [0] * len(alphas)
+    heap = [(-w * a, i) for i, (a, w) in enumerate(zip(alphas, weights, strict=True)) if w * a > 0 and max_len > 0]
+    heapq.heapify(heap)
+    for _ in range(capacity):
+        if not heap:
+            break
+        _, i = heapq.heappop(heap)
+        lengths[i] += 1
+        gain = weights[i] * alphas[i] ** (lengths[i] + 1)
+        if lengths[i] < max_len and gain > 0:
+            heapq.heappush(heap, (-gain, i))
+    return lengths
+
+
+class GoodSpeedAllocator:
+    name = "goodspeed"
+
+    def __init__(self, draft_len: int, capacity: int = 0, max_len: int = 16) -> None:
+        if draft_len < 0 or capacity < 0 or max_len < 0:
+            raise ValueError("draft_len, capacity and max_len must be >= 0")
+        self.draft_len, self.capacity, self.max_len = draft_len, capacity, max_len
+
+    def targets(self, tracker: GoodputTracker) -> dict[str, int]:
+        """Problem (5) solved over every speculating session with the whole budget C."""
+        live = [(sid, e) for sid, e in tracker.sessions.items() if e.drafter]
+        lengths = greedy_lengths([e.alpha for _, e in live], [1.0 / max(e.goodput, 1e-9) for _, e in live],
+                                 capacity_for(self.capacity, self.draft_len, tracker), self.max_len)
+        return {sid: s for (sid, _), s in zip(live, lengths, strict=True)}
+
+    def initial(self, session_id: str, tracker: GoodputTracker) -> int:
+        free = free_capacity(capacity_for(self.capacity, self.draft_len, tracker), [], tracker)
+        return min(self.targets(tracker).get(session_id, self.draft_len), free)
+
+    def assign(self, rounds: Sequence[RoundStats], tracker: GoodputTracker) -> dict[str, int]:
+        free = free_capacity(capacity_for(self.capacity, self.draft_len, tracker), rounds, tracker)
+        return hand_out(self.targets(tracker), rounds, free)

@@ -1,0 +1,245 @@
+"""How long one verifier forward takes, from the shapes of its segments (WISP's estimator).
+
+WISP (wisp.txt §4.4, eq. 19) models a batch's verification time as additive in three counts
+over its sessions ``i``, each feeding ``L_new,i`` tokens after ``L_cached,i`` cached rows
+(``L_total,i = L_cached,i + L_new,i``):
+
+    T = a·Σ L_new  +  b·Σ (L_total·L_new)  +  c·Σ L_cached  +  d
+
+``a`` prices the linear layers (every fed token goes through them), ``b`` the query-key
+interactions of attention (quadratic for a cold prefill, linear in the prefix for a warm
+round of a few drafts), ``c`` reading the cached keys and values, ``d`` the fixed cost of a
+step. The same step-time model serves SmartSpec's goodput-driven batch sizing (smartspec.txt
+§4, its batch execution time T_fwd) and AdaSpec's trim of draft lengths, so they all share
+this module.
+
+The coefficients come from the offline profiler (``python -m services.verifier.profile``, a
+JSON file read with :meth:`StepTimeEstimator.load`), and are refined online from measured
+steps (:meth:`StepTimeEstimator.observe`). :data:`DEFAULT_COEF` is only a starting point for
+an un-profiled CPU. Every time is in seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+#: names of the fitted columns, in coefficient order (the last is the constant)
+FEATURES = ("sum_new", "sum_total_x_new", "sum_cached", "const")
+#: un-profiled CPU guess, only a starting point: 50 µs per fed token, 5 ns per query-key
+#: interaction, 20 ns per cached row read, 2 ms per step. Profile the real machine instead.
+DEFAULT_COEF: tuple[float, float, float, float] = (50e-6, 5e-9, 20e-9, 2e-3)
+#: predictions never go below this (seconds): a forward always costs something
+MIN_SECONDS = 1e-5
+#: fewest distinct feature rows the online refit needs before it trusts a fit
+MIN_DISTINCT = 8
+#: smallest singular value, relative to the largest, of the column-scaled design for a well-posed fit
+RANK_RTOL = 1e-6
+
+Coef = tuple[float, float, float, float]
+
+
+@dataclass(frozen=True)
+class SegmentShape:
+    new: int  # L_new: tokens fed to the model for this session in the step (committed tail + drafts)
+    cached: int  # L_cached: KV rows the session already holds before the step
+
+    @property
+    def total(self) -> int:
+        return self.cached + self.new  # L_total
+
+
+class StepTimeModel(Protocol):
+    def predict(self, shapes: Sequence[SegmentShape]) -> float:
+        """Seconds for one forward over these segments."""
+        ...
+
+
+Sample = tuple[Sequence[SegmentShape], float]
+
+
+@dataclass(frozen=True)
+class FitReport:
+    r2: float  # coefficient of determination of the predictions
+    mape: float  # mean absolute percentage error, as a fraction (0.05 = 5 %)
+    n: int  # samples evaluated
+
+
+def features(shapes: Sequence[SegmentShape]) -> tuple[float, float, float]:
+    """``(Σ L_new, Σ L_total·L_new, Σ L_cached)`` of one batch."""
+    new = total_new = cached = 0
+    for s in shapes:
+        new += s.new
+        total_new += (s.cached + s.new) * s.new
+        cached += s.cached
+    return float(new), float(total_new), float(cached)
+
+
+def _design(rows: Sequence[tuple[float, float, float]]) -> np.ndarray:
+    x = np.ones((len(rows), 4))
+    if rows:
+        x[:, :3] = np.asarray(rows, dtype=float)
+    return x
+
+
+def _scaled(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Columns divided by their largest magnitude (the features span many orders of magnitude)."""
+    scale = np.abs(x).max(axis=0)
+    scale[scale == 0] = 1.0
+    return x / scale, scale
+
+
+def _well_posed(x: np.ndarray, min_distinct: int = 4) -> bool:
+    """Whether the rows (at least ``min_distinct`` of them distinct) determine all four
+    coefficients: full column rank, numerically."""
+    if len(x) < min_distinct or len(np.unique(x, axis=0)) < min_distinct:
+        return False
+    sv = np.linalg.svd(_scaled(x)[0], compute_uv=False)
+    return bool(sv[-1] > RANK_RTOL * sv[0])
+
+
+def _solve(x: np.ndarray, y: np.ndarray) -> Coef:
+    """Least squares with non-negative coefficients (each is a cost): refit without the most
+    negative column until none is negative, a small active-set approximation of NNLS."""
+    xs, scale = _scaled(x)
+    active = [True] * 4
+    w = np.zeros(4)
+    while any(active):
+        cols = np.flatnonzero(active)
+        w = np.zeros(4)
+        w[cols] = np.linalg.lstsq(xs[:, cols], y, rcond=None)[0]
+        if (w >= 0).all():
+            break
+        active[int(np.argmin(w))] = False
+    coef = w / scale
+    return float(coef[0]), float(coef[1]), float(coef[2]), float(coef[3])
+
+
+def fit(samples: Sequence[Sample]) -> Coef:
+    """Least-squares ``(a, b, c, d)`` of eq. 19 from measured ``(shapes, seconds)`` batches.
+
+    Raises ValueError when the batches cannot determine all four coefficients (too few, or
+    collinear shapes: e.g. every batch alike)."""
+    x = _design([features(shapes) for shapes, _ in samples])
+    if not _well_posed(x):
+        raise ValueError(
+            f"{len(samples)} batches do not determine the 4 coefficients of eq. 19: profile more varied "
+            "batch shapes (sizes, contexts and new-token counts)"
+        )
+    return _solve(x, np.asarray([t for _, t in samples], dtype=float))
+
+
+def evaluate(model: StepTimeModel, samples: Sequence[Sample]) -> FitReport:
+    """R² and MAPE of ``model``'s predictions against measured ``(shapes, seconds)`` batches."""
+    if not samples:
+        raise ValueError("no samples to evaluate")
+    y = np.asarray([t for _, t in samples], dtype=float)
+    p = np.asarray([model.predict(shapes) for shapes, _ in samples], dtype=float)
+    ss_res = float(((y - p) ** 2).sum())
+    ss_tot = float(((y - y.mean()) ** 2).sum())
+    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else (1.0 if ss_res <= 1e-24 else 0.0)
+    mape = float((np.abs(y - p) / np.maximum(np.abs(y), 1e-12)).mean())
+    return FitReport(r2=r2, mape=mape, n=len(samples))
+
+
+class StepTimeEstimator:
+    """Eq. 19 with its coefficients, refined online from measured steps (a :class:`StepTimeModel`)."""
+
+    def __init__(self, coef: Coef = DEFAULT_COEF, window: int = 512, refit_every: int = 64) -> None:
+        if window < MIN_DISTINCT or refit_every < 1:
+            raise ValueError(f"need window >= {MIN_DISTINCT} and refit_every >= 1, got {window} and {refit_every}")
+        self._set(coef)
+        self._fitted = False
+        self._window: deque[tuple[tuple[float, float, float], float]] = deque(maxlen=window)
+        self._refit_every = refit_every
+        self._since_refit = 0
+        self.report: FitReport | None = None  # the profile's held-out report, when loaded from a file
+
+    def _set(self, coef: Sequence[float]) -> None:
+        a, b, c, d = (float(v) for v in coef)
+        if not all(math.isfinite(v) for v in (a, b, c, d)):
+            raise ValueError(f"coefficients must be finite, got {tuple(coef)}")
+        self._a, self._b, self._c, self._d = a, b, c, d
+
+    @property
+    def coef(self) -> Coef:
+        return self._a, self._b, self._c, self._d
+
+    @property
+    def fitted(self) -> bool:
+        """True once the coefficients came from a fit (online or a profile file)."""
+        return self._fitted
+
+    def predict(self, shapes: Sequence[SegmentShape]) -> float:
+        return self.predict_sums(*features(shapes))
+
+    def predict_sums(self, new: float, total_new: float, cached: float) -> float:
+        """Eq. 19 from pre-summed features (O(1): for schedulers growing a batch incrementally)."""
+        t = self._a * new + self._b * total_new + self._c * cached + self._d
+        return t if t > MIN_SECONDS else MIN_SECONDS
+
+    def observe(self, shapes: Sequence[SegmentShape], seconds: float) -> None:
+        """Record one measured forward; every ``refit_every`` records, refit on the last ``window``
+        ones if they determine all four coefficients (otherwise keep the current ones)."""
+        if not (seconds > 0 and math.isfinite(seconds)) or not shapes:
+            return
+        self._window.append((features(shapes), seconds))
+        self._since_refit += 1
+        if self._since_refit >= self._refit_every:
+            self._since_refit = 0
+            self._refit()
+
+    def _refit(self) -> None:
+        x = _design([f for f, _ in self._window])
+        if not _well_posed(x, MIN_DISTINCT):
+            return
+        self._set(_solve(x, np.asarray([t for _, t in self._window], dtype=float)))
+        self._fitted = True
+
+    def save(
+        self, path: str | Path, report: FitReport | None = None, model: str = "", extra: dict[str, Any] | None = None
+    ) -> None:
+        """Write the coefficients as JSON, with the fit's quality (``report``) and provenance."""
+        report = report or self.report
+        doc: dict[str, Any] = {
+            "estimator": "wisp-eq19",
+            "features": list(FEATURES),
+            "coef": list(self.coef),
+            "units": "seconds",
+            "r2": report.r2 if report else None,
+            "mape": report.mape if report else None,
+            "n": report.n if report else len(self._window),
+            "model": model,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            **(extra or {}),
+        }
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(doc, indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> StepTimeEstimator:
+        """Read a file written by :meth:`save`; ValueError (saying what is wrong) if it is not one."""
+        try:
+            doc = json.loads(Path(path).read_text())
+            names, coef = doc["features"], doc["coef"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(
+                f"{path} is not a verifier step-time profile ({exc}); write one with `make profile-verifier`"
+            ) from None
+        if list(names) != list(FEATURES) or len(coef) != len(FEATURES):
+            raise ValueError(f"{path} has features {names}, expected {list(FEATURES)}: re-run `make profile-verifier`")
+        a, b, c, d = (float(v) for v in coef)
+        est = cls((a, b, c, d))
+        est._fitted = True
+        if doc.get("r2") is not None and doc.get("mape") is not None:
+            est.report = FitReport(r2=float(doc["r2"]), mape=float(doc["mape"]), n=int(doc.get("n") or 0))
+        return est

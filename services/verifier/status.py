@@ -1,0 +1,28 @@
+"""``GET /status``: which policies a verifier runs and what they currently believe, as JSON."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from services.verifier.allocation import Allocator, GoodputTracker
+from services.verifier.batching.estimator import FEATURES, StepTimeEstimator
+from services.verifier.scheduler import Scheduler
+
+
+def policy_status(allocator: Allocator, scheduler: Scheduler, tracker: GoodputTracker,
+                  estimator: StepTimeEstimator) -> dict[str, object]:
+    out: dict[str, object] = {
+        "allocation": allocator.name,
+        "batching": scheduler.batcher.name,
+        "trim": scheduler.trim.name,
+        "sessions": len(tracker.sessions),
+        "rounds": tracker.rounds,
+        "utility_sum_log_x": round(tracker.sum_log_x(), 6),
+        "drafters": {name: asdict(s) for name, s in sorted(tracker.by_drafter().items())},
+        "estimator": {"fitted": estimator.fitted, "coef": dict(zip(FEATURES, estimator.coef, strict=True))},
+        "last_batch_decision_s": scheduler.last_decision_s,
+    }
+    last_k = getattr(allocator, "last_k", None)
+    if last_k is not None:  # SmartSpec: the length it chose last, and that length's predicted goodput
+        out["smartspec"] = {"k": last_k, "goodput_tok_s": round(getattr(allocator, "last_goodput", 0.0), 3)}
+    return out

@@ -1,0 +1,124 @@
+"""AdaSpec's confidence prior verifier: draft token elimination (adaspec.txt §5.2, Alg. 2), scored
+by the SLO-aware efficiency estimator (§5.3, Alg. 3).
+
+Efficiency of a batch (§4, §5.3): expected committed tokens over the predicted step time,
+
+    eff = (sum_sessions (E_s + 1) + |fixed|) / T(shapes),
+
+where E_s = sum_{j<=k_s} prod_{i<=j} c_{s,i} is the expected number of the k_s kept drafts that
+are accepted (§4.2 eq. 6-7; ``base.expected_accepted``). Assumption: the confidence c_{s,i} sent
+by the drafter is the probability that draft i is accepted given drafts 1..i-1 were, i.e. the
+verifier applies no calibration of its own. T is the verifier's step-time model over the segment
+shapes of the whole batch (each trimmable session feeds ``fed + k_s`` rows on ``cached`` rows,
+plus the untrimmable ``fixed`` segments).
+
+Elimination (§5.2): the draft token with the lowest estimated acceptance prod_{i<=j} c_{s,i} is
+considered first. The running product never rises along a draft, so that token is always some
+session's last kept draft: a min-heap over the sessions' tails yields the candidates in order in
+O(n log n) for n drafts. A candidate is dropped if that raises the efficiency; elimination stops
+at the first candidate whose drop does not (the paper's stopping rule, justified by the
+quasi-concavity of §4.3). Each candidate costs one ``model.predict``.
+
+TPOT guard (§5.3): with ``tpot_slo_s`` set, a batch whose predicted step time exceeds the SLO is
+refused (Alg. 3 scores it -1), so candidates are dropped regardless of efficiency while the
+prediction is over the SLO, until it fits or no drafts remain; ``last.fits_slo`` says which.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from services.verifier.trim.base import (
+    SegmentShape,
+    StepTimeModel,
+    TrimItem,
+    TrimReport,
+    acceptance_chain,
+    check_items,
+    check_slo,
+    fits,
+    rate,
+)
+
+
+@dataclass
+class _Batch:
+    """The batch as currently kept, during elimination."""
+
+    items: Sequence[TrimItem]
+    chains: list[list[float]]
+    kept: list[int]
+    shapes: list[SegmentShape]  # items' segments first, then the fixed ones
+    tokens: float
+    seconds: float
+    predictions: int = 1
+
+    @classmethod
+    def full(cls, items: Sequence[TrimItem], model: StepTimeModel, fixed: Sequence[SegmentShape]) -> _Batch:
+        chains = [acceptance_chain(item.confidence) for item in items]
+        shapes = [item.shape(item.drafts) for item in items] + list(fixed)
+        tokens = len(shapes) + sum(sum(chain) for chain in chains)
+        return cls(items, chains, [len(c) for c in chains], shapes, tokens, model.predict(shapes))
+
+    def tails(self) -> list[tuple[float, int, int]]:
+        """Heap entries (acceptance of the last kept draft, -its position, item index)."""
+        return [self.tail(i) for i, k in enumerate(self.kept) if k > 0]
+
+    def tail(self, i: int) -> tuple[float, int, int]:
+        k = self.kept[i]
+        return self.chains[i][k - 1], -k, i
+
+    def try_drop(self, i: int, model: StepTimeModel, tpot_slo_s: float | None) -> bool:
+        """Drop session i's last kept draft if that raises the efficiency or the batch is over the
+        SLO; otherwise leave the batch as it was. Returns whether it dropped."""
+        k = self.kept[i] - 1
+        self.shapes[i] = self.items[i].shape(k)
+        seconds = model.predict(self.shapes)
+        self.predictions += 1
+        tokens = self.tokens - self.chains[i][k]
+        over_slo = tpot_slo_s is not None and self.seconds > tpot_slo_s
+        if over_slo or rate(tokens, seconds) > rate(self.tokens, self.seconds):
+            self.kept[i], self.tokens, self.seconds = k, tokens, seconds
+            return True
+        self.shapes[i] = self.items[i].shape(k + 1)
+        return False
+
+    def report(self, tpot_slo_s: float | None) -> TrimReport:
+        offered = sum(len(chain) for chain in self.chains)
+        # recomputed rather than the running sum, so rounding does not accumulate
+        tokens = len(self.shapes) + sum(sum(chain[:k]) for chain, k in zip(self.chains, self.kept, strict=True))
+        return TrimReport(offered, sum(self.kept), tokens, self.seconds, rate(tokens, self.seconds),
+                          fits(self.seconds, tpot_slo_s), self.predictions)
+
+
+class AdaSpecTrim:
+    name = "adaspec"
+
+    def __init__(self, tpot_slo_s: float | None = None) -> None:
+        self.tpot_slo_s = check_slo(tpot_slo_s)
+        self.last: TrimReport | None = None
+
+    def keep(
+        self, items: Sequence[TrimItem], model: StepTimeModel, fixed: Sequence[SegmentShape] = ()
+    ) -> dict[str, int]:
+        check_items(items)
+        if not items and not fixed:
+            self.last = TrimReport(0, 0, 0.0, 0.0, 0.0, fits(0.0, self.tpot_slo_s), 0)
+            return {}
+        batch = _Batch.full(items, model, fixed)
+        self._eliminate(batch, model)
+        self.last = batch.report(self.tpot_slo_s)
+        return {item.session_id: k for item, k in zip(items, batch.kept, strict=True)}
+
+    def _eliminate(self, batch: _Batch, model: StepTimeModel) -> None:
+        """Alg. 2: candidates in ascending estimated acceptance; stop at the first kept one."""
+        heap = batch.tails()
+        heapq.heapify(heap)
+        while heap:
+            _, _, i = heapq.heappop(heap)
+            if not batch.try_drop(i, model, self.tpot_slo_s):
+                return
+            if batch.kept[i] > 0:
+                heapq.heappush(heap, batch.tail(i))

@@ -1,0 +1,217 @@
+"""Draft-length allocation: GoodSpeed's greedy optimum against brute force, the tracker's
+EWMAs (eq. 3, 4), the baselines' budgets and SmartSpec's goodput choice."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from collections.abc import Sequence
+
+import pytest
+
+from services.verifier.allocation import (
+    AllocationSettings,
+    GoodputTracker,
+    RoundStats,
+    make_allocator,
+)
+from services.verifier.allocation.goodspeed import expected_tokens, greedy_lengths
+from services.verifier.allocation.smartspec import DraftWaitModel, best_length
+from services.verifier.batching.estimator import SegmentShape, StepTimeEstimator
+
+
+def rs(sid: str, drafted: int = 4, accepted: int = 2, prob: float | None = None, drafter: str | None = "d",
+       context: int = 100, wait: float = 0.0) -> RoundStats:
+    return RoundStats(sid, drafter, drafted, accepted, context, float(accepted) if prob is None else prob, wait)
+
+
+# --- GoodSpeed's objective ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("alpha", "length", "want"), [
+    (0.0, 5, 1.0), (0.5, 0, 1.0), (0.5, 1, 1.5), (0.5, 2, 1.75), (0.9, 3, 1 + 0.9 + 0.81 + 0.729), (1.0, 4, 5.0),
+])
+def test_expected_tokens(alpha: float, length: int, want: float) -> None:
+    assert expected_tokens(alpha, length) == pytest.approx(want)
+
+
+def brute_force(alphas: Sequence[float], weights: Sequence[float], capacity: int, max_len: int) -> float:
+    best = 0.0
+    for lengths in itertools.product(range(max_len + 1), repeat=len(alphas)):
+        if sum(lengths) <= capacity:
+            best = max(best, sum(w * expected_tokens(a, s) for a, w, s in zip(alphas, weights, lengths, strict=True)))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_greedy_marginal_gain_is_optimal_against_brute_force(seed: int) -> None:
+    rng = random.Random(seed)
+    n = rng.randint(1, 4)
+    alphas = [rng.choice([0.0, rng.random(), 0.95]) for _ in range(n)]
+    weights = [rng.uniform(0.05, 2.0) for _ in range(n)]
+    capacity, max_len = rng.randint(0, 12), rng.randint(0, 6)
+    lengths = greedy_lengths(alphas, weights, capacity, max_len)
+    assert sum(lengths) <= capacity and all(0 <= s <= max_len for s in lengths)
+    got = sum(w * expected_tokens(a, s) for a, w, s in zip(alphas, weights, lengths, strict=True))
+    assert got == pytest.approx(brute_force(alphas, weights, capacity, max_len))
+
+
+def test_greedy_favours_the_session_with_low_goodput() -> None:
+    # same acceptance, X = 1 vs X = 4: the starved session gets more of C (proportional fairness)
+    lengths = greedy_lengths([0.7, 0.7], [1 / 1.0, 1 / 4.0], 6, 16)
+    assert lengths[0] > lengths[1] and sum(lengths) == 6
+
+
+# --- the tracker (eq. 3, 4) -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("drafted", "prob", "accepted", "alpha", "goodput"), [
+    (4, 4.0, 4, 0.9 * 0.5 + 0.1 * 1.0, 0.5 * 1.0 + 0.5 * 5),
+    (4, 1.0, 0, 0.9 * 0.5 + 0.1 * 0.25, 0.5 * 1.0 + 0.5 * 1),
+    (0, 0.0, 0, 0.5, 0.5 * 1.0 + 0.5 * 1),  # no drafts: α̂ unchanged, X still moves
+])
+def test_tracker_ewmas(drafted: int, prob: float, accepted: int, alpha: float, goodput: float) -> None:
+    t = GoodputTracker(eta=0.1, beta=0.5, alpha0=0.5, goodput0=1.0)
+    est = t.observe(rs("s", drafted, accepted, prob))
+    assert est.alpha == pytest.approx(alpha) and est.goodput == pytest.approx(goodput)
+
+
+def test_tracker_utility_inheritance_and_detach() -> None:
+    t = GoodputTracker(eta=0.5, beta=0.5)
+    for _ in range(10):
+        t.observe(rs("a", 4, 4, drafter="small"))
+    assert t.sum_log_x() == pytest.approx(math.log(t.sessions["a"].goodput))
+    learned = t.sessions["a"].alpha
+    t.forget("a")
+    assert t.open("b", "small").alpha == pytest.approx(learned)  # the drafter's next session starts warm
+    assert t.open("c", "other").alpha == pytest.approx(t.alpha0)
+    t.set_budget("b", 5)
+    t.detach("b")
+    assert t.sessions["b"].budget == 0 and t.speculative() == 1
+
+
+@pytest.mark.parametrize(("eta", "beta"), [(0.0, 0.5), (0.5, 1.5)])
+def test_tracker_refuses_bad_smoothing(eta: float, beta: float) -> None:
+    with pytest.raises(ValueError, match="must be in"):
+        GoodputTracker(eta, beta)
+
+
+# --- the policies under a global budget C ---------------------------------------------------
+
+
+def tracker_with(budgets: dict[str, int]) -> GoodputTracker:
+    t = GoodputTracker()
+    for sid, b in budgets.items():
+        t.open(sid, "d")
+        t.set_budget(sid, b)
+    return t
+
+
+@pytest.mark.parametrize(("capacity", "sessions", "want"), [(0, 3, 4), (12, 3, 4), (12, 5, 2), (40, 2, 4)])
+def test_fixed_s_gives_c_over_n_capped_at_draft_len(capacity: int, sessions: int, want: int) -> None:
+    t = tracker_with({f"s{i}": 0 for i in range(sessions)})
+    alloc = make_allocator("fixed", AllocationSettings(draft_len=4, capacity=capacity))
+    assert set(alloc.assign([rs("s0")], t).values()) == {want}
+
+
+@pytest.mark.parametrize("policy", ["random", "goodspeed"])
+@pytest.mark.parametrize("seed", range(10))
+def test_budgets_never_exceed_the_free_capacity(policy: str, seed: int) -> None:
+    rng = random.Random(seed)
+    held = {f"o{i}": rng.randint(0, 5) for i in range(rng.randint(0, 4))}
+    mine = [f"m{i}" for i in range(rng.randint(1, 4))]
+    t = tracker_with({**held, **dict.fromkeys(mine, 3)})
+    capacity = rng.randint(0, 30)
+    alloc = make_allocator(policy, AllocationSettings(draft_len=4, capacity=capacity, max_len=6, seed=seed))
+    rounds = [rs(sid) for sid in mine]
+    for r in rounds:
+        t.observe(r)
+    budgets = alloc.assign(rounds, t)
+    assert set(budgets) == set(mine)
+    assert all(0 <= b <= 6 for b in budgets.values())
+    assert sum(budgets.values()) <= max(0, capacity - sum(held.values()))
+
+
+def test_goodspeed_spends_the_whole_budget_where_it_pays() -> None:
+    t = GoodputTracker(eta=1.0, beta=1.0)
+    good, bad = rs("good", 4, 4, 4.0), rs("bad", 4, 0, 0.4)
+    for r in (good, bad):
+        t.observe(r)
+    budgets = make_allocator("goodspeed", AllocationSettings(draft_len=4, capacity=8, max_len=8)).assign(
+        [good, bad], t)
+    assert sum(budgets.values()) == 8 and budgets["good"] > budgets["bad"]
+
+
+def test_unknown_policy_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="choose one of fixed, random, goodspeed, smartspec"):
+        make_allocator("nope", AllocationSettings())
+    with pytest.raises(ValueError, match="estimator"):
+        make_allocator("smartspec", AllocationSettings())
+
+
+# --- SmartSpec ------------------------------------------------------------------------------
+
+
+class Linear:
+    """A step-time model: ``fixed`` seconds per step plus ``per_token`` per fed token."""
+
+    def __init__(self, fixed: float, per_token: float) -> None:
+        self.fixed, self.per_token = fixed, per_token
+
+    def predict(self, shapes: Sequence[SegmentShape]) -> float:
+        return self.fixed + self.per_token * sum(s.new for s in shapes)
+
+
+@pytest.mark.parametrize(("sessions", "fixed", "per_token", "alpha", "want_zero"), [
+    (1, 8e-3, 0.1e-3, 0.7, False),  # an idle verifier: a step costs the same with drafts, so speculate
+    (64, 1e-3, 0.5e-3, 0.7, True),  # saturated: every token costs, drafts return less than they cost
+    (1, 8e-3, 0.1e-3, 0.0, True),  # nothing is ever accepted: never speculate
+])
+def test_smartspec_switches_speculation_off_only_when_it_does_not_pay(
+        sessions: int, fixed: float, per_token: float, alpha: float, want_zero: bool) -> None:
+    k, goodput = best_length([alpha] * sessions, [200] * sessions, 8, Linear(fixed, per_token), DraftWaitModel())
+    assert (k == 0) is want_zero
+    assert goodput == pytest.approx(max(
+        sessions * expected_tokens(alpha, j) / Linear(fixed, per_token).predict(
+            [SegmentShape(1 + j, 200)] * sessions) for j in range(9)))
+
+
+def test_smartspec_counts_the_wait_for_drafts() -> None:
+    wait = DraftWaitModel()
+    for k in range(1, 9):
+        wait.observe(k, 0.020 + 0.010 * k)  # a slow edge: 20 ms + 10 ms per drafted token
+    assert wait.e0 == pytest.approx(0.020) and wait.e1 == pytest.approx(0.010)
+    k_slow, _ = best_length([0.6], [100], 8, Linear(5e-3, 0.1e-3), wait)
+    k_fast, _ = best_length([0.6], [100], 8, Linear(5e-3, 0.1e-3), DraftWaitModel())
+    assert k_slow == 0 < k_fast
+
+
+def test_smartspec_allocator_uses_each_sessions_moving_average() -> None:
+    est = StepTimeEstimator(coef=(0.1e-3, 0.0, 0.0, 8e-3))
+    alloc = make_allocator("smartspec", AllocationSettings(draft_len=4, max_len=8), est)
+    t = GoodputTracker()
+    rounds = [rs("a", 4, 4), rs("b", 4, 4)]
+    for r in rounds:
+        t.observe(r)
+    budgets = alloc.assign(rounds, t)
+    assert len(set(budgets.values())) == 1 and budgets["a"] > 0
+    assert alloc.initial("c", t) == budgets["a"]
+
+
+def test_goodspeed_converges_to_the_joint_optimum_when_rounds_return_one_at_a_time() -> None:
+    """Rounds come back asynchronously; no session starves while others hold the budget."""
+    t = GoodputTracker(eta=1.0, beta=1.0)
+    alloc = make_allocator("goodspeed", AllocationSettings(draft_len=8, capacity=12, max_len=16))
+    alphas = {"a": 0.9, "b": 0.6, "c": 0.3}
+    for sid in alphas:
+        t.open(sid, sid)
+        t.set_budget(sid, alloc.initial(sid, t))
+    for _ in range(5):
+        for sid, a in alphas.items():  # each round alone, with its acceptance as the observed rate
+            r = rs(sid, 4, int(4 * a), 4 * a, drafter=sid)
+            t.observe(r)
+            t.set_budget(sid, alloc.assign([r], t)[sid])
+    budgets = {sid: t.sessions[sid].budget for sid in alphas}
+    assert sum(budgets.values()) <= 12 and all(b > 0 for b in budgets.values())
+    assert budgets == alloc.targets(t)  # type: ignore[attr-defined]
