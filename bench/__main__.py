@@ -1,5 +1,5 @@
 """``python -m bench <command>``: profile, serving, context, qwire, policies (make bench), costs,
-verifier-policies."""
+verifier-policies, backends, rtt."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 COMMANDS = {"profile": "bench.profile", "serving": "bench.serving", "context": "bench.context",
             "qwire": "bench.qwire", "policies": "bench.policies", "costs": "bench.costs",
-            "verifier-policies": "bench.verifier_policies"}
+            "verifier-policies": "bench.verifier_policies", "backends": "bench.backends", "rtt": "bench.rtt"}
 
 
 def main() -> int:

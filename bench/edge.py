@@ -5,6 +5,10 @@ Every benchmark takes ``--server-cpus`` and ``--edge-cpus`` (taskset list syntax
 verifier (and target-only serving) runs on the server CPUs; the coordinator, the drafters
 and the load client run on the edge CPUs. Raw model costs are measured in pinned child
 processes on the same CPUs, in the same run, so every ratio compares like with like.
+
+``--rtt-ms`` (and ``--edge-mbit``, ``--jitter-ms``) also put the drafters behind an emulated
+network: a namespace of their own joined by a shaped veth pair, latency from a delay proxy
+(``bench.netns``); ``--no-netns`` keeps them on loopback behind the proxy alone.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from shared.fleet import parse_cpus, pinned
@@ -24,6 +28,14 @@ from shared.fleet import parse_cpus, pinned
 class Edge:
     server_cpus: str  # "" when not pinned
     edge_cpus: str
+    rtt_ms: float = 0.0  # added between drafters and the server (0 and no rate: no edge network)
+    rate_mbit: float = 0.0  # each direction of the drafters' link (0: unshaped)
+    jitter_ms: float = 0.0
+    netns: bool = True  # drafters in a namespace of their own (else loopback behind the proxy)
+
+    @property
+    def networked(self) -> bool:
+        return self.rtt_ms > 0 or self.rate_mbit > 0 or self.jitter_ms > 0
 
     @property
     def pinned(self) -> bool:
@@ -39,18 +51,26 @@ class Edge:
             return "not pinned: every process may use every CPU"
         return f"verifier on CPU {self.server_cpus}; coordinator, drafters and load client on CPU {self.edge_cpus}"
 
+    def with_rtt(self, rtt_ms: float) -> Edge:
+        return replace(self, rtt_ms=rtt_ms)
+
 
 def add_edge_flags(p: argparse.ArgumentParser) -> None:
     two = len(os.sched_getaffinity(0)) >= 2
     p.add_argument("--server-cpus", default="0" if two else "", help="CPUs of the verifier (taskset syntax)")
     p.add_argument("--edge-cpus", default="1" if two else "", help="CPUs of the coordinator, drafters, client")
     p.add_argument("--no-pin", action="store_true", help="do not pin anything (no edge emulation)")
+    p.add_argument("--rtt-ms", type=float, default=0.0, help="round-trip time added between drafters and server")
+    p.add_argument("--jitter-ms", type=float, default=0.0, help="extra round-trip jitter, uniform in [0, this]")
+    p.add_argument("--edge-mbit", type=float, default=0.0, help="drafters' link bandwidth, each way (0: unshaped)")
+    p.add_argument("--no-netns", action="store_true", help="keep drafters on loopback behind the delay proxy")
 
 
 def edge_from(args: argparse.Namespace) -> Edge:
+    net = {"rtt_ms": args.rtt_ms, "rate_mbit": args.edge_mbit, "jitter_ms": args.jitter_ms, "netns": not args.no_netns}
     if args.no_pin or not args.server_cpus or not args.edge_cpus:
-        return Edge("", "")
-    return Edge(args.server_cpus, args.edge_cpus)
+        return Edge("", "", **net)
+    return Edge(args.server_cpus, args.edge_cpus, **net)
 
 
 def run_pinned(module: str, cpus: str, args: list[str], timeout_s: float = 1800.0) -> Any:

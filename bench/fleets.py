@@ -8,17 +8,20 @@ the edge CPUs (``bench.edge``).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import contextlib
 import secrets
 import statistics
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from bench.client import Outcome, run_load
-from bench.edge import Edge
+from bench.edge import Edge, add_edge_flags
+from bench.netns import edge_network
 from bench.scrape import Snapshot, diff_all, merged, scrape_all
 from shared.fleet import Fleet, FleetSpec, running_fleet
 from shared.up import free_port
@@ -52,6 +55,7 @@ class Scenario:
     drafter_flags: tuple[str, ...] = ()
     drafts: tuple[str, ...] = ()  # one draft model per drafter (overrides ``draft``)
     per_drafter_flags: tuple[tuple[str, ...], ...] = ()  # drafter i also gets entry i
+    rtt_ms: float | None = None  # the drafters' RTT for this scenario (None: the run's --rtt-ms)
 
 
 @dataclass
@@ -63,6 +67,7 @@ class Run:
     rates: list[float]
     outcomes: list[Outcome]
     metrics: dict[str, Snapshot] = field(default_factory=dict)
+    network: str = "loopback"
 
     @property
     def tokens_per_s(self) -> float:
@@ -84,6 +89,7 @@ def bodies(n: int, max_tokens: int, model: str, temperature: float = 0.0,
 class BenchFleet:
     fleet: Fleet
     urls: dict[str, str]  # service -> /metrics URL
+    network: str = "loopback"  # the drafters' network, as set up (bench.netns)
 
     def scrape(self) -> dict[str, Snapshot]:
         return scrape_all(self.urls)
@@ -110,8 +116,21 @@ def fleet_spec(target: Path, sc: Scenario, edge: Edge) -> tuple[FleetSpec, dict[
 @contextmanager
 def bench_fleet(target: Path, sc: Scenario, edge: Edge, log_dir: Path) -> Iterator[BenchFleet]:
     spec, urls = fleet_spec(target, sc, edge)
-    with running_fleet(spec, log_dir / sc.name.replace(" ", "_"), secrets.token_urlsafe(16)) as fleet:
-        bf = BenchFleet(fleet, urls)
+    edge = edge.with_rtt(sc.rtt_ms) if sc.rtt_ms is not None else edge
+    network = "loopback"
+    with contextlib.ExitStack() as stack:
+        if edge.networked and sc.drafters:
+            net = stack.enter_context(edge_network(edge.rtt_ms, edge.rate_mbit, {
+                "verifier": spec.verifier_port, "queue": spec.coordinator_port}, edge.jitter_ms, edge.edge_cpus,
+                edge.netns))
+            spec = replace(spec, edge_prefix=net.prefix, edge_verifier_addr=net.addr["verifier"],
+                           edge_queue_addr=net.addr["queue"])
+            urls = {k: v.replace("127.0.0.1", net.edge_host) if k.startswith("drafter") else v
+                    for k, v in urls.items()}
+            network = net.describe()
+        fleet = stack.enter_context(running_fleet(spec, log_dir / sc.name.replace(" ", "_"),
+                                                  secrets.token_urlsafe(16)))
+        bf = BenchFleet(fleet, urls, network)
         asyncio.run(run_load(fleet.ws_url, bodies(4, 16, target.name), 2))  # warm-up
         yield bf
 
@@ -125,7 +144,20 @@ def measure(bf: BenchFleet, sc: Scenario, concurrency: int, repeats: int, reques
                                           concurrency))
         rates.append(sum(o.tokens for o in outs) / wall)
         outcomes += outs
-    return Run(sc.name, concurrency, rates, outcomes, diff_all(bf.scrape(), before))
+    return Run(sc.name, concurrency, rates, outcomes, diff_all(bf.scrape(), before), bf.network)
+
+
+def add_workload_flags(p: argparse.ArgumentParser, repeats: int = 3, requests: int = 16, max_tokens: int = 128,
+                       concurrency: tuple[int, ...] = (1, 4)) -> None:
+    """The flags every serving benchmark shares: the workload, the target, the output folder, the edge."""
+    p.add_argument("--repeats", type=int, default=repeats)
+    p.add_argument("--requests", type=int, default=requests)
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=list(concurrency))
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--target", default="")
+    p.add_argument("--out", default="bench/results")
+    add_edge_flags(p)
 
 
 def drafters_of(run: Run) -> Snapshot:

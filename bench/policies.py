@@ -26,8 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.edge import Edge, add_edge_flags, edge_from
-from bench.fleets import TRAIN_PROMPTS, Scenario, bench_fleet, drafters_of, measure
+from bench.edge import Edge, edge_from
+from bench.fleets import TRAIN_PROMPTS, Scenario, add_workload_flags, bench_fleet, drafters_of, measure
 from bench.profile import smallest
 from bench.serving import run_all
 from bench.targets import run_row
@@ -72,15 +72,8 @@ def train_wisp(target: Path, draft: Path, args: argparse.Namespace, edge: Edge, 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench policies", description=__doc__.splitlines()[0])
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--requests", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
     p.add_argument("--draft-len", type=int, default=6, help="the verifier's budget k (room for policies to stop)")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--target", default="")
-    p.add_argument("--out", default="bench/results")
-    add_edge_flags(p)
+    add_workload_flags(p)
     args = p.parse_args(argv)
     edge = edge_from(args)
     edge.pin_self_to_edge()

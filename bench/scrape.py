@@ -27,6 +27,10 @@ class Snapshot(dict[Key, float]):
     def count(self, histogram: str, **labels: str) -> float:
         return self.value(f"{histogram}_count", **labels)
 
+    def total(self, name: str) -> float:
+        """A sample summed over all its label sets (vLLM labels every metric by engine and model)."""
+        return sum(v for (n, _), v in self.items() if n == name)
+
 
 def scrape(url: str, timeout_s: float = 10.0) -> Snapshot:
     text = httpx.get(url, timeout=timeout_s).text

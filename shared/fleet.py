@@ -37,6 +37,11 @@ class FleetSpec:
     drafter_metrics_ports: list[int] = field(default_factory=list)  # one per drafter; empty: no /metrics
     server_cpus: str = ""  # e.g. "0": pin the verifier here (taskset list syntax)
     edge_cpus: str = ""  # e.g. "1": pin the coordinator and drafters here
+    #: an emulated edge network (bench.netns): drafters run under this prefix (a namespace) and
+    #: reach the verifier and the queue at these host:port addresses (delay proxies), not directly
+    edge_prefix: list[str] = field(default_factory=list)
+    edge_verifier_addr: str = ""
+    edge_queue_addr: str = ""
 
 
 @dataclass
@@ -78,14 +83,17 @@ def plan(spec: FleetSpec) -> list[tuple[str, list[str]]]:
                    *spec.coordinator_flags]
     if spec.redis_url:
         coordinator += ["--redis-url", spec.redis_url]
-    queue_url = spec.redis_url or f"ws://{near}:{spec.coordinator_port}/internal/queue"
+    queue_url = spec.redis_url or f"ws://{spec.edge_queue_addr or f'{near}:{spec.coordinator_port}'}/internal/queue"
+    verifier_url = f"ws://{spec.edge_verifier_addr or f'{near}:{spec.verifier_port}'}/v1/drafter"
     children = [("verifier", pinned(verifier, spec.server_cpus)), ("coordinator", pinned(coordinator, spec.edge_cpus))]
     for i, draft in enumerate(spec.drafts, start=1):
         metrics = (["--metrics-port", str(spec.drafter_metrics_ports[i - 1])]
                    if len(spec.drafter_metrics_ports) >= i else [])
+        if metrics and spec.edge_prefix:  # scraped from the server's side of the edge network
+            metrics += ["--metrics-host", "0.0.0.0"]
         children.append((f"drafter-{i}", pinned([
-            *base, "drafter", "--node-id", f"drafter-{i}", "--model", str(draft),
-            "--verifier-url", f"ws://{near}:{spec.verifier_port}/v1/drafter", "--queue-url", queue_url, *threads,
+            *spec.edge_prefix, *base, "drafter", "--node-id", f"drafter-{i}", "--model", str(draft),
+            "--verifier-url", verifier_url, "--queue-url", queue_url, *threads,
             *metrics, *spec.drafter_flags, *(spec.per_drafter_flags[i - 1] if len(spec.per_drafter_flags) >= i else []),
         ], spec.edge_cpus)))
     return children

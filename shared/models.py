@@ -90,7 +90,7 @@ def load_model(
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load a causal LM from {path}: {exc}") from None
     model.eval().to(device)
-    eos = _eos_ids(model, tokenizer)
+    eos = _eos_ids(getattr(model, "generation_config", None), tokenizer)
     limit = int(getattr(model.config, "max_position_embeddings", 2048))
     return LoadedModel(
         model=model,
@@ -114,6 +114,27 @@ def load_vocabulary(path: str | Path) -> LoadedModel:
                        vocab_size=len(tokenizer))
 
 
+def load_target_info(path: str | Path, max_model_len: int = 0) -> LoadedModel:
+    """Everything about a target but its weights (tokenizer, stop ids, limits), for a verifier
+    whose weights another engine (vLLM) loads."""
+    from transformers import AutoConfig, GenerationConfig
+
+    info = load_vocabulary(path)
+    try:
+        config = AutoConfig.from_pretrained(info.path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read the model config in {path}: {exc}") from None
+    try:
+        generation = GenerationConfig.from_pretrained(info.path, local_files_only=True)
+    except OSError:
+        generation = None
+    info.eos_ids = _eos_ids(generation, info.tokenizer)
+    limit = int(getattr(config, "max_position_embeddings", 2048))
+    info.max_model_len = min(limit, max_model_len) if max_model_len > 0 else limit
+    info.vocab_size = int(config.vocab_size)
+    return info
+
+
 def _check_dir(path: Path) -> None:
     if not path.is_dir():
         raise ModelLoadError(
@@ -124,11 +145,11 @@ def _check_dir(path: Path) -> None:
         raise ModelLoadError(f"{path} has no config.json; it is not a Hugging Face model directory")
 
 
-def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
+def _eos_ids(generation_config: Any, tokenizer: Any) -> set[int]:
     ids: set[int] = set()
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
-    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    gen_eos = getattr(generation_config, "eos_token_id", None)
     if isinstance(gen_eos, int):
         ids.add(gen_eos)
     elif isinstance(gen_eos, list):

@@ -173,7 +173,10 @@ class Verdict(_Msg, tag="verdict", frozen=True):
     """The verifier's answer to one Draft.
 
     ``token_ids`` are the tokens committed this round: the first ``accepted`` drafts, then the
-    verifier's own extra token (possibly cut short when a stop condition hit).
+    verifier's own extra token (possibly cut short when a stop condition hit). A continuous
+    verifier (``--backend vllm``) decodes on while drafts travel, so its rounds may commit
+    several tokens of its own, or tokens that equal drafts it never saw; ``accepted`` then counts
+    the leading tokens that match the draft, wherever they came from.
     """
 
     request_id: RequestId

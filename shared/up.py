@@ -51,6 +51,7 @@ _FLAGS: list[tuple[str, type, object, str]] = [
     ("--target", str, "", "target model dir (default: models/target, else tiny models)"),
     ("--drafts", str, "", "comma list of draft dirs (default: draft* dirs beside the target)"),
     ("--redis-url", str, "", "queue in Redis Streams (redis://host:6379/0) instead of in-process"),
+    ("--backend", str, "torch", "what the verifier runs the target with: torch, or vllm (pip install -e '.[vllm]')"),
     ("--auth-token", str, "", "bearer token between the services (default: random per run)"),
     ("--torch-threads", int, 1, "torch threads per service"),
     ("--drafter-metrics-port", int, 0, "drafter i serves Prometheus /metrics on this port + i - 1 (0: off)"),
@@ -116,6 +117,7 @@ def plan(args: argparse.Namespace, models: Models, ports: Ports) -> list[tuple[s
         verifier_port=ports.verifier, redis_url=args.redis_url, torch_threads=args.torch_threads,
         drafter_metrics_ports=[args.drafter_metrics_port + i for i in range(args.drafters)]
         if args.drafter_metrics_port else [],
+        verifier_flags=["--backend", args.backend] if args.backend != "torch" else [],
     ))
 
 

@@ -5,7 +5,9 @@ sent draft as if the verifier accepted all of it (SpecEdge's proactive edge draf
 lookahead token guesses the verifier's own token after a fully accepted draft; the rest continue
 from that guess. When the Verdict accepts every draft and its last token equals the guess, the
 rest of the lookahead is the next round's draft, ready at once, its keys and values already in
-the draft cache. Otherwise it is dropped (the proposer's rollback discards it from the cache).
+the draft cache. (A continuous verifier such as vLLM may commit several tokens after the draft:
+then the lookahead must have guessed them all.) Otherwise it is dropped (the proposer's
+rollback discards it from the cache).
 
 The draft model would sit idle during verification anyway, so a dropped lookahead costs only
 edge compute, and a batched lookahead rides along with other sessions' drafts.
@@ -67,8 +69,9 @@ class Lookahead:
             proposal, _, _ = await task
         except Exception:  # the batcher logged it; the round simply drafts afresh
             return
-        if proposal.token_ids[:1] == [verdict.token_ids[-1]] and len(proposal.token_ids) > 1:
-            self._ready = Proposal(token_ids=proposal.token_ids[1:], q=None, steps=proposal.steps[1:])
+        after = list(verdict.token_ids[drafted:])  # the verifier's own tokens (vLLM may commit several)
+        if proposal.token_ids[:len(after)] == after and len(proposal.token_ids) > len(after):
+            self._ready = Proposal(token_ids=proposal.token_ids[len(after):], q=None, steps=proposal.steps[len(after):])
             metrics.lookahead.labels("used").inc()
         else:
             metrics.lookahead.labels("missed").inc()

@@ -14,6 +14,11 @@ class VerifierConfig:
     host: str = opt("127.0.0.1", "interface to listen on (0.0.0.0 in containers)")
     port: int = opt(8100, "TCP port for the drafter and frontend WebSocket endpoints")
     model: str = opt("", "local Hugging Face directory of the target model")
+    backend: str = opt("torch", "what runs the target: torch (specfleet's own engine: every policy applies), vllm "
+                                "(vLLM verifies with its own scheduler and KV cache; pip install -e '.[vllm]')")
+    vllm_memory_share: float = opt(0.0, "backend=vllm: vLLM's gpu_memory_utilization (on a CPU, the share of RAM "
+                                        "for its KV cache); 0: 0.2 on CPU, 0.9 on CUDA")
+    tensor_parallel_size: int = opt(1, "backend=vllm: GPUs the target is split over (vLLM tensor parallelism)")
     device: str = opt("cpu", "torch device: cpu, cuda, cuda:1, ...")
     dtype: str = opt("auto", "auto (float32 on CPU, bfloat16 on CUDA), float32, float16, bfloat16")
     max_model_len: int = opt(0, "context limit in tokens; 0 takes the model's max_position_embeddings")

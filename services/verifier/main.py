@@ -10,12 +10,12 @@ import sys
 
 import torch
 
-from services.verifier.allocation import AllocationSettings, GoodputTracker, make_allocator
+from services.verifier.allocation import AllocationSettings, Allocator, GoodputTracker, make_allocator
 from services.verifier.batching import BatchLimits, make_batcher
 from services.verifier.batching.estimator import StepTimeEstimator
 from services.verifier.config import VerifierConfig
 from services.verifier.core import CoreLimits, TorchCore
-from services.verifier.core_api import Result
+from services.verifier.core_api import Result, VerifierCore
 from services.verifier.intake import Intake
 from services.verifier.metrics import VerifierMetrics
 from services.verifier.output import Output
@@ -25,7 +25,7 @@ from services.verifier.sessions import Routes
 from services.verifier.trim import make_trim
 from shared.config import ConfigError, describe, load_config
 from shared.log import get_logger, setup_logging
-from shared.models import ModelLoadError, load_model
+from shared.models import LoadedModel, ModelLoadError, load_model, load_target_info
 from shared.runner import KVError, ModelRunner
 
 log = get_logger("verifier")
@@ -67,10 +67,24 @@ def make_estimator(cfg: VerifierConfig) -> StepTimeEstimator:
                              "write one with `make profile-verifier`") from None
 
 
-def build(cfg: VerifierConfig, loop: asyncio.AbstractEventLoop) -> tuple[Hub, TorchCore]:
-    """Load the target and wire runner, policies, engine core, output and hub together."""
+BACKENDS = ("torch", "vllm")
+
+
+def make_allocator_for(cfg: VerifierConfig, estimator: StepTimeEstimator) -> Allocator:
+    return make_allocator(cfg.allocation, AllocationSettings(
+        cfg.draft_len, cfg.draft_capacity, min(cfg.max_draft_tokens, cfg.smartspec_max_len)
+        if cfg.allocation == "smartspec" else cfg.max_draft_tokens,
+        cfg.allocation_seed if cfg.allocation_seed >= 0 else None), estimator)
+
+
+def build(cfg: VerifierConfig, loop: asyncio.AbstractEventLoop) -> tuple[Hub, VerifierCore]:
+    """Load the target and wire engine core, policies, output and hub together."""
     if not cfg.model:
         raise ModelLoadError("no target model given: pass --model DIR or set SPECFLEET_MODEL")
+    if cfg.backend not in BACKENDS:
+        raise ModelLoadError(f"--backend must be one of {', '.join(BACKENDS)}, got {cfg.backend!r}")
+    if cfg.backend == "vllm":
+        return build_vllm(cfg)
     if cfg.torch_threads > 0:
         torch.set_num_threads(cfg.torch_threads)
     loaded = load_model(cfg.model, cfg.device, cfg.dtype, cfg.max_model_len)
@@ -78,20 +92,13 @@ def build(cfg: VerifierConfig, loop: asyncio.AbstractEventLoop) -> tuple[Hub, To
         runner = ModelRunner(loaded, kv_budget_bytes(cfg), cfg.runner)
     except KVError as exc:
         raise ModelLoadError(f"cannot set up the KV cache: {exc}") from None
-    metrics = VerifierMetrics()
-    routes = Routes(cfg.max_sessions)
-    hub = Hub(loaded.name, loaded.fingerprint, loaded.max_model_len, cfg.max_draft_tokens, cfg.auth_token, routes,
-              metrics)
-    output = Output(hub, routes, metrics)
+    hub, output, metrics = _hub(cfg, loaded)
     estimator, tracker = make_estimator(cfg), GoodputTracker(cfg.goodspeed_eta, cfg.goodspeed_beta)
     slo = cfg.slo_tokens_per_s if cfg.slo_tokens_per_s > 0 else None
     try:
         batcher = make_batcher(cfg.batching, estimator, slo, delta_s=cfg.wisp_delta_ms / 1000)
         trim = make_trim(cfg.trim, cfg.tpot_slo_ms / 1000 if cfg.tpot_slo_ms > 0 else None)
-        allocator = make_allocator(cfg.allocation, AllocationSettings(
-            cfg.draft_len, cfg.draft_capacity, min(cfg.max_draft_tokens, cfg.smartspec_max_len)
-            if cfg.allocation == "smartspec" else cfg.max_draft_tokens,
-            cfg.allocation_seed if cfg.allocation_seed >= 0 else None), estimator)
+        allocator = make_allocator_for(cfg, estimator)
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from None
     scheduler = Scheduler(batcher, BatchLimits(cfg.max_batch_sessions, cfg.max_batch_tokens), cfg.prefill_chunk,
@@ -108,9 +115,45 @@ def build(cfg: VerifierConfig, loop: asyncio.AbstractEventLoop) -> tuple[Hub, To
                      CoreLimits(cfg.max_draft_tokens, cfg.draft_timeout_s, cfg.max_waiting,
                                 default_slo_tokens_per_s=slo), deliver, metrics, threaded=threaded,
                      tracker=tracker, estimator=estimator)
+    return _connect(hub, output, core, loaded), core
+
+
+def build_vllm(cfg: VerifierConfig) -> tuple[Hub, VerifierCore]:
+    """The same services around vLLM: it loads the weights and runs every step."""
+    from services.verifier.vllm_engine.core import VllmCore, VllmLimits
+    from services.verifier.vllm_engine.engine import EngineSettings, start_engine
+
+    if cfg.batching != "fcfs" or cfg.trim != "none":
+        raise ModelLoadError("--batching and --trim apply to the torch backend only: vLLM's own scheduler forms the "
+                             "batches; leave them at fcfs and none with --backend vllm")
+    loaded = load_target_info(cfg.model, cfg.max_model_len)
+    hub, output, metrics = _hub(cfg, loaded)
+    try:
+        allocator = make_allocator_for(cfg, StepTimeEstimator())
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from None
+    engine = start_engine(EngineSettings(
+        cfg.model, cfg.device, cfg.dtype, loaded.max_model_len, cfg.max_draft_tokens, cfg.max_batch_sessions,
+        cfg.max_batch_tokens, cfg.vllm_memory_share, cfg.tensor_parallel_size))
+    metrics.include_vllm()
+    core = VllmCore(engine, loaded.eos_ids, loaded.vocab_size, loaded.max_model_len, allocator,
+                    GoodputTracker(cfg.goodspeed_eta, cfg.goodspeed_beta),
+                    VllmLimits(cfg.max_draft_tokens, cfg.max_sessions), output.on_results, metrics)
+    return _connect(hub, output, core, loaded), core
+
+
+def _hub(cfg: VerifierConfig, loaded: LoadedModel) -> tuple[Hub, Output, VerifierMetrics]:
+    metrics = VerifierMetrics()
+    routes = Routes(cfg.max_sessions)
+    hub = Hub(loaded.name, loaded.fingerprint, loaded.max_model_len, cfg.max_draft_tokens, cfg.auth_token, routes,
+              metrics)
+    return hub, Output(hub, routes, metrics), metrics
+
+
+def _connect(hub: Hub, output: Output, core: VerifierCore, loaded: LoadedModel) -> Hub:
     output.core = core
-    hub.intake = Intake(core, routes, output, loaded.tokenizer, names=hub.node_name)
-    return hub, core
+    hub.intake = Intake(core, output.routes, output, loaded.tokenizer, names=hub.node_name)
+    return hub
 
 
 async def serve(cfg: VerifierConfig, ready: asyncio.Event | None = None) -> None:

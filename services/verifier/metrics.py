@@ -16,11 +16,18 @@ budget S (GoodSpeed's eq. 3 and 4, whatever the allocation policy), and accepted
 ``utility`` is Σ log X over live sessions; per SLO class the finished requests that attained
 or violated it; the time of each allocation and batch decision; and the step-time
 estimator's error on each step before that step refines it (held-out by construction).
+
+With ``--backend vllm``, vLLM's own metrics (``vllm:*``: its scheduler, KV cache usage,
+speculative acceptance) are served beside these; the step histograms then stay empty, since
+vLLM runs the steps.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+from collections.abc import Iterator
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+from prometheus_client.metrics_core import Metric
 
 from services.verifier.allocation.tracker import GoodputTracker
 from services.verifier.core_api import KVStats
@@ -140,3 +147,17 @@ class VerifierMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def include_vllm(self) -> None:
+        """Serve vLLM's metrics (registered by its engine in the default registry) beside ours."""
+        self.registry.register(_VllmMetrics())
+
+
+class _VllmMetrics:
+    """The ``vllm:*`` families of prometheus_client's default registry (only those: the rest
+    would repeat our own process metrics)."""
+
+    def collect(self) -> Iterator[Metric]:
+        for family in REGISTRY.collect():
+            if family.name.startswith("vllm:"):
+                yield family

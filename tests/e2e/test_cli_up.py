@@ -111,6 +111,10 @@ def test_up_restarts_a_killed_drafter_and_resumes_its_sessions(tiny_models: dict
         async def run() -> list[tuple]:
             work = asyncio.create_task(stream_many(stack, sent))  # type: ignore[arg-type]
             await asyncio.sleep(1.0)
+            for _ in range(100):  # on a loaded machine the victim may not hold sessions yet
+                if _gauge(f"http://127.0.0.1:{metrics_port}/metrics", "specfleet_drafter_sessions") > 0:
+                    break
+                await asyncio.sleep(0.1)
             os.kill(victim, signal.SIGKILL)
             return await work
 
@@ -144,3 +148,12 @@ def _until_ready(proc: subprocess.Popen[str]) -> list[str]:
         lines.append(line)
     assert any("specfleet is ready" in line for line in lines), "".join(lines)
     return lines
+
+
+def _gauge(url: str, name: str) -> float:
+    try:
+        text = httpx.get(url, timeout=5).text
+    except httpx.HTTPError:
+        return 0.0
+    found = re.search(rf"^{name} (\S+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0

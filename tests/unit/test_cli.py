@@ -118,6 +118,13 @@ def test_plan_round_robin_redis_and_wildcard_host() -> None:
     assert _flag(children["verifier"], "--torch-threads") == "2"
 
 
+def test_plan_backend_reaches_the_verifier_only() -> None:
+    assert "--backend" not in _plan()["verifier"]
+    children = _plan("--backend", "vllm")
+    assert _flag(children["verifier"], "--backend") == "vllm"
+    assert all("--backend" not in argv for name, argv in children.items() if name != "verifier")
+
+
 @pytest.mark.parametrize(("host", "near"), [("0.0.0.0", "127.0.0.1"), ("::", "127.0.0.1"), ("10.1.2.3", "10.1.2.3")])
 def test_connect_host(host: str, near: str) -> None:
     assert connect_host(host) == near

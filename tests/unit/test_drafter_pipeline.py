@@ -178,6 +178,26 @@ async def test_a_ready_lookahead_is_screened_as_the_controller_would_screen_a_fr
     assert len(fresh.token_ids) <= 2 and [s.position for s in screened.steps] == list(range(len(fresh.token_ids)))
 
 
+@pytest.mark.parametrize("extra", [0, 2])
+@pytest.mark.asyncio
+async def test_a_continuous_verifier_may_commit_several_tokens_after_the_draft(extra: int,
+                                                                               draft: LoadedModel) -> None:
+    """vLLM decodes on while drafts travel: a Verdict may commit the whole draft and then several
+    tokens (or none) of its own. The lookahead is used when it guessed all of them."""
+    p = Pipeline(draft)
+    lookahead = Lookahead()
+    async with running(p.batcher):
+        sent = await p.round()
+        expected = reference_greedy(draft, PROMPT + sent, K + 1)
+        p.look_ahead(lookahead, sent)
+        tokens = [*sent, *expected[:extra]]
+        p.commit(tokens, len(sent))
+        await lookahead.settle(verdict(tokens, len(sent)), len(sent), p.metrics)
+        ready = lookahead.take(K + 1)
+        assert ready is not None and ready.token_ids == expected[extra:]
+        assert await p.round(K + 1 - extra) == expected[extra:]
+
+
 @pytest.mark.asyncio
 async def test_a_lookahead_whose_guess_missed_is_not_used(draft: LoadedModel) -> None:
     p = Pipeline(draft)

@@ -1,0 +1,93 @@
+"""The two verifier backends side by side (``python -m bench backends``): torch and vLLM, one run.
+
+Four pinned fleets serve the same greedy workload (the edge emulated by pinning, as in
+``bench.serving``): target-only and speculative (1 drafter, the smallest draft) on each of
+``--backend torch`` and ``--backend vllm``. Reported per scenario and concurrency: tokens/s
+(median of the repeats), its ratio to the same backend's target-only serving, acceptance, and
+forward passes per committed token (engine steps over generated tokens, read from each
+verifier's /metrics: specfleet's step counter, vLLM's ``iteration_tokens_total`` count).
+
+On a CPU, vLLM's per-step machinery costs far more than the demo target's forward, so its
+absolute speed here says nothing about a GPU; the point is that it is correct and that drafts
+cut its steps per token. Writes ``<out>/backends.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.edge import edge_from
+from bench.fleets import Run, Scenario, add_workload_flags, drafters_of
+from bench.profile import smallest
+from bench.serving import run_all
+from bench.targets import run_row
+from shared.up import resolve_models
+
+BACKENDS = ("torch", "vllm")
+
+
+def scenarios(draft: Path, k: int) -> list[Scenario]:
+    out = []
+    for backend in BACKENDS:
+        flags = ("--backend", backend, "--max-draft-tokens", str(max(k, 1)))
+        out += [Scenario(f"{backend} target-only", verifier_flags=flags),
+                Scenario(f"{backend} speculative", drafters=1, draft=str(draft), draft_len=k, verifier_flags=flags)]
+    return out
+
+
+def steps_per_token(run: Run) -> float:
+    v = run.metrics.get("verifier")
+    if v is None:
+        return 0.0
+    if run.scenario.startswith("vllm"):
+        steps, tokens = v.total("vllm:iteration_tokens_total_count"), v.total("vllm:generation_tokens_total")
+    else:
+        steps, tokens = v.value("specfleet_verifier_steps_total"), v.value("specfleet_verifier_generated_tokens_total")
+    return steps / tokens if tokens else 0.0
+
+
+def table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
+    base = {(r["scenario"].split()[0], r["concurrency"]): r["tokens_per_s"] for r in rows
+            if r["scenario"].endswith("target-only")}
+    lines = [f"Command: `{meta['command'].strip()}` ({meta['when']}; {meta['edge']}; draft budget k = "
+             f"{meta['draft_len']}).", "",
+             "| scenario | concurrency | tokens/s (median) | vs same backend target-only | acceptance | "
+             "forward passes per token |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        ref = base[(r["scenario"].split()[0], r["concurrency"])]
+        lines.append(f"| {r['scenario']} | {r['concurrency']} | {r['tokens_per_s']:.1f} | "
+                     f"{r['tokens_per_s'] / ref:.2f}x | {r['acceptance']:.3f} | {r['steps_per_token']:.3f} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench backends", description=__doc__.splitlines()[0])
+    p.add_argument("--draft-len", type=int, default=4)
+    add_workload_flags(p)
+    args = p.parse_args(argv)
+    edge = edge_from(args)
+    edge.pin_self_to_edge()
+    models = resolve_models(args.target, "", Path.cwd(), Path(".specfleet"))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    runs = run_all(models.target, scenarios(smallest(models.drafts), args.draft_len), args, edge)
+    rows = []
+    for r in runs:
+        row = run_row(r, drafters_of(r) if "speculative" in r.scenario else None)
+        row["steps_per_token"] = steps_per_token(r)
+        rows.append(row)
+    meta = {"command": "python -m bench backends " + " ".join(argv or []), "when": time.strftime("%Y-%m-%d %H:%M"),
+            "edge": edge.describe(), "draft_len": args.draft_len}
+    (out / "backends.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    lines = table(rows, meta)
+    (out / "backends.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

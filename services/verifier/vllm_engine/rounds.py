@@ -1,0 +1,97 @@
+"""Rounds over a continuous decoder: one session's bookkeeping in the vLLM backend (pure).
+
+vLLM decodes every running request at every step and never waits for a draft, while the
+drafter protocol is a sequence of rounds (a Draft for round r, then the Verdict of round r).
+:class:`LiveSession` maps one onto the other. Round r rests on the ``published`` tokens the
+drafter has heard of; vLLM's tokens since then are ``pending``. The round ends (and its
+Verdict carries every pending token) as soon as the draft can do no more:
+
+* the tokens since the base left the draft (a rejection, or vLLM decoded past a late draft),
+* or they cover it (all drafts accepted, plus the target's own token),
+* or no draft came while more tokens were decoded than the budget allowed (a late draft could
+  no longer propose anything),
+* or the session runs target-only, or the request finished.
+
+So a Verdict may commit tokens the drafter never drafted, and ``accepted`` counts the draft's
+tokens that match what was committed, wherever they came from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """One finished round: the tokens it commits and how the draft fared."""
+
+    round: int
+    base: int  # generated tokens before this round's tokens
+    drafted: int
+    accepted: int
+    tokens: list[int]
+
+
+def matched(draft: list[int], tokens: list[int]) -> int:
+    """How many leading tokens of the draft were committed."""
+    n = 0
+    for d, t in zip(draft, tokens, strict=False):
+        if d != t:
+            break
+        n += 1
+    return n
+
+
+@dataclass
+class LiveSession:
+    request_id: str
+    prompt_len: int
+    speculative: bool
+    budget: int  # draft tokens the drafter may send for the current round
+    drafter: str = ""
+    round: int = 0
+    published: list[int] = field(default_factory=list)  # generated tokens already sent out
+    pending: list[int] = field(default_factory=list)  # generated since, not sent yet
+    draft: list[int] | None = None  # the current round's draft (None: not arrived)
+    draft_at: float = 0.0  # when the current round began waiting for its draft
+    draft_wait_s: float = 0.0
+
+    @property
+    def base_len(self) -> int:
+        """The context length (prompt included) the current round's draft rests on."""
+        return self.prompt_len + len(self.published)
+
+    def take_draft(self, round_: int, ids: list[int], now: float) -> bool:
+        """Record the round's draft; False when it is stale (its round already ended) or a duplicate."""
+        if round_ != self.round or self.draft is not None or not self.speculative:
+            return False
+        self.draft = ids[: max(0, self.budget)]
+        self.draft_wait_s = max(0.0, now - self.draft_at)
+        return True
+
+    def live_draft(self) -> list[int] | None:
+        """The draft, when some of it may still be proposed after the pending tokens."""
+        if self.draft is None or len(self.pending) >= len(self.draft):
+            return None
+        return self.draft if matched(self.draft, self.pending) == len(self.pending) else None
+
+    def due(self) -> bool:
+        """Whether the current round is over (see the module docstring)."""
+        if not self.pending:
+            return False
+        if not self.speculative or self.budget <= 0:
+            return True
+        if self.draft is None:
+            return len(self.pending) > self.budget
+        return self.live_draft() is None
+
+    def resolve(self, now: float) -> Resolved:
+        """End the round: every pending token is published; the next round begins."""
+        draft = self.draft or []
+        done = Resolved(self.round, len(self.published), len(draft), matched(draft, self.pending), list(self.pending))
+        self.published.extend(self.pending)
+        self.pending = []
+        self.draft = None
+        self.draft_at = now
+        self.round += 1
+        return done

@@ -1,0 +1,112 @@
+"""The whole fleet with ``--backend vllm``: coordinator, real drafters, vLLM verifying.
+
+* greedy output is token-identical to target-only transformers greedy (24 concurrent requests),
+  and vLLM did take the drafters' drafts;
+* vLLM's own metrics are served beside specfleet's;
+* a client that goes away cancels its vLLM request;
+* SIGTERM shuts the verifier down cleanly, vLLM's engine processes with it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from shared.models import LoadedModel, load_model
+from tests.e2e.stack import Stack, StackSpec, run_stack
+from tests.e2e.test_full_stack import CONCURRENCY, check_greedy
+from tests.vllm.conftest import VLLM_WARNINGS
+
+pytestmark = [pytest.mark.vllm, pytest.mark.e2e, *VLLM_WARNINGS]
+
+
+@pytest.fixture(scope="module")
+def target(tiny_models: dict[str, Path]) -> LoadedModel:
+    return load_model(tiny_models["target"])
+
+
+@pytest.fixture(scope="module")
+def vllm_fleet(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    spec = StackSpec(drafts=[tiny_models["draft-L2"]], draft_mode="greedy", max_sessions=CONCURRENCY,
+                     extra_verifier=["--backend", "vllm", "--max-draft-tokens", "4"])
+    with run_stack(tiny_models["target"], spec, tmp_path_factory.mktemp("logs-vllm")) as stack:
+        yield stack
+
+
+def metric(text: str, name: str) -> float:
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+
+def wait_for(check: Callable[[], bool], timeout_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_greedy_identical_through_the_fleet(vllm_fleet: Stack, target: LoadedModel) -> None:
+    check_greedy(vllm_fleet, target)
+    coordinator = httpx.get(vllm_fleet.base_url + "/metrics").text
+    assert metric(coordinator, "specfleet_coordinator_accepted_tokens_total") > 0, "vLLM never accepted a draft"
+    verifier = httpx.get(vllm_fleet.verifier_url + "/metrics").text
+    assert "vllm:num_requests_running" in verifier and "specfleet_verifier_rounds_total" in verifier
+    assert httpx.get(vllm_fleet.verifier_url + "/status").json()["backend"] == "vllm"
+
+
+def test_client_disconnect_cancels_the_vllm_request(vllm_fleet: Stack, target: LoadedModel) -> None:
+    body = {"model": "target", "prompt": "x = [", "max_tokens": 400, "stream": True, "temperature": 0,
+            "ignore_eos": True}
+    with httpx.stream("POST", vllm_fleet.base_url + "/v1/completions", json=body, timeout=60) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
+                break
+
+    def idle() -> bool:
+        return httpx.get(vllm_fleet.verifier_url + "/status").json()["sessions"] == 0 and metric(
+            httpx.get(vllm_fleet.verifier_url + "/metrics").text, "vllm:num_requests_running") == 0
+
+    assert wait_for(idle), "the cancelled request still runs in vLLM"
+    check_greedy(vllm_fleet, target)  # and the fleet serves on
+
+
+def test_sigterm_stops_the_verifier_and_vllm_cleanly(vllm_fleet: Stack) -> None:
+    verifier = next(c for c in vllm_fleet.supervisor.children if c.name == "verifier")
+    engines = descendants(verifier.proc.pid)
+    assert engines, "vLLM's engine processes were not found under the verifier"
+    os.kill(verifier.proc.pid, signal.SIGTERM)
+    assert verifier.proc.wait(timeout=60) == 0
+    assert wait_for(lambda: not any(alive(pid) for pid in engines)), "vLLM's processes outlived the verifier"
+
+
+def descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
