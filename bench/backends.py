@@ -20,12 +20,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.edge import edge_from
-from bench.fleets import Run, Scenario, add_workload_flags, drafters_of
+from bench.fleets import Run, Scenario, add_workload_flags, drafters_of, prepare
 from bench.profile import smallest
 from bench.serving import run_all
 from bench.targets import run_row
-from shared.up import resolve_models
 
 BACKENDS = ("torch", "vllm")
 
@@ -69,11 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-len", type=int, default=4)
     add_workload_flags(p)
     args = p.parse_args(argv)
-    edge = edge_from(args)
-    edge.pin_self_to_edge()
-    models = resolve_models(args.target, "", Path.cwd(), Path(".specfleet"))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    edge, models, out = prepare(args)
     runs = run_all(models.target, scenarios(smallest(models.drafts), args.draft_len), args, edge)
     rows = []
     for r in runs:

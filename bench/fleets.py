@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from bench.client import Outcome, run_load
-from bench.edge import Edge, add_edge_flags
+from bench.edge import Edge, add_edge_flags, edge_from
 from bench.netns import edge_network
 from bench.scrape import Snapshot, diff_all, merged, scrape_all
 from shared.fleet import Fleet, FleetSpec, running_fleet
-from shared.up import free_port
+from shared.up import Models, free_port, resolve_models
 
 PROMPTS = [
     "def read_config(path):\n", "class LRUCache:\n    def __init__(self", "import os\nimport sys\n\n",
@@ -158,6 +158,17 @@ def add_workload_flags(p: argparse.ArgumentParser, repeats: int = 3, requests: i
     p.add_argument("--target", default="")
     p.add_argument("--out", default="bench/results")
     add_edge_flags(p)
+
+
+def prepare(args: argparse.Namespace) -> tuple[Edge, Models, Path]:
+    """A serving benchmark's start: pin this process (the load client) to the edge, find the
+    models, make the output folder."""
+    edge = edge_from(args)
+    edge.pin_self_to_edge()
+    models = resolve_models(args.target, "", Path.cwd(), Path(".specfleet"))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    return edge, models, out
 
 
 def drafters_of(run: Run) -> Snapshot:

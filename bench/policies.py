@@ -26,15 +26,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.edge import Edge, edge_from
-from bench.fleets import TRAIN_PROMPTS, Scenario, add_workload_flags, bench_fleet, drafters_of, measure
+from bench.edge import Edge
+from bench.fleets import TRAIN_PROMPTS, Scenario, add_workload_flags, bench_fleet, drafters_of, measure, prepare
 from bench.profile import smallest
 from bench.serving import run_all
 from bench.targets import run_row
 from services.drafter.control.rejection_predictor import TrainSettings, train
 from services.drafter.wisp_train import load_samples
 from services.drafter.wisp_train import report as wisp_report
-from shared.up import resolve_models
 
 POLICIES = {"fixed": (), "threshold 0.4": ("--controller", "threshold"), "adaspec": ("--controller", "adaspec"),
             "wisp": ("--controller", "wisp", "--wisp-train-after", "0"), "n-gram": ("--proposer", "ngram")}
@@ -75,11 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-len", type=int, default=6, help="the verifier's budget k (room for policies to stop)")
     add_workload_flags(p)
     args = p.parse_args(argv)
-    edge = edge_from(args)
-    edge.pin_self_to_edge()
-    models = resolve_models(args.target, "", Path.cwd(), Path(".specfleet"))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    edge, models, out = prepare(args)
     draft = smallest(models.drafts)
     wisp_model = train_wisp(models.target, draft, args, edge, out)
     runs = run_all(models.target, scenarios(draft, args.draft_len, wisp_model), args, edge)

@@ -17,11 +17,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.edge import edge_from
-from bench.fleets import Run, Scenario, add_workload_flags
+from bench.fleets import Run, Scenario, add_workload_flags, prepare
 from bench.profile import smallest
 from bench.serving import run_all
-from shared.up import resolve_models
 
 SETUPS = {"k=2": (2, ()), "k=6": (6, ()), "k=4": (4, ()), "k=4 no pipelining": (4, ("--pipeline-sessions", "0"))}
 
@@ -66,11 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rtts", type=lambda s: [float(x) for x in s.split(",")], default=[0.0, 10.0, 40.0])
     add_workload_flags(p, repeats=2, requests=8, max_tokens=64)
     args = p.parse_args(argv)
-    edge = edge_from(args)
-    edge.pin_self_to_edge()
-    models = resolve_models(args.target, "", Path.cwd(), Path(".specfleet"))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    edge, models, out = prepare(args)
     rows = rows_of(run_all(models.target, scenarios(smallest(models.drafts), args.rtts), args, edge))
     networks = sorted({r["network"] for r in rows if r["scenario"] != "target-only"})
     meta: dict[str, Any] = {"command": "python -m bench rtt " + " ".join(argv or []),
