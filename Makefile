@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed
 # Extra pytest flags, e.g. `make test PYTEST_FLAGS="-x -k cli"`.
 PYTEST_FLAGS ?=
 
-.PHONY: help install run run-vllm test test-vllm test-e2e smoke lint bench profile profile-verifier clean distclean demo-models demo-models-eval
+.PHONY: help install run run-vllm test test-vllm bench-report test-e2e smoke lint bench profile profile-verifier clean distclean demo-models demo-models-eval
 
 help:
 	@echo "make run        start the verifier, the coordinator and 2 drafters on this machine (specfleet up)"
@@ -23,6 +23,7 @@ help:
 	@echo "make smoke      specfleet up --smoke: start everything, send one request, stop"
 	@echo "make lint       ruff check and mypy"
 	@echo "make bench      benchmarks, edge pinned: serving (T=0, T=1), step time vs context, q on the wire, drafting and verifier policies, torch vs vLLM (bench/results/)"
+	@echo "make bench-report  render bench/RESULTS.md from the latest bench/results/ and bench/commentary/"
 	@echo "make profile    where a round's time goes: per-phase breakdown of a short pinned run"
 	@echo "make profile-verifier  fit the verifier's step-time estimator (WISP eq. 19) on timed forwards -> .specfleet/verifier-profile.json"
 	@echo "make demo-models       train the demo model family into models/ (CPU, ~50 min, resumable)"
@@ -85,6 +86,10 @@ bench: install
 	$(BIN)/python -m bench verifier-policies
 	$(BIN)/python -m bench backends
 	$(BIN)/python -m bench rtt
+	@$(MAKE) --no-print-directory bench-report
+
+bench-report: install
+	$(BIN)/python -m bench report
 
 profile: install
 	$(BIN)/python -m bench profile

@@ -1,5 +1,5 @@
 """``python -m bench <command>``: profile, serving, context, qwire, policies (make bench), costs,
-verifier-policies, backends, rtt."""
+verifier-policies, backends, rtt, report."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import sys
 
 COMMANDS = {"profile": "bench.profile", "serving": "bench.serving", "context": "bench.context",
             "qwire": "bench.qwire", "policies": "bench.policies", "costs": "bench.costs",
-            "verifier-policies": "bench.verifier_policies", "backends": "bench.backends", "rtt": "bench.rtt"}
+            "verifier-policies": "bench.verifier_policies", "backends": "bench.backends", "rtt": "bench.rtt",
+            "report": "bench.report"}
 
 
 def main() -> int:

@@ -1,0 +1,100 @@
+"""``make bench-report`` (``python -m bench report``): bench/RESULTS.md from the latest results.
+
+Every benchmark command writes its table to ``bench/results/<name>.md`` (with the command and
+the time of its run) beside its JSON and plots. This renders all of them into one file, in a
+fixed order, each followed by its reading from ``bench/commentary/<name>.md``: the hand-written
+interpretation, which names the run it was written about. Rerun a benchmark, then this, and
+RESULTS.md shows the latest run of every scenario; a scenario never run is listed as such.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).parent
+
+
+@dataclass(frozen=True)
+class Section:
+    stem: str  # results/<stem>.md (and .json)
+    title: str
+    command: str
+    plots: tuple[str, ...] = ()
+
+
+SECTIONS = (
+    Section("serving", "Greedy serving", "python -m bench serving --concurrency 1,2,4,8,16", ("serving.png",)),
+    Section("serving-t1", "Temperature 1", "python -m bench serving --temperature 1", ("serving-t1.png",)),
+    Section("context", "Step time against context length", "python -m bench context", ("context.png",)),
+    Section("qwire", "q on the wire", "python -m bench qwire"),
+    Section("policies", "Drafting policies", "python -m bench policies"),
+    Section("wisp-predictor", "WISP's rejection predictor (from the policies run)", "python -m bench policies"),
+    Section("verifier-policies", "Verifier policies", "python -m bench verifier-policies", ("goodspeed-utility.png",)),
+    Section("backends", "Verifier backends: torch vs vLLM", "python -m bench backends"),
+    Section("rtt", "Speculation over an emulated edge network", "python -m bench rtt", ("rtt.png",)),
+)
+
+
+def when(results: Path, stem: str) -> str:
+    """The run's time, from its JSON's meta when it has one, else from the table's file time."""
+    data = results / f"{stem}.json"
+    if data.exists():
+        try:
+            meta = json.loads(data.read_text()).get("meta", {})
+            if meta.get("when"):
+                return str(meta["when"])
+        except (ValueError, AttributeError):
+            pass
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime((results / f"{stem}.md").stat().st_mtime))
+
+
+def demote(markdown: str) -> str:
+    """Headings of a results table go below the section's own."""
+    return re.sub(r"^(#+) ", lambda m: "#" * min(6, len(m.group(1)) + 2) + " ", markdown, flags=re.M)
+
+
+def section(s: Section, results: Path, commentary: Path) -> list[str]:
+    table = results / f"{s.stem}.md"
+    head = f"## {s.title}"
+    if not table.exists():
+        return [head, "", f"Not run yet: `{s.command}`.", ""]
+    out = [f"{head} — [`results/{s.stem}.md`](results/{s.stem}.md)", "", f"Latest run: {when(results, s.stem)}.", "",
+           demote(table.read_text().strip()), ""]
+    out += [f"![{plot}](results/{plot})" for plot in s.plots if (results / plot).exists()]
+    if s.plots:
+        out.append("")
+    reading = commentary / f"{s.stem}.md"
+    if reading.exists():
+        out += ["**Reading:**", "", reading.read_text().strip(), ""]
+    return out
+
+
+def render(results: Path, commentary: Path) -> str:
+    intro = commentary / "_intro.md"
+    lines = ["# Benchmark results", "", "Rendered by `make bench-report` from `bench/results/` (the tables) and "
+             "`bench/commentary/` (their reading); do not edit by hand.", ""]
+    if intro.exists():
+        lines += [intro.read_text().strip(), ""]
+    for s in SECTIONS:
+        lines += section(s, results, commentary)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench report", description=__doc__.splitlines()[0])
+    p.add_argument("--results", default=str(HERE / "results"))
+    p.add_argument("--commentary", default=str(HERE / "commentary"))
+    p.add_argument("--out", default=str(HERE / "RESULTS.md"))
+    args = p.parse_args(argv)
+    Path(args.out).write_text(render(Path(args.results), Path(args.commentary)))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
