@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from bench.client import Outcome, run_load
+from bench.client import Outcome, poisson_arrivals, run_arrivals, run_load
 from bench.edge import Edge, add_edge_flags, edge_from
 from bench.netns import edge_network
 from bench.scrape import Snapshot, diff_all, merged, scrape_all
@@ -33,6 +33,28 @@ PROMPTS = [
     "def __repr__(self):\n", "if __name__ == '__main__':\n", "raise ValueError(",
     "    @property\n    def", "lines = text.splitlines()\n", "async def fetch(", "    # Compute the",
 ]
+PROSE_PROMPTS = [
+    "The committee met on Tuesday to discuss", "It was late in the evening when the", "In the spring of that year,",
+    "The village lay at the foot of", "She opened the letter and read", "Most historians agree that the",
+]
+QUESTION_PROMPTS = [
+    "Q: How do I read a file line by line?\nA:", "Q: What does the yield keyword do?\nA:",
+    "Q: Why is my loop slow?\nA:", "Q: How can I sort a dict by value?\nA:",
+    "Q: What is the difference between a list and a tuple?\nA:", "Q: How do I parse JSON?\nA:",
+]
+#: prompt domains: drafters see different acceptance on each (the demo models learned code)
+DOMAINS = {"code": PROMPTS, "prose": PROSE_PROMPTS, "question": QUESTION_PROMPTS}
+
+
+def domain_prompts(domains: list[str]) -> list[str]:
+    """The chosen domains' prompts, interleaved so every request mix holds all of them."""
+    unknown = [d for d in domains if d not in DOMAINS]
+    if unknown:
+        raise ValueError(f"unknown prompt domain(s) {unknown}; choose from {', '.join(DOMAINS)}")
+    lists = [DOMAINS[d] for d in domains]
+    return [lst[i % len(lst)] for i in range(max(len(lst) for lst in lists)) for lst in lists]
+
+
 #: prompts no benchmark measures with: what a policy learns from (WISP's predictor) before it is measured
 TRAIN_PROMPTS = [
     "def parse_args(argv):\n", "class Node:\n    def __init__(self", "import json\nimport re\n\n",
@@ -136,12 +158,19 @@ def bench_fleet(target: Path, sc: Scenario, edge: Edge, log_dir: Path) -> Iterat
 
 
 def measure(bf: BenchFleet, sc: Scenario, concurrency: int, repeats: int, requests: int, max_tokens: int,
-            model: str, temperature: float = 0.0, prompts: list[str] = PROMPTS) -> Run:
+            model: str, temperature: float = 0.0, prompts: list[str] = PROMPTS, arrival_rate: float = 0.0,
+            seed: int = 0) -> Run:
+    """``repeats`` rounds of ``requests`` requests: closed loop over ``concurrency`` sockets, or,
+    with ``arrival_rate`` > 0, open loop with seeded Poisson arrivals (``concurrency`` unused)."""
     before = bf.scrape()
     rates, outcomes = [], []
-    for _ in range(repeats):
-        wall, outs = asyncio.run(run_load(bf.fleet.ws_url, bodies(requests, max_tokens, model, temperature, prompts),
-                                          concurrency))
+    for i in range(repeats):
+        reqs = bodies(requests, max_tokens, model, temperature, prompts)
+        if arrival_rate > 0:
+            load = run_arrivals(bf.fleet.ws_url, reqs, poisson_arrivals(arrival_rate, len(reqs), seed + i))
+        else:
+            load = run_load(bf.fleet.ws_url, reqs, concurrency)
+        wall, outs = asyncio.run(load)
         rates.append(sum(o.tokens for o in outs) / wall)
         outcomes += outs
     return Run(sc.name, concurrency, rates, outcomes, diff_all(bf.scrape(), before), bf.network)
@@ -155,6 +184,11 @@ def add_workload_flags(p: argparse.ArgumentParser, repeats: int = 3, requests: i
     p.add_argument("--max-tokens", type=int, default=max_tokens)
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=list(concurrency))
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--domains", type=lambda s: s.split(","), default=["code"],
+                   help=f"comma list of prompt domains, mixed in turn: {', '.join(DOMAINS)}")
+    p.add_argument("--arrival-rate", type=float, default=0.0,
+                   help="requests per second, Poisson (seeded by --seed); 0: closed loop at each --concurrency")
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--target", default="")
     p.add_argument("--out", default="bench/results")
     add_edge_flags(p)

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.client import percentiles
 from bench.fleets import Run, Scenario, add_workload_flags, prepare
 from bench.profile import smallest
 from bench.serving import run_all
@@ -36,7 +37,9 @@ def rows_of(runs: list[Run]) -> list[dict[str, Any]]:
     base = {r.concurrency: r.tokens_per_s for r in runs if r.scenario == "target-only"}
     return [{"scenario": r.scenario, "concurrency": r.concurrency, "tokens_per_s": r.tokens_per_s,
              "tokens_per_s_runs": r.rates, "vs_target_only": r.tokens_per_s / base[r.concurrency],
-             "acceptance": r.acceptance, "network": r.network} for r in runs]
+             "acceptance": r.acceptance, "network": r.network,
+             "ttft_ms": percentiles([o.ttft_s * 1e3 for o in r.outcomes]),
+             "tpot_ms": percentiles([o.tpot_s * 1e3 for o in r.outcomes if o.tokens > 1])} for r in runs]
 
 
 def plot(rows: list[dict[str, Any]], rtts: list[float], out: Path) -> None:
@@ -72,11 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     (out / "rtt.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     plot(rows, args.rtts, out)
     lines = [f"Command: `{meta['command'].strip()}` ({meta['when']}; {meta['edge']}; {'; '.join(networks)}).", "",
-             "| scenario | concurrency | tokens/s (median) | runs | vs target-only | acceptance |",
-             "|---|---|---|---|---|---|"]
+             "| scenario | concurrency | tokens/s (median) | runs | vs target-only | acceptance | TTFT p50 / p90 ms | "
+             "TPOT p50 / p90 ms |", "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['scenario']} | {r['concurrency']} | {r['tokens_per_s']:.1f} | "
               f"{', '.join(f'{x:.0f}' for x in r['tokens_per_s_runs'])} | {r['vs_target_only']:.2f}x | "
-              f"{r['acceptance']:.3f} |" for r in rows]
+              f"{r['acceptance']:.3f} | {r['ttft_ms']['p50']:.1f} / {r['ttft_ms']['p90']:.1f} | "
+              f"{r['tpot_ms']['p50']:.2f} / {r['tpot_ms']['p90']:.2f} |" for r in rows]
     (out / "rtt.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

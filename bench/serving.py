@@ -28,8 +28,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from bench.edge import Edge, add_edge_flags, edge_from, run_pinned
-from bench.fleets import Run, Scenario, bench_fleet, drafters_of, measure
+from bench.edge import Edge, edge_from, run_pinned
+from bench.fleets import Run, Scenario, add_workload_flags, bench_fleet, domain_prompts, drafters_of, measure
 from bench.profile import smallest
 from bench.targets import run_row, targets
 from shared.up import resolve_models
@@ -61,7 +61,8 @@ def run_all(target: Path, scs: list[Scenario], args: argparse.Namespace, edge: E
             with bench_fleet(target, sc, edge, Path(logs)) as bf:
                 for conc in args.concurrency:
                     runs.append(measure(bf, sc, conc, args.repeats, max(args.requests, conc), args.max_tokens,
-                                        target.name, args.temperature))
+                                        target.name, args.temperature, domain_prompts(args.domains),
+                                        args.arrival_rate, args.seed))
                     bar.update(1)
     return runs
 
@@ -114,17 +115,9 @@ def plot(rows: list[dict[str, Any]], path: Path, temperature: float) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.serving", description=__doc__.splitlines()[0])
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--requests", type=int, default=16, help="requests per repeat (at least the concurrency)")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16])
     p.add_argument("--draft-len", type=int, default=4)
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="request temperature (0: greedy); results go to serving-t<T>.* when not 0")
-    p.add_argument("--target", default="")
     p.add_argument("--draft", default="", help="draft model dir (default: the smallest draft beside the target)")
-    p.add_argument("--out", default="bench/results")
-    add_edge_flags(p)
+    add_workload_flags(p, concurrency=(1, 4, 16))  # --temperature T != 0 writes serving-t<T>.*
     args = p.parse_args(argv)
     edge = edge_from(args)
     edge.pin_self_to_edge()

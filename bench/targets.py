@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from bench.client import percentiles
 from bench.fleets import Run
 from bench.scrape import Snapshot
 
@@ -29,6 +30,8 @@ def run_row(run: Run, drafter: Snapshot | None) -> dict[str, Any]:
     return {
         "scenario": run.scenario, "concurrency": run.concurrency, "tokens_per_s": run.tokens_per_s,
         "tokens_per_s_runs": run.rates, "acceptance": run.acceptance, "steps": steps,
+        "ttft_ms": percentiles([o.ttft_s * 1e3 for o in run.outcomes]),
+        "tpot_ms": percentiles([o.tpot_s * 1e3 for o in run.outcomes if o.tokens > 1]),
         "mean_batch_sessions": v.mean(f"{V}_batch_sessions"), "mean_batch_tokens": v.mean(f"{V}_batch_tokens"),
         "forward_ms": forward * 1e3, "forward_cpu_ms": fcpu * 1e3, "cpu_per_step_ms": cpu * 1e3,
         "cpu_per_step_over_forward": cpu / fcpu if fcpu else 0.0,
