@@ -86,6 +86,7 @@ bench: install
 	$(BIN)/python -m bench verifier-policies
 	$(BIN)/python -m bench backends
 	$(BIN)/python -m bench rtt
+	$(BIN)/python -m bench single
 	@$(MAKE) --no-print-directory bench-report
 
 bench-report: install

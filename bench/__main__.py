@@ -1,5 +1,5 @@
 """``python -m bench <command>``: profile, serving, context, qwire, policies (make bench), costs,
-verifier-policies, backends, rtt, report."""
+verifier-policies, backends, rtt, single, report."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 COMMANDS = {"profile": "bench.profile", "serving": "bench.serving", "context": "bench.context",
             "qwire": "bench.qwire", "policies": "bench.policies", "costs": "bench.costs",
             "verifier-policies": "bench.verifier_policies", "backends": "bench.backends", "rtt": "bench.rtt",
-            "report": "bench.report"}
+            "single": "bench.single", "report": "bench.report"}
 
 
 def main() -> int:

@@ -9,7 +9,10 @@ prints one JSON object:
   model runner (arena KV cache, lean forward);
 * ``forward_ms``: the median time of one runner forward for each shape ``BxCxN`` (B sessions,
   C tokens of cached context each, N new tokens each), and ``hf_forward_ms`` for the same
-  shapes through transformers with a padded DynamicCache.
+  shapes through transformers with a padded DynamicCache;
+* with ``--assistant DRAFT``: ``hf_generate_tok_s`` and ``hf_assisted_tok_s``, transformers'
+  own ``generate`` greedy, alone and with the draft as ``assistant_model`` (Hugging Face's
+  assisted generation, on the same pair and the same CPU), over ``--decode`` tokens.
 
 Every number is a median over repeats, after warm-up, with one torch thread.
 """
@@ -112,6 +115,19 @@ def hf_forward_ms(model: Any, batch: int, context: int, new: int, repeats: int) 
     return median_ms(step, repeats)
 
 
+@torch.inference_mode()
+def hf_generate(model: Any, prompts: list[list[int]], tokens: int, assistant: Any = None) -> float:
+    """Tokens/s of transformers' greedy ``generate`` over ``prompts`` (with ``assistant_model``:
+    Hugging Face's assisted generation)."""
+    extra = {"assistant_model": assistant} if assistant is not None else {}
+    made, start = 0, time.perf_counter()
+    for prompt in prompts:
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+                             **extra)
+        made += out.shape[1] - len(prompt)
+    return made / (time.perf_counter() - start)
+
+
 def parse_shape(text: str) -> tuple[int, int, int]:
     b, c, n = (int(x) for x in text.lower().split("x"))
     return b, c, n
@@ -125,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", default="", help="comma list of BxCxN forward shapes")
     p.add_argument("--hf-shapes", action="store_true", help="also time the shapes through transformers")
     p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--assistant", default="", help="a draft model: also time HF assisted generation with it")
+    p.add_argument("--prompt-text", action="append", default=[], help="prompt(s) for --assistant (repeatable)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     loaded = load_model(args.model)
@@ -140,6 +158,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.hf_shapes:
         out["hf_forward_ms"] = {f"{b}x{c}x{n}": hf_forward_ms(loaded.model, b, c, n, args.repeats)
                                 for b, c, n in shapes}
+    if args.assistant and args.decode:
+        assistant = load_model(args.assistant).model
+        texts = [loaded.tokenizer(t)["input_ids"] for t in args.prompt_text] or [prompt]
+        hf_generate(loaded.model, texts[:1], 8, assistant)  # warm-up
+        out["hf_generate_tok_s"] = hf_generate(loaded.model, texts, args.decode)
+        out["hf_assisted_tok_s"] = hf_generate(loaded.model, texts, args.decode, assistant)
     print(json.dumps(out))
     return 0
 

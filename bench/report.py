@@ -28,6 +28,7 @@ class Section:
 
 
 SECTIONS = (
+    Section("single", "One stream: every way of serving it", "python -m bench single"),
     Section("serving", "Greedy serving", "python -m bench serving --concurrency 1,2,4,8,16", ("serving.png",)),
     Section("serving-t1", "Temperature 1", "python -m bench serving --temperature 1", ("serving-t1.png",)),
     Section("context", "Step time against context length", "python -m bench context", ("context.png",)),
