@@ -254,14 +254,22 @@ async def _next(inbox: asyncio.Queue[Inbound]) -> SessionOpened | Verdict | Erro
 
 
 def _drain_final(inbox: asyncio.Queue[Inbound]) -> Verdict | None:
-    """Consume frames that arrived while drafting; return a final Verdict if there was one."""
+    """A final Verdict that arrived while drafting, if any (it is consumed). Other frames stay
+    queued, in order: a continuous verifier (vLLM) may end this round's Verdict before our
+    draft even left, and the round then reads it from the inbox."""
+    held: list[Inbound] = []
+    final = None
     while not inbox.empty():
         msg = inbox.get_nowait()
         if msg is LINK_LOST:
             raise LinkDown("the verifier link dropped")
-        if isinstance(msg, Verdict) and msg.finished:
-            return msg
-    return None
+        if isinstance(msg, Verdict) and msg.finished and final is None:
+            final = msg
+        else:
+            held.append(msg)
+    for msg in held:
+        inbox.put_nowait(msg)
+    return final
 
 
 def _confidence(proposal: Proposal) -> list[float] | None:

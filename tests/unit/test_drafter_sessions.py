@@ -96,3 +96,25 @@ def test_bad_config_names_the_flag(overrides: dict[str, object], message: str) -
     with pytest.raises(ConfigError) as info:
         check_config(cfg)
     assert message in str(info.value)
+
+
+def _verdict(round_: int, finished: bool = False) -> Verdict:
+    return Verdict(request_id="r", round=round_, accepted=0, token_ids=[1], finished=finished,
+                   finish_reason="stop" if finished else None, draft_budget=0 if finished else 4)
+
+
+@pytest.mark.asyncio
+async def test_frames_that_arrive_while_drafting_wait_for_the_round_unless_one_is_final() -> None:
+    """vLLM may end a round before its draft left; that Verdict must still reach the round."""
+    import asyncio
+
+    from services.drafter.rounds import _drain_final
+
+    inbox: asyncio.Queue[object] = asyncio.Queue()
+    inbox.put_nowait(_verdict(3))
+    assert _drain_final(inbox) is None  # type: ignore[arg-type]
+    assert inbox.qsize() == 1 and inbox.get_nowait() == _verdict(3)
+    for v in (_verdict(3), _verdict(4, finished=True)):
+        inbox.put_nowait(v)
+    assert _drain_final(inbox) == _verdict(4, finished=True)  # type: ignore[arg-type]
+    assert inbox.get_nowait() == _verdict(3)
