@@ -15,12 +15,10 @@ cut its steps per token. Writes ``<out>/backends.{json,md}``.
 from __future__ import annotations
 
 import argparse
-import json
-import time
 from pathlib import Path
 from typing import Any
 
-from bench.fleets import Run, Scenario, add_workload_flags, drafters_of, prepare
+from bench.fleets import Run, Scenario, add_workload_flags, drafters_of, prepare, run_meta, write_results
 from bench.profile import smallest
 from bench.serving import run_all
 from bench.targets import run_row
@@ -74,12 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         row = run_row(r, drafters_of(r) if "speculative" in r.scenario else None)
         row["steps_per_token"] = steps_per_token(r)
         rows.append(row)
-    meta = {"command": "python -m bench backends " + " ".join(argv or []), "when": time.strftime("%Y-%m-%d %H:%M"),
-            "edge": edge.describe(), "draft_len": args.draft_len}
-    (out / "backends.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    lines = table(rows, meta)
-    (out / "backends.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    meta = run_meta("backends", argv, edge, draft_len=args.draft_len)
+    write_results(out, "backends", {"meta": meta, "rows": rows}, table(rows, meta))
     return 0
 
 

@@ -11,8 +11,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import secrets
 import statistics
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -203,6 +205,19 @@ def prepare(args: argparse.Namespace) -> tuple[Edge, Models, Path]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     return edge, models, out
+
+
+def run_meta(command: str, argv: list[str] | None, edge: Edge, **extra: Any) -> dict[str, Any]:
+    """What a results file says about its run: the command line, when, and the edge emulation."""
+    return {"command": f"python -m bench {command} " + " ".join(argv or []), "when": time.strftime("%Y-%m-%d %H:%M"),
+            "edge": edge.describe(), **extra}
+
+
+def write_results(out: Path, stem: str, data: dict[str, Any], lines: list[str]) -> None:
+    """``<out>/<stem>.json`` (the data) and ``<out>/<stem>.md`` (the table), and print the table."""
+    (out / f"{stem}.json").write_text(json.dumps(data, indent=2))
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 def drafters_of(run: Run) -> Snapshot:

@@ -21,13 +21,22 @@ generated). Writes ``<out>/policies.{json,md}`` and ``<out>/wisp-predictor.md``.
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
 
 from bench.edge import Edge
-from bench.fleets import TRAIN_PROMPTS, Scenario, add_workload_flags, bench_fleet, drafters_of, measure, prepare
+from bench.fleets import (
+    TRAIN_PROMPTS,
+    Scenario,
+    add_workload_flags,
+    bench_fleet,
+    drafters_of,
+    measure,
+    prepare,
+    run_meta,
+    write_results,
+)
 from bench.profile import smallest
 from bench.serving import run_all
 from bench.targets import run_row
@@ -85,9 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         row["waste_per_token"] = (drafted - sum(o.accepted for o in r.outcomes)) / max(1, sum(o.tokens for o in
                                                                                                r.outcomes))
         rows.append(row)
-    meta = {"command": "python -m bench policies " + " ".join(argv or []), "when": time.strftime("%Y-%m-%d %H:%M"),
-            "edge": edge.describe(), "draft_len": args.draft_len}
-    (out / "policies.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    meta = run_meta("policies", argv, edge, draft_len=args.draft_len)
     base = {r["concurrency"]: r["tokens_per_s"] for r in rows if r["scenario"] == "target-only"}
     lines = [f"Command: `{meta['command'].strip()}` ({meta['when']}; {meta['edge']}; verifier budget k = "
              f"{args.draft_len}).", "", "| policy | concurrency | tokens/s (median) | vs target-only | acceptance | "
@@ -95,8 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     lines += [f"| {r['scenario']} | {r['concurrency']} | {r['tokens_per_s']:.1f} | "
               f"{r['tokens_per_s'] / base[r['concurrency']]:.2f}x | {r['acceptance']:.3f} | "
               f"{r['waste_per_token']:.3f} |" for r in rows]
-    (out / "policies.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(out, "policies", {"meta": meta, "rows": rows}, lines)
     return 0
 
 

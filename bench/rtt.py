@@ -12,13 +12,11 @@ longer drafts, pipelined drafting and more sessions per drafter. Writes ``<out>/
 from __future__ import annotations
 
 import argparse
-import json
-import time
 from pathlib import Path
 from typing import Any
 
 from bench.client import percentiles
-from bench.fleets import Run, Scenario, add_workload_flags, prepare
+from bench.fleets import Run, Scenario, add_workload_flags, prepare, run_meta, write_results
 from bench.profile import smallest
 from bench.serving import run_all
 
@@ -70,9 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     edge, models, out = prepare(args)
     rows = rows_of(run_all(models.target, scenarios(smallest(models.drafts), args.rtts), args, edge))
     networks = sorted({r["network"] for r in rows if r["scenario"] != "target-only"})
-    meta: dict[str, Any] = {"command": "python -m bench rtt " + " ".join(argv or []),
-                            "when": time.strftime("%Y-%m-%d %H:%M"), "edge": edge.describe(), "networks": networks}
-    (out / "rtt.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    meta = run_meta("rtt", argv, edge, networks=networks)
     plot(rows, args.rtts, out)
     lines = [f"Command: `{meta['command'].strip()}` ({meta['when']}; {meta['edge']}; {'; '.join(networks)}).", "",
              "| scenario | concurrency | tokens/s (median) | runs | vs target-only | acceptance | TTFT p50 / p90 ms | "
@@ -81,8 +77,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{', '.join(f'{x:.0f}' for x in r['tokens_per_s_runs'])} | {r['vs_target_only']:.2f}x | "
               f"{r['acceptance']:.3f} | {r['ttft_ms']['p50']:.1f} / {r['ttft_ms']['p90']:.1f} | "
               f"{r['tpot_ms']['p50']:.2f} / {r['tpot_ms']['p90']:.2f} |" for r in rows]
-    (out / "rtt.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(out, "rtt", {"meta": meta, "rows": rows}, lines)
     return 0
 
 

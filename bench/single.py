@@ -24,13 +24,11 @@ drafts almost for free, so its true bound is above the printed one. Writes
 from __future__ import annotations
 
 import argparse
-import json
-import time
 from pathlib import Path
 from typing import Any
 
 from bench.edge import Edge, run_pinned
-from bench.fleets import PROMPTS, Run, Scenario, add_workload_flags, prepare
+from bench.fleets import PROMPTS, Run, Scenario, add_workload_flags, prepare, run_meta, write_results
 from bench.policies import POLICIES
 from bench.profile import smallest
 from bench.serving import run_all
@@ -120,12 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     costs = measure_costs(models.target, draft, args.draft_len, args.max_tokens, edge)
     runs = run_all(models.target, scenarios(draft, args.draft_len, args.rtts), args, edge)
     rows = rows_of(runs, costs, args.draft_len)
-    meta = {"command": "python -m bench single " + " ".join(argv or []), "when": time.strftime("%Y-%m-%d %H:%M"),
-            "edge": edge.describe(), "k": args.draft_len, "c": costs["c"], "verify_cost": costs["verify_cost"]}
-    (out / "single.json").write_text(json.dumps({"meta": meta, "costs": costs, "rows": rows}, indent=2))
-    lines = table(rows, meta)
-    (out / "single.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    meta = run_meta("single", argv, edge, k=args.draft_len, c=costs["c"], verify_cost=costs["verify_cost"])
+    write_results(out, "single", {"meta": meta, "costs": costs, "rows": rows}, table(rows, meta))
     return 0
 
 
