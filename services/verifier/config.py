@@ -53,6 +53,9 @@ class VerifierConfig:
     trim: str = opt("none", "draft trim: none, adaspec (drop the least likely tail drafts while that raises the "
                             "batch's estimated tokens per second; needs drafters that send confidences)")
     tpot_slo_ms: float = opt(0.0, "trim=adaspec: refuse batch shapes whose predicted step exceeds this (0: off)")
+    recompute_context: bool = opt(False, "benchmark baseline (SLED-like): forget each session's cached keys and "
+                                         "values after every round, so the next round recomputes its whole context; "
+                                         "never for serving (backend=torch only)")
     estimator_file: str = opt("", "step-time coefficients from `make profile-verifier` (refined online); empty: "
                                   "start from a generic CPU guess")
     torch_threads: int = opt(0, "torch intra-op threads; 0 leaves torch's default")

@@ -71,6 +71,7 @@ class CoreLimits:
     max_waiting: int  # requests held for KV memory before new ones are refused as busy
     max_commands: int = 65536
     default_slo_tokens_per_s: float | None = None  # SLO class of requests that name none
+    recompute_context: bool = False  # SLED-like baseline: no KV reuse across rounds (benchmarks only)
 
 
 class TorchCore:
@@ -342,7 +343,8 @@ class TorchCore:
     def _commit(self, req: Request, drafts: list[int], accepted: int, tokens: list[int]) -> list[int]:
         """Roll the KV back past rejected drafts and commit the round's tokens; returns those kept."""
         assert req.slot is not None
-        req.slot.truncate(req.slot.length - (len(drafts) - accepted))  # keep the accepted drafts' keys/values
+        keep = 0 if self.limits.recompute_context else req.slot.length - (len(drafts) - accepted)
+        req.slot.truncate(keep)  # keep the accepted drafts' keys/values (none: the next round recomputes all)
         req.drafted += len(drafts)
         req.accepted += accepted
         return req.commit(tokens)

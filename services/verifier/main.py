@@ -113,7 +113,7 @@ def build(cfg: VerifierConfig, loop: asyncio.AbstractEventLoop) -> tuple[Hub, Ve
 
     core = TorchCore(runner, loaded.eos_ids, allocator, scheduler,
                      CoreLimits(cfg.max_draft_tokens, cfg.draft_timeout_s, cfg.max_waiting,
-                                default_slo_tokens_per_s=slo), deliver, metrics, threaded=threaded,
+                                default_slo_tokens_per_s=slo, recompute_context=cfg.recompute_context), deliver, metrics, threaded=threaded,
                      tracker=tracker, estimator=estimator)
     return _connect(hub, output, core, loaded), core
 
@@ -123,9 +123,10 @@ def build_vllm(cfg: VerifierConfig) -> tuple[Hub, VerifierCore]:
     from services.verifier.vllm_engine.core import VllmCore, VllmLimits
     from services.verifier.vllm_engine.engine import EngineSettings, start_engine
 
-    if cfg.batching != "fcfs" or cfg.trim != "none":
-        raise ModelLoadError("--batching and --trim apply to the torch backend only: vLLM's own scheduler forms the "
-                             "batches; leave them at fcfs and none with --backend vllm")
+    if cfg.batching != "fcfs" or cfg.trim != "none" or cfg.recompute_context:
+        raise ModelLoadError("--batching, --trim and --recompute-context apply to the torch backend only: vLLM's own "
+                             "scheduler forms the batches and keeps the KV cache; leave them at fcfs, none and false "
+                             "with --backend vllm")
     loaded = load_target_info(cfg.model, cfg.max_model_len)
     hub, output, metrics = _hub(cfg, loaded)
     try:

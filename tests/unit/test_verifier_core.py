@@ -49,14 +49,15 @@ class Harness:
     def __init__(self, target: LoadedModel, kv_tokens: int = 4096, prefill_chunk: int = 256,
                  max_batch_tokens: int = 2048, max_waiting: int = 8, draft_timeout_s: float = 60.0,
                  allocator: Allocator | None = None, trim: TrimPolicy | None = None,
-                 estimator: StepTimeEstimator | None = None) -> None:
+                 estimator: StepTimeEstimator | None = None, recompute_context: bool = False) -> None:
         per_token = kv_shape(target.model).bytes_per_token
         self.runner = ModelRunner(target, kv_tokens * per_token, self_check=False)
         self.results: list[Result] = []
         self.core = TorchCore(self.runner, target.eos_ids, allocator or FixedAllocator(3),
                               Scheduler(FcfsBatcher(), BatchLimits(32, max_batch_tokens), prefill_chunk, estimator,
                                         trim),
-                              CoreLimits(8, draft_timeout_s, max_waiting), self.results.extend, VerifierMetrics(),
+                              CoreLimits(8, draft_timeout_s, max_waiting, recompute_context=recompute_context),
+                              self.results.extend, VerifierMetrics(),
                               threaded=False)
 
     def turn(self, n: int = 1) -> list[Result]:
@@ -127,6 +128,26 @@ def test_speculative_round_accepts_the_target_own_tokens(target: LoadedModel) ->
     first = h.of(Rounded, "s")[0]
     assert (first.accepted, first.tokens) == (2, ref[:3])  # type: ignore[attr-defined]
     assert h.core.requests["s"].slot.length == len(p) + 2  # type: ignore[union-attr]  # rejected draft rolled back
+
+
+def test_the_sled_like_baseline_recomputes_the_whole_context_every_round_with_the_same_tokens(
+        target: LoadedModel) -> None:
+    h = Harness(target, recompute_context=True)
+    p = prompt(4, 9)
+    ref = greedy_reference(target.model, p, GREEDY.max_tokens, target.eos_ids)
+    h.core.submit(AddRequest("s", p, GREEDY, speculative=True))
+    h.turn()
+    waits = 0
+    while "s" in h.core.requests and waits < 20:
+        req = h.core.requests["s"]
+        if req.status is Status.WAITING_DRAFT:
+            waits += 1
+            assert req.cached == 0 or req.round == 0  # nothing kept from the last round
+            done = len(h.tokens("s"))
+            h.core.submit(AddDraft("s", req.round, ref[done : done + 2], None, 0.0))
+        h.turn()
+    assert h.tokens("s") == ref  # recomputing changes the work, never the tokens
+    assert [r.accepted for r in h.of(Rounded, "s")][:3] == [2, 2, 2]  # type: ignore[attr-defined]
 
 
 def test_out_of_turn_drafts_are_refused_and_change_nothing(target: LoadedModel) -> None:

@@ -158,8 +158,9 @@ def test_a_live_draft_survives_tokens_it_guessed() -> None:
 
 @pytest.mark.parametrize(("flags", "message"), [
     ({"backend": "tensorrt"}, "--backend must be one of torch, vllm"),
-    ({"backend": "vllm", "batching": "wisp"}, "--batching and --trim apply to the torch backend only"),
-    ({"backend": "vllm", "trim": "adaspec"}, "--batching and --trim apply to the torch backend only"),
+    ({"backend": "vllm", "batching": "wisp"}, "--batching, --trim and --recompute-context apply to the torch"),
+    ({"backend": "vllm", "trim": "adaspec"}, "--batching, --trim and --recompute-context apply to the torch"),
+    ({"backend": "vllm", "recompute_context": True}, "--batching, --trim and --recompute-context apply to the torch"),
 ])
 def test_backend_flags_that_cannot_work_are_refused(flags: dict[str, str], message: str,
                                                     tiny_models: dict[str, Path]) -> None:
