@@ -1,21 +1,26 @@
 """``python -m bench <command>``: profile, serving, context, qwire, policies (make bench), costs,
-verifier-policies, backends, rtt, single, report."""
+verifier-policies, backends, rtt, single, fairness, slo, load, capacity, sim, report."""
 
 from __future__ import annotations
 
 import importlib
+import signal
 import sys
 
 COMMANDS = {"profile": "bench.profile", "serving": "bench.serving", "context": "bench.context",
             "qwire": "bench.qwire", "policies": "bench.policies", "costs": "bench.costs",
             "verifier-policies": "bench.verifier_policies", "backends": "bench.backends", "rtt": "bench.rtt",
-            "single": "bench.single", "report": "bench.report"}
+            "single": "bench.single", "fairness": "bench.fairness", "slo": "bench.slo", "load": "bench.load",
+            "capacity": "bench.capacity", "report": "bench.report",
+            "sim": "bench.sim", "sim-validate": "bench.sim.validate"}
 
 
 def main() -> int:
     if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:
         print(f"usage: python -m bench {{{','.join(COMMANDS)}}} [flags]  (--help after a command for its flags)")
         return 2
+    # a kill (SIGTERM) unwinds like Ctrl-C: fleets stop, edge namespaces and proxies are removed
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     module = importlib.import_module(COMMANDS[sys.argv[1]])
     return int(module.main(sys.argv[2:]))
 

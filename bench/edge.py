@@ -32,6 +32,7 @@ class Edge:
     rate_mbit: float = 0.0  # each direction of the drafters' link (0: unshaped)
     jitter_ms: float = 0.0
     netns: bool = True  # drafters in a namespace of their own (else loopback behind the proxy)
+    redis: bool = False  # the request queue in a real redis-server, reached by the drafters over the edge link
 
     @property
     def networked(self) -> bool:
@@ -49,7 +50,9 @@ class Edge:
     def describe(self) -> str:
         if not self.pinned:
             return "not pinned: every process may use every CPU"
-        return f"verifier on CPU {self.server_cpus}; coordinator, drafters and load client on CPU {self.edge_cpus}"
+        queue = "; queue in Redis" if self.redis else ""
+        return (f"verifier on CPU {self.server_cpus}; coordinator, drafters and load client on CPU "
+                f"{self.edge_cpus}{queue}")
 
     def with_rtt(self, rtt_ms: float) -> Edge:
         return replace(self, rtt_ms=rtt_ms)
@@ -64,10 +67,13 @@ def add_edge_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--jitter-ms", type=float, default=0.0, help="extra round-trip jitter, uniform in [0, this]")
     p.add_argument("--edge-mbit", type=float, default=0.0, help="drafters' link bandwidth, each way (0: unshaped)")
     p.add_argument("--no-netns", action="store_true", help="keep drafters on loopback behind the delay proxy")
+    p.add_argument("--redis", action="store_true", help="queue requests in a real redis-server (pinned with the "
+                   "coordinator; drafters reach it over the edge link) instead of the coordinator's queue link")
 
 
 def edge_from(args: argparse.Namespace) -> Edge:
-    net = {"rtt_ms": args.rtt_ms, "rate_mbit": args.edge_mbit, "jitter_ms": args.jitter_ms, "netns": not args.no_netns}
+    net = {"rtt_ms": args.rtt_ms, "rate_mbit": args.edge_mbit, "jitter_ms": args.jitter_ms, "netns": not args.no_netns,
+           "redis": args.redis}
     if args.no_pin or not args.server_cpus or not args.edge_cpus:
         return Edge("", "", **net)
     return Edge(args.server_cpus, args.edge_cpus, **net)

@@ -42,10 +42,12 @@ class EdgeNet:
     prefix: list[str] = field(default_factory=list)  # run a command inside the edge namespace
     addr: dict[str, str] = field(default_factory=dict)  # service -> host:port the edge connects to
     edge_host: str = "127.0.0.1"  # where the server side reaches services running at the edge
+    rtts: dict[str, float] = field(default_factory=dict)  # services reached at an RTT of their own
 
     def describe(self) -> str:
         shaped = f", {self.rate_mbit:g} Mbit/s each way" if self.rate_mbit and self.mode == "netns" else ""
-        return f"edge network: {self.mode}, RTT +{self.rtt_ms:g} ms{shaped}"
+        own = "".join(f", {name} +{rtt:g} ms" for name, rtt in sorted(self.rtts.items()))
+        return f"edge network: {self.mode}, RTT +{self.rtt_ms:g} ms{own}{shaped}"
 
 
 def _run(*argv: str) -> None:
@@ -65,6 +67,21 @@ def why_no_netns() -> str:
         return f"ip netns add failed: {getattr(exc, 'stderr', '') or exc}".strip()
     _run("ip", "netns", "del", name)
     return ""
+
+
+def remove_stale() -> list[str]:
+    """Remove edge namespaces left by benchmark processes that died without cleaning up (a
+    kill): their veth pair still holds the server address and would capture the new link's
+    traffic. Returns the names removed."""
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
+    stale = []
+    for line in out.splitlines():
+        name = line.split()[0] if line.split() else ""
+        pid = name.removeprefix("sf-edge-")
+        if name.startswith("sf-edge-") and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            _remove(name)
+            stale.append(name)
+    return stale
 
 
 def _create(name: str, rate_mbit: float) -> None:
@@ -108,19 +125,23 @@ def _start_proxy(listen_host: str, target_port: int, one_way_ms: float, jitter_m
 
 @contextlib.contextmanager
 def edge_network(rtt_ms: float, rate_mbit: float, targets: dict[str, int], jitter_ms: float = 0.0,
-                 cpus: str = "", use_netns: bool = True) -> Iterator[EdgeNet]:
-    """The edge network for one fleet: ``targets`` maps service names to their loopback ports."""
+                 cpus: str = "", use_netns: bool = True, rtts: dict[str, float] | None = None) -> Iterator[EdgeNet]:
+    """The edge network for one fleet: ``targets`` maps service names to their loopback ports,
+    each reached through a delay proxy of its own at ``rtts[name]`` (default ``rtt_ms``)."""
     why = why_no_netns() if use_netns else "namespaces not asked for"
     name = f"sf-edge-{os.getpid()}"
-    net = EdgeNet("netns" if not why else f"loopback ({why})", rtt_ms, rate_mbit)
+    net = EdgeNet("netns" if not why else f"loopback ({why})", rtt_ms, rate_mbit, rtts=dict(rtts or {}))
     proxies: list[subprocess.Popen[str]] = []
     try:
         if not why:
+            if removed := remove_stale():
+                print(f"removed edge namespaces left by dead benchmark runs: {', '.join(removed)}", file=sys.stderr)
             _create(name, rate_mbit)
             net.prefix, net.edge_host = ["ip", "netns", "exec", name], EDGE_IP
         listen = SERVER_IP if not why else "127.0.0.1"
         for service, port in targets.items():
-            proc, proxy_port = _start_proxy(listen, port, rtt_ms / 2, jitter_ms / 2, cpus)
+            rtt = (rtts or {}).get(service, rtt_ms)
+            proc, proxy_port = _start_proxy(listen, port, rtt / 2, jitter_ms / 2, cpus)
             proxies.append(proc)
             net.addr[service] = f"{listen}:{proxy_port}"
         yield net

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 from shared.supervisor import Supervisor
 
@@ -41,7 +42,7 @@ class FleetSpec:
     #: reach the verifier and the queue at these host:port addresses (delay proxies), not directly
     edge_prefix: list[str] = field(default_factory=list)
     edge_verifier_addr: str = ""
-    edge_queue_addr: str = ""
+    edge_queue_addr: str = ""  # the coordinator's queue link, or Redis (with redis_url) as the edge reaches it
 
 
 @dataclass
@@ -71,6 +72,14 @@ def parse_cpus(cpus: str) -> set[int]:
     return out
 
 
+def _via(url: str, addr: str) -> str:
+    """``url`` with its host:port replaced by ``addr`` (the edge's way to it), if any."""
+    if not addr:
+        return url
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(netloc=addr))
+
+
 def plan(spec: FleetSpec) -> list[tuple[str, list[str]]]:
     """(name, argv) of every child, in start order: verifier, coordinator, drafter-1..N."""
     base = [sys.executable, "-m", "shared.cli"]
@@ -83,7 +92,8 @@ def plan(spec: FleetSpec) -> list[tuple[str, list[str]]]:
                    *spec.coordinator_flags]
     if spec.redis_url:
         coordinator += ["--redis-url", spec.redis_url]
-    queue_url = spec.redis_url or f"ws://{spec.edge_queue_addr or f'{near}:{spec.coordinator_port}'}/internal/queue"
+    queue_url = (_via(spec.redis_url, spec.edge_queue_addr) if spec.redis_url
+                 else f"ws://{spec.edge_queue_addr or f'{near}:{spec.coordinator_port}'}/internal/queue")
     verifier_url = f"ws://{spec.edge_verifier_addr or f'{near}:{spec.verifier_port}'}/v1/drafter"
     children = [("verifier", pinned(verifier, spec.server_cpus)), ("coordinator", pinned(coordinator, spec.edge_cpus))]
     for i, draft in enumerate(spec.drafts, start=1):

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from bench.netns import edge_network, why_no_netns
+from bench.netns import edge_network, remove_stale, why_no_netns
 
 CLIENT = """
 import socket, sys, time
@@ -70,3 +70,25 @@ def test_the_edge_reaches_the_server_only_through_the_delay(use_netns: bool, ech
             assert direct.returncode != 0
     if use_netns:  # and everything is gone afterwards
         assert net.prefix[-1] not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+def test_each_service_can_have_an_rtt_of_its_own(echo_port: int) -> None:
+    targets = {"near": echo_port, "far": echo_port}
+    with edge_network(rtt_ms=0, rate_mbit=0, targets=targets, use_netns=False, rtts={"far": 60}) as net:
+        near, far = edge_rtt(net.prefix, net.addr["near"]), edge_rtt(net.prefix, net.addr["far"])
+        assert far >= 0.060 > near
+        assert "far +60 ms" in net.describe()
+
+
+def test_namespaces_left_by_dead_runs_are_removed_before_a_new_one() -> None:
+    if why_no_netns():
+        pytest.skip(f"network namespaces unavailable here: {why_no_netns()}")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    name = f"sf-edge-{dead.pid}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        assert name in remove_stale()
+        assert name not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
