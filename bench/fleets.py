@@ -14,18 +14,22 @@ import contextlib
 import json
 import secrets
 import statistics
+import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
-from bench.client import Outcome, poisson_arrivals, run_arrivals, run_load
+from bench.client import Outcome, run_arrivals, run_load
 from bench.edge import Edge, add_edge_flags, edge_from
 from bench.netns import edge_network
 from bench.scrape import Snapshot, diff_all, merged, scrape_all
-from shared.fleet import Fleet, FleetSpec, running_fleet
+from bench.traces import TRACES, trace_arrivals
+from shared.fleet import Fleet, FleetSpec, pinned, running_fleet
+from shared.redis_server import private_redis
 from shared.up import Models, free_port, resolve_models
 
 PROMPTS = [
@@ -80,6 +84,7 @@ class Scenario:
     drafts: tuple[str, ...] = ()  # one draft model per drafter (overrides ``draft``)
     per_drafter_flags: tuple[tuple[str, ...], ...] = ()  # drafter i also gets entry i
     rtt_ms: float | None = None  # the drafters' RTT for this scenario (None: the run's --rtt-ms)
+    drafter_rtts: tuple[float, ...] = ()  # drafter i reaches the verifier at RTT entry i (its own delay proxy)
 
 
 @dataclass
@@ -92,6 +97,7 @@ class Run:
     outcomes: list[Outcome]
     metrics: dict[str, Snapshot] = field(default_factory=dict)
     network: str = "loopback"
+    walls: list[float] = field(default_factory=list)  # seconds of each repeat
 
     @property
     def tokens_per_s(self) -> float:
@@ -104,9 +110,15 @@ class Run:
 
 
 def bodies(n: int, max_tokens: int, model: str, temperature: float = 0.0,
-           prompts: list[str] = PROMPTS) -> list[dict[str, Any]]:
-    return [{"kind": "completion", "model": model, "prompt": prompts[i % len(prompts)], "max_tokens": max_tokens,
-             "temperature": temperature, "ignore_eos": True} for i in range(n)]
+           prompts: list[str] = PROMPTS, slo_classes: Sequence[float] = ()) -> list[dict[str, Any]]:
+    """``n`` completion requests over ``prompts`` in turn; with ``slo_classes`` (tokens/s), request
+    i asks for class ``slo_classes[i % len]`` (the extension field ``slo_tokens_per_s``)."""
+    out: list[dict[str, Any]] = [
+        {"kind": "completion", "model": model, "prompt": prompts[i % len(prompts)], "max_tokens": max_tokens,
+         "temperature": temperature, "ignore_eos": True} for i in range(n)]
+    for i, body in enumerate(out if slo_classes else []):
+        body["slo_tokens_per_s"] = slo_classes[i % len(slo_classes)]
+    return out
 
 
 @dataclass
@@ -143,15 +155,12 @@ def bench_fleet(target: Path, sc: Scenario, edge: Edge, log_dir: Path) -> Iterat
     edge = edge.with_rtt(sc.rtt_ms) if sc.rtt_ms is not None else edge
     network = "loopback"
     with contextlib.ExitStack() as stack:
-        if edge.networked and sc.drafters:
-            net = stack.enter_context(edge_network(edge.rtt_ms, edge.rate_mbit, {
-                "verifier": spec.verifier_port, "queue": spec.coordinator_port}, edge.jitter_ms, edge.edge_cpus,
-                edge.netns))
-            spec = replace(spec, edge_prefix=net.prefix, edge_verifier_addr=net.addr["verifier"],
-                           edge_queue_addr=net.addr["queue"])
-            urls = {k: v.replace("127.0.0.1", net.edge_host) if k.startswith("drafter") else v
-                    for k, v in urls.items()}
-            network = net.describe()
+        if edge.redis:
+            port = stack.enter_context(private_redis(Path(stack.enter_context(tempfile.TemporaryDirectory())),
+                                                     pinned([], edge.edge_cpus)))
+            spec = replace(spec, redis_url=f"redis://127.0.0.1:{port}/0")
+        if (edge.networked or sc.drafter_rtts) and sc.drafters:
+            spec, urls, network = _over_edge(stack, spec, urls, sc, edge)
         fleet = stack.enter_context(running_fleet(spec, log_dir / sc.name.replace(" ", "_"),
                                                   secrets.token_urlsafe(16)))
         bf = BenchFleet(fleet, urls, network)
@@ -159,23 +168,47 @@ def bench_fleet(target: Path, sc: Scenario, edge: Edge, log_dir: Path) -> Iterat
         yield bf
 
 
+def _over_edge(stack: contextlib.ExitStack, spec: FleetSpec, urls: dict[str, str], sc: Scenario,
+               edge: Edge) -> tuple[FleetSpec, dict[str, str], str]:
+    """Put the drafters behind the emulated edge network: the verifier, the queue (the
+    coordinator's link or Redis), and with ``sc.drafter_rtts`` one verifier proxy per drafter."""
+    queue_port = urlsplit(spec.redis_url).port if spec.redis_url else spec.coordinator_port
+    assert queue_port is not None
+    targets = {"verifier": spec.verifier_port, "queue": queue_port}
+    own = {f"verifier-{i + 1}": rtt for i, rtt in enumerate(sc.drafter_rtts)}
+    targets.update({name: spec.verifier_port for name in own})
+    net = stack.enter_context(edge_network(edge.rtt_ms, edge.rate_mbit, targets, edge.jitter_ms, edge.edge_cpus,
+                                           edge.netns, own))
+    flags = [list(f) for f in spec.per_drafter_flags] + [[] for _ in range(len(spec.drafts))]
+    for i in range(len(sc.drafter_rtts)):
+        flags[i] = [*flags[i], "--verifier-url", f"ws://{net.addr[f'verifier-{i + 1}']}/v1/drafter"]
+    spec = replace(spec, edge_prefix=net.prefix, edge_verifier_addr=net.addr["verifier"],
+                   edge_queue_addr=net.addr["queue"], per_drafter_flags=flags[: len(spec.drafts)])
+    urls = {k: v.replace("127.0.0.1", net.edge_host) if k.startswith("drafter") else v for k, v in urls.items()}
+    return spec, urls, net.describe()
+
+
 def measure(bf: BenchFleet, sc: Scenario, concurrency: int, repeats: int, requests: int, max_tokens: int,
             model: str, temperature: float = 0.0, prompts: list[str] = PROMPTS, arrival_rate: float = 0.0,
-            seed: int = 0) -> Run:
+            seed: int = 0, trace: str = "poisson", slo_classes: Sequence[float] = ()) -> Run:
     """``repeats`` rounds of ``requests`` requests: closed loop over ``concurrency`` sockets, or,
-    with ``arrival_rate`` > 0, open loop with seeded Poisson arrivals (``concurrency`` unused)."""
+    with ``arrival_rate`` > 0, open loop with seeded arrivals of the ``trace`` kind
+    (``bench.traces``: Poisson or a bursty pattern; ``concurrency`` unused)."""
     before = bf.scrape()
-    rates, outcomes = [], []
+    rates: list[float] = []
+    walls: list[float] = []
+    outcomes: list[Outcome] = []
     for i in range(repeats):
-        reqs = bodies(requests, max_tokens, model, temperature, prompts)
+        reqs = bodies(requests, max_tokens, model, temperature, prompts, slo_classes)
         if arrival_rate > 0:
-            load = run_arrivals(bf.fleet.ws_url, reqs, poisson_arrivals(arrival_rate, len(reqs), seed + i))
+            load = run_arrivals(bf.fleet.ws_url, reqs, trace_arrivals(trace, arrival_rate, len(reqs), seed + i))
         else:
             load = run_load(bf.fleet.ws_url, reqs, concurrency)
         wall, outs = asyncio.run(load)
         rates.append(sum(o.tokens for o in outs) / wall)
+        walls.append(wall)
         outcomes += outs
-    return Run(sc.name, concurrency, rates, outcomes, diff_all(bf.scrape(), before), bf.network)
+    return Run(sc.name, concurrency, rates, outcomes, diff_all(bf.scrape(), before), bf.network, walls)
 
 
 def add_workload_flags(p: argparse.ArgumentParser, repeats: int = 3, requests: int = 16, max_tokens: int = 128,
@@ -190,6 +223,8 @@ def add_workload_flags(p: argparse.ArgumentParser, repeats: int = 3, requests: i
                    help=f"comma list of prompt domains, mixed in turn: {', '.join(DOMAINS)}")
     p.add_argument("--arrival-rate", type=float, default=0.0,
                    help="requests per second, Poisson (seeded by --seed); 0: closed loop at each --concurrency")
+    p.add_argument("--trace", choices=TRACES, default="poisson",
+                   help="open-loop arrival pattern at the mean rate: poisson, or AdaSpec Fig. 1's bursty shapes")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--target", default="")
     p.add_argument("--out", default="bench/results")

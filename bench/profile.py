@@ -69,9 +69,17 @@ def report(run: Run) -> str:
     return "\n".join(lines)
 
 
+def weight_bytes(model: Path) -> int:
+    return sum(f.stat().st_size for f in model.glob("*.safetensors"))
+
+
 def smallest(drafts: list[Path]) -> Path:
     """The cheapest draft: the one with the fewest bytes of weights."""
-    return min(drafts, key=lambda d: sum(f.stat().st_size for f in d.glob("*.safetensors")))
+    return min(drafts, key=weight_bytes)
+
+
+def largest(drafts: list[Path]) -> Path:
+    return max(drafts, key=weight_bytes)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -62,7 +62,7 @@ def run_all(target: Path, scs: list[Scenario], args: argparse.Namespace, edge: E
                 for conc in args.concurrency:
                     runs.append(measure(bf, sc, conc, args.repeats, max(args.requests, conc), args.max_tokens,
                                         target.name, args.temperature, domain_prompts(args.domains),
-                                        args.arrival_rate, args.seed))
+                                        args.arrival_rate, args.seed, args.trace))
                     bar.update(1)
     return runs
 

@@ -24,18 +24,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from bench.client import Outcome, run_load
 from bench.edge import Edge, add_edge_flags, edge_from
+from bench.fairness import settle_round, tracing_utility
 from bench.fleets import PROMPTS, BenchFleet, Scenario, bench_fleet, bodies
 from bench.scrape import Snapshot
 from shared.up import resolve_models
@@ -46,49 +43,12 @@ PARTS = ("allocation", "smartspec", "wisp", "trim")
 # --- allocation: GoodSpeed vs Fixed-S vs Random-S ---------------------------------------------
 
 
-def utility_trace(status_url: str, stop: threading.Event, every_s: float = 0.25) -> list[tuple[int, float]]:
-    """(rounds, U = Σ_d log X_d) samples until ``stop``; a drafter between sessions keeps its last X."""
-    trace: list[tuple[int, float]] = []
-    last: dict[str, float] = {}
-    while not stop.wait(every_s):
-        try:
-            status = httpx.get(status_url, timeout=5).json()
-        except (httpx.HTTPError, ValueError):
-            continue
-        last.update({name: d["goodput"] for name, d in status.get("drafters", {}).items()})
-        if len(last) >= 3:
-            trace.append((int(status["rounds"]), sum(math.log(max(x, 1e-9)) for x in last.values())))
-    return trace
-
-
-def settle_round(trace: list[tuple[int, float]], tolerance: float) -> tuple[float, int | None]:
-    """U's mean over the last half, and the first round after which U stays within ``tolerance`` of it."""
-    if not trace:
-        return float("nan"), None
-    tail = [u for _, u in trace[len(trace) // 2 :]]
-    final = sum(tail) / len(tail)
-    settled = None
-    for rounds, u in reversed(trace):
-        if abs(u - final) > tolerance:
-            break
-        settled = rounds
-    return final, settled
-
-
 def traced_load(bf: BenchFleet, reqs: list[dict[str, Any]], concurrency: int) -> tuple[
         list[tuple[int, float]], float, list[Outcome]]:
     """Serve ``reqs`` while a thread records the utility trace from the verifier's /status."""
-    stop = threading.Event()
-    result: list[list[tuple[int, float]]] = []
-    status_url = bf.urls["verifier"].replace("/metrics", "/status")
-    poller = threading.Thread(target=lambda: result.append(utility_trace(status_url, stop)))
-    poller.start()
-    try:
+    with tracing_utility(bf.urls["verifier"].replace("/metrics", "/status"), 3) as trace:
         wall, outs = asyncio.run(run_load(bf.fleet.ws_url, reqs, concurrency))
-    finally:
-        stop.set()
-        poller.join()
-    return (result[0] if result else []), wall, outs
+    return trace, wall, outs
 
 
 def allocation_part(models: Any, args: argparse.Namespace, edge: Edge, logs: Path) -> dict[str, Any]:

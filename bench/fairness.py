@@ -1,0 +1,179 @@
+"""``python -m bench fairness``: heterogeneous drafters sharing a draft budget (GoodSpeed Fig. 4 shape).
+
+N drafters differ in draft model, prompt domain mix and RTT (each reaches the verifier through
+a delay proxy of its own, ``bench.netns``). They share GoodSpeed's global budget C of draft
+tokens per round (``--capacity``) under Fixed-S (C/N each), Random-S and GoodSpeed's gradient
+scheduling, each in one real pinned fleet over the same seeded workload. Every drafter serves
+one session at a time, so a drafter is GoodSpeed's client.
+
+While the load runs, the verifier's ``/status`` is polled for each drafter's smoothed goodput
+X; U = Σ log X is recorded against verified rounds (the utility curve). Reported per policy:
+U over the last half of the run, the convergence round (after which U's rolling mean stays
+within ``--settle`` of that value), per-drafter goodput (tokens/s), Σ log x and Jain's index
+over them, and every metric of ``bench.run_stats``. Writes ``<out>/fairness.{json,md,png}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.edge import Edge
+from bench.fleets import BenchFleet, Scenario, add_workload_flags, prepare, run_meta, write_results
+from bench.profile import largest, smallest
+from bench.sweep import Point, sweep
+
+POLICIES = ("fixed", "random", "goodspeed")
+#: drafter kinds: a draft model (smallest or largest of models/) or prompt lookup
+KINDS = ("small", "large", "ngram")
+
+
+def parse_drafters(text: str) -> list[tuple[str, float]]:
+    """"small@0,large@10,ngram@40" -> [("small", 0.0), ...]: each drafter's kind and RTT (ms)."""
+    out = []
+    for item in filter(None, text.split(",")):
+        kind, _, rtt = item.partition("@")
+        if kind not in KINDS:
+            raise ValueError(f"unknown drafter kind {kind!r} in {text!r}; choose from {', '.join(KINDS)}")
+        out.append((kind, float(rtt or 0)))
+    if len(out) < 2:
+        raise ValueError("fairness needs at least 2 drafters")
+    return out
+
+
+def utility_trace(status_url: str, stop: threading.Event, drafters: int,
+                  every_s: float = 0.25) -> list[tuple[int, float]]:
+    """(rounds, U = Σ_d log X_d) samples until ``stop``, once every drafter reported; a drafter
+    between sessions keeps its last X."""
+    trace: list[tuple[int, float]] = []
+    last: dict[str, float] = {}
+    while not stop.wait(every_s):
+        try:
+            status = httpx.get(status_url, timeout=5).json()
+        except (httpx.HTTPError, ValueError):
+            continue
+        last.update({name: d["goodput"] for name, d in status.get("drafters", {}).items()})
+        if len(last) >= drafters:
+            trace.append((int(status["rounds"]), sum(math.log(max(x, 1e-9)) for x in last.values())))
+    return trace
+
+
+@contextlib.contextmanager
+def tracing_utility(status_url: str, drafters: int) -> Iterator[list[tuple[int, float]]]:
+    """A thread records the utility trace while the block runs; the list fills when it ends."""
+    stop = threading.Event()
+    trace: list[tuple[int, float]] = []
+    poller = threading.Thread(target=lambda: trace.extend(utility_trace(status_url, stop, drafters)))
+    poller.start()
+    try:
+        yield trace
+    finally:
+        stop.set()
+        poller.join()
+
+
+def settle_round(trace: list[tuple[int, float]], tolerance: float, window: int = 8) -> tuple[float, int | None]:
+    """U's mean over the last half, and the first round after which U's rolling mean (``window``
+    samples) stays within ``tolerance`` of it (None: it never settles)."""
+    if not trace:
+        return float("nan"), None
+    tail = [u for _, u in trace[len(trace) // 2 :]]
+    final = sum(tail) / len(tail)
+    settled = None
+    for i in range(len(trace) - 1, -1, -1):
+        recent = [u for _, u in trace[max(0, i - window + 1) : i + 1]]
+        if abs(sum(recent) / len(recent) - final) > tolerance:
+            break
+        settled = trace[i][0]
+    return final, settled
+
+
+def scenario(policy: str, drafters: list[tuple[str, float]], drafts: list[Path], capacity: int) -> Scenario:
+    models = {"small": str(smallest(drafts)), "large": str(largest(drafts)), "ngram": str(smallest(drafts))}
+    return Scenario(policy, drafters=len(drafters), drafts=tuple(models[k] for k, _ in drafters),
+                    per_drafter_flags=tuple(("--proposer", "ngram") if k == "ngram" else () for k, _ in drafters),
+                    drafter_rtts=tuple(rtt for _, rtt in drafters), draft_len=max(1, capacity // len(drafters)),
+                    drafter_flags=("--max-sessions", "1"),
+                    verifier_flags=("--allocation", policy, "--draft-capacity", str(capacity),
+                                    "--allocation-seed", "7"))
+
+
+def run_policy(target: Path, sc: Scenario, args: argparse.Namespace, edge: Edge) -> dict[str, Any]:
+    """One policy's fleet at one load point (every drafter busy): its row, utility trace and settling."""
+    def traced(bf: BenchFleet) -> contextlib.AbstractContextManager[list[tuple[int, float]]]:
+        return tracing_utility(bf.urls["verifier"].replace("/metrics", "/status"), sc.drafters)
+    row = sweep(target, [sc], [Point(f"@{sc.drafters}", sc.drafters, args.requests)], args, edge,
+                f"fairness {sc.name}", around=traced)[0]
+    trace = row.pop("trace", [])
+    final, settled = settle_round(trace, args.settle)
+    return {**row, "utility": final, "settled_round": settled, "rounds": trace[-1][0] if trace else 0,
+            "trace": trace}
+
+
+def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], drafters: list[tuple[str, float]]) -> list[str]:
+    names = [f"drafter-{i + 1} ({k}, +{rtt:g} ms)" for i, (k, rtt) in enumerate(drafters)]
+    lines = [f"Command: `{meta['command'].strip()}` ({meta['when']}; {meta['edge']}; {rows[0]['network']}).", "",
+             "| policy | U = Σ log X (last half) | converged at round | rounds | tokens/s | "
+             + " | ".join(f"{n} tok/s" for n in names) + " | Σ log x | Jain | acceptance | passes/token |",
+             "|---" * (9 + len(names)) + "|"]
+    for r in rows:
+        per = [r["goodput_by_drafter"].get(f"drafter-{i + 1}", 0.0) for i in range(len(names))]
+        lines.append(f"| {r['scenario']} | {r['utility']:.3f} | {r['settled_round']} | {r['rounds']} | "
+                     f"{r['goodput_tok_s']:.1f} | " + " | ".join(f"{x:.1f}" for x in per)
+                     + f" | {r['sum_log_x']:.3f} | {r['jain']:.3f} | {r['acceptance']:.3f} | "
+                     f"{r['passes_per_token']:.3f} |")
+    return lines
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for r in rows:
+        left.plot([t[0] for t in r["trace"]], [t[1] for t in r["trace"]], label=r["scenario"])
+    left.set(xlabel="verified rounds (all drafters)", ylabel="U = Σ log X", title="utility over rounds")
+    left.legend()
+    names = sorted({d for r in rows for d in r["goodput_by_drafter"]})
+    width = 0.8 / max(1, len(rows))
+    for j, r in enumerate(rows):
+        right.bar([i + j * width for i in range(len(names))], [r["goodput_by_drafter"].get(n, 0.0) for n in names],
+                  width, label=r["scenario"])
+    right.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], names)
+    right.set(ylabel="committed tokens/s", title="goodput per drafter")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench fairness", description=__doc__.splitlines()[0])
+    p.add_argument("--drafters", type=parse_drafters, default=parse_drafters("small@0,large@10,ngram@40"),
+                   help="comma list of KIND@RTT_MS per drafter, KIND in small, large, ngram")
+    p.add_argument("--policies", type=lambda s: s.split(","), default=list(POLICIES))
+    p.add_argument("--capacity", type=int, default=12, help="GoodSpeed's C: draft tokens per round, all drafters")
+    p.add_argument("--settle", type=float, default=0.1, help="convergence: U's rolling mean within this of its end")
+    add_workload_flags(p, repeats=1, requests=30, max_tokens=128)
+    p.set_defaults(domains=["code", "prose", "question"])
+    args = p.parse_args(argv)
+    edge, models, out = prepare(args)
+    rows = [run_policy(models.target, scenario(pol, args.drafters, models.drafts, args.capacity), args, edge)
+            for pol in args.policies]
+    meta = run_meta("fairness", argv, edge, capacity=args.capacity, drafters=args.drafters)
+    plot(rows, out / "fairness.png")
+    write_results(out, "fairness", {"meta": meta, "rows": rows}, markdown(meta, rows, args.drafters))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

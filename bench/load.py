@@ -1,0 +1,101 @@
+"""``python -m bench load``: speculation policies as the arrival rate grows (SmartSpec Fig. 11 shape).
+
+At each mean arrival rate of ``--rates`` (requests/s, open loop: seeded Poisson, or a bursty
+pattern with ``--trace``), one real pinned fleet per setup serves the same requests: no
+speculation (target-only), fixed k for each k of ``--ks``, SmartSpec (the verifier picks the
+length, 0 turning speculation off, from its step-time estimator) and AdaSpec (the drafter's
+efficiency-based stop within a budget of the largest k). Reported: mean request latency and
+the speedup over no speculation at the same rate (its mean latency over the setup's), TTFT
+and TPOT percentiles, and the rest of ``bench.run_stats``. The claim under test: at high load
+speculation (SmartSpec, AdaSpec) never loses to no speculation. Writes ``<out>/load.{json,md,png}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from bench.fleets import Scenario, add_workload_flags, prepare, run_meta, write_results
+from bench.profile import smallest
+from bench.sweep import Point, cell, sweep
+
+
+def scenarios(draft: Path, ks: list[int], estimator: str) -> list[Scenario]:
+    est = ("--estimator-file", estimator) if estimator else ()
+    top = max(ks)
+    return [Scenario("no speculation"),
+            *[Scenario(f"fixed k={k}", drafters=1, draft=str(draft), draft_len=k) for k in ks],
+            Scenario("smartspec", drafters=1, draft=str(draft), draft_len=top,
+                     verifier_flags=("--allocation", "smartspec", "--smartspec-max-len", str(top), *est)),
+            Scenario("adaspec", drafters=1, draft=str(draft), draft_len=top, drafter_flags=("--controller", "adaspec"))]
+
+
+def speedups(rows: list[dict[str, Any]]) -> None:
+    """Each row's speedup: no speculation's mean latency at its rate over its own."""
+    for r in rows:
+        base = cell(rows, "no speculation", r["point"])
+        r["speedup"] = base["latency_s_mean"] / r["latency_s_mean"] if base and r["latency_s_mean"] else float("nan")
+
+
+def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], rates: list[float]) -> list[str]:
+    names = list(dict.fromkeys(r["scenario"] for r in rows))
+    lines = [f"Command: `{meta['command'].strip()}` ({meta['when']}; {meta['edge']}; trace: {meta['trace']}).", "",
+             "Mean request latency in seconds (speedup over no speculation at the same rate):", "",
+             "| setup | " + " | ".join(f"{x:g} req/s" for x in rates) + " |", "|---" * (1 + len(rates)) + "|"]
+    for name in names:
+        cells = []
+        for x in rates:
+            r = cell(rows, name, f"{x:g} req/s")
+            cells.append(f"{r['latency_s_mean']:.2f} ({r['speedup']:.2f}x)" if r else "")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", "| setup | rate | tokens/s | TTFT p50 / p90 ms | TPOT p50 / p90 ms | acceptance | passes/token |",
+              "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['scenario']} | {r['point']} | {r['goodput_tok_s']:.1f} | {r['ttft_ms']['p50']:.0f} / "
+              f"{r['ttft_ms']['p90']:.0f} | {r['tpot_ms']['p50']:.1f} / {r['tpot_ms']['p90']:.1f} | "
+              f"{r['acceptance']:.3f} | {r['passes_per_token']:.3f} |" for r in rows]
+    return lines
+
+
+def plot(rows: list[dict[str, Any]], rates: list[float], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for name in dict.fromkeys(r["scenario"] for r in rows):
+        mine = [cell(rows, name, f"{x:g} req/s") for x in rates]
+        left.plot(rates, [r["latency_s_mean"] if r else None for r in mine], marker="o", label=name)
+        right.plot(rates, [r["speedup"] if r else None for r in mine], marker="o", label=name)
+    left.set(xlabel="arrival rate (requests/s)", ylabel="mean latency (s)")
+    right.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+    right.set(xlabel="arrival rate (requests/s)", ylabel="speedup over no speculation")
+    left.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench load", description=__doc__.splitlines()[0])
+    p.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[2.0, 6.0, 12.0],
+                   help="mean arrival rates, requests/s")
+    p.add_argument("--ks", type=lambda s: [int(x) for x in s.split(",")], default=[1, 3, 5])
+    p.add_argument("--estimator-file", default="", help="step-time coefficients (make profile-verifier)")
+    add_workload_flags(p, repeats=1, requests=32, max_tokens=64)
+    args = p.parse_args(argv)
+    edge, models, out = prepare(args)
+    points = [Point(f"{x:g} req/s", 0, args.requests, x) for x in args.rates]
+    rows = sweep(models.target, scenarios(smallest(models.drafts), args.ks, args.estimator_file), points, args, edge,
+                 "bench load")
+    speedups(rows)
+    meta = run_meta("load", argv, edge, trace=args.trace, rates=args.rates)
+    plot(rows, args.rates, out / f"load{'' if args.trace == 'poisson' else '-' + args.trace}.png")
+    stem = "load" if args.trace == "poisson" else f"load-{args.trace}"
+    write_results(out, stem, {"meta": meta, "rows": rows}, markdown(meta, rows, args.rates))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

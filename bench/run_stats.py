@@ -1,0 +1,120 @@
+"""Every run's metrics, computed one way for every scenario (``summary``).
+
+From the client's outcomes and the services' /metrics deltas of one :class:`bench.fleets.Run`:
+
+* goodput: committed tokens per second, in all and per drafter (a drafter's rounds plus its
+  accepted drafts: each round commits its accepted drafts and one token of the target's);
+* acceptance (accepted / drafted), mean accepted length per round, wasted drafted tokens
+  (drafted, not accepted) and verifier forward passes per committed token;
+* TTFT and TPOT percentiles; SLO attainment per class (the verifier's counters);
+* fairness across drafters: Σ log x_i and Jain's index (Σx)² / (n·Σx²) of the per-drafter goodputs;
+* the scheduler's decision time per step (batch selection and trim, and the allocation);
+* the round breakdown: the drafters' mean seconds per phase of a round.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from bench.client import percentiles
+from bench.scrape import Snapshot
+
+if TYPE_CHECKING:
+    from bench.fleets import Run
+
+V, D = "specfleet_verifier", "specfleet_drafter"
+PHASES = ("worker_wait", "draft", "send", "verify_wait", "round")
+
+
+def jain(values: Sequence[float]) -> float:
+    """Jain's fairness index: 1 when all are equal, 1/n when one takes everything (nan for none)."""
+    if not values:
+        return float("nan")
+    square_sum = sum(v * v for v in values)
+    return sum(values) ** 2 / (len(values) * square_sum) if square_sum > 0 else 1.0
+
+
+def sum_log(values: Sequence[float]) -> float:
+    """Σ log x_i, GoodSpeed's proportional-fairness utility (a drafter that got nothing counts as
+    1e-9, so starving one costs about −20.7 instead of making the sum −inf)."""
+    return sum(math.log(max(v, 1e-9)) for v in values)
+
+
+def per_drafter_goodput(run: Run) -> dict[str, float]:
+    """Committed tokens per second through each drafter over the run's measured time."""
+    seconds = sum(run.walls)
+    out = {}
+    for name, snap in sorted(run.metrics.items()):
+        if name.startswith("drafter") and seconds > 0:
+            committed = snap.value(f"{D}_rounds_total") + snap.value(f"{D}_accepted_tokens_total")
+            out[name] = committed / seconds
+    return out
+
+
+def slo_by_class(verifier: Snapshot) -> dict[str, dict[str, float]]:
+    """Per SLO class (tokens/s, or "none"): finished requests and the share that met the class."""
+    counts: dict[str, dict[str, float]] = {}
+    for (name, labels), value in verifier.items():
+        if name == f"{V}_slo_requests_total":
+            tags = dict(labels)
+            counts.setdefault(tags["slo_class"], {"attained": 0.0, "violated": 0.0})[tags["outcome"]] += value
+    return {cls: {"requests": c["attained"] + c["violated"],
+                  "attainment": c["attained"] / (c["attained"] + c["violated"]) if c["attained"] + c["violated"]
+                  else float("nan")} for cls, c in sorted(counts.items())}
+
+
+def round_breakdown(run: Run) -> dict[str, float]:
+    """Mean milliseconds per round phase over every drafter of the run."""
+    snaps = [s for name, s in run.metrics.items() if name.startswith("drafter")]
+    out = {}
+    for phase in PHASES:
+        n = sum(s.count(f"{D}_round_phase_seconds", phase=phase) for s in snaps)
+        total = sum(s.value(f"{D}_round_phase_seconds_sum", phase=phase) for s in snaps)
+        out[phase] = total / n * 1e3 if n else 0.0
+    return out
+
+
+def summary(run: Run) -> dict[str, Any]:
+    """The metrics every scenario reports for one run (see the module docstring)."""
+    v = run.metrics.get("verifier", Snapshot())
+    drafted = sum(o.drafted for o in run.outcomes)
+    accepted = sum(o.accepted for o in run.outcomes)
+    committed = sum(o.tokens for o in run.outcomes)
+    rounds = v.value(f"{V}_rounds_total")
+    steps = v.value(f"{V}_steps_total")
+    drafters = per_drafter_goodput(run)
+    return {
+        "goodput_tok_s": run.tokens_per_s, "goodput_by_drafter": drafters,
+        "acceptance": accepted / drafted if drafted else 0.0,
+        "mean_accepted_per_round": v.value(f"{V}_accepted_tokens_total") / rounds if rounds else 0.0,
+        "wasted_drafted": drafted - accepted, "passes_per_token": steps / committed if committed else 0.0,
+        "latency_s_mean": sum(o.latency_s for o in run.outcomes) / len(run.outcomes) if run.outcomes else 0.0,
+        "ttft_ms": percentiles([o.ttft_s * 1e3 for o in run.outcomes]),
+        "tpot_ms": percentiles([o.tpot_s * 1e3 for o in run.outcomes if o.tokens > 1]),
+        "slo": slo_by_class(v),
+        "sum_log_x": sum_log(list(drafters.values())) if drafters else float("nan"),
+        "jain": jain(list(drafters.values())),
+        "decision_ms": {"batch": v.mean(f"{V}_batch_decision_seconds") * 1e3,
+                        "allocation": v.mean(f"{V}_allocation_seconds") * 1e3},
+        "round_ms": round_breakdown(run),
+        "costs": measured_costs(run),
+    }
+
+
+def measured_costs(run: Run) -> dict[str, float]:
+    """What the simulator's cost models are fitted from (``bench.sim.validate``): the verifier's
+    mean forward and step period, sessions per step, the draft model's time per drafted token
+    and rounds' drafts (over every drafter)."""
+    v = run.metrics.get("verifier", Snapshot())
+    snaps = [s for name, s in run.metrics.items() if name.startswith("drafter")]
+    rounds = sum(s.value(f"{D}_rounds_total") for s in snaps)
+    drafted = sum(s.value(f"{D}_drafted_tokens_total") for s in snaps)
+    busy = sum(s.value(f"{D}_model_busy_seconds_total") for s in snaps)
+    return {"forward_ms": v.mean(f"{V}_step_seconds", phase="forward") * 1e3,
+            "step_ms": v.mean(f"{V}_step_seconds", phase="total") * 1e3,
+            "step_period_ms": v.mean(f"{V}_step_period_seconds") * 1e3,
+            "batch_sessions": v.mean(f"{V}_batch_sessions"),
+            "draft_ms_per_token": busy / drafted * 1e3 if drafted else 0.0,
+            "drafted_per_round": drafted / rounds if rounds else 0.0}

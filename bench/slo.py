@@ -1,0 +1,97 @@
+"""``python -m bench slo``: FCFS vs WISP batching as sessions grow (WISP Table 2 / Fig. 7 shape).
+
+One real pinned fleet per batching policy (one drafter, fixed k) serves closed-loop load at
+each number of concurrent sessions of ``--sessions``; requests are spread over the SLO classes
+of ``--slo-classes`` (token-speed targets, tokens/s, the extension field ``slo_tokens_per_s``).
+Reported per policy and load: the share of finished requests that missed their class, per
+class and in all (the verifier's counters), and the capacity: the most sessions served with at
+most ``--max-violations`` violations. Writes ``<out>/slo.{json,md,png}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from bench.fleets import Scenario, add_workload_flags, prepare, run_meta, write_results
+from bench.profile import smallest
+from bench.sweep import closed, sweep
+
+POLICIES = ("fcfs", "wisp")
+
+
+def violations(row: dict[str, Any]) -> float:
+    """Share of the row's finished requests that missed their SLO class (nan for none)."""
+    counted = sum(c["requests"] for c in row["slo"].values())
+    met = sum(c["requests"] * c["attainment"] for c in row["slo"].values() if c["requests"])
+    return (counted - met) / counted if counted else float("nan")
+
+
+def capacity(rows: list[dict[str, Any]], policy: str, limit: float) -> int:
+    """The most concurrent sessions at which ``policy`` kept violations <= ``limit`` (0: none)."""
+    ok = [r["concurrency"] for r in rows if r["scenario"] == policy and violations(r) <= limit]
+    return max(ok, default=0)
+
+
+def scenarios(draft: Path, draft_len: int, estimator: str) -> list[Scenario]:
+    est = ("--estimator-file", estimator) if estimator else ()
+    return [Scenario(policy, drafters=1, draft=str(draft), draft_len=draft_len,
+                     verifier_flags=("--batching", policy, *est)) for policy in POLICIES]
+
+
+def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], classes: list[float], limit: float) -> list[str]:
+    lines = [f"Command: `{meta['command'].strip()}` ({meta['when']}; {meta['edge']}).", "",
+             "| policy | sessions | violations (all) | " + " | ".join(f"missed @{c:g} tok/s" for c in classes)
+             + " | tokens/s | TPOT p50 / p90 ms | batch decision ms |", "|---" * (6 + len(classes)) + "|"]
+    for r in rows:
+        per = [1 - r["slo"].get(f"{c:g}", {}).get("attainment", float("nan")) for c in classes]
+        lines.append(f"| {r['scenario']} | {r['concurrency']} | {violations(r):.3f} | "
+                     + " | ".join(f"{x:.3f}" for x in per)
+                     + f" | {r['goodput_tok_s']:.1f} | {r['tpot_ms']['p50']:.1f} / {r['tpot_ms']['p90']:.1f} | "
+                     f"{r['decision_ms']['batch']:.3f} |")
+    lines += ["", f"Capacity (most sessions with at most {limit:.0%} violations): "
+              + ", ".join(f"{p} {capacity(rows, p, limit)}" for p in POLICIES) + "."]
+    return lines
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for policy in POLICIES:
+        mine = [r for r in rows if r["scenario"] == policy]
+        ax.plot([r["concurrency"] for r in mine], [violations(r) for r in mine], marker="o", label=policy)
+    ax.set(xlabel="concurrent sessions", ylabel="share of requests missing their SLO class")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench slo", description=__doc__.splitlines()[0])
+    p.add_argument("--sessions", type=lambda s: [int(x) for x in s.split(",")], default=[8, 16, 32, 48, 64, 96])
+    p.add_argument("--slo-classes", type=lambda s: [float(x) for x in s.split(",")], default=[5.0, 10.0, 15.0, 20.0],
+                   help="SLO classes (tokens/s), spread over the requests in turn")
+    p.add_argument("--max-violations", type=float, default=0.05, help="capacity: the violation share allowed")
+    p.add_argument("--draft-len", type=int, default=4)
+    p.add_argument("--estimator-file", default="", help="step-time coefficients (make profile-verifier)")
+    add_workload_flags(p, repeats=1, max_tokens=64)
+    args = p.parse_args(argv)
+    edge, models, out = prepare(args)
+    rows = sweep(models.target, scenarios(smallest(models.drafts), args.draft_len, args.estimator_file),
+                 closed(args.sessions), args, edge, "bench slo", slo_classes=args.slo_classes)
+    meta = run_meta("slo", argv, edge, slo_classes=args.slo_classes)
+    meta["capacity"] = {p: capacity(rows, p, args.max_violations) for p in POLICIES}
+    plot(rows, out / "slo.png")
+    write_results(out, "slo", {"meta": meta, "rows": rows},
+                  markdown(meta, rows, args.slo_classes, args.max_violations))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

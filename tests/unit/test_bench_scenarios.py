@@ -1,0 +1,128 @@
+"""The scenario benchmarks' pure parts: run metrics, arrival traces, fairness and SLO reductions,
+the simulator's validation maths, and where an edge drafter finds the queue."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from pathlib import Path
+
+import pytest
+
+from bench.fairness import parse_drafters, settle_round
+from bench.fleets import Run, bodies
+from bench.run_stats import jain, per_drafter_goodput, round_breakdown, slo_by_class, sum_log
+from bench.scrape import Snapshot
+from bench.sim.validate import alpha_for, policies_of
+from bench.slo import capacity, violations
+from bench.traces import TRACES, rate_profile, trace_arrivals
+from shared.fleet import FleetSpec, plan
+
+
+def snap(**samples: float) -> Snapshot:
+    """A Snapshot of unlabelled samples, name=value."""
+    return Snapshot({(name, ()): value for name, value in samples.items()})
+
+
+@pytest.mark.parametrize(("values", "expected"), [
+    ([5.0, 5.0, 5.0], 1.0), ([1.0, 0.0, 0.0, 0.0], 0.25), ([1.0, 3.0], 16 / 20), ([], math.nan)])
+def test_jain_index(values: list[float], expected: float) -> None:
+    got = jain(values)
+    assert (math.isnan(got) and math.isnan(expected)) or got == pytest.approx(expected)
+
+
+def test_sum_log_counts_a_starved_drafter_as_1e_minus_9() -> None:
+    assert sum_log([math.e, math.e]) == pytest.approx(2.0)
+    assert sum_log([1.0, 0.0]) == pytest.approx(math.log(1e-9))
+
+
+def test_per_drafter_goodput_counts_each_round_and_its_accepted_drafts_over_the_run() -> None:
+    run = Run("s", 2, [1.0], [], {"verifier": Snapshot(),
+                                   "drafter-1": snap(specfleet_drafter_rounds_total=10,
+                                                     specfleet_drafter_accepted_tokens_total=30),
+                                   "drafter-2": snap(specfleet_drafter_rounds_total=20)}, walls=[2.0, 3.0])
+    assert per_drafter_goodput(run) == {"drafter-1": 8.0, "drafter-2": 4.0}
+
+
+def test_slo_attainment_is_per_class() -> None:
+    key = "specfleet_verifier_slo_requests_total"
+    v = Snapshot({(key, (("outcome", "attained"), ("slo_class", "10"))): 3.0,
+                  (key, (("outcome", "violated"), ("slo_class", "10"))): 1.0,
+                  (key, (("outcome", "attained"), ("slo_class", "40"))): 2.0})
+    assert slo_by_class(v) == {"10": {"requests": 4.0, "attainment": 0.75}, "40": {"requests": 2.0, "attainment": 1.0}}
+    row = {"slo": slo_by_class(v), "scenario": "wisp", "concurrency": 8}
+    assert violations(row) == pytest.approx(1 / 6)
+    assert capacity([row], "wisp", 0.2) == 8 and capacity([row], "wisp", 0.1) == 0
+
+
+def test_round_breakdown_averages_each_phase_over_all_drafters() -> None:
+    h = "specfleet_drafter_round_phase_seconds"
+    run = Run("s", 1, [1.0], [], {"drafter-1": Snapshot({(f"{h}_sum", (("phase", "draft"),)): 0.3,
+                                                         (f"{h}_count", (("phase", "draft"),)): 3.0}),
+                                  "drafter-2": Snapshot({(f"{h}_sum", (("phase", "draft"),)): 0.1,
+                                                         (f"{h}_count", (("phase", "draft"),)): 1.0})})
+    assert round_breakdown(run)["draft"] == pytest.approx(100.0)
+    assert round_breakdown(run)["send"] == 0.0
+
+
+@pytest.mark.parametrize("kind", TRACES)
+def test_traces_are_seeded_sorted_and_keep_their_mean_rate(kind: str) -> None:
+    times = trace_arrivals(kind, 10.0, 2000, seed=3)
+    assert times == trace_arrivals(kind, 10.0, 2000, seed=3) != trace_arrivals(kind, 10.0, 2000, seed=4)
+    assert times == sorted(times) and len(times) == 2000
+    assert 2000 / times[-1] == pytest.approx(10.0, rel=0.15)
+
+
+def test_bursty_traces_are_burstier_than_poisson() -> None:
+    def spread(kind: str) -> float:
+        profile = rate_profile(trace_arrivals(kind, 10.0, 4000, seed=1, period_s=100.0), bins=40)
+        return statistics.pstdev(profile) / statistics.mean(profile)
+    assert spread("varying") > 2 * spread("poisson")
+    assert spread("periodic") > 2 * spread("poisson")
+    with pytest.raises(ValueError, match="unknown trace"):
+        trace_arrivals("sawtooth", 1.0, 3)
+
+
+def test_requests_carry_their_slo_class_in_turn() -> None:
+    reqs = bodies(5, 8, "m", slo_classes=[10.0, 20.0])
+    assert [r["slo_tokens_per_s"] for r in reqs] == [10.0, 20.0, 10.0, 20.0, 10.0]
+    assert "slo_tokens_per_s" not in bodies(1, 8, "m")[0]
+
+
+def test_fairness_drafters_parse_and_bad_ones_are_refused() -> None:
+    assert parse_drafters("small@0,large@10,ngram") == [("small", 0.0), ("large", 10.0), ("ngram", 0.0)]
+    with pytest.raises(ValueError, match="unknown drafter kind"):
+        parse_drafters("tiny@0,small@0")
+    with pytest.raises(ValueError, match="at least 2"):
+        parse_drafters("small@0")
+
+
+def test_utility_settles_when_its_rolling_mean_stays_near_the_end() -> None:
+    trace = [(r, 1.0 if r < 50 else 2.0) for r in range(0, 100, 5)]
+    final, settled = settle_round(trace, 0.05, window=1)
+    assert final == pytest.approx(2.0) and settled == 50
+    assert settle_round([(0, 0.0), (1, 5.0), (2, 0.0), (3, 5.0)], 0.1, window=1)[1] is None
+    assert settle_round([], 0.1) == (pytest.approx(math.nan, nan_ok=True), None)
+
+
+@pytest.mark.parametrize(("accepted", "drafted", "alpha"), [(0.0, 4.0, 0.0), (4.0, 4.0, 1.0), (1.0, 1.0, 1.0),
+                                                             (0.5, 1.0, 0.5), (0.5 + 0.25, 2.0, 0.5)])
+def test_alpha_reproduces_the_measured_accepted_prefix(accepted: float, drafted: float, alpha: float) -> None:
+    assert alpha_for(accepted, drafted) == pytest.approx(alpha, abs=1e-6)
+
+
+def test_validation_maps_each_real_scenario_to_the_policies_it_ran() -> None:
+    meta = {"capacity": 12, "drafters": [["small", 0], ["large", 10], ["ngram", 40]]}
+    assert policies_of("fairness", {"scenario": "goodspeed"}, meta).allocation == "goodspeed"  # type: ignore[union-attr]
+    assert policies_of("load", {"scenario": "fixed k=3"}, {}).draft_len == 3  # type: ignore[union-attr]
+    assert policies_of("load", {"scenario": "adaspec", "draft_len": 5}, {}).controller == "adaspec"  # type: ignore[union-attr]
+    assert policies_of("capacity", {"scenario": "SLED-like"}, {}) is None
+
+
+def test_edge_drafters_reach_redis_through_the_edge_address() -> None:
+    spec = FleetSpec(target=Path("t"), drafts=[Path("d")],
+                     redis_url="redis://127.0.0.1:6379/0", edge_queue_addr="10.77.0.1:5555")
+    drafter = dict(plan(spec))["drafter-1"]
+    assert drafter[drafter.index("--queue-url") + 1] == "redis://10.77.0.1:5555/0"
+    coordinator = dict(plan(spec))["coordinator"]
+    assert coordinator[coordinator.index("--redis-url") + 1] == "redis://127.0.0.1:6379/0"
