@@ -1,0 +1,213 @@
+"""The discrete-event loop and the drafters' side; :func:`simulate` runs a :class:`SimSpec`.
+
+Drafters (mirroring ``services/drafter/rounds.py``): a verdict (or the admission) with budget
+b > 0 queues the session on its drafter's one draft model (FIFO, one draft at a time). When its
+turn comes, the drafter caps b at what the request can still use (``useful_draft_len``: at most
+``max_tokens − generated − 1``), asks the real controller (``begin_round``), and drafts token by
+token: each synthetic token (``tokens.py``) is shown to ``on_step`` when the controller wants
+features, which may stop early (STOP keeps the token, DISCARD drops it; its compute is spent).
+The draft leaves when done and reaches the verifier RTT/2 later. When the verdict comes back,
+``end_round(drafted, accepted, draft_s, verify_s)`` feeds the controller, as the real drafter
+does. The controller's decisions are taken when the draft starts (the simulator draws the whole
+draft at once), so feedback from other sessions' verdicts during a draft is seen from the next one.
+
+Requests: a request starts at its drafter (client), its open message reaches the verifier RTT/2
+later; its last tokens come back RTT/2 after its last step. Closed loop: the next request starts
+the moment one finishes (no think time). Latency, TTFT, TPOT and SLO attainment (the real
+``slo_met``) are measured at the client, from its arrival there to its tokens' return.
+
+Events at the same instant are all handled before the verifier picks a batch, as the real
+verifier drains its command queue before scheduling.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+from tqdm import tqdm
+
+from bench.sim.result import Recorder, RequestRecord, SimResult, summarise
+from bench.sim.spec import DrafterSpec, SimSpec
+from bench.sim.state import Edge, Events, Kind, Session, Step, Verdict
+from bench.sim.tokens import acceptance_prob, features
+from bench.sim.verifier import SimVerifier
+from services.drafter.control import ControlSettings, StepDecision, make_controller
+from services.drafter.control.wisp import WispController
+from services.verifier.batching import slo_met
+
+
+def _edge(index: int, d: DrafterSpec, threshold: float) -> Edge:
+    return Edge(index, d.name, d.alpha, d.token_s, d.round_s, d.prefill_token_s, d.rtt_s / 2,
+                ControlSettings(threshold))
+
+
+class Simulation:
+    """One run of a spec. Use :func:`simulate`; the object is single-use."""
+
+    def __init__(self, spec: SimSpec) -> None:
+        self.spec, self.now = spec, 0.0
+        self.events = Events()
+        self.rng = random.Random(spec.seed)
+        self.rec = Recorder(len(spec.drafters))
+        self.verifier = SimVerifier(spec, spec.cost.build(), self.events, self.rec, lambda: self.now)
+        self.edges = [_edge(i, d, spec.policies.threshold) for i, d in enumerate(spec.drafters)]
+        self.target_rounds = spec.rounds * len(spec.drafters) if spec.rounds is not None else None
+        for edge, d in zip(self.edges, spec.drafters, strict=True):
+            closed = min(d.concurrency, d.requests) if d.requests else d.concurrency
+            starts = sorted(d.arrivals) if d.arrivals else [0.0] * closed
+            for at in starts:
+                self.events.push(at, Kind.ARRIVE, edge)
+
+    # --- the loop ----------------------------------------------------------------------------
+
+    def run(self, progress: bool = False) -> SimResult:
+        wall = time.perf_counter()
+        bar = _Progress(self, progress)
+        handlers: dict[Kind, Callable[[Any], None]] = {
+            Kind.ARRIVE: self._arrive, Kind.OPEN: self._open, Kind.VERDICT: self._verdict,
+            Kind.DRAFT_DONE: self._draft_done, Kind.DRAFT_IN: self._draft_in, Kind.STEP_END: self._step_end}
+        while self.events and not self._done():
+            at = self.events.next_time()
+            assert at is not None
+            if self.spec.duration_s is not None and at > self.spec.duration_s:
+                self.now = self.spec.duration_s
+                break
+            self.now = at
+            while self.events.next_time() == at:
+                _, kind, payload = self.events.pop()
+                handlers[kind](payload)
+                bar.tick()
+            self.verifier.try_start(self.now)
+        bar.close()
+        return self._result(time.perf_counter() - wall)
+
+    def _done(self) -> bool:
+        return self.target_rounds is not None and self.rec.rounds >= self.target_rounds
+
+    def label(self) -> str:
+        p, n = self.spec.policies, len(self.spec.drafters)
+        policies = f"{p.allocation}/{p.batching}/{p.controller}" if self.spec.speculative else "target-only"
+        return f"{self.spec.cost.kind} N={n} {policies}"
+
+    def _result(self, wall_s: float) -> SimResult:
+        p = self.spec.policies
+        return summarise(self.rec, self.now, self.verifier.tracker.sum_log_x(), wall_s, label=self.label(),
+                         n_drafters=len(self.edges), cost=self.spec.cost.kind, allocation=p.allocation,
+                         batching=p.batching, controller=p.controller, speculative=self.spec.speculative)
+
+    # --- requests ----------------------------------------------------------------------------
+
+    def _arrive(self, edge: Edge) -> None:
+        d = self.spec.drafters[edge.index]
+        controller = make_controller(self.spec.policies.controller, edge.settings) if self.spec.speculative else None
+        s = Session(f"{edge.name}-r{edge.requests}", edge, d.prompt_len, d.max_tokens, d.slo_tokens_per_s, self.now,
+                    controller)
+        edge.requests += 1
+        self.events.push(self.now + edge.half_rtt, Kind.OPEN, s)
+
+    def _open(self, s: Session) -> None:
+        self.verifier.admit(s, self.now)
+
+    def _complete(self, s: Session) -> None:
+        """Its last tokens reached the client: record it; in a closed loop, start the next request."""
+        first = s.first_token_at if s.first_token_at is not None else self.now
+        tpot = (self.now - first) / (s.generated - 1) if s.generated > 1 else None
+        self.rec.requests.append(RequestRecord(s.edge.index, self.now - s.arrived_at, first - s.arrived_at, tpot,
+                                               s.slo, slo_met(s.arrived_at, s.generated, s.slo, self.now)))
+        d = self.spec.drafters[s.edge.index]
+        if not d.arrivals and (not d.requests or s.edge.requests < d.requests):
+            self._arrive(s.edge)
+
+    # --- drafters ----------------------------------------------------------------------------
+
+    def _verdict(self, v: Verdict) -> None:
+        s = v.session
+        if v.drafted > 0 and s.controller is not None:
+            s.controller.end_round(v.drafted, min(v.accepted, v.drafted), s.draft_s, self.now - s.sent_at)
+            if isinstance(s.controller, WispController):
+                s.controller.shared.wait_trained()  # a retraining runs to completion: deterministic
+        if v.finished:
+            self._complete(s)
+        elif v.budget > 0:
+            s.edge.queue.append(s)
+            if not s.edge.busy:
+                self._start_draft(s.edge)
+
+    def _start_draft(self, edge: Edge) -> None:
+        s = edge.queue.popleft()
+        useful = max(0, min(s.budget, self.spec.policies.max_draft_tokens, s.remaining - 1))
+        k = 0
+        if s.controller is not None:
+            k = max(0, min(useful, s.controller.begin_round(useful)))
+        computed = self._draw(s, k)
+        seconds = 0.0
+        if computed:
+            seconds = edge.round_s + edge.token_s * computed
+            if not s.prefilled:
+                seconds += edge.prefill_token_s * s.prompt_len
+                s.prefilled = True
+        s.draft_s = seconds
+        edge.busy = True
+        self.events.push(self.now + seconds, Kind.DRAFT_DONE, s)
+
+    def _draw(self, s: Session, k: int) -> int:
+        """Draft up to ``k`` synthetic tokens into ``s.drafts``; returns how many were computed."""
+        ctl, kappa, alpha = s.controller, self.spec.alpha_concentration, s.edge.alpha
+        watch = ctl is not None and ctl.wants_features
+        s.drafts = []
+        for i in range(k):
+            a = acceptance_prob(self.rng, alpha, kappa)
+            ok = self.rng.random() < a
+            decision = ctl.on_step(features(a, i, k)) if watch and ctl is not None else StepDecision.CONTINUE
+            if decision is StepDecision.DISCARD:
+                return i + 1
+            s.drafts.append((a, ok))
+            if decision is StepDecision.STOP:
+                return i + 1
+        return k
+
+    def _draft_done(self, s: Session) -> None:
+        s.sent_at = self.now
+        self.events.push(self.now + s.edge.half_rtt, Kind.DRAFT_IN, s)
+        s.edge.busy = False
+        if s.edge.queue:
+            self._start_draft(s.edge)
+
+    def _draft_in(self, s: Session) -> None:
+        s.draft_wait_s = self.now - s.waiting_since
+        self.verifier.mark_ready(s, self.now)
+
+    def _step_end(self, step: Step) -> None:
+        self.verifier.end_step(step, self.now)
+
+
+class _Progress:
+    """A tqdm bar of verified rounds (and admissions: a burst of them can take long with an O(N)
+    allocator), redrawn at most twice a second."""
+
+    def __init__(self, sim: Simulation, enabled: bool) -> None:
+        self.sim, self.enabled, self.last = sim, enabled, 0.0
+        self.bar = tqdm(total=sim.target_rounds, disable=not enabled, unit="round", desc=sim.label(), leave=False)
+
+    def tick(self) -> None:
+        if not self.enabled or time.perf_counter() - self.last < 0.5:
+            return
+        self.last = time.perf_counter()
+        self.bar.n = self.sim.rec.rounds
+        self.bar.set_postfix_str(f"t={self.sim.now:.2f}s admitted={len(self.sim.rec.admit_s)}", refresh=False)
+        self.bar.refresh()
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def simulate(spec: SimSpec, progress: bool = False) -> SimResult:
+    """Run ``spec`` to its bound. Deterministic for the spec (and its seed) except the wall-clock
+    fields of the result (``result.WALL_CLOCK_FIELDS``); ``progress`` shows a tqdm bar."""
+    return Simulation(spec).run(progress)
+
+
+__all__ = ["Simulation", "simulate"]

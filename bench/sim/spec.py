@@ -1,0 +1,147 @@
+"""The scenario a simulation runs: drafters, their requests, the policies, the limits and the cost model.
+
+Everything is a frozen dataclass of plain values, so a spec can be written to JSON, compared, and
+built by another module from a real run's measured parameters (acceptance rates, draft costs,
+RTTs, the profiled estimator) to check the simulator against that run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+from bench.sim.costs import CostSpec
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    """One edge drafter (one draft model serving its sessions one draft at a time, FIFO) and the
+    requests it serves.
+
+    Costs: a draft of j tokens takes ``round_s + j·token_s`` on the draft model (the first round
+    of a request also prefills its prompt: ``prompt_len·prefill_token_s``); a message takes
+    ``rtt_s / 2`` each way between the drafter and the verifier.
+
+    Requests: closed loop with ``concurrency`` sessions at once (a finished request is followed
+    at once by the next one, no think time; ``requests`` > 0 ends the loop after that many)
+    unless ``arrivals`` lists request arrival times (seconds; open loop, each arrival one request).
+    Every request has ``prompt_len`` prompt
+    tokens, asks for ``max_tokens`` output tokens and carries the SLO class ``slo_tokens_per_s``
+    (None: best effort).
+    """
+
+    name: str
+    alpha: float = 0.7  # mean per-token acceptance probability of its draft model against the target
+    token_s: float = 1e-3  # draft model seconds per drafted token
+    round_s: float = 5e-4  # fixed draft cost per round (scheduling, sampling setup, serialisation)
+    prefill_token_s: float = 5e-5  # draft model seconds per prompt token, first round of a request
+    rtt_s: float = 0.02  # round-trip time to the verifier
+    concurrency: int = 1
+    requests: int = 0  # closed loop: stop after this many requests in all (0: never)
+    arrivals: tuple[float, ...] = ()
+    prompt_len: int = 64
+    max_tokens: int = 32
+    slo_tokens_per_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"{self.name}: alpha must be in [0, 1], got {self.alpha}")
+        if min(self.token_s, self.round_s, self.prefill_token_s, self.rtt_s) < 0:
+            raise ValueError(f"{self.name}: costs and RTT must be >= 0")
+        if self.concurrency < 1 or self.prompt_len < 1 or self.max_tokens < 1 or self.requests < 0:
+            raise ValueError(f"{self.name}: concurrency, prompt_len and max_tokens must be >= 1")
+
+
+@dataclass(frozen=True)
+class Policies:
+    """The real policies to run, by the names the verifier and drafter take (``--allocation``,
+    ``--batching``, ``--controller``), with their tunables (defaults as the services' own)."""
+
+    allocation: str = "fixed"
+    batching: str = "fcfs"
+    controller: str = "fixed"
+    draft_len: int = 4  # Fixed-S's k and the adaptive allocators' first length
+    capacity: int = 0  # GoodSpeed's C (0: draft_len per speculating session)
+    max_draft_tokens: int = 16  # no budget above this
+    smartspec_max_len: int = 8  # SmartSpec's V (capped by max_draft_tokens)
+    threshold: float = 0.4  # the threshold controller's confidence threshold
+    default_slo_tokens_per_s: float | None = None  # WISP's target for requests without an SLO class
+    wisp_delta_s: float = 0.02  # WISP's guard time δ
+    goodspeed_eta: float = 0.1  # tracker smoothing of α̂ (eq. 3)
+    goodspeed_beta: float = 0.5  # tracker smoothing of X (eq. 4)
+
+    @property
+    def allocation_max_len(self) -> int:
+        """The ``max_len`` the verifier gives its allocator (services/verifier/main.py)."""
+        if self.allocation == "smartspec":
+            return min(self.max_draft_tokens, self.smartspec_max_len)
+        return self.max_draft_tokens
+
+
+@dataclass(frozen=True)
+class VerifierSpec:
+    """The verifier's step limits and fixed overheads beyond the model's forward."""
+
+    max_sessions: int = 256  # BatchLimits.max_sessions
+    max_tokens: int = 8192  # BatchLimits.max_tokens
+    step_overhead_s: float = 5e-4  # per step: event loop, scheduling bookkeeping
+    round_overhead_s: float = 5e-5  # per session verified in a step: judging, (de)serialising its messages
+
+
+@dataclass(frozen=True)
+class SimSpec:
+    """A whole scenario. ``speculative`` False runs target-only: no draft model, every round
+    commits one token, the drafters only stand for clients with their RTT and requests.
+
+    The run stops at whichever comes first: ``rounds`` verified rounds per drafter on average
+    (Σ rounds ≥ rounds·len(drafters)), ``duration_s`` simulated seconds, or no work left.
+    ``alpha_concentration`` κ shapes the per-token acceptance probabilities (``tokens.py``).
+    """
+
+    drafters: tuple[DrafterSpec, ...]
+    policies: Policies = field(default_factory=Policies)
+    verifier: VerifierSpec = field(default_factory=VerifierSpec)
+    cost: CostSpec = field(default_factory=CostSpec)
+    speculative: bool = True
+    rounds: int | None = 16
+    duration_s: float | None = None
+    alpha_concentration: float = 4.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.drafters:
+            raise ValueError("a simulation needs at least one drafter (client)")
+        if self.rounds is None and self.duration_s is None:
+            raise ValueError("bound the run: set rounds or duration_s")
+        if self.alpha_concentration <= 0:
+            raise ValueError("alpha_concentration must be > 0")
+        names = [d.name for d in self.drafters]
+        if len(set(names)) != len(names):
+            raise ValueError("drafter names must be unique")
+
+
+def parse_values(text: str, n: int, spread: tuple[float, float]) -> list[float]:
+    """n per-drafter values from a CLI value: ``0.7`` (all the same), ``0.5,0.9`` (cycled),
+    ``spread`` (evenly over the ``spread`` range, first to last drafter) or ``spread:LO:HI``."""
+    text = text.strip()
+    if text.startswith("spread"):
+        parts = text.split(":")
+        if len(parts) not in (1, 3):
+            raise ValueError(f"expected spread or spread:LO:HI, got {text!r}")
+        lo, hi = (float(parts[1]), float(parts[2])) if len(parts) == 3 else spread
+        return [lo + (hi - lo) * i / (n - 1) if n > 1 else (lo + hi) / 2 for i in range(n)]
+    values = [float(v) for v in text.split(",") if v.strip()]
+    if not values:
+        raise ValueError(f"no values in {text!r}")
+    return [values[i % len(values)] for i in range(n)]
+
+
+def parse_alphas(text: str, n: int) -> list[float]:
+    """Per-drafter α (:func:`parse_values`; ``spread`` is 0.3 to 0.9)."""
+    return parse_values(text, n, (0.3, 0.9))
+
+
+def make_fleet(alphas: Sequence[float], template: DrafterSpec | None = None) -> tuple[DrafterSpec, ...]:
+    """One drafter per α, named d0, d1, ..., with the other fields of ``template``."""
+    base = template or DrafterSpec(name="d")
+    return tuple(replace(base, name=f"d{i}", alpha=a) for i, a in enumerate(alphas))

@@ -1,0 +1,114 @@
+"""The simulator's mutable state: the event queue, the sessions (requests) and the drafters."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+from services.drafter.control import ControlSettings, DraftController
+
+
+class Kind(IntEnum):
+    """What happens at an event (its payload in brackets)."""
+
+    ARRIVE = 0  # a request arrives at its drafter/client [Edge]
+    OPEN = 1  # the session's open message reaches the verifier [Session]
+    VERDICT = 2  # a verdict (or the admission) reaches the drafter [Verdict]
+    DRAFT_DONE = 3  # the draft model finished a session's draft [Session]
+    DRAFT_IN = 4  # a draft reaches the verifier [Session]
+    STEP_END = 5  # the verifier's forward pass finished [Step]
+
+
+class Events:
+    """A heap of (time, sequence, kind, payload): time order, ties in scheduling order (deterministic)."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, Kind, Any]] = []
+        self._seq = itertools.count()
+
+    def push(self, at: float, kind: Kind, payload: Any) -> None:
+        heapq.heappush(self._heap, (at, next(self._seq), kind, payload))
+
+    def pop(self) -> tuple[float, Kind, Any]:
+        at, _, kind, payload = heapq.heappop(self._heap)
+        return at, kind, payload
+
+    def next_time(self) -> float | None:
+        return self._heap[0][0] if self._heap else None
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+
+@dataclass(slots=True, eq=False)
+class Session:
+    """One request, as both ends see it (the simulator knows both)."""
+
+    sid: str
+    edge: Edge
+    prompt_len: int
+    max_tokens: int
+    slo: float | None
+    arrived_at: float  # at the client: latency, TTFT and the SLO clock start here
+    controller: DraftController | None
+    opened_at: float = 0.0  # at the verifier (the real Request.arrived_at, WISP's deadline clock)
+    prefilled: bool = False  # whether its drafter has run its prompt through the draft model
+    generated: int = 0
+    cached: int = 0  # KV rows the verifier holds for it
+    budget: int = 0  # draft budget of the current round
+    drafts: list[tuple[float, bool]] = field(default_factory=list)  # this round's (accept prob, accepted)
+    draft_s: float = 0.0  # draft model time of this round's draft
+    sent_at: float = 0.0  # when the drafter sent this round's draft
+    waiting_since: float = 0.0  # when the verifier began waiting for this round's draft
+    draft_wait_s: float = 0.0
+    first_token_at: float | None = None  # first output token back at the client
+    finished: bool = False
+
+    @property
+    def context_len(self) -> int:
+        return self.prompt_len + self.generated
+
+    @property
+    def remaining(self) -> int:
+        return self.max_tokens - self.generated
+
+
+@dataclass(slots=True, eq=False)
+class Edge:
+    """One drafter: its draft model (busy or not), the FIFO of sessions waiting for it, its counters."""
+
+    index: int
+    name: str
+    alpha: float
+    token_s: float
+    round_s: float
+    prefill_token_s: float
+    half_rtt: float
+    settings: ControlSettings  # one per drafter: the controllers of its sessions share its state
+    queue: deque[Session] = field(default_factory=deque)
+    busy: bool = False
+    requests: int = 0  # requests started
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """A verdict travelling to the drafter: the round just verified and the next one's budget."""
+
+    session: Session
+    drafted: int
+    accepted: int
+    finished: bool
+    budget: int
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """A forward pass in flight: the sessions verified and what choosing them cost (wall clock)."""
+
+    sessions: tuple[Session, ...]
+    seconds: float
+    select_s: float

@@ -1,0 +1,165 @@
+"""``python -m bench sim-validate``: the simulator against the real runs of the same scenarios.
+
+For every row of the latest real results (``<results>/{capacity,load,fairness}.json``) it builds
+the :class:`SimSpec` of the same scenario from what that run measured and what the machine's
+profile says, simulates it, and compares goodput (committed tokens/s) and mean request latency:
+
+* the verifier's step time: the profiled estimator (``--estimator-file``), plus the run's own
+  measured step period minus its forward time as a fixed per-step overhead;
+* each drafter's draft cost: the run's draft-model seconds per drafted token;
+* acceptance: the per-token α whose accepted prefix over the run's mean draft length gives the
+  run's mean accepted tokens per round;
+* the workload: the same sessions, requests, output lengths, arrival times (the same seeded
+  trace) and RTTs.
+
+Rows the simulator does not model are listed as skipped (the SLED-like baseline recomputes the
+whole context, which the simulator's verifier does not). Writes ``<out>/sim-validation.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from bench.fleets import write_results
+from bench.sim.costs import DEFAULT_PROFILE, CostSpec, load_cpu_coef
+from bench.sim.engine import simulate
+from bench.sim.spec import DrafterSpec, Policies, SimSpec, VerifierSpec
+from bench.traces import trace_arrivals
+
+SOURCES = ("capacity", "load", "fairness")
+TOLERANCE = 0.15
+PROMPT_LEN = 12  # the benchmark prompts' typical length in target tokens
+TARGET_ONLY = ("centralized", "no speculation", "target-only")
+
+
+def alpha_for(accepted_per_round: float, drafted_per_round: float) -> float:
+    """The per-token acceptance α with Σ_{j=1..k} α^j = accepted (k drafted per round), by bisection."""
+    k = drafted_per_round
+    if k <= 0 or accepted_per_round <= 0:
+        return 0.0
+    if accepted_per_round >= k:
+        return 1.0
+
+    def prefix(a: float) -> float:
+        return a * (1 - a**k) / (1 - a) if a < 1 else k
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if prefix(mid) < accepted_per_round else (lo, mid)
+    return (lo + hi) / 2
+
+
+def policies_of(source: str, row: dict[str, Any], meta: dict[str, Any]) -> Policies | None:
+    """The real policies the row's scenario ran (None: not one the simulator models)."""
+    name, k = row["scenario"], int(row.get("draft_len", 4))
+    if source == "fairness":
+        capacity = int(meta.get("capacity", 12))
+        return Policies(allocation=name, draft_len=max(1, capacity // len(meta["drafters"])), capacity=capacity)
+    if name in TARGET_ONLY or name.startswith("fixed k="):
+        return Policies(draft_len=int(name.split("=")[1]) if "=" in name else k)
+    if name == "specfleet":
+        return Policies(allocation="goodspeed", draft_len=k)
+    if name == "smartspec":
+        return Policies(allocation="smartspec", draft_len=k, smartspec_max_len=k)
+    if name == "adaspec":
+        return Policies(controller="adaspec", draft_len=k)
+    return None
+
+
+def drafters_of(source: str, row: dict[str, Any], meta: dict[str, Any]) -> tuple[DrafterSpec, ...]:
+    """The clients and drafters of the row: its sessions, requests, arrivals, RTTs and costs."""
+    c = row["costs"]
+    n = max(1, len(row["goodput_by_drafter"]))
+    requests = int(row.get("requests", 30))
+    rtts = [float(rtt) for _, rtt in meta["drafters"]] if source == "fairness" else [0.0] * n
+    alpha = alpha_for(row["mean_accepted_per_round"], c["drafted_per_round"])
+    arrivals: list[float] = []
+    if row.get("arrival_rate", 0) > 0:
+        arrivals = trace_arrivals(row.get("trace", "poisson"), row["arrival_rate"], requests, int(row.get("seed", 0)))
+    base = DrafterSpec("d", alpha=alpha, token_s=c["draft_ms_per_token"] / 1e3, round_s=0.0,
+                       prompt_len=PROMPT_LEN, max_tokens=int(row.get("max_tokens", 128)))
+    return tuple(replace(base, name=f"d{i}", rtt_s=rtts[i] / 1e3,
+                         concurrency=max(1, row["concurrency"] // n), requests=requests // n,
+                         arrivals=tuple(arrivals[i::n])) for i in range(n))
+
+
+def spec_of(source: str, row: dict[str, Any], meta: dict[str, Any], coef: tuple[float, float, float, float]
+            ) -> SimSpec | None:
+    pol = policies_of(source, row, meta)
+    if pol is None:
+        return None
+    c = row["costs"]
+    overhead = max(0.0, c["step_period_ms"] - c["forward_ms"]) / 1e3
+    return SimSpec(drafters_of(source, row, meta), pol, VerifierSpec(32, 2048, overhead, 0.0), CostSpec("cpu", coef),
+                   speculative=row["scenario"] not in TARGET_ONLY, rounds=None, duration_s=3600.0)
+
+
+def compare(source: str, row: dict[str, Any], meta: dict[str, Any], coef: tuple[float, float, float, float]
+            ) -> dict[str, Any]:
+    out = {"source": source, "scenario": row["scenario"], "point": row["point"],
+           "real_tok_s": row["goodput_tok_s"], "real_latency_s": row["latency_s_mean"]}
+    spec = spec_of(source, row, meta, coef)
+    if spec is None:
+        return {**out, "skipped": "not modelled (the simulator's verifier keeps every session's KV cache)"}
+    sim = simulate(spec)
+    out.update(sim_tok_s=sim.goodput_tok_s, sim_latency_s=sim.latency_s, alpha=spec.drafters[0].alpha)
+    out["tok_s_error"] = sim.goodput_tok_s / row["goodput_tok_s"] - 1
+    out["latency_error"] = sim.latency_s / row["latency_s_mean"] - 1 if row["latency_s_mean"] else math.nan
+    out["within"] = abs(out["tok_s_error"]) <= TOLERANCE and abs(out["latency_error"]) <= TOLERANCE
+    return out
+
+
+def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
+    done = [r for r in rows if "skipped" not in r]
+    ok = sum(1 for r in done if r["within"])
+    lines = [f"Command: `{meta['command']}` ({meta['when']}); real runs from {', '.join(meta['sources'])}.", "",
+             f"{ok} of {len(done)} rows within {TOLERANCE:.0%} on both goodput and mean latency.", "",
+             "| source | scenario | point | real tok/s | sim tok/s | error | real latency s | sim latency s | error | "
+             "α | within |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "skipped" in r:
+            lines.append(f"| {r['source']} | {r['scenario']} | {r['point']} | {r['real_tok_s']:.1f} | | | "
+                         f"{r['real_latency_s']:.2f} | | | | skipped: {r['skipped']} |")
+            continue
+        lines.append(f"| {r['source']} | {r['scenario']} | {r['point']} | {r['real_tok_s']:.1f} | "
+                     f"{r['sim_tok_s']:.1f} | {r['tok_s_error']:+.0%} | {r['real_latency_s']:.2f} | "
+                     f"{r['sim_latency_s']:.2f} | {r['latency_error']:+.0%} | {r['alpha']:.2f} | "
+                     f"{'yes' if r['within'] else 'no'} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench sim-validate", description=__doc__.splitlines()[0])
+    p.add_argument("--results", default="bench/results", help="folder of the real runs' JSON files")
+    p.add_argument("--sources", default=",".join(SOURCES), help=f"comma list of {', '.join(SOURCES)}")
+    p.add_argument("--estimator-file", default=str(DEFAULT_PROFILE), help="the verifier's step-time profile")
+    p.add_argument("--out", default="bench/results")
+    args = p.parse_args(argv)
+    coef = load_cpu_coef(args.estimator_file)
+    rows, used = [], []
+    for source in args.sources.split(","):
+        path = Path(args.results) / f"{source}.json"
+        if not path.exists():
+            print(f"skipping {source}: no {path} (run `python -m bench {source}` first)")
+            continue
+        data = json.loads(path.read_text())
+        used.append(f"{path} ({data['meta']['when']})")
+        rows += [compare(source, row, data["meta"], coef) for row in data["rows"]]
+    if not rows:
+        p.error(f"no real results to compare with in {args.results}")
+    meta = {"command": "python -m bench sim-validate " + " ".join(argv or []), "sources": used,
+            "when": time.strftime("%Y-%m-%d %H:%M"), "coef": coef}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_results(out, "sim-validation", {"meta": meta, "rows": rows}, markdown(rows, meta))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

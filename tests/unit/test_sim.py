@@ -1,0 +1,238 @@
+"""The discrete-event simulator (bench.sim): round arithmetic at the extremes of α, target-only
+mode, the real policies wired in (allocators' capacity, controllers stopping early, WISP's SLO
+batching), the cost models, fairness metrics, determinism and the CLI end to end."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from bench.sim import (
+    CostSpec,
+    DrafterSpec,
+    H100Cost,
+    Policies,
+    SimResult,
+    SimSpec,
+    load_cpu_coef,
+    make_fleet,
+    parse_alphas,
+    simulate,
+)
+from bench.sim.__main__ import main
+from bench.sim.tokens import acceptance_prob, accepted_prefix, features
+from services.verifier.batching.estimator import DEFAULT_COEF, SegmentShape, StepTimeEstimator
+
+H100 = CostSpec("h100")
+
+
+def spec(alphas: list[float], rounds: int | None = 40, duration_s: float | None = None, **kw: object) -> SimSpec:
+    """A small fleet: one session per drafter, 30-token requests, 10 ms RTT."""
+    template = DrafterSpec("d", rtt_s=0.01, max_tokens=30, prompt_len=16)
+    base = SimSpec(drafters=make_fleet(alphas, template), cost=H100, rounds=rounds, duration_s=duration_s)
+    return replace(base, **kw)  # type: ignore[arg-type]
+
+
+def run(alphas: list[float], **kw: object) -> SimResult:
+    return simulate(spec(alphas, **kw))
+
+
+# --- round arithmetic ---------------------------------------------------------------------------
+
+
+def test_target_only_commits_one_token_per_round() -> None:
+    r = run([0.9, 0.5, 0.1], speculative=False)
+    assert r.rounds > 0 and r.drafted == 0
+    assert r.committed == r.rounds
+    assert r.rounds_per_token == 1.0
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_perfect_drafter_commits_budget_plus_one(k: int) -> None:
+    # max_tokens a multiple of k + 1: even a request's last round has room for the whole budget
+    fleet = make_fleet([1.0, 1.0], DrafterSpec("d", max_tokens=6 * (k + 1)))
+    r = simulate(SimSpec(drafters=fleet, policies=Policies(draft_len=k), cost=H100, rounds=20))
+    assert r.rounds > 0
+    assert r.committed == r.rounds * (k + 1)
+    assert r.accepted == r.drafted == r.rounds * k
+    assert r.acceptance_rate == 1.0
+
+
+def test_hopeless_drafter_commits_one_token_per_round() -> None:
+    r = run([0.0, 0.0])
+    assert r.drafted > 0 and r.accepted == 0
+    assert r.committed == r.rounds
+
+
+def test_goodput_grows_with_alpha() -> None:
+    goodputs = [run([a] * 4, rounds=60).goodput_tok_s for a in (0.1, 0.5, 0.9)]
+    assert goodputs[0] < goodputs[1] < goodputs[2]
+
+
+def test_requests_finish_in_a_closed_loop() -> None:
+    r = run([0.7, 0.7], rounds=60)
+    assert r.requests_done >= 2
+    assert r.latency_s is not None and r.ttft_s is not None and 0 < r.ttft_s < r.latency_s
+
+
+def test_open_loop_arrivals_run_to_completion() -> None:
+    fleet = (DrafterSpec("a", arrivals=(0.0, 0.05, 0.2), max_tokens=10), DrafterSpec("b", arrivals=(0.1,)))
+    r = simulate(SimSpec(drafters=fleet, cost=H100, rounds=10_000))  # unreachable: stops when all are done
+    assert r.requests_done == 4
+    assert r.committed == 3 * 10 + 32
+
+
+# --- the real policies ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("allocation", "capacity", "bound"), [
+    ("goodspeed", 6, 6), ("random", 6, 6), ("fixed", 0, 4 * 5), ("goodspeed", 0, 4 * 5), ("smartspec", 0, 8 * 5),
+])
+def test_allocators_run_and_respect_capacity(allocation: str, capacity: int, bound: int) -> None:
+    policies = Policies(allocation=allocation, capacity=capacity, draft_len=4)
+    r = run([0.2, 0.4, 0.6, 0.8, 0.9], policies=policies)
+    assert r.rounds >= 5 * 40
+    assert 0 < r.max_budget_sum <= bound
+    assert r.assign_ms_mean > 0
+
+
+def test_goodspeed_gives_less_to_the_weaker_drafters_under_a_tight_budget() -> None:
+    r = run([0.1, 0.9], policies=Policies(allocation="goodspeed", capacity=4), rounds=80)
+    assert r.max_budget_sum <= 4
+    assert r.per_drafter_tok_s[1] > r.per_drafter_tok_s[0]
+
+
+@pytest.mark.parametrize("controller", ["fixed", "threshold", "adaspec", "wisp"])
+def test_controllers_run(controller: str) -> None:
+    r = run([0.3, 0.8], policies=Policies(controller=controller))
+    assert r.rounds >= 80 and r.drafted > 0
+
+
+def test_threshold_controller_stops_early_on_low_confidence() -> None:
+    fixed = run([0.3] * 3, policies=Policies(controller="fixed", draft_len=8))
+    threshold = run([0.3] * 3, policies=Policies(controller="threshold", draft_len=8))
+    assert threshold.drafted / threshold.rounds < 0.5 * fixed.drafted / fixed.rounds
+
+
+@pytest.mark.parametrize("batching", ["fcfs", "wisp"])
+def test_batchers_respect_limits_and_report_slo(batching: str) -> None:
+    fleet = make_fleet([0.6] * 6, DrafterSpec("d", max_tokens=8, slo_tokens_per_s=20.0))
+    base = SimSpec(drafters=fleet, policies=Policies(batching=batching), cost=H100, rounds=30)
+    r = simulate(replace(base, verifier=replace(base.verifier, max_sessions=2)))
+    assert r.mean_batch is not None and r.mean_batch <= 2
+    assert set(r.slo_attainment) == {"20"}
+    assert 0.0 <= r.slo_attainment["20"] <= 1.0
+
+
+# --- cost models ----------------------------------------------------------------------------------
+
+
+#: this machine's profiled coefficients (.specfleet/verifier-profile.json, 2026-11: the demo target, one thread)
+CPU_PROFILE = (1.5826734531009881e-04, 1.5016570833977112e-07, 1.4721890480494294e-06, 7.672583324883381e-03)
+
+
+@pytest.mark.parametrize(("sessions", "new", "cached"), [(1, 1, 64), (8, 5, 512), (64, 5, 2048), (256, 5, 128)])
+def test_h100_is_faster_than_the_cpu_estimator(sessions: int, new: int, cached: int) -> None:
+    """The H100 projection of an 8B target beats this CPU's profile (a 4 M-parameter demo target)."""
+    shapes = [SegmentShape(new=new, cached=cached)] * sessions
+    assert H100Cost().predict(shapes) < StepTimeEstimator(CPU_PROFILE).predict(shapes)
+
+
+def test_cpu_cost_reads_the_profile(tmp_path: Path) -> None:
+    path = tmp_path / "profile.json"
+    StepTimeEstimator(CPU_PROFILE).save(path)
+    assert load_cpu_coef(path) == pytest.approx(CPU_PROFILE)
+    with pytest.warns(UserWarning, match="DEFAULT_COEF"):
+        assert load_cpu_coef(tmp_path / "missing.json") == DEFAULT_COEF
+
+
+def test_h100_is_monotone_in_tokens() -> None:
+    h = H100Cost()
+    by_new = [h.predict([SegmentShape(new=n, cached=256)] * 32) for n in (1, 2, 5, 17, 65, 257)]
+    by_cached = [h.predict([SegmentShape(new=5, cached=c)] * 32) for c in (0, 100, 1000, 10_000, 100_000)]
+    assert by_new == sorted(by_new) and by_new[0] < by_new[-1]
+    assert by_cached == sorted(by_cached) and by_cached[0] < by_cached[-1]
+
+
+def test_h100_roofline_regimes() -> None:
+    h = H100Cost()
+    one = h.predict([SegmentShape(new=1, cached=0)])
+    assert one == pytest.approx(8.03e9 * 2 / 3.35e12 + 1e-3, rel=0.01)  # weights once + launch
+    assert h.predict_sums(5, 5 * 105, 100) == pytest.approx(h.predict([SegmentShape(new=5, cached=100)]))
+
+
+# --- acceptance model ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("alpha", [0.2, 0.5, 0.8])
+def test_acceptance_probabilities_have_mean_alpha(alpha: float) -> None:
+    rng = random.Random(1)
+    draws = [acceptance_prob(rng, alpha, 4.0) for _ in range(20_000)]
+    assert sum(draws) / len(draws) == pytest.approx(alpha, abs=0.01)
+
+
+def test_features_follow_confidence() -> None:
+    grid = [i / 20 for i in range(1, 20)]
+    steps = [features(a, 0, 4) for a in grid]
+    assert [s.top1_prob for s in steps] == sorted(s.top1_prob for s in steps)
+    assert [s.entropy for s in steps] == sorted((s.entropy for s in steps), reverse=True)
+    assert all(0 <= s.top2_prob <= s.top1_prob <= 1 for s in steps)
+
+
+@pytest.mark.parametrize(("bits", "want"), [([], 0), ([False, True], 0), ([True, True, False, True], 2),
+                                            ([True] * 3, 3)])
+def test_accepted_prefix(bits: list[bool], want: int) -> None:
+    assert accepted_prefix(bits) == want
+
+
+# --- metrics, spec, determinism ----------------------------------------------------------------------
+
+
+def test_parse_alphas() -> None:
+    assert parse_alphas("spread", 3) == pytest.approx([0.3, 0.6, 0.9])
+    assert parse_alphas("0.5,0.9", 3) == [0.5, 0.9, 0.5]
+    assert parse_alphas("spread:0.2:0.4", 2) == pytest.approx([0.2, 0.4])
+
+
+def test_spec_rejects_bad_values() -> None:
+    with pytest.raises(ValueError, match="alpha"):
+        DrafterSpec("x", alpha=1.5)
+    with pytest.raises(ValueError, match="bound"):
+        SimSpec(drafters=(DrafterSpec("x"),), rounds=None)
+
+
+def test_deterministic_for_a_seed() -> None:
+    s = spec([0.3, 0.6, 0.9], policies=Policies(allocation="random", controller="adaspec", batching="wisp"))
+    a, b = simulate(s), simulate(s)
+    assert a.deterministic() == b.deterministic()
+    assert simulate(replace(s, seed=1)).deterministic() != a.deterministic()
+
+
+def test_duration_bounds_the_run() -> None:
+    r = run([0.7] * 3, rounds=None, duration_s=0.05)
+    assert r.sim_s == pytest.approx(0.05)
+    assert r.rounds > 0
+
+
+# --- CLI --------------------------------------------------------------------------------------------
+
+
+def test_cli_end_to_end(tmp_path: Path) -> None:
+    out = tmp_path / "sim"
+    code = main(["--drafters", "3,6", "--rounds", "6", "--allocation", "goodspeed", "--alphas", "spread",
+                 "--rtt-ms", "spread:10:50", "--target-only", "--no-progress", "--out", str(out)])
+    assert code == 0
+    doc = json.loads((out / "sim.json").read_text())
+    assert len(doc["runs"]) == 2 * 2 * 2  # cost models x N x (speculative, target-only)
+    assert {r["cost"] for r in doc["runs"]} == {"cpu", "h100"}
+    table = (out / "sim.md").read_text()
+    assert "| cpu | 6 |" in table and "| h100 | 3 |" in table
+    assert (out / "sim.png").stat().st_size > 0
+
+
+def test_cli_rejects_bad_values(tmp_path: Path) -> None:
+    assert main(["--drafters", "2", "--alphas", "2.0", "--out", str(tmp_path)]) == 2
