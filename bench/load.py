@@ -18,6 +18,7 @@ from typing import Any
 
 from bench.fleets import Scenario, add_workload_flags, prepare, run_meta, write_results
 from bench.profile import smallest
+from bench.sim.costs import DEFAULT_PROFILE
 from bench.sweep import Point, cell, sweep
 
 
@@ -82,8 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[2.0, 6.0, 12.0],
                    help="mean arrival rates, requests/s")
     p.add_argument("--ks", type=lambda s: [int(x) for x in s.split(",")], default=[1, 3, 5])
-    p.add_argument("--estimator-file", default="", help="step-time coefficients (make profile-verifier)")
-    add_workload_flags(p, repeats=1, requests=32, max_tokens=64)
+    p.add_argument("--estimator-file", default=str(DEFAULT_PROFILE) if DEFAULT_PROFILE.exists() else "",
+                   help=f"step-time coefficients (make profile-verifier; default {DEFAULT_PROFILE} when present)")
+    add_workload_flags(p, repeats=3, requests=32, max_tokens=64)
     args = p.parse_args(argv)
     edge, models, out = prepare(args)
     points = [Point(f"{x:g} req/s", 0, args.requests, x) for x in args.rates]

@@ -38,6 +38,20 @@ SECTIONS = (
     Section("verifier-policies", "Verifier policies", "python -m bench verifier-policies", ("goodspeed-utility.png",)),
     Section("backends", "Verifier backends: torch vs vLLM", "python -m bench backends"),
     Section("rtt", "Speculation over an emulated edge network", "python -m bench rtt", ("rtt.png",)),
+    Section("fairness", "Fairness: heterogeneous drafters under one budget", "python -m bench fairness",
+            ("fairness.png",)),
+    Section("slo", "SLOs: FCFS vs WISP as sessions grow", "python -m bench slo", ("slo.png",)),
+    Section("load", "Load: speculation policies by arrival rate", "python -m bench load", ("load.png",)),
+    Section("load-varying", "Load on a bursty trace (AdaSpec Fig. 1, trace 1 shape)",
+            "python -m bench load --trace varying", ("load-varying.png",)),
+    Section("capacity", "Capacity at equal server cores", "python -m bench capacity", ("capacity.png",)),
+    Section("sim", "Simulated fleets of 100 to 10,000 drafters", "python -m bench sim --drafters 100,1000,10000 "
+            "--cost cpu,h100 --target-only", ("sim.png",)),
+    Section("sim-goodspeed", "Simulated fleets under GoodSpeed: its scheduling cost against N",
+            "python -m bench sim --drafters 10,100,1000,3000 --cost cpu,h100 --allocation goodspeed "
+            "--stem sim-goodspeed",
+            ("sim-goodspeed.png",)),
+    Section("sim-validation", "The simulator against the real runs", "python -m bench sim-validate"),
 )
 
 

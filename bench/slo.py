@@ -16,6 +16,7 @@ from typing import Any
 
 from bench.fleets import Scenario, add_workload_flags, prepare, run_meta, write_results
 from bench.profile import smallest
+from bench.sim.costs import DEFAULT_PROFILE
 from bench.sweep import closed, sweep
 
 POLICIES = ("fcfs", "wisp")
@@ -79,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="SLO classes (tokens/s), spread over the requests in turn")
     p.add_argument("--max-violations", type=float, default=0.05, help="capacity: the violation share allowed")
     p.add_argument("--draft-len", type=int, default=4)
-    p.add_argument("--estimator-file", default="", help="step-time coefficients (make profile-verifier)")
+    p.add_argument("--estimator-file", default=str(DEFAULT_PROFILE) if DEFAULT_PROFILE.exists() else "",
+                   help=f"step-time coefficients (make profile-verifier; default {DEFAULT_PROFILE} when present)")
     add_workload_flags(p, repeats=1, max_tokens=64)
     args = p.parse_args(argv)
     edge, models, out = prepare(args)

@@ -74,7 +74,8 @@ def parser() -> argparse.ArgumentParser:
                                                              "(make profile-verifier); missing: generic ones")
     a("--target-only", action="store_true", help="also run each point without speculation")
     a("--seed", type=int, default=0, help="seed of the synthetic tokens and Random-S")
-    a("--out", default="bench/results", help="directory for sim.json, sim.md and sim.png")
+    a("--out", default="bench/results", help="directory for the results files")
+    a("--stem", default="sim", help="results file names: <stem>.json, <stem>.md, <stem>.png")
     a("--no-progress", action="store_true", help="no progress bars")
     return p
 
@@ -135,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     results = sweep(args)
     settings = {k: v for k, v in vars(args).items() if k not in ("out", "no_progress")}
-    paths = write(results, settings, Path(args.out))
+    paths = write(results, settings, Path(args.out), args.stem)
     print(f"wrote {', '.join(str(p) for p in paths)} in {time.perf_counter() - started:.1f} s")
     return 0
 

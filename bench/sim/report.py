@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -94,11 +95,12 @@ def plot(results: Sequence[SimResult], path: Path) -> None:
     plt.close(fig)
 
 
-def write(results: Sequence[SimResult], settings: dict[str, Any], out: Path) -> list[Path]:
-    """Write sim.json, sim.md and sim.png under ``out``; returns their paths."""
+def write(results: Sequence[SimResult], settings: dict[str, Any], out: Path, stem: str = "sim") -> list[Path]:
+    """Write <stem>.json, <stem>.md and <stem>.png under ``out``; returns their paths."""
     out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "sim.json", out / "sim.md", out / "sim.png"]
-    doc = {"settings": settings, "runs": [result_row(r) for r in results]}
+    paths = [out / f"{stem}.json", out / f"{stem}.md", out / f"{stem}.png"]
+    doc = {"meta": {"when": time.strftime("%Y-%m-%d %H:%M"), "command": "python -m bench sim"}, "settings": settings,
+           "runs": [result_row(r) for r in results]}
     paths[0].write_text(json.dumps(doc, indent=2) + "\n")
     paths[1].write_text(markdown(results, settings))
     plot(results, paths[2])

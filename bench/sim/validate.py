@@ -5,7 +5,8 @@ the :class:`SimSpec` of the same scenario from what that run measured and what t
 profile says, simulates it, and compares goodput (committed tokens/s) and mean request latency:
 
 * the verifier's step time: the profiled estimator (``--estimator-file``), plus the run's own
-  measured step period minus its forward time as a fixed per-step overhead;
+  measured step time beyond its forward (scheduling, judging: the ``total`` minus the
+  ``forward`` phase) as a fixed per-step overhead;
 * each drafter's draft cost: the run's draft-model seconds per drafted token;
 * acceptance: the per-token α whose accepted prefix over the run's mean draft length gives the
   run's mean accepted tokens per round;
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -72,8 +74,9 @@ def policies_of(source: str, row: dict[str, Any], meta: dict[str, Any]) -> Polic
     return None
 
 
-def drafters_of(source: str, row: dict[str, Any], meta: dict[str, Any]) -> tuple[DrafterSpec, ...]:
-    """The clients and drafters of the row: its sessions, requests, arrivals, RTTs and costs."""
+def drafters_of(source: str, row: dict[str, Any], meta: dict[str, Any], repeat: int = 0) -> tuple[DrafterSpec, ...]:
+    """The clients and drafters of the row: its sessions, requests, arrivals (those of its
+    ``repeat``-th repeat: the real run seeds repeat i with seed + i), RTTs and costs."""
     c = row["costs"]
     n = max(1, len(row["goodput_by_drafter"]))
     requests = int(row.get("requests", 30))
@@ -81,7 +84,8 @@ def drafters_of(source: str, row: dict[str, Any], meta: dict[str, Any]) -> tuple
     alpha = alpha_for(row["mean_accepted_per_round"], c["drafted_per_round"])
     arrivals: list[float] = []
     if row.get("arrival_rate", 0) > 0:
-        arrivals = trace_arrivals(row.get("trace", "poisson"), row["arrival_rate"], requests, int(row.get("seed", 0)))
+        arrivals = trace_arrivals(row.get("trace", "poisson"), row["arrival_rate"], requests,
+                                  int(row.get("seed", 0)) + repeat)
     base = DrafterSpec("d", alpha=alpha, token_s=c["draft_ms_per_token"] / 1e3, round_s=0.0,
                        prompt_len=PROMPT_LEN, max_tokens=int(row.get("max_tokens", 128)))
     return tuple(replace(base, name=f"d{i}", rtt_s=rtts[i] / 1e3,
@@ -89,28 +93,33 @@ def drafters_of(source: str, row: dict[str, Any], meta: dict[str, Any]) -> tuple
                          arrivals=tuple(arrivals[i::n])) for i in range(n))
 
 
-def spec_of(source: str, row: dict[str, Any], meta: dict[str, Any], coef: tuple[float, float, float, float]
-            ) -> SimSpec | None:
+def spec_of(source: str, row: dict[str, Any], meta: dict[str, Any], coef: tuple[float, float, float, float],
+            repeat: int = 0) -> SimSpec | None:
     pol = policies_of(source, row, meta)
     if pol is None:
         return None
     c = row["costs"]
-    overhead = max(0.0, c["step_period_ms"] - c["forward_ms"]) / 1e3
-    return SimSpec(drafters_of(source, row, meta), pol, VerifierSpec(32, 2048, overhead, 0.0), CostSpec("cpu", coef),
-                   speculative=row["scenario"] not in TARGET_ONLY, rounds=None, duration_s=3600.0)
+    overhead = max(0.0, c["step_ms"] - c["forward_ms"]) / 1e3
+    return SimSpec(drafters_of(source, row, meta, repeat), pol, VerifierSpec(32, 2048, overhead, 0.0),
+                   CostSpec("cpu", coef), speculative=row["scenario"] not in TARGET_ONLY, rounds=None,
+                   duration_s=3600.0)
 
 
 def compare(source: str, row: dict[str, Any], meta: dict[str, Any], coef: tuple[float, float, float, float]
             ) -> dict[str, Any]:
     out = {"source": source, "scenario": row["scenario"], "point": row["point"],
            "real_tok_s": row["goodput_tok_s"], "real_latency_s": row["latency_s_mean"]}
-    spec = spec_of(source, row, meta, coef)
-    if spec is None:
+    repeats = max(1, len(row.get("tokens_per_s_runs", [])))
+    specs = [spec_of(source, row, meta, coef, i) for i in range(repeats)]
+    if specs[0] is None:
         return {**out, "skipped": "not modelled (the simulator's verifier keeps every session's KV cache)"}
-    sim = simulate(spec)
-    out.update(sim_tok_s=sim.goodput_tok_s, sim_latency_s=sim.latency_s, alpha=spec.drafters[0].alpha)
-    out["tok_s_error"] = sim.goodput_tok_s / row["goodput_tok_s"] - 1
-    out["latency_error"] = sim.latency_s / row["latency_s_mean"] - 1 if row["latency_s_mean"] else math.nan
+    sims = [simulate(spec) for spec in specs if spec is not None]
+    # as the real row: the median of the repeats' rates, the mean latency over all their requests
+    tok_s = statistics.median(r.goodput_tok_s for r in sims)
+    latency = sum((r.latency_s or 0.0) * r.requests_done for r in sims) / max(1, sum(r.requests_done for r in sims))
+    out.update(sim_tok_s=tok_s, sim_latency_s=latency, alpha=specs[0].drafters[0].alpha, repeats=repeats)
+    out["tok_s_error"] = tok_s / row["goodput_tok_s"] - 1
+    out["latency_error"] = latency / row["latency_s_mean"] - 1 if row["latency_s_mean"] else math.nan
     out["within"] = abs(out["tok_s_error"]) <= TOLERANCE and abs(out["latency_error"]) <= TOLERANCE
     return out
 
