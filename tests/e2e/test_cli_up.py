@@ -96,7 +96,8 @@ def test_up_names_the_service_that_died(tiny_models: dict[str, Path], tmp_path: 
 
 def test_up_restarts_a_killed_drafter_and_resumes_its_sessions(tiny_models: dict[str, Path], tmp_path: Path) -> None:
     """kill -9 a drafter with 20 requests in flight: every request completes, greedy output is the
-    target's own, the survivor resumes the victim's sessions, and the victim is started again."""
+    target's own, a live drafter resumes the victim's sessions (the survivor, or the victim itself
+    once restarted: whichever claims them first), and the victim is started again."""
     metrics_port = free_port()
     proc = subprocess.Popen(_up(tmp_path, tiny_models, "--drafter-metrics-port", str(metrics_port)),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -112,14 +113,15 @@ def test_up_restarts_a_killed_drafter_and_resumes_its_sessions(tiny_models: dict
             work = asyncio.create_task(stream_many(stack, sent))  # type: ignore[arg-type]
             await asyncio.sleep(1.0)
             for _ in range(100):  # on a loaded machine the victim may not hold sessions yet
-                if _gauge(f"http://127.0.0.1:{metrics_port}/metrics", "specfleet_drafter_sessions") > 0:
+                if _sample(f"http://127.0.0.1:{metrics_port}/metrics", "specfleet_drafter_sessions") > 0:
                     break
                 await asyncio.sleep(0.1)
             os.kill(victim, signal.SIGKILL)
             return await work
 
         results = asyncio.run(run())
-        survivor = httpx.get(f"http://127.0.0.1:{metrics_port + 1}/metrics", timeout=10).text
+        resumed = sum(_sample(f"http://127.0.0.1:{port}/metrics", "specfleet_drafter_sessions_resumed_total")
+                      for port in (metrics_port, metrics_port + 1))  # the restarted victim, the survivor
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
     finally:
@@ -131,8 +133,7 @@ def test_up_restarts_a_killed_drafter_and_resumes_its_sessions(tiny_models: dict
         assert ids == greedy_reference(target.model, prompt_ids(target, body), 96, set())
         assert done["finish_reason"] == "length"
     assert "restarting in" in err and "drafter-1" in err, err
-    resumed = re.search(r"^specfleet_drafter_sessions_resumed_total (\S+)$", survivor, re.M)
-    assert resumed is not None and float(resumed.group(1)) >= 1, survivor
+    assert resumed >= 1
     verifier_log = (tmp_path / "state" / "logs" / "verifier.log").read_text()
     assert "session resumed by a drafter" in verifier_log
 
@@ -150,7 +151,8 @@ def _until_ready(proc: subprocess.Popen[str]) -> list[str]:
     return lines
 
 
-def _gauge(url: str, name: str) -> float:
+def _sample(url: str, name: str) -> float:
+    """One unlabelled sample of a service's /metrics (0 when unreachable or absent)."""
     try:
         text = httpx.get(url, timeout=5).text
     except httpx.HTTPError:
