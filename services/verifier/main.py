@@ -111,9 +111,9 @@ def build(cfg: VerifierConfig, loop: asyncio.AbstractEventLoop) -> tuple[Hub, Ve
         else:
             output.on_results(results)
 
-    core = TorchCore(runner, loaded.eos_ids, allocator, scheduler,
-                     CoreLimits(cfg.max_draft_tokens, cfg.draft_timeout_s, cfg.max_waiting,
-                                default_slo_tokens_per_s=slo, recompute_context=cfg.recompute_context), deliver, metrics, threaded=threaded,
+    limits = CoreLimits(cfg.max_draft_tokens, cfg.draft_timeout_s, cfg.max_waiting,
+                        default_slo_tokens_per_s=slo, recompute_context=cfg.recompute_context)
+    core = TorchCore(runner, loaded.eos_ids, allocator, scheduler, limits, deliver, metrics, threaded=threaded,
                      tracker=tracker, estimator=estimator)
     return _connect(hub, output, core, loaded), core
 
