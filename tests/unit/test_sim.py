@@ -222,9 +222,12 @@ def test_duration_bounds_the_run() -> None:
 
 
 def test_cli_end_to_end(tmp_path: Path) -> None:
-    out = tmp_path / "sim"
+    """The CLI on an explicit profile, so the run never depends on this checkout's `.specfleet/`."""
+    out, profile = tmp_path / "sim", tmp_path / "profile.json"
+    StepTimeEstimator(CPU_PROFILE).save(profile)
     code = main(["--drafters", "3,6", "--rounds", "6", "--allocation", "goodspeed", "--alphas", "spread",
-                 "--rtt-ms", "spread:10:50", "--target-only", "--no-progress", "--out", str(out)])
+                 "--rtt-ms", "spread:10:50", "--target-only", "--no-progress", "--out", str(out),
+                 "--estimator-file", str(profile)])
     assert code == 0
     doc = json.loads((out / "sim.json").read_text())
     assert len(doc["runs"]) == 2 * 2 * 2  # cost models x N x (speculative, target-only)
