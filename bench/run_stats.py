@@ -103,10 +103,10 @@ def summary(run: Run) -> dict[str, Any]:
     }
 
 
-def measured_costs(run: Run) -> dict[str, float]:
+def measured_costs(run: Run) -> dict[str, Any]:
     """What the simulator's cost models are fitted from (``bench.sim.validate``): the verifier's
     mean forward and step period, sessions per step, the draft model's time per drafted token
-    and rounds' drafts (over every drafter)."""
+    and rounds' drafts (over every drafter, and per drafter in ``by_drafter``)."""
     v = run.metrics.get("verifier", Snapshot())
     snaps = [s for name, s in run.metrics.items() if name.startswith("drafter")]
     rounds = sum(s.value(f"{D}_rounds_total") for s in snaps)
@@ -117,4 +117,14 @@ def measured_costs(run: Run) -> dict[str, float]:
             "step_period_ms": v.mean(f"{V}_step_period_seconds") * 1e3,
             "batch_sessions": v.mean(f"{V}_batch_sessions"),
             "draft_ms_per_token": busy / drafted * 1e3 if drafted else 0.0,
-            "drafted_per_round": drafted / rounds if rounds else 0.0}
+            "drafted_per_round": drafted / rounds if rounds else 0.0,
+            "by_drafter": {name: drafter_costs(s) for name, s in sorted(run.metrics.items())
+                           if name.startswith("drafter")}}
+
+
+def drafter_costs(snap: Snapshot) -> dict[str, float]:
+    """One drafter's draft-model milliseconds per drafted token, drafted and accepted tokens per round."""
+    rounds, drafted = snap.value(f"{D}_rounds_total"), snap.value(f"{D}_drafted_tokens_total")
+    return {"draft_ms_per_token": snap.value(f"{D}_model_busy_seconds_total") / drafted * 1e3 if drafted else 0.0,
+            "drafted_per_round": drafted / rounds if rounds else 0.0,
+            "accepted_per_round": snap.value(f"{D}_accepted_tokens_total") / rounds if rounds else 0.0}

@@ -142,8 +142,18 @@ class CostSpec:
     coef: Coef = DEFAULT_COEF
     model: TransformerShape = TransformerShape()
     gpu: GpuSpec = GpuSpec()
+    #: every prediction times this: a run's measured forward over the profile's estimate of it
+    #: (``bench.sim.validate``), as the real verifier's online refit pulls its estimate to the
+    #: forwards it measures
+    scale: float = 1.0
 
     def build(self) -> CostModel:
+        if not (math.isfinite(self.scale) and self.scale > 0):
+            raise ValueError(f"the cost scale must be a finite number > 0, got {self.scale}")
+        model = self._base()
+        return model if self.scale == 1.0 else ScaledCost(model, self.scale)
+
+    def _base(self) -> CostModel:
         if self.kind == "cpu":
             if not all(math.isfinite(v) for v in self.coef):
                 raise ValueError(f"cpu coefficients must be finite, got {self.coef}")
@@ -151,3 +161,16 @@ class CostSpec:
         if self.kind == "h100":
             return H100Cost(self.model, self.gpu)
         raise ValueError(f"unknown cost model {self.kind!r}; choose one of {', '.join(COST_MODELS)}")
+
+
+class ScaledCost:
+    """A cost model whose every prediction is ``scale`` times another's."""
+
+    def __init__(self, model: CostModel, scale: float) -> None:
+        self.model, self.scale = model, scale
+
+    def predict(self, shapes: Sequence[SegmentShape]) -> float:
+        return self.model.predict(shapes) * self.scale
+
+    def predict_sums(self, new: float, total_new: float, cached: float) -> float:
+        return self.model.predict_sums(new, total_new, cached) * self.scale

@@ -13,8 +13,10 @@ draft at once), so feedback from other sessions' verdicts during a draft is seen
 
 Requests: a request starts at its drafter (client), its open message reaches the verifier RTT/2
 later; its last tokens come back RTT/2 after its last step. Closed loop: the next request starts
-the moment one finishes (no think time). Latency, TTFT, TPOT and SLO attainment (the real
-``slo_met``) are measured at the client, from its arrival there to its tokens' return.
+the moment one finishes (no think time), at the same drafter; with ``shared_requests`` the
+drafters draw from one pool, as the real ones do from the request queue. Latency, TTFT, TPOT
+and SLO attainment (the real ``slo_met``) are measured at the client, from its arrival there to
+its tokens' return.
 
 Events at the same instant are all handled before the verifier picks a batch, as the real
 verifier drains its command queue before scheduling.
@@ -55,11 +57,16 @@ class Simulation:
         self.verifier = SimVerifier(spec, spec.cost.build(), self.events, self.rec, lambda: self.now)
         self.edges = [_edge(i, d, spec.policies.threshold) for i, d in enumerate(spec.drafters)]
         self.target_rounds = spec.rounds * len(spec.drafters) if spec.rounds is not None else None
+        pool = spec.shared_requests
         for edge, d in zip(self.edges, spec.drafters, strict=True):
             closed = min(d.concurrency, d.requests) if d.requests else d.concurrency
+            if spec.shared_requests:
+                closed = min(d.concurrency, pool)
+                pool -= closed
             starts = sorted(d.arrivals) if d.arrivals else [0.0] * closed
             for at in starts:
                 self.events.push(at, Kind.ARRIVE, edge)
+        self.started = spec.shared_requests - pool  # requests started from the shared pool
 
     # --- the loop ----------------------------------------------------------------------------
 
@@ -118,7 +125,11 @@ class Simulation:
         self.rec.requests.append(RequestRecord(s.edge.index, self.now - s.arrived_at, first - s.arrived_at, tpot,
                                                s.slo, slo_met(s.arrived_at, s.generated, s.slo, self.now)))
         d = self.spec.drafters[s.edge.index]
-        if not d.arrivals and (not d.requests or s.edge.requests < d.requests):
+        if self.spec.shared_requests:
+            if self.started < self.spec.shared_requests:
+                self.started += 1
+                self._arrive(s.edge)
+        elif not d.arrivals and (not d.requests or s.edge.requests < d.requests):
             self._arrive(s.edge)
 
     # --- drafters ----------------------------------------------------------------------------

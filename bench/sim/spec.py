@@ -107,10 +107,18 @@ class SimSpec:
     duration_s: float | None = None
     alpha_concentration: float = 4.0
     seed: int = 0
+    #: closed loop through one queue (the real fleets' request queue): > 0 makes the drafters draw
+    #: this many requests in all from one pool, a drafter starting the next one the moment one of
+    #: its own finishes (so faster drafters serve more); 0: each drafter serves its own ``requests``
+    shared_requests: int = 0
 
     def __post_init__(self) -> None:
         if not self.drafters:
             raise ValueError("a simulation needs at least one drafter (client)")
+        if self.shared_requests < 0:
+            raise ValueError("shared_requests must be >= 0")
+        if self.shared_requests and any(d.arrivals for d in self.drafters):
+            raise ValueError("shared_requests is a closed loop: drafters with arrivals cannot share a pool")
         if self.rounds is None and self.duration_s is None:
             raise ValueError("bound the run: set rounds or duration_s")
         if self.alpha_concentration <= 0:

@@ -4,14 +4,17 @@ For every row of the latest real results (``<results>/{capacity,load,fairness}.j
 the :class:`SimSpec` of the same scenario from what that run measured and what the machine's
 profile says, simulates it, and compares goodput (committed tokens/s) and mean request latency:
 
-* the verifier's step time: the profiled estimator (``--estimator-file``), plus the run's own
+* the verifier's step time: the profiled estimator (``--estimator-file``) scaled so that it
+  gives the run's measured mean forward at the run's mean batch (``step_scale``: the real
+  verifier refits its estimator online to the forwards it measures), plus the run's own
   measured step time beyond its forward (scheduling, judging: the ``total`` minus the
   ``forward`` phase) as a fixed per-step overhead;
-* each drafter's draft cost: the run's draft-model seconds per drafted token;
-* acceptance: the per-token α whose accepted prefix over the run's mean draft length gives the
-  run's mean accepted tokens per round;
+* each drafter's draft cost: its draft-model seconds per drafted token (per drafter where the
+  run recorded them, else the run's pooled value);
+* acceptance: the per-token α whose accepted prefix over the mean draft length gives the mean
+  accepted tokens per round (per drafter, likewise);
 * the workload: the same sessions, requests, output lengths, arrival times (the same seeded
-  trace) and RTTs.
+  trace) and RTTs; a closed-loop run's requests come from one pool, as from the real queue.
 
 Rows the simulator does not model are listed as skipped (the SLED-like baseline recomputes the
 whole context, which the simulator's verifier does not). Writes ``<out>/sim-validation.{json,md}``.
@@ -33,6 +36,7 @@ from bench.sim.costs import DEFAULT_PROFILE, CostSpec, load_cpu_coef
 from bench.sim.engine import simulate
 from bench.sim.spec import DrafterSpec, Policies, SimSpec, VerifierSpec
 from bench.traces import trace_arrivals
+from services.verifier.batching.estimator import Coef, StepTimeEstimator
 
 SOURCES = ("capacity", "load", "fairness")
 TOLERANCE = 0.15
@@ -74,39 +78,63 @@ def policies_of(source: str, row: dict[str, Any], meta: dict[str, Any]) -> Polic
     return None
 
 
+def drafter_params(row: dict[str, Any], n: int) -> list[tuple[float, float]]:
+    """Each drafter's (α, draft seconds per token): its own measured rounds where the run recorded
+    them per drafter (``costs.by_drafter``), else the run's pooled values for all of them."""
+    c = row["costs"]
+    pooled = (alpha_for(row["mean_accepted_per_round"], c["drafted_per_round"]), c["draft_ms_per_token"] / 1e3)
+    own = [v for _, v in sorted(c.get("by_drafter", {}).items())]
+    if len(own) != n:
+        return [pooled] * n
+    return [(alpha_for(d["accepted_per_round"], d["drafted_per_round"]), d["draft_ms_per_token"] / 1e3)
+            if d["drafted_per_round"] > 0 else pooled for d in own]
+
+
 def drafters_of(source: str, row: dict[str, Any], meta: dict[str, Any], repeat: int = 0) -> tuple[DrafterSpec, ...]:
     """The clients and drafters of the row: its sessions, requests, arrivals (those of its
     ``repeat``-th repeat: the real run seeds repeat i with seed + i), RTTs and costs."""
-    c = row["costs"]
     n = max(1, len(row["goodput_by_drafter"]))
     requests = int(row.get("requests", 30))
     rtts = [float(rtt) for _, rtt in meta["drafters"]] if source == "fairness" else [0.0] * n
-    alpha = alpha_for(row["mean_accepted_per_round"], c["drafted_per_round"])
     arrivals: list[float] = []
     if row.get("arrival_rate", 0) > 0:
         arrivals = trace_arrivals(row.get("trace", "poisson"), row["arrival_rate"], requests,
                                   int(row.get("seed", 0)) + repeat)
-    base = DrafterSpec("d", alpha=alpha, token_s=c["draft_ms_per_token"] / 1e3, round_s=0.0,
-                       prompt_len=PROMPT_LEN, max_tokens=int(row.get("max_tokens", 128)))
-    return tuple(replace(base, name=f"d{i}", rtt_s=rtts[i] / 1e3,
+    base = DrafterSpec("d", round_s=0.0, prompt_len=PROMPT_LEN, max_tokens=int(row.get("max_tokens", 128)))
+    return tuple(replace(base, name=f"d{i}", alpha=alpha, token_s=token_s, rtt_s=rtts[i] / 1e3,
                          concurrency=max(1, row["concurrency"] // n), requests=requests // n,
-                         arrivals=tuple(arrivals[i::n])) for i in range(n))
+                         arrivals=tuple(arrivals[i::n]))
+                 for i, (alpha, token_s) in enumerate(drafter_params(row, n)))
 
 
-def spec_of(source: str, row: dict[str, Any], meta: dict[str, Any], coef: tuple[float, float, float, float],
-            repeat: int = 0) -> SimSpec | None:
+def step_scale(row: dict[str, Any], coef: Coef) -> float:
+    """The run's measured mean forward over the profile's estimate of it at the run's mean batch
+    (its sessions per step, each feeding 1 + its mean draft length at a mid-request context): the
+    real verifier refits its estimator online to the forwards it measures; this does it once."""
+    c = row["costs"]
+    sessions, forward_s = c.get("batch_sessions") or 0.0, c.get("forward_ms", 0.0) / 1e3
+    if sessions <= 0 or forward_s <= 0:
+        return 1.0
+    new = 1.0 + (c["drafted_per_round"] if row["scenario"] not in TARGET_ONLY else 0.0)
+    context = PROMPT_LEN + int(row.get("max_tokens", 128)) / 2
+    predicted = StepTimeEstimator(coef).predict_sums(sessions * new, sessions * (context + new) * new,
+                                                     sessions * context)
+    return forward_s / predicted
+
+
+def spec_of(source: str, row: dict[str, Any], meta: dict[str, Any], coef: Coef, repeat: int = 0) -> SimSpec | None:
     pol = policies_of(source, row, meta)
     if pol is None:
         return None
     c = row["costs"]
     overhead = max(0.0, c["step_ms"] - c["forward_ms"]) / 1e3
+    closed = not row.get("arrival_rate", 0) > 0
     return SimSpec(drafters_of(source, row, meta, repeat), pol, VerifierSpec(32, 2048, overhead, 0.0),
-                   CostSpec("cpu", coef), speculative=row["scenario"] not in TARGET_ONLY, rounds=None,
-                   duration_s=3600.0)
+                   CostSpec("cpu", coef, scale=step_scale(row, coef)), speculative=row["scenario"] not in TARGET_ONLY,
+                   rounds=None, duration_s=3600.0, shared_requests=int(row.get("requests", 30)) if closed else 0)
 
 
-def compare(source: str, row: dict[str, Any], meta: dict[str, Any], coef: tuple[float, float, float, float]
-            ) -> dict[str, Any]:
+def compare(source: str, row: dict[str, Any], meta: dict[str, Any], coef: Coef) -> dict[str, Any]:
     out = {"source": source, "scenario": row["scenario"], "point": row["point"],
            "real_tok_s": row["goodput_tok_s"], "real_latency_s": row["latency_s_mean"]}
     repeats = max(1, len(row.get("tokens_per_s_runs", [])))
@@ -117,11 +145,18 @@ def compare(source: str, row: dict[str, Any], meta: dict[str, Any], coef: tuple[
     # as the real row: the median of the repeats' rates, the mean latency over all their requests
     tok_s = statistics.median(r.goodput_tok_s for r in sims)
     latency = sum((r.latency_s or 0.0) * r.requests_done for r in sims) / max(1, sum(r.requests_done for r in sims))
-    out.update(sim_tok_s=tok_s, sim_latency_s=latency, alpha=specs[0].drafters[0].alpha, repeats=repeats)
+    out.update(sim_tok_s=tok_s, sim_latency_s=latency, alpha=specs[0].drafters[0].alpha, repeats=repeats,
+               alphas=[d.alpha for d in specs[0].drafters], step_scale=specs[0].cost.scale)
     out["tok_s_error"] = tok_s / row["goodput_tok_s"] - 1
     out["latency_error"] = latency / row["latency_s_mean"] - 1 if row["latency_s_mean"] else math.nan
     out["within"] = abs(out["tok_s_error"]) <= TOLERANCE and abs(out["latency_error"]) <= TOLERANCE
     return out
+
+
+def alphas(row: dict[str, Any]) -> str:
+    """The row's per-token α, one per drafter when they differ."""
+    values = row.get("alphas") or [row["alpha"]]
+    return "/".join(f"{a:.2f}" for a in values) if len(set(values)) > 1 else f"{values[0]:.2f}"
 
 
 def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
@@ -130,16 +165,16 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
     lines = [f"Command: `{meta['command']}` ({meta['when']}); real runs from {', '.join(meta['sources'])}.", "",
              f"{ok} of {len(done)} rows within {TOLERANCE:.0%} on both goodput and mean latency.", "",
              "| source | scenario | point | real tok/s | sim tok/s | error | real latency s | sim latency s | error | "
-             "α | within |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "α | step scale | within |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "skipped" in r:
             lines.append(f"| {r['source']} | {r['scenario']} | {r['point']} | {r['real_tok_s']:.1f} | | | "
-                         f"{r['real_latency_s']:.2f} | | | | skipped: {r['skipped']} |")
+                         f"{r['real_latency_s']:.2f} | | | | | skipped: {r['skipped']} |")
             continue
         lines.append(f"| {r['source']} | {r['scenario']} | {r['point']} | {r['real_tok_s']:.1f} | "
                      f"{r['sim_tok_s']:.1f} | {r['tok_s_error']:+.0%} | {r['real_latency_s']:.2f} | "
-                     f"{r['sim_latency_s']:.2f} | {r['latency_error']:+.0%} | {r['alpha']:.2f} | "
-                     f"{'yes' if r['within'] else 'no'} |")
+                     f"{r['sim_latency_s']:.2f} | {r['latency_error']:+.0%} | {alphas(r)} | "
+                     f"{r.get('step_scale', 1.0):.2f} | {'yes' if r['within'] else 'no'} |")
     return lines
 
 

@@ -13,9 +13,10 @@ from bench.fairness import parse_drafters, settle_round
 from bench.fleets import Run, bodies
 from bench.run_stats import jain, per_drafter_goodput, round_breakdown, slo_by_class, sum_log
 from bench.scrape import Snapshot
-from bench.sim.validate import alpha_for, policies_of
+from bench.sim.validate import alpha_for, drafter_params, policies_of, spec_of, step_scale
 from bench.slo import capacity, violations
 from bench.traces import TRACES, rate_profile, trace_arrivals
+from services.verifier.batching.estimator import StepTimeEstimator
 from shared.fleet import FleetSpec, plan
 
 
@@ -117,6 +118,46 @@ def test_validation_maps_each_real_scenario_to_the_policies_it_ran() -> None:
     assert policies_of("load", {"scenario": "fixed k=3"}, {}).draft_len == 3  # type: ignore[union-attr]
     assert policies_of("load", {"scenario": "adaspec", "draft_len": 5}, {}).controller == "adaspec"  # type: ignore[union-attr]
     assert policies_of("capacity", {"scenario": "SLED-like"}, {}) is None
+
+
+COEF = (2e-4, 1.3e-7, 1.9e-6, 9e-3)
+
+
+def real_row(**costs: object) -> dict[str, object]:
+    """A closed-loop fairness-shaped result row with the given measured costs."""
+    base = {"forward_ms": 12.0, "step_ms": 13.0, "batch_sessions": 2.0, "draft_ms_per_token": 5.0,
+            "drafted_per_round": 4.0}
+    return {"scenario": "fixed", "point": "@2", "concurrency": 2, "requests": 10, "max_tokens": 64,
+            "arrival_rate": 0.0, "goodput_by_drafter": {"drafter-1": 1.0, "drafter-2": 1.0},
+            "mean_accepted_per_round": 2.0, "costs": {**base, **costs}}
+
+
+def test_step_scale_matches_the_measured_forward_at_the_runs_mean_batch() -> None:
+    row = real_row()
+    scale = step_scale(row, COEF)
+    sessions, new, context = 2.0, 5.0, 12 + 32
+    predicted = StepTimeEstimator(COEF).predict_sums(sessions * new, sessions * (context + new) * new,
+                                                     sessions * context)
+    assert scale * predicted == pytest.approx(0.012)
+    assert step_scale(real_row(batch_sessions=0.0), COEF) == 1.0
+
+
+def test_drafter_params_are_per_drafter_when_the_run_recorded_them() -> None:
+    pooled = drafter_params(real_row(), 2)
+    assert pooled[0] == pooled[1] and pooled[0][1] == pytest.approx(5e-3)
+    own = {"drafter-1": {"draft_ms_per_token": 1.0, "drafted_per_round": 2.0, "accepted_per_round": 2.0},
+           "drafter-2": {"draft_ms_per_token": 8.0, "drafted_per_round": 4.0, "accepted_per_round": 0.0}}
+    (a1, t1), (a2, t2) = drafter_params(real_row(by_drafter=own), 2)
+    assert (a1, t1) == (pytest.approx(1.0), pytest.approx(1e-3))
+    assert (a2, t2) == (pytest.approx(0.0), pytest.approx(8e-3))
+
+
+def test_a_closed_loop_row_draws_from_one_pool() -> None:
+    meta = {"drafters": [["small", 0], ["ngram", 40]], "capacity": 8}
+    spec = spec_of("fairness", real_row(), meta, COEF)
+    assert spec is not None and spec.shared_requests == 10
+    assert [d.rtt_s for d in spec.drafters] == [0.0, 0.04] and spec.cost.scale == pytest.approx(step_scale(
+        real_row(), COEF))
 
 
 def test_edge_drafters_reach_redis_through_the_edge_address() -> None:

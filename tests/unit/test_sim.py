@@ -86,6 +86,25 @@ def test_open_loop_arrivals_run_to_completion() -> None:
     assert r.committed == 3 * 10 + 32
 
 
+def test_a_shared_pool_lets_the_faster_drafter_serve_more() -> None:
+    """Closed loop through one queue: the pool's size in all, the fast drafter takes most of it."""
+    fleet = (DrafterSpec("fast", alpha=0.9, token_s=1e-4, rtt_s=0.0, max_tokens=20),
+             DrafterSpec("slow", alpha=0.9, token_s=1e-4, rtt_s=0.2, max_tokens=20))
+    r = simulate(SimSpec(drafters=fleet, cost=H100, rounds=None, duration_s=3600.0, shared_requests=12))
+    assert r.requests_done == 12
+    assert r.per_drafter_tok_s[0] > 2 * r.per_drafter_tok_s[1]
+    own = simulate(SimSpec(drafters=tuple(replace(d, requests=6) for d in fleet), cost=H100, rounds=None,
+                           duration_s=3600.0))
+    assert own.requests_done == 12 and own.per_drafter_tok_s[0] < r.per_drafter_tok_s[0]
+
+
+def test_shared_pool_is_closed_loop_only() -> None:
+    with pytest.raises(ValueError, match="closed loop"):
+        SimSpec(drafters=(DrafterSpec("a", arrivals=(0.0,)),), shared_requests=3)
+    with pytest.raises(ValueError, match=">= 0"):
+        SimSpec(drafters=(DrafterSpec("a"),), shared_requests=-1)
+
+
 # --- the real policies ----------------------------------------------------------------------------
 
 
@@ -148,6 +167,17 @@ def test_cpu_cost_reads_the_profile(tmp_path: Path) -> None:
     assert load_cpu_coef(path) == pytest.approx(CPU_PROFILE)
     with pytest.warns(UserWarning, match="DEFAULT_COEF"):
         assert load_cpu_coef(tmp_path / "missing.json") == DEFAULT_COEF
+
+
+@pytest.mark.parametrize("kind", ["cpu", "h100"])
+def test_cost_scale_multiplies_every_prediction(kind: str) -> None:
+    shapes = [SegmentShape(new=5, cached=100)] * 4
+    base, scaled = CostSpec(kind, CPU_PROFILE).build(), CostSpec(kind, CPU_PROFILE, scale=1.5).build()
+    assert scaled.predict(shapes) == pytest.approx(1.5 * base.predict(shapes))
+    assert scaled.predict_sums(20, 2100, 400) == pytest.approx(1.5 * base.predict_sums(20, 2100, 400))
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="scale"):
+            CostSpec(kind, scale=bad).build()
 
 
 def test_h100_is_monotone_in_tokens() -> None:
