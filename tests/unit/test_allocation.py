@@ -66,13 +66,17 @@ def test_greedy_favours_the_session_with_low_goodput() -> None:
 # --- the tracker (eq. 3, 4) -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("drafted", "prob", "accepted", "alpha", "goodput"), [
-    (4, 4.0, 4, 0.9 * 0.5 + 0.1 * 1.0, 0.5 * 1.0 + 0.5 * 5),
-    (4, 1.0, 0, 0.9 * 0.5 + 0.1 * 0.25, 0.5 * 1.0 + 0.5 * 1),
-    (0, 0.0, 0, 0.5, 0.5 * 1.0 + 0.5 * 1),  # no drafts: α̂ unchanged, X still moves
+@pytest.mark.parametrize(("budget", "drafted", "prob", "accepted", "alpha", "goodput"), [
+    (0, 4, 4.0, 4, 0.9 * 0.5 + 0.1 * 1.0, 0.5 * 1.0 + 0.5 * 5),
+    (4, 4, 1.0, 0, 0.9 * 0.5 + 0.1 * 0.25, 0.5 * 1.0 + 0.5 * 1),
+    (0, 0, 0.0, 0, 0.5, 0.5 * 1.0 + 0.5 * 1),  # a budget-0 round: α̂ unchanged, X still moves
+    (4, 0, 0.0, 0, 0.9 * 0.5, 0.5 * 1.0 + 0.5 * 1),  # 4 allotted, none drafted: counted as not accepted
+    (4, 2, 2.0, 2, 0.9 * 0.5 + 0.1 * 0.5, 0.5 * 1.0 + 0.5 * 3),  # 2 of 4 drafted, both accepted: 1/S_i = 1/4
 ])
-def test_tracker_ewmas(drafted: int, prob: float, accepted: int, alpha: float, goodput: float) -> None:
+def test_tracker_ewmas(budget: int, drafted: int, prob: float, accepted: int, alpha: float, goodput: float) -> None:
     t = GoodputTracker(eta=0.1, beta=0.5, alpha0=0.5, goodput0=1.0)
+    t.open("s", "d")
+    t.set_budget("s", budget)
     est = t.observe(rs("s", drafted, accepted, prob))
     assert est.alpha == pytest.approx(alpha) and est.goodput == pytest.approx(goodput)
 
@@ -207,9 +211,10 @@ def test_goodspeed_converges_to_the_joint_optimum_when_rounds_return_one_at_a_ti
     for sid in alphas:
         t.open(sid, sid)
         t.set_budget(sid, alloc.initial(sid, t))
-    for _ in range(5):
+    for _ in range(10):
         for sid, a in alphas.items():  # each round alone, with its acceptance as the observed rate
-            r = rs(sid, 4, int(4 * a), 4 * a, drafter=sid)
+            k = t.sessions[sid].budget  # it drafts its whole budget
+            r = rs(sid, k, int(k * a), k * a, drafter=sid)
             t.observe(r)
             t.set_budget(sid, alloc.assign([r], t)[sid])
     budgets = {sid: t.sessions[sid].budget for sid in alphas}

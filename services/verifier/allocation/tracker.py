@@ -4,7 +4,10 @@ GoodSpeed (goodspeed.txt §III-B) defines, for each client i after its round t:
 
 * eq. 3: α̂_i(t) = (1 − η)·α̂_i(t−1) + η·(1/S_i(t))·Σ_j min(1, p_j(s_j)/q_ij(s_j)), the smoothed
   acceptance rate from the verified tokens' acceptance probabilities (for a greedy request the
-  acceptance probability of a draft is 1 when it is the target's argmax and 0 otherwise);
+  acceptance probability of a draft is 1 when it is the target's argmax and 0 otherwise). The
+  sum is over the tokens drafted and S_i(t) is the length *allotted*: a drafter that leaves
+  budget unused (prompt lookup with no match, a controller that stops early) counts the unused
+  tokens as not accepted, so capacity moves to drafters that use it;
 * eq. 4: X_i(t) = (1 − β)·X_i(t−1) + β·x_i(t), the smoothed goodput, where x_i(t) is the round's
   accepted tokens plus the one the verifier adds.
 
@@ -67,8 +70,9 @@ class GoodputTracker:
     def observe(self, r: RoundStats) -> Estimate:
         """Fold one verified round into the session's α̂ (eq. 3) and X (eq. 4)."""
         est = self.open(r.session_id, r.drafter)
-        if r.drafted > 0:
-            rate = min(1.0, max(0.0, r.accept_prob / r.drafted))
+        allotted = max(r.drafted, est.budget)  # S_i(t): the round's budget (never below what came)
+        if allotted > 0:
+            rate = min(1.0, max(0.0, r.accept_prob / allotted))
             est.alpha = (1 - self.eta) * est.alpha + self.eta * rate
         est.goodput = (1 - self.beta) * est.goodput + self.beta * (r.accepted + 1)
         est.rounds += 1
