@@ -6,11 +6,13 @@ tokens per round (``--capacity``) under Fixed-S (C/N each), Random-S and GoodSpe
 scheduling, each in one real pinned fleet over the same seeded workload. Every drafter serves
 one session at a time, so a drafter is GoodSpeed's client.
 
-While the load runs, the verifier's ``/status`` is polled for each drafter's smoothed goodput
-X; U = Σ log X is recorded against verified rounds (the utility curve). Reported per policy:
-U over the last half of the run, the convergence round (after which U's rolling mean stays
-within ``--settle`` of that value), per-drafter goodput (tokens/s), Σ log x and Jain's index
-over them, and every metric of ``bench.run_stats``. Writes ``<out>/fairness.{json,md,png}``.
+While the load runs, the verifier's ``/status`` is polled for each drafter's smoothed goodput X
+and the tokens committed through it so far; against verified rounds it records U(x̄), the
+utility of the empirical average goodputs (the curve of GoodSpeed's Fig. 4), and Σ log X (what
+the scheduler steers by). Reported per policy: U(x̄) over the last half of the run, the
+convergence round (after which U(x̄)'s rolling mean stays within ``--settle`` of that value),
+Σ log X over the last half, per-drafter goodput (tokens/s), Σ log x and Jain's index over them,
+and every metric of ``bench.run_stats``. Writes ``<out>/fairness.{json,md,png}``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import argparse
 import contextlib
 import math
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -48,28 +51,40 @@ def parse_drafters(text: str) -> list[tuple[str, float]]:
     return out
 
 
-def utility_trace(status_url: str, stop: threading.Event, drafters: int,
-                  every_s: float = 0.25) -> list[tuple[int, float]]:
-    """(rounds, U = Σ_d log X_d) samples until ``stop``, once every drafter reported; a drafter
-    between sessions keeps its last X."""
-    trace: list[tuple[int, float]] = []
+#: one sample of the utility curve: (verified rounds, U of the smoothed X, U of the empirical average goodput)
+Sample = tuple[int, float, float]
+
+
+def utility_trace(status_url: str, stop: threading.Event, drafters: int, every_s: float = 0.25) -> list[Sample]:
+    """Samples until ``stop``, once every drafter reported:
+
+    * U_X = Σ_d log X_d, the verifier's smoothed goodputs (eq. 4, tokens per round; a drafter
+      between sessions keeps its last X): what GoodSpeed's scheduler steers by;
+    * U(x̄) = Σ_d log x̄_d with x̄_d the tokens committed through drafter d so far over the seconds
+      since the trace began: the utility of the empirical average goodput that GoodSpeed's
+      Fig. 4 plots, whose convergence the paper reports."""
+    trace: list[Sample] = []
     last: dict[str, float] = {}
+    start = time.monotonic()
     while not stop.wait(every_s):
         try:
             status = httpx.get(status_url, timeout=5).json()
         except (httpx.HTTPError, ValueError):
             continue
         last.update({name: d["goodput"] for name, d in status.get("drafters", {}).items()})
-        if len(last) >= drafters:
-            trace.append((int(status["rounds"]), sum(math.log(max(x, 1e-9)) for x in last.values())))
+        committed = status.get("committed_by_drafter", {})
+        if len(last) >= drafters and len(committed) >= drafters:
+            elapsed = time.monotonic() - start
+            trace.append((int(status["rounds"]), sum(math.log(max(x, 1e-9)) for x in last.values()),
+                          sum(math.log(max(c / elapsed, 1e-9)) for c in committed.values())))
     return trace
 
 
 @contextlib.contextmanager
-def tracing_utility(status_url: str, drafters: int) -> Iterator[list[tuple[int, float]]]:
+def tracing_utility(status_url: str, drafters: int) -> Iterator[list[Sample]]:
     """A thread records the utility trace while the block runs; the list fills when it ends."""
     stop = threading.Event()
-    trace: list[tuple[int, float]] = []
+    trace: list[Sample] = []
     poller = threading.Thread(target=lambda: trace.extend(utility_trace(status_url, stop, drafters)))
     poller.start()
     try:
@@ -107,25 +122,27 @@ def scenario(policy: str, drafters: list[tuple[str, float]], drafts: list[Path],
 
 def run_policy(target: Path, sc: Scenario, args: argparse.Namespace, edge: Edge) -> dict[str, Any]:
     """One policy's fleet at one load point (every drafter busy): its row, utility trace and settling."""
-    def traced(bf: BenchFleet) -> contextlib.AbstractContextManager[list[tuple[int, float]]]:
+    def traced(bf: BenchFleet) -> contextlib.AbstractContextManager[list[Sample]]:
         return tracing_utility(bf.urls["verifier"].replace("/metrics", "/status"), sc.drafters)
     row = sweep(target, [sc], [Point(f"@{sc.drafters}", sc.drafters, args.requests)], args, edge,
                 f"fairness {sc.name}", around=traced)[0]
     trace = row.pop("trace", [])
-    final, settled = settle_round(trace, args.settle)
-    return {**row, "utility": final, "settled_round": settled, "rounds": trace[-1][0] if trace else 0,
-            "trace": trace}
+    utility_x = sum(u for _, u, _ in trace[len(trace) // 2:]) / max(1, len(trace) - len(trace) // 2)
+    final, settled = settle_round([(r, avg) for r, _, avg in trace], args.settle)
+    return {**row, "utility_x": utility_x if trace else math.nan, "utility": final, "settled_round": settled,
+            "rounds": trace[-1][0] if trace else 0, "trace": trace}
 
 
 def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], drafters: list[tuple[str, float]]) -> list[str]:
     names = [f"drafter-{i + 1} ({k}, +{rtt:g} ms)" for i, (k, rtt) in enumerate(drafters)]
     lines = [f"Command: `{meta['command'].strip()}` ({meta['when']}; {meta['edge']}; {rows[0]['network']}).", "",
-             "| policy | U = Σ log X (last half) | converged at round | rounds | tokens/s | "
+             "| policy | U(x̄) (last half) | converged at round | U = Σ log X (last half) | rounds | tokens/s | "
              + " | ".join(f"{n} tok/s" for n in names) + " | Σ log x | Jain | acceptance | passes/token |",
-             "|---" * (9 + len(names)) + "|"]
+             "|---" * (10 + len(names)) + "|"]
     for r in rows:
         per = [r["goodput_by_drafter"].get(f"drafter-{i + 1}", 0.0) for i in range(len(names))]
-        lines.append(f"| {r['scenario']} | {r['utility']:.3f} | {r['settled_round']} | {r['rounds']} | "
+        lines.append(f"| {r['scenario']} | {r['utility']:.3f} | {r['settled_round']} | {r['utility_x']:.3f} | "
+                     f"{r['rounds']} | "
                      f"{r['goodput_tok_s']:.1f} | " + " | ".join(f"{x:.1f}" for x in per)
                      + f" | {r['sum_log_x']:.3f} | {r['jain']:.3f} | {r['acceptance']:.3f} | "
                      f"{r['passes_per_token']:.3f} |")
@@ -140,8 +157,9 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for r in rows:
-        left.plot([t[0] for t in r["trace"]], [t[1] for t in r["trace"]], label=r["scenario"])
-    left.set(xlabel="verified rounds (all drafters)", ylabel="U = Σ log X", title="utility over rounds")
+        left.plot([t[0] for t in r["trace"]], [t[2] for t in r["trace"]], label=r["scenario"])
+    left.set(xlabel="verified rounds (all drafters)", ylabel="U(x̄) = Σ log x̄ (tokens/s)",
+             title="utility of the empirical average goodput")
     left.legend()
     names = sorted({d for r in rows for d in r["goodput_by_drafter"]})
     width = 0.8 / max(1, len(rows))

@@ -5,9 +5,10 @@ Every part starts real pinned fleets (the verifier on the server CPU, the rest o
 
 * **allocation** (GoodSpeed §IV): 3 heterogeneous drafters (draft-small, draft-large, and an
   n-gram drafter), one session each, under a global budget C, with Fixed-S (C/N each),
-  Random-S and GoodSpeed. ``/status`` is polled for each drafter's smoothed goodput X; the
-  utility U = Σ log X is recorded against verified rounds. Reported: U's mean over the last
-  half of the run, and the round after which GoodSpeed's U stays within ``--settle`` of it.
+  Random-S and GoodSpeed. ``/status`` is polled (``bench.fairness.utility_trace``); the
+  utility of the empirical average goodputs, U(x̄) = Σ log x̄, is recorded against verified
+  rounds. Reported: its mean over the last half of the run, and the round after which it stays
+  within ``--settle`` of that.
 * **smartspec** (SmartSpec §5): target-only, fixed k and SmartSpec at each load of
   ``--loads``: tokens/s and the ratio to target-only at the same load.
 * **wisp** (WISP §5): FCFS and WISP batching at each load of ``--wisp-loads``, requests spread
@@ -32,7 +33,7 @@ from typing import Any
 
 from bench.client import Outcome, run_load
 from bench.edge import Edge, add_edge_flags, edge_from
-from bench.fairness import settle_round, tracing_utility
+from bench.fairness import Sample, settle_round, tracing_utility
 from bench.fleets import PROMPTS, BenchFleet, Scenario, bench_fleet, bodies
 from bench.scrape import Snapshot
 from shared.up import resolve_models
@@ -44,7 +45,7 @@ PARTS = ("allocation", "smartspec", "wisp", "trim")
 
 
 def traced_load(bf: BenchFleet, reqs: list[dict[str, Any]], concurrency: int) -> tuple[
-        list[tuple[int, float]], float, list[Outcome]]:
+        list[Sample], float, list[Outcome]]:
     """Serve ``reqs`` while a thread records the utility trace from the verifier's /status."""
     with tracing_utility(bf.urls["verifier"].replace("/metrics", "/status"), 3) as trace:
         wall, outs = asyncio.run(run_load(bf.fleet.ws_url, reqs, concurrency))
@@ -63,7 +64,7 @@ def allocation_part(models: Any, args: argparse.Namespace, edge: Edge, logs: Pat
         started = time.perf_counter()
         with bench_fleet(models.target, sc, edge, logs) as bf:
             trace, wall, outs = traced_load(bf, bodies(args.allocation_requests, 128, models.target.name), 3)
-        final, settled = settle_round(trace, args.settle)
+        final, settled = settle_round([(r, avg) for r, _, avg in trace], args.settle)
         out[policy] = {"utility": final, "settled_round": settled, "rounds": trace[-1][0] if trace else 0,
                        "tokens_per_s": sum(o.tokens for o in outs) / wall, "trace": trace,
                        "seconds": time.perf_counter() - started}
@@ -144,7 +145,7 @@ def markdown(results: dict[str, Any]) -> str:
     lines = [f"# Verifier policies ({results['meta']['when']}, edge: {results['meta']['edge']})", ""]
     if "allocation" in results:
         lines += ["## Allocation: GoodSpeed vs its baselines (3 heterogeneous drafters, one session each)", "",
-                  "| policy | U = Σ log X (last half) | settled at round | rounds | tokens/s |",
+                  "| policy | U(x̄) = Σ log x̄ (last half) | settled at round | rounds | tokens/s |",
                   "|---|---|---|---|---|"]
         lines += [f"| {p} | {r['utility']:.3f} | {r['settled_round']} | {r['rounds']} | {r['tokens_per_s']:.1f} |"
                   for p, r in results["allocation"].items()]
@@ -182,9 +183,9 @@ def plot(allocation: dict[str, Any], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     for policy, r in allocation.items():
         if r["trace"]:
-            ax.plot([t[0] for t in r["trace"]], [t[1] for t in r["trace"]], label=policy)
+            ax.plot([t[0] for t in r["trace"]], [t[2] for t in r["trace"]], label=policy)
     ax.set_xlabel("verified rounds (all drafters)")
-    ax.set_ylabel("U = Σ log X")
+    ax.set_ylabel("U(x̄) = Σ log x̄ (tokens/s)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path)

@@ -81,6 +81,17 @@ def test_tracker_ewmas(budget: int, drafted: int, prob: float, accepted: int, al
     assert est.alpha == pytest.approx(alpha) and est.goodput == pytest.approx(goodput)
 
 
+def test_tracker_counts_the_tokens_committed_through_each_drafter() -> None:
+    t = GoodputTracker()
+    t.observe(rs("a", 4, 3, drafter="small"))
+    t.observe(rs("b", 4, 0, drafter="small"))
+    t.observe(rs("c", 2, 2, drafter="ngram"))
+    t.observe(rs("d", 0, 0, drafter=None))  # target-only: nobody's
+    assert t.committed_by_drafter == {"small": (3 + 1) + (0 + 1), "ngram": 2 + 1}
+    t.forget("a")
+    assert t.committed_by_drafter["small"] == 5  # cumulative: finished sessions still count
+
+
 def test_tracker_utility_inheritance_and_detach() -> None:
     t = GoodputTracker(eta=0.5, beta=0.5)
     for _ in range(10):

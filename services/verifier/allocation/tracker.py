@@ -54,6 +54,9 @@ class GoodputTracker:
         self.alpha0, self.goodput0 = alpha0, goodput0
         self.sessions: dict[str, Estimate] = {}
         self.rounds = 0  # rounds observed in all
+        #: tokens committed through each drafter's rounds since the start (accepted drafts + the
+        #: verifier's own token): its empirical goodput x̄_i, GoodSpeed Fig. 4's utility input
+        self.committed_by_drafter: dict[str, int] = {}
         self._last_of_drafter: dict[str, Estimate] = {}
 
     def open(self, session_id: str, drafter: str | None) -> Estimate:
@@ -80,6 +83,7 @@ class GoodputTracker:
         self.rounds += 1
         if est.drafter:
             self._last_of_drafter[est.drafter] = est
+            self.committed_by_drafter[est.drafter] = self.committed_by_drafter.get(est.drafter, 0) + r.accepted + 1
         return est
 
     def set_budget(self, session_id: str, budget: int) -> None:
