@@ -8,7 +8,8 @@ the expected tokens of a round of S drafts weighted by ∇log X_i = 1/X_i, so a 
 smoothed goodput X_i is low gets more (proportional fairness). x̂_i(S+1) − x̂_i(S) = α̂_i^(S+1)
 falls as S grows: the objective is separable and concave in each S_i, so handing out tokens
 one at a time to the largest marginal gain is optimal (``greedy_lengths``, which keeps the C
-largest gains in one vectorised pass; a test checks it against brute force). α̂_i and X_i come from the shared tracker (eq. 3 and 4).
+largest gains in one vectorised pass; a test checks it against brute force). α̂_i and X_i come
+from the shared tracker (eq. 3 and 4).
 """
 
 from __future__ import annotations
