@@ -30,7 +30,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5  # 5: Draft.pause_rounds
 #: Largest frame any service accepts. A 32k-token prompt is ~200 KiB; sparse q for 64 draft
 #: positions x 4096 entries is 1.5 MiB. 4 MiB leaves room and still bounds a hostile peer.
 MAX_FRAME_BYTES = 4 * 1024 * 1024
@@ -45,6 +45,8 @@ RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
 Role = Literal["drafter", "frontend"]
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 Probability = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+#: most rounds a drafter may ask the verifier to run without it (Draft.pause_rounds)
+MAX_PAUSE_ROUNDS = 1024
 SloRate = Annotated[float, msgspec.Meta(gt=0.0, le=10_000.0)]  # tokens per second
 
 
@@ -167,6 +169,10 @@ class Draft(_Msg, tag="draft", frozen=True):
     #: the draft model's probability of each drafted token, when it computed one (AdaSpec's
     #: confidence prior: the verifier's trim policy drops the least likely tail tokens)
     confidence: Annotated[list[Probability], msgspec.Meta(max_length=MAX_DRAFT_TOKENS)] | None = None
+    #: the drafter chose to draft nothing (its controller expects no gain) and asks the verifier
+    #: not to wait for it in the next this-many rounds: they run target-only at once (budget 0,
+    #: as SmartSpec's switch-off), then the budget comes back and the drafter decides again
+    pause_rounds: Annotated[int, msgspec.Meta(ge=0, le=MAX_PAUSE_ROUNDS)] = 0
 
 
 class Verdict(_Msg, tag="verdict", frozen=True):

@@ -37,6 +37,12 @@ BUSY_RETRY_FIRST_S = 0.1
 BUSY_RETRY_MAX_S = 2.0
 
 
+#: Rounds a drafter asks the verifier to run without it when its controller chose to draft
+#: nothing although it had a budget (``Draft.pause_rounds``): long enough to save the round
+#: trips of rounds that would carry no draft, short enough to decide again soon.
+PAUSE_ROUNDS = 8
+
+
 class SessionAborted(Exception):
     """The verifier link dropped under this session; leave its delivery unacknowledged."""
 
@@ -149,8 +155,9 @@ class SessionRunner:
             session.apply_verdict(early, drafted=0)
             return
         drafted = len(proposal.token_ids)
+        pause = PAUSE_ROUNDS if budget > 0 and k == 0 and not session.drafting_disabled else 0
         await self.link.send(Draft(request_id=rid, round=session.round, token_ids=proposal.token_ids,
-                                   q=proposal.q, confidence=_confidence(proposal)))
+                                   q=proposal.q, confidence=_confidence(proposal), pause_rounds=pause))
         sent = time.perf_counter()
         self._look_ahead(session, proposal, k)
         reply = await self._reply_to_draft(session, inbox)

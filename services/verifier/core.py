@@ -243,6 +243,7 @@ class TorchCore:
                                                            f"got a draft for round {cmd.round}"))
             return
         req.draft_ids, req.draft_q, req.draft_conf = cmd.token_ids, cmd.q, cmd.confidence
+        req.pause_left = cmd.pause_rounds
         req.draft_wait_s = max(0.0, cmd.received_at - req.waiting_since)
         self.metrics.draft_wait.observe(req.draft_wait_s)
         req.mark_ready()
@@ -334,6 +335,10 @@ class TorchCore:
         started = time.perf_counter()
         budgets = self.allocator.assign(rounds, self.tracker) if rounds else {}
         self.metrics.allocation_time.observe(time.perf_counter() - started)
+        for req, _ in step.verify:  # rounds the drafter asked to run without it: budget 0
+            if req.pause_left > 0 and req.request_id in budgets:
+                budgets[req.request_id] = 0
+                req.pause_left -= 1
         for sid, budget in budgets.items():
             self.tracker.set_budget(sid, min(budget, self.limits.max_draft_tokens))
         if rounds:

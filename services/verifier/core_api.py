@@ -42,6 +42,7 @@ class AddDraft:
     q: list[CheckedQ] | None  # checked and parsed by intake
     received_at: float  # time.perf_counter() when the frame arrived
     confidence: list[float] | None = None  # the draft model's probability of each token (AdaSpec trim)
+    pause_rounds: int = 0  # the drafter asks not to be waited for in the next this-many rounds
 
 
 @dataclass(frozen=True)

@@ -113,7 +113,8 @@ class Intake:
             except DraftError as exc:  # verifying as ids-only is still exactly lossless
                 log.warning("draft q refused; verifying ids-only", request_id=rid, reason=str(exc))
         confidence = msg.confidence if msg.confidence and len(msg.confidence) == len(msg.token_ids) else None
-        self._submit(conn_id, AddDraft(rid, msg.round, list(msg.token_ids), q, received_at, confidence))
+        self._submit(conn_id, AddDraft(rid, msg.round, list(msg.token_ids), q, received_at, confidence,
+                                       msg.pause_rounds))
         return None
 
     def _detach(self, conn_id: str, request_id: str) -> None:

@@ -52,6 +52,7 @@ class Request:
     drafter: str = ""  # node id of the drafter serving it ("" when target-only)
     slo_tokens_per_s: float | None = None  # token-speed SLO (WISP batching); None: best effort
     draft_wait_s: float = 0.0  # how long this round waited for its draft
+    pause_left: int = 0  # rounds still to run target-only at the drafter's request (Draft.pause_rounds)
     finish_reason: FinishReason | None = None
     drafted: int = 0
     accepted: int = 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.drafter.control import ControlSettings, make_controller
-from services.drafter.control.adaspec import AdaSpecState, Calibration, RoundClock, efficiency
+from services.drafter.control.adaspec import PROBE_EVERY, AdaSpecState, Calibration, RoundClock, efficiency
 from services.drafter.control.base import StepDecision, StepFeatures
 
 
@@ -89,3 +89,15 @@ def test_an_unmeasured_drafter_drafts_the_budget() -> None:
     controller = make_controller("adaspec", ControlSettings())
     assert controller.begin_round(5) == 5
     assert controller.on_step(_step(0, 0.01)) is StepDecision.CONTINUE
+
+
+def test_a_controller_that_declines_probes_with_one_token_now_and_then() -> None:
+    """Declined rounds teach nothing; every PROBE_EVERY-th decline drafts one token instead, and
+    a probe whose token is accepted confidently lets drafting resume."""
+    controller, state = _controller(_clock(0.002, 0.005, 0.001), confident=False)
+    ks = [controller.begin_round(6) for _ in range(2 * PROBE_EVERY)]  # type: ignore[attr-defined]
+    assert ks == ([0] * (PROBE_EVERY - 1) + [1]) * 2
+    for _ in range(200):  # the probes come back accepted with high confidence: history changes
+        state.calibration.observe([0.95], accepted=1)
+    assert controller.begin_round(6) == 6  # type: ignore[attr-defined]
+    assert state.declined == 0

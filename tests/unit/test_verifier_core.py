@@ -242,6 +242,25 @@ def test_rounds_with_budget_zero_run_target_only_without_waiting(target: LoadedM
     assert [r.drafted for r in h.of(Rounded, "s")][:4] == [2, 0, 2, 0]  # type: ignore[attr-defined]
 
 
+def test_a_drafter_pause_runs_that_many_rounds_target_only_then_drafts_again(target: LoadedModel) -> None:
+    h = Harness(target)  # Fixed-S: budget 3 every round
+    p = prompt(7, 6)
+    ref = greedy_reference(target.model, p, GREEDY.max_tokens, target.eos_ids)
+    h.core.submit(AddRequest("s", p, GREEDY, speculative=True))
+    h.turn()
+    req = h.core.requests["s"]
+    h.core.submit(AddDraft("s", req.round, [], None, 0.0, pause_rounds=3))  # nothing drafted; do not wait
+    h.turn()
+    budgets = [h.of(Rounded, "s")[-1].draft_budget]  # type: ignore[attr-defined]
+    for _ in range(3):  # three rounds run without waiting for a draft
+        assert h.core.requests["s"].status is Status.READY
+        h.turn()
+        budgets.append(h.of(Rounded, "s")[-1].draft_budget)  # type: ignore[attr-defined]
+    assert budgets == [0, 0, 0, 3]
+    assert h.core.requests["s"].status is Status.WAITING_DRAFT  # the budget is back
+    assert h.tokens("s") == ref[: len(h.tokens("s"))] and len(h.tokens("s")) == 4
+
+
 def test_adaspec_trim_verifies_only_the_drafts_worth_their_cost(target: LoadedModel) -> None:
     expensive = StepTimeEstimator(coef=(5e-3, 0.0, 0.0, 1e-3))  # each fed token costs 5x a step's fixed cost
     h = Harness(target, trim=make_trim("adaspec"), estimator=expensive)

@@ -14,6 +14,11 @@ predicted to lower it. Predict, execute, correct (§5.1): before each draft step
 confidence is predicted as the historical mean at that position; after the step, its actual
 confidence replaces the prediction. The clock and the calibration are shared by all sessions
 of one drafter; each session's controller keeps only its round.
+
+When no draft is worth it, the round drafts nothing and the drafter asks the verifier to run
+the next rounds without waiting for it (``Draft.pause_rounds``, ``rounds.PAUSE_ROUNDS``); every
+``PROBE_EVERY``-th such decision drafts one token instead, so that the calibration keeps
+learning and drafting resumes when it pays again.
 """
 
 from __future__ import annotations
@@ -23,6 +28,10 @@ from dataclasses import dataclass, field
 from services.drafter.control.base import StepDecision, StepFeatures
 
 BINS = 10  # confidence bins of the calibration
+#: after this many rounds in a row that the controller chose not to draft, it drafts one token:
+#: a round that drafts nothing teaches the calibration nothing, so without a probe a controller
+#: whose estimates once fell too low would never draft again
+PROBE_EVERY = 4
 ALPHA = 0.05  # weight of a new observation in the moving averages
 MAX_POSITIONS = 64
 
@@ -99,6 +108,7 @@ class AdaSpecState:
 
     clock: RoundClock = field(default_factory=RoundClock)
     calibration: Calibration = field(default_factory=Calibration)
+    declined: int = 0  # rounds in a row (over all sessions) that drafting was judged not worth it
 
 
 def efficiency(alphas: list[float], clock: RoundClock) -> float:
@@ -125,7 +135,14 @@ class AdaSpecController:
         self._alphas, self._confs, self._budget = [], [], budget
         if budget <= 0 or self.shared.clock.draft_token_s == 0:  # nothing measured yet: draft the budget
             return max(0, budget)
-        return budget if self._worth_one_more() else 0
+        if self._worth_one_more():
+            self.shared.declined = 0
+            return budget
+        self.shared.declined += 1
+        if self.shared.declined >= PROBE_EVERY:  # probe: one token keeps the estimates learning
+            self.shared.declined = 0
+            return 1
+        return 0
 
     def on_step(self, step: StepFeatures) -> StepDecision:
         self._confs.append(step.token_prob)  # correct: the executed token's own confidence

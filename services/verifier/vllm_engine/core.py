@@ -12,7 +12,8 @@ process. Rounds are mapped onto vLLM's continuous decoding by :mod:`rounds`. Wha
 apply: vLLM's scheduler forms the batches, so ``--batching`` and ``--trim`` (and the step-time
 estimator) have no effect here; the draft-length allocators do (their budgets cap each
 session's drafts). vLLM verifies every draft as one-hot q, which is lossless for any q; the
-q that drafters send is not used.
+q that drafters send is not used. A Draft's ``pause_rounds`` needs nothing here: vLLM never
+waits for drafts.
 """
 
 from __future__ import annotations
