@@ -231,3 +231,24 @@ def test_goodspeed_converges_to_the_joint_optimum_when_rounds_return_one_at_a_ti
     budgets = {sid: t.sessions[sid].budget for sid in alphas}
     assert sum(budgets.values()) <= 12 and all(b > 0 for b in budgets.values())
     assert budgets == alloc.targets(t)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_tracker_keeps_its_totals_as_sessions_come_change_and_go(seed: int) -> None:
+    """Σ S_i and the speculating count are kept incrementally; they always equal a recount."""
+    rng = random.Random(seed)
+    t = GoodputTracker()
+    for _ in range(2000):
+        sid, op = f"s{rng.randrange(30)}", rng.randrange(6)
+        if op == 0:
+            t.open(sid, rng.choice([None, "", "a", "b"]))
+        elif op == 1:
+            t.set_budget(sid, rng.randrange(8))
+        elif op == 2:
+            t.detach(sid)
+        elif op == 3:
+            t.forget(sid)
+        else:
+            t.observe(rs(sid, drafter=rng.choice([None, "a", "b"])))
+        assert t.budget_total == sum(e.budget for e in t.sessions.values())
+        assert t.speculative() == sum(1 for e in t.sessions.values() if e.drafter)

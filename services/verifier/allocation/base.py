@@ -59,5 +59,5 @@ def free_capacity(capacity: int, rounds: Sequence[RoundStats], tracker: GoodputT
     """Tokens of the global budget C not promised to sessions outside ``rounds``: those keep the
     budget they were sent until their own round comes back, so Σ S_i ≤ C holds at every moment."""
     mine = {r.session_id for r in rounds}
-    held = sum(est.budget for sid, est in tracker.sessions.items() if sid not in mine)
+    held = tracker.budget_total - sum(tracker.sessions[sid].budget for sid in mine if sid in tracker.sessions)
     return max(0, capacity - held)

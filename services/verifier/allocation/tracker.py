@@ -54,6 +54,10 @@ class GoodputTracker:
         self.alpha0, self.goodput0 = alpha0, goodput0
         self.sessions: dict[str, Estimate] = {}
         self.rounds = 0  # rounds observed in all
+        #: Σ S_i over the live sessions and how many have a drafter, kept as estimates change, so
+        #: that an allocation over thousands of sessions does not re-add them every round
+        self.budget_total = 0
+        self._speculative = 0
         #: tokens committed through each drafter's rounds since the start (accepted drafts + the
         #: verifier's own token): its empirical goodput x̄_i, GoodSpeed Fig. 4's utility input
         self.committed_by_drafter: dict[str, int] = {}
@@ -66,7 +70,9 @@ class GoodputTracker:
             prior = self._last_of_drafter.get(drafter) if drafter else None
             alpha, goodput = (prior.alpha, prior.goodput) if prior else (self.alpha0, self.goodput0)
             est = self.sessions[session_id] = Estimate(drafter, alpha, goodput)
+            self._speculative += bool(drafter)
         elif drafter and est.drafter != drafter:
+            self._speculative += not est.drafter
             est.drafter = drafter  # resumed by another drafter
         return est
 
@@ -89,17 +95,24 @@ class GoodputTracker:
     def set_budget(self, session_id: str, budget: int) -> None:
         est = self.sessions.get(session_id)
         if est is not None:
+            self.budget_total += budget - est.budget
             est.budget = budget
 
     def detach(self, session_id: str) -> None:
         """The session lost its drafter: it decodes target-only and holds no draft budget."""
         est = self.sessions.get(session_id)
         if est is not None:
+            self.budget_total -= est.budget
+            self._speculative -= bool(est.drafter)
             est.budget, est.drafter = 0, None
 
     def forget(self, session_id: str) -> None:
         est = self.sessions.pop(session_id, None)
-        if est is not None and est.drafter:
+        if est is None:
+            return
+        self.budget_total -= est.budget
+        self._speculative -= bool(est.drafter)
+        if est.drafter:
             self._last_of_drafter[est.drafter] = Estimate(est.drafter, est.alpha, est.goodput)
 
     def sum_log_x(self) -> float:
@@ -108,7 +121,7 @@ class GoodputTracker:
 
     def speculative(self) -> int:
         """Live sessions that have a drafter."""
-        return sum(1 for est in self.sessions.values() if est.drafter)
+        return self._speculative
 
     def by_drafter(self) -> dict[str, DrafterSummary]:
         groups: dict[str, list[Estimate]] = {}
