@@ -134,14 +134,19 @@ def run_policy(target: Path, sc: Scenario, args: argparse.Namespace, edge: Edge)
 
 
 def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], drafters: list[tuple[str, float]]) -> list[str]:
+    """The results table. Rounds count every drafter's rounds; "per drafter" divides by N, the
+    unit of GoodSpeed's iterations (one round of every client)."""
     names = [f"drafter-{i + 1} ({k}, +{rtt:g} ms)" for i, (k, rtt) in enumerate(drafters)]
     lines = [f"Command: `{meta['command'].strip()}` ({meta['when']}; {meta['edge']}; {rows[0]['network']}).", "",
-             "| policy | U(x̄) (last half) | converged at round | U = Σ log X (last half) | rounds | tokens/s | "
+             "| policy | U(x̄) (last half) | converged at round (per drafter) | U = Σ log X (last half) | rounds | "
+             "tokens/s | "
              + " | ".join(f"{n} tok/s" for n in names) + " | Σ log x | Jain | acceptance | passes/token |",
              "|---" * (10 + len(names)) + "|"]
     for r in rows:
         per = [r["goodput_by_drafter"].get(f"drafter-{i + 1}", 0.0) for i in range(len(names))]
-        lines.append(f"| {r['scenario']} | {r['utility']:.3f} | {r['settled_round']} | {r['utility_x']:.3f} | "
+        settled = r["settled_round"]
+        when = "never" if settled is None else f"{settled} ({settled / len(names):.0f})"
+        lines.append(f"| {r['scenario']} | {r['utility']:.3f} | {when} | {r['utility_x']:.3f} | "
                      f"{r['rounds']} | "
                      f"{r['goodput_tok_s']:.1f} | " + " | ".join(f"{x:.1f}" for x in per)
                      + f" | {r['sum_log_x']:.3f} | {r['jain']:.3f} | {r['acceptance']:.3f} | "
