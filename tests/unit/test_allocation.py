@@ -16,7 +16,7 @@ from services.verifier.allocation import (
     RoundStats,
     make_allocator,
 )
-from services.verifier.allocation.goodspeed import expected_tokens, greedy_lengths
+from services.verifier.allocation.goodspeed import expected_tokens, greedy_lengths, length_at, solve
 from services.verifier.allocation.smartspec import DraftWaitModel, best_length
 from services.verifier.batching.estimator import SegmentShape, StepTimeEstimator
 
@@ -55,6 +55,33 @@ def test_greedy_marginal_gain_is_optimal_against_brute_force(seed: int) -> None:
     assert sum(lengths) <= capacity and all(0 <= s <= max_len for s in lengths)
     got = sum(w * expected_tokens(a, s) for a, w, s in zip(alphas, weights, lengths, strict=True))
     assert got == pytest.approx(brute_force(alphas, weights, capacity, max_len))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_each_sessions_length_is_what_the_solves_marginal_value_gives_it(seed: int) -> None:
+    """The threshold ``solve`` reports prices a draft token: at it, each session's own count of
+    tokens worth at least that is its solved length (ties aside), so a new session can be given
+    its share in O(1) (GoodSpeedAllocator.initial)."""
+    rng = random.Random(seed)
+    n = rng.randint(2, 40)
+    alphas = [rng.uniform(0.05, 0.95) for _ in range(n)]
+    weights = [rng.uniform(0.1, 2.0) for _ in range(n)]
+    lengths, threshold = solve(alphas, weights, rng.randint(1, 4 * n), 12)
+    for a, w, k in zip(alphas, weights, lengths, strict=True):
+        assert length_at(a, w, threshold, 12) == k  # random gains: no ties
+
+
+def test_goodspeed_prices_a_new_session_from_the_last_solve() -> None:
+    t = GoodputTracker(eta=1.0, beta=1.0)
+    alloc = make_allocator("goodspeed", AllocationSettings(draft_len=4, capacity=6, max_len=16))
+    assert alloc.initial("x", t) == 4  # no solve yet: draft_len, within C
+    for sid, a in (("a", 0.9), ("b", 0.3)):
+        t.open(sid, sid)
+        t.observe(rs(sid, 4, int(4 * a), 4 * a, drafter=sid))
+    share = alloc.targets(t)["a"]  # one joint solve, over a and b
+    t.open("c", "c")
+    t.sessions["c"].alpha, t.sessions["c"].goodput = 0.9, t.sessions["a"].goodput  # a twin of a
+    assert alloc.initial("c", t) == min(share, 6 - t.budget_total) > 0
 
 
 def test_greedy_favours_the_session_with_low_goodput() -> None:

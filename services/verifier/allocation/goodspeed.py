@@ -40,22 +40,37 @@ def greedy_lengths(alphas: Sequence[float], weights: Sequence[float], capacity: 
     sessions and C = 4,000 on this CPU). Tokens with no gain stay unused; tokens whose gain ties
     the last one kept go to the earliest sessions.
     """
+    return solve(alphas, weights, capacity, max_len)[0]
+
+
+def solve(alphas: Sequence[float], weights: Sequence[float], capacity: int, max_len: int) -> tuple[list[int], float]:
+    """:func:`greedy_lengths`, and the smallest gain it kept (0.0 when every useful token fit):
+    the marginal value of a draft token at this optimum."""
     n = len(alphas)
     if n == 0 or capacity <= 0 or max_len <= 0:
-        return [0] * n
+        return [0] * n, float("inf")
     alpha = np.clip(np.asarray(alphas, dtype=float), 0.0, 1.0)
     gains = np.asarray(weights, dtype=float)[:, None] * alpha[:, None] ** np.arange(1, max_len + 1)
     useful = gains > 0
     if int(useful.sum()) <= capacity:  # every token that gains anything fits
-        return [int(k) for k in useful.sum(axis=1)]
+        return [int(k) for k in useful.sum(axis=1)], 0.0
     flat = gains.ravel()
     last = flat.size - capacity
-    threshold = np.partition(flat, last)[last]  # the capacity-th largest gain (> 0 here)
+    threshold = float(np.partition(flat, last)[last])  # the capacity-th largest gain (> 0 here)
     lengths = (gains > threshold).sum(axis=1)
     spare = capacity - int(lengths.sum())  # filled by tokens that tie the threshold, earliest sessions first
     ties = (gains == threshold).sum(axis=1)
     lengths += np.minimum(ties, np.maximum(0, spare - (np.cumsum(ties) - ties)))
-    return [int(k) for k in lengths]
+    return [int(k) for k in lengths], threshold
+
+
+def length_at(alpha: float, weight: float, threshold: float, max_len: int) -> int:
+    """How many tokens one session would get at a given marginal value: #{s ≤ max_len : w·α^s ≥ threshold}
+    (computed as :func:`solve` computes gains, so a session's own threshold token counts)."""
+    if max_len <= 0:
+        return 0
+    gains = np.float64(weight) * np.clip(np.float64(alpha), 0.0, 1.0) ** np.arange(1, max_len + 1)
+    return int(((gains > 0) & (gains >= threshold)).sum())
 
 
 class GoodSpeedAllocator:
@@ -65,17 +80,30 @@ class GoodSpeedAllocator:
         if draft_len < 0 or capacity < 0 or max_len < 0:
             raise ValueError("draft_len, capacity and max_len must be >= 0")
         self.draft_len, self.capacity, self.max_len = draft_len, capacity, max_len
+        self._threshold: float | None = None  # the last solve's smallest kept gain (None: no solve yet)
 
     def targets(self, tracker: GoodputTracker) -> dict[str, int]:
         """Problem (5) solved over every speculating session with the whole budget C."""
-        live = [(sid, e) for sid, e in tracker.sessions.items() if e.drafter]
-        lengths = greedy_lengths([e.alpha for _, e in live], [1.0 / max(e.goodput, 1e-9) for _, e in live],
-                                 capacity_for(self.capacity, self.draft_len, tracker), self.max_len)
-        return {sid: s for (sid, _), s in zip(live, lengths, strict=True)}
+        sids, alphas, goodputs = [], [], []
+        for sid, e in tracker.sessions.items():
+            if e.drafter:
+                sids.append(sid)
+                alphas.append(e.alpha)
+                goodputs.append(e.goodput)
+        weights = 1.0 / np.maximum(np.asarray(goodputs, dtype=float), 1e-9)
+        lengths, self._threshold = solve(alphas, weights.tolist(), capacity_for(self.capacity, self.draft_len, tracker),
+                                         self.max_len)
+        return dict(zip(sids, lengths, strict=True))
 
     def initial(self, session_id: str, tracker: GoodputTracker) -> int:
+        """A new session's first budget, in O(1): what the last joint solve's marginal value of a
+        draft token gives it (``draft_len`` before any solve), within the free capacity. Its own
+        returning round puts it in the next joint solve."""
         free = free_capacity(capacity_for(self.capacity, self.draft_len, tracker), [], tracker)
-        return min(self.targets(tracker).get(session_id, self.draft_len), free)
+        est = tracker.sessions.get(session_id)
+        if self._threshold is None or est is None:
+            return min(self.draft_len, self.max_len, free)
+        return min(length_at(est.alpha, 1.0 / max(est.goodput, 1e-9), self._threshold, self.max_len), free)
 
     def assign(self, rounds: Sequence[RoundStats], tracker: GoodputTracker) -> dict[str, int]:
         free = free_capacity(capacity_for(self.capacity, self.draft_len, tracker), rounds, tracker)
