@@ -3,8 +3,9 @@
 Both ``/v1/chat/completions`` and ``/v1/completions`` (and the WebSocket stream, which takes the
 same bodies) end up as a :class:`GenerationRequest`: token ids plus validated SamplingParams.
 Every way a body can be wrong becomes a 400 in the OpenAI error shape naming the offending
-``param``, checked here, before anything is queued. Unknown fields are ignored, as OpenAI-
-compatible servers do, so stock clients that send extra options keep working.
+``param``, checked here, before anything is queued. No field is silently ignored: every body
+first passes :func:`services.coordinator.fields.check_fields`, which refuses fields specfleet
+does not implement (unless sent with their neutral value) and fields nobody knows.
 """
 
 from __future__ import annotations
@@ -12,16 +13,16 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from services.coordinator.errors import invalid_request, model_not_found
+from services.coordinator.fields import Kind, check_fields
 from services.coordinator.model_info import ModelInfo
 from shared.protocol import SamplingParams
 from shared.sampling import SamplingError, validate
 
-Kind = Literal["chat", "completion"]
 B = TypeVar("B", bound="_CommonBody")
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP = 16  # shared.protocol.SamplingParams bounds
@@ -113,6 +114,7 @@ def _validated(cls: type[B], data: dict[str, Any]) -> B:
 async def build_request(kind: Kind, data: dict[str, Any], model: ModelInfo, max_model_len: int) -> GenerationRequest:
     """Validate an OpenAI body of the given kind and tokenize its prompt."""
     body: _CommonBody
+    check_fields(kind, data)
     if kind == "chat":
         chat = _validated(ChatBody, data)
         _check_common(chat, model)
