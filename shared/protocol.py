@@ -30,7 +30,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5  # 5: SamplingParams.logprobs/logprobs_mode, TokenEvent.logprobs
 #: Largest frame any service accepts. A 32k-token prompt is ~200 KiB; sparse q for 64 draft
 #: positions x 4096 entries is 1.5 MiB. 4 MiB leaves room and still bounds a hostile peer.
 MAX_FRAME_BYTES = 4 * 1024 * 1024
@@ -45,6 +45,8 @@ RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
 Role = Literal["drafter", "frontend"]
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 Probability = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+#: most alternatives a request may ask logprobs for at each position (OpenAI's top_logprobs limit)
+MAX_LOGPROBS = 20
 SloRate = Annotated[float, msgspec.Meta(gt=0.0, le=10_000.0)]  # tokens per second
 
 
@@ -73,6 +75,20 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     stop: Annotated[list[Annotated[str, msgspec.Meta(min_length=1, max_length=256)]], msgspec.Meta(max_length=16)] = []
     stop_token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=64)] = []
     ignore_eos: bool = False
+    #: None: no logprobs; N: each generated token's logprob and the N most likely alternatives
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    #: "raw": the target's log-softmax before any sampling processing (as vLLM v1's default);
+    #: "processed": the log of the distribution actually sampled from (after temperature/top-k/top-p)
+    logprobs_mode: Literal["raw", "processed"] = "raw"
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """One generated token's logprob under the verifier's p, and the most likely alternatives
+    there (``top_ids`` most likely first, ``top_logprobs`` theirs)."""
+
+    logprob: float
+    top_ids: list[TokenId]
+    top_logprobs: list[float]
 
 
 class SparseQ(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -226,6 +242,8 @@ class TokenEvent(_Msg, tag="token_event", frozen=True):
     drafted_tokens: int = 0  # cumulative for this request
     accepted_tokens: int = 0  # cumulative for this request
     error: str = ""
+    #: one entry per token of ``token_ids`` when the request asked for logprobs, else None
+    logprobs: list[TokenLogprob] | None = None
 
 
 class FleetStatus(_Msg, tag="fleet_status", frozen=True):

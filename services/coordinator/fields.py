@@ -77,8 +77,9 @@ FIELDS: dict[str, Field] = {
     "parallel_tool_calls": Field(CHAT, "accepted", "has no effect without tools"),
     "prompt_cache_key": Field(CHAT, "accepted", "a caching hint; the verifier caches prefixes on its own"),
     # --- not yet: refused unless neutral ----------------------------------------------------
-    "logprobs": Field(BOTH, "refused", "logprobs " + _NOT_YET, _is(False)),
-    "top_logprobs": Field(CHAT, "refused", "top_logprobs " + _NOT_YET, _is(0)),
+    "logprobs": Field(BOTH, "implemented"),
+    "top_logprobs": Field(CHAT, "implemented"),
+    "logprobs_mode": Field(BOTH, "implemented"),
     "prompt_logprobs": Field(BOTH, "refused", "prompt_logprobs " + _NOT_YET),
     "echo": Field(BOTH, "refused", "echo " + _NOT_YET, _is(False)),
     "presence_penalty": Field(BOTH, "refused", "presence_penalty " + _NOT_YET, _is(0, 0.0)),

@@ -13,14 +13,14 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from typing import Any, Literal, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from services.coordinator.errors import invalid_request, model_not_found
 from services.coordinator.fields import Kind, check_fields
 from services.coordinator.model_info import ModelInfo
-from shared.protocol import SamplingParams
+from shared.protocol import MAX_LOGPROBS, SamplingParams
 from shared.sampling import SamplingError, validate
 
 B = TypeVar("B", bound="_CommonBody")
@@ -65,15 +65,20 @@ class _CommonBody(_Strict):
     #: extension (specfleet): the request's SLO class, a token-speed target the verifier's WISP
     #: batching schedules against (``--batching wisp``); None: the verifier's default class
     slo_tokens_per_s: float | None = Field(default=None, gt=0.0, le=10_000.0)
+    #: extension (specfleet; vLLM has it as a server flag): which distribution logprobs come from
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] | None = None
 
 
 class ChatBody(_CommonBody):
     messages: list[ChatMessage] | None = None
     max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
 
 class CompletionBody(_CommonBody):
     prompt: str | list[str] | list[int] | list[list[int]] | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
 
 @dataclass(frozen=True)
@@ -215,6 +220,19 @@ def _stop_ids(ids: list[int] | None, model: ModelInfo) -> list[int]:
     return ids
 
 
+def _logprobs(body: _CommonBody) -> int | None:
+    """How many alternatives to return logprobs for (None: no logprobs at all)."""
+    if isinstance(body, ChatBody):
+        if body.top_logprobs and not body.logprobs:
+            raise invalid_request("top_logprobs needs logprobs=true", "top_logprobs")
+        n = (body.top_logprobs or 0) if body.logprobs else None
+    else:
+        n = cast(CompletionBody, body).logprobs
+    if body.logprobs_mode is not None and n is None:
+        raise invalid_request("logprobs_mode only applies together with logprobs", "logprobs_mode")
+    return n
+
+
 def _sampling_params(body: _CommonBody, max_tokens: int, model: ModelInfo) -> SamplingParams:
     top_k = body.top_k if body.top_k is not None else 0
     if top_k == -1 or top_k >= model.vocab_size:  # -1 is vLLM's "disabled"; >= vocab keeps everything
@@ -228,4 +246,6 @@ def _sampling_params(body: _CommonBody, max_tokens: int, model: ModelInfo) -> Sa
         stop=_stop_strings(body.stop),
         stop_token_ids=_stop_ids(body.stop_token_ids, model),
         ignore_eos=bool(body.ignore_eos),
+        logprobs=_logprobs(body),
+        logprobs_mode="processed" if body.logprobs_mode == "processed_logprobs" else "raw",
     )

@@ -12,8 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from services.coordinator.generation import Collected
+from services.coordinator.logprobs import LogprobsFormatter
 from services.coordinator.openai_api import Kind
-from shared.protocol import TokenEvent
+from shared.protocol import TokenEvent, TokenLogprob
 
 
 def usage(final: TokenEvent) -> dict[str, int]:
@@ -42,6 +44,8 @@ class Responder:
     model: str
     created: int
     include_usage: bool = False
+    #: set when the request asked for logprobs
+    logprobs: LogprobsFormatter | None = None
 
     @property
     def id(self) -> str:
@@ -50,34 +54,46 @@ class Responder:
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def full(self, text: str, final: TokenEvent) -> dict[str, Any]:
+    def _logprobs(self, token_ids: list[int], logprobs: list[TokenLogprob] | None) -> dict[str, Any] | None:
+        if self.logprobs is None:
+            return None
+        if logprobs is None or len(logprobs) != len(token_ids):
+            raise ValueError("the verifier sent no logprobs for a request that asked for them")
+        return self.logprobs.format(token_ids, logprobs)
+
+    def full(self, done: Collected) -> dict[str, Any]:
         """The non-streaming response."""
+        text, final = done.text, done.final
         reason = finish_reason(final)
+        logprobs = self._logprobs(done.token_ids, done.logprobs)
         if self.kind == "chat":
             body = self._head("chat.completion")
             choice: dict[str, Any] = {
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": reason,
             }
         else:
             body = self._head("text_completion")
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
         body.update(choices=[choice], usage=usage(final), specfleet=speculation(final))
         return body
 
-    def chunk(self, text: str, reason: str | None = None, first: bool = False) -> dict[str, Any]:
-        """One stream chunk adding ``text``; ``first`` opens the chat message with its role."""
+    def chunk(self, text: str, reason: str | None = None, first: bool = False,
+              event: TokenEvent | None = None) -> dict[str, Any]:
+        """One stream chunk adding ``text`` (and the logprobs of ``event``'s tokens, when asked);
+        ``first`` opens the chat message with its role."""
+        logprobs = self._logprobs(event.token_ids, event.logprobs) if event is not None else None
         if self.kind == "chat":
             out = self._head("chat.completion.chunk")
             delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {}
             if text and not first:
                 delta["content"] = text
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         else:
             out = self._head("text_completion")
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
         out["choices"] = [choice]
         if self.include_usage:
             out["usage"] = None

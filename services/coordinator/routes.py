@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse
 
 from services.coordinator.errors import ApiError, unauthorized
 from services.coordinator.generation import ClientGone, Submission, collect
+from services.coordinator.logprobs import LogprobsFormatter
 from services.coordinator.metrics import CONTENT_TYPE, RequestTimer
 from services.coordinator.openai_api import Kind, parse_json
 from services.coordinator.responses import Responder
@@ -47,7 +48,8 @@ async def _complete(kind: Kind, request: Request) -> Response:
         if not state.authorized(request.headers.get("authorization")):
             raise unauthorized()
         req, sub = await state.start(kind, lambda: _read_json(request))
-        responder = Responder(kind, sub.request_id, req.model, int(time.time()), req.include_usage)
+        formatter = LogprobsFormatter(kind, state.model.token_strings) if req.params.logprobs is not None else None
+        responder = Responder(kind, sub.request_id, req.model, int(time.time()), req.include_usage, formatter)
         if req.stream:
             return await _stream(request, sub, responder, timer)
         try:
@@ -55,7 +57,7 @@ async def _complete(kind: Kind, request: Request) -> Response:
         finally:
             sub.close()
         timer.finish(200)
-        return JSONResponse(responder.full(*body))
+        return JSONResponse(responder.full(body))
     except ApiError as exc:
         timer.finish(exc.status)
         return exc.response()

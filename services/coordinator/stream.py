@@ -22,6 +22,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from services.coordinator.errors import ApiError, invalid_request, unauthorized
 from services.coordinator.generation import ClientGone, Submission
+from services.coordinator.logprobs import LogprobsFormatter
 from services.coordinator.metrics import CoordinatorMetrics, RequestTimer
 from services.coordinator.openai_api import Kind, parse_json
 from services.coordinator.responses import Responder, finish_reason, speculation, usage
@@ -45,8 +46,8 @@ async def sse_body(
         if responder.kind == "chat":
             yield sse(responder.chunk("", first=True))
         async for event in sub.events():
-            if event.text:
-                yield sse(responder.chunk(event.text))
+            if event.text or (responder.logprobs is not None and event.token_ids):
+                yield sse(responder.chunk(event.text, event=event))
             if event.finished:
                 yield sse(responder.chunk("", finish_reason(event)))
                 if responder.include_usage:
@@ -145,12 +146,13 @@ async def _serve_frame(ws: WebSocket, state: CoordinatorState, conn: _Conn, fram
     status = 499
     try:
         kind, body = _parse_frame(frame)
-        _, sub = await state.start(kind, lambda: _loaded(body))
+        req, sub = await state.start(kind, lambda: _loaded(body))
+        formatter = LogprobsFormatter(kind, state.model.token_strings) if req.params.logprobs is not None else None
         conn.current = sub
         if conn.gone:  # the client left while we were tokenizing or queueing
             sub.abort("the client closed the WebSocket")
         try:
-            status = await _relay(ws, sub, state.metrics)
+            status = await _relay(ws, sub, state.metrics, formatter)
         finally:
             conn.current = None
             sub.close()
@@ -181,14 +183,18 @@ def _parse_frame(frame: str | bytes) -> tuple[Kind, dict[str, Any]]:
     return cast(Kind, kind), body
 
 
-async def _relay(ws: WebSocket, sub: Submission, metrics: CoordinatorMetrics) -> int:
+async def _relay(ws: WebSocket, sub: Submission, metrics: CoordinatorMetrics,
+                 logprobs: LogprobsFormatter | None = None) -> int:
     """Forward the submission's events as frames; the status it ended with (499: client gone)."""
     rid = sub.request_id
     try:
         async for event in sub.events():
             if event.token_ids or event.text:
-                await ws.send_text(_dump({"type": "token", "request_id": rid, "text": event.text,
-                                          "token_ids": list(event.token_ids)}))
+                frame: dict[str, Any] = {"type": "token", "request_id": rid, "text": event.text,
+                                         "token_ids": list(event.token_ids)}
+                if logprobs is not None:
+                    frame["logprobs"] = logprobs.format(list(event.token_ids), list(event.logprobs or []))
+                await ws.send_text(_dump(frame))
             if event.finished:
                 await ws.send_text(_dump({"type": "done", "request_id": rid, "finish_reason": finish_reason(event),
                                           "usage": usage(event), "specfleet": speculation(event)}))

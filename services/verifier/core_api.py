@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from shared.draft_q import CheckedQ
-from shared.protocol import FinishReason, SamplingParams
+from shared.protocol import FinishReason, SamplingParams, TokenLogprob
 
 # --- commands (event loop -> core) ---------------------------------------------------------
 
@@ -101,6 +101,7 @@ class Rounded:
     finish_reason: FinishReason | None
     draft_budget: int
     error: str = ""
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked for logprobs
 
 
 @dataclass(frozen=True)

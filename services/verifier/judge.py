@@ -17,12 +17,14 @@ The rules themselves are the pure functions of ``shared.acceptance``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from services.verifier.logprobs import round_logprobs
 from services.verifier.requests import Request
 from shared.acceptance import accepted_prefix, one_hot, residual, verify_greedy
+from shared.protocol import TokenLogprob
 from shared.sampling import probs_from_logit_rows, sample
 
 
@@ -33,6 +35,8 @@ class Verdict:
     #: Σ over every draft of its acceptance probability min(1, p/q) (GoodSpeed eq. 3); for a
     #: greedy request 1 where the draft is the target's argmax given the drafts before it, else 0
     accept_prob: float = 0.0
+    #: the logprobs of ``tokens`` when the request asked for them (services.verifier.logprobs)
+    logprobs: list[TokenLogprob] | None = None
 
 
 def judge(batch: Sequence[tuple[Request, list[int]]], logits: torch.Tensor) -> list[Verdict]:
@@ -55,7 +59,11 @@ def judge(batch: Sequence[tuple[Request, list[int]]], logits: torch.Tensor) -> l
         for i, verdict in zip(sampled, _judge_sampled([batch[i] for i in sampled], [starts[i] for i in sampled],
                                                       logits), strict=True):
             out[i] = verdict
-    return [v for v in out if v is not None]
+    verdicts = [v for v in out if v is not None]
+    if any(req.params.logprobs is not None for req, _ in batch):  # read off the same rows: no extra pass
+        logprobs = round_logprobs(batch, logits, [v.tokens for v in verdicts])
+        verdicts = [replace(v, logprobs=lp) for v, lp in zip(verdicts, logprobs, strict=True)]
+    return verdicts
 
 
 def _judge_sampled(batch: Sequence[tuple[Request, list[int]]], starts: list[int],

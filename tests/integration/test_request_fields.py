@@ -28,7 +28,7 @@ README = Path(__file__).resolve().parents[2] / "services" / "coordinator" / "REA
 #: a value asking for something of every refused field (the test fails if a refused field lacks one)
 ASKING: dict[str, Any] = {
     "store": True, "service_tier": "flex",
-    "logprobs": 2, "top_logprobs": 2, "prompt_logprobs": 1, "echo": True,
+    "prompt_logprobs": 1, "echo": True,
     "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.2, "logit_bias": {"5": 10},
     "best_of": 2, "response_format": {"type": "json_object"}, "guided_json": {"type": "object"},
     "guided_regex": "[a-z]+", "guided_choice": ["yes", "no"], "guided_grammar": "root ::= 'a'",
@@ -49,7 +49,7 @@ ASKING: dict[str, Any] = {
 #: neutral values of refused fields: they ask for nothing, and stock clients send them
 NEUTRAL: list[tuple[str, Any]] = [
     ("presence_penalty", 0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0), ("logit_bias", {}),
-    ("logprobs", False), ("logprobs", None), ("top_logprobs", 0), ("echo", False), ("tools", []),
+    ("echo", False), ("tools", []),
     ("tool_choice", "none"), ("response_format", {"type": "text"}), ("store", False), ("service_tier", "auto"),
     ("best_of", 1), ("min_p", 0.0), ("skip_special_tokens", True), ("use_beam_search", False),
 ]
@@ -78,8 +78,6 @@ def test_every_refused_field_has_a_value_to_ask_with() -> None:
 @pytest.mark.parametrize(("name", "kind"), refused_cases(), ids=[f"{n}-{k}" for n, k in refused_cases()])
 def test_refused_field_is_a_400_naming_it(client: TestClient, name: str, kind: str) -> None:
     body = {**base(kind), name: ASKING[name]}
-    if name == "top_logprobs":
-        body["logprobs"] = False  # top_logprobs alone must still be refused by its own name
     resp = client.post(PATHS[kind], json=body)
     assert resp.status_code == 400, resp.text
     err = resp.json()["error"]

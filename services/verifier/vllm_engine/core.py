@@ -121,6 +121,10 @@ class VllmCore:
         if rid in self.sessions:
             self._results.append(Refused(rid, "invalid", f"request {rid} is already being generated"))
             return
+        if cmd.params.logprobs is not None:  # vLLM's own logprobs come per output, not per verified position
+            self._results.append(Refused(rid, "invalid", "logprobs are not supported by the verifier's vLLM backend "
+                                                         "(--backend vllm); use the torch backend or drop logprobs"))
+            return
         if len(self.sessions) >= self.limits.max_sessions:
             raise CoreBusy(f"the vLLM core holds {self.limits.max_sessions} sessions")
         if cmd.speculative:
