@@ -81,7 +81,7 @@ FIELDS: dict[str, Field] = {
     "top_logprobs": Field(CHAT, "implemented"),
     "logprobs_mode": Field(BOTH, "implemented"),
     "prompt_logprobs": Field(BOTH, "refused", "prompt_logprobs " + _NOT_YET),
-    "echo": Field(BOTH, "refused", "echo " + _NOT_YET, _is(False)),
+    "echo": Field(BOTH, "implemented"),
     "presence_penalty": Field(BOTH, "refused", "presence_penalty " + _NOT_YET, _is(0, 0.0)),
     "frequency_penalty": Field(BOTH, "refused", "frequency_penalty " + _NOT_YET, _is(0, 0.0)),
     "repetition_penalty": Field(BOTH, "refused", "repetition_penalty " + _NOT_YET, _is(1, 1.0)),
@@ -140,8 +140,7 @@ FIELDS: dict[str, Field] = {
 #: the fields of ``stream_options``
 STREAM_OPTIONS: dict[str, Field] = {
     "include_usage": Field(BOTH, "implemented"),
-    "continuous_usage_stats": Field(BOTH, "refused", "stream_options.continuous_usage_stats " + _NOT_YET,
-                                    _is(False)),
+    "continuous_usage_stats": Field(BOTH, "implemented"),
 }
 
 

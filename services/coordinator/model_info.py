@@ -69,6 +69,11 @@ class ModelInfo:
         with self._lock:
             return _ids(self.tokenizer(text))
 
+    def decode_text(self, ids: list[int]) -> str:
+        """Token ids as text (special tokens kept), e.g. a prompt sent as ids, for ``echo``."""
+        with self._lock:
+            return str(self.tokenizer.decode(ids))
+
     def token_strings(self, ids: list[int]) -> list[str]:
         """Each token's own text (special tokens included), as logprobs responses name tokens.
 

@@ -37,6 +37,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # extension (vLLM): usage on every chunk
 
 
 class ContentPart(_Strict):
@@ -62,6 +63,7 @@ class _CommonBody(_Strict):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = False  # extension (vLLM)
+    echo: bool | None = False  # completions: OpenAI; chat: extension (vLLM)
     #: extension (specfleet): the request's SLO class, a token-speed target the verifier's WISP
     #: batching schedules against (``--batching wisp``); None: the verifier's default class
     slo_tokens_per_s: float | None = Field(default=None, gt=0.0, le=10_000.0)
@@ -92,6 +94,10 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     slo_tokens_per_s: float | None = None
+    #: text the response starts with before the generated text (``echo``): the prompt, or for
+    #: chat the last message's content when it is the assistant's (as vLLM)
+    echo: str = ""
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
 
 
 def parse_json(raw: bytes | str) -> dict[str, Any]:
@@ -125,12 +131,14 @@ async def build_request(kind: Kind, data: dict[str, Any], model: ModelInfo, max_
         _check_common(chat, model)
         messages = _chat_messages(chat.messages)
         prompt_ids = await asyncio.to_thread(model.encode_chat, messages)
+        echo = messages[-1]["content"] if chat.echo and messages[-1]["role"] == "assistant" else ""
         max_tokens = chat.max_completion_tokens if chat.max_completion_tokens is not None else chat.max_tokens
         prompt_param, body = "messages", chat
     else:
         comp = _validated(CompletionBody, data)
         _check_common(comp, model)
         prompt_ids = await _completion_ids(comp.prompt, model)
+        echo = await _echo_prompt(comp, prompt_ids, model) if comp.echo else ""
         max_tokens = comp.max_tokens
         prompt_param, body = "prompt", comp
     if not prompt_ids:
@@ -143,9 +151,23 @@ async def build_request(kind: Kind, data: dict[str, Any], model: ModelInfo, max_
         validate(params, len(prompt_ids), max_model_len)
     except SamplingError as exc:
         raise invalid_request(str(exc), prompt_param if exc.param in ("messages", "prompt") else exc.param) from None
-    include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
-    return GenerationRequest(kind, model.served_name, prompt_ids, params, bool(body.stream), include_usage,
-                             body.slo_tokens_per_s)
+    options = body.stream_options if body.stream else None
+    return GenerationRequest(kind, model.served_name, prompt_ids, params, bool(body.stream),
+                             bool(options and options.include_usage), body.slo_tokens_per_s, echo,
+                             bool(options and options.continuous_usage_stats))
+
+
+async def _echo_prompt(body: CompletionBody, prompt_ids: list[int], model: ModelInfo) -> str:
+    """The prompt as text, for ``echo``: as sent, or decoded when it was sent as token ids."""
+    if body.logprobs is not None:
+        raise invalid_request("echo together with logprobs needs the prompt's logprobs, which are not supported "
+                              "yet; drop echo or logprobs", "echo")
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        return prompt[0]
+    return await asyncio.to_thread(model.decode_text, prompt_ids)
 
 
 def _check_common(body: _CommonBody, model: ModelInfo) -> None:

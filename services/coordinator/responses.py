@@ -46,6 +46,9 @@ class Responder:
     include_usage: bool = False
     #: set when the request asked for logprobs
     logprobs: LogprobsFormatter | None = None
+    echo: str = ""  # the text the choice starts with (``echo``)
+    continuous_usage: bool = False  # every chunk carries the usage so far
+    prompt_tokens: int = 0
 
     @property
     def id(self) -> str:
@@ -63,7 +66,7 @@ class Responder:
 
     def full(self, done: Collected) -> dict[str, Any]:
         """The non-streaming response."""
-        text, final = done.text, done.final
+        text, final = self.echo + done.text, done.final
         reason = finish_reason(final)
         logprobs = self._logprobs(done.token_ids, done.logprobs)
         if self.kind == "chat":
@@ -81,9 +84,10 @@ class Responder:
         return body
 
     def chunk(self, text: str, reason: str | None = None, first: bool = False,
-              event: TokenEvent | None = None) -> dict[str, Any]:
+              event: TokenEvent | None = None, generated: int = 0) -> dict[str, Any]:
         """One stream chunk adding ``text`` (and the logprobs of ``event``'s tokens, when asked);
-        ``first`` opens the chat message with its role."""
+        ``first`` opens the chat message with its role; ``generated``: tokens so far, for
+        continuous usage."""
         logprobs = self._logprobs(event.token_ids, event.logprobs) if event is not None else None
         if self.kind == "chat":
             out = self._head("chat.completion.chunk")
@@ -95,7 +99,10 @@ class Responder:
             out = self._head("text_completion")
             choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
         out["choices"] = [choice]
-        if self.include_usage:
+        if self.continuous_usage:
+            out["usage"] = {"prompt_tokens": self.prompt_tokens, "completion_tokens": generated,
+                            "total_tokens": self.prompt_tokens + generated}
+        elif self.include_usage:
             out["usage"] = None
         return out
 

@@ -49,7 +49,8 @@ async def _complete(kind: Kind, request: Request) -> Response:
             raise unauthorized()
         req, sub = await state.start(kind, lambda: _read_json(request))
         formatter = LogprobsFormatter(kind, state.model.token_strings) if req.params.logprobs is not None else None
-        responder = Responder(kind, sub.request_id, req.model, int(time.time()), req.include_usage, formatter)
+        responder = Responder(kind, sub.request_id, req.model, int(time.time()), req.include_usage, formatter,
+                              req.echo, req.continuous_usage, len(req.prompt_ids))
         if req.stream:
             return await _stream(request, sub, responder, timer)
         try:

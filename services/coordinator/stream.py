@@ -43,13 +43,17 @@ async def sse_body(
     """The SSE byte stream of one request; always closes the submission and the timer."""
     status = 499  # if the client goes away, this generator is cancelled before setting another
     try:
+        generated = 0
         if responder.kind == "chat":
             yield sse(responder.chunk("", first=True))
+        if responder.echo:
+            yield sse(responder.chunk(responder.echo))
         async for event in sub.events():
+            generated += len(event.token_ids)
             if event.text or (responder.logprobs is not None and event.token_ids):
-                yield sse(responder.chunk(event.text, event=event))
+                yield sse(responder.chunk(event.text, event=event, generated=generated))
             if event.finished:
-                yield sse(responder.chunk("", finish_reason(event)))
+                yield sse(responder.chunk("", finish_reason(event), generated=generated))
                 if responder.include_usage:
                     yield sse(responder.usage_chunk(event))
             if event.text or event.finished:  # resumed here: the server's send of its bytes returned
@@ -152,7 +156,7 @@ async def _serve_frame(ws: WebSocket, state: CoordinatorState, conn: _Conn, fram
         if conn.gone:  # the client left while we were tokenizing or queueing
             sub.abort("the client closed the WebSocket")
         try:
-            status = await _relay(ws, sub, state.metrics, formatter)
+            status = await _relay(ws, sub, state.metrics, formatter, req.echo)
         finally:
             conn.current = None
             sub.close()
@@ -184,10 +188,13 @@ def _parse_frame(frame: str | bytes) -> tuple[Kind, dict[str, Any]]:
 
 
 async def _relay(ws: WebSocket, sub: Submission, metrics: CoordinatorMetrics,
-                 logprobs: LogprobsFormatter | None = None) -> int:
-    """Forward the submission's events as frames; the status it ended with (499: client gone)."""
+                 logprobs: LogprobsFormatter | None = None, echo: str = "") -> int:
+    """Forward the submission's events as frames (after the ``echo`` text, if any); the status it
+    ended with (499: client gone)."""
     rid = sub.request_id
     try:
+        if echo:
+            await ws.send_text(_dump({"type": "token", "request_id": rid, "text": echo, "token_ids": []}))
         async for event in sub.events():
             if event.token_ids or event.text:
                 frame: dict[str, Any] = {"type": "token", "request_id": rid, "text": event.text,

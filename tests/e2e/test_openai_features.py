@@ -9,6 +9,7 @@ logprobs of a sampled request equal the log of the distribution sampled from.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -133,3 +134,84 @@ def test_sampled_logprobs_in_each_mode(stack: Stack, target: LoadedModel, mode: 
     for j, token in enumerate(ids):
         assert abs(logprobs[j] - float(want[j, token])) < TOL, f"position {j}"
         assert max(tops[j].values()) == pytest.approx(float(want[j].max()), abs=TOL)
+
+
+def greedy_text(target: LoadedModel, prompt_ids: list[int], n: int) -> str:
+    ref = greedy_reference(target.model, prompt_ids, n, target.eos_ids)
+    return str(target.tokenizer.decode(ref, skip_special_tokens=True))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_echo(client: Any, target: LoadedModel, stream: bool) -> None:
+    prompt = "def parse("
+    ids = list(target.tokenizer(prompt)["input_ids"])
+    want = greedy_text(target, ids, 12)
+    for sent, echoed in [(prompt, prompt), (ids, target.tokenizer.decode(ids))]:
+        kwargs: dict[str, Any] = dict(model="target", prompt=sent, max_tokens=12, temperature=0, echo=True)
+        if stream:
+            text = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs) if c.choices)
+        else:
+            text = client.completions.create(**kwargs).choices[0].text
+        assert text == echoed + want
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_echo_repeats_a_final_assistant_message(client: Any, stream: bool) -> None:
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "class Q"}]
+    kwargs: dict[str, Any] = dict(model="target", messages=messages, max_tokens=8, temperature=0)
+    plain = client.chat.completions.create(**kwargs).choices[0].message.content
+    if stream:
+        echoed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            stream=True, extra_body={"echo": True}, **kwargs) if c.choices)
+    else:
+        echoed = client.chat.completions.create(extra_body={"echo": True}, **kwargs).choices[0].message.content
+    assert echoed == "class Q" + plain
+
+
+def test_echo_with_logprobs_is_refused(client: Any) -> None:
+    from openai import BadRequestError
+
+    with pytest.raises(BadRequestError) as err:
+        client.completions.create(model="target", prompt="x", max_tokens=2, echo=True, logprobs=1)
+    assert err.value.body["param"] == "echo"  # type: ignore[index]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_ends_the_text_before_it(client: Any, target: LoadedModel, stream: bool) -> None:
+    prompt = "import os\n"
+    full = greedy_text(target, list(target.tokenizer(prompt)["input_ids"]), 30)
+    found = re.search(r"[a-z]{2}", full[4:])
+    assert found, f"no stop string to pick from {full!r}"
+    stop = found.group()
+    kwargs: dict[str, Any] = dict(model="target", prompt=prompt, max_tokens=30, temperature=0, stop=[stop])
+    if stream:
+        chunks = [c.choices[0] for c in client.completions.create(stream=True, **kwargs) if c.choices]
+        text, reason = "".join(c.text for c in chunks), chunks[-1].finish_reason
+    else:
+        choice = client.completions.create(**kwargs).choices[0]
+        text, reason = choice.text, choice.finish_reason
+    assert text == full[: full.index(stop)] and reason == "stop"
+
+
+def test_seed_gives_the_same_sample_streaming_or_not(client: Any) -> None:
+    kwargs: dict[str, Any] = dict(model="target", prompt="class ", max_tokens=20, temperature=1.0, seed=11)
+    plain = client.completions.create(**kwargs).choices[0].text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs) if c.choices)
+    other = client.completions.create(**{**kwargs, "seed": 12}).choices[0].text
+    assert plain == streamed and plain != other
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_continuous_usage_stats(client: Any, kind: str) -> None:
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    common: dict[str, Any] = dict(model="target", max_tokens=10, temperature=0, stream=True, stream_options=options)
+    if kind == "chat":
+        chunks = list(client.chat.completions.create(messages=[{"role": "user", "content": "x = ["}], **common))
+    else:
+        chunks = list(client.completions.create(prompt="x = [", **common))
+    assert all(c.usage is not None for c in chunks)
+    done = [c.usage.completion_tokens for c in chunks]
+    assert done == sorted(done) and done[-1] == chunks[-1].usage.completion_tokens > 0
+    assert (done[0] == 0) == (kind == "chat")  # only chat has a role chunk before any token
+    assert not chunks[-1].choices  # the include_usage chunk still ends the stream
+    assert len({c.usage.prompt_tokens for c in chunks}) == 1
