@@ -30,7 +30,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 5  # 5: SamplingParams.logprobs/logprobs_mode, TokenEvent.logprobs
+PROTOCOL_VERSION = 5  # 5: SamplingParams logprobs and penalties, TokenEvent.logprobs
 #: Largest frame any service accepts. A 32k-token prompt is ~200 KiB; sparse q for 64 draft
 #: positions x 4096 entries is 1.5 MiB. 4 MiB leaves room and still bounds a hostile peer.
 MAX_FRAME_BYTES = 4 * 1024 * 1024
@@ -47,6 +47,8 @@ FinishReason = Literal["stop", "length", "cancelled", "error"]
 Probability = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 #: most alternatives a request may ask logprobs for at each position (OpenAI's top_logprobs limit)
 MAX_LOGPROBS = 20
+#: most tokens one request's logit_bias may list
+MAX_LOGIT_BIAS = 1024
 SloRate = Annotated[float, msgspec.Meta(gt=0.0, le=10_000.0)]  # tokens per second
 
 
@@ -80,6 +82,12 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     #: "raw": the target's log-softmax before any sampling processing (as vLLM v1's default);
     #: "processed": the log of the distribution actually sampled from (after temperature/top-k/top-p)
     logprobs_mode: Literal["raw", "processed"] = "raw"
+    #: penalties on the target's logits (shared.penalties): OpenAI's, and vLLM's repetition_penalty
+    presence_penalty: Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)] = 0.0
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=10.0)] = 1.0
+    logit_bias: Annotated[dict[TokenId, Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]],
+                          msgspec.Meta(max_length=MAX_LOGIT_BIAS)] = {}
 
 
 class TokenLogprob(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):

@@ -64,6 +64,10 @@ class _CommonBody(_Strict):
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = False  # extension (vLLM)
     echo: bool | None = False  # completions: OpenAI; chat: extension (vLLM)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # extension (vLLM)
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias added to its logit
     #: extension (specfleet): the request's SLO class, a token-speed target the verifier's WISP
     #: batching schedules against (``--batching wisp``); None: the verifier's default class
     slo_tokens_per_s: float | None = Field(default=None, gt=0.0, le=10_000.0)
@@ -242,6 +246,17 @@ def _stop_ids(ids: list[int] | None, model: ModelInfo) -> list[int]:
     return ids
 
 
+def _logit_bias(bias: dict[str, float] | None, model: ModelInfo) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        try:
+            out[int(key)] = float(value)
+        except ValueError:
+            raise invalid_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+    model.check_ids(list(out), "logit_bias")
+    return out
+
+
 def _logprobs(body: _CommonBody) -> int | None:
     """How many alternatives to return logprobs for (None: no logprobs at all)."""
     if isinstance(body, ChatBody):
@@ -269,5 +284,9 @@ def _sampling_params(body: _CommonBody, max_tokens: int, model: ModelInfo) -> Sa
         stop_token_ids=_stop_ids(body.stop_token_ids, model),
         ignore_eos=bool(body.ignore_eos),
         logprobs=_logprobs(body),
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        logit_bias=_logit_bias(body.logit_bias, model),
         logprobs_mode="processed" if body.logprobs_mode == "processed_logprobs" else "raw",
     )

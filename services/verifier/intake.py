@@ -87,6 +87,8 @@ class Intake:
         vocab = self.core.vocab_size
         if max(msg.prompt_ids) >= vocab:
             return f"prompt token id {max(msg.prompt_ids)} is outside the vocabulary of {vocab}"
+        if msg.params.logit_bias and max(msg.params.logit_bias) >= vocab:
+            return f"logit_bias token id {max(msg.params.logit_bias)} is outside the vocabulary of {vocab}"
         try:
             validate(msg.params, len(msg.prompt_ids), self.core.max_model_len)
         except SamplingError as exc:

@@ -24,6 +24,7 @@ import torch
 from services.verifier.logprobs import round_logprobs
 from services.verifier.requests import Request
 from shared.acceptance import accepted_prefix, one_hot, residual, verify_greedy
+from shared.penalties import apply_penalties, has_penalties
 from shared.protocol import TokenLogprob
 from shared.sampling import probs_from_logit_rows, sample
 
@@ -39,8 +40,10 @@ class Verdict:
     logprobs: list[TokenLogprob] | None = None
 
 
-def judge(batch: Sequence[tuple[Request, list[int]]], logits: torch.Tensor) -> list[Verdict]:
-    """Verdicts for ``batch`` (request, drafts verified) whose rows fill ``logits`` in order."""
+def judge(batch: Sequence[tuple[Request, list[int]]], raw: torch.Tensor) -> list[Verdict]:
+    """Verdicts for ``batch`` (request, drafts verified) whose rows fill ``raw`` (the target's
+    logits) in order. Sessions with penalties are judged on their penalised rows."""
+    logits = penalized(batch, raw)
     starts, row = [], 0
     for _, drafts in batch:
         starts.append(row)
@@ -61,9 +64,24 @@ def judge(batch: Sequence[tuple[Request, list[int]]], logits: torch.Tensor) -> l
             out[i] = verdict
     verdicts = [v for v in out if v is not None]
     if any(req.params.logprobs is not None for req, _ in batch):  # read off the same rows: no extra pass
-        logprobs = round_logprobs(batch, logits, [v.tokens for v in verdicts])
+        logprobs = round_logprobs(batch, raw, logits, [v.tokens for v in verdicts])
         verdicts = [replace(v, logprobs=lp) for v, lp in zip(verdicts, logprobs, strict=True)]
     return verdicts
+
+
+def penalized(batch: Sequence[tuple[Request, list[int]]], logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` with each session's penalties applied to its rows, row j counting the session's
+    drafts before it as generated (shared.penalties); ``logits`` itself when none has any."""
+    if not any(has_penalties(req.params) for req, _ in batch):
+        return logits
+    out, start = logits.float().clone(), 0
+    for req, drafts in batch:
+        end = start + len(drafts) + 1
+        if has_penalties(req.params):
+            out[start:end] = apply_penalties(out[start:end], req.params, req.committed[: req.prompt_len],
+                                             req.committed[req.prompt_len :], drafts)
+        start = end
+    return out
 
 
 def _judge_sampled(batch: Sequence[tuple[Request, list[int]]], starts: list[int],

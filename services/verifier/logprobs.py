@@ -6,9 +6,10 @@ one log-softmax and one top-k over those rows. Two modes, as vLLM v1 offers them
 
 * ``raw`` (the default): ``log_softmax(logits)``, the target's distribution before any sampling
   processing: what the model itself thinks, independent of temperature, top-k and top-p;
-* ``processed``: the log of the distribution the token was actually drawn from (after
-  temperature, top-k and top-p; tokens cut away have logprob -inf). A greedy request samples
-  from no distribution, so its processed logprobs are the raw ones, as in vLLM.
+* ``processed``: the log of the distribution the token was actually drawn from (after the
+  penalties, temperature, top-k and top-p; tokens cut away have logprob -inf). A greedy request
+  samples from no distribution: its processed logprobs are the log-softmax of its penalised
+  logits, as in vLLM.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ from shared.protocol import TokenLogprob
 from shared.sampling import probs_from_logit_rows
 
 
-def round_logprobs(batch: Sequence[tuple[Request, list[int]]], logits: torch.Tensor,
+def round_logprobs(batch: Sequence[tuple[Request, list[int]]], raw: torch.Tensor, processed: torch.Tensor,
                    tokens: Sequence[list[int]]) -> list[list[TokenLogprob] | None]:
-    """Per session of ``batch``: the logprobs of its round's ``tokens`` (None if it asked for none).
+    """Per session of ``batch``: the logprobs of its round's ``tokens`` (None if it asked for none),
+    from the target's ``raw`` logits or the ``processed`` ones (penalties applied), as it asked.
 
     Session i's rows start where the rows of the sessions before it end (k + 1 rows for k
     drafts); its j-th committed token sits on row j, the row that predicted it.
@@ -32,7 +34,7 @@ def round_logprobs(batch: Sequence[tuple[Request, list[int]]], logits: torch.Ten
     out: list[list[TokenLogprob] | None] = []
     start = 0
     for (req, drafts), toks in zip(batch, tokens, strict=True):
-        rows = logits[start : start + len(toks)]
+        rows = (raw if req.params.logprobs_mode == "raw" else processed)[start : start + len(toks)]
         start += len(drafts) + 1
         out.append(None if req.params.logprobs is None else _logprobs(req, rows, toks))
     return out

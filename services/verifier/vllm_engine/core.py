@@ -41,7 +41,7 @@ from services.verifier.core_api import (
     Rounded,
 )
 from services.verifier.metrics import VerifierMetrics
-from services.verifier.vllm_engine.engine import vllm_sampling
+from services.verifier.vllm_engine.engine import vllm_sampling, vllm_unsupported
 from services.verifier.vllm_engine.rounds import LiveSession, Resolved
 from shared.log import get_logger
 from shared.protocol import FinishReason
@@ -121,9 +121,10 @@ class VllmCore:
         if rid in self.sessions:
             self._results.append(Refused(rid, "invalid", f"request {rid} is already being generated"))
             return
-        if cmd.params.logprobs is not None:  # vLLM's own logprobs come per output, not per verified position
-            self._results.append(Refused(rid, "invalid", "logprobs are not supported by the verifier's vLLM backend "
-                                                         "(--backend vllm); use the torch backend or drop logprobs"))
+        unsupported = vllm_unsupported(cmd.params)
+        if unsupported:
+            self._results.append(Refused(rid, "invalid", f"{', '.join(unsupported)}: not supported by the verifier's "
+                                                         "vLLM backend (--backend vllm); use the torch backend"))
             return
         if len(self.sessions) >= self.limits.max_sessions:
             raise CoreBusy(f"the vLLM core holds {self.limits.max_sessions} sessions")
