@@ -63,7 +63,7 @@ FIELDS: dict[str, Field] = {
     "stop": Field(BOTH, "implemented"),
     "stop_token_ids": Field(BOTH, "implemented"),
     "ignore_eos": Field(BOTH, "implemented"),
-    "n": Field(BOTH, "implemented"),  # only 1; openai_api.py refuses any other value
+    "n": Field(BOTH, "implemented"),
     "stream": Field(BOTH, "implemented"),
     "stream_options": Field(BOTH, "implemented"),  # its own fields: STREAM_OPTIONS
     "slo_tokens_per_s": Field(BOTH, "implemented"),
@@ -75,7 +75,7 @@ FIELDS: dict[str, Field] = {
     "service_tier": Field(CHAT, "refused", "only 'auto' and 'default' service tiers exist here",
                           _is("auto", "default")),
     "parallel_tool_calls": Field(CHAT, "accepted", "has no effect without tools"),
-    "prompt_cache_key": Field(CHAT, "accepted", "a caching hint; the verifier caches prefixes on its own"),
+    "prompt_cache_key": Field(CHAT, "accepted", "a caching hint; it cannot change the output"),
     # --- not yet: refused unless neutral ----------------------------------------------------
     "logprobs": Field(BOTH, "implemented"),
     "top_logprobs": Field(CHAT, "implemented"),
@@ -86,7 +86,7 @@ FIELDS: dict[str, Field] = {
     "frequency_penalty": Field(BOTH, "implemented"),
     "repetition_penalty": Field(BOTH, "implemented"),
     "logit_bias": Field(BOTH, "implemented"),
-    "best_of": Field(COMP, "refused", "best_of " + _NOT_YET, _is(1)),
+    "best_of": Field(COMP, "refused", "best_of " + _NEVER + " (use n)", _is(1)),
     "response_format": Field(BOTH, "refused", "structured output (response_format) " + _NOT_YET,
                              lambda v: v is None or v == {"type": "text"}),
     "guided_json": Field(BOTH, "refused", "guided_json " + _NOT_YET),

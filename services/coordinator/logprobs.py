@@ -5,7 +5,8 @@
 
 A token's text is its own decoding (special tokens included). Logprobs of -inf (a token the
 processed distribution cut away) become -9999.0, as vLLM sends them: JSON has no infinity.
-One :class:`LogprobsFormatter` per request keeps ``text_offset`` running across stream chunks.
+One :class:`LogprobsFormatter` per request keeps each choice's ``text_offset`` running across
+stream chunks.
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ class LogprobsFormatter:
     def __init__(self, kind: Kind, token_strings: Callable[[list[int]], list[str]], text_offset: int = 0) -> None:
         self.kind = kind
         self.strings = token_strings
-        self.offset = text_offset  # completions: where the next token's text starts in the choice's text
+        self.start = text_offset
+        self.offsets: dict[int, int] = {}  # completions, per choice: where its next token's text starts
 
-    def format(self, token_ids: list[int], logprobs: list[TokenLogprob]) -> dict[str, Any]:
+    def format(self, token_ids: list[int], logprobs: list[TokenLogprob], index: int = 0) -> dict[str, Any]:
         """The ``logprobs`` object of a choice covering ``token_ids`` (one chunk's, or the whole text)."""
         if len(token_ids) != len(logprobs):
             raise ValueError(f"{len(token_ids)} tokens but {len(logprobs)} logprobs entries")
@@ -38,10 +40,11 @@ class LogprobsFormatter:
         tops = [self.strings(lp.top_ids) for lp in logprobs]
         if self.kind == "chat":
             return {"content": [_chat_entry(t, lp, top) for t, lp, top in zip(texts, logprobs, tops, strict=True)]}
-        offsets = []
+        offsets, at = [], self.offsets.get(index, self.start)
         for t in texts:
-            offsets.append(self.offset)
-            self.offset += len(t)
+            offsets.append(at)
+            at += len(t)
+        self.offsets[index] = at
         return {
             "tokens": texts,
             "token_logprobs": [_finite(lp.logprob) for lp in logprobs],

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, TypeVar, cast
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from services.coordinator.errors import invalid_request, model_not_found
@@ -28,6 +29,7 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP = 16  # shared.protocol.SamplingParams bounds
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
+MAX_N = 16  # most choices one request may ask for
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
 
 
@@ -102,6 +104,15 @@ class GenerationRequest:
     #: chat the last message's content when it is the assistant's (as vLLM)
     echo: str = ""
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
+    n: int = 1  # choices: independent sessions (see choice)
+
+    def choice(self, index: int) -> GenerationRequest:
+        """The request of choice ``index``: choice i of a seeded request uses seed + i (as vLLM),
+        so the choices differ and the whole response is reproducible."""
+        seed = self.params.seed
+        if index == 0 or seed is None:
+            return self
+        return replace(self, params=msgspec.structs.replace(self.params, seed=seed + index))
 
 
 def parse_json(raw: bytes | str) -> dict[str, Any]:
@@ -158,7 +169,7 @@ async def build_request(kind: Kind, data: dict[str, Any], model: ModelInfo, max_
     options = body.stream_options if body.stream else None
     return GenerationRequest(kind, model.served_name, prompt_ids, params, bool(body.stream),
                              bool(options and options.include_usage), body.slo_tokens_per_s, echo,
-                             bool(options and options.continuous_usage_stats))
+                             bool(options and options.continuous_usage_stats), body.n or 1)
 
 
 async def _echo_prompt(body: CompletionBody, prompt_ids: list[int], model: ModelInfo) -> str:
@@ -177,8 +188,8 @@ async def _echo_prompt(body: CompletionBody, prompt_ids: list[int], model: Model
 def _check_common(body: _CommonBody, model: ModelInfo) -> None:
     if body.model is not None and body.model != model.served_name:
         raise model_not_found(body.model, model.served_name)
-    if body.n is not None and body.n != 1:
-        raise invalid_request(f"n={body.n} is not supported; specfleet generates exactly one choice (n=1)", "n")
+    if body.n is not None and not 1 <= body.n <= MAX_N:
+        raise invalid_request(f"n must be in [1, {MAX_N}], got {body.n}", "n")
     if body.stream_options is not None and not body.stream:
         raise invalid_request("stream_options is only allowed together with stream=true", "stream_options")
 

@@ -28,6 +28,7 @@ from services.coordinator.openai_api import Kind, parse_json
 from services.coordinator.responses import Responder, finish_reason, speculation, usage
 from services.coordinator.state import CoordinatorState
 from shared.log import get_logger
+from shared.protocol import TokenEvent
 
 log = get_logger("coordinator.stream")
 DONE = b"data: [DONE]\n\n"
@@ -38,26 +39,29 @@ def sse(obj: dict[str, Any]) -> bytes:
 
 
 async def sse_body(
-    sub: Submission, responder: Responder, timer: RequestTimer, metrics: CoordinatorMetrics
+    subs: list[Submission], responder: Responder, timer: RequestTimer, metrics: CoordinatorMetrics
 ) -> AsyncIterator[bytes]:
-    """The SSE byte stream of one request; always closes the submission and the timer."""
+    """The SSE byte stream of one request (one submission per choice); always closes the
+    submissions and the timer."""
     status = 499  # if the client goes away, this generator is cancelled before setting another
     try:
-        generated = 0
-        if responder.kind == "chat":
-            yield sse(responder.chunk("", first=True))
-        if responder.echo:
-            yield sse(responder.chunk(responder.echo))
-        async for event in sub.events():
+        generated, finals = 0, {}
+        for i in range(len(subs)):
+            if responder.kind == "chat":
+                yield sse(responder.chunk("", first=True, index=i))
+            if responder.echo:
+                yield sse(responder.chunk(responder.echo, index=i))
+        async for i, event in merged(subs):
             generated += len(event.token_ids)
             if event.text or (responder.logprobs is not None and event.token_ids):
-                yield sse(responder.chunk(event.text, event=event, generated=generated))
+                yield sse(responder.chunk(event.text, event=event, generated=generated, index=i))
             if event.finished:
-                yield sse(responder.chunk("", finish_reason(event), generated=generated))
-                if responder.include_usage:
-                    yield sse(responder.usage_chunk(event))
+                finals[i] = event
+                yield sse(responder.chunk("", finish_reason(event), generated=generated, index=i))
             if event.text or event.finished:  # resumed here: the server's send of its bytes returned
-                metrics.relayed("sse", sub.arrived)
+                metrics.relayed("sse", subs[i].arrived)
+        if responder.include_usage:
+            yield sse(responder.usage_chunk(*(finals[i] for i in range(len(subs)))))
         status = 200
     except ApiError as exc:
         status = exc.status
@@ -65,26 +69,59 @@ async def sse_body(
     except ClientGone:
         return
     finally:
-        sub.close()
+        for sub in subs:
+            sub.close()
         timer.finish(status)
     yield DONE
+
+
+async def merged(subs: list[Submission]) -> AsyncIterator[tuple[int, TokenEvent]]:
+    """The events of every choice as they come, each with its choice's index, up to the last
+    choice's final event; the first failure (ApiError, ClientGone) is raised and ends them all."""
+    if len(subs) == 1:
+        async for event in subs[0].events():
+            yield 0, event
+        return
+    inbox: asyncio.Queue[tuple[int, TokenEvent | Exception]] = asyncio.Queue()
+
+    async def pump(i: int, sub: Submission) -> None:
+        try:
+            async for event in sub.events():
+                inbox.put_nowait((i, event))
+        except Exception as exc:  # ApiError, ClientGone: handed to the reader, which raises it
+            inbox.put_nowait((i, exc))
+
+    tasks = [asyncio.create_task(pump(i, sub), name=f"choice-{i}") for i, sub in enumerate(subs)]
+    try:
+        left = len(subs)
+        while left:
+            i, item = await inbox.get()
+            if isinstance(item, Exception):
+                raise item
+            yield i, item
+            left -= item.finished
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 class SubmissionStream(StreamingResponse):
     """The SSE response of one submission. Closing the submission here as well as in the body
     covers a client that leaves before the body generator even starts (its finally never runs)."""
 
-    def __init__(self, sub: Submission, responder: Responder, timer: RequestTimer, metrics: CoordinatorMetrics) -> None:
-        super().__init__(sse_body(sub, responder, timer, metrics), media_type="text/event-stream",
+    def __init__(self, subs: list[Submission], responder: Responder, timer: RequestTimer,
+                 metrics: CoordinatorMetrics) -> None:
+        super().__init__(sse_body(subs, responder, timer, metrics), media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._sub = sub
+        self._subs = subs
         self._timer = timer
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self._sub.close()
+            for sub in self._subs:
+                sub.close()
             self._timer.finish(ClientGone.status)
 
 
@@ -182,6 +219,9 @@ def _parse_frame(frame: str | bytes) -> tuple[Kind, dict[str, Any]]:
     kind = body.pop("kind", None)
     if kind not in ("chat", "completion"):
         raise invalid_request(f"'kind' must be \"chat\" or \"completion\", got {kind!r}", "kind")
+    if body.get("n") not in (None, 1):
+        raise invalid_request("/v1/stream serves one choice per request: send n=1 (or several requests), "
+                              "or use the HTTP endpoints for n > 1", "n")
     body.pop("stream", None)
     body.pop("stream_options", None)
     return cast(Kind, kind), body

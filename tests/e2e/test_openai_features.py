@@ -308,3 +308,55 @@ def test_sampling_with_penalties_is_lossless(stack: Stack, target: LoadedModel) 
             break
     assert min(p_values.values()) > 0.01, p_values
     assert min(lossless_p_values(samples, bias_only).values()) < 1e-6  # the test tells the penalties apart
+
+
+def test_n_choices_are_independent_seeded_sessions(client: Any) -> None:
+    kwargs: dict[str, Any] = dict(model="target", prompt="class ", max_tokens=12, temperature=1.0)
+    out = client.completions.create(n=3, seed=7, **kwargs)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    alone = [client.completions.create(seed=7 + i, **kwargs).choices[0].text for i in range(3)]
+    assert [c.text for c in out.choices] == alone  # choice i is the request with seed + i
+    assert len(set(alone)) == 3
+    one = client.completions.create(seed=7, **kwargs).usage
+    assert out.usage.prompt_tokens == one.prompt_tokens  # the prompt counts once
+    assert out.usage.completion_tokens == 36
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_n_streaming_equals_not_streaming(client: Any, kind: str) -> None:
+    common: dict[str, Any] = dict(model="target", max_tokens=10, temperature=0.9, seed=3, n=2, logprobs=True)
+    if kind == "chat":
+        create, common["messages"] = client.chat.completions.create, [{"role": "user", "content": "x = ["}]
+    else:
+        create, common["prompt"], common["logprobs"] = client.completions.create, "x = [", 1
+
+    def text(c: Any) -> str:
+        return (c.message.content if kind == "chat" else c.text) or ""
+
+    def piece(c: Any) -> str:
+        return (c.delta.content if kind == "chat" else c.text) or ""
+
+    plain = create(**common)
+    streamed = ["", ""]
+    reasons: list[str | None] = [None, None]
+    logprobs: list[int] = [0, 0]
+    for chunk in create(stream=True, stream_options={"include_usage": True}, **common):
+        for c in chunk.choices:
+            streamed[c.index] += piece(c)
+            reasons[c.index] = c.finish_reason or reasons[c.index]
+            if c.logprobs is not None:
+                logprobs[c.index] += len(c.logprobs.content if kind == "chat" else c.logprobs.tokens)
+        if not chunk.choices:
+            assert chunk.usage.completion_tokens == plain.usage.completion_tokens
+    assert streamed == [text(c) for c in plain.choices] and streamed[0] != streamed[1]
+    assert reasons == [c.finish_reason for c in plain.choices]
+    assert sum(logprobs) == plain.usage.completion_tokens
+
+
+def test_websocket_refuses_n(stack: Stack) -> None:
+    from websockets.sync.client import connect
+
+    with connect(stack.ws_url) as ws:
+        ws.send(json.dumps({"kind": "completion", "prompt": "a", "n": 2}))
+        frame = json.loads(ws.recv())
+    assert frame["type"] == "error" and frame["error"]["param"] == "n"
