@@ -30,7 +30,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 5  # 5: SamplingParams logprobs and penalties, TokenEvent.logprobs
+PROTOCOL_VERSION = 5  # 5: SamplingParams logprobs, penalties and structured output; TokenEvent.logprobs
 #: Largest frame any service accepts. A 32k-token prompt is ~200 KiB; sparse q for 64 draft
 #: positions x 4096 entries is 1.5 MiB. 4 MiB leaves room and still bounds a hostile peer.
 MAX_FRAME_BYTES = 4 * 1024 * 1024
@@ -63,6 +63,17 @@ class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="t
 # --- shared value types -------------------------------------------------------------------
 
 
+class Structured(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Structured output: the text must match this grammar (services.verifier.grammar).
+
+    ``json_schema``: ``spec`` is a JSON Schema as JSON text; ``regex``: a regular expression;
+    ``choice``: a JSON list of the allowed strings.
+    """
+
+    kind: Literal["json_schema", "regex", "choice"]
+    spec: Annotated[str, msgspec.Meta(min_length=1, max_length=65536)]
+
+
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """How the target samples. Validated semantically by ``shared.sampling.validate``.
 
@@ -88,6 +99,7 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=10.0)] = 1.0
     logit_bias: Annotated[dict[TokenId, Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]],
                           msgspec.Meta(max_length=MAX_LOGIT_BIAS)] = {}
+    structured: Structured | None = None
 
 
 class TokenLogprob(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):

@@ -21,7 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from services.coordinator.errors import invalid_request, model_not_found
 from services.coordinator.fields import Kind, check_fields
 from services.coordinator.model_info import ModelInfo
-from shared.protocol import MAX_LOGPROBS, SamplingParams
+from services.coordinator.structured import structured
+from shared.protocol import MAX_LOGPROBS, SamplingParams, Structured
 from shared.sampling import SamplingError, validate
 
 B = TypeVar("B", bound="_CommonBody")
@@ -70,6 +71,10 @@ class _CommonBody(_Strict):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # extension (vLLM)
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias added to its logit
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None  # extension (vLLM), as the three below
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
     #: extension (specfleet): the request's SLO class, a token-speed target the verifier's WISP
     #: batching schedules against (``--batching wisp``); None: the verifier's default class
     slo_tokens_per_s: float | None = Field(default=None, gt=0.0, le=10_000.0)
@@ -257,6 +262,14 @@ def _stop_ids(ids: list[int] | None, model: ModelInfo) -> list[int]:
     return ids
 
 
+def _structured(body: _CommonBody) -> Structured | None:
+    spec = structured(body.response_format, body.guided_json, body.guided_regex, body.guided_choice)
+    if spec is not None and body.ignore_eos:
+        raise invalid_request("ignore_eos cannot be combined with structured output: the grammar ends the text",
+                              "ignore_eos")
+    return spec
+
+
 def _logit_bias(bias: dict[str, float] | None, model: ModelInfo) -> dict[int, float]:
     out: dict[int, float] = {}
     for key, value in (bias or {}).items():
@@ -299,5 +312,6 @@ def _sampling_params(body: _CommonBody, max_tokens: int, model: ModelInfo) -> Sa
         frequency_penalty=body.frequency_penalty or 0.0,
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
         logit_bias=_logit_bias(body.logit_bias, model),
+        structured=_structured(body),
         logprobs_mode="processed" if body.logprobs_mode == "processed_logprobs" else "raw",
     )

@@ -222,6 +222,7 @@ class TorchCore:
     def _add(self, cmd: AddRequest) -> None:
         req = Request.create(cmd.request_id, cmd.prompt_ids, cmd.params, cmd.speculative, self.max_model_len,
                              self.eos_ids, cmd.drafter, cmd.slo_tokens_per_s or self.limits.default_slo_tokens_per_s)
+        req.grammar = cmd.grammar
         need = req.kv_tokens_needed(self.limits.max_draft_tokens)
         must_wait = bool(self.waiting) or not self.runner.kv.fits(need)
         if need > self.runner.kv.tokens:

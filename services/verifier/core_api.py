@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from services.verifier.grammar import Grammar
 from shared.draft_q import CheckedQ
 from shared.protocol import FinishReason, SamplingParams, TokenLogprob
 
@@ -32,6 +33,7 @@ class AddRequest:
     speculative: bool  # wait for a drafter's drafts each round (else decode target-only)
     drafter: str = ""  # the drafter's node id, for per-drafter estimates and metrics
     slo_tokens_per_s: float | None = None  # the request's token-speed SLO class (None: the default)
+    grammar: Grammar | None = None  # structured output: the request's grammar state
 
 
 @dataclass(frozen=True)

@@ -71,8 +71,9 @@ def judge(batch: Sequence[tuple[Request, list[int]]], raw: torch.Tensor) -> list
 
 def penalized(batch: Sequence[tuple[Request, list[int]]], logits: torch.Tensor) -> torch.Tensor:
     """``logits`` with each session's penalties applied to its rows, row j counting the session's
-    drafts before it as generated (shared.penalties); ``logits`` itself when none has any."""
-    if not any(has_penalties(req.params) for req, _ in batch):
+    drafts before it as generated (shared.penalties), and its grammar's mask at each row's prefix
+    (services.verifier.grammar); ``logits`` itself when no session has either."""
+    if not any(has_penalties(req.params) or req.grammar is not None for req, _ in batch):
         return logits
     out, start = logits.float().clone(), 0
     for req, drafts in batch:
@@ -80,6 +81,9 @@ def penalized(batch: Sequence[tuple[Request, list[int]]], logits: torch.Tensor) 
         if has_penalties(req.params):
             out[start:end] = apply_penalties(out[start:end], req.params, req.committed[: req.prompt_len],
                                              req.committed[req.prompt_len :], drafts)
+        if req.grammar is not None:
+            allowed = req.grammar.masks(drafts).to(out.device)
+            out[start:end] = out[start:end].masked_fill(~allowed, float("-inf"))
         start = end
     return out
 

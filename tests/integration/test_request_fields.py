@@ -29,8 +29,7 @@ README = Path(__file__).resolve().parents[2] / "services" / "coordinator" / "REA
 ASKING: dict[str, Any] = {
     "store": True, "service_tier": "flex",
     "prompt_logprobs": 1,
-    "best_of": 2, "response_format": {"type": "json_object"}, "guided_json": {"type": "object"},
-    "guided_regex": "[a-z]+", "guided_choice": ["yes", "no"], "guided_grammar": "root ::= 'a'",
+    "best_of": 2, "guided_grammar": "root ::= 'a'",
     "guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": " ",
     "structured_outputs": {"regex": "a"}, "structural_tag": "{}", "min_p": 0.1, "min_tokens": 3,
     "include_stop_str_in_output": True, "allowed_token_ids": [1, 2], "bad_words": ["x"],
@@ -48,7 +47,7 @@ ASKING: dict[str, Any] = {
 #: neutral values of refused fields: they ask for nothing, and stock clients send them
 NEUTRAL: list[tuple[str, Any]] = [
     ("tools", []),
-    ("tool_choice", "none"), ("response_format", {"type": "text"}), ("store", False), ("service_tier", "auto"),
+    ("tool_choice", "none"), ("store", False), ("service_tier", "auto"),
     ("best_of", 1), ("min_p", 0.0), ("skip_special_tokens", True), ("use_beam_search", False),
 ]
 

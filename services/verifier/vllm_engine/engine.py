@@ -89,6 +89,7 @@ def vllm_unsupported(params: SamplingParams) -> list[str]:
         "frequency_penalty": params.frequency_penalty != 0.0,
         "repetition_penalty": params.repetition_penalty != 1.0,
         "logit_bias": bool(params.logit_bias),
+        "structured output (response_format, guided_*)": params.structured is not None,
     }
     return [name for name, asked in fields.items() if asked]
 
