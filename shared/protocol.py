@@ -30,7 +30,8 @@ from typing import Annotated, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 5  # 5: Draft.pause_rounds
+#: 5: Draft.pause_rounds; SamplingParams logprobs, penalties and structured output; TokenEvent.logprobs
+PROTOCOL_VERSION = 5
 #: Largest frame any service accepts. A 32k-token prompt is ~200 KiB; sparse q for 64 draft
 #: positions x 4096 entries is 1.5 MiB. 4 MiB leaves room and still bounds a hostile peer.
 MAX_FRAME_BYTES = 4 * 1024 * 1024
@@ -47,6 +48,10 @@ FinishReason = Literal["stop", "length", "cancelled", "error"]
 Probability = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 #: most rounds a drafter may ask the verifier to run without it (Draft.pause_rounds)
 MAX_PAUSE_ROUNDS = 1024
+#: most alternatives a request may ask logprobs for at each position (OpenAI's top_logprobs limit)
+MAX_LOGPROBS = 20
+#: most tokens one request's logit_bias may list
+MAX_LOGIT_BIAS = 1024
 SloRate = Annotated[float, msgspec.Meta(gt=0.0, le=10_000.0)]  # tokens per second
 
 
@@ -59,6 +64,17 @@ class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="t
 
 
 # --- shared value types -------------------------------------------------------------------
+
+
+class Structured(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Structured output: the text must match this grammar (services.verifier.grammar).
+
+    ``json_schema``: ``spec`` is a JSON Schema as JSON text; ``regex``: a regular expression;
+    ``choice``: a JSON list of the allowed strings.
+    """
+
+    kind: Literal["json_schema", "regex", "choice"]
+    spec: Annotated[str, msgspec.Meta(min_length=1, max_length=65536)]
 
 
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -75,6 +91,27 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     stop: Annotated[list[Annotated[str, msgspec.Meta(min_length=1, max_length=256)]], msgspec.Meta(max_length=16)] = []
     stop_token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=64)] = []
     ignore_eos: bool = False
+    #: None: no logprobs; N: each generated token's logprob and the N most likely alternatives
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    #: "raw": the target's log-softmax before any sampling processing (as vLLM v1's default);
+    #: "processed": the log of the distribution actually sampled from (after temperature/top-k/top-p)
+    logprobs_mode: Literal["raw", "processed"] = "raw"
+    #: penalties on the target's logits (shared.penalties): OpenAI's, and vLLM's repetition_penalty
+    presence_penalty: Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)] = 0.0
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=10.0)] = 1.0
+    logit_bias: Annotated[dict[TokenId, Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]],
+                          msgspec.Meta(max_length=MAX_LOGIT_BIAS)] = {}
+    structured: Structured | None = None
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """One generated token's logprob under the verifier's p, and the most likely alternatives
+    there (``top_ids`` most likely first, ``top_logprobs`` theirs)."""
+
+    logprob: float
+    top_ids: list[TokenId]
+    top_logprobs: list[float]
 
 
 class SparseQ(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -232,6 +269,8 @@ class TokenEvent(_Msg, tag="token_event", frozen=True):
     drafted_tokens: int = 0  # cumulative for this request
     accepted_tokens: int = 0  # cumulative for this request
     error: str = ""
+    #: one entry per token of ``token_ids`` when the request asked for logprobs, else None
+    logprobs: list[TokenLogprob] | None = None
 
 
 class FleetStatus(_Msg, tag="fleet_status", frozen=True):

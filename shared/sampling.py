@@ -12,7 +12,7 @@ import secrets
 
 import torch
 
-from shared.protocol import SamplingParams
+from shared.protocol import MAX_LOGIT_BIAS, SamplingParams
 
 __all__ = [
     "SamplingError",
@@ -42,6 +42,7 @@ def validate(params: SamplingParams, prompt_len: int, max_model_len: int) -> Non
         raise SamplingError(f"top_p must be in (0, 1], got {params.top_p}", "top_p")
     if params.top_k < 0:
         raise SamplingError(f"top_k must be >= 0 (0 disables it), got {params.top_k}", "top_k")
+    _validate_penalties(params)
     if params.max_tokens < 1:
         raise SamplingError(f"max_tokens must be >= 1, got {params.max_tokens}", "max_tokens")
     if prompt_len >= max_model_len:
@@ -56,6 +57,20 @@ def validate(params: SamplingParams, prompt_len: int, max_model_len: int) -> Non
             f"{max_model_len}-token context; ask for at most {max_model_len - prompt_len} tokens.",
             "max_tokens",
         )
+
+
+def _validate_penalties(params: SamplingParams) -> None:
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(params, name)
+        if not -2.0 <= value <= 2.0:
+            raise SamplingError(f"{name} must be in [-2, 2], got {value}", name)
+    if not 0.0 < params.repetition_penalty <= 10.0:
+        raise SamplingError(f"repetition_penalty must be in (0, 10] (1 disables it), got {params.repetition_penalty}",
+                            "repetition_penalty")
+    if len(params.logit_bias) > MAX_LOGIT_BIAS:
+        raise SamplingError(f"logit_bias may list at most {MAX_LOGIT_BIAS} tokens", "logit_bias")
+    if any(not -100.0 <= b <= 100.0 for b in params.logit_bias.values()):
+        raise SamplingError("each logit_bias value must be in [-100, 100]", "logit_bias")
 
 
 #: Temperatures below this are served as greedy: dividing logits by them overflows float32.

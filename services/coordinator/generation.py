@@ -13,6 +13,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import msgspec
 
@@ -29,7 +30,7 @@ from services.coordinator.metrics import CoordinatorMetrics
 from services.coordinator.openai_api import GenerationRequest
 from services.coordinator.verifier_link import Inbound, VerifierLink
 from shared.log import get_logger
-from shared.protocol import OpenSession, QueuedRequest, TokenEvent
+from shared.protocol import OpenSession, QueuedRequest, TokenEvent, TokenLogprob
 from shared.queue import QueueError, QueueFull, RequestQueue
 
 log = get_logger("coordinator.generation")
@@ -237,11 +238,27 @@ class Generator:
         return self.speculation == "on" or (self.speculation == "auto" and bool(self._link.drafters))
 
 
-async def collect(sub: Submission) -> tuple[str, TokenEvent]:
-    """Run a submission to its end; the whole text and the final event."""
-    parts = [event.text async for event in sub.events()]
+@dataclass
+class Collected:
+    """A whole generation: its text, final event, token ids and (if asked for) their logprobs."""
+
+    text: str
+    final: TokenEvent
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+
+
+async def collect(sub: Submission) -> Collected:
+    """Run a submission to its end."""
+    parts: list[str] = []
+    ids: list[int] = []
+    logprobs: list[TokenLogprob] = []
+    async for event in sub.events():
+        parts.append(event.text)
+        ids.extend(event.token_ids)
+        logprobs.extend(event.logprobs or [])
     assert sub.final is not None  # events() returns normally only after a successful final event
-    return "".join(parts), sub.final
+    return Collected("".join(parts), sub.final, ids, logprobs if len(logprobs) == len(ids) else None)
 
 
-__all__ = ["ApiError", "ClientGone", "Generator", "Submission", "collect"]
+__all__ = ["ApiError", "ClientGone", "Collected", "Generator", "Submission", "collect"]

@@ -30,6 +30,7 @@ class ModelInfo:
     created: int = field(default_factory=lambda: int(time.time()))
     # HF fast tokenizers are not safe to call from several threads at once.
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _token_text: dict[int, str] = field(default_factory=dict, repr=False)
 
     @classmethod
     def load(cls, path: str, served_name: str = "") -> ModelInfo:
@@ -67,6 +68,26 @@ class ModelInfo:
     def encode_text(self, text: str) -> list[int]:
         with self._lock:
             return _ids(self.tokenizer(text))
+
+    def decode_text(self, ids: list[int]) -> str:
+        """Token ids as text (special tokens kept), e.g. a prompt sent as ids, for ``echo``."""
+        with self._lock:
+            return str(self.tokenizer.decode(ids))
+
+    def token_strings(self, ids: list[int]) -> list[str]:
+        """Each token's own text (special tokens included), as logprobs responses name tokens.
+
+        A token that is only part of a UTF-8 character decodes to U+FFFD on its own; it is named
+        by its vocabulary entry instead, so distinct tokens keep distinct names (completions'
+        ``top_logprobs`` are keyed by name).
+        """
+        missing = [i for i in ids if i not in self._token_text]
+        if missing:
+            with self._lock:
+                for i in missing:
+                    text = self.tokenizer.decode([i])
+                    self._token_text[i] = self.tokenizer.convert_ids_to_tokens(i) if "\ufffd" in text else text
+        return [self._token_text[i] for i in ids]
 
     def check_ids(self, ids: list[int], param: str) -> None:
         """A prompt given as token ids must stay inside the vocabulary."""

@@ -3,30 +3,34 @@
 Both ``/v1/chat/completions`` and ``/v1/completions`` (and the WebSocket stream, which takes the
 same bodies) end up as a :class:`GenerationRequest`: token ids plus validated SamplingParams.
 Every way a body can be wrong becomes a 400 in the OpenAI error shape naming the offending
-``param``, checked here, before anything is queued. Unknown fields are ignored, as OpenAI-
-compatible servers do, so stock clients that send extra options keep working.
+``param``, checked here, before anything is queued. No field is silently ignored: every body
+first passes :func:`services.coordinator.fields.check_fields`, which refuses fields specfleet
+does not implement (unless sent with their neutral value) and fields nobody knows.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, TypeVar, cast
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from services.coordinator.errors import invalid_request, model_not_found
+from services.coordinator.fields import Kind, check_fields
 from services.coordinator.model_info import ModelInfo
-from shared.protocol import SamplingParams
+from services.coordinator.structured import structured
+from shared.protocol import MAX_LOGPROBS, SamplingParams, Structured
 from shared.sampling import SamplingError, validate
 
-Kind = Literal["chat", "completion"]
 B = TypeVar("B", bound="_CommonBody")
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP = 16  # shared.protocol.SamplingParams bounds
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
+MAX_N = 16  # most choices one request may ask for
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
 
 
@@ -36,6 +40,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # extension (vLLM): usage on every chunk
 
 
 class ContentPart(_Strict):
@@ -61,18 +66,32 @@ class _CommonBody(_Strict):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = False  # extension (vLLM)
+    echo: bool | None = False  # completions: OpenAI; chat: extension (vLLM)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # extension (vLLM)
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias added to its logit
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None  # extension (vLLM), as the three below
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
     #: extension (specfleet): the request's SLO class, a token-speed target the verifier's WISP
     #: batching schedules against (``--batching wisp``); None: the verifier's default class
     slo_tokens_per_s: float | None = Field(default=None, gt=0.0, le=10_000.0)
+    #: extension (specfleet; vLLM has it as a server flag): which distribution logprobs come from
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] | None = None
 
 
 class ChatBody(_CommonBody):
     messages: list[ChatMessage] | None = None
     max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
 
 class CompletionBody(_CommonBody):
     prompt: str | list[str] | list[int] | list[list[int]] | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
 
 @dataclass(frozen=True)
@@ -86,6 +105,19 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     slo_tokens_per_s: float | None = None
+    #: text the response starts with before the generated text (``echo``): the prompt, or for
+    #: chat the last message's content when it is the assistant's (as vLLM)
+    echo: str = ""
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
+    n: int = 1  # choices: independent sessions (see choice)
+
+    def choice(self, index: int) -> GenerationRequest:
+        """The request of choice ``index``: choice i of a seeded request uses seed + i (as vLLM),
+        so the choices differ and the whole response is reproducible."""
+        seed = self.params.seed
+        if index == 0 or seed is None:
+            return self
+        return replace(self, params=msgspec.structs.replace(self.params, seed=seed + index))
 
 
 def parse_json(raw: bytes | str) -> dict[str, Any]:
@@ -113,17 +145,20 @@ def _validated(cls: type[B], data: dict[str, Any]) -> B:
 async def build_request(kind: Kind, data: dict[str, Any], model: ModelInfo, max_model_len: int) -> GenerationRequest:
     """Validate an OpenAI body of the given kind and tokenize its prompt."""
     body: _CommonBody
+    check_fields(kind, data)
     if kind == "chat":
         chat = _validated(ChatBody, data)
         _check_common(chat, model)
         messages = _chat_messages(chat.messages)
         prompt_ids = await asyncio.to_thread(model.encode_chat, messages)
+        echo = messages[-1]["content"] if chat.echo and messages[-1]["role"] == "assistant" else ""
         max_tokens = chat.max_completion_tokens if chat.max_completion_tokens is not None else chat.max_tokens
         prompt_param, body = "messages", chat
     else:
         comp = _validated(CompletionBody, data)
         _check_common(comp, model)
         prompt_ids = await _completion_ids(comp.prompt, model)
+        echo = await _echo_prompt(comp, prompt_ids, model) if comp.echo else ""
         max_tokens = comp.max_tokens
         prompt_param, body = "prompt", comp
     if not prompt_ids:
@@ -136,16 +171,30 @@ async def build_request(kind: Kind, data: dict[str, Any], model: ModelInfo, max_
         validate(params, len(prompt_ids), max_model_len)
     except SamplingError as exc:
         raise invalid_request(str(exc), prompt_param if exc.param in ("messages", "prompt") else exc.param) from None
-    include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
-    return GenerationRequest(kind, model.served_name, prompt_ids, params, bool(body.stream), include_usage,
-                             body.slo_tokens_per_s)
+    options = body.stream_options if body.stream else None
+    return GenerationRequest(kind, model.served_name, prompt_ids, params, bool(body.stream),
+                             bool(options and options.include_usage), body.slo_tokens_per_s, echo,
+                             bool(options and options.continuous_usage_stats), body.n or 1)
+
+
+async def _echo_prompt(body: CompletionBody, prompt_ids: list[int], model: ModelInfo) -> str:
+    """The prompt as text, for ``echo``: as sent, or decoded when it was sent as token ids."""
+    if body.logprobs is not None:
+        raise invalid_request("echo together with logprobs needs the prompt's logprobs, which are not supported "
+                              "yet; drop echo or logprobs", "echo")
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        return prompt[0]
+    return await asyncio.to_thread(model.decode_text, prompt_ids)
 
 
 def _check_common(body: _CommonBody, model: ModelInfo) -> None:
     if body.model is not None and body.model != model.served_name:
         raise model_not_found(body.model, model.served_name)
-    if body.n is not None and body.n != 1:
-        raise invalid_request(f"n={body.n} is not supported; specfleet generates exactly one choice (n=1)", "n")
+    if body.n is not None and not 1 <= body.n <= MAX_N:
+        raise invalid_request(f"n must be in [1, {MAX_N}], got {body.n}", "n")
     if body.stream_options is not None and not body.stream:
         raise invalid_request("stream_options is only allowed together with stream=true", "stream_options")
 
@@ -213,6 +262,38 @@ def _stop_ids(ids: list[int] | None, model: ModelInfo) -> list[int]:
     return ids
 
 
+def _structured(body: _CommonBody) -> Structured | None:
+    spec = structured(body.response_format, body.guided_json, body.guided_regex, body.guided_choice)
+    if spec is not None and body.ignore_eos:
+        raise invalid_request("ignore_eos cannot be combined with structured output: the grammar ends the text",
+                              "ignore_eos")
+    return spec
+
+
+def _logit_bias(bias: dict[str, float] | None, model: ModelInfo) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        try:
+            out[int(key)] = float(value)
+        except ValueError:
+            raise invalid_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+    model.check_ids(list(out), "logit_bias")
+    return out
+
+
+def _logprobs(body: _CommonBody) -> int | None:
+    """How many alternatives to return logprobs for (None: no logprobs at all)."""
+    if isinstance(body, ChatBody):
+        if body.top_logprobs and not body.logprobs:
+            raise invalid_request("top_logprobs needs logprobs=true", "top_logprobs")
+        n = (body.top_logprobs or 0) if body.logprobs else None
+    else:
+        n = cast(CompletionBody, body).logprobs
+    if body.logprobs_mode is not None and n is None:
+        raise invalid_request("logprobs_mode only applies together with logprobs", "logprobs_mode")
+    return n
+
+
 def _sampling_params(body: _CommonBody, max_tokens: int, model: ModelInfo) -> SamplingParams:
     top_k = body.top_k if body.top_k is not None else 0
     if top_k == -1 or top_k >= model.vocab_size:  # -1 is vLLM's "disabled"; >= vocab keeps everything
@@ -226,4 +307,11 @@ def _sampling_params(body: _CommonBody, max_tokens: int, model: ModelInfo) -> Sa
         stop=_stop_strings(body.stop),
         stop_token_ids=_stop_ids(body.stop_token_ids, model),
         ignore_eos=bool(body.ignore_eos),
+        logprobs=_logprobs(body),
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        logit_bias=_logit_bias(body.logit_bias, model),
+        structured=_structured(body),
+        logprobs_mode="processed" if body.logprobs_mode == "processed_logprobs" else "raw",
     )

@@ -12,20 +12,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from services.coordinator.generation import Collected
+from services.coordinator.logprobs import LogprobsFormatter
 from services.coordinator.openai_api import Kind
-from shared.protocol import TokenEvent
+from shared.protocol import TokenEvent, TokenLogprob
 
 
-def usage(final: TokenEvent) -> dict[str, int]:
-    return {
-        "prompt_tokens": final.prompt_tokens,
-        "completion_tokens": final.completion_tokens,
-        "total_tokens": final.prompt_tokens + final.completion_tokens,
-    }
+def usage(*finals: TokenEvent) -> dict[str, int]:
+    """Usage of one or several choices of the same request: the prompt counts once."""
+    prompt = finals[0].prompt_tokens
+    completion = sum(f.completion_tokens for f in finals)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def speculation(final: TokenEvent) -> dict[str, int]:
-    return {"drafted_tokens": final.drafted_tokens, "accepted_tokens": final.accepted_tokens}
+def speculation(*finals: TokenEvent) -> dict[str, int]:
+    return {"drafted_tokens": sum(f.drafted_tokens for f in finals),
+            "accepted_tokens": sum(f.accepted_tokens for f in finals)}
 
 
 def finish_reason(final: TokenEvent) -> str:
@@ -42,6 +44,11 @@ class Responder:
     model: str
     created: int
     include_usage: bool = False
+    #: set when the request asked for logprobs
+    logprobs: LogprobsFormatter | None = None
+    echo: str = ""  # the text each choice starts with (``echo``)
+    continuous_usage: bool = False  # every chunk carries the usage so far
+    prompt_tokens: int = 0
 
     @property
     def id(self) -> str:
@@ -50,41 +57,54 @@ class Responder:
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def full(self, text: str, final: TokenEvent) -> dict[str, Any]:
-        """The non-streaming response."""
-        reason = finish_reason(final)
-        if self.kind == "chat":
-            body = self._head("chat.completion")
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": reason,
-            }
-        else:
-            body = self._head("text_completion")
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-        body.update(choices=[choice], usage=usage(final), specfleet=speculation(final))
+    def _logprobs(self, token_ids: list[int], logprobs: list[TokenLogprob] | None,
+                  index: int) -> dict[str, Any] | None:
+        if self.logprobs is None:
+            return None
+        if logprobs is None or len(logprobs) != len(token_ids):
+            raise ValueError("the verifier sent no logprobs for a request that asked for them")
+        return self.logprobs.format(token_ids, logprobs, index)
+
+    def full(self, choices: list[Collected]) -> dict[str, Any]:
+        """The non-streaming response: one choice per Collected, in order."""
+        body = self._head("chat.completion" if self.kind == "chat" else "text_completion")
+        body.update(choices=[self._choice(i, done) for i, done in enumerate(choices)],
+                    usage=usage(*(c.final for c in choices)), specfleet=speculation(*(c.final for c in choices)))
         return body
 
-    def chunk(self, text: str, reason: str | None = None, first: bool = False) -> dict[str, Any]:
-        """One stream chunk adding ``text``; ``first`` opens the chat message with its role."""
+    def _choice(self, index: int, done: Collected) -> dict[str, Any]:
+        text = self.echo + done.text
+        logprobs = self._logprobs(done.token_ids, done.logprobs, index)
+        if self.kind == "chat":
+            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                    "finish_reason": finish_reason(done.final)}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(done.final)}
+
+    def chunk(self, text: str, reason: str | None = None, first: bool = False,
+              event: TokenEvent | None = None, generated: int = 0, index: int = 0) -> dict[str, Any]:
+        """One stream chunk adding ``text`` to choice ``index`` (and the logprobs of ``event``'s
+        tokens, when asked); ``first`` opens the chat message with its role; ``generated``: tokens
+        so far over all choices, for continuous usage."""
+        logprobs = self._logprobs(event.token_ids, event.logprobs, index) if event is not None else None
         if self.kind == "chat":
             out = self._head("chat.completion.chunk")
             delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {}
             if text and not first:
                 delta["content"] = text
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         else:
             out = self._head("text_completion")
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
         out["choices"] = [choice]
-        if self.include_usage:
+        if self.continuous_usage:
+            out["usage"] = {"prompt_tokens": self.prompt_tokens, "completion_tokens": generated,
+                            "total_tokens": self.prompt_tokens + generated}
+        elif self.include_usage:
             out["usage"] = None
         return out
 
-    def usage_chunk(self, final: TokenEvent) -> dict[str, Any]:
+    def usage_chunk(self, *finals: TokenEvent) -> dict[str, Any]:
         """The last chunk when stream_options.include_usage is set: no choices, only usage."""
         out = self._head("chat.completion.chunk" if self.kind == "chat" else "text_completion")
-        out.update(choices=[], usage=usage(final))
+        out.update(choices=[], usage=usage(*finals))
         return out

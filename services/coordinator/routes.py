@@ -18,7 +18,8 @@ from fastapi import APIRouter, Request, Response, WebSocket
 from fastapi.responses import JSONResponse
 
 from services.coordinator.errors import ApiError, unauthorized
-from services.coordinator.generation import ClientGone, Submission, collect
+from services.coordinator.generation import ClientGone, Collected, Submission, collect
+from services.coordinator.logprobs import LogprobsFormatter
 from services.coordinator.metrics import CONTENT_TYPE, RequestTimer
 from services.coordinator.openai_api import Kind, parse_json
 from services.coordinator.responses import Responder
@@ -46,16 +47,24 @@ async def _complete(kind: Kind, request: Request) -> Response:
     try:
         if not state.authorized(request.headers.get("authorization")):
             raise unauthorized()
-        req, sub = await state.start(kind, lambda: _read_json(request))
-        responder = Responder(kind, sub.request_id, req.model, int(time.time()), req.include_usage)
-        if req.stream:
-            return await _stream(request, sub, responder, timer)
+        req, first = await state.start(kind, lambda: _read_json(request))
         try:
-            body = await _unless_client_leaves(request, sub, collect(sub))
+            subs = [first, *await state.more_choices(req)]
+        except BaseException:
+            first.close()
+            raise
+        formatter = LogprobsFormatter(kind, state.model.token_strings) if req.params.logprobs is not None else None
+        responder = Responder(kind, first.request_id, req.model, int(time.time()), req.include_usage, formatter,
+                              req.echo, req.continuous_usage, len(req.prompt_ids))
+        if req.stream:
+            return await _stream(request, subs, responder, timer)
+        try:
+            body = await _unless_client_leaves(request, subs, _collect_all(subs))
         finally:
-            sub.close()
+            for sub in subs:
+                sub.close()
         timer.finish(200)
-        return JSONResponse(responder.full(*body))
+        return JSONResponse(responder.full(body))
     except ApiError as exc:
         timer.finish(exc.status)
         return exc.response()
@@ -67,15 +76,28 @@ async def _complete(kind: Kind, request: Request) -> Response:
         raise
 
 
-async def _stream(request: Request, sub: Submission, responder: Responder, timer: RequestTimer) -> Response:
-    """Wait for the first event before committing to a 200 event stream, so that a request refused
-    at once (verifier busy, failed, timed out) still gets its real status and Retry-After."""
+async def _collect_all(subs: list[Submission]) -> list[Collected]:
+    """Every choice to its end; the first failure ends them all."""
+    tasks = [asyncio.create_task(collect(sub), name=f"collect-{sub.request_id}") for sub in subs]
     try:
-        await _unless_client_leaves(request, sub, sub.started())
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _stream(request: Request, subs: list[Submission], responder: Responder, timer: RequestTimer) -> Response:
+    """Wait for each choice's first event before committing to a 200 event stream, so that a
+    request refused at once (verifier busy, failed, timed out) still gets its real status and
+    Retry-After."""
+    try:
+        for sub in subs:
+            await _unless_client_leaves(request, subs, sub.started())
     except BaseException:
-        sub.close()
+        for sub in subs:
+            sub.close()
         raise
-    return SubmissionStream(sub, responder, timer, state_of(request).metrics)
+    return SubmissionStream(subs, responder, timer, state_of(request).metrics)
 
 
 async def _read_json(request: Request) -> dict[str, Any]:
@@ -101,9 +123,9 @@ def _too_large() -> ApiError:
                     "invalid_request_error", None, "request_too_large")
 
 
-async def _unless_client_leaves(request: Request, sub: Submission, work: Awaitable[T]) -> T:
-    """Await ``work`` (on ``sub``'s events), but abort ``sub`` if the client disconnects meanwhile."""
-    watcher = asyncio.create_task(_abort_on_disconnect(request, sub), name="disconnect-watch")
+async def _unless_client_leaves(request: Request, subs: list[Submission], work: Awaitable[T]) -> T:
+    """Await ``work`` (on the ``subs``' events), but abort them if the client disconnects meanwhile."""
+    watcher = asyncio.create_task(_abort_on_disconnect(request, subs), name="disconnect-watch")
     try:
         return await work
     finally:
@@ -112,11 +134,12 @@ async def _unless_client_leaves(request: Request, sub: Submission, work: Awaitab
             await watcher
 
 
-async def _abort_on_disconnect(request: Request, sub: Submission) -> None:
+async def _abort_on_disconnect(request: Request, subs: list[Submission]) -> None:
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
-            sub.abort("the client disconnected")
+            for sub in subs:
+                sub.abort("the client disconnected")
             return
 
 

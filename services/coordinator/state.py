@@ -47,6 +47,19 @@ class CoordinatorState:
             raise
         return req, await self.generator.submit(req, slot)
 
+    async def more_choices(self, req: GenerationRequest) -> list[Submission]:
+        """Submit choices 1..n-1 of ``req`` (choice 0 is :meth:`start`'s), each an independent
+        session with its own admission slot. On failure, those already submitted are closed."""
+        subs: list[Submission] = []
+        try:
+            for i in range(1, req.n):
+                subs.append(await self.generator.submit(req.choice(i), self.generator.admission.admit()))
+        except BaseException:
+            for s in subs:
+                s.close()
+            raise
+        return subs
+
     def authorized(self, authorization: str | None) -> bool:
         """True when no api_key is set, or the header is exactly 'Bearer <api_key>'."""
         if not self.cfg.api_key:

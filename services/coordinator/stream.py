@@ -22,11 +22,13 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from services.coordinator.errors import ApiError, invalid_request, unauthorized
 from services.coordinator.generation import ClientGone, Submission
+from services.coordinator.logprobs import LogprobsFormatter
 from services.coordinator.metrics import CoordinatorMetrics, RequestTimer
 from services.coordinator.openai_api import Kind, parse_json
 from services.coordinator.responses import Responder, finish_reason, speculation, usage
 from services.coordinator.state import CoordinatorState
 from shared.log import get_logger
+from shared.protocol import TokenEvent
 
 log = get_logger("coordinator.stream")
 DONE = b"data: [DONE]\n\n"
@@ -37,22 +39,29 @@ def sse(obj: dict[str, Any]) -> bytes:
 
 
 async def sse_body(
-    sub: Submission, responder: Responder, timer: RequestTimer, metrics: CoordinatorMetrics
+    subs: list[Submission], responder: Responder, timer: RequestTimer, metrics: CoordinatorMetrics
 ) -> AsyncIterator[bytes]:
-    """The SSE byte stream of one request; always closes the submission and the timer."""
+    """The SSE byte stream of one request (one submission per choice); always closes the
+    submissions and the timer."""
     status = 499  # if the client goes away, this generator is cancelled before setting another
     try:
-        if responder.kind == "chat":
-            yield sse(responder.chunk("", first=True))
-        async for event in sub.events():
-            if event.text:
-                yield sse(responder.chunk(event.text))
+        generated, finals = 0, {}
+        for i in range(len(subs)):
+            if responder.kind == "chat":
+                yield sse(responder.chunk("", first=True, index=i))
+            if responder.echo:
+                yield sse(responder.chunk(responder.echo, index=i))
+        async for i, event in merged(subs):
+            generated += len(event.token_ids)
+            if event.text or (responder.logprobs is not None and event.token_ids):
+                yield sse(responder.chunk(event.text, event=event, generated=generated, index=i))
             if event.finished:
-                yield sse(responder.chunk("", finish_reason(event)))
-                if responder.include_usage:
-                    yield sse(responder.usage_chunk(event))
+                finals[i] = event
+                yield sse(responder.chunk("", finish_reason(event), generated=generated, index=i))
             if event.text or event.finished:  # resumed here: the server's send of its bytes returned
-                metrics.relayed("sse", sub.arrived)
+                metrics.relayed("sse", subs[i].arrived)
+        if responder.include_usage:
+            yield sse(responder.usage_chunk(*(finals[i] for i in range(len(subs)))))
         status = 200
     except ApiError as exc:
         status = exc.status
@@ -60,26 +69,59 @@ async def sse_body(
     except ClientGone:
         return
     finally:
-        sub.close()
+        for sub in subs:
+            sub.close()
         timer.finish(status)
     yield DONE
+
+
+async def merged(subs: list[Submission]) -> AsyncIterator[tuple[int, TokenEvent]]:
+    """The events of every choice as they come, each with its choice's index, up to the last
+    choice's final event; the first failure (ApiError, ClientGone) is raised and ends them all."""
+    if len(subs) == 1:
+        async for event in subs[0].events():
+            yield 0, event
+        return
+    inbox: asyncio.Queue[tuple[int, TokenEvent | Exception]] = asyncio.Queue()
+
+    async def pump(i: int, sub: Submission) -> None:
+        try:
+            async for event in sub.events():
+                inbox.put_nowait((i, event))
+        except Exception as exc:  # ApiError, ClientGone: handed to the reader, which raises it
+            inbox.put_nowait((i, exc))
+
+    tasks = [asyncio.create_task(pump(i, sub), name=f"choice-{i}") for i, sub in enumerate(subs)]
+    try:
+        left = len(subs)
+        while left:
+            i, item = await inbox.get()
+            if isinstance(item, Exception):
+                raise item
+            yield i, item
+            left -= item.finished
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 class SubmissionStream(StreamingResponse):
     """The SSE response of one submission. Closing the submission here as well as in the body
     covers a client that leaves before the body generator even starts (its finally never runs)."""
 
-    def __init__(self, sub: Submission, responder: Responder, timer: RequestTimer, metrics: CoordinatorMetrics) -> None:
-        super().__init__(sse_body(sub, responder, timer, metrics), media_type="text/event-stream",
+    def __init__(self, subs: list[Submission], responder: Responder, timer: RequestTimer,
+                 metrics: CoordinatorMetrics) -> None:
+        super().__init__(sse_body(subs, responder, timer, metrics), media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._sub = sub
+        self._subs = subs
         self._timer = timer
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self._sub.close()
+            for sub in self._subs:
+                sub.close()
             self._timer.finish(ClientGone.status)
 
 
@@ -145,12 +187,13 @@ async def _serve_frame(ws: WebSocket, state: CoordinatorState, conn: _Conn, fram
     status = 499
     try:
         kind, body = _parse_frame(frame)
-        _, sub = await state.start(kind, lambda: _loaded(body))
+        req, sub = await state.start(kind, lambda: _loaded(body))
+        formatter = LogprobsFormatter(kind, state.model.token_strings) if req.params.logprobs is not None else None
         conn.current = sub
         if conn.gone:  # the client left while we were tokenizing or queueing
             sub.abort("the client closed the WebSocket")
         try:
-            status = await _relay(ws, sub, state.metrics)
+            status = await _relay(ws, sub, state.metrics, formatter, req.echo)
         finally:
             conn.current = None
             sub.close()
@@ -176,19 +219,29 @@ def _parse_frame(frame: str | bytes) -> tuple[Kind, dict[str, Any]]:
     kind = body.pop("kind", None)
     if kind not in ("chat", "completion"):
         raise invalid_request(f"'kind' must be \"chat\" or \"completion\", got {kind!r}", "kind")
+    if body.get("n") not in (None, 1):
+        raise invalid_request("/v1/stream serves one choice per request: send n=1 (or several requests), "
+                              "or use the HTTP endpoints for n > 1", "n")
     body.pop("stream", None)
     body.pop("stream_options", None)
     return cast(Kind, kind), body
 
 
-async def _relay(ws: WebSocket, sub: Submission, metrics: CoordinatorMetrics) -> int:
-    """Forward the submission's events as frames; the status it ended with (499: client gone)."""
+async def _relay(ws: WebSocket, sub: Submission, metrics: CoordinatorMetrics,
+                 logprobs: LogprobsFormatter | None = None, echo: str = "") -> int:
+    """Forward the submission's events as frames (after the ``echo`` text, if any); the status it
+    ended with (499: client gone)."""
     rid = sub.request_id
     try:
+        if echo:
+            await ws.send_text(_dump({"type": "token", "request_id": rid, "text": echo, "token_ids": []}))
         async for event in sub.events():
             if event.token_ids or event.text:
-                await ws.send_text(_dump({"type": "token", "request_id": rid, "text": event.text,
-                                          "token_ids": list(event.token_ids)}))
+                frame: dict[str, Any] = {"type": "token", "request_id": rid, "text": event.text,
+                                         "token_ids": list(event.token_ids)}
+                if logprobs is not None:
+                    frame["logprobs"] = logprobs.format(list(event.token_ids), list(event.logprobs or []))
+                await ws.send_text(_dump(frame))
             if event.finished:
                 await ws.send_text(_dump({"type": "done", "request_id": rid, "finish_reason": finish_reason(event),
                                           "usage": usage(event), "specfleet": speculation(event)}))

@@ -57,6 +57,7 @@ from services.verifier.requests import Request, Status
 from services.verifier.scheduler import Scheduler, Step
 from services.verifier.status import policy_status
 from shared.log import get_logger
+from shared.protocol import TokenLogprob
 from shared.runner import KVError, ModelRunner
 
 log = get_logger("verifier.core")
@@ -221,6 +222,7 @@ class TorchCore:
     def _add(self, cmd: AddRequest) -> None:
         req = Request.create(cmd.request_id, cmd.prompt_ids, cmd.params, cmd.speculative, self.max_model_len,
                              self.eos_ids, cmd.drafter, cmd.slo_tokens_per_s or self.limits.default_slo_tokens_per_s)
+        req.grammar = cmd.grammar
         need = req.kv_tokens_needed(self.limits.max_draft_tokens)
         must_wait = bool(self.waiting) or not self.runner.kv.fits(need)
         if need > self.runner.kv.tokens:
@@ -319,7 +321,8 @@ class TorchCore:
                 zip(step.verify, verdicts, strict=True)]
         budgets = self._next_budgets(step, verdicts)
         for (req, drafts), v, k in zip(step.verify, verdicts, kept, strict=True):
-            self._publish_round(req, len(drafts), v.accepted, k, budgets.get(req.request_id, 0))
+            logprobs = v.logprobs[: len(k)] if v.logprobs is not None else None
+            self._publish_round(req, len(drafts), v.accepted, k, budgets.get(req.request_id, 0), logprobs)
         self.metrics.observe_step(step, scheduled, t0, t1, time.perf_counter(), self._last_step_start, cpu1 - cpu0)
         self._last_step_start = t0
 
@@ -354,11 +357,12 @@ class TorchCore:
         req.accepted += accepted
         return req.commit(tokens)
 
-    def _publish_round(self, req: Request, drafted: int, accepted: int, kept: list[int], budget: int) -> None:
+    def _publish_round(self, req: Request, drafted: int, accepted: int, kept: list[int], budget: int,
+                       logprobs: list[TokenLogprob] | None = None) -> None:
         finished = req.status is Status.FINISHED
         budget = 0 if finished or not req.speculative else min(budget, self.limits.max_draft_tokens)
         self._results.append(Rounded(req.request_id, req.round, drafted, accepted, kept, finished,
-                                     req.finish_reason, budget))
+                                     req.finish_reason, budget, logprobs=logprobs))
         self.metrics.count_round(drafted, accepted, len(kept))
         if finished:
             self._retire(req)

@@ -18,8 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from services.verifier.grammar import Grammar
 from shared.draft_q import CheckedQ
-from shared.protocol import FinishReason, SamplingParams
+from shared.protocol import FinishReason, SamplingParams, TokenLogprob
 
 # --- commands (event loop -> core) ---------------------------------------------------------
 
@@ -32,6 +33,7 @@ class AddRequest:
     speculative: bool  # wait for a drafter's drafts each round (else decode target-only)
     drafter: str = ""  # the drafter's node id, for per-drafter estimates and metrics
     slo_tokens_per_s: float | None = None  # the request's token-speed SLO class (None: the default)
+    grammar: Grammar | None = None  # structured output: the request's grammar state
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,7 @@ class Rounded:
     finish_reason: FinishReason | None
     draft_budget: int
     error: str = ""
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked for logprobs
 
 
 @dataclass(frozen=True)

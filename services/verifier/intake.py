@@ -13,6 +13,7 @@ from typing import Any
 
 from services.verifier.core_api import AddDraft, AddRequest, Attach, CoreBusy, Detach, Finish, VerifierCore
 from services.verifier.detok import IncrementalText
+from services.verifier.grammar import GrammarError, Grammars
 from services.verifier.output import Output
 from services.verifier.sessions import Route, Routes
 from shared.draft_q import DraftError, check
@@ -31,6 +32,14 @@ class Intake:
         self.routes = routes
         self.output = output
         self.tokenizer = tokenizer
+        self._grammars: Grammars | None = None
+
+    @property
+    def grammars(self) -> Grammars:
+        """Built on the first structured-output request (it reads the whole vocabulary)."""
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.core.vocab_size)
+        return self._grammars
 
     def handle(self, conn_id: str, role: str, msg: Message | None, received_at: float = 0.0) -> None:
         if role == "gone":
@@ -59,6 +68,12 @@ class Intake:
             return self.output.error(conn_id, "busy", f"the verifier holds {self.routes.max_sessions} sessions; "
                                                       "retry later", rid)
         problem = self._check_request(msg)
+        grammar = None
+        if not problem and msg.params.structured is not None:
+            try:
+                grammar = self.grammars.matcher(msg.params.structured)
+            except GrammarError as exc:
+                problem = str(exc)
         if problem:  # the verifier owns the request now: tell its client, then the opener
             self.output.failed_open(msg, problem)
             return self.output.error(conn_id, "invalid", problem, rid)
@@ -68,7 +83,8 @@ class Intake:
                               len(msg.prompt_ids), IncrementalText(self.tokenizer, list(msg.params.stop))))
         try:
             self.core.submit(AddRequest(rid, list(msg.prompt_ids), msg.params, speculative,
-                                        self.names(conn_id) if speculative else "", msg.slo_tokens_per_s))
+                                        self.names(conn_id) if speculative else "", msg.slo_tokens_per_s,
+                                        grammar))
         except CoreBusy as exc:
             self.routes.close(rid)
             return self.output.error(conn_id, "busy", str(exc), rid)
@@ -87,6 +103,8 @@ class Intake:
         vocab = self.core.vocab_size
         if max(msg.prompt_ids) >= vocab:
             return f"prompt token id {max(msg.prompt_ids)} is outside the vocabulary of {vocab}"
+        if msg.params.logit_bias and max(msg.params.logit_bias) >= vocab:
+            return f"logit_bias token id {max(msg.params.logit_bias)} is outside the vocabulary of {vocab}"
         try:
             validate(msg.params, len(msg.prompt_ids), self.core.max_model_len)
         except SamplingError as exc:

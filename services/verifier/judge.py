@@ -17,12 +17,15 @@ The rules themselves are the pure functions of ``shared.acceptance``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from services.verifier.logprobs import round_logprobs
 from services.verifier.requests import Request
 from shared.acceptance import accepted_prefix, one_hot, residual, verify_greedy
+from shared.penalties import apply_penalties, has_penalties
+from shared.protocol import TokenLogprob
 from shared.sampling import probs_from_logit_rows, sample
 
 
@@ -33,10 +36,14 @@ class Verdict:
     #: Σ over every draft of its acceptance probability min(1, p/q) (GoodSpeed eq. 3); for a
     #: greedy request 1 where the draft is the target's argmax given the drafts before it, else 0
     accept_prob: float = 0.0
+    #: the logprobs of ``tokens`` when the request asked for them (services.verifier.logprobs)
+    logprobs: list[TokenLogprob] | None = None
 
 
-def judge(batch: Sequence[tuple[Request, list[int]]], logits: torch.Tensor) -> list[Verdict]:
-    """Verdicts for ``batch`` (request, drafts verified) whose rows fill ``logits`` in order."""
+def judge(batch: Sequence[tuple[Request, list[int]]], raw: torch.Tensor) -> list[Verdict]:
+    """Verdicts for ``batch`` (request, drafts verified) whose rows fill ``raw`` (the target's
+    logits) in order. Sessions with penalties are judged on their penalised rows."""
+    logits = penalized(batch, raw)
     starts, row = [], 0
     for _, drafts in batch:
         starts.append(row)
@@ -55,7 +62,30 @@ def judge(batch: Sequence[tuple[Request, list[int]]], logits: torch.Tensor) -> l
         for i, verdict in zip(sampled, _judge_sampled([batch[i] for i in sampled], [starts[i] for i in sampled],
                                                       logits), strict=True):
             out[i] = verdict
-    return [v for v in out if v is not None]
+    verdicts = [v for v in out if v is not None]
+    if any(req.params.logprobs is not None for req, _ in batch):  # read off the same rows: no extra pass
+        logprobs = round_logprobs(batch, raw, logits, [v.tokens for v in verdicts])
+        verdicts = [replace(v, logprobs=lp) for v, lp in zip(verdicts, logprobs, strict=True)]
+    return verdicts
+
+
+def penalized(batch: Sequence[tuple[Request, list[int]]], logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` with each session's penalties applied to its rows, row j counting the session's
+    drafts before it as generated (shared.penalties), and its grammar's mask at each row's prefix
+    (services.verifier.grammar); ``logits`` itself when no session has either."""
+    if not any(has_penalties(req.params) or req.grammar is not None for req, _ in batch):
+        return logits
+    out, start = logits.float().clone(), 0
+    for req, drafts in batch:
+        end = start + len(drafts) + 1
+        if has_penalties(req.params):
+            out[start:end] = apply_penalties(out[start:end], req.params, req.committed[: req.prompt_len],
+                                             req.committed[req.prompt_len :], drafts)
+        if req.grammar is not None:
+            allowed = req.grammar.masks(drafts).to(out.device)
+            out[start:end] = out[start:end].masked_fill(~allowed, float("-inf"))
+        start = end
+    return out
 
 
 def _judge_sampled(batch: Sequence[tuple[Request, list[int]]], starts: list[int],

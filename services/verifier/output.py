@@ -27,7 +27,16 @@ from services.verifier.core_api import (
 from services.verifier.metrics import VerifierMetrics
 from services.verifier.sessions import Route, Routes
 from shared.log import get_logger
-from shared.protocol import Batchable, ErrorFrame, FinishReason, OpenSession, SessionOpened, TokenEvent, Verdict
+from shared.protocol import (
+    Batchable,
+    ErrorFrame,
+    FinishReason,
+    OpenSession,
+    SessionOpened,
+    TokenEvent,
+    TokenLogprob,
+    Verdict,
+)
 
 log = get_logger("verifier.output")
 
@@ -111,7 +120,7 @@ class Output:
         route.completion_tokens += len(kept)
         route.drafted += r.drafted
         route.accepted += r.accepted
-        self._event(route, kept, finished, reason, r.error)
+        self._event(route, kept, finished, reason, r.error, r.logprobs[: len(kept)] if r.logprobs is not None else None)
         peer = route.drafter if route.drafter is not None else (route.owner if finished else None)
         if peer is not None:
             self._conn(peer, Verdict(request_id=r.request_id, round=r.round, accepted=r.accepted, token_ids=kept,
@@ -149,12 +158,12 @@ class Output:
     # --- frames --------------------------------------------------------------------------
 
     def _event(self, route: Route, tokens: list[int], finished: bool, reason: FinishReason | None,
-               error: str = "") -> None:
+               error: str = "", logprobs: list[TokenLogprob] | None = None) -> None:
         self._to_origin[route.origin].append(TokenEvent(
             request_id=route.request_id, origin=route.origin, token_ids=tokens, text=route.text.release(finished),
             finished=finished, finish_reason=reason if finished else None, prompt_tokens=route.prompt_tokens,
             completion_tokens=route.completion_tokens, drafted_tokens=route.drafted, accepted_tokens=route.accepted,
-            error=error))
+            error=error, logprobs=logprobs))
 
     def _conn(self, conn_id: str, msg: Batchable) -> None:
         self._to_conn[conn_id].append(msg)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.verifier.grammar import Grammar
 from shared.draft_q import CheckedQ
 from shared.protocol import FinishReason, SamplingParams
 from shared.runner import KVSlot
@@ -53,6 +54,7 @@ class Request:
     slo_tokens_per_s: float | None = None  # token-speed SLO (WISP batching); None: best effort
     draft_wait_s: float = 0.0  # how long this round waited for its draft
     pause_left: int = 0  # rounds still to run target-only at the drafter's request (Draft.pause_rounds)
+    grammar: Grammar | None = None  # structured output: masks p, advanced by committed tokens
     finish_reason: FinishReason | None = None
     drafted: int = 0
     accepted: int = 0
@@ -150,6 +152,8 @@ class Request:
             if reason is not None:
                 self.finish(reason)
                 break
+        if self.grammar is not None:
+            self.grammar.advance(kept)
         return kept
 
     def _stop_reason(self, token: int) -> FinishReason | None:

@@ -93,7 +93,7 @@ BAD: list[tuple[str, str, Any, int, str | None, str | None]] = [
     ("top-p-zero", COMP, {"prompt": "a", "top_p": 0}, 400, "top_p", None),
     ("top-p-high", CHAT, {"messages": msgs(), "top_p": 1.5}, 400, "top_p", None),
     ("top-k-negative", COMP, {"prompt": "a", "top_k": -5}, 400, "top_k", None),
-    ("n-two", CHAT, {"messages": msgs(), "n": 2}, 400, "n", None),
+    ("n-seventeen", CHAT, {"messages": msgs(), "n": 17}, 400, "n", None),
     ("n-zero", COMP, {"prompt": "a", "n": 0}, 400, "n", None),
     ("seed-huge", COMP, {"prompt": "a", "seed": 2**70}, 400, "seed", None),
     ("stop-empty-string", COMP, {"prompt": "a", "stop": ""}, 400, "stop", None),

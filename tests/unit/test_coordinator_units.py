@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from services.coordinator.errors import ApiError
-from services.coordinator.generation import ClientGone, Submission
+from services.coordinator.generation import ClientGone, Collected, Submission
 from services.coordinator.metrics import CoordinatorMetrics
 from services.coordinator.responses import Responder
 from services.coordinator.verifier_link import Inbound, VerifierLink
@@ -21,7 +21,7 @@ FINAL = TokenEvent(request_id="r", origin="c", token_ids=[1], text="!", finished
 
 def test_chat_body_and_chunks() -> None:
     r = Responder("chat", "abc", "target", 123, include_usage=True)
-    body = r.full("hi!", FINAL)
+    body = r.full([Collected("hi!", FINAL, [], None)])
     assert body["id"] == "chatcmpl-abc" and body["object"] == "chat.completion" and body["created"] == 123
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "hi!"}
     assert body["choices"][0]["finish_reason"] == "stop"
@@ -38,7 +38,7 @@ def test_chat_body_and_chunks() -> None:
 
 def test_completion_body_and_chunks() -> None:
     r = Responder("completion", "abc", "target", 1)
-    body = r.full("xyz", FINAL)
+    body = r.full([Collected("xyz", FINAL, [], None)])
     assert body["id"] == "cmpl-abc" and body["object"] == "text_completion"
     assert body["choices"][0]["text"] == "xyz"
     chunk = r.chunk("q")

@@ -42,7 +42,7 @@ from services.verifier.core_api import (
     Rounded,
 )
 from services.verifier.metrics import VerifierMetrics
-from services.verifier.vllm_engine.engine import vllm_sampling
+from services.verifier.vllm_engine.engine import vllm_sampling, vllm_unsupported
 from services.verifier.vllm_engine.rounds import LiveSession, Resolved
 from shared.log import get_logger
 from shared.protocol import FinishReason
@@ -121,6 +121,11 @@ class VllmCore:
         rid = cmd.request_id
         if rid in self.sessions:
             self._results.append(Refused(rid, "invalid", f"request {rid} is already being generated"))
+            return
+        unsupported = vllm_unsupported(cmd.params)
+        if unsupported:
+            self._results.append(Refused(rid, "invalid", f"{', '.join(unsupported)}: not supported by the verifier's "
+                                                         "vLLM backend (--backend vllm); use the torch backend"))
             return
         if len(self.sessions) >= self.limits.max_sessions:
             raise CoreBusy(f"the vLLM core holds {self.limits.max_sessions} sessions")

@@ -79,6 +79,21 @@ def start_engine(s: EngineSettings) -> Any:
         raise ModelLoadError(f"vLLM could not start on {s.model}: {exc}") from None
 
 
+def vllm_unsupported(params: SamplingParams) -> list[str]:
+    """The request fields this backend refuses: logprobs (its continuous rounds have no
+    per-verified-position distribution to read them from) and the penalties (not verified exact
+    under its speculative rounds)."""
+    fields = {
+        "logprobs": params.logprobs is not None,
+        "presence_penalty": params.presence_penalty != 0.0,
+        "frequency_penalty": params.frequency_penalty != 0.0,
+        "repetition_penalty": params.repetition_penalty != 1.0,
+        "logit_bias": bool(params.logit_bias),
+        "structured output (response_format, guided_*)": params.structured is not None,
+    }
+    return [name for name, asked in fields.items() if asked]
+
+
 def vllm_sampling(params: SamplingParams, eos_ids: set[int] | frozenset[int]) -> Any:
     """The request's sampling parameters for vLLM. End-of-sequence ids are passed as stop ids
     (and vLLM's own eos notion is off), so both backends stop on exactly the same tokens."""
