@@ -118,8 +118,9 @@ class Submission:
         if self._peeked is not None:
             item, self._peeked = self._peeked, None
         else:
-            try:
-                item = await asyncio.wait_for(self._events.get(), max(self._deadline - time.monotonic(), 0.0))
+            try:  # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancel that meets an event
+                async with asyncio.timeout(max(self._deadline - time.monotonic(), 0.0)):
+                    item = await self._events.get()
             except TimeoutError:
                 log.warning("request timed out", request_id=self.request_id, timeout_s=self._timeout_s)
                 raise request_timeout(self._timeout_s) from None
@@ -224,7 +225,8 @@ class Generator:
                                slo_tokens_per_s=req.slo_tokens_per_s)
         retry_after = self.admission.retry_after_s
         try:
-            await asyncio.wait_for(self._queue.put(queued), PUT_TIMEOUT_S)
+            async with asyncio.timeout(PUT_TIMEOUT_S):  # not wait_for: see Submission._next
+                await self._queue.put(queued)
         except QueueFull as exc:
             raise too_many_requests(f"Cannot queue the request: {exc}. Retry after {retry_after} s; "
                                     "more drafters drain the queue faster.", retry_after) from None

@@ -194,7 +194,8 @@ async def ready(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     state = state_of(request)
     try:
-        depth = await asyncio.wait_for(state.queue.depth(), 2.0)
+        async with asyncio.timeout(2.0):
+            depth = await state.queue.depth()
     except Exception:  # an unreachable queue must not break the scrape; -1 flags it
         depth = -1
     data = state.metrics.render(depth, len(state.link.drafters), state.link.connected)

@@ -132,7 +132,8 @@ class VerifierLink:
     async def wait_connected(self, timeout_s: float) -> bool:
         """True once the link is up (Welcome received), False after ``timeout_s``."""
         try:
-            await asyncio.wait_for(self._up.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await self._up.wait()
         except TimeoutError:
             return False
         return True
@@ -206,7 +207,8 @@ class VerifierLink:
         hello = Hello(role="frontend", node_id=self.node_id, protocol_version=PROTOCOL_VERSION,
                       tokenizer_fingerprint=self._fingerprint)
         await ws.send(encode(hello))
-        reply = decode(await asyncio.wait_for(ws.recv(), self._handshake_timeout))
+        async with asyncio.timeout(self._handshake_timeout):
+            reply = decode(await ws.recv())
         if isinstance(reply, Refused):
             raise LinkRefused(f"the verifier refused this coordinator ({reply.code}): {reply.message}")
         if not isinstance(reply, Welcome):

@@ -105,7 +105,8 @@ class VerifierLink:
     async def _handshake(self, ws: ClientConnection) -> Welcome:
         try:
             await ws.send(encode(self.hello))
-            reply = decode(await asyncio.wait_for(ws.recv(), self.open_timeout_s))
+            async with asyncio.timeout(self.open_timeout_s):
+                reply = decode(await ws.recv())
         except ConnectionClosed as exc:
             raise LinkDown(f"the verifier closed the connection during the handshake: {exc}") from None
         except TimeoutError:

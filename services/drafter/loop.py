@@ -221,6 +221,7 @@ class DrafterLoop:
     async def _release(self) -> None:
         """Make our unacknowledged deliveries available again (the in-process queue needs this)."""
         try:
-            await asyncio.wait_for(self.queue.release(self.node_id), SHUTDOWN_QUEUE_TIMEOUT_S)
+            async with asyncio.timeout(SHUTDOWN_QUEUE_TIMEOUT_S):
+                await self.queue.release(self.node_id)
         except (QueueError, TimeoutError) as exc:  # Redis re-delivers after claim_idle_ms anyway
             log.warning("could not release our unacknowledged requests", error=str(exc) or "timed out")

@@ -161,7 +161,8 @@ class TorchCore:
             if not self._has_work() and self._commands.empty():
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), IDLE_WAKE_S)
+                    async with asyncio.timeout(IDLE_WAKE_S):
+                        await self._wake.wait()
             self._iterate(block=False)
             await asyncio.sleep(0)  # let the event loop read frames and send this step's results
 

@@ -171,7 +171,8 @@ class Hub:
 
     async def _handshake(self, ws: ServerConnection, role: str) -> Hello | None:
         try:
-            raw = await asyncio.wait_for(ws.recv(), HELLO_TIMEOUT_S)
+            async with asyncio.timeout(HELLO_TIMEOUT_S):
+                raw = await ws.recv()
             hello = decode(raw)
         except (TimeoutError, ConnectionClosed):
             return None
