@@ -32,6 +32,8 @@ class AddRequest:
     speculative: bool  # wait for a drafter's drafts each round (else decode target-only)
     drafter: str = ""  # the drafter's node id, for per-drafter estimates and metrics
     slo_tokens_per_s: float | None = None  # the request's token-speed SLO class (None: the default)
+    #: tokens already committed after the prompt (a request re-opened after its verifier was lost)
+    generated: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -159,3 +159,54 @@ def _sample(url: str, name: str) -> float:
         return 0.0
     found = re.search(rf"^{name} (\S+)$", text, re.M)
     return float(found.group(1)) if found else 0.0
+
+
+@pytest.mark.faults
+def test_up_restarts_a_killed_verifier_and_every_request_completes(tiny_models: dict[str, Path],
+                                                                   tmp_path: Path) -> None:
+    """kill -9 the verifier with 20 greedy requests in flight: ``specfleet up`` starts it again,
+    the coordinator re-opens the requests on it from what it relayed, the drafters resume them,
+    and all 20 complete token-identical to target-only greedy decoding."""
+    verifier_port = free_port()
+    cmd = _up(tmp_path, tiny_models)
+    cmd[cmd.index("--verifier-port") + 1] = str(verifier_port)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = _until_ready(proc)
+        base_url = next(m.group(1) for line in lines if (m := re.search(r"ready at (http://\S+)", line)))
+        victim = int(next(m.group(1) for line in lines if (m := re.search(r"started verifier\s+pid (\d+)", line))))
+        stack = SimpleNamespace(ws_url=base_url.replace("http://", "ws://") + "/v1/stream")
+        sent = [{"kind": "completion", "model": "target", "prompt": f"def g{i}(y", "max_tokens": 128,
+                 "temperature": 0, "ignore_eos": True} for i in range(20)]
+
+        async def run() -> list[tuple]:
+            work = asyncio.create_task(stream_many(stack, sent))  # type: ignore[arg-type]
+            await asyncio.sleep(0.5)
+            for _ in range(600):  # all 20 admitted, and the verifier serving some (drafters take 4 each)
+                in_flight = await asyncio.to_thread(_sample, f"{base_url}/metrics",
+                                                    "specfleet_coordinator_requests_in_flight")
+                sessions = await asyncio.to_thread(_sample, f"http://127.0.0.1:{verifier_port}/metrics",
+                                                   "specfleet_verifier_sessions")
+                if in_flight == 20 and sessions >= 4:
+                    break
+                await asyncio.sleep(0.02)
+            os.kill(victim, signal.SIGKILL)
+            return await work
+
+        results = asyncio.run(run())
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    target = load_model(tiny_models["target"])
+    for body, (ids, _, done) in zip(sent, results, strict=True):
+        assert ids == greedy_reference(target.model, prompt_ids(target, body), 128, set())
+        assert done["finish_reason"] == "length" and done["usage"]["completion_tokens"] == 128
+    assert "restarting in" in err and "verifier (pid" in err, err
+    coordinator_log = (tmp_path / "state" / "logs" / "coordinator.log").read_text().splitlines()
+    reopened = sum(json.loads(line)["requests"] for line in coordinator_log
+                   if "re-opened in-flight requests on a restarted verifier" in line)
+    assert reopened >= 15, "the kill landed when few of the 20 requests were in flight"
+    print(f"verifier killed once; {reopened} requests re-opened; {len(results)}/20 completed")
