@@ -151,6 +151,19 @@ def _until_ready(proc: subprocess.Popen[str]) -> list[str]:
     return lines
 
 
+def _until_answers(url: str, timeout_s: float) -> None:
+    """Wait until GET ``url`` answers 200 (a restarted service is back)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"{url} did not answer 200 within {timeout_s:g} s")
+
+
 def _sample(url: str, name: str) -> float:
     """One unlabelled sample of a service's /metrics (0 when unreachable or absent)."""
     try:
@@ -166,7 +179,8 @@ def test_up_restarts_a_killed_verifier_and_every_request_completes(tiny_models: 
                                                                    tmp_path: Path) -> None:
     """kill -9 the verifier with 20 greedy requests in flight: ``specfleet up`` starts it again,
     the coordinator re-opens the requests on it from what it relayed, the drafters resume them,
-    and all 20 complete token-identical to target-only greedy decoding."""
+    and all 20 complete token-identical to target-only greedy decoding. Then kill -9 the
+    coordinator: it is started again too, and serves."""
     verifier_port = free_port()
     cmd = _up(tmp_path, tiny_models)
     cmd[cmd.index("--verifier-port") + 1] = str(verifier_port)
@@ -194,6 +208,12 @@ def test_up_restarts_a_killed_verifier_and_every_request_completes(tiny_models: 
             return await work
 
         results = asyncio.run(run())
+        # the coordinator too is started again when it dies, and serves on the same port
+        coordinator = int(next(m.group(1) for line in lines
+                               if (m := re.search(r"started coordinator\s+pid (\d+)", line))))
+        os.kill(coordinator, signal.SIGKILL)
+        _until_answers(f"{base_url}/ready", 120)
+        after = asyncio.run(stream_many(stack, sent[:1]))  # type: ignore[arg-type]
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
     finally:
@@ -201,10 +221,10 @@ def test_up_restarts_a_killed_verifier_and_every_request_completes(tiny_models: 
             proc.kill()
             proc.wait()
     target = load_model(tiny_models["target"])
-    for body, (ids, _, done) in zip(sent, results, strict=True):
+    for body, (ids, _, done) in zip(sent + sent[:1], results + after, strict=True):
         assert ids == greedy_reference(target.model, prompt_ids(target, body), 128, set())
         assert done["finish_reason"] == "length" and done["usage"]["completion_tokens"] == 128
-    assert "restarting in" in err and "verifier (pid" in err, err
+    assert "restarting in" in err and "verifier (pid" in err and "coordinator (pid" in err, err
     coordinator_log = (tmp_path / "state" / "logs" / "coordinator.log").read_text().splitlines()
     reopened = sum(json.loads(line)["requests"] for line in coordinator_log
                    if "re-opened in-flight requests on a restarted verifier" in line)
