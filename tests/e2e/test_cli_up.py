@@ -164,6 +164,16 @@ def _until_answers(url: str, timeout_s: float) -> None:
     raise AssertionError(f"{url} did not answer 200 within {timeout_s:g} s")
 
 
+async def _sample_async(http: httpx.AsyncClient, url: str, name: str) -> float:
+    """Like :func:`_sample`, without blocking the event loop the clients stream on."""
+    try:
+        text = (await http.get(url)).text
+    except httpx.HTTPError:
+        return 0.0
+    found = re.search(rf"^{name} (\S+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
 def _sample(url: str, name: str) -> float:
     """One unlabelled sample of a service's /metrics (0 when unreachable or absent)."""
     try:
@@ -190,20 +200,19 @@ def test_up_restarts_a_killed_verifier_and_every_request_completes(tiny_models: 
         base_url = next(m.group(1) for line in lines if (m := re.search(r"ready at (http://\S+)", line)))
         victim = int(next(m.group(1) for line in lines if (m := re.search(r"started verifier\s+pid (\d+)", line))))
         stack = SimpleNamespace(ws_url=base_url.replace("http://", "ws://") + "/v1/stream")
-        sent = [{"kind": "completion", "model": "target", "prompt": f"def g{i}(y", "max_tokens": 128,
+        sent = [{"kind": "completion", "model": "target", "prompt": f"def g{i}(y", "max_tokens": 256,
                  "temperature": 0, "ignore_eos": True} for i in range(20)]
 
         async def run() -> list[tuple]:
             work = asyncio.create_task(stream_many(stack, sent))  # type: ignore[arg-type]
-            await asyncio.sleep(0.5)
-            for _ in range(600):  # all 20 admitted, and the verifier serving some (drafters take 4 each)
-                in_flight = await asyncio.to_thread(_sample, f"{base_url}/metrics",
+            async with httpx.AsyncClient(timeout=5) as http:
+                for _ in range(3000):  # kill once all 20 are admitted and the verifier is generating
+                    in_flight = await _sample_async(http, f"{base_url}/metrics",
                                                     "specfleet_coordinator_requests_in_flight")
-                sessions = await asyncio.to_thread(_sample, f"http://127.0.0.1:{verifier_port}/metrics",
-                                                   "specfleet_verifier_sessions")
-                if in_flight == 20 and sessions >= 4:
-                    break
-                await asyncio.sleep(0.02)
+                    if in_flight == 20 and await _sample_async(
+                            http, f"http://127.0.0.1:{verifier_port}/metrics", "specfleet_verifier_sessions") > 0:
+                        break
+                    await asyncio.sleep(0.01)
             os.kill(victim, signal.SIGKILL)
             return await work
 
@@ -222,11 +231,11 @@ def test_up_restarts_a_killed_verifier_and_every_request_completes(tiny_models: 
             proc.wait()
     target = load_model(tiny_models["target"])
     for body, (ids, _, done) in zip(sent + sent[:1], results + after, strict=True):
-        assert ids == greedy_reference(target.model, prompt_ids(target, body), 128, set())
-        assert done["finish_reason"] == "length" and done["usage"]["completion_tokens"] == 128
+        assert ids == greedy_reference(target.model, prompt_ids(target, body), 256, set())
+        assert done["finish_reason"] == "length" and done["usage"]["completion_tokens"] == 256
     assert "restarting in" in err and "verifier (pid" in err and "coordinator (pid" in err, err
     coordinator_log = (tmp_path / "state" / "logs" / "coordinator.log").read_text().splitlines()
     reopened = sum(json.loads(line)["requests"] for line in coordinator_log
                    if "re-opened in-flight requests on a restarted verifier" in line)
-    assert reopened >= 15, "the kill landed when few of the 20 requests were in flight"
+    assert reopened == 20, "the kill landed when not all 20 requests were in flight"
     print(f"verifier killed once; {reopened} requests re-opened; {len(results)}/20 completed")
