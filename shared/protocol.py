@@ -9,7 +9,7 @@ Links and who speaks on them:
 * drafter  -> verifier   (WebSocket ``/v1/drafter``): Hello, OpenSession, Draft, CloseSession
 * verifier -> drafter:   Welcome, Refused, SessionOpened, Verdict, ErrorFrame
 * frontend -> verifier   (WebSocket ``/v1/frontend``, the coordinator): Hello, OpenSession
-  (autonomous, target-only sessions), Cancel
+  (autonomous, target-only sessions, and re-opened ones carrying ``resume``), ResumeDone, Cancel
 * verifier -> frontend:  Welcome, Refused, TokenEvent, FleetStatus, ErrorFrame
 * drafter  -> coordinator queue link (WebSocket ``/internal/queue``, only without Redis):
   Hello, QueuePull, QueueAck;  coordinator -> drafter: Welcome, QueueDelivery
@@ -30,7 +30,8 @@ from typing import Annotated, Literal
 
 import msgspec
 
-#: 5: Draft.pause_rounds; SamplingParams logprobs, penalties and structured output; TokenEvent.logprobs
+#: 5: Draft.pause_rounds; SamplingParams logprobs, penalties and structured output; TokenEvent.logprobs;
+#: OpenSession.resume, ResumeDone and Welcome.instance (a coordinator re-opens its requests on a new verifier)
 PROTOCOL_VERSION = 5
 #: Largest frame any service accepts. A 32k-token prompt is ~200 KiB; sparse q for 64 draft
 #: positions x 4096 entries is 1.5 MiB. 4 MiB leaves room and still bounds a hostile peer.
@@ -159,6 +160,9 @@ class Welcome(_Msg, tag="welcome", frozen=True):
     tokenizer_fingerprint: str
     max_model_len: int
     max_draft_tokens: int
+    #: random per verifier process (v5): a frontend that reconnects to another instance re-opens
+    #: its in-flight requests there; "" (queue link, older peers): never resume
+    instance: str = ""
 
 
 class Refused(_Msg, tag="refused", frozen=True):
@@ -171,8 +175,25 @@ class Refused(_Msg, tag="refused", frozen=True):
 # --- sessions (drafter <-> verifier) --------------------------------------------------------
 
 
+class ResumeState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What a frontend already relayed of a request whose verifier was lost (v5).
+
+    The new verifier continues after ``generated_ids`` (the tokens committed so far, which follow
+    the original prompt), skips the first ``released_chars`` characters of their text (already
+    sent to the client; the rest was held back for stop strings), and counts on from the
+    cumulative drafted/accepted tokens, so usage still describes the original request.
+    """
+
+    generated_ids: list[TokenId]
+    released_chars: Annotated[int, msgspec.Meta(ge=0)] = 0
+    drafted_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    accepted_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+
 class OpenSession(_Msg, tag="open_session", frozen=True):
-    """Start verifying ``request_id``. From a frontend, the session is autonomous (target-only)."""
+    """Start verifying ``request_id``. From a frontend, the session is autonomous (target-only);
+    with ``resume`` it re-opens a request from what the frontend relayed before its verifier was
+    lost (a drafter may then resume speculating on it, as for any session without a drafter)."""
 
     request_id: RequestId
     prompt_ids: Annotated[list[TokenId], msgspec.Meta(min_length=1)]
@@ -180,6 +201,16 @@ class OpenSession(_Msg, tag="open_session", frozen=True):
     origin: Name
     speculative: bool = True
     slo_tokens_per_s: SloRate | None = None  # token-speed SLO class (WISP batching); None: the verifier's default
+    resume: ResumeState | None = None  # frontend only: continue after what was already relayed
+
+
+class ResumeDone(_Msg, tag="resume_done", frozen=True):
+    """Frontend -> verifier, once after each Welcome: every in-flight request this frontend
+    re-opens has been sent (``sessions`` of them). Until then a drafter's OpenSession for a
+    request of this frontend is answered ``busy``, so that it cannot start over a request whose
+    tokens were already relayed."""
+
+    sessions: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 class SessionOpened(_Msg, tag="session_opened", frozen=True):
@@ -314,6 +345,7 @@ Message = (
     | Welcome
     | Refused
     | OpenSession
+    | ResumeDone
     | SessionOpened
     | Draft
     | Verdict

@@ -2,7 +2,9 @@
 
 It makes sure models exist, starts the verifier, the coordinator and N drafters as
 subprocesses (``python -m shared.cli <service> ...``), waits for the coordinator's ``/ready``,
-tells the user how to send a request, and stops everything on Ctrl-C or SIGTERM. With
+tells the user how to send a request, and stops everything on Ctrl-C or SIGTERM. Once the
+fleet is ready, any service that dies is started again with backoff, as a Kubernetes
+Deployment would (exit code 2, "refused its configuration", stops the fleet instead). With
 ``--smoke`` it sends one chat request instead of waiting, then shuts down (CI proves
 ``make run`` works this way).
 """
@@ -195,7 +197,7 @@ def run(args: argparse.Namespace, cwd: Path) -> int:
     previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         for name, argv in plan(args, models, ports):
-            child = sup.start(name, argv, env, restart=name.startswith("drafter"))
+            child = sup.start(name, argv, env, restart=True)  # every service, as a Deployment would
             print(f"started {name:<12} pid {child.proc.pid:<7} log {child.log_path}", flush=True)
         base_url = f"http://{connect_host(args.host)}:{ports.coordinator}"
         sup.wait_ready(f"{base_url}/ready", args.ready_timeout)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from prometheus_client import Gauge
 
-from services.coordinator.errors import too_many_requests
+from services.coordinator.errors import service_unavailable, too_many_requests
 from shared.log import get_logger
 
 log = get_logger("coordinator.admission")
@@ -48,13 +48,18 @@ class InFlightLimit:
         self.retry_after_s = retry_after_s
         self._gauge = gauge
         self._count = 0
+        self.draining = False  # shutting down: refuse every new request with 503
 
     @property
     def in_flight(self) -> int:
         return self._count
 
     def admit(self) -> Slot:
-        """A slot for one more request, or ApiError 429 (with Retry-After) when the cap is reached."""
+        """A slot for one more request, or ApiError 429 (with Retry-After) when the cap is reached, or
+        503 while the coordinator drains before it exits."""
+        if self.draining:
+            raise service_unavailable("The coordinator is shutting down and takes no new requests; "
+                                      "send the request to another coordinator, or retry once it is back.")
         if self.max_in_flight and self._count >= self.max_in_flight:
             log.debug("request refused: in-flight cap reached", max_in_flight=self.max_in_flight)
             raise too_many_requests(

@@ -37,6 +37,11 @@ class CoordinatorConfig:
         "most requests the in-process queue holds waiting for a drafter; a full queue answers 429 with "
         "Retry-After; 0: no limit (unused with --redis-url)",
     )
+    drain_timeout_s: float = opt(
+        30.0,
+        "on SIGTERM (or Ctrl-C): answer new requests 503 and /ready 503, let in-flight requests finish for up to this "
+        "many seconds, then exit 0; a second signal stops at once",
+    )
     retry_after_s: int = opt(1, "the Retry-After seconds sent with 429 (overload) and 503 (verifier busy) answers")
     node_id: str = opt("", "this coordinator's name; empty picks coordinator-<hostname>-<pid>")
     log_level: str = opt("info", "debug, info, warning, error")
@@ -47,6 +52,8 @@ def check_config(cfg: CoordinatorConfig) -> None:
     problems = [f"--{name.replace('_', '-')} must be >= 0 (0: no limit), got {value}"
                 for name, value in (("max_in_flight", cfg.max_in_flight), ("max_queue", cfg.max_queue))
                 if value < 0]
+    if cfg.drain_timeout_s < 0:
+        problems.append(f"--drain-timeout-s must be >= 0, got {cfg.drain_timeout_s}")
     if cfg.retry_after_s < 1:
         problems.append(f"--retry-after-s must be >= 1, got {cfg.retry_after_s}")
     if problems:

@@ -198,7 +198,9 @@ class Generator:
                 f"the verifier is not connected ({self._link.last_error or 'connecting'}); retry shortly"
             )
         rid = uuid.uuid4().hex
-        sub = Submission(rid, len(req.prompt_ids), self._link.subscribe(rid), self._link, self._metrics,
+        reopen = OpenSession(request_id=rid, prompt_ids=req.prompt_ids, params=req.params, origin=self._node_id,
+                             speculative=False, slo_tokens_per_s=req.slo_tokens_per_s)  # after a verifier restart
+        sub = Submission(rid, len(req.prompt_ids), self._link.subscribe(rid, reopen), self._link, self._metrics,
                          self._timeout_s, slot=slot, retry_after_s=self.admission.retry_after_s)
         try:
             if self.speculative_now():

@@ -10,6 +10,7 @@ import uvicorn
 
 from services.coordinator.app import create_app
 from services.coordinator.config import CoordinatorConfig
+from services.coordinator.drain import DrainingServer, drain_on_signal
 from shared.config import ConfigError, describe, load_config
 from shared.log import get_logger, setup_logging
 from shared.models import ModelLoadError
@@ -20,15 +21,18 @@ log = get_logger("coordinator.main")
 
 
 async def serve(cfg: CoordinatorConfig, ready: asyncio.Event | None = None) -> None:
-    """Serve until cancelled or signalled; ``ready`` is set once the port accepts connections."""
+    """Serve until cancelled or signalled (a signal drains first: drain.py); ``ready`` is set once
+    the port accepts connections."""
     app = create_app(cfg)
     config = uvicorn.Config(
         app, host=cfg.host, port=cfg.port, log_config=None, access_log=False,
         ws_max_size=MAX_FRAME_BYTES, lifespan="on", timeout_graceful_shutdown=5,
         ws_per_message_deflate=False,  # token frames are small: deflating each costs CPU for nothing
     )
-    server = uvicorn.Server(config)
+    server = DrainingServer(config)
     task = asyncio.create_task(server.serve(), name="uvicorn")
+    drain = asyncio.create_task(drain_on_signal(server, app.state.coordinator.generator.admission,
+                                                cfg.drain_timeout_s), name="drain")
     try:
         while not server.started:
             if task.done():  # failed before binding (port in use, lifespan error): surface it
@@ -41,6 +45,7 @@ async def serve(cfg: CoordinatorConfig, ready: asyncio.Event | None = None) -> N
             ready.set()
         await asyncio.shield(task)  # a cancelled serve() shuts uvicorn down gracefully, below
     finally:
+        drain.cancel()
         if not task.done():
             server.should_exit = True
             with contextlib.suppress(asyncio.CancelledError):

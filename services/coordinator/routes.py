@@ -177,6 +177,8 @@ async def ready(request: Request) -> Response:
     state = state_of(request)
     link = state.link
     missing = []
+    if state.generator.admission.draining:
+        missing.append("the coordinator is shutting down (draining in-flight requests)")
     if not link.connected:
         missing.append(f"verifier link is down: {link.last_error}")
     elif not link.drafters and state.generator.speculation != "off":

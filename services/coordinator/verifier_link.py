@@ -6,9 +6,15 @@ frames saying which drafters are up. The link routes each TokenEvent (also insid
 the per-request asyncio.Queue its handler subscribed, as an :class:`Inbound` stamped with the
 time its frame arrived (for the relay-time metric), turns an ErrorFrame about a request into a
 final Inbound carrying the verifier's error code (``busy`` becomes a 503), sends Cancel when a
-client goes away, and reconnects with exponential backoff. Events sent while the link is down
-are lost, so a drop fails every in-flight request at once (a clear "cancelled" event) rather
-than leaving it to hang or to return text with holes in it.
+client goes away, and reconnects with exponential backoff.
+
+Events sent while the link is down are lost. In-flight requests wait for the link to come back
+(up to ``RESUME_WAIT_S``): when it comes back to a *new* verifier instance (``Welcome.instance``
+differs: the verifier restarted), each is re-opened there from what this coordinator relayed
+(``resume.py``), before anything else is sent, and their streams go on; when it comes back to
+the same instance, or never, they fail with a clear "cancelled" event (a 503) rather than hang
+or return text with holes in it. Either way ``ResumeDone`` follows, which tells the verifier
+that drafters may open this coordinator's requests.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from dataclasses import dataclass
 import websockets
 from websockets.asyncio.client import ClientConnection, connect
 
+from services.coordinator.resume import RESUME_WAIT_S, ResumeLedger
 from shared.log import get_logger
 from shared.protocol import (
     MAX_FRAME_BYTES,
@@ -34,6 +41,7 @@ from shared.protocol import (
     OpenSession,
     ProtocolError,
     Refused,
+    ResumeDone,
     TokenEvent,
     Welcome,
     decode,
@@ -87,6 +95,9 @@ class VerifierLink:
         self._outbox: asyncio.Queue[bytes] = asyncio.Queue()
         self._up = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._ledger = ResumeLedger()  # what was relayed of each request, to re-open it elsewhere
+        self._instance: str | None = None  # the verifier instance of the last connection
+        self._down_since: float | None = None
 
     # --- what request handlers use ------------------------------------------------------------
 
@@ -94,7 +105,7 @@ class VerifierLink:
     def connected(self) -> bool:
         return self._up.is_set()
 
-    def subscribe(self, request_id: str) -> asyncio.Queue[Inbound]:
+    def subscribe(self, request_id: str, opened: OpenSession | None = None) -> asyncio.Queue[Inbound]:
         """The queue that will receive ``request_id``'s TokenEvents; subscribe before queueing.
 
         Unbounded on purpose, and still bounded in practice: the verifier sends one event per
@@ -102,15 +113,19 @@ class VerifierLink:
         than ``max_tokens + 1`` events (and only the ones its client has not read yet wait here;
         the number of requests is capped by --max-in-flight). A maxsize would make the one
         reader of this link block on a single slow client and stall every other request.
+        ``opened``: the request in its target-only form, kept to re-open it on a restarted verifier.
         """
         if request_id in self._subs:
             raise ValueError(f"request id {request_id!r} is already subscribed")
         queue: asyncio.Queue[Inbound] = asyncio.Queue()
         self._subs[request_id] = queue
+        if opened is not None:
+            self._ledger.track(opened)
         return queue
 
     def unsubscribe(self, request_id: str) -> None:
         self._subs.pop(request_id, None)
+        self._ledger.forget(request_id)
 
     def cancel_nowait(self, request_id: str) -> None:
         """Ask the verifier to stop ``request_id``. Never blocks, so it is safe in cleanup code
@@ -156,6 +171,7 @@ class VerifierLink:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._down("the coordinator is shutting down")
+        self._fail_all("the coordinator is shutting down")
 
     async def _run(self) -> None:
         delay = self._min_backoff
@@ -168,10 +184,15 @@ class VerifierLink:
                 reason = str(exc)
                 delay = self._max_backoff  # a configuration problem: no point hammering
                 log.error("verifier refused the link", url=self.url, reason=reason)
+                self._fail_all(reason)
             except (OSError, TimeoutError, websockets.exceptions.WebSocketException, ProtocolError) as exc:
                 reason = f"{type(exc).__name__}: {exc}"
+                if self._up.is_set():  # it was up: a fresh outage, so retry soon (the verifier may restart)
+                    delay = self._min_backoff
                 log.warning("verifier link failed", url=self.url, reason=reason, retry_in_s=delay)
             self._down(reason)
+            if self._down_since is not None and time.monotonic() - self._down_since > RESUME_WAIT_S:
+                self._fail_all(f"{reason} (for over {RESUME_WAIT_S:g} s)")
             await asyncio.sleep(delay)
             delay = min(delay * 2, self._max_backoff)
 
@@ -190,6 +211,7 @@ class VerifierLink:
                 await ws.close(1008, "refused")  # a clean close, not the 1011 of an exception exit
                 raise exc
             self._outbox = asyncio.Queue()
+            self._resume_or_fail(self.welcome)  # first in the new outbox: before any new request
             self._up.set()
             self.last_error = ""
             log.info("verifier link up", url=self.url, verifier=self.welcome.node_id,
@@ -244,6 +266,7 @@ class VerifierLink:
                 log.debug("token event for an unknown request dropped", request_id=msg.request_id)
             else:
                 queue.put_nowait(Inbound(msg, arrived))
+                self._ledger.relayed(msg)
         elif isinstance(msg, FleetStatus):
             self.drafters = list(msg.drafters)
             self.sessions = msg.sessions
@@ -256,6 +279,7 @@ class VerifierLink:
         """An error about one of our requests ends it. The code travels with the final event, so
         that a refusal for capacity ("busy") can be told apart from a real failure."""
         queue = self._subs.get(err.request_id or "")
+        self._ledger.forget(err.request_id or "")
         if queue is None:
             log.warning("error from the verifier", code=err.code, message=err.message, request_id=err.request_id)
             return
@@ -263,19 +287,49 @@ class VerifierLink:
         queue.put_nowait(Inbound(_final_event(err.request_id or "", self.node_id, "error", text), arrived, err.code))
 
     def _down(self, reason: str) -> None:
-        """Mark the link down and fail every in-flight request: their events may be lost."""
+        """Mark the link down; in-flight requests wait for it to come back (``_resume_or_fail``)."""
         was_up = self._up.is_set()
         self._up.clear()
         self.drafters = []
         self.sessions = 0
         self.last_error = reason
+        if was_up:
+            self._down_since = time.monotonic()
+            log.warning("verifier link down; in-flight requests wait for it", reason=reason,
+                        waiting_requests=len(self._subs), wait_s=RESUME_WAIT_S)
+
+    def _fail_all(self, reason: str) -> None:
+        """Fail every in-flight request with a "cancelled" final event (a 503 to its client)."""
         subs, self._subs = self._subs, {}
+        self._ledger.clear()
+        self._down_since = None
         now = time.perf_counter()
         for rid, queue in subs.items():
             final = _final_event(rid, self.node_id, "cancelled", f"lost the link to the verifier: {reason}")
             queue.put_nowait(Inbound(final, now))
-        if was_up:
-            log.warning("verifier link down", reason=reason, failed_requests=len(subs))
+        if subs:
+            log.warning("in-flight requests failed with the verifier link", reason=reason, failed_requests=len(subs))
+
+    def _resume_or_fail(self, welcome: Welcome) -> None:
+        """After a (re)connect: re-open every in-flight request on a new verifier instance, or fail
+        them when it is the same instance (it went on without us: events were lost); then say so
+        with ResumeDone. Queued in the fresh outbox, so they precede every new request."""
+        previous, self._instance, self._down_since = self._instance, welcome.instance, None
+        if previous is not None and (not welcome.instance or welcome.instance == previous):
+            self._fail_all(self.last_error or "reconnected to the same verifier")
+        frames = self._ledger.reopen() if self._subs else []
+        untracked = [rid for rid in self._subs if rid not in self._ledger]
+        if untracked:  # subscribed without how they were opened: nothing to re-open them from
+            for rid in untracked:
+                self._subs.pop(rid).put_nowait(Inbound(_final_event(
+                    rid, self.node_id, "cancelled", "lost the link to the verifier"), time.perf_counter()))
+        for frame in frames:
+            self._outbox.put_nowait(encode(frame))
+        self._outbox.put_nowait(encode(ResumeDone(sessions=len(frames))))
+        if frames:
+            log.warning("re-opened in-flight requests on a restarted verifier", requests=len(frames),
+                        verifier_instance=welcome.instance,
+                        relayed_tokens=sum(len(f.resume.generated_ids) for f in frames if f.resume is not None))
 
 
 def _final_event(request_id: str, origin: str, reason: FinishReason, error: str) -> TokenEvent:

@@ -36,6 +36,9 @@ class VerifierConfig:
                             "policies' first length")
     max_draft_tokens: int = opt(16, "upper bound on any session's draft budget")
     draft_timeout_s: float = opt(30.0, "a session whose drafter sends no draft this long continues target-only")
+    resume_grace_s: float = opt(30.0, "after start-up, a drafter's OpenSession for a coordinator that has not yet "
+                                "re-opened its in-flight requests here is answered busy (retried) for up to this long, "
+                                "so no request starts over after a verifier restart; 0: never wait")
     allocation: str = opt("fixed", "draft-length allocation: fixed (Fixed-S), random (Random-S), goodspeed (gradient "
                                    "scheduling of a global budget for proportional fairness), smartspec (the length "
                                    "0..--smartspec-max-len that maximises goodput; 0 turns speculation off)")

@@ -222,8 +222,11 @@ class TorchCore:
 
     def _add(self, cmd: AddRequest) -> None:
         req = Request.create(cmd.request_id, cmd.prompt_ids, cmd.params, cmd.speculative, self.max_model_len,
-                             self.eos_ids, cmd.drafter, cmd.slo_tokens_per_s or self.limits.default_slo_tokens_per_s)
+                             self.eos_ids, cmd.drafter, cmd.slo_tokens_per_s or self.limits.default_slo_tokens_per_s,
+                             cmd.generated)
         req.grammar = cmd.grammar
+        if req.grammar is not None and cmd.generated:  # a re-opened request: its grammar resumes where its text is
+            req.grammar.advance(cmd.generated)
         need = req.kv_tokens_needed(self.limits.max_draft_tokens)
         must_wait = bool(self.waiting) or not self.runner.kv.fits(need)
         if need > self.runner.kv.tokens:
@@ -292,7 +295,10 @@ class TorchCore:
             budget = self._initial_budget(req.request_id) if req.speculative else 0
             req.draft_budget = budget
             req.begin_round()
-            self._results.append(Admitted(req.request_id, budget))
+            if req.reattached and req.speculative:  # a drafter resumed it while it waited: tell it where it is
+                self._results.append(Attached(req.request_id, req.committed[req.prompt_len:], req.round, budget))
+            else:
+                self._results.append(Admitted(req.request_id, budget))
         self.metrics.set_kv(self.kv_stats())
 
     def _initial_budget(self, session_id: str) -> int:

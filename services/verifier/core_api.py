@@ -34,6 +34,8 @@ class AddRequest:
     drafter: str = ""  # the drafter's node id, for per-drafter estimates and metrics
     slo_tokens_per_s: float | None = None  # the request's token-speed SLO class (None: the default)
     grammar: Grammar | None = None  # structured output: the request's grammar state
+    #: tokens already committed after the prompt (a request re-opened after its verifier was lost)
+    generated: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

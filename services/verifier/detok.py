@@ -85,6 +85,15 @@ class IncrementalText:
                 self.stopped = True
         return self.stopped
 
+    def prime(self, token_ids: list[int], released_chars: int) -> None:
+        """Replay tokens already generated (a re-opened request), of whose text the client already
+        got the first ``released_chars`` characters: only the held-back rest stays pending, so a
+        stop string across the boundary is still found and no character is sent twice."""
+        for token in token_ids:
+            self.push(token)
+        drop = min(released_chars, len(self._pending))
+        self._pending = self._pending[drop:]
+
     def release(self, final: bool) -> str:
         """The new settled text since the last release (everything, when final)."""
         if final and not self.stopped:

@@ -8,6 +8,7 @@ well-formed work.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +19,7 @@ from services.verifier.output import Output
 from services.verifier.sessions import Route, Routes
 from shared.draft_q import DraftError, check
 from shared.log import get_logger
-from shared.protocol import Cancel, CloseSession, Draft, Message, OpenSession
+from shared.protocol import Cancel, CloseSession, Draft, FinishReason, Message, OpenSession, ResumeDone
 from shared.sampling import SamplingError, validate
 
 log = get_logger("verifier.intake")
@@ -26,8 +27,11 @@ log = get_logger("verifier.intake")
 
 class Intake:
     def __init__(self, core: VerifierCore, routes: Routes, output: Output, tokenizer: Any,
-                 names: Callable[[str], str] = str) -> None:
+                 names: Callable[[str], str] = str, resume_grace_s: float = 0.0) -> None:
         self.core = core
+        self.resume_grace_s = resume_grace_s
+        self._started = time.monotonic()
+        self._resumed: dict[str, str] = {}  # frontend connection -> its node id, once it sent ResumeDone
         self.names = names  # connection id -> the peer's node id (its name in metrics)
         self.routes = routes
         self.output = output
@@ -44,6 +48,12 @@ class Intake:
     def handle(self, conn_id: str, role: str, msg: Message | None, received_at: float = 0.0) -> None:
         if role == "gone":
             self._drafter_gone(conn_id)
+        elif role == "frontend_gone":
+            self._resumed.pop(conn_id, None)
+        elif isinstance(msg, ResumeDone) and role == "frontend":
+            self._resumed[conn_id] = self.names(conn_id)
+            log.info("frontend re-opened its in-flight requests", frontend=self._resumed[conn_id],
+                     sessions=msg.sessions)
         elif isinstance(msg, OpenSession):
             self._open(conn_id, role, msg)
         elif isinstance(msg, Draft) and role == "drafter":
@@ -64,6 +74,9 @@ class Intake:
             return self._resume(conn_id, route)
         if self.routes.known(rid):
             return self.output.error(conn_id, "duplicate", f"request {rid} is already served or finished", rid)
+        if role == "drafter" and not self._origin_resumed(msg.origin):
+            return self.output.error(conn_id, "busy", f"coordinator {msg.origin} has not re-opened its in-flight "
+                                                      "requests on this verifier yet; retry shortly", rid)
         if len(self.routes) >= self.routes.max_sessions:
             return self.output.error(conn_id, "busy", f"the verifier holds {self.routes.max_sessions} sessions; "
                                                       "retry later", rid)
@@ -79,18 +92,49 @@ class Intake:
             return self.output.error(conn_id, "invalid", problem, rid)
         speculative = role == "drafter" and msg.speculative
         drafter = conn_id if speculative else None
-        self.routes.add(Route(rid, msg.origin, conn_id, drafter, conn_id if role == "drafter" else None,
-                              len(msg.prompt_ids), IncrementalText(self.tokenizer, list(msg.params.stop))))
+        route = Route(rid, msg.origin, conn_id, drafter, conn_id if role == "drafter" else None,
+                      len(msg.prompt_ids), IncrementalText(self.tokenizer, list(msg.params.stop)))
+        resume = msg.resume if role == "frontend" else None
+        generated = list(resume.generated_ids) if resume is not None else []
+        if resume is not None:
+            route.completion_tokens, route.drafted, route.accepted = (
+                len(generated), resume.drafted_tokens, resume.accepted_tokens)
+            route.text.prime(generated, resume.released_chars)
+        self.routes.add(route)
+        if resume is not None and self._ends_at_once(route, msg):
+            return None
         try:
             self.core.submit(AddRequest(rid, list(msg.prompt_ids), msg.params, speculative,
                                         self.names(conn_id) if speculative else "", msg.slo_tokens_per_s,
-                                        grammar))
+                                        grammar, generated))
         except CoreBusy as exc:
             self.routes.close(rid)
             return self.output.error(conn_id, "busy", str(exc), rid)
-        log.info("session opened", request_id=rid, prompt_len=len(msg.prompt_ids), drafter=drafter,
+        log.info("session re-opened" if resume is not None else "session opened", request_id=rid,
+                 prompt_len=len(msg.prompt_ids), generated=len(generated), drafter=drafter,
                  temperature=msg.params.temperature)
         return None
+
+    def _ends_at_once(self, route: Route, msg: OpenSession) -> bool:
+        """A re-opened request that was already complete (its final event was lost with the old
+        verifier): finish it here, releasing the text held back for stop strings."""
+        generated = route.completion_tokens
+        if route.text.stopped:
+            reason: FinishReason | None = "stop"
+        elif generated >= msg.params.max_tokens or len(msg.prompt_ids) + generated >= self.core.max_model_len:
+            reason = "length"
+        else:
+            reason = None
+        if reason is not None:
+            self.output.end(route.request_id, reason)
+            log.info("re-opened session was already complete", request_id=route.request_id, finish_reason=reason)
+        return reason is not None
+
+    def _origin_resumed(self, origin: str) -> bool:
+        """Whether a drafter may open a new session for ``origin``'s request: that coordinator has
+        re-opened its in-flight requests here (else this could start one over), or the grace after
+        this verifier's start is over."""
+        return origin in self._resumed.values() or time.monotonic() - self._started >= self.resume_grace_s
 
     def _resume(self, conn_id: str, route: Route) -> None:
         """A drafter re-opens a session whose drafter left: it drafts again from the committed text
@@ -105,6 +149,8 @@ class Intake:
             return f"prompt token id {max(msg.prompt_ids)} is outside the vocabulary of {vocab}"
         if msg.params.logit_bias and max(msg.params.logit_bias) >= vocab:
             return f"logit_bias token id {max(msg.params.logit_bias)} is outside the vocabulary of {vocab}"
+        if msg.resume is not None and msg.resume.generated_ids and max(msg.resume.generated_ids) >= vocab:
+            return f"a resumed token id {max(msg.resume.generated_ids)} is outside the vocabulary of {vocab}"
         try:
             validate(msg.params, len(msg.prompt_ids), self.core.max_model_len)
         except SamplingError as exc:

@@ -115,7 +115,7 @@ def build(cfg: VerifierConfig, loop: asyncio.AbstractEventLoop) -> tuple[Hub, Ve
                         default_slo_tokens_per_s=slo, recompute_context=cfg.recompute_context)
     core = TorchCore(runner, loaded.eos_ids, allocator, scheduler, limits, deliver, metrics, threaded=threaded,
                      tracker=tracker, estimator=estimator)
-    return _connect(hub, output, core, loaded), core
+    return _connect(hub, output, core, loaded, cfg.resume_grace_s), core
 
 
 def build_vllm(cfg: VerifierConfig) -> tuple[Hub, VerifierCore]:
@@ -140,7 +140,7 @@ def build_vllm(cfg: VerifierConfig) -> tuple[Hub, VerifierCore]:
     core = VllmCore(engine, loaded.eos_ids, loaded.vocab_size, loaded.max_model_len, allocator,
                     GoodputTracker(cfg.goodspeed_eta, cfg.goodspeed_beta),
                     VllmLimits(cfg.max_draft_tokens, cfg.max_sessions), output.on_results, metrics)
-    return _connect(hub, output, core, loaded), core
+    return _connect(hub, output, core, loaded, cfg.resume_grace_s), core
 
 
 def _hub(cfg: VerifierConfig, loaded: LoadedModel) -> tuple[Hub, Output, VerifierMetrics]:
@@ -151,9 +151,10 @@ def _hub(cfg: VerifierConfig, loaded: LoadedModel) -> tuple[Hub, Output, Verifie
     return hub, Output(hub, routes, metrics), metrics
 
 
-def _connect(hub: Hub, output: Output, core: VerifierCore, loaded: LoadedModel) -> Hub:
+def _connect(hub: Hub, output: Output, core: VerifierCore, loaded: LoadedModel, resume_grace_s: float) -> Hub:
     output.core = core
-    hub.intake = Intake(core, output.routes, output, loaded.tokenizer, names=hub.node_name)
+    hub.intake = Intake(core, output.routes, output, loaded.tokenizer, names=hub.node_name,
+                        resume_grace_s=resume_grace_s)
     return hub
 
 

@@ -85,7 +85,8 @@ class Output:
 
     def _admitted(self, r: Admitted) -> None:
         route = self.routes.get(r.request_id)
-        if route is not None and route.owner is not None:
+        # only to the drafter that opened it: one that resumed it since hears Attached instead
+        if route is not None and route.owner is not None and route.owner == route.opener:
             self._conn(route.owner, SessionOpened(request_id=r.request_id, draft_budget=r.draft_budget))
 
     def _attached(self, r: Attached) -> None:

@@ -51,6 +51,7 @@ class Request:
     draft_q: list[CheckedQ] | None = None
     draft_conf: list[float] | None = None  # the drafter's confidence in each draft token
     drafter: str = ""  # node id of the drafter serving it ("" when target-only)
+    reattached: bool = False  # a drafter resumed it (not the one that opened it): it must hear the committed state
     slo_tokens_per_s: float | None = None  # token-speed SLO (WISP batching); None: best effort
     draft_wait_s: float = 0.0  # how long this round waited for its draft
     pause_left: int = 0  # rounds still to run target-only at the drafter's request (Draft.pause_rounds)
@@ -65,10 +66,12 @@ class Request:
     @classmethod
     def create(cls, request_id: str, prompt_ids: list[int], params: SamplingParams, speculative: bool,
                max_model_len: int, eos_ids: frozenset[int], drafter: str = "",
-               slo_tokens_per_s: float | None = None) -> Request:
+               slo_tokens_per_s: float | None = None, generated: list[int] | None = None) -> Request:
+        """``generated``: tokens already committed after the prompt (a re-opened request)."""
         return cls(request_id=request_id, prompt_len=len(prompt_ids), params=params, speculative=speculative,
                    max_model_len=max_model_len, eos_ids=frozenset() if params.ignore_eos else eos_ids,
-                   committed=list(prompt_ids), gen=make_generator(params.seed, "verify"), drafter=drafter,
+                   committed=[*prompt_ids, *(generated or [])], gen=make_generator(params.seed, "verify"),
+                   drafter=drafter,
                    slo_tokens_per_s=slo_tokens_per_s)
 
     # --- derived ---------------------------------------------------------------------------
@@ -136,6 +139,7 @@ class Request:
         """Speculate again (a drafter resumed the session). True when the drafter must be told
         the committed state now; False when the session is not admitted yet (admission tells it)."""
         self.speculative = True
+        self.reattached = True
         self.drafter = drafter or self.drafter
         if self.status is Status.READY:  # a target-only round not run yet: it may wait for a draft instead
             self.begin_round()

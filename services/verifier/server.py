@@ -19,6 +19,7 @@ import contextlib
 import hmac
 import itertools
 import json
+import secrets
 import time
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -84,7 +85,7 @@ class Hub:
         self.peers: dict[str, Peer] = {}
         self.welcome = Welcome(node_id="verifier", protocol_version=PROTOCOL_VERSION, target_model=target_model,
                                tokenizer_fingerprint=fingerprint, max_model_len=max_model_len,
-                               max_draft_tokens=max_draft_tokens)
+                               max_draft_tokens=max_draft_tokens, instance=secrets.token_hex(8))
         self.auth_token = auth_token
         self.routes = routes
         self.metrics = metrics
@@ -164,8 +165,8 @@ class Hub:
         finally:
             self.peers.pop(peer.conn_id, None)
             writer.cancel()
-            if role == "drafter" and self.intake is not None:
-                self.intake.handle(peer.conn_id, "gone", None)
+            if self.intake is not None:
+                self.intake.handle(peer.conn_id, "gone" if role == "drafter" else "frontend_gone", None)
             self.broadcast_fleet()
             log.info("peer disconnected", conn=peer.conn_id, node_id=peer.node_id)
 

@@ -151,6 +151,29 @@ def _until_ready(proc: subprocess.Popen[str]) -> list[str]:
     return lines
 
 
+def _until_answers(url: str, timeout_s: float) -> None:
+    """Wait until GET ``url`` answers 200 (a restarted service is back)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"{url} did not answer 200 within {timeout_s:g} s")
+
+
+async def _sample_async(http: httpx.AsyncClient, url: str, name: str) -> float:
+    """Like :func:`_sample`, without blocking the event loop the clients stream on."""
+    try:
+        text = (await http.get(url)).text
+    except httpx.HTTPError:
+        return 0.0
+    found = re.search(rf"^{name} (\S+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
 def _sample(url: str, name: str) -> float:
     """One unlabelled sample of a service's /metrics (0 when unreachable or absent)."""
     try:
@@ -159,3 +182,60 @@ def _sample(url: str, name: str) -> float:
         return 0.0
     found = re.search(rf"^{name} (\S+)$", text, re.M)
     return float(found.group(1)) if found else 0.0
+
+
+@pytest.mark.faults
+def test_up_restarts_a_killed_verifier_and_every_request_completes(tiny_models: dict[str, Path],
+                                                                   tmp_path: Path) -> None:
+    """kill -9 the verifier with 20 greedy requests in flight: ``specfleet up`` starts it again,
+    the coordinator re-opens the requests on it from what it relayed, the drafters resume them,
+    and all 20 complete token-identical to target-only greedy decoding. Then kill -9 the
+    coordinator: it is started again too, and serves."""
+    verifier_port = free_port()
+    cmd = _up(tmp_path, tiny_models)
+    cmd[cmd.index("--verifier-port") + 1] = str(verifier_port)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = _until_ready(proc)
+        base_url = next(m.group(1) for line in lines if (m := re.search(r"ready at (http://\S+)", line)))
+        victim = int(next(m.group(1) for line in lines if (m := re.search(r"started verifier\s+pid (\d+)", line))))
+        stack = SimpleNamespace(ws_url=base_url.replace("http://", "ws://") + "/v1/stream")
+        sent = [{"kind": "completion", "model": "target", "prompt": f"def g{i}(y", "max_tokens": 256,
+                 "temperature": 0, "ignore_eos": True} for i in range(20)]
+
+        async def run() -> list[tuple]:
+            work = asyncio.create_task(stream_many(stack, sent))  # type: ignore[arg-type]
+            async with httpx.AsyncClient(timeout=5) as http:
+                for _ in range(3000):  # kill once all 20 are admitted and the verifier is generating
+                    in_flight = await _sample_async(http, f"{base_url}/metrics",
+                                                    "specfleet_coordinator_requests_in_flight")
+                    if in_flight == 20 and await _sample_async(
+                            http, f"http://127.0.0.1:{verifier_port}/metrics", "specfleet_verifier_sessions") > 0:
+                        break
+                    await asyncio.sleep(0.01)
+            os.kill(victim, signal.SIGKILL)
+            return await work
+
+        results = asyncio.run(run())
+        # the coordinator too is started again when it dies, and serves on the same port
+        coordinator = int(next(m.group(1) for line in lines
+                               if (m := re.search(r"started coordinator\s+pid (\d+)", line))))
+        os.kill(coordinator, signal.SIGKILL)
+        _until_answers(f"{base_url}/ready", 120)
+        after = asyncio.run(stream_many(stack, sent[:1]))  # type: ignore[arg-type]
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    target = load_model(tiny_models["target"])
+    for body, (ids, _, done) in zip(sent + sent[:1], results + after, strict=True):
+        assert ids == greedy_reference(target.model, prompt_ids(target, body), 256, set())
+        assert done["finish_reason"] == "length" and done["usage"]["completion_tokens"] == 256
+    assert "restarting in" in err and "verifier (pid" in err and "coordinator (pid" in err, err
+    coordinator_log = (tmp_path / "state" / "logs" / "coordinator.log").read_text().splitlines()
+    reopened = sum(json.loads(line)["requests"] for line in coordinator_log
+                   if "re-opened in-flight requests on a restarted verifier" in line)
+    assert reopened == 20, "the kill landed when not all 20 requests were in flight"
+    print(f"verifier killed once; {reopened} requests re-opened; {len(results)}/20 completed")

@@ -162,6 +162,33 @@ def test_in_flight_limit_zero_means_no_limit() -> None:
 
 
 @pytest.mark.asyncio
+async def test_draining_refuses_new_requests_waits_for_in_flight_then_stops() -> None:
+    import asyncio
+
+    import uvicorn
+    from fastapi import FastAPI
+
+    from services.coordinator.admission import InFlightLimit
+    from services.coordinator.drain import DrainingServer, drain_on_signal
+
+    limit = InFlightLimit(0, retry_after_s=1)
+    slot = limit.admit()
+    server = DrainingServer(uvicorn.Config(FastAPI()))
+    drain = asyncio.create_task(drain_on_signal(server, limit, timeout_s=30))
+    server.handle_exit(15, None)  # the first SIGTERM asks for a drain, not an exit
+    await asyncio.sleep(0.2)
+    assert limit.draining and not server.should_exit and not drain.done()
+    with pytest.raises(ApiError) as info:
+        limit.admit()
+    assert info.value.status == 503 and "shutting down" in info.value.message
+    slot.release()  # the last request in flight ends: the server may stop
+    await asyncio.wait_for(drain, 5)
+    assert server.should_exit and not server.force_exit
+    server.handle_exit(15, None)  # a second signal stops at once
+    assert server.force_exit
+
+
+@pytest.mark.asyncio
 async def test_submission_close_releases_its_slot_once() -> None:
     from services.coordinator.admission import InFlightLimit
 

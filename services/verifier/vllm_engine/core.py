@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from services.verifier.allocation import Allocator, GoodputTracker, RoundStats
 from services.verifier.core_api import (
     AddDraft,
@@ -133,7 +135,8 @@ class VllmCore:
             self.tracker.open(rid, cmd.drafter or None)
         budget = self._initial_budget(rid) if cmd.speculative else 0
         self.sessions[rid] = session = LiveSession(rid, len(cmd.prompt_ids), cmd.speculative, budget,
-                                                   drafter=cmd.drafter, draft_at=time.perf_counter())
+                                                   drafter=cmd.drafter, draft_at=time.perf_counter(),
+                                                   published=list(cmd.generated))
         self._tasks[rid] = asyncio.get_running_loop().create_task(self._generate(session, cmd), name=f"vllm-{rid}")
         self._results.append(Admitted(rid, budget))
 
@@ -193,8 +196,10 @@ class VllmCore:
 
         rid = session.request_id
         try:
-            async for out in self.engine.generate(TokensPrompt(prompt_token_ids=list(cmd.prompt_ids)),
-                                                  vllm_sampling(cmd.params, self.eos_ids), rid):
+            # a re-opened request goes on after its committed tokens, for the tokens still due
+            params = msgspec.structs.replace(cmd.params, max_tokens=cmd.params.max_tokens - len(cmd.generated))
+            async for out in self.engine.generate(TokensPrompt(prompt_token_ids=[*cmd.prompt_ids, *cmd.generated]),
+                                                  vllm_sampling(params, self.eos_ids), rid):
                 if self.sessions.get(rid) is not session:
                     return
                 completion = out.outputs[0]
