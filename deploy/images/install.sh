@@ -12,6 +12,12 @@ VENV=/opt/venv
 
 case "$mode" in
 deps)
+    # specfleet needs Python >= 3.11 (asyncio.timeout, tomllib); stop here, not at run time.
+    if ! python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+        echo "this base image has Python $(python3 -V 2>&1); specfleet needs 3.11 or newer:" >&2
+        echo "choose a BASE_IMAGE with Python >= 3.11 (deploy/images/README.md)" >&2
+        exit 1
+    fi
     python3 -m venv --system-site-packages "$VENV"
     "$VENV/bin/python" - <<'PY' >/tmp/requirements.txt
 import os, tomllib
