@@ -7,6 +7,7 @@ the overlay's Deployments and ConfigMaps (`podman kube play`). This script is wh
 
     python3 deploy/k8s/podman_play.py base     # the local stand-in base (debootstrap + podman import)
     python3 deploy/k8s/podman_play.py build    # build the images from deploy/images on that base
+    python3 deploy/k8s/podman_play.py arm64    # the Jetson drafter image for linux/arm64, under qemu
     python3 deploy/k8s/podman_play.py up       # base + build + play the ci overlay; wait for /ready
     python3 deploy/k8s/podman_play.py down     # remove the pods, volumes, secrets and network
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -39,6 +41,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 OVERLAY = ROOT / "deploy" / "k8s" / "overlays" / "ci"
 BASE_IMAGE = "localhost/specfleet-base:bookworm"
+ARM64_BASE = "localhost/specfleet-base:bookworm-arm64"
 IMAGES = ("coordinator", "verifier", "drafter")  # what the ci overlay runs (drafter-jetson: see build_jetson)
 NETWORK = "specfleet-ci"
 STATE = ROOT / ".specfleet" / "k8s-ci"
@@ -81,8 +84,25 @@ def render(overlay: Path) -> list[dict[str, Any]]:
 
 # --- images ----------------------------------------------------------------------------------
 
-def ensure_base() -> None:
-    run(["bash", str(ROOT / "deploy" / "images" / "local-base.sh"), BASE_IMAGE], capture=False, timeout=1200)
+def ensure_base(image: str = BASE_IMAGE, arch: str = "") -> None:
+    env = {**os.environ, "ARCH": arch} if arch else None
+    script = str(ROOT / "deploy" / "images" / "local-base.sh")
+    if subprocess.run(["bash", script, image], env=env, timeout=1800).returncode != 0:
+        raise PlayError(f"could not make the local base image {image} (deploy/images/local-base.sh, output above)")
+
+
+def ensure_arm64_emulation() -> None:
+    """qemu-user-static registered with binfmt_misc, so that arm64 binaries run on this host."""
+    binfmt = Path("/proc/sys/fs/binfmt_misc")
+    if not (binfmt / "register").exists():
+        run(["mount", "-t", "binfmt_misc", "binfmt_misc", str(binfmt)])
+    if not (binfmt / "qemu-aarch64").exists():
+        conf = Path("/usr/lib/binfmt.d/qemu-aarch64.conf")
+        if not conf.exists():
+            raise PlayError("arm64 emulation needs qemu-user-static: apt-get install qemu-user-static binfmt-support")
+        (binfmt / "register").write_text(conf.read_text().splitlines()[0])
+    if "enabled" not in (binfmt / "qemu-aarch64").read_text():
+        raise PlayError("binfmt_misc has qemu-aarch64 registered but disabled")
 
 
 def pip_build_mounts(tmp: Path) -> list[str]:
@@ -129,16 +149,17 @@ def _dedupe_pairs(mounts: list[str]) -> list[str]:
     return out
 
 
-def build_images(names: tuple[str, ...] = IMAGES, platform: str = "", tag: str = "ci") -> None:
+def build_images(names: tuple[str, ...] = IMAGES, platform: str = "", tag: str = "ci",
+                 base: str = BASE_IMAGE) -> None:
     """Build each image on the local base. The upstream bases' torch and Python are replaced by the
     base's Python 3.11 and the pinned CPU torch (KEEP_BASE_TORCH=0, no extra flags)."""
-    ensure_base()
+    ensure_base(base, platform.removeprefix("linux/"))
     with tempfile.TemporaryDirectory(prefix="specfleet-build-") as tmp:
         mounts = pip_build_mounts(Path(tmp))
         for name in names:
             started = time.monotonic()
             cmd = ["podman", "build", "--format", "docker", "-f", str(ROOT / "deploy" / "images" / name / "Dockerfile"),
-                   "-t", f"localhost/specfleet-{name}:{tag}", "--build-arg", f"BASE_IMAGE={BASE_IMAGE}",
+                   "-t", f"localhost/specfleet-{name}:{tag}", "--build-arg", f"BASE_IMAGE={base}",
                    "--build-arg", "TORCH_INDEX=", "--build-arg", "KEEP_BASE_TORCH=0",
                    "--build-arg", "PROJECT_PIP_FLAGS=", *mounts]
             if platform:
@@ -148,6 +169,13 @@ def build_images(names: tuple[str, ...] = IMAGES, platform: str = "", tag: str =
 
 
 # --- playing the ci overlay ------------------------------------------------------------------
+
+def build_arm64() -> str:
+    """The Jetson drafter's Dockerfile built for linux/arm64 on an arm64 local base, under qemu."""
+    ensure_arm64_emulation()
+    build_images(("drafter-jetson",), platform="linux/arm64", tag="ci-arm64", base=ARM64_BASE)
+    return "localhost/specfleet-drafter-jetson:ci-arm64"
+
 
 def statefulset_as_deployment(sts: dict[str, Any]) -> list[dict[str, Any]]:
     """A StatefulSet as podman can play it: its claims as PVCs, its pod template as a Deployment."""
@@ -264,7 +292,7 @@ def down(quiet: bool = False) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=["base", "build", "up", "down"])
+    parser.add_argument("command", choices=["base", "build", "arm64", "up", "down"])
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the pods to be ready")
     args = parser.parse_args(argv)
     try:
@@ -272,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
             ensure_base()
         elif args.command == "build":
             build_images()
+        elif args.command == "arm64":
+            print(f"built {build_arm64()}")
         elif args.command == "up":
             ips = up(args.timeout)
             print("specfleet ci overlay is up under podman:")
