@@ -172,6 +172,15 @@ def _redis(*args: str) -> str:
                           text=True, check=True).stdout.strip()
 
 
+def _diagnosis() -> str:
+    play = runner()
+    state = play.run(["podman", "pod", "ps", "--format", "{{.Name}} {{.Status}}"], check=False)
+    queue = play.run(["podman", "exec", "redis-pod-0-redis", "redis-cli", "XINFO", "GROUPS", "specfleet:requests"],
+                     check=False)
+    return (f"pods:\n{state}\nredis groups:\n{queue}\ndrafter log:\n{play.logs('drafter', 'drafter')}\n"
+            f"coordinator log:\n{play.logs('coordinator', 'coordinator')}")
+
+
 def test_queued_request_survives_a_redis_restart(fleet: Fleet, target: LoadedModel) -> None:
     """With no drafter, a request waits in the Redis stream; Redis restarts (AOF on its volume); the
     drafter comes back, takes the request and the answer is still the target's own."""
@@ -181,7 +190,10 @@ def test_queued_request_survives_a_redis_restart(fleet: Fleet, target: LoadedMod
 
     def send() -> None:
         body = {"model": "target", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
-        result["r"] = httpx.post(fleet.base + "/v1/completions", json=body, headers=fleet.headers, timeout=300)
+        try:
+            result["r"] = httpx.post(fleet.base + "/v1/completions", json=body, headers=fleet.headers, timeout=300)
+        except httpx.HTTPError as exc:  # reported by the assertions below, not as a thread's traceback
+            result["error"] = exc
 
     sender = threading.Thread(target=send)
     sender.start()
@@ -190,7 +202,9 @@ def test_queued_request_survives_a_redis_restart(fleet: Fleet, target: LoadedMod
         assert time.monotonic() < deadline, "the request never reached the Redis stream"
         time.sleep(0.5)
     time.sleep(1.5)  # appendfsync everysec
-    subprocess.run(["podman", "pod", "restart", "redis-pod-0"], check=True, capture_output=True)
+    # Stop, then start (`podman pod restart` races with the pod's exit policy and can stop it again).
+    subprocess.run(["podman", "pod", "stop", "-t", "10", "redis-pod-0"], check=True, capture_output=True)
+    subprocess.run(["podman", "pod", "start", "redis-pod-0"], check=True, capture_output=True)
     deadline = time.monotonic() + 30
     while True:
         try:
@@ -202,8 +216,9 @@ def test_queued_request_survives_a_redis_restart(fleet: Fleet, target: LoadedMod
         time.sleep(0.5)
     assert _redis("XLEN", "specfleet:requests") == "1", "the queued request did not survive the restart"
     subprocess.run(["podman", "pod", "start", "drafter-pod-0"], check=True, capture_output=True)
-    sender.join(240)
-    assert not sender.is_alive(), "the queued request was never answered"
+    sender.join(280)
+    assert not sender.is_alive(), f"the queued request was never answered; {_diagnosis()}"
+    assert "r" in result, f"the queued request failed: {result.get('error')!r}; {_diagnosis()}"
     r = result["r"]
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == text_of(target, reference(target, prompt, chat=False))
