@@ -13,6 +13,7 @@ STAMP := $(VENV)/.installed
 PYTEST_FLAGS ?=
 
 .PHONY: help install run run-vllm test test-vllm test-faults bench-report test-e2e smoke lint bench profile profile-verifier clean distclean demo-models demo-models-eval
+.PHONY: images images-local k8s-tools k8s-validate k8s-up k8s-down
 
 help:
 	@echo "make run        start the verifier, the coordinator and 2 drafters on this machine (specfleet up)"
@@ -29,6 +30,10 @@ help:
 	@echo "make profile-verifier  fit the verifier's step-time estimator (WISP eq. 19) on timed forwards -> .specfleet/verifier-profile.json"
 	@echo "make demo-models       train the demo model family into models/ (CPU, ~50 min, resumable)"
 	@echo "make demo-models-eval  re-measure models/ and rewrite MEASUREMENTS.json and the model cards"
+	@echo "make images     build the container images (deploy/images) on their upstream bases"
+	@echo "make images-local  build them on a local debootstrap'd base, as the k8s tests do (podman)"
+	@echo "make k8s-validate  the static k8s checks: kustomize render, kubernetes-validate, hadolint, structure, placement"
+	@echo "make k8s-up     play the ci overlay with podman (local images), wait until ready; make k8s-down removes it"
 	@echo "make install    create $(VENV) with $(PYTHON) and pip install -e '.[dev,vllm]' (idempotent)"
 	@echo "make clean      remove run state (.specfleet), tool caches and build output"
 	@echo "make distclean  clean, and remove $(VENV) too"
@@ -50,6 +55,7 @@ run-vllm: install
 
 test: install
 	bash scripts/ensure-redis.sh
+	bash scripts/ensure-k8s-tools.sh $(VENV)
 	$(BIN)/pytest -q -m "not slow" $(PYTEST_FLAGS)
 	@$(MAKE) --no-print-directory smoke
 	@$(MAKE) --no-print-directory lint
@@ -120,3 +126,33 @@ clean:
 
 distclean: clean
 	rm -rf $(VENV) *.egg-info
+
+# Kubernetes (deploy/k8s, deploy/images). `make images` builds on the real upstream bases (pulls
+# them); IMAGE_BUILDER=docker|podman, IMAGE_REGISTRY, IMAGE_TAG, IMAGE_BUILD_FLAGS (e.g. --push).
+# drafter-jetson is arm64 (--platform linux/arm64: on x86 it needs qemu-user-static).
+IMAGE_BUILDER ?= $(shell command -v podman >/dev/null 2>&1 && echo podman || echo docker)
+IMAGE_REGISTRY ?= ghcr.io/specfleet
+IMAGE_TAG ?= 0.1.0
+IMAGE_BUILD_FLAGS ?=
+images:
+	@for i in coordinator verifier drafter drafter-jetson; do \
+	  platform=$$([ $$i = drafter-jetson ] && echo linux/arm64 || echo linux/amd64); \
+	  echo "== $(IMAGE_REGISTRY)/$$i:$(IMAGE_TAG) ($$platform)"; \
+	  $(IMAGE_BUILDER) build --platform $$platform -f deploy/images/$$i/Dockerfile \
+	    -t $(IMAGE_REGISTRY)/$$i:$(IMAGE_TAG) $(IMAGE_BUILD_FLAGS) . || exit 1; \
+	done
+
+images-local: k8s-tools
+	$(BIN)/python deploy/k8s/podman_play.py build
+
+k8s-tools: install
+	bash scripts/ensure-k8s-tools.sh $(VENV)
+
+k8s-validate: k8s-tools
+	$(BIN)/pytest -q -m k8s tests/k8s/test_static.py tests/k8s/test_placement.py $(PYTEST_FLAGS)
+
+k8s-up: k8s-tools
+	$(BIN)/python deploy/k8s/podman_play.py up
+
+k8s-down:
+	$(BIN)/python deploy/k8s/podman_play.py down

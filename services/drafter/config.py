@@ -60,7 +60,7 @@ class DrafterConfig:
     runner: str = opt("auto", "model runner: auto (lean where the architecture allows), lean, hf")
     compute_mode: str = opt("auto", "where the draft model runs: thread (beside the event loop), inline (on it; best "
                                     "with one CPU), auto (inline when pinned to one CPU)")
-    metrics_port: int = opt(0, "serve Prometheus /metrics on this port (0: off)")
+    metrics_port: int = opt(0, "serve Prometheus /metrics, and /health and /ready for probes, on this port (0: off)")
     metrics_host: str = opt("127.0.0.1", "interface for /metrics (0.0.0.0 in containers)")
     torch_threads: int = opt(0, "torch intra-op threads; 0 leaves torch's default")
     log_level: str = opt("info", "debug, info, warning, error")

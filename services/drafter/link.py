@@ -75,6 +75,11 @@ class VerifierLink:
         self._ws: ClientConnection | None = None
         self._inboxes: dict[str, asyncio.Queue[Inbound]] = {}
 
+    @property
+    def connected(self) -> bool:
+        """True while a handshaken WebSocket to the verifier is open."""
+        return self._ws is not None
+
     # --- connecting ----------------------------------------------------------------------
 
     async def connect(self) -> Welcome:

@@ -20,6 +20,7 @@ from services.drafter.config import DrafterConfig
 from services.drafter.control import CONTROLLERS, ControlSettings, make_controller
 from services.drafter.control.rejection_predictor import RejectionMLP
 from services.drafter.control.wisp import WispState
+from services.drafter.health import HealthServer
 from services.drafter.link import LinkRefused, VerifierLink
 from services.drafter.loop import ADMISSIONS, DrafterLoop
 from services.drafter.metrics import DrafterMetrics
@@ -168,13 +169,15 @@ async def serve(
                   max_sessions=cfg.max_sessions)
     proposer = await _proposer(cfg, loaded)
     metrics = DrafterMetrics()
-    if cfg.metrics_port:
-        metrics.serve(cfg.metrics_host, cfg.metrics_port)
+    link = VerifierLink(cfg.verifier_url, hello, cfg.auth_token)
+    http = HealthServer(metrics.registry, lambda: link.connected) if cfg.metrics_port else None
+    if http is not None:
+        http.start(cfg.metrics_host, cfg.metrics_port)
     worker = ComputeWorker(inline=compute_inline(cfg.compute_mode))
     controls = control_settings(cfg)
     loop = DrafterLoop(
         node_id=node_id, max_sessions=cfg.max_sessions,
-        link=VerifierLink(cfg.verifier_url, hello, cfg.auth_token), queue=request_queue,
+        link=link, queue=request_queue,
         proposer=proposer, worker=worker, reconnect_s=cfg.reconnect_s,
         new_controller=lambda: make_controller(cfg.controller, controls),
         on_session_end=on_session_end, metrics=metrics, pipeline_sessions=cfg.pipeline_sessions,
@@ -184,6 +187,8 @@ async def serve(
     try:
         await loop.run(ready)
     finally:
+        if http is not None:
+            await asyncio.to_thread(http.close)
         await asyncio.to_thread(worker.shutdown)
         controls.wisp.close()
         if own_queue:
