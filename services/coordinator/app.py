@@ -24,8 +24,11 @@ from services.coordinator.queue_link import make_queue_router
 from services.coordinator.routes import router
 from services.coordinator.state import CoordinatorState
 from services.coordinator.verifier_link import VerifierLink
+from shared.config import ConfigError
+from shared.credentials import Credentials, CredentialsError
 from shared.queue import RequestQueue, open_queue
 from shared.queue_memory import MemoryQueue
+from shared.tls import TlsConfigError, client_context
 
 
 def default_node_id() -> str:
@@ -48,7 +51,12 @@ def create_app(
     if queue is None:
         queue = (open_queue(cfg.redis_url, stream=cfg.queue_stream, group=cfg.queue_group)
                  if cfg.redis_url else MemoryQueue(max_depth=cfg.max_queue))
-    link = link or VerifierLink(cfg.verifier_url, node_id, cfg.auth_token, model.fingerprint)
+    try:
+        verifier_tls = client_context(cfg.verifier_url, cfg.tls_ca)
+        credentials = Credentials(cfg.auth_token, cfg.credentials_file)
+    except (TlsConfigError, CredentialsError) as exc:
+        raise ConfigError(str(exc)) from None
+    link = link or VerifierLink(cfg.verifier_url, node_id, cfg.auth_token, model.fingerprint, tls=verifier_tls)
     metrics = CoordinatorMetrics()
     metrics.in_flight_limit.set(cfg.max_in_flight)
     admission = InFlightLimit(cfg.max_in_flight, cfg.retry_after_s, metrics.in_flight)
@@ -73,5 +81,5 @@ def create_app(
     install_error_handlers(app)
     app.include_router(router)
     if not cfg.redis_url:
-        app.include_router(make_queue_router(queue, cfg.auth_token, node_id=node_id))
+        app.include_router(make_queue_router(queue, credentials, node_id=node_id))
     return app

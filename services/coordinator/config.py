@@ -24,7 +24,15 @@ class CoordinatorConfig:
     )
     model: str = opt("", "local directory of the target model (tokenizer, chat template, /v1/models root)")
     served_model_name: str = opt("", "model id clients must ask for; empty uses the model directory's name")
-    auth_token: str = opt("", "bearer token for the verifier link and the drafters' queue link")
+    auth_token: str = opt("", "bearer token for the verifier link and the drafters' queue link (with "
+                              "--credentials-file: the verifier link only)")
+    credentials_file: str = opt("", "per-drafter credentials for the queue link (the verifier's file format), re-read "
+                                    "when it changes; a removed entry is revoked at once")
+    tls_cert: str = opt("", "PEM certificate chain: serve HTTPS and wss:// on --port (REST, /v1/stream and the "
+                            "drafters' queue link); with --tls-key")
+    tls_key: str = opt("", "PEM private key of --tls-cert")
+    tls_ca: str = opt("", "PEM certificate authorities to trust for a wss:// --verifier-url (pinning: only these); "
+                          "empty: the system store")
     api_key: str = opt("", "if set, clients must send 'Authorization: Bearer <api_key>'")
     request_timeout_s: float = opt(600.0, "fail a request that has not finished after this many seconds")
     max_in_flight: int = opt(

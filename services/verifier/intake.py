@@ -25,8 +25,11 @@ log = get_logger("verifier.intake")
 
 class Intake:
     def __init__(self, core: VerifierCore, routes: Routes, output: Output, tokenizer: Any,
-                 names: Callable[[str], str] = str) -> None:
+                 names: Callable[[str], str] = str, trusted: Callable[[str], bool] = lambda _conn: True) -> None:
         self.core = core
+        #: connection id -> whether its q is believed; an untrusted drafter's drafts are verified
+        #: ids-only (q one-hot), which is lossless however the drafter chose its tokens
+        self.trusted = trusted
         self.names = names  # connection id -> the peer's node id (its name in metrics)
         self.routes = routes
         self.output = output
@@ -98,6 +101,10 @@ class Intake:
     def _draft(self, conn_id: str, msg: Draft, received_at: float) -> None:
         rid = msg.request_id
         route = self.routes.get(rid)
+        if route is not None and route.drafter is not None and route.drafter != conn_id:
+            log.warning("draft for another drafter's session refused", request_id=rid, conn=conn_id)
+            return self.output.error(conn_id, "not_owner", f"session {rid} belongs to another drafter; a drafter may "
+                                                           "draft only for the sessions it opened", rid)
         if route is None or route.drafter != conn_id:
             return self.output.error(conn_id, "unknown_session", f"no session {rid} for this drafter", rid)
         vocab = self.core.vocab_size
@@ -107,7 +114,7 @@ class Intake:
             return self.output.error(conn_id, "invalid",
                                      f"draft has {len(msg.token_ids)} tokens but {len(msg.q)} q rows", rid)
         q = None
-        if msg.q is not None:
+        if msg.q is not None and self.trusted(conn_id):
             try:  # parsed here, once; the core's acceptance step reads the parsed rows
                 q = [check(sparse, token, vocab) for sparse, token in zip(msg.q, msg.token_ids, strict=True)]
             except DraftError as exc:  # verifying as ids-only is still exactly lossless
@@ -121,6 +128,9 @@ class Intake:
         if route is not None and conn_id in (route.drafter, route.owner):
             route.drafter = route.owner = None
             self._submit(conn_id, Detach(request_id))
+        elif route is not None and (route.drafter or route.owner):
+            self.output.error(conn_id, "not_owner", f"session {request_id} belongs to another drafter; a drafter may "
+                                                    "close only its own sessions", request_id)
 
     def _drafter_gone(self, conn_id: str) -> None:
         """The drafter's link closed: its sessions continue target-only, so no request is lost."""
