@@ -109,6 +109,6 @@ def describe(cfg: Any) -> dict[str, Any]:
     """The config as a plain dict for a structured start-up log line (secrets masked)."""
     out = dataclasses.asdict(cfg)
     for key in out:
-        if "token" in key and "tokenizer" not in key and out[key]:
+        if (key.endswith("_token") or key == "token" or "api_key" in key) and out[key]:
             out[key] = "***"
     return out

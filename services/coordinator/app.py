@@ -21,6 +21,7 @@ from services.coordinator.generation import Generator
 from services.coordinator.metrics import CoordinatorMetrics
 from services.coordinator.model_info import ModelInfo
 from services.coordinator.queue_link import make_queue_router
+from services.coordinator.ratelimit import RateLimiter
 from services.coordinator.routes import router
 from services.coordinator.state import CoordinatorState
 from services.coordinator.verifier_link import VerifierLink
@@ -64,6 +65,7 @@ def create_app(
         cfg=cfg, node_id=node_id, model=model, queue=queue, link=link,
         generator=Generator(queue, link, node_id, cfg.request_timeout_s, metrics, cfg.speculation, admission),
         metrics=metrics,
+        limiter=RateLimiter(cfg.rate_limit_rps, cfg.rate_limit_burst, cfg.token_quota, cfg.quota_window_s),
     )
 
     @asynccontextmanager

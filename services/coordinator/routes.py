@@ -46,7 +46,7 @@ async def _complete(kind: Kind, request: Request) -> Response:
     try:
         if not state.authorized(request.headers.get("authorization")):
             raise unauthorized()
-        req, sub = await state.start(kind, lambda: _read_json(request))
+        req, sub = await state.start(kind, lambda: _read_json(request), request.headers.get("authorization", ""))
         responder = Responder(kind, sub.request_id, req.model, int(time.time()), req.include_usage)
         if req.stream:
             return await _stream(request, sub, responder, timer)
