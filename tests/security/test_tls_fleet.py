@@ -45,21 +45,21 @@ def tls(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
 
 @pytest.fixture(scope="module")
 def fleet(tiny_models: dict[str, Path], tls: TlsFiles,
-          tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Fleet, Path, Path]]:
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Fleet, Path, Path, int]]:
     state = tmp_path_factory.mktemp("tls-fleet")
     creds = state / "credentials.json"
     creds.write_text(json.dumps({"drafters": [{"id": "drafter-1", "token": DRAFTER_TOKEN, "trusted": False}]}))
     spec = FleetSpec(
         target=tiny_models["target"], drafts=[tiny_models["draft-L2"]], coordinator_port=free_port(),
         verifier_port=free_port(), tls_cert=str(tls.cert), tls_key=str(tls.key), tls_ca=str(tls.ca),
-        verifier_flags=["--credentials-file", str(creds), "--draft-len", "4"],
-        coordinator_flags=["--credentials-file", str(creds), "--api-key", API_KEY],
-        drafter_flags=["--draft-mode", "greedy", "--log-level", "info"],
+        verifier_flags=["--credentials-file", str(creds), "--draft-len", "4", "--log-level", "debug"],
+        coordinator_flags=["--credentials-file", str(creds), "--api-key", API_KEY, "--log-level", "debug"],
+        drafter_flags=["--draft-mode", "greedy", "--log-level", "debug"], drafter_metrics_ports=[free_port()],
         per_drafter_flags=[["--auth-token", DRAFTER_TOKEN]],
     )
     logs = state / "logs"
     with running_fleet(spec, logs, SHARED_TOKEN) as running:
-        yield running, logs, creds
+        yield running, logs, creds, spec.drafter_metrics_ports[0]
 
 
 @pytest.fixture(scope="module")
@@ -71,9 +71,9 @@ def client_ssl(tls: TlsFiles) -> ssl.SSLContext:
     return ssl.create_default_context(cafile=str(tls.ca))
 
 
-def test_tls_fleet_serves_exact_output_and_keeps_secrets(fleet: tuple[Fleet, Path, Path], tls: TlsFiles,
+def test_tls_fleet_serves_exact_output_and_keeps_secrets(fleet: tuple[Fleet, Path, Path, int], tls: TlsFiles,
                                                           target: LoadedModel, tmp_path: Path) -> None:
-    stack, logs, creds = fleet
+    stack, logs, creds, drafter_metrics_port = fleet
     assert stack.base_url.startswith("https://") and stack.ws_url.startswith("wss://")
     ref = greedy_reference(target.model, list(target.tokenizer(PROMPT)["input_ids"]), 24, target.eos_ids)
     headers = {"Authorization": f"Bearer {API_KEY}"}
@@ -88,6 +88,8 @@ def test_tls_fleet_serves_exact_output_and_keeps_secrets(fleet: tuple[Fleet, Pat
         metrics = [http.get(stack.base_url + "/metrics").text, http.get(stack.verifier_url + "/metrics").text]
     ids = asyncio.run(_stream(stack.ws_url, tls))
     assert ids == ref
+    metrics.append(httpx.get(f"http://127.0.0.1:{drafter_metrics_port}/metrics").text)
+    assert "specfleet_" in metrics[2]
 
     # plaintext, and a server certificate from a CA the client did not pin, are both refused
     with pytest.raises(httpx.HTTPError):
@@ -101,8 +103,11 @@ def test_tls_fleet_serves_exact_output_and_keeps_secrets(fleet: tuple[Fleet, Pat
     # secrets and prompt text never reach a log line or /metrics
     texts = {p.name: p.read_text() for p in logs.glob("*.log")}
     assert set(texts) >= {"verifier.log", "coordinator.log", "drafter-1.log"}
-    assert any('"peer connected"' in t for t in texts.values())  # the logs did record the run
-    for name, text in [*texts.items(), ("coordinator /metrics", metrics[0]), ("verifier /metrics", metrics[1])]:
+    connected = [json.loads(line) for line in texts["verifier.log"].splitlines() if '"peer connected"' in line]
+    assert any(e["node_id"] == "drafter-1" and e["trusted"] is False for e in connected), connected
+    scraped = [(f"{name} /metrics", text) for name, text in zip(("coordinator", "verifier", "drafter"), metrics,
+                                                                  strict=True)]
+    for name, text in [*texts.items(), *scraped]:
         for secret in SECRETS:
             assert secret not in text, f"{secret!r} leaked into {name}"
 
