@@ -45,7 +45,7 @@ class Intake:
         elif isinstance(msg, CloseSession) and role == "drafter":
             self._detach(conn_id, msg.request_id)
         elif isinstance(msg, Cancel) and role == "frontend":
-            self._cancel(msg.request_id)
+            self._cancel(conn_id, msg.request_id)
         elif msg is not None:
             self.output.error(conn_id, "unexpected", f"a {role} may not send {type(msg).__name__}", None)
 
@@ -141,8 +141,12 @@ class Intake:
         if moved:
             log.warning("drafter gone; sessions continue target-only", conn=conn_id, sessions=len(moved))
 
-    def _cancel(self, request_id: str) -> None:
-        if self.routes.get(request_id) is not None:
+    def _cancel(self, conn_id: str, request_id: str) -> None:
+        route = self.routes.get(request_id)
+        if route is not None and route.origin != self.names(conn_id):
+            return self.output.error(conn_id, "not_owner", f"request {request_id} belongs to another frontend; a "
+                                                           "frontend may cancel only the requests it sent", request_id)
+        if route is not None:
             self.output.end(request_id, "cancelled")
             self._submit("", Finish(request_id))
 

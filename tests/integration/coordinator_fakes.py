@@ -419,6 +419,11 @@ class RawWebSocket:
             raise OSError("the client disconnected")  # what uvicorn raises (ClientDisconnected)
         await self._from_app.put(message)
 
+    async def send_frame(self, data: str | bytes) -> None:
+        """Send one raw frame: text, or binary."""
+        key = "text" if isinstance(data, str) else "bytes"
+        await self._to_app.put({"type": "websocket.receive", key: data})
+
     async def send_json(self, obj: dict[str, Any]) -> None:
         await self._to_app.put({"type": "websocket.receive", "text": json.dumps(obj)})
 
