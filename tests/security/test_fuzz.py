@@ -32,6 +32,7 @@ from websockets.sync.client import connect as ws_connect
 from services.coordinator.model_info import ModelInfo
 from services.verifier.config import VerifierConfig
 from services.verifier.main import serve
+from shared.credentials import Credentials
 from shared.models import load_model
 from shared.protocol import (
     PROTOCOL_VERSION,
@@ -50,7 +51,7 @@ from shared.protocol import (
 from shared.queue_link import QueueLinkClient
 from shared.queue_memory import MemoryQueue
 from tests.conftest import free_port, greedy_reference
-from tests.integration.coordinator_fakes import LiveCoordinator, RawWebSocket, expected_text, in_process
+from tests.integration.coordinator_fakes import LiveCoordinator, RawWebSocket, expected_text, in_process, until
 from tests.integration.test_queue_link import serve as serve_queue
 from tests.integration.test_verifier import TOKEN, Peer, Running, collect_text, connect, drive_session, noisy_oracle
 from tests.security.fuzz import json_bodies, msgpack_frames, oversize
@@ -174,10 +175,16 @@ async def test_fuzz_verifier_drafter_and_frontend_paths(verifier: tuple[Running,
 
 
 @pytest.mark.asyncio
-async def test_fuzz_queue_link(caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize("mode", ["shared-token", "per-drafter"])
+async def test_fuzz_queue_link(mode: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING)
     queue = MemoryQueue()
-    async with serve_queue(queue, TOKEN) as url:
+    auth: Credentials | str = TOKEN
+    if mode == "per-drafter":  # every drafter below presents this token and names its identity
+        creds = tmp_path / "credentials.json"
+        creds.write_text(json.dumps({"drafters": [{"id": n, "token": TOKEN} for n in ("fuzz",)]}))
+        auth = Credentials("", str(creds))
+    async with serve_queue(queue, auth) as url:  # type: ignore[arg-type]
         headers = {"Authorization": f"Bearer {TOKEN}"}
         async with websockets.connect(url, additional_headers=headers) as ws:
             await ws.send(encode(Hello(role="drafter", node_id="fuzz", protocol_version=PROTOCOL_VERSION)))
@@ -185,7 +192,7 @@ async def test_fuzz_queue_link(caplog: pytest.LogCaptureFixture) -> None:
             sent, replies = await blast(ws, msgpack_frames(3, FRAMES, "victim"))
         assert sum(sent.values()) == FRAMES and replies >= FRAMES * 0.5
         async with websockets.connect(url, additional_headers=headers, max_size=None) as ws:
-            await ws.send(encode(Hello(role="drafter", node_id="big", protocol_version=PROTOCOL_VERSION)))
+            await ws.send(encode(Hello(role="drafter", node_id="fuzz", protocol_version=PROTOCOL_VERSION)))
             await ws.recv()
             await ws.send(oversize())
             reply = decode(await asyncio.wait_for(ws.recv(), 10))
@@ -193,14 +200,15 @@ async def test_fuzz_queue_link(caplog: pytest.LogCaptureFixture) -> None:
         client = QueueLinkClient(url, TOKEN)  # afterwards the link still serves requests exactly once
         await queue.put(QueuedRequest(request_id="after", prompt_ids=[5], params=SamplingParams(), origin="c",
                                       model="m", created_at=time.time()))
-        got = await client.get("after-fuzz", 1, 5.0)
+        got = await client.get("fuzz", 1, 5.0)
         assert [d.request.request_id for d in got] == ["after"]
-        await client.ack("after-fuzz", got[0].delivery_id)
+        await client.ack("fuzz", got[0].delivery_id)
+        await until(lambda: queue.in_flight() == 0)
         await client.close()
         assert await queue.depth() == 0
     await queue.close()
     no_crash_logged(caplog)
-    print(f"\nfuzz /internal/queue: {dict(sent)}")
+    print(f"\nfuzz /internal/queue ({mode}): {dict(sent)}")
 
 
 @pytest.fixture(scope="module")
