@@ -16,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import json
 import ssl
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -136,3 +138,20 @@ async def _stream(ws_url: str, tls: TlsFiles) -> list[int]:
                 return ids
             else:
                 raise AssertionError(f"unexpected frame {frame}")
+
+
+def test_up_smoke_with_tls_on_every_link(tiny_models: dict[str, Path], tls: TlsFiles, tmp_path: Path) -> None:
+    """``specfleet up --tls-cert/--tls-key/--tls-ca``: every link is wss:// and the smoke request passes."""
+    argv = [sys.executable, "-m", "shared.cli", "up", "--port", "0", "--verifier-port", "0", "--drafters", "1",
+            "--target", str(tiny_models["target"]), "--drafts", str(tiny_models["draft-L1"]),
+            "--state-dir", str(tmp_path / "state"), "--tls-cert", str(tls.cert), "--tls-key", str(tls.key),
+            "--tls-ca", str(tls.ca), "--smoke"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "smoke: reply" in proc.stdout
+    logs = tmp_path / "state" / "logs"
+    assert '"tls": true' in (logs / "verifier.log").read_text()
+    assert '"tls": true' in (logs / "coordinator.log").read_text()
+    assert "wss://" in (logs / "drafter-1.log").read_text()
+    half = subprocess.run([*argv[:-7], "--tls-cert", str(tls.cert)], capture_output=True, text=True, timeout=60)
+    assert half.returncode == 2 and "go together" in half.stderr
