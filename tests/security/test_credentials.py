@@ -16,9 +16,12 @@ import pytest
 import pytest_asyncio
 import websockets
 
+from services.coordinator.config import CoordinatorConfig
 from services.verifier.config import VerifierConfig
 from services.verifier.main import serve
+from shared.config import describe
 from shared.credentials import Credentials, CredentialsError, Identity, parse_file, sha256_hex
+from shared.log import redact
 from shared.models import load_model
 from shared.protocol import (
     PROTOCOL_VERSION,
@@ -181,3 +184,13 @@ async def test_queue_link_identity_and_ack_ownership(tmp_path: Path) -> None:
         await a.close()
         await b.close()
     await queue.close()
+
+
+def test_start_up_log_masks_every_secret() -> None:
+    cfg = CoordinatorConfig(redis_url="redis://default:hunter2@redis:6379/0", api_key="k1", api_keys="k2,k3",
+                            auth_token="t1", max_in_flight=7)
+    out = describe(cfg)
+    assert (out["api_key"], out["api_keys"], out["auth_token"]) == ("***", "***", "***")
+    assert out["redis_url"] == "redis://default:***@redis:6379/0" and out["max_in_flight"] == 7
+    assert "hunter2" not in json.dumps(out) and describe(CoordinatorConfig())["api_key"] == ""
+    assert redact('{"msg": "< authorization: Bearer abc.def-1"}') == '{"msg": "< authorization: Bearer ***"}'
