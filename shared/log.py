@@ -8,11 +8,19 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 import time
 from typing import Any
 
 _SERVICE = "specfleet"
+#: credentials that libraries may print (uvicorn's debug log echoes request headers): whatever
+#: follows "Bearer " is replaced before a line is written, so no token or API key is ever logged
+_BEARER = re.compile(r"(?i)(bearer\s+)[^\s\"',\\]+")
+
+
+def redact(line: str) -> str:
+    return _BEARER.sub(r"\1***", line)
 
 
 class _JsonFormatter(logging.Formatter):
@@ -27,7 +35,7 @@ class _JsonFormatter(logging.Formatter):
         out.update(getattr(record, "fields", {}))
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(out, default=str)
+        return redact(json.dumps(out, default=str))
 
 
 class StructLogger:

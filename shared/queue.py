@@ -15,6 +15,7 @@ request finished), and a consumer that goes away has its unacknowledged requests
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -63,6 +64,7 @@ def open_queue(
     group: str = "drafters",
     auth_token: str = "",
     claim_idle_ms: int = 30000,
+    tls: ssl.SSLContext | None = None,
 ) -> RequestQueue:
     """The queue transport for ``url`` (no I/O here: each transport connects on first use).
 
@@ -82,7 +84,7 @@ def open_queue(
     if scheme in ("ws", "wss"):
         from shared.queue_link import QueueLinkClient
 
-        return QueueLinkClient(url, auth_token)
+        return QueueLinkClient(url, auth_token, tls=tls)
     raise QueueError(
         f"unsupported queue URL {url!r}: use redis://host:6379/0 (Redis Streams), "
         "ws://coordinator:8000/internal/queue (the coordinator's queue link) or memory:// (in-process)"

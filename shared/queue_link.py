@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 from collections import deque
 
 from websockets.asyncio.client import ClientConnection, connect
@@ -46,6 +47,7 @@ from shared.protocol import (
     encode,
 )
 from shared.queue import Delivery, QueueError
+from shared.tls import ssl_kwargs
 
 log = get_logger("queue.link")
 _MAX_PULL = 1024  # QueuePull.max_items bound in the protocol
@@ -54,8 +56,10 @@ _MAX_PULL = 1024  # QueuePull.max_items bound in the protocol
 class QueueLinkClient:
     """RequestQueue (consumer side only) backed by a coordinator's ``/internal/queue``."""
 
-    def __init__(self, url: str, auth_token: str = "", *, open_timeout_s: float = 10.0) -> None:
+    def __init__(self, url: str, auth_token: str = "", *, open_timeout_s: float = 10.0,
+                 tls: ssl.SSLContext | None = None) -> None:
         self._url = url
+        self._tls = tls  # wss://: the CA-pinned client context (shared.tls.client_context)
         self._auth_token = auth_token
         self._open_timeout_s = open_timeout_s
         self._consumer: str | None = None
@@ -165,7 +169,7 @@ class QueueLinkClient:
         try:
             ws = await connect(
                 self._url, additional_headers=headers, max_size=MAX_FRAME_BYTES, open_timeout=self._open_timeout_s,
-                compression=None,
+                compression=None, **ssl_kwargs(self._tls),
             )
         except InvalidStatus as exc:
             raise QueueError(

@@ -13,6 +13,7 @@ import contextlib
 import ctypes
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -134,11 +135,13 @@ class Supervisor:
     def dead(self) -> list[Child]:
         return [c for c in self.children if not c.alive]
 
-    def wait_ready(self, url: str, timeout_s: float, poll_s: float = 0.25) -> None:
-        """Block until GET ``url`` answers 200; raise StartupError if a child dies or time runs out."""
+    def wait_ready(self, url: str, timeout_s: float, poll_s: float = 0.25, verify: str | bool = True) -> None:
+        """Block until GET ``url`` answers 200; raise StartupError if a child dies or time runs out.
+        ``verify``: for https://, the CA file to trust (or True: the system's)."""
         deadline = time.monotonic() + timeout_s
         last = "no answer yet"
-        with httpx.Client(timeout=2.0) as client:
+        context = ssl.create_default_context(cafile=verify) if isinstance(verify, str) else verify
+        with httpx.Client(timeout=2.0, verify=context) as client:
             while True:
                 dead = self.dead()
                 if dead:

@@ -15,6 +15,7 @@ import argparse
 import secrets
 import signal
 import socket
+import ssl
 import sys
 import time
 from collections.abc import Sequence
@@ -59,6 +60,10 @@ _FLAGS: list[tuple[str, type, object, str]] = [
     ("--drafter-metrics-port", int, 0, "drafter i serves Prometheus /metrics on this port + i - 1 (0: off)"),
     ("--ready-timeout", float, 180.0, "seconds to wait for the coordinator's /ready"),
     ("--state-dir", str, ".specfleet", "where tiny models and logs go"),
+    ("--tls-cert", str, "", "TLS on every link: the verifier's and coordinator's PEM certificate (with --tls-key, "
+                            "--tls-ca; it must name --host)"),
+    ("--tls-key", str, "", "TLS: the certificate's private key"),
+    ("--tls-ca", str, "", "TLS: the CA every client pins (drafters also refuse plaintext)"),
 ]
 
 
@@ -120,11 +125,12 @@ def plan(args: argparse.Namespace, models: Models, ports: Ports) -> list[tuple[s
         drafter_metrics_ports=[args.drafter_metrics_port + i for i in range(args.drafters)]
         if args.drafter_metrics_port else [],
         verifier_flags=["--backend", args.backend] if args.backend != "torch" else [],
+        tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
     ))
 
 
 def instructions(base_url: str, model_id: str) -> str:
-    ws_url = base_url.replace("http://", "ws://", 1) + "/v1/stream"
+    ws_url = base_url.replace("https://", "wss://", 1).replace("http://", "ws://", 1) + "/v1/stream"
     message = '{"role": "user", "content": "Hello"}'
     body = f'{{"model": "{model_id}", "messages": [{message}], "max_tokens": 32}}'
     return "\n".join([
@@ -145,22 +151,22 @@ def instructions(base_url: str, model_id: str) -> str:
     ])
 
 
-def served_model_id(base_url: str, fallback: str) -> str:
+def served_model_id(base_url: str, fallback: str, verify: ssl.SSLContext | bool = True) -> str:
     """The id the coordinator serves (first entry of /v1/models), or the target dir's name."""
     try:
-        data = httpx.get(f"{base_url}/v1/models", timeout=5.0).json()
+        data = httpx.get(f"{base_url}/v1/models", timeout=5.0, verify=verify).json()
         return str(data["data"][0]["id"])
     except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
         return fallback
 
 
-def smoke(base_url: str, model_id: str) -> None:
+def smoke(base_url: str, model_id: str, verify: ssl.SSLContext | bool = True) -> None:
     """Send one greedy chat request; print the reply and the decode speed. Raises UpError on failure."""
     body = {"model": model_id, "messages": [{"role": "user", "content": "Say hello."}],
             "max_tokens": 32, "temperature": 0}
     started = time.perf_counter()
     try:
-        resp = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=120.0)
+        resp = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=120.0, verify=verify)
     except httpx.HTTPError as exc:
         raise UpError(f"smoke request failed: {type(exc).__name__}: {exc}") from None
     elapsed = time.perf_counter() - started
@@ -199,11 +205,13 @@ def run(args: argparse.Namespace, cwd: Path) -> int:
         for name, argv in plan(args, models, ports):
             child = sup.start(name, argv, env, restart=True)  # every service, as a Deployment would
             print(f"started {name:<12} pid {child.proc.pid:<7} log {child.log_path}", flush=True)
-        base_url = f"http://{connect_host(args.host)}:{ports.coordinator}"
-        sup.wait_ready(f"{base_url}/ready", args.ready_timeout)
-        model_id = served_model_id(base_url, models.target.name)
+        tls = bool(args.tls_cert)
+        base_url = f"{'https' if tls else 'http'}://{connect_host(args.host)}:{ports.coordinator}"
+        sup.wait_ready(f"{base_url}/ready", args.ready_timeout, verify=args.tls_ca or True)
+        verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=args.tls_ca) if tls else True
+        model_id = served_model_id(base_url, models.target.name, verify)
         if args.smoke:
-            smoke(base_url, model_id)
+            smoke(base_url, model_id, verify)
             return 0
         print(instructions(base_url, model_id), flush=True)
         print(f"specfleet up: stopping: {death_report(sup.watch(on_restart=_restarting))}", file=sys.stderr,
@@ -222,6 +230,10 @@ def up_main(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(list(argv))
     if args.drafters < 1:
         print("specfleet up: --drafters must be at least 1", file=sys.stderr)
+        return 2
+    tls = [args.tls_cert, args.tls_key, args.tls_ca]
+    if any(tls) and not all(tls):
+        print("specfleet up: --tls-cert, --tls-key and --tls-ca go together: give all three or none", file=sys.stderr)
         return 2
     try:
         return run(args, Path.cwd())

@@ -21,11 +21,15 @@ from services.coordinator.generation import Generator
 from services.coordinator.metrics import CoordinatorMetrics
 from services.coordinator.model_info import ModelInfo
 from services.coordinator.queue_link import make_queue_router
+from services.coordinator.ratelimit import RateLimiter
 from services.coordinator.routes import router
 from services.coordinator.state import CoordinatorState
 from services.coordinator.verifier_link import VerifierLink
+from shared.config import ConfigError
+from shared.credentials import Credentials, CredentialsError
 from shared.queue import RequestQueue, open_queue
 from shared.queue_memory import MemoryQueue
+from shared.tls import TlsConfigError, client_context
 
 
 def default_node_id() -> str:
@@ -48,7 +52,12 @@ def create_app(
     if queue is None:
         queue = (open_queue(cfg.redis_url, stream=cfg.queue_stream, group=cfg.queue_group)
                  if cfg.redis_url else MemoryQueue(max_depth=cfg.max_queue))
-    link = link or VerifierLink(cfg.verifier_url, node_id, cfg.auth_token, model.fingerprint)
+    try:
+        verifier_tls = client_context(cfg.verifier_url, cfg.tls_ca)
+        credentials = Credentials(cfg.auth_token, cfg.credentials_file)
+    except (TlsConfigError, CredentialsError) as exc:
+        raise ConfigError(str(exc)) from None
+    link = link or VerifierLink(cfg.verifier_url, node_id, cfg.auth_token, model.fingerprint, tls=verifier_tls)
     metrics = CoordinatorMetrics()
     metrics.in_flight_limit.set(cfg.max_in_flight)
     admission = InFlightLimit(cfg.max_in_flight, cfg.retry_after_s, metrics.in_flight)
@@ -56,6 +65,7 @@ def create_app(
         cfg=cfg, node_id=node_id, model=model, queue=queue, link=link,
         generator=Generator(queue, link, node_id, cfg.request_timeout_s, metrics, cfg.speculation, admission),
         metrics=metrics,
+        limiter=RateLimiter(cfg.rate_limit_rps, cfg.rate_limit_burst, cfg.token_quota, cfg.quota_window_s),
     )
 
     @asynccontextmanager
@@ -73,5 +83,5 @@ def create_app(
     install_error_handlers(app)
     app.include_router(router)
     if not cfg.redis_url:
-        app.include_router(make_queue_router(queue, cfg.auth_token, node_id=node_id))
+        app.include_router(make_queue_router(queue, credentials, node_id=node_id))
     return app

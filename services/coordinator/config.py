@@ -24,8 +24,25 @@ class CoordinatorConfig:
     )
     model: str = opt("", "local directory of the target model (tokenizer, chat template, /v1/models root)")
     served_model_name: str = opt("", "model id clients must ask for; empty uses the model directory's name")
-    auth_token: str = opt("", "bearer token for the verifier link and the drafters' queue link")
+    auth_token: str = opt("", "bearer token for the verifier link and the drafters' queue link (with "
+                              "--credentials-file: the verifier link only)")
+    credentials_file: str = opt("", "per-drafter credentials for the queue link (the verifier's file format), re-read "
+                                    "when it changes; a removed entry is revoked at once")
+    tls_cert: str = opt("", "PEM certificate chain: serve HTTPS and wss:// on --port (REST, /v1/stream and the "
+                            "drafters' queue link); with --tls-key")
+    tls_key: str = opt("", "PEM private key of --tls-cert")
+    tls_ca: str = opt("", "PEM certificate authorities to trust for a wss:// --verifier-url (pinning: only these); "
+                          "empty: the system store")
     api_key: str = opt("", "if set, clients must send 'Authorization: Bearer <api_key>'")
+    api_keys: str = opt("", "more client API keys (comma-separated), each with its own rate limit and quota "
+                                  "(with --api-key or alone: any listed key is accepted)")
+    rate_limit_rps: float = opt(0.0, "requests per second each API key may send (a token bucket); over it: 429 "
+                                     "with Retry-After; 0: no limit")
+    rate_limit_burst: int = opt(0, "requests an API key may send at once before --rate-limit-rps applies; 0: "
+                                   "max(1, ceil(rate))")
+    token_quota: int = opt(0, "completion tokens (each request's max_tokens, charged on admission) an API key may "
+                              "ask for per --quota-window-s; over it: 429 insufficient_quota; 0: no quota")
+    quota_window_s: float = opt(3600.0, "the --token-quota window in seconds")
     request_timeout_s: float = opt(600.0, "fail a request that has not finished after this many seconds")
     max_in_flight: int = opt(
         256,
@@ -54,6 +71,10 @@ def check_config(cfg: CoordinatorConfig) -> None:
                 if value < 0]
     if cfg.drain_timeout_s < 0:
         problems.append(f"--drain-timeout-s must be >= 0, got {cfg.drain_timeout_s}")
+    if cfg.rate_limit_rps < 0 or cfg.rate_limit_burst < 0 or cfg.token_quota < 0:
+        problems.append("--rate-limit-rps, --rate-limit-burst and --token-quota must be >= 0 (0: off)")
+    if cfg.quota_window_s <= 0:
+        problems.append(f"--quota-window-s must be > 0, got {cfg.quota_window_s}")
     if cfg.retry_after_s < 1:
         problems.append(f"--retry-after-s must be >= 1, got {cfg.retry_after_s}")
     if problems:

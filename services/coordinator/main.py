@@ -16,6 +16,7 @@ from shared.log import get_logger, setup_logging
 from shared.models import ModelLoadError
 from shared.protocol import MAX_FRAME_BYTES
 from shared.queue import QueueError
+from shared.tls import TlsConfigError, server_context
 
 log = get_logger("coordinator.main")
 
@@ -24,10 +25,16 @@ async def serve(cfg: CoordinatorConfig, ready: asyncio.Event | None = None) -> N
     """Serve until cancelled or signalled (a signal drains first: drain.py); ``ready`` is set once
     the port accepts connections."""
     app = create_app(cfg)
+    try:
+        server_context(cfg.tls_cert, cfg.tls_key)  # refuse unusable files before binding, naming the flag
+    except TlsConfigError as exc:
+        raise ConfigError(str(exc)) from None
+    tls = {"ssl_certfile": cfg.tls_cert, "ssl_keyfile": cfg.tls_key} if cfg.tls_cert else {}
     config = uvicorn.Config(
         app, host=cfg.host, port=cfg.port, log_config=None, access_log=False,
         ws_max_size=MAX_FRAME_BYTES, lifespan="on", timeout_graceful_shutdown=5,
         ws_per_message_deflate=False,  # token frames are small: deflating each costs CPU for nothing
+        **tls,  # type: ignore[arg-type]
     )
     server = DrainingServer(config)
     task = asyncio.create_task(server.serve(), name="uvicorn")
@@ -40,7 +47,7 @@ async def serve(cfg: CoordinatorConfig, ready: asyncio.Event | None = None) -> N
                 raise OSError(f"the coordinator could not listen on {cfg.host}:{cfg.port}")
             await asyncio.sleep(0.05)
         port = server.servers[0].sockets[0].getsockname()[1] if server.servers else cfg.port
-        log.info("coordinator listening", host=cfg.host, port=port)
+        log.info("coordinator listening", host=cfg.host, port=port, tls=bool(cfg.tls_cert))
         if ready is not None:
             ready.set()
         await asyncio.shield(task)  # a cancelled serve() shuts uvicorn down gracefully, below

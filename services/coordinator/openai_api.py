@@ -126,6 +126,8 @@ def parse_json(raw: bytes | str) -> dict[str, Any]:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise invalid_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:
+        raise invalid_request("the request body nests JSON arrays or objects too deeply", code="invalid_json") from None
     if not isinstance(data, dict):
         raise invalid_request(f"the request body must be a JSON object, not {type(data).__name__}")
     return data

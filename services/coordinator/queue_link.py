@@ -3,13 +3,17 @@
 Without Redis, requests wait in the coordinator's in-process MemoryQueue; drafters consume it
 through this WebSocket (client: ``shared/queue_link.py``). Per connection:
 
-1. bearer token check (when ``auth_token`` is set), then Hello -> Welcome; a failure gets a
-   Refused frame saying what to fix and close code 1008 (policy violation);
+1. bearer token check (``shared.credentials``: the shared token, or in per-drafter mode the
+   drafter's own token, whose identity the Hello must name), then Hello -> Welcome; a failure gets
+   a Refused frame saying what to fix and close code 1008 (policy violation); a per-drafter
+   credential removed from the file closes the link within a second;
 2. QueuePull and QueueAck are served concurrently: a pull waits in the queue while ACKs for
    earlier requests keep flowing;
 3. a malformed or unexpected frame gets an ErrorFrame and the link stays up;
 4. when the link ends, for whatever reason, every request delivered over it and not ACKed is
-   released back to the front of the queue, so a crashed drafter loses no request.
+   released back to the front of the queue, so a crashed drafter loses no request;
+5. in per-drafter mode a drafter may ACK only deliveries made to its own identity (else any
+   drafter could delete requests waiting for, or held by, another).
 
 Each connection is its own consumer (``<node_id>#<random suffix>``): a drafter that reconnects
 must not inherit, or be blamed for, the deliveries of its previous link.
@@ -19,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import secrets
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -27,6 +30,7 @@ from typing import Any, Literal
 from fastapi import APIRouter, WebSocket
 from starlette.websockets import WebSocketDisconnect
 
+from shared.credentials import Credentials, Identity, check_hello_identity
 from shared.log import get_logger
 from shared.protocol import (
     PROTOCOL_VERSION,
@@ -55,15 +59,31 @@ GOING_AWAY = 1001
 _GONE = (WebSocketDisconnect, RuntimeError, OSError)
 
 
-def make_queue_router(queue: RequestQueue, auth_token: str, *, node_id: str = "coordinator") -> APIRouter:
+REVOCATION_CHECK_S = 1.0
+#: per-drafter mode: delivery id -> identity it was delivered to (most remembered at once)
+MAX_TRACKED_DELIVERIES = 1 << 20
+
+
+def make_queue_router(queue: RequestQueue, auth: Credentials | str, *, node_id: str = "coordinator") -> APIRouter:
     """A router with the ``/internal/queue`` WebSocket serving ``queue`` (the MemoryQueue)."""
     router = APIRouter()
+    credentials = auth if isinstance(auth, Credentials) else Credentials(auth)
+    delivered_to: dict[str, str] = {}
 
     @router.websocket("/internal/queue")
     async def queue_link(websocket: WebSocket) -> None:
         await websocket.accept()
-        hello = await _handshake(websocket, auth_token)
+        identity = credentials.authenticate(websocket.headers.get("authorization"), "drafter")
+        if identity is None:
+            await _refuse(websocket, "unauthorized",
+                          credentials.refusal(websocket.headers.get("authorization"), "drafter"))
+            return
+        hello = await _handshake(websocket)
         if hello is None:
+            return
+        problem = check_hello_identity(identity, hello.node_id)
+        if problem:
+            await _refuse(websocket, "unauthorized", problem)
             return
         consumer = f"{hello.node_id}#{secrets.token_hex(4)}"
         welcome = Welcome(
@@ -74,25 +94,16 @@ def make_queue_router(queue: RequestQueue, auth_token: str, *, node_id: str = "c
             max_model_len=0,
             max_draft_tokens=0,
         )
-        link = _QueueLink(websocket, queue, consumer)
+        link = _QueueLink(websocket, queue, consumer, credentials, identity,
+                          delivered_to if identity.name is not None else None)
         if await link.send(welcome):
             await link.run()
 
     return router
 
 
-async def _handshake(ws: WebSocket, auth_token: str) -> Hello | None:
+async def _handshake(ws: WebSocket) -> Hello | None:
     """The drafter's Hello if the link is acceptable; otherwise refuse it and return None."""
-    if auth_token:
-        expected = f"Bearer {auth_token}".encode()
-        given = ws.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(given, expected):
-            await _refuse(
-                ws,
-                "unauthorized",
-                "missing or wrong 'Authorization: Bearer' token; set the drafter's auth_token to the coordinator's",
-            )
-            return None
     try:
         async with asyncio.timeout(HELLO_TIMEOUT_S):
             message = await ws.receive()
@@ -138,10 +149,14 @@ def _payload(message: Mapping[str, Any]) -> bytes | str:
 class _QueueLink:
     """One accepted link: a receive loop and a pull server, and the release when it ends."""
 
-    def __init__(self, ws: WebSocket, queue: RequestQueue, consumer: str) -> None:
+    def __init__(self, ws: WebSocket, queue: RequestQueue, consumer: str, credentials: Credentials,
+                 identity: Identity, delivered_to: dict[str, str] | None) -> None:
         self._ws = ws
         self._queue = queue
         self._consumer = consumer
+        self._credentials = credentials
+        self._identity = identity
+        self._delivered_to = delivered_to  # None: shared-token mode, ACKs are consumer-agnostic
         # Bounded, like everything a link buffers: a pull is answered only when the queue has work, so
         # a client could otherwise pile them up; deliveries per pull are capped by QueuePull.max_items
         # and each frame is sent (awaited) before the next pull is served.
@@ -153,6 +168,8 @@ class _QueueLink:
         receiver = asyncio.create_task(self._receive_loop(), name=f"queue-link-recv-{self._consumer}")
         puller = asyncio.create_task(self._serve_pulls(), name=f"queue-link-pull-{self._consumer}")
         tasks = {receiver, puller}
+        if self._identity.name is not None:
+            tasks.add(asyncio.create_task(self._watch_revocation(), name=f"queue-link-auth-{self._consumer}"))
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -198,6 +215,16 @@ class _QueueLink:
                     )
                 )
         elif isinstance(msg, QueueAck):
+            owner = self._delivered_to.get(msg.delivery_id) if self._delivered_to is not None else None
+            if self._delivered_to is not None and owner != self._identity.name:
+                log.warning("queue ack for another drafter's delivery refused", consumer=self._consumer,
+                            delivery_id=msg.delivery_id[:64])
+                await self.send(ErrorFrame(code="not_owner", message=(
+                    f"delivery {msg.delivery_id[:64]!r} was not delivered to this drafter; a drafter may ACK only "
+                    "its own deliveries")))
+                return
+            if self._delivered_to is not None:
+                self._delivered_to.pop(msg.delivery_id, None)
             try:
                 await self._queue.ack(self._consumer, msg.delivery_id)
             except QueueError as exc:
@@ -223,9 +250,21 @@ class _QueueLink:
                 await self._close(GOING_AWAY, "queue closed")
                 return
             for delivery in deliveries:
+                if self._delivered_to is not None and self._identity.name is not None:
+                    if len(self._delivered_to) >= MAX_TRACKED_DELIVERIES:
+                        self._delivered_to.pop(next(iter(self._delivered_to)))
+                    self._delivered_to[delivery.delivery_id] = self._identity.name
                 frame = QueueDelivery(delivery_id=delivery.delivery_id, request=delivery.request)
                 if not await self.send(frame):
                     return  # link gone: run() releases what this link still holds
+
+    async def _watch_revocation(self) -> None:
+        """Return (ending the link) once this drafter's credential left the credentials file."""
+        while self._credentials.still_valid(self._identity):
+            await asyncio.sleep(REVOCATION_CHECK_S)
+        log.warning("credential revoked; closing the queue link", consumer=self._consumer)
+        await self.send(Refused(code="unauthorized", message="this drafter's credential was revoked"))
+        await self._close(POLICY_VIOLATION, "credential revoked")
 
     async def _close(self, code: int, reason: str) -> None:
         with contextlib.suppress(*_GONE):

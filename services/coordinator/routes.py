@@ -47,7 +47,7 @@ async def _complete(kind: Kind, request: Request) -> Response:
     try:
         if not state.authorized(request.headers.get("authorization")):
             raise unauthorized()
-        req, first = await state.start(kind, lambda: _read_json(request))
+        req, first = await state.start(kind, lambda: _read_json(request), request.headers.get("authorization", ""))
         try:
             subs = [first, *await state.more_choices(req)]
         except BaseException:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
@@ -14,6 +14,7 @@ from services.coordinator.generation import Generator, Submission
 from services.coordinator.metrics import CoordinatorMetrics
 from services.coordinator.model_info import ModelInfo
 from services.coordinator.openai_api import GenerationRequest, Kind, build_request
+from services.coordinator.ratelimit import RateLimiter
 from services.coordinator.verifier_link import VerifierLink
 from shared.queue import RequestQueue
 
@@ -27,6 +28,7 @@ class CoordinatorState:
     link: VerifierLink
     generator: Generator
     metrics: CoordinatorMetrics
+    limiter: RateLimiter = field(default_factory=RateLimiter)
 
     def max_model_len(self) -> int:
         """The tighter of the target's own context and the verifier's configured limit."""
@@ -34,18 +36,25 @@ class CoordinatorState:
         return min(self.model.max_model_len, verifier) if verifier > 0 else self.model.max_model_len
 
     async def start(
-        self, kind: Kind, load_body: Callable[[], Awaitable[dict[str, Any]]]
+        self, kind: Kind, load_body: Callable[[], Awaitable[dict[str, Any]]], client: str = ""
     ) -> tuple[GenerationRequest, Submission]:
-        """Admit one request (429 at the in-flight cap, before its body is even read), then load,
-        validate and submit it. The Submission owns the admission slot; on any failure here the
-        slot is already released."""
+        """Admit one request (429 over ``client``'s rate limit or at the in-flight cap, before its
+        body is even read), then load, validate, charge ``client``'s token quota (every choice's
+        ``max_tokens``) and submit choice 0. The Submission owns the admission slot; on any failure
+        here the slot is already released."""
+        self.limiter.admit(client)
         slot = self.generator.admission.admit()
         try:
             req = await build_request(kind, await load_body(), self.model, self.max_model_len())
+            self.limiter.charge(client, req.params.max_tokens * req.n)
         except BaseException:
             slot.release()
             raise
-        return req, await self.generator.submit(req, slot)
+        try:
+            return req, await self.generator.submit(req, slot)
+        except BaseException:  # refused before any work (verifier down, queue full): no quota spent
+            self.limiter.refund(client, req.params.max_tokens * req.n)
+            raise
 
     async def more_choices(self, req: GenerationRequest) -> list[Submission]:
         """Submit choices 1..n-1 of ``req`` (choice 0 is :meth:`start`'s), each an independent
@@ -61,11 +70,12 @@ class CoordinatorState:
         return subs
 
     def authorized(self, authorization: str | None) -> bool:
-        """True when no api_key is set, or the header is exactly 'Bearer <api_key>'."""
-        if not self.cfg.api_key:
+        """True when no API key is configured, or the header is exactly 'Bearer <one of the keys>'."""
+        keys = [k.strip() for k in (self.cfg.api_key, *self.cfg.api_keys.split(",")) if k.strip()]
+        if not keys:
             return True
-        expected = f"Bearer {self.cfg.api_key}".encode()
-        return authorization is not None and hmac.compare_digest(authorization.strip().encode(), expected)
+        given = (authorization or "").strip().encode()
+        return any(hmac.compare_digest(given, f"Bearer {k}".encode()) for k in keys)  # no early exit
 
 
 def state_of(request: Request) -> CoordinatorState:

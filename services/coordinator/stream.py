@@ -140,6 +140,7 @@ class _Conn:
     inbox: asyncio.Queue[str | bytes | None]
     current: Submission | None = None
     gone: bool = False
+    client: str = ""  # the Authorization header: whose rate limit and quota the requests use
 
 
 _CLOSE_CODES = {503: 1013, 504: 1011, 500: 1011}  # 4xx -> 1008 (policy violation)
@@ -151,7 +152,7 @@ async def websocket_session(ws: WebSocket, state: CoordinatorState) -> None:
     if not state.authorized(ws.headers.get("authorization")):
         await _fail(ws, unauthorized())
         return
-    conn = _Conn(inbox=asyncio.Queue(maxsize=MAX_PIPELINED))
+    conn = _Conn(inbox=asyncio.Queue(maxsize=MAX_PIPELINED), client=ws.headers.get("authorization", ""))
     reader = asyncio.create_task(_read(ws, conn), name="ws-reader")
     try:
         while not conn.gone and (frame := await conn.inbox.get()) is not None:
@@ -187,7 +188,7 @@ async def _serve_frame(ws: WebSocket, state: CoordinatorState, conn: _Conn, fram
     status = 499
     try:
         kind, body = _parse_frame(frame)
-        req, sub = await state.start(kind, lambda: _loaded(body))
+        req, sub = await state.start(kind, lambda: _loaded(body), conn.client)
         formatter = LogprobsFormatter(kind, state.model.token_strings) if req.params.logprobs is not None else None
         conn.current = sub
         if conn.gone:  # the client left while we were tokenizing or queueing

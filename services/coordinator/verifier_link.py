@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 import time
 from dataclasses import dataclass
 
@@ -48,6 +49,7 @@ from shared.protocol import (
     encode,
     unpack,
 )
+from shared.tls import ssl_kwargs
 
 log = get_logger("coordinator.verifier_link")
 
@@ -79,7 +81,9 @@ class VerifierLink:
         min_backoff_s: float = 0.1,
         max_backoff_s: float = 5.0,
         handshake_timeout_s: float = 10.0,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
+        self._tls = tls  # wss://: the CA-pinned client context (shared.tls.client_context)
         self.url = url
         self.node_id = node_id
         self._auth_token = auth_token
@@ -204,6 +208,7 @@ class VerifierLink:
             max_size=MAX_FRAME_BYTES,
             open_timeout=self._handshake_timeout,
             proxy=None,
+            **ssl_kwargs(self._tls),
         ) as ws:
             try:
                 self.welcome = await self._handshake(ws)

@@ -19,7 +19,13 @@ class DrafterConfig:
     )
     queue_stream: str = opt("specfleet:requests", "Redis stream name (with a redis:// queue_url)")
     queue_group: str = opt("drafters", "Redis consumer group name (with a redis:// queue_url)")
-    auth_token: str = opt("", "bearer token for the verifier and the coordinator's queue link")
+    auth_token: str = opt("", "bearer token for the verifier and the coordinator's queue link: the fleet's shared "
+                              "token, or this drafter's own token when the services use --credentials-file (then "
+                              "--node-id must be the identity the token belongs to)")
+    tls_ca: str = opt("", "PEM file of the certificate authorities to trust for wss:// links (pinning: only these, "
+                          "not the system store); empty: the system store")
+    require_tls: bool = opt(False, "refuse plaintext ws:// URLs for the verifier and the queue link (use on any "
+                                   "network you do not control)")
     node_id: str = opt("", "this drafter's name; empty picks drafter-<hostname>-<pid>")
     model: str = opt("", "local Hugging Face directory of the draft model")
     device: str = opt("cpu", "torch device: cpu, cuda, ...")

@@ -12,6 +12,7 @@ Refusals that no retry can fix (wrong tokenizer, protocol version, credentials) 
 from __future__ import annotations
 
 import asyncio
+import ssl
 from typing import Final
 
 from websockets.asyncio.client import ClientConnection, connect
@@ -32,6 +33,7 @@ from shared.protocol import (
     encode,
     unpack,
 )
+from shared.tls import ssl_kwargs
 
 log = get_logger("drafter.link")
 
@@ -66,8 +68,10 @@ class LinkRefused(RuntimeError):
 class VerifierLink:
     """One drafter's link to the verifier, reusable across reconnects."""
 
-    def __init__(self, url: str, hello: Hello, auth_token: str = "", open_timeout_s: float = 10.0) -> None:
+    def __init__(self, url: str, hello: Hello, auth_token: str = "", open_timeout_s: float = 10.0,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.url = url
+        self.tls = tls  # for wss://: the CA-pinned context (shared.tls.client_context); None: defaults
         self.hello = hello
         self.auth_token = auth_token
         self.open_timeout_s = open_timeout_s
@@ -88,7 +92,7 @@ class VerifierLink:
         try:
             ws = await connect(
                 self.url, additional_headers=headers, max_size=MAX_FRAME_BYTES, compression=None,
-                open_timeout=self.open_timeout_s, proxy=None,
+                open_timeout=self.open_timeout_s, proxy=None, **ssl_kwargs(self.tls),
             )
         except InvalidStatus as exc:
             status = exc.response.status_code

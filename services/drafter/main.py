@@ -12,6 +12,7 @@ import contextlib
 import os
 import signal
 import socket
+import ssl
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -37,12 +38,29 @@ from shared.protocol import MAX_Q_ENTRIES, PROTOCOL_VERSION, Hello
 from shared.queue import RequestQueue, open_queue
 from shared.runner import ModelRunner
 from shared.runner.runner import kv_shape
+from shared.tls import TlsConfigError, client_context
 
 log = get_logger("drafter.main")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 AUTO_KV_RAM_SHARE = 0.2
 COMPUTE_MODES = ("auto", "thread", "inline")
 PROPOSERS = ("draft-model", "ngram")
+
+
+def link_tls(cfg: DrafterConfig) -> tuple[ssl.SSLContext | None, ssl.SSLContext | None]:
+    """Client TLS contexts for the verifier link and a ws(s):// queue link (None: plaintext or not a
+    WebSocket queue). ConfigError for a missing CA file or, under --require-tls, a plaintext URL."""
+    try:
+        verifier = client_context(cfg.verifier_url, cfg.tls_ca, cfg.require_tls)
+        scheme = cfg.queue_url.partition("://")[0].lower()
+        if scheme in ("ws", "wss"):
+            return verifier, client_context(cfg.queue_url, cfg.tls_ca, cfg.require_tls)
+        if cfg.require_tls and scheme in ("redis", "unix"):
+            raise TlsConfigError(f"--queue-url {cfg.queue_url!r} is plaintext but --require-tls is set: use "
+                                 "rediss:// or the coordinator's wss://.../internal/queue")
+        return verifier, None
+    except TlsConfigError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def check_config(cfg: DrafterConfig, need_model: bool = True) -> None:
@@ -85,6 +103,7 @@ def check_config(cfg: DrafterConfig, need_model: bool = True) -> None:
         problems.append(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {cfg.log_level!r}")
     if problems:
         raise ConfigError("; ".join(problems))
+    link_tls(cfg)
 
 
 def _wisp_problems(cfg: DrafterConfig) -> list[str]:
@@ -162,14 +181,15 @@ async def serve(
     log.info("drafter starting", **{**describe(cfg), "node_id": node_id, "draft_model": loaded.name,
                                     "tokenizer_fingerprint": loaded.fingerprint})
     own_queue = queue is None
+    verifier_tls, queue_tls = link_tls(cfg)
     request_queue = queue or open_queue(cfg.queue_url, stream=cfg.queue_stream, group=cfg.queue_group,
-                                        auth_token=cfg.auth_token, claim_idle_ms=cfg.claim_idle_ms)
+                                        auth_token=cfg.auth_token, claim_idle_ms=cfg.claim_idle_ms, tls=queue_tls)
     hello = Hello(role="drafter", node_id=node_id, protocol_version=PROTOCOL_VERSION,
                   tokenizer_fingerprint=loaded.fingerprint, model=loaded.name[:128] or "draft",
                   max_sessions=cfg.max_sessions)
     proposer = await _proposer(cfg, loaded)
     metrics = DrafterMetrics()
-    link = VerifierLink(cfg.verifier_url, hello, cfg.auth_token)
+    link = VerifierLink(cfg.verifier_url, hello, cfg.auth_token, tls=verifier_tls)
     http = HealthServer(metrics.registry, lambda: link.connected) if cfg.metrics_port else None
     if http is not None:
         http.start(cfg.metrics_host, cfg.metrics_port)

@@ -22,7 +22,15 @@ class VerifierConfig:
     device: str = opt("cpu", "torch device: cpu, cuda, cuda:1, ...")
     dtype: str = opt("auto", "auto (float32 on CPU, bfloat16 on CUDA), float32, float16, bfloat16")
     max_model_len: int = opt(0, "context limit in tokens; 0 takes the model's max_position_embeddings")
-    auth_token: str = opt("", "bearer token peers must present; empty disables auth (loopback only!)")
+    auth_token: str = opt("", "bearer token peers must present; empty disables auth (loopback only!). With "
+                              "--credentials-file it admits frontends (coordinators) only")
+    credentials_file: str = opt("", "per-drafter credentials (JSON: id, token or token_sha256, trusted), re-read "
+                                    "when it changes; a removed entry is revoked at once (see README, Security)")
+    drafter_trust: str = opt("trusted", "whether drafters admitted by the shared --auth-token are believed about q: "
+                                        "trusted (q is used), untrusted (drafts are verified ids-only, lossless "
+                                        "however the tokens were chosen); credentials-file drafters say their own")
+    tls_cert: str = opt("", "PEM certificate chain: serve wss:// (with --tls-key); empty: plaintext ws://")
+    tls_key: str = opt("", "PEM private key of --tls-cert")
     max_sessions: int = opt(256, "most sessions held at once (running or waiting); further ones are refused as busy")
     max_batch_sessions: int = opt(32, "most sessions verified in one batched forward pass")
     max_batch_tokens: int = opt(2048, "most tokens in one forward pass (rounds' new tokens plus prefill chunks)")

@@ -27,11 +27,15 @@ log = get_logger("verifier.intake")
 
 class Intake:
     def __init__(self, core: VerifierCore, routes: Routes, output: Output, tokenizer: Any,
-                 names: Callable[[str], str] = str, resume_grace_s: float = 0.0) -> None:
+                 names: Callable[[str], str] = str, resume_grace_s: float = 0.0,
+                 trusted: Callable[[str], bool] = lambda _conn: True) -> None:
         self.core = core
         self.resume_grace_s = resume_grace_s
         self._started = time.monotonic()
         self._resumed: dict[str, str] = {}  # frontend connection -> its node id, once it sent ResumeDone
+        #: connection id -> whether its q is believed; an untrusted drafter's drafts are verified
+        #: ids-only (q one-hot), which is lossless however the drafter chose its tokens
+        self.trusted = trusted
         self.names = names  # connection id -> the peer's node id (its name in metrics)
         self.routes = routes
         self.output = output
@@ -61,7 +65,7 @@ class Intake:
         elif isinstance(msg, CloseSession) and role == "drafter":
             self._detach(conn_id, msg.request_id)
         elif isinstance(msg, Cancel) and role == "frontend":
-            self._cancel(msg.request_id)
+            self._cancel(conn_id, msg.request_id)
         elif msg is not None:
             self.output.error(conn_id, "unexpected", f"a {role} may not send {type(msg).__name__}", None)
 
@@ -162,6 +166,10 @@ class Intake:
     def _draft(self, conn_id: str, msg: Draft, received_at: float) -> None:
         rid = msg.request_id
         route = self.routes.get(rid)
+        if route is not None and route.drafter is not None and route.drafter != conn_id:
+            log.warning("draft for another drafter's session refused", request_id=rid, conn=conn_id)
+            return self.output.error(conn_id, "not_owner", f"session {rid} belongs to another drafter; a drafter may "
+                                                           "draft only for the sessions it opened", rid)
         if route is None or route.drafter != conn_id:
             return self.output.error(conn_id, "unknown_session", f"no session {rid} for this drafter", rid)
         vocab = self.core.vocab_size
@@ -171,7 +179,7 @@ class Intake:
             return self.output.error(conn_id, "invalid",
                                      f"draft has {len(msg.token_ids)} tokens but {len(msg.q)} q rows", rid)
         q = None
-        if msg.q is not None:
+        if msg.q is not None and self.trusted(conn_id):
             try:  # parsed here, once; the core's acceptance step reads the parsed rows
                 q = [check(sparse, token, vocab) for sparse, token in zip(msg.q, msg.token_ids, strict=True)]
             except DraftError as exc:  # verifying as ids-only is still exactly lossless
@@ -186,6 +194,9 @@ class Intake:
         if route is not None and conn_id in (route.drafter, route.owner):
             route.drafter = route.owner = None
             self._submit(conn_id, Detach(request_id))
+        elif route is not None and (route.drafter or route.owner):
+            self.output.error(conn_id, "not_owner", f"session {request_id} belongs to another drafter; a drafter may "
+                                                    "close only its own sessions", request_id)
 
     def _drafter_gone(self, conn_id: str) -> None:
         """The drafter's link closed: its sessions continue target-only, so no request is lost."""
@@ -196,8 +207,12 @@ class Intake:
         if moved:
             log.warning("drafter gone; sessions continue target-only", conn=conn_id, sessions=len(moved))
 
-    def _cancel(self, request_id: str) -> None:
-        if self.routes.get(request_id) is not None:
+    def _cancel(self, conn_id: str, request_id: str) -> None:
+        route = self.routes.get(request_id)
+        if route is not None and route.origin != self.names(conn_id):
+            return self.output.error(conn_id, "not_owner", f"request {request_id} belongs to another frontend; a "
+                                                           "frontend may cancel only the requests it sent", request_id)
+        if route is not None:
             self.output.end(request_id, "cancelled")
             self._submit("", Finish(request_id))
 

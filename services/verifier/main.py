@@ -20,13 +20,15 @@ from services.verifier.intake import Intake
 from services.verifier.metrics import VerifierMetrics
 from services.verifier.output import Output
 from services.verifier.scheduler import Scheduler
-from services.verifier.server import Hub, fleet_status_loop, start_server
+from services.verifier.server import Hub, fleet_status_loop, revocation_loop, start_server
 from services.verifier.sessions import Routes
 from services.verifier.trim import make_trim
 from shared.config import ConfigError, describe, load_config
+from shared.credentials import Credentials, CredentialsError
 from shared.log import get_logger, setup_logging
 from shared.models import LoadedModel, ModelLoadError, load_model, load_target_info
 from shared.runner import KVError, ModelRunner
+from shared.tls import TlsConfigError, server_context
 
 log = get_logger("verifier")
 #: the automatic KV budget on a CPU: this share of RAM, at most AUTO_KV_CPU_MAX bytes
@@ -146,26 +148,34 @@ def build_vllm(cfg: VerifierConfig) -> tuple[Hub, VerifierCore]:
 def _hub(cfg: VerifierConfig, loaded: LoadedModel) -> tuple[Hub, Output, VerifierMetrics]:
     metrics = VerifierMetrics()
     routes = Routes(cfg.max_sessions)
-    hub = Hub(loaded.name, loaded.fingerprint, loaded.max_model_len, cfg.max_draft_tokens, cfg.auth_token, routes,
-              metrics)
+    try:
+        credentials = Credentials(cfg.auth_token, cfg.credentials_file)
+        hub = Hub(loaded.name, loaded.fingerprint, loaded.max_model_len, cfg.max_draft_tokens, credentials, routes,
+                  metrics, cfg.drafter_trust)
+    except (CredentialsError, ValueError) as exc:
+        raise ModelLoadError(str(exc)) from None
     return hub, Output(hub, routes, metrics), metrics
 
 
 def _connect(hub: Hub, output: Output, core: VerifierCore, loaded: LoadedModel, resume_grace_s: float) -> Hub:
     output.core = core
     hub.intake = Intake(core, output.routes, output, loaded.tokenizer, names=hub.node_name,
-                        resume_grace_s=resume_grace_s)
+                        resume_grace_s=resume_grace_s, trusted=hub.trusted)
     return hub
 
 
 async def serve(cfg: VerifierConfig, ready: asyncio.Event | None = None) -> None:
+    try:
+        tls = server_context(cfg.tls_cert, cfg.tls_key)
+    except TlsConfigError as exc:
+        raise ModelLoadError(str(exc)) from None
     hub, core = await asyncio.to_thread(build, cfg, asyncio.get_running_loop())
     core.start()
-    server = await start_server(hub, cfg.host, cfg.port)
+    server = await start_server(hub, cfg.host, cfg.port, tls)
     port = server.sockets[0].getsockname()[1] if server.sockets else cfg.port
-    log.info("verifier listening", host=cfg.host, port=port, model=hub.welcome.target_model,
+    log.info("verifier listening", host=cfg.host, port=port, tls=tls is not None, model=hub.welcome.target_model,
              max_model_len=hub.welcome.max_model_len)
-    tasks = [asyncio.create_task(fleet_status_loop(hub))]
+    tasks = [asyncio.create_task(fleet_status_loop(hub)), asyncio.create_task(revocation_loop(hub))]
     if ready is not None:
         ready.set()
     stop = asyncio.Event()

@@ -6,6 +6,12 @@
 ``/metrics``      Prometheus text (``services/verifier/metrics.py``)
 ``/status``       JSON: the allocation, batching and trim policies and their live estimates
 
+Peers authenticate with a bearer token (``shared.credentials``): the fleet's shared token, or in
+per-drafter mode each drafter's own token, which must match the identity its Hello names. Each
+drafter connection carries a trust flag: an untrusted drafter's q is ignored (its drafts are
+verified ids-only, lossless however it chose them). A credential removed from the file closes
+the connections that used it within a second (``revocation_loop``).
+
 Every frame is decoded with ``shared.protocol.decode``; a bad frame is answered with an
 ErrorFrame and the connection keeps going. Each connection has its own bounded outbound queue
 and writer task, so a slow peer never blocks the engine; a peer that falls
@@ -16,10 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import itertools
 import json
 import secrets
+import ssl
 import time
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -32,6 +38,7 @@ from websockets.http11 import Request, Response
 from services.verifier.intake import Intake
 from services.verifier.metrics import VerifierMetrics
 from services.verifier.sessions import Routes
+from shared.credentials import Credentials, Identity, check_hello_identity
 from shared.log import get_logger
 from shared.protocol import (
     MAX_FRAME_BYTES,
@@ -57,6 +64,8 @@ FLEET_STATUS_EVERY_S = 5.0
 _conn_ids = itertools.count(1)
 #: frames a peer may fall behind before it is disconnected as too slow
 OUTBOX_FRAMES = 8192
+REVOCATION_CHECK_S = 1.0
+TRUST_MODES = ("trusted", "untrusted")
 
 
 @dataclass
@@ -66,6 +75,8 @@ class Peer:
     node_id: str
     model: str
     ws: ServerConnection
+    identity: Identity = field(default_factory=lambda: Identity(None))
+    trusted: bool = True
     outbox: asyncio.Queue[bytes | None] = field(default_factory=lambda: asyncio.Queue(OUTBOX_FRAMES))
 
     def put(self, frame: bytes) -> None:
@@ -81,12 +92,16 @@ class Hub:
     """Connected peers: what the output side sends through, and the WebSocket handlers."""
 
     def __init__(self, target_model: str, fingerprint: str, max_model_len: int, max_draft_tokens: int,
-                 auth_token: str, routes: Routes, metrics: VerifierMetrics) -> None:
+                 credentials: Credentials | str, routes: Routes, metrics: VerifierMetrics,
+                 drafter_trust: str = "trusted") -> None:
         self.peers: dict[str, Peer] = {}
         self.welcome = Welcome(node_id="verifier", protocol_version=PROTOCOL_VERSION, target_model=target_model,
                                tokenizer_fingerprint=fingerprint, max_model_len=max_model_len,
                                max_draft_tokens=max_draft_tokens, instance=secrets.token_hex(8))
-        self.auth_token = auth_token
+        self.credentials = credentials if isinstance(credentials, Credentials) else Credentials(credentials)
+        if drafter_trust not in TRUST_MODES:
+            raise ValueError(f"--drafter-trust must be one of {', '.join(TRUST_MODES)}, got {drafter_trust!r}")
+        self.default_trust = drafter_trust == "trusted"
         self.routes = routes
         self.metrics = metrics
         self.intake: Intake | None = None
@@ -97,6 +112,11 @@ class Hub:
         """The node id a connection introduced itself with (its connection id once it is gone)."""
         peer = self.peers.get(conn_id)
         return peer.node_id if peer is not None else conn_id
+
+    def trusted(self, conn_id: str) -> bool:
+        """Whether the verifier believes this connection's q (False once it is gone)."""
+        peer = self.peers.get(conn_id)
+        return peer is not None and peer.trusted
 
     def send(self, conn_id: str, msgs: list[Batchable]) -> None:
         peer = self.peers.get(conn_id)
@@ -137,23 +157,32 @@ class Hub:
             return Response(HTTPStatus.OK.value, "OK", headers, body)
         if request.path not in PATH_ROLES:
             return connection.respond(HTTPStatus.NOT_FOUND, "use /v1/drafter or /v1/frontend\n")
-        if self.auth_token:
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.auth_token}".encode()):
-                log.warning("refused unauthenticated peer", path=request.path)
-                return connection.respond(HTTPStatus.UNAUTHORIZED, "missing or wrong bearer token\n")
+        given = request.headers.get("Authorization")
+        if self.credentials.authenticate(given, PATH_ROLES[request.path]) is None:
+            log.warning("refused unauthenticated peer", path=request.path)
+            return connection.respond(HTTPStatus.UNAUTHORIZED,
+                                      self.credentials.refusal(given, PATH_ROLES[request.path]) + "\n")
         return None
 
     # --- one connection --------------------------------------------------------------------
 
     async def handle(self, ws: ServerConnection) -> None:
         role = PATH_ROLES[ws.request.path if ws.request else ""]
+        identity = self.credentials.authenticate(ws.request.headers.get("Authorization") if ws.request else None,
+                                                 role)
+        if identity is None:  # revoked between the HTTP upgrade and now
+            return await self._refuse(ws, "unauthorized", self.credentials.refusal(None, role))
         hello = await self._handshake(ws, role)
         if hello is None:
             return
-        peer = Peer(f"{role}-{next(_conn_ids)}", role, hello.node_id, hello.model, ws)
+        problem = check_hello_identity(identity, hello.node_id)
+        if problem:
+            return await self._refuse(ws, "unauthorized", problem)
+        trusted = identity.trusted if identity.trusted is not None else self.default_trust
+        peer = Peer(f"{role}-{next(_conn_ids)}", role, hello.node_id, hello.model, ws, identity, trusted)
         self.peers[peer.conn_id] = peer
-        log.info("peer connected", conn=peer.conn_id, node_id=peer.node_id, model=peer.model)
+        log.info("peer connected", conn=peer.conn_id, node_id=peer.node_id, model=peer.model,
+                 trusted=peer.trusted if role == "drafter" else None)
         peer.put(encode(self.welcome))
         writer = asyncio.create_task(self._write(ws, peer))
         if role == "drafter":
@@ -226,12 +255,35 @@ class Hub:
                 await ws.send(frame)
 
 
-async def start_server(hub: Hub, host: str, port: int) -> Server:
+async def start_server(hub: Hub, host: str, port: int, tls: ssl.SSLContext | None = None) -> Server:
+    """Listen on ``host:port``: wss:// with ``tls`` (``shared.tls.server_context``), else ws://."""
     # No per-message deflate: frames are small MessagePack, and compressing each one costs
     # both ends CPU on every round.
     server = await serve(hub.handle, host, port, process_request=hub.process_request,
-                         max_size=MAX_FRAME_BYTES, ping_interval=20, ping_timeout=60, compression=None)
+                         max_size=MAX_FRAME_BYTES, ping_interval=20, ping_timeout=60, compression=None, ssl=tls)
     return server
+
+
+async def revocation_loop(hub: Hub) -> None:
+    """Close every drafter connection whose per-drafter credential left the credentials file."""
+    seen = hub.credentials.generation
+    while True:
+        await asyncio.sleep(REVOCATION_CHECK_S)
+        hub.credentials.refresh()
+        if hub.credentials.generation == seen:
+            continue
+        seen = hub.credentials.generation
+        for peer in list(hub.peers.values()):
+            if not hub.credentials.still_valid(peer.identity):
+                log.warning("credential revoked; disconnecting the drafter", conn=peer.conn_id, node_id=peer.node_id)
+                await _close_revoked(peer)
+
+
+async def _close_revoked(peer: Peer) -> None:
+    with contextlib.suppress(ConnectionClosed):
+        await peer.ws.send(encode(Refused(code="unauthorized", message="this drafter's credential was revoked")))
+    with contextlib.suppress(ConnectionClosed, TimeoutError):
+        await asyncio.wait_for(peer.ws.close(1008, "credential revoked"), 2.0)
 
 
 async def fleet_status_loop(hub: Hub) -> None:

@@ -392,9 +392,11 @@ class RawHttp:
 class RawWebSocket:
     """A ``/v1/stream`` client driven through the ASGI app by hand, in this loop."""
 
-    def __init__(self, app: FastAPI, path: str = "/v1/stream") -> None:
+    def __init__(self, app: FastAPI, path: str = "/v1/stream",
+                 headers: list[tuple[bytes, bytes]] | None = None) -> None:
         self._app = app
         self._path = path
+        self._headers = headers or []
         self._to_app: asyncio.Queue[AsgiMessage] = asyncio.Queue()
         self._from_app: asyncio.Queue[AsgiMessage] = asyncio.Queue()
         self._gone = False
@@ -402,7 +404,8 @@ class RawWebSocket:
 
     async def __aenter__(self) -> RawWebSocket:
         self._to_app.put_nowait({"type": "websocket.connect"})
-        self._task = asyncio.create_task(self._app(_scope("websocket", self._path, []), self._to_app.get, self._send))
+        scope = _scope("websocket", self._path, self._headers)
+        self._task = asyncio.create_task(self._app(scope, self._to_app.get, self._send))
         accepted = await asyncio.wait_for(self._from_app.get(), 10)
         assert accepted["type"] == "websocket.accept", accepted
         return self
@@ -415,6 +418,11 @@ class RawWebSocket:
         if self._gone:
             raise OSError("the client disconnected")  # what uvicorn raises (ClientDisconnected)
         await self._from_app.put(message)
+
+    async def send_frame(self, data: str | bytes) -> None:
+        """Send one raw frame: text, or binary."""
+        key = "text" if isinstance(data, str) else "bytes"
+        await self._to_app.put({"type": "websocket.receive", key: data})
 
     async def send_json(self, obj: dict[str, Any]) -> None:
         await self._to_app.put({"type": "websocket.receive", "text": json.dumps(obj)})

@@ -353,7 +353,7 @@ async def test_a_session_whose_drafter_is_connected_cannot_be_taken_over(verifie
         await b.send(OpenSession(request_id="taken", prompt_ids=prompt, params=GREEDY, origin="test-frontend"))
         assert (await b.recv(ErrorFrame, rid="taken")).code == "duplicate"
         await b.send(Draft(request_id="taken", round=0, token_ids=ref[:3]))  # nor may it draft for it
-        assert (await b.recv(ErrorFrame, rid="taken")).code == "unknown_session"
+        assert (await b.recv(ErrorFrame, rid="taken")).code == "not_owner"
         # A still owns the session: its rounds go on, and B never hears of them
         committed: list[int] = []
         accepted = 0

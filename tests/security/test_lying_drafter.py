@@ -1,0 +1,90 @@
+"""A drafter that lies about q biases sampled output when trusted, and cannot when untrusted.
+
+The liar draws its token uniformly at random but claims, as q, the target's own distribution p:
+a trusted q makes every draft's acceptance probability min(1, p/q) = 1, so the output follows
+the liar's uniform choice. An untrusted drafter's q is dropped by the verifier's intake, and
+ids-only verification (q one-hot) gives exactly p however the tokens were chosen.
+
+The frames go through the verifier's real intake (ownership and trust checks, q parsing) and the
+real batched acceptance step (``judge``) over thousands of sessions at once; a chi-square test
+then compares the first output token's distribution with p.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import torch
+
+from services.verifier.core_api import AddDraft
+from services.verifier.intake import Intake
+from services.verifier.judge import judge
+from services.verifier.requests import Request
+from services.verifier.sessions import Route, Routes
+from shared.draft_q import pack
+from shared.protocol import Draft, SamplingParams
+from shared.sampling import probs_from_logits
+from tests.e2e.lossless_stats import chi_square_p
+
+VOCAB = 12
+SESSIONS = 4000
+PARAMS = SamplingParams(temperature=1.0, max_tokens=4)
+ALPHA = 1e-3
+
+
+class CoreInbox:
+    """The engine core's command intake, as the verifier's Intake sees it: it records AddDrafts."""
+
+    vocab_size = VOCAB
+    max_model_len = 512
+
+    def __init__(self) -> None:
+        self.drafts: dict[str, AddDraft] = {}
+
+    def submit(self, command: Any) -> None:
+        assert isinstance(command, AddDraft), command
+        self.drafts[command.request_id] = command
+
+
+class NoErrors:
+    def error(self, conn_id: str, code: str, message: str, rid: str | None) -> None:
+        raise AssertionError(f"intake refused a frame from {conn_id}: {code}: {message}")
+
+
+def first_tokens(trusted: bool, logits: torch.Tensor, p: torch.Tensor) -> list[int]:
+    """The first output token of SESSIONS sessions drafted by the liar over one connection."""
+    core, routes = CoreInbox(), Routes(SESSIONS + 1)
+    conn = "drafter-1"
+    intake = Intake(core, routes, NoErrors(), None, trusted=lambda c: trusted and c == conn)  # type: ignore[arg-type]
+    claimed = pack(torch.arange(VOCAB), p.half())  # "I sampled from p": the lie
+    liar = torch.Generator().manual_seed(7)
+    for i in range(SESSIONS):
+        rid = f"s{i}"
+        routes.add(Route(rid, "frontend", conn, conn, conn, 3, None))  # type: ignore[arg-type]
+        token = int(torch.randint(0, VOCAB, (1,), generator=liar))  # how it really chose: uniformly
+        intake.handle(conn, "drafter", Draft(request_id=rid, round=0, token_ids=[token], q=[claimed]))
+    batch = []
+    for i in range(SESSIONS):
+        add = core.drafts[f"s{i}"]
+        req = Request.create(add.request_id, [1, 2, 3], SamplingParams(temperature=1.0, seed=1000 + i), True, 512,
+                             frozenset())
+        req.draft_q = add.q  # what the core would verify with: the parsed q, or None (ids-only)
+        assert (add.q is not None) == trusted
+        batch.append((req, add.token_ids))
+    rows = logits.repeat(SESSIONS * 2, 1)  # each session: its draft position, then the bonus row
+    return [v.tokens[0] for v in judge(batch, rows)]
+
+
+def test_lying_drafter_biases_only_when_trusted() -> None:
+    logits = torch.randn(VOCAB, generator=torch.Generator().manual_seed(3)) * 1.5
+    p = probs_from_logits(logits, PARAMS)
+    trusted = first_tokens(True, logits, p)
+    untrusted = first_tokens(False, logits, p)
+    p_trusted = chi_square_p(Counter(trusted), p.tolist(), SESSIONS)
+    p_untrusted = chi_square_p(Counter(untrusted), p.tolist(), SESSIONS)
+    assert p_trusted < 1e-12, f"the trusted liar should bias the output (chi-square p = {p_trusted:.3g})"
+    assert p_untrusted > ALPHA, f"ids-only verification must follow p (chi-square p = {p_untrusted:.3g})"
+    # and the bias is the liar's: trusted output is close to uniform, not to p
+    uniform_p = chi_square_p(Counter(trusted), [1 / VOCAB] * VOCAB, SESSIONS)
+    assert uniform_p > ALPHA, uniform_p
