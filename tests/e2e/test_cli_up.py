@@ -122,6 +122,11 @@ def test_up_restarts_a_killed_drafter_and_resumes_its_sessions(tiny_models: dict
         results = asyncio.run(run())
         resumed = sum(_sample(f"http://127.0.0.1:{port}/metrics", "specfleet_drafter_sessions_resumed_total")
                       for port in (metrics_port, metrics_port + 1))  # the restarted victim, the survivor
+        # the requests may all finish before the supervisor has even noticed the death: wait until
+        # the victim serves its metrics again (restarted), so stderr holds the restart
+        deadline = time.monotonic() + 90
+        while not _serves(f"http://127.0.0.1:{metrics_port}/metrics") and time.monotonic() < deadline:
+            time.sleep(0.2)
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
     finally:
@@ -172,6 +177,13 @@ async def _sample_async(http: httpx.AsyncClient, url: str, name: str) -> float:
         return 0.0
     found = re.search(rf"^{name} (\S+)$", text, re.M)
     return float(found.group(1)) if found else 0.0
+
+
+def _serves(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def _sample(url: str, name: str) -> float:
