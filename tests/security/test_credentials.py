@@ -61,7 +61,8 @@ async def verifier(tiny_models: dict[str, Path], tmp_path: Path) -> AsyncIterato
     write_creds(creds, ["drafter-a", "drafter-b"])
     port = free_port()
     cfg = VerifierConfig(port=port, model=str(tiny_models["target"]), auth_token=SHARED, draft_len=3,
-                         draft_timeout_s=1.5, credentials_file=str(creds))
+                         draft_timeout_s=1.5, credentials_file=str(creds),
+                         resume_grace_s=0.0)  # scripted drafters, with no coordinator to send ResumeDone
     ready = asyncio.Event()
     task = asyncio.create_task(serve(cfg, ready))
     await asyncio.wait_for(ready.wait(), 60)

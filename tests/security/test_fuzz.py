@@ -66,7 +66,8 @@ REAL_SOCKET_SHARE = 300  # /v1/stream and REST cases also sent over a real uvico
 async def verifier(tiny_models: dict[str, Path]) -> AsyncIterator[tuple[Running, asyncio.Task[None]]]:
     port = free_port()
     cfg = VerifierConfig(port=port, model=str(tiny_models["target"]), auth_token=TOKEN, draft_len=3,
-                         draft_timeout_s=1.5, log_level="warning")
+                         draft_timeout_s=1.5, log_level="warning",
+                         resume_grace_s=0.0)  # scripted drafters, with no coordinator to send ResumeDone
     ready = asyncio.Event()
     task = asyncio.create_task(serve(cfg, ready))
     await asyncio.wait_for(ready.wait(), 60)
