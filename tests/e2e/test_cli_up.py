@@ -106,7 +106,8 @@ def test_up_restarts_a_killed_drafter_and_resumes_its_sessions(tiny_models: dict
         base_url = next(m.group(1) for line in lines if (m := re.search(r"ready at (http://\S+)", line)))
         victim = int(next(m.group(1) for line in lines if (m := re.search(r"started drafter-1\s+pid (\d+)", line))))
         stack = SimpleNamespace(ws_url=base_url.replace("http://", "ws://") + "/v1/stream")
-        sent = [{"kind": "completion", "model": "target", "prompt": f"def f{i}(x", "max_tokens": 96,
+        # long enough that the victim's sessions are still running when the queue hands them on
+        sent = [{"kind": "completion", "model": "target", "prompt": f"def f{i}(x", "max_tokens": 192,
                  "temperature": 0, "ignore_eos": True} for i in range(20)]
 
         async def run() -> list[tuple]:
@@ -120,13 +121,14 @@ def test_up_restarts_a_killed_drafter_and_resumes_its_sessions(tiny_models: dict
             return await work
 
         results = asyncio.run(run())
-        resumed = sum(_sample(f"http://127.0.0.1:{port}/metrics", "specfleet_drafter_sessions_resumed_total")
-                      for port in (metrics_port, metrics_port + 1))  # the restarted victim, the survivor
         # the requests may all finish before the supervisor has even noticed the death: wait until
-        # the victim serves its metrics again (restarted), so stderr holds the restart
+        # the victim serves its metrics again (restarted), so stderr holds the restart and its
+        # counters can be read
         deadline = time.monotonic() + 90
         while not _serves(f"http://127.0.0.1:{metrics_port}/metrics") and time.monotonic() < deadline:
             time.sleep(0.2)
+        resumed = sum(_sample(f"http://127.0.0.1:{port}/metrics", "specfleet_drafter_sessions_resumed_total")
+                      for port in (metrics_port, metrics_port + 1))  # the restarted victim, the survivor
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
     finally:
@@ -135,7 +137,7 @@ def test_up_restarts_a_killed_drafter_and_resumes_its_sessions(tiny_models: dict
             proc.wait()
     target = load_model(tiny_models["target"])
     for body, (ids, _, done) in zip(sent, results, strict=True):
-        assert ids == greedy_reference(target.model, prompt_ids(target, body), 96, set())
+        assert ids == greedy_reference(target.model, prompt_ids(target, body), 192, set())
         assert done["finish_reason"] == "length"
     assert "restarting in" in err and "drafter-1" in err, err
     assert resumed >= 1
