@@ -30,7 +30,8 @@ from typing import Annotated, Literal
 
 import msgspec
 
-#: 5: Draft.pause_rounds; SamplingParams logprobs, penalties and structured output; TokenEvent.logprobs;
+#: 5: Draft.pause_rounds; SamplingParams logprobs, penalties and structured output; TokenEvent.logprobs
+#: and .error_code;
 #: OpenSession.resume, ResumeDone and Welcome.instance (a coordinator re-opens its requests on a new verifier)
 PROTOCOL_VERSION = 5
 #: Largest frame any service accepts. A 32k-token prompt is ~200 KiB; sparse q for 64 draft
@@ -302,6 +303,9 @@ class TokenEvent(_Msg, tag="token_event", frozen=True):
     error: str = ""
     #: one entry per token of ``token_ids`` when the request asked for logprobs, else None
     logprobs: list[TokenLogprob] | None = None
+    #: with ``error``: the verifier's refusal code ("invalid": the request cannot be served as
+    #: asked, a 400 to its client), else empty
+    error_code: str = ""
 
 
 class FleetStatus(_Msg, tag="fleet_status", frozen=True):

@@ -21,6 +21,7 @@ from services.coordinator.admission import InFlightLimit, Slot
 from services.coordinator.errors import (
     ApiError,
     internal_error,
+    invalid_request,
     request_timeout,
     service_unavailable,
     too_many_requests,
@@ -83,8 +84,9 @@ class Submission:
         """Wait for the request's first event without consuming it (:meth:`events` yields it).
 
         Raises as :meth:`events` does when that first event is already a failure (verifier busy:
-        503 with Retry-After; error: 500; link lost: 503), on timeout and after :meth:`abort`, so a
-        stream that waits for this before sending its headers still answers with the real status.
+        503 with Retry-After; refused as invalid: 400; error: 500; link lost: 503), on timeout and
+        after :meth:`abort`, so a stream that waits for this before sending its headers still
+        answers with the real status.
         """
         if self._peeked is None:
             self._peeked = await self._next()
@@ -95,7 +97,9 @@ class Submission:
         """Yield the request's TokenEvents up to and including the final one.
 
         Raises ApiError 504 on timeout, 503 if the verifier was busy (with Retry-After) or cancelled
-        it (e.g. the link dropped), 500 if it failed, and ClientGone after :meth:`abort`.
+        it (e.g. the link dropped), 400 if it refused the request as invalid (a field its backend
+        does not serve, a request larger than its KV cache), 500 if it failed, and ClientGone after
+        :meth:`abort`.
         """
         first = True
         while True:
@@ -135,6 +139,8 @@ class Submission:
         if item.code == "busy":
             log.info("verifier busy; request refused", request_id=self.request_id, reason=event.error)
             raise verifier_busy(event.error, self._retry_after_s)
+        if "invalid" in (item.code, event.error_code):
+            raise invalid_request(f"the verifier cannot serve this request as asked: {event.error}")
         if event.finish_reason == "cancelled":
             raise service_unavailable(f"the request was cancelled: {event.error or 'by the verifier'}. Retry it.")
         if event.error or event.finish_reason == "error":

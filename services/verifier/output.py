@@ -100,7 +100,7 @@ class Output:
         if route is None:
             return
         if r.code != "busy":  # the verifier owned it: its client hears why
-            self._event(route, [], finished=True, reason="error", error=r.message)
+            self._event(route, [], finished=True, reason="error", error=r.message, error_code=r.code)
         self._conn(route.opener, ErrorFrame(code=r.code, message=r.message, request_id=r.request_id))
         self.routes.close(r.request_id)
 
@@ -159,12 +159,12 @@ class Output:
     # --- frames --------------------------------------------------------------------------
 
     def _event(self, route: Route, tokens: list[int], finished: bool, reason: FinishReason | None,
-               error: str = "", logprobs: list[TokenLogprob] | None = None) -> None:
+               error: str = "", logprobs: list[TokenLogprob] | None = None, error_code: str = "") -> None:
         self._to_origin[route.origin].append(TokenEvent(
             request_id=route.request_id, origin=route.origin, token_ids=tokens, text=route.text.release(finished),
             finished=finished, finish_reason=reason if finished else None, prompt_tokens=route.prompt_tokens,
             completion_tokens=route.completion_tokens, drafted_tokens=route.drafted, accepted_tokens=route.accepted,
-            error=error, logprobs=logprobs))
+            error=error, logprobs=logprobs, error_code=error_code))
 
     def _conn(self, conn_id: str, msg: Batchable) -> None:
         self._to_conn[conn_id].append(msg)

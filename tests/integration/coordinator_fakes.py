@@ -5,7 +5,8 @@ Cancel, OpenSession, ErrorFrame, Batch) on a real socket, and plays drafter + ve
 QueuedRequests from a queue (or target-only OpenSessions from the coordinator) and emitting
 scripted TokenEvents: ``max_tokens`` tokens " w0", " w1", ... two per event, finish_reason
 "length". Prompts whose text contains a marker change the script: ``HANG`` never answers,
-``FAIL`` ends in an error event, ``SLOW`` waits between events, ``GATE`` waits until
+``FAIL`` ends in an error event, ``REFUSE`` is refused at once as "invalid" (as a verifier
+whose backend does not serve a field does), ``SLOW`` waits between events, ``GATE`` waits until
 ``fake.gate`` is set; for target-only sessions, ``BUSY`` is refused with ErrorFrame "busy" and
 ``BROKEN`` with another ErrorFrame code (both inside a Batch frame, as the real verifier sends).
 
@@ -189,7 +190,11 @@ class FakeVerifier:
         rid, n = req.request_id, req.params.max_tokens
         if "GATE" in prompt:
             await self.gate.wait()
-        if "HANG" not in prompt:
+        if "REFUSE" in prompt:
+            await self.emit(req.origin, TokenEvent(
+                request_id=rid, origin=req.origin, token_ids=[], text="", finished=True, finish_reason="error",
+                error="logprobs: not supported by the verifier's backend", error_code="invalid"))
+        elif "HANG" not in prompt:
             delay = SLOW_DELAY_S if "SLOW" in prompt else 0.0
             for start in range(0, n, 2):
                 if rid in self.cancels:

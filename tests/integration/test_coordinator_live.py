@@ -125,6 +125,16 @@ def test_verifier_error_mid_stream_is_an_sse_error(client: openai.OpenAI) -> Non
         list(client.completions.create(model="target", prompt="FAIL please", max_tokens=4, stream=True))
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_verifier_refusal_as_invalid_is_400(client: openai.OpenAI, stream: bool) -> None:
+    """A field the verifier's backend does not serve is the client's to fix: 400, before any
+    stream starts, with the verifier's reason."""
+    with pytest.raises(openai.BadRequestError, match="not supported by the verifier's backend"):
+        out = client.completions.create(model="target", prompt="REFUSE please", max_tokens=4, stream=stream)
+        if stream:
+            list(out)
+
+
 def test_timeout_is_504_and_cancels(client: openai.OpenAI, live: LiveCoordinator) -> None:
     assert live.fake is not None
     before = len(live.fake.cancels)

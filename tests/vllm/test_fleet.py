@@ -4,6 +4,7 @@
   and vLLM did take the drafters' drafts;
 * vLLM's own metrics are served beside specfleet's;
 * a client that goes away cancels its vLLM request;
+* a field the vLLM backend does not serve (logprobs) is a 400 naming it;
 * SIGTERM shuts the verifier down cleanly, vLLM's engine processes with it.
 """
 
@@ -76,6 +77,15 @@ def test_client_disconnect_cancels_the_vllm_request(vllm_fleet: Stack, target: L
 
     assert wait_for(idle), "the cancelled request still runs in vLLM"
     check_greedy(vllm_fleet, target)  # and the fleet serves on
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_field_vllm_does_not_serve_is_a_400(vllm_fleet: Stack, stream: bool) -> None:
+    """logprobs under --backend vllm: refused with 400 and the field's name, not a 500."""
+    body = {"model": "target", "prompt": "x = [", "max_tokens": 4, "logprobs": 2, "stream": stream}
+    resp = httpx.post(vllm_fleet.base_url + "/v1/completions", json=body, timeout=60)
+    assert resp.status_code == 400, resp.text
+    assert "logprobs" in resp.json()["error"]["message"]
 
 
 def test_sigterm_stops_the_verifier_and_vllm_cleanly(vllm_fleet: Stack) -> None:
