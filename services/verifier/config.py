@@ -67,6 +67,8 @@ class VerifierConfig:
     recompute_context: bool = opt(False, "benchmark baseline (SLED-like): forget each session's cached keys and "
                                          "values after every round, so the next round recomputes its whole context; "
                                          "never for serving (backend=torch only)")
+    share_prefixes: bool = opt(True, "copy the KV rows of a prompt prefix another live request already computed "
+                                     "(n > 1, shared system prompts) instead of computing them again (backend=torch)")
     estimator_file: str = opt("", "step-time coefficients from `make profile-verifier` (refined online); empty: "
                                   "start from a generic CPU guess")
     torch_threads: int = opt(0, "torch intra-op threads; 0 leaves torch's default")

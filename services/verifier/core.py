@@ -3,6 +3,7 @@
     while running:
         1. drain commands   (new requests, drafts, detaches, finishes)
         2. admit            (reserve KV for waiting requests, oldest first, while it fits)
+           share            (copy prompt prefixes other live requests computed: ``prefix.py``)
         3. schedule         (verification rounds, then prefill chunks: ``Scheduler``)
         4. forward          (one packed pass of the target over every segment)
         5. judge + commit   (acceptance maths, token-level stops, KV rollback, next budgets)
@@ -53,6 +54,7 @@ from services.verifier.core_api import (
 )
 from services.verifier.judge import Verdict, judge
 from services.verifier.metrics import VerifierMetrics
+from services.verifier.prefix import copy_shared, followers
 from services.verifier.requests import Request, Status
 from services.verifier.scheduler import Scheduler, Step
 from services.verifier.status import policy_status
@@ -73,6 +75,7 @@ class CoreLimits:
     max_commands: int = 65536
     default_slo_tokens_per_s: float | None = None  # SLO class of requests that name none
     recompute_context: bool = False  # SLED-like baseline: no KV reuse across rounds (benchmarks only)
+    share_prefixes: bool = True  # copy prompt prefixes other live requests computed (prefix.py)
 
 
 class TorchCore:
@@ -172,13 +175,22 @@ class TorchCore:
         scheduled = time.perf_counter()
         self._expire_silent_drafters()
         self._admit()
-        step = self.scheduler.schedule(self.requests.values())
+        step = self.scheduler.schedule(self.requests.values(), hold=self._share_prefixes())
         if step.verify:
             self.metrics.batch_decision.observe(self.scheduler.last_decision_s)
             self.metrics.trimmed.inc(self.scheduler.last_trimmed)
         if step:
             self._step(step, scheduled)
         self._flush()
+
+    def _share_prefixes(self) -> set[int]:
+        """Copy shared prompt prefixes into requests still prefilling; those to hold this step."""
+        if not self.limits.share_prefixes or self.limits.recompute_context:
+            return set()
+        copied = copy_shared(self.requests.values(), self.runner.kv)
+        if copied:
+            self.metrics.shared_tokens.inc(copied)
+        return followers(self.requests.values())
 
     def _has_work(self) -> bool:
         return any(self.scheduler.verifiable(r) or (r.slot is not None and r.to_prefill > 0)

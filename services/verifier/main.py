@@ -114,7 +114,8 @@ def build(cfg: VerifierConfig, loop: asyncio.AbstractEventLoop) -> tuple[Hub, Ve
             output.on_results(results)
 
     limits = CoreLimits(cfg.max_draft_tokens, cfg.draft_timeout_s, cfg.max_waiting,
-                        default_slo_tokens_per_s=slo, recompute_context=cfg.recompute_context)
+                        default_slo_tokens_per_s=slo, recompute_context=cfg.recompute_context,
+                        share_prefixes=cfg.share_prefixes)
     core = TorchCore(runner, loaded.eos_ids, allocator, scheduler, limits, deliver, metrics, threaded=threaded,
                      tracker=tracker, estimator=estimator)
     return _connect(hub, output, core, loaded, cfg.resume_grace_s), core

@@ -62,6 +62,9 @@ class VerifierMetrics:
         self.steps = Counter(f"{_P}_steps", "Engine steps", registry=r)
         self.rounds = Counter(f"{_P}_rounds", "Verified rounds", registry=r)
         self.prefill_tokens = Counter(f"{_P}_prefill_tokens", "Prompt tokens cached", registry=r)
+        self.shared_tokens = Counter(f"{_P}_shared_prefix_tokens",
+                                     "Prompt tokens copied from another live request's KV instead of computed",
+                                     registry=r)
         self.drafted = Counter(f"{_P}_drafted_tokens", "Draft tokens verified", registry=r)
         self.accepted = Counter(f"{_P}_accepted_tokens", "Draft tokens accepted", registry=r)
         self.generated = Counter(f"{_P}_generated_tokens", "Tokens committed", registry=r)

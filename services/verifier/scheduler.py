@@ -59,8 +59,10 @@ class Scheduler:
     def verifiable(self, req: Request) -> bool:
         return req.status is Status.READY and req.to_prefill <= self.prefill_chunk
 
-    def schedule(self, active: Iterable[Request]) -> Step:
-        active = [r for r in active if r.slot is not None and r.status is not Status.FINISHED]
+    def schedule(self, active: Iterable[Request], hold: set[int] | None = None) -> Step:
+        """``hold``: ``id()`` of requests to leave out of this step (they wait for a shared prefix)."""
+        active = [r for r in active if r.slot is not None and r.status is not Status.FINISHED
+                  and (not hold or id(r) not in hold)]
         step = Step()
         self._add_verify(step, [r for r in active if self.verifiable(r)])
         chosen = {id(req) for req, _ in step.verify}

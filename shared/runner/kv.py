@@ -103,6 +103,18 @@ class KVArena:
             self._free.pop(i)
         self._free.insert(i, (start, size))
 
+    def share(self, src: KVSlot, dst: KVSlot, length: int) -> None:
+        """Give ``dst`` the first ``length`` rows of ``src`` by copying (a prompt prefix both hold:
+        keys are stored after rotary at absolute positions, so equal tokens at equal positions
+        have equal rows). ``dst``'s own valid rows must already be that prefix; only the rest is
+        copied."""
+        if not dst.length <= length <= min(src.length, dst.capacity):
+            raise KVError(f"cannot share {length} rows: the source holds {src.length}, the destination "
+                          f"{dst.length} of {dst.capacity}")
+        a, b = dst.length, length
+        self.data[:, :, :, dst.start + a : dst.start + b] = self.data[:, :, :, src.start + a : src.start + b]
+        dst.length = length
+
     # --- accounting ----------------------------------------------------------------------
 
     @property

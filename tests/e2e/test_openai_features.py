@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
 
@@ -325,6 +326,24 @@ def test_n_choices_are_independent_seeded_sessions(client: Any) -> None:
     one = client.completions.create(seed=7, **kwargs).usage
     assert out.usage.prompt_tokens == one.prompt_tokens  # the prompt counts once
     assert out.usage.completion_tokens == 36
+
+
+def test_n_choices_compute_the_prompt_once(client: Any, stack: Stack) -> None:
+    """n = 4 greedy choices of a long prompt: identical texts, and the verifier copied the
+    prompt's KV rows between the sessions instead of prefilling it four times."""
+
+    def shared() -> float:
+        text = httpx.get(stack.verifier_url + "/metrics").text
+        found = re.search(r"^specfleet_verifier_shared_prefix_tokens_total (\S+)$", text, re.M)
+        assert found, "the verifier exports no shared-prefix counter"
+        return float(found.group(1))
+
+    before = shared()
+    out = client.completions.create(model="target", prompt="def fibonacci(n):\n" * 12, n=4, max_tokens=8,
+                                    temperature=0)
+    assert out.usage.prompt_tokens > 40
+    assert len({c.text for c in out.choices}) == 1
+    assert shared() - before >= 3 * 16
 
 
 @pytest.mark.parametrize("kind", ["chat", "completion"])

@@ -49,14 +49,16 @@ class Harness:
     def __init__(self, target: LoadedModel, kv_tokens: int = 4096, prefill_chunk: int = 256,
                  max_batch_tokens: int = 2048, max_waiting: int = 8, draft_timeout_s: float = 60.0,
                  allocator: Allocator | None = None, trim: TrimPolicy | None = None,
-                 estimator: StepTimeEstimator | None = None, recompute_context: bool = False) -> None:
+                 estimator: StepTimeEstimator | None = None, recompute_context: bool = False,
+                 share_prefixes: bool = True) -> None:
         per_token = kv_shape(target.model).bytes_per_token
         self.runner = ModelRunner(target, kv_tokens * per_token, self_check=False)
         self.results: list[Result] = []
         self.core = TorchCore(self.runner, target.eos_ids, allocator or FixedAllocator(3),
                               Scheduler(FcfsBatcher(), BatchLimits(32, max_batch_tokens), prefill_chunk, estimator,
                                         trim),
-                              CoreLimits(8, draft_timeout_s, max_waiting, recompute_context=recompute_context),
+                              CoreLimits(8, draft_timeout_s, max_waiting, recompute_context=recompute_context,
+                                         share_prefixes=share_prefixes),
                               self.results.extend, VerifierMetrics(),
                               threaded=False)
 
