@@ -213,7 +213,8 @@ class SessionRunner:
         # its features are kept so the controller screens it when the next round takes it
         session.lookahead.start(self.batcher, DraftJob(session.request_id, k + 1, session.params, session.rng,
                                                        None, tuple(sent.token_ids), base,
-                                                       features=self._wants_features(session)))
+                                                       features=self._wants_features(session),
+                                                       prompt_len=session.prompt_len))
 
     async def _draft(self, session: DraftSession, k: int) -> tuple[Proposal, float, float]:
         """The round's proposal, and when the worker started and ended computing it."""
@@ -223,7 +224,7 @@ class SessionRunner:
         try:
             proposal, started, ended = await self.batcher.propose(
                 DraftJob(session.request_id, k, session.params, session.rng, session.controller,
-                         features=self._wants_features(session)))
+                         features=self._wants_features(session), prompt_len=session.prompt_len))
         except Exception as exc:  # a broken draft must not break the request: go target-only
             session.drafting_disabled = repr(exc)
             log.exception("drafting failed; the session continues with empty drafts",

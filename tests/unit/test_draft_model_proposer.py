@@ -14,9 +14,10 @@ from services.drafter.control import make_controller
 from services.drafter.control.base import DraftController, StepDecision, StepFeatures
 from services.drafter.control.fixed import FixedController
 from services.drafter.proposers.base import EMPTY_PROPOSAL, DraftJob, Proposal, ProposerError
-from services.drafter.proposers.draft_model import DraftModelProposer, common_prefix_len
+from services.drafter.proposers.draft_model import DraftModelProposer
 from shared.draft_q import Nucleus, dense, read
 from shared.models import LoadedModel, load_model, make_tiny_family
+from shared.penalties import apply_penalties
 from shared.protocol import MAX_DRAFT_TOKENS, SamplingParams
 from shared.runner import ModelRunner
 from shared.sampling import make_generator, probs_from_logits
@@ -432,14 +433,48 @@ def test_unknown_session_and_bad_settings_are_refused(draft: LoadedModel) -> Non
         make(draft, mode="sampled", nucleus=Nucleus(max_entries=0))
 
 
-@pytest.mark.parametrize(("a", "b", "n"), [([], [], 0), ([1, 2], [1, 2, 3], 2), ([1, 2, 3], [1, 9], 1), ([4], [5], 0)])
-def test_common_prefix_len(a: list[int], b: list[int], n: int) -> None:
-    assert common_prefix_len(a, b) == n
-
-
 def test_drafting_stops_after_an_end_token(draft: LoadedModel) -> None:
     proposer = make(draft)
     proposer.start("s", PROMPT, 64)
     expected = reference_greedy(draft, PROMPT, 5)
     stop_at = SamplingParams(temperature=0.0, stop_token_ids=[expected[1]])
     assert propose(proposer, "s", 5, stop_at, gen(0)).token_ids == expected[:2]
+
+
+PENALISED = {"presence_penalty": 1.5, "frequency_penalty": 1.0, "repetition_penalty": 1.3, "logit_bias": {7: 5.0}}
+
+
+def penalised_row(model: LoadedModel, prompt: list[int], output: list[int], params: SamplingParams) -> torch.Tensor:
+    """The reference: plain transformers logits after prompt + output, penalised as the verifier does."""
+    return apply_penalties(reference_logits(model, [*prompt, *output]).unsqueeze(0), params, prompt, output)[0]
+
+
+@pytest.mark.parametrize("committed", [0, 3])
+def test_a_greedy_request_with_penalties_is_drafted_from_penalised_logits(draft: LoadedModel, committed: int) -> None:
+    """Drafted as the target would decode it (the draft model stands in for the target here): each
+    draft token is the argmax of its row penalised with the committed output and the drafts before it
+    counted as generated, never the prompt. Without penalties the drafts differ (the case is not moot)."""
+    params = SamplingParams(temperature=0.0, max_tokens=64, **PENALISED)  # type: ignore[arg-type]
+    output = reference_greedy(draft, PROMPT, committed)  # committed output the session resumes after
+    proposer = make(draft)
+    proposer.start("s", [*PROMPT, *output], 64)
+    proposal = proposer.propose([DraftJob("s", 8, params, gen(1), prompt_len=len(PROMPT))])[0]
+    want = list(output)
+    for _ in range(8):
+        want.append(int(penalised_row(draft, PROMPT, want, params).argmax()))
+    assert proposal.token_ids == want[committed:]
+    plain = propose(proposer, "s", 8, GREEDY, gen(1))
+    assert plain.token_ids != proposal.token_ids
+
+
+def test_a_sampled_request_with_penalties_sends_the_penalised_q(draft: LoadedModel) -> None:
+    params = SamplingParams(temperature=0.9, max_tokens=64, seed=3, **PENALISED)  # type: ignore[arg-type]
+    proposer = make(draft, mode="sampled", nucleus=Nucleus(mass=1.0, max_entries=4096))
+    proposer.start("s", PROMPT, 64)
+    proposal = proposer.propose([DraftJob("s", 4, params, gen(8), prompt_len=len(PROMPT))])[0]
+    assert proposal.q is not None and len(proposal.q) == 4
+    output: list[int] = []
+    for token, q in zip(proposal.token_ids, proposal.q, strict=True):
+        want = probs_from_logits(penalised_row(draft, PROMPT, output, params), params)
+        torch.testing.assert_close(dense(q, draft.vocab_size), want, rtol=FP16_RTOL, atol=1e-6)
+        output.append(token)

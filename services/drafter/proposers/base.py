@@ -60,6 +60,9 @@ class DraftJob:
     base: int = -1
     #: compute step features without a controller (a lookahead its controller screens later)
     features: bool = False
+    #: how many of the session's first committed tokens are its prompt: penalties (frequency,
+    #: presence) count only the tokens after them as generated, as the verifier does
+    prompt_len: int = 0
 
 
 class Proposer(Protocol):

@@ -23,6 +23,11 @@ Draft modes:
   that nucleus goes on the wire as the draft's q (``shared.draft_q``).
 * ``greedy`` (the baseline): argmax ids for every request. Lossless at any temperature, but at
   temperature 1 each draft is accepted only with probability p(x).
+
+A request with penalties (``logit_bias``, repetition, frequency, presence) is drafted from the
+draft model's logits penalised exactly as the verifier penalises p (``shared.penalties``), with
+the draft tokens before each position counted as generated. Correctness does not depend on it
+(the verifier applies them to p); acceptance does.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ from services.drafter.control.base import DraftController, StepDecision, StepFea
 from services.drafter.proposers.base import EMPTY_PROPOSAL, DraftJob, Proposal, ProposerError
 from shared.draft_q import Nucleus, draft_token
 from shared.log import get_logger
+from shared.penalties import apply_penalties, has_penalties
+from shared.prefix import common_prefix_len
 from shared.protocol import MAX_DRAFT_TOKENS, SparseQ
 from shared.runner import KVSlot, ModelRunner, Segment
 from shared.sampling import is_greedy
@@ -66,6 +73,8 @@ class _Drafting:
     watch: DraftController | None
     features: bool  # compute step features (for ``watch``, or for a later screening)
     feed: list[int]  # tokens the next forward feeds for this session
+    context: list[int]  # the committed sequence the draft continues
+    penalised: bool  # the request has penalties: apply them to each row before choosing
     tokens: list[int] = field(default_factory=list)
     qs: list[SparseQ] = field(default_factory=list)
     steps: list[StepFeatures] = field(default_factory=list)
@@ -76,14 +85,6 @@ class _Drafting:
     def slot(self) -> KVSlot:
         assert self.state.slot is not None  # a session without a slot drafts nothing
         return self.state.slot
-
-
-def common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 class DraftModelProposer:
@@ -166,10 +167,13 @@ class DraftModelProposer:
         enders = frozenset(job.params.stop_token_ids) | (frozenset() if job.params.ignore_eos else self.eos_ids)
         return _Drafting(index, job, state, k, self.mode == "sampled" and not is_greedy(job.params), enders, watch,
                          watch is not None or job.features,
-                         feed=context[len(state.cached):])
+                         feed=context[len(state.cached):], context=context, penalised=has_penalties(job.params))
 
     def _step(self, d: _Drafting, logits: torch.Tensor, argmax: int) -> None:
         """Choose the next token of one session from its logits row; decide whether to go on."""
+        if d.penalised:
+            logits = _penalise(d, logits)
+            argmax = int(logits.argmax())
         if d.sampled:
             token, q = draft_token(logits, d.job.params, d.job.rng, self.nucleus)
         else:
@@ -218,6 +222,14 @@ class DraftModelProposer:
         if bad and not state.disabled:
             state.disabled = f"token id {bad[0]} is outside the draft model's vocabulary of {self.vocab_size}"
             log.warning("session drafts nothing from here on", request_id=session_id, reason=state.disabled)
+
+
+def _penalise(d: _Drafting, logits: torch.Tensor) -> torch.Tensor:
+    """One row penalised as the verifier penalises p at the same position: the prompt is the
+    context's first ``prompt_len`` tokens; the rest, and this round's drafts so far, are generated."""
+    n = d.job.prompt_len
+    row = apply_penalties(logits.unsqueeze(0), d.job.params, d.context[:n], [*d.context[n:], *d.tokens])
+    return row[0]
 
 
 def _features(logits: torch.Tensor, token: int, position: int, budget: int) -> StepFeatures:
