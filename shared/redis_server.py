@@ -1,6 +1,7 @@
 """A private ``redis-server`` on a free loopback port: for the tests and the benchmarks.
 
-Persistence is off and its files live in ``workdir``. ``scripts/ensure-redis.sh`` installs the
+Persistence is off unless asked for (``aof``: an append-only file synced at every write, as the
+Kubernetes manifests run Redis), and its files live in ``workdir``. ``scripts/ensure-redis.sh`` installs the
 binary. Deployments run their own Redis (``deploy/k8s``); this is never used to serve.
 """
 
@@ -54,19 +55,23 @@ def stop_redis(proc: subprocess.Popen[bytes]) -> None:
         proc.wait(timeout=5)
 
 
-def start_redis(workdir: Path, prefix: list[str] | None = None) -> tuple[subprocess.Popen[bytes], int]:
-    """Start redis-server (under ``prefix``, e.g. a taskset); RuntimeError if it is missing or never answers."""
+def start_redis(workdir: Path, prefix: list[str] | None = None, aof: bool = False,
+                port: int = 0) -> tuple[subprocess.Popen[bytes], int]:
+    """Start redis-server (under ``prefix``, e.g. a taskset); RuntimeError if it is missing or never answers.
+    ``aof``: persist every write to ``workdir`` before answering it (``appendfsync always``), so a
+    restart on the same ``workdir`` (and ``port``, when given) finds every acknowledged write."""
     binary = shutil.which("redis-server")
     if binary is None:
         raise RuntimeError(MISSING)
     log_path = workdir / "redis.log"
+    persistence = ["--appendonly", "yes", "--appendfsync", "always"] if aof else ["--appendonly", "no"]
     for _ in range(START_ATTEMPTS):
-        port = _free_port()
-        cmd = [*(prefix or []), binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+        chosen = port or _free_port()
+        cmd = [*(prefix or []), binary, "--port", str(chosen), "--bind", "127.0.0.1", "--save", "", *persistence,
                "--dir", str(workdir), "--daemonize", "no", "--logfile", str(log_path)]
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        if _wait_ready(proc, port):
-            return proc, port
+        if _wait_ready(proc, chosen):
+            return proc, chosen
         stop_redis(proc)
     raise RuntimeError(f"redis-server did not start after {START_ATTEMPTS} attempts; see {log_path}")
 

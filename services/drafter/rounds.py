@@ -32,7 +32,7 @@ from shared.sampling import is_greedy
 log = get_logger("drafter.rounds")
 
 #: ErrorFrame codes at open after which the request is the verifier's business, not ours.
-VERIFIER_OWNS = frozenset({"duplicate", "invalid"})
+VERIFIER_OWNS = frozenset({"duplicate", "invalid", "orphaned"})  # declined opens that are no fault of ours
 BUSY_RETRY_FIRST_S = 0.1
 BUSY_RETRY_MAX_S = 2.0
 

@@ -24,6 +24,9 @@ from shared.sampling import SamplingError, validate
 
 log = get_logger("verifier.intake")
 
+#: coordinators remembered as gone (their requests are refused to drafters), oldest forgotten first
+GONE_ORIGINS_KEPT = 4096
+
 
 class Intake:
     def __init__(self, core: VerifierCore, routes: Routes, output: Output, tokenizer: Any,
@@ -33,6 +36,7 @@ class Intake:
         self.resume_grace_s = resume_grace_s
         self._started = time.monotonic()
         self._resumed: dict[str, str] = {}  # frontend connection -> its node id, once it sent ResumeDone
+        self._gone: dict[str, float] = {}  # coordinator node id -> when its last link closed (until it is back)
         #: connection id -> whether its q is believed; an untrusted drafter's drafts are verified
         #: ids-only (q one-hot), which is lossless however the drafter chose its tokens
         self.trusted = trusted
@@ -52,8 +56,6 @@ class Intake:
     def handle(self, conn_id: str, role: str, msg: Message | None, received_at: float = 0.0) -> None:
         if role == "gone":
             self._drafter_gone(conn_id)
-        elif role == "frontend_gone":
-            self._resumed.pop(conn_id, None)
         elif isinstance(msg, ResumeDone) and role == "frontend":
             self._resumed[conn_id] = self.names(conn_id)
             log.info("frontend re-opened its in-flight requests", frontend=self._resumed[conn_id],
@@ -78,6 +80,9 @@ class Intake:
             return self._resume(conn_id, route)
         if self.routes.known(rid):
             return self.output.error(conn_id, "duplicate", f"request {rid} is already served or finished", rid)
+        if role == "drafter" and msg.origin in self._gone:  # dropped: the delivery is acked, nobody computes it
+            return self.output.error(conn_id, "orphaned", f"coordinator {msg.origin} is gone and its clients with it; "
+                                                          "request dropped", rid)
         if role == "drafter" and not self._origin_resumed(msg.origin):
             return self.output.error(conn_id, "busy", f"coordinator {msg.origin} has not re-opened its in-flight "
                                                       "requests on this verifier yet; retry shortly", rid)
@@ -206,6 +211,31 @@ class Intake:
             self._submit(conn_id, Detach(route.request_id))
         if moved:
             log.warning("drafter gone; sessions continue target-only", conn=conn_id, sessions=len(moved))
+
+    # --- coordinators ------------------------------------------------------------------
+
+    def frontend_up(self, node_id: str) -> None:
+        """A coordinator linked (again): drafters may open its requests."""
+        self._gone.pop(node_id, None)
+
+    def frontend_gone(self, conn_id: str, node_id: str, still_linked: bool) -> None:
+        """A coordinator's link closed. Unless another link of the same coordinator is up, its
+        clients are gone: a coordinator never relays the events it missed (when it comes back to
+        this verifier it fails its in-flight requests; a restarted one has new clients and a new
+        name), so its open requests are cancelled and its queued ones are dropped when a drafter
+        opens them, rather than computed for nobody."""
+        self._resumed.pop(conn_id, None)
+        if still_linked:
+            return
+        self._gone[node_id] = time.monotonic()
+        while len(self._gone) > GONE_ORIGINS_KEPT:
+            del self._gone[next(iter(self._gone))]
+        orphans = self.routes.of_origin(node_id)
+        for route in orphans:
+            self.output.end(route.request_id, "cancelled", f"coordinator {node_id} is gone")
+            self._submit("", Finish(route.request_id))
+        if orphans:
+            log.warning("coordinator gone; its requests cancelled", coordinator=node_id, cancelled=len(orphans))
 
     def _cancel(self, conn_id: str, request_id: str) -> None:
         route = self.routes.get(request_id)

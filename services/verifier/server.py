@@ -189,13 +189,18 @@ class Hub:
             self.broadcast_fleet()
         else:
             peer.put(encode(self.fleet_status()))
+            if self.intake is not None:
+                self.intake.frontend_up(peer.node_id)
         try:
             await self._read(ws, peer)
         finally:
             self.peers.pop(peer.conn_id, None)
             writer.cancel()
-            if self.intake is not None:
-                self.intake.handle(peer.conn_id, "gone" if role == "drafter" else "frontend_gone", None)
+            if self.intake is not None and role == "drafter":
+                self.intake.handle(peer.conn_id, "gone", None)
+            elif self.intake is not None:
+                linked = any(p.role == "frontend" and p.node_id == peer.node_id for p in self.peers.values())
+                self.intake.frontend_gone(peer.conn_id, peer.node_id, linked)
             self.broadcast_fleet()
             log.info("peer disconnected", conn=peer.conn_id, node_id=peer.node_id)
 

@@ -57,3 +57,7 @@ class Routes:
 
     def of_conn(self, conn_id: str) -> list[Route]:
         return [r for r in self.open.values() if conn_id in (r.drafter, r.owner)]
+
+    def of_origin(self, origin: str) -> list[Route]:
+        """The open requests a coordinator sent (whose clients it relays to)."""
+        return [r for r in self.open.values() if r.origin == origin]

@@ -167,8 +167,11 @@ async def test_fuzz_verifier_drafter_and_frontend_paths(verifier: tuple[Running,
                       tokenizer_fingerprint=fp if role == "drafter" else "")
         assert await refused_oversize(url, path, hello) == 1009  # message too big
     assert not task.done(), "the verifier stopped"
-    async with connect(url, "drafter", fp, node_id="after") as peer:  # still serves exact output
+    # still serves exact output (to a coordinator that is linked: the fuzzed one left, and a gone
+    # coordinator's requests are dropped)
+    async with connect(url, "drafter", fp, node_id="after") as peer, connect(url, "frontend") as fe:
         await peer.recv(Welcome)
+        await fe.recv(Welcome)
         committed, _ = await drive_session(peer, "after-fuzz", prompt, long, noisy_oracle(ref, 4, 10))
         assert committed == ref
     no_crash_logged(caplog)
