@@ -8,6 +8,7 @@ queue or link to run the same app against in-process or fake peers.
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -33,7 +34,9 @@ from shared.tls import TlsConfigError, client_context
 
 
 def default_node_id() -> str:
-    return f"coordinator-{socket.gethostname()[:80]}-{os.getpid()}"
+    """Unique per process start: a restarted container keeps its hostname and often its pid (1),
+    and the verifier must tell the new process from the dead one, whose queued requests it drops."""
+    return f"coordinator-{socket.gethostname()[:80]}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
 def create_app(

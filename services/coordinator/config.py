@@ -60,7 +60,8 @@ class CoordinatorConfig:
         "many seconds, then exit 0; a second signal stops at once",
     )
     retry_after_s: int = opt(1, "the Retry-After seconds sent with 429 (overload) and 503 (verifier busy) answers")
-    node_id: str = opt("", "this coordinator's name; empty picks coordinator-<hostname>-<pid>")
+    node_id: str = opt("", "this coordinator's name, unique per process (the verifier drops queued requests of a "
+                           "coordinator that is gone); empty picks coordinator-<hostname>-<pid>-<random>")
     log_level: str = opt("info", "debug, info, warning, error")
 
 
