@@ -7,8 +7,11 @@ Every chunk read from one side is forwarded to the other after the direction's d
 round trip through the proxy costs ``2 × delay_ms`` more than without it), plus a uniform
 jitter in [0, jitter_ms]. Chunks of one direction never overtake each other, as on one TCP
 connection. ``disconnect_after_s`` closes each connection that long after it opened (a link
-that drops); ``refuse`` makes the proxy reset new connections (a partition). Bandwidth is
-shaped separately, by ``tc`` on the namespaces' veth devices (``bench.netns``).
+that drops); ``refuse`` makes the proxy reset new connections, and :meth:`DelayProxy.partition`
+cuts the link both ways until :meth:`DelayProxy.heal`: open connections stay open but nothing
+crosses (as when a route goes away under TCP; what was sent meanwhile arrives after the heal, in
+order) and new connections are refused. Bandwidth is shaped separately, by ``tc`` on the
+namespaces' veth devices (``bench.netns``).
 
 Run it alone: ``python -m bench.delay_proxy --listen 127.0.0.1:9100 --target 127.0.0.1:8100
 --delay-ms 20``.
@@ -49,14 +52,26 @@ class DelayProxy:
     def __init__(self, link: Link, target: tuple[str, int]) -> None:
         self.link = link
         self.target = target
-        self.refuse = False  # a partition: new connections are closed at once
+        self.refuse = False  # new connections are closed at once
         self.connections = 0
+        self._healed = asyncio.Event()  # cleared during a partition: nothing is forwarded
+        self._healed.set()
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def start(self, host: str, port: int = 0) -> int:
         self._server = await asyncio.start_server(self._accept, host, port)
         return int(self._server.sockets[0].getsockname()[1])
+
+    def partition(self) -> None:
+        """Cut the link: hold every byte in both directions and refuse new connections."""
+        self.refuse = True
+        self._healed.clear()
+
+    def heal(self) -> None:
+        """Restore the link: what was held flows on, in order."""
+        self.refuse = False
+        self._healed.set()
 
     async def close(self) -> None:
         if self._server is not None:
@@ -115,13 +130,13 @@ class DelayProxy:
             with contextlib.suppress(asyncio.CancelledError):
                 await sender
 
-    @staticmethod
-    async def _send(queue: asyncio.Queue[tuple[float, bytes]], writer: asyncio.StreamWriter) -> None:
+    async def _send(self, queue: asyncio.Queue[tuple[float, bytes]], writer: asyncio.StreamWriter) -> None:
         while True:
             due, data = await queue.get()
             wait = due - time.monotonic()
             if wait > 0:
                 await asyncio.sleep(wait)
+            await self._healed.wait()
             if not data:
                 with contextlib.suppress(OSError):
                     writer.write_eof()

@@ -27,19 +27,23 @@ class StackSpec:
     drafter_log_level: str = "warning"
     extra_drafter: list[str] = field(default_factory=list)
     extra_verifier: list[str] = field(default_factory=list)
+    per_drafter: list[list[str]] = field(default_factory=list)  # drafter i also gets entry i (they win)
+    verifier_port: int = 0  # 0: a free one
 
 
 @contextmanager
 def run_stack(target: Path, spec: StackSpec, log_dir: Path) -> Iterator[Fleet]:
     quiet = ["--log-level", "warning"]
     fleet = FleetSpec(
-        target=target, drafts=spec.drafts, coordinator_port=free_port(), verifier_port=free_port(),
+        target=target, drafts=spec.drafts, coordinator_port=free_port(),
+        verifier_port=spec.verifier_port or free_port(),
         redis_url=spec.redis_url,
         verifier_flags=[*quiet, "--draft-len", str(spec.draft_len), *spec.extra_verifier],
         coordinator_flags=[*quiet, *spec.extra_coordinator],
         drafter_flags=["--log-level", spec.drafter_log_level, "--max-sessions", str(spec.max_sessions),
                        "--draft-mode", spec.draft_mode, "--q-mass", str(spec.q_mass),
                        "--q-max-entries", str(spec.q_max_entries), "--claim-idle-ms", "2000", *spec.extra_drafter],
+        per_drafter_flags=spec.per_drafter,
     )
     with running_fleet(fleet, log_dir, TOKEN) as running:
         yield running

@@ -95,6 +95,23 @@ async def test_a_partition_refuses_new_connections(echo_port: int) -> None:
         await proxy.close()
 
 
+@pytest.mark.asyncio
+async def test_a_partition_holds_traffic_until_it_heals(echo_port: int) -> None:
+    proxy, reader, writer = await proxied(Link(), echo_port)
+    try:
+        await round_trip(reader, writer, b"before")
+        proxy.partition()
+        writer.write(b"during")
+        await writer.drain()
+        with pytest.raises(TimeoutError):  # nothing crosses while the link is cut
+            await asyncio.wait_for(reader.read(10), 0.5)
+        proxy.heal()
+        assert await asyncio.wait_for(reader.readexactly(6), 5) == b"during"  # held, then delivered in order
+    finally:
+        writer.close()
+        await proxy.close()
+
+
 def test_negative_delays_are_refused() -> None:
     with pytest.raises(ValueError, match=">= 0"):
         Link(delay_ms=-1)
