@@ -26,6 +26,7 @@ from services.coordinator.ratelimit import RateLimiter
 from services.coordinator.routes import router
 from services.coordinator.state import CoordinatorState
 from services.coordinator.verifier_link import VerifierLink
+from services.coordinator.verifier_pool import VerifierPool, split_urls
 from shared.config import ConfigError
 from shared.credentials import Credentials, CredentialsError
 from shared.queue import RequestQueue, open_queue
@@ -42,7 +43,7 @@ def default_node_id() -> str:
 def create_app(
     cfg: CoordinatorConfig,
     queue: RequestQueue | None = None,
-    link: VerifierLink | None = None,
+    link: VerifierLink | VerifierPool | None = None,
     model: ModelInfo | None = None,
 ) -> FastAPI:
     """The coordinator as an ASGI app. Without a given queue: Redis Streams when ``redis_url``
@@ -55,11 +56,16 @@ def create_app(
     if queue is None:
         queue = (open_queue(cfg.redis_url, stream=cfg.queue_stream, group=cfg.queue_group)
                  if cfg.redis_url else MemoryQueue(max_depth=cfg.max_queue))
+    urls = split_urls(cfg.verifier_url)
     try:
-        verifier_tls = client_context(cfg.verifier_url, cfg.tls_ca)
+        if len({u.partition("://")[0].lower() for u in urls}) > 1:
+            raise TlsConfigError(f"--verifier-url mixes ws:// and wss:// replicas: {cfg.verifier_url!r}")
+        verifier_tls = client_context(urls[0] if urls else cfg.verifier_url, cfg.tls_ca)
         credentials = Credentials(cfg.auth_token, cfg.credentials_file)
     except (TlsConfigError, CredentialsError) as exc:
         raise ConfigError(str(exc)) from None
+    if link is None and len(urls) > 1:  # several verifier replicas, with session affinity and failover
+        link = VerifierPool(urls, node_id, cfg.auth_token, model.fingerprint, tls=verifier_tls)
     link = link or VerifierLink(cfg.verifier_url, node_id, cfg.auth_token, model.fingerprint, tls=verifier_tls)
     metrics = CoordinatorMetrics()
     metrics.in_flight_limit.set(cfg.max_in_flight)

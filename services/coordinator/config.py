@@ -13,7 +13,9 @@ class CoordinatorConfig:
 
     host: str = opt("127.0.0.1", "interface to listen on (0.0.0.0 in containers)")
     port: int = opt(8000, "HTTP port (REST, SSE, WebSocket streaming, metrics)")
-    verifier_url: str = opt("ws://127.0.0.1:8100/v1/frontend", "the verifier's frontend WebSocket endpoint")
+    verifier_url: str = opt("ws://127.0.0.1:8100/v1/frontend",
+                            "the verifier's frontend WebSocket endpoint; several replicas: a comma-separated list "
+                            "(each request stays on one, and fails over to another when it is lost)")
     redis_url: str = opt("", "redis://host:6379/0 to queue requests in Redis Streams; empty: in-process queue")
     queue_stream: str = opt("specfleet:requests", "Redis stream name")
     queue_group: str = opt("drafters", "Redis consumer group the drafters read with")

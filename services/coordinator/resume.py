@@ -70,6 +70,7 @@ class ResumeLedger:
         entry.released_chars += len(event.text)
         entry.drafted, entry.accepted = event.drafted_tokens, event.accepted_tokens
 
-    def reopen(self) -> list[OpenSession]:
-        """One resuming OpenSession per request in flight, oldest first."""
-        return [entry.reopen() for entry in self._entries.values()]
+    def reopen(self, request_ids: list[str] | None = None) -> list[OpenSession]:
+        """One resuming OpenSession per request in flight (or per one of ``request_ids``), oldest first."""
+        wanted = None if request_ids is None else set(request_ids)
+        return [entry.reopen() for rid, entry in self._entries.items() if wanted is None or rid in wanted]

@@ -16,6 +16,7 @@ from services.coordinator.model_info import ModelInfo
 from services.coordinator.openai_api import GenerationRequest, Kind, build_request
 from services.coordinator.ratelimit import RateLimiter
 from services.coordinator.verifier_link import VerifierLink
+from services.coordinator.verifier_pool import VerifierPool
 from shared.queue import RequestQueue
 
 
@@ -25,7 +26,7 @@ class CoordinatorState:
     node_id: str
     model: ModelInfo
     queue: RequestQueue
-    link: VerifierLink
+    link: VerifierLink | VerifierPool
     generator: Generator
     metrics: CoordinatorMetrics
     limiter: RateLimiter = field(default_factory=RateLimiter)

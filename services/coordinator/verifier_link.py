@@ -23,12 +23,13 @@ import asyncio
 import contextlib
 import ssl
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import websockets
 from websockets.asyncio.client import ClientConnection, connect
 
-from services.coordinator.resume import RESUME_WAIT_S, ResumeLedger
+from services.coordinator.resume import RESUME_WAIT_S
+from services.coordinator.routing import Inbound, Routing
 from shared.log import get_logger
 from shared.protocol import (
     MAX_FRAME_BYTES,
@@ -57,16 +58,7 @@ log = get_logger("coordinator.verifier_link")
 class LinkRefused(RuntimeError):
     """The verifier answered the handshake, but not with a usable Welcome."""
 
-
-@dataclass(frozen=True, slots=True)
-class Inbound:
-    """One TokenEvent for a subscriber. ``arrived``: ``time.perf_counter()`` when its frame came in
-    from the verifier. ``code``: the verifier's ErrorFrame code when the event stands for one
-    (e.g. "busy": its sessions or KV cache are full), else empty."""
-
-    event: TokenEvent
-    arrived: float
-    code: str = ""
+__all__ = ["Inbound", "LinkRefused", "VerifierLink"]
 
 
 class VerifierLink:
@@ -82,7 +74,13 @@ class VerifierLink:
         max_backoff_s: float = 5.0,
         handshake_timeout_s: float = 10.0,
         tls: ssl.SSLContext | None = None,
+        routing: Routing | None = None,
+        index: int = 0,
+        on_lost: Callable[[int], None] | None = None,
     ) -> None:
+        """``routing``, ``index``, ``on_lost``: as one of several replicas' links (``VerifierPool``):
+        the requests shared with the other links, this replica's index, and what to call when
+        this link goes down (the pool moves its requests to another replica)."""
         self._tls = tls  # wss://: the CA-pinned client context (shared.tls.client_context)
         self.url = url
         self.node_id = node_id
@@ -95,11 +93,12 @@ class VerifierLink:
         self.drafters: list[str] = []
         self.sessions = 0
         self.last_error = "not connected yet"
-        self._subs: dict[str, asyncio.Queue[Inbound]] = {}
+        self._routing = routing or Routing()
+        self.index = index
+        self._on_lost = on_lost
         self._outbox: asyncio.Queue[bytes] = asyncio.Queue()
         self._up = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self._ledger = ResumeLedger()  # what was relayed of each request, to re-open it elsewhere
         self._instance: str | None = None  # the verifier instance of the last connection
         self._down_since: float | None = None
 
@@ -119,17 +118,10 @@ class VerifierLink:
         reader of this link block on a single slow client and stall every other request.
         ``opened``: the request in its target-only form, kept to re-open it on a restarted verifier.
         """
-        if request_id in self._subs:
-            raise ValueError(f"request id {request_id!r} is already subscribed")
-        queue: asyncio.Queue[Inbound] = asyncio.Queue()
-        self._subs[request_id] = queue
-        if opened is not None:
-            self._ledger.track(opened)
-        return queue
+        return self._routing.subscribe(request_id, opened)
 
     def unsubscribe(self, request_id: str) -> None:
-        self._subs.pop(request_id, None)
-        self._ledger.forget(request_id)
+        self._routing.forget(request_id)
 
     def cancel_nowait(self, request_id: str) -> None:
         """Ask the verifier to stop ``request_id``. Never blocks, so it is safe in cleanup code
@@ -143,7 +135,13 @@ class VerifierLink:
         """Ask the verifier to decode a session by itself (no drafter). Raises when the link is down."""
         if not self.connected:
             raise ConnectionError(f"the verifier link is down: {self.last_error}")
+        self._routing.where[session.request_id] = self.index
         self._outbox.put_nowait(encode(session))
+
+    def send(self, msg: OpenSession | Cancel) -> None:
+        """Queue one frame for the verifier (dropped while the link is down)."""
+        if self.connected:
+            self._outbox.put_nowait(encode(msg))
 
     async def cancel(self, request_id: str) -> None:
         self.cancel_nowait(request_id)
@@ -266,12 +264,17 @@ class VerifierLink:
 
     def _dispatch_one(self, msg: Message, arrived: float) -> None:
         if isinstance(msg, TokenEvent):
-            queue = self._subs.get(msg.request_id)
+            queue = self._routing.subs.get(msg.request_id)
             if queue is None:
                 log.debug("token event for an unknown request dropped", request_id=msg.request_id)
+            elif not self._routing.claim(msg.request_id, self.index):  # another replica serves it
+                log.info("events from a second replica for a request; cancelled there", request_id=msg.request_id,
+                         verifier=self.url)
+                if not msg.finished:
+                    self._outbox.put_nowait(encode(Cancel(request_id=msg.request_id)))
             else:
                 queue.put_nowait(Inbound(msg, arrived))
-                self._ledger.relayed(msg)
+                self._routing.relayed(msg)
         elif isinstance(msg, FleetStatus):
             self.drafters = list(msg.drafters)
             self.sessions = msg.sessions
@@ -283,8 +286,11 @@ class VerifierLink:
     def _on_error_frame(self, err: ErrorFrame, arrived: float) -> None:
         """An error about one of our requests ends it. The code travels with the final event, so
         that a refusal for capacity ("busy") can be told apart from a real failure."""
-        queue = self._subs.get(err.request_id or "")
-        self._ledger.forget(err.request_id or "")
+        rid = err.request_id or ""
+        if rid in self._routing.subs and not self._routing.owned_by(rid, self.index):
+            log.info("error from a replica that does not serve the request", request_id=rid, code=err.code)
+            return
+        queue = self._routing.forget(rid)
         if queue is None:
             log.warning("error from the verifier", code=err.code, message=err.message, request_id=err.request_id)
             return
@@ -300,20 +306,23 @@ class VerifierLink:
         self.last_error = reason
         if was_up:
             self._down_since = time.monotonic()
-            log.warning("verifier link down; in-flight requests wait for it", reason=reason,
-                        waiting_requests=len(self._subs), wait_s=RESUME_WAIT_S)
+            log.warning("verifier link down; in-flight requests wait for it", reason=reason, verifier=self.url,
+                        waiting_requests=len(self._routing.of(self.index)), wait_s=RESUME_WAIT_S)
+            if self._on_lost is not None:
+                self._on_lost(self.index)
 
     def _fail_all(self, reason: str) -> None:
-        """Fail every in-flight request with a "cancelled" final event (a 503 to its client)."""
-        subs, self._subs = self._subs, {}
-        self._ledger.clear()
+        """Fail every in-flight request this replica serves with a "cancelled" final event (a 503 to its client)."""
+        failed = self._routing.of(self.index)
         self._down_since = None
         now = time.perf_counter()
-        for rid, queue in subs.items():
+        for rid in failed:
+            queue = self._routing.forget(rid)
             final = _final_event(rid, self.node_id, "cancelled", f"lost the link to the verifier: {reason}")
-            queue.put_nowait(Inbound(final, now))
-        if subs:
-            log.warning("in-flight requests failed with the verifier link", reason=reason, failed_requests=len(subs))
+            if queue is not None:
+                queue.put_nowait(Inbound(final, now))
+        if failed:
+            log.warning("in-flight requests failed with the verifier link", reason=reason, failed_requests=len(failed))
 
     def _resume_or_fail(self, welcome: Welcome) -> None:
         """After a (re)connect: re-open every in-flight request on a new verifier instance, or fail
@@ -322,13 +331,16 @@ class VerifierLink:
         previous, self._instance, self._down_since = self._instance, welcome.instance, None
         if previous is not None and (not welcome.instance or welcome.instance == previous):
             self._fail_all(self.last_error or "reconnected to the same verifier")
-        frames = self._ledger.reopen() if self._subs else []
-        untracked = [rid for rid in self._subs if rid not in self._ledger]
-        if untracked:  # subscribed without how they were opened: nothing to re-open them from
-            for rid in untracked:
-                self._subs.pop(rid).put_nowait(Inbound(_final_event(
+        mine = self._routing.of(self.index)
+        frames = self._routing.ledger.reopen(mine) if mine else []
+        untracked = [rid for rid in mine if rid not in self._routing.ledger]
+        for rid in untracked:  # subscribed without how they were opened: nothing to re-open them from
+            queue = self._routing.forget(rid)
+            if queue is not None:
+                queue.put_nowait(Inbound(_final_event(
                     rid, self.node_id, "cancelled", "lost the link to the verifier"), time.perf_counter()))
         for frame in frames:
+            self._routing.where[frame.request_id] = self.index
             self._outbox.put_nowait(encode(frame))
         self._outbox.put_nowait(encode(ResumeDone(sessions=len(frames))))
         if frames:

@@ -104,7 +104,7 @@ async def test_abort_ends_events_and_close_is_idempotent() -> None:
         await drain(sub)
     sub.close()
     sub.close()
-    assert "r" not in link._subs
+    assert "r" not in link._routing.subs
 
 
 @pytest.mark.parametrize(("key", "header", "ok"), [

@@ -1,0 +1,69 @@
+"""A coordinator's requests in flight, shared by its links to the verifier replicas.
+
+Per request: the queue its handler reads events from (:class:`Inbound`), what was relayed of
+it (``resume.py``, to re-open it on another verifier), and the replica serving it. A request's
+replica is fixed by the first event that arrives for it (a drafter opened it there) or by a
+target-only open; events for it from any other replica are dropped and cancelled there
+(session affinity: its KV cache and committed text live on one verifier).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from services.coordinator.resume import ResumeLedger
+from shared.protocol import OpenSession, TokenEvent
+
+
+@dataclass(frozen=True, slots=True)
+class Inbound:
+    """One TokenEvent for a subscriber. ``arrived``: ``time.perf_counter()`` when its frame came in
+    from the verifier. ``code``: the verifier's ErrorFrame code when the event stands for one
+    (e.g. "busy": its sessions or KV cache are full), else empty."""
+
+    event: TokenEvent
+    arrived: float
+    code: str = ""
+
+
+@dataclass
+class Routing:
+    replicas: int = 1
+    subs: dict[str, asyncio.Queue[Inbound]] = field(default_factory=dict)
+    ledger: ResumeLedger = field(default_factory=ResumeLedger)
+    where: dict[str, int] = field(default_factory=dict)  # request id -> replica index
+
+    def subscribe(self, request_id: str, opened: OpenSession | None) -> asyncio.Queue[Inbound]:
+        if request_id in self.subs:
+            raise ValueError(f"request id {request_id!r} is already subscribed")
+        queue: asyncio.Queue[Inbound] = asyncio.Queue()
+        self.subs[request_id] = queue
+        if opened is not None:
+            self.ledger.track(opened)
+        return queue
+
+    def forget(self, request_id: str) -> asyncio.Queue[Inbound] | None:
+        self.ledger.forget(request_id)
+        self.where.pop(request_id, None)
+        return self.subs.pop(request_id, None)
+
+    def owned_by(self, request_id: str, replica: int) -> bool:
+        """Whether ``replica`` serves the request: it was placed there, or it is not placed yet
+        and there is only one replica (which then serves everything)."""
+        placed = self.where.get(request_id)
+        return placed == replica if placed is not None else self.replicas == 1
+
+    def claim(self, request_id: str, replica: int) -> bool:
+        """An event for the request came from ``replica``: place it there if it is not placed yet;
+        True when ``replica`` serves it."""
+        return self.where.setdefault(request_id, replica) == replica
+
+    def relayed(self, event: TokenEvent) -> None:
+        self.ledger.relayed(event)
+        if event.finished:
+            self.where.pop(event.request_id, None)
+
+    def of(self, replica: int) -> list[str]:
+        """The requests ``replica`` serves (see :meth:`owned_by`)."""
+        return [rid for rid in self.subs if self.owned_by(rid, replica)]

@@ -1,0 +1,114 @@
+"""Two verifier replicas behind one coordinator (``--verifier-url a,b``), a drafter on each.
+
+Requests are served by both replicas, each by one only (session affinity); one replica is
+killed (SIGKILL, not restarted) mid-stream, and its requests fail over to the other: every
+request completes, token-identical to target-only greedy, with no gap or duplicate in any
+stream; and the fleet goes on serving on the surviving replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from shared.fleet import Fleet
+from shared.models import LoadedModel, load_model
+from tests.conftest import free_port, greedy_reference
+from tests.e2e.stack import TOKEN, StackSpec, run_stack
+from tests.e2e.test_full_stack import prompt_ids
+
+pytestmark = [pytest.mark.e2e, pytest.mark.faults]
+
+N_REQUESTS = 24
+MAX_TOKENS = 96
+
+
+def body(tag: str, i: int) -> dict[str, Any]:
+    return {"model": "target", "prompt": f"def {tag}{i}(x", "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+
+
+async def stream_one(http: httpx.AsyncClient, req: dict[str, Any]) -> str:
+    text = ""
+    async with http.stream("POST", "/v1/completions", json=req) as resp:
+        assert resp.status_code == 200, await resp.aread()
+        async for line in resp.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                text += chunk["choices"][0]["text"]
+    return text
+
+
+def sessions(url: str) -> float:
+    try:
+        text = httpx.get(url + "/metrics", timeout=2).text
+    except httpx.HTTPError:
+        return 0.0
+    found = re.search(r"^specfleet_verifier_sessions (\S+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def wait_for(check: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def check(target: LoadedModel, tag: str, texts: list[str]) -> None:
+    for i, text in enumerate(texts):
+        ids = prompt_ids(target, {"kind": "completion", **body(tag, i)})
+        ref = greedy_reference(target.model, ids, MAX_TOKENS, set())
+        assert text == target.tokenizer.decode(ref, skip_special_tokens=True), f"{tag} request {i}"
+
+
+def start_replica(fleet: Fleet, target: Path, port: int) -> None:
+    argv = [sys.executable, "-m", "shared.cli", "verifier", "--host", "127.0.0.1", "--port", str(port),
+            "--model", str(target), "--torch-threads", "1", "--log-level", "warning", "--draft-len", "3"]
+    fleet.supervisor.start("verifier-b", argv, {"SPECFLEET_AUTH_TOKEN": TOKEN, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.timeout(280)
+def test_two_replicas_share_the_load_and_one_lost_fails_over(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    target = load_model(tiny_models["target"])
+    port_a, port_b = free_port(), free_port()
+    replicas = f"ws://127.0.0.1:{port_a}/v1/frontend,ws://127.0.0.1:{port_b}/v1/frontend"
+    spec = StackSpec(drafts=[tiny_models["draft-L2"]] * 2, draft_mode="greedy", draft_len=3, max_sessions=12,
+                     verifier_port=port_a, extra_coordinator=["--verifier-url", replicas],
+                     extra_drafter=["--reconnect-s", "0.5"],
+                     per_drafter=[[], ["--verifier-url", f"ws://127.0.0.1:{port_b}/v1/drafter"]])
+    with run_stack(tiny_models["target"], spec, tmp_path) as fleet:
+        start_replica(fleet, tiny_models["target"], port_b)
+        url_a, url_b = f"http://127.0.0.1:{port_a}", f"http://127.0.0.1:{port_b}"
+        wait_for(lambda: len(httpx.get(fleet.base_url + "/ready").json().get("drafters", [])) == 2, 120,
+                 "both replicas and their drafters")
+        victim = next(c for c in fleet.supervisor.children if c.name == "verifier-b")
+
+        async def run(tag: str, n: int, kill: bool) -> list[str]:
+            async with httpx.AsyncClient(base_url=fleet.base_url, timeout=240) as http:
+                clients = asyncio.gather(*(stream_one(http, body(tag, i)) for i in range(n)))
+                if kill:
+                    while not (sessions(url_a) > 0 and sessions(url_b) > 0):  # both replicas serve
+                        await asyncio.sleep(0.05)
+                    await asyncio.sleep(0.3)
+                    os.kill(victim.proc.pid, signal.SIGKILL)
+                return list(await clients)
+
+        check(target, "R", asyncio.run(run("R", N_REQUESTS, kill=True)))
+        check(target, "S", asyncio.run(run("S", 8, kill=False)))  # the survivor serves on alone
+    log = (tmp_path / "coordinator.log").read_text()
+    moved = sum(int(json.loads(line).get("requests", 0)) for line in log.splitlines()
+                if "its requests failed over" in line)
+    assert moved >= 1, "the lost replica served nothing when it was killed"
+    print(f"requests failed over from the lost replica: {moved}")
