@@ -68,6 +68,7 @@ class Proxies:
                 self.run(p.close())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
+        self.loop.close()
 
 
 @contextlib.contextmanager

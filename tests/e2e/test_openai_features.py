@@ -420,6 +420,44 @@ def test_structured_output_through_the_sdk(client: Any, stream: bool) -> None:
     assert re.fullmatch("[1-9][0-9]{2}-[a-c]+", out.text) and out.finish_reason == "stop", out.text
 
 
+def sdk_text(client: Any, stream: bool, **kwargs: Any) -> str:
+    if stream:
+        return "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs) if c.choices)
+    return str(client.completions.create(**kwargs).choices[0].text)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_vllm_extensions_through_the_sdk(client: Any, target: LoadedModel, stream: bool) -> None:
+    """vLLM's extension fields as its clients send them (``extra_body``), streaming and not:
+    repetition_penalty and logit_bias against the transformers reference, the guided_* grammars,
+    and ``user`` accepted."""
+    import jsonschema
+
+    prompt = "while True:\n    "
+    ids = list(target.tokenizer(prompt)["input_ids"])
+    for name in ("repetition", "negative+bias"):
+        params = PENALTIES[name]
+        want = greedy_with_penalties(target.model, ids, 24, params, target.eos_ids)
+        body = penalty_body(params)
+        text = sdk_text(client, stream, model="target", prompt=prompt, max_tokens=24, temperature=0, user="u-1",
+                        logit_bias=body.pop("logit_bias"), extra_body=body)
+        assert text == target.tokenizer.decode(want, skip_special_tokens=True), name
+    common: dict[str, Any] = dict(model="target", prompt="x = ", max_tokens=120, temperature=1.0, seed=4)
+    choice = sdk_text(client, stream, extra_body={"guided_choice": ["alpha", "beta", "gamma"]}, **common)
+    assert choice in ("alpha", "beta", "gamma"), choice
+    jsonschema.validate(json.loads(sdk_text(client, stream, extra_body={"guided_json": SCHEMA}, **common)), SCHEMA)
+    regex = sdk_text(client, stream, extra_body={"guided_regex": "[1-9][0-9]{2}-[a-c]+"}, **common)
+    assert re.fullmatch("[1-9][0-9]{2}-[a-c]+", regex), regex
+
+
+def test_tool_calling_is_refused_through_the_sdk(client: Any) -> None:
+    from openai import BadRequestError
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    with pytest.raises(BadRequestError, match="tool calling"):
+        client.chat.completions.create(model="target", messages=[{"role": "user", "content": "hi"}], tools=[tool])
+
+
 def test_a_grammar_that_does_not_compile_is_an_error_naming_it(client: Any) -> None:
     from openai import InternalServerError
 
