@@ -148,3 +148,4 @@ def test_a_partitioned_drafter_rejoins_without_double_serving(tiny_models: dict[
         gave_up = (tmp_path / "drafter-1.log").read_text().count("verifier rejected a draft")
         assert moved >= 1, "the partition moved no session (it did not outlast the draft timeout)"
         assert gave_up <= moved, f"the healed drafter kept drafting for sessions that moved ({gave_up} > {moved})"
+        print(f"partition {PARTITION_S:g} s: 18/18 requests identical; sessions moved {moved}, given up {gave_up}")
