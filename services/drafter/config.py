@@ -11,7 +11,9 @@ from shared.config import opt
 class DrafterConfig:
     """specfleet drafter: runs a small draft model and proposes tokens for many sessions."""
 
-    verifier_url: str = opt("ws://127.0.0.1:8100/v1/drafter", "the verifier's drafter WebSocket endpoint")
+    verifier_url: str = opt("ws://127.0.0.1:8100/v1/drafter",
+                            "the verifier's drafter WebSocket endpoint; several replicas: a comma-separated list "
+                            "(connects to one, moves to the next when it cannot reach it)")
     queue_url: str = opt(
         "ws://127.0.0.1:8000/internal/queue",
         "where requests come from: redis://host:6379/0 (Redis Streams) or the coordinator's "

@@ -70,7 +70,10 @@ class VerifierLink:
 
     def __init__(self, url: str, hello: Hello, auth_token: str = "", open_timeout_s: float = 10.0,
                  tls: ssl.SSLContext | None = None) -> None:
-        self.url = url
+        """``url``: one verifier, or several replicas comma-separated: the link connects to one and,
+        when it cannot reach it, tries the next (the coordinator fails its requests over too)."""
+        self.urls = [u.strip() for u in url.split(",") if u.strip()] or [url]
+        self.url = self.urls[0]
         self.tls = tls  # for wss://: the CA-pinned context (shared.tls.client_context); None: defaults
         self.hello = hello
         self.auth_token = auth_token
@@ -143,11 +146,16 @@ class VerifierLink:
             except LinkDown as exc:
                 log.warning("verifier unreachable; retrying", error=str(exc), retry_in_s=reconnect_s,
                             attempt=attempt)
+                self._next_replica()
             else:
                 log.info("connected to the verifier", url=self.url, target_model=welcome.target_model,
                          max_draft_tokens=welcome.max_draft_tokens, attempt=attempt)
                 return welcome
             await asyncio.sleep(reconnect_s)
+
+    def _next_replica(self) -> None:
+        """Try the next verifier replica on the next attempt (round robin; one URL: the same)."""
+        self.url = self.urls[(self.urls.index(self.url) + 1) % len(self.urls)]
 
     # --- sessions' mailboxes ---------------------------------------------------------------
 

@@ -3,7 +3,8 @@
 Requests are served by both replicas, each by one only (session affinity); one replica is
 killed (SIGKILL, not restarted) mid-stream, and its requests fail over to the other: every
 request completes, token-identical to target-only greedy, with no gap or duplicate in any
-stream; and the fleet goes on serving on the surviving replica.
+stream; the lost replica's drafter moves to the surviving replica (the next URL in its list),
+and the fleet goes on serving there.
 """
 
 from __future__ import annotations
@@ -15,14 +16,16 @@ import re
 import signal
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from shared.fleet import Fleet
 from shared.models import LoadedModel, load_model
+from shared.supervisor import Child, Supervisor
 from tests.conftest import free_port, greedy_reference
 from tests.e2e.stack import TOKEN, StackSpec, run_stack
 from tests.e2e.test_full_stack import prompt_ids
@@ -73,10 +76,18 @@ def check(target: LoadedModel, tag: str, texts: list[str]) -> None:
         assert text == target.tokenizer.decode(ref, skip_special_tokens=True), f"{tag} request {i}"
 
 
-def start_replica(fleet: Fleet, target: Path, port: int) -> None:
+@contextmanager
+def replica(target: Path, port: int, log_dir: Path) -> Iterator[Child]:
+    """A second verifier, up before the fleet starts (so its drafter finds it first)."""
+    sup = Supervisor(log_dir)
     argv = [sys.executable, "-m", "shared.cli", "verifier", "--host", "127.0.0.1", "--port", str(port),
             "--model", str(target), "--torch-threads", "1", "--log-level", "warning", "--draft-len", "3"]
-    fleet.supervisor.start("verifier-b", argv, {"SPECFLEET_AUTH_TOKEN": TOKEN, "OMP_NUM_THREADS": "1"})
+    child = sup.start("verifier-b", argv, {"SPECFLEET_AUTH_TOKEN": TOKEN, "OMP_NUM_THREADS": "1"})
+    try:
+        sup.wait_ready(f"http://127.0.0.1:{port}/health", 120)
+        yield child
+    finally:
+        sup.stop()
 
 
 @pytest.mark.timeout(280)
@@ -87,26 +98,31 @@ def test_two_replicas_share_the_load_and_one_lost_fails_over(tiny_models: dict[s
     spec = StackSpec(drafts=[tiny_models["draft-L2"]] * 2, draft_mode="greedy", draft_len=3, max_sessions=12,
                      verifier_port=port_a, extra_coordinator=["--verifier-url", replicas],
                      extra_drafter=["--reconnect-s", "0.5"],
-                     per_drafter=[[], ["--verifier-url", f"ws://127.0.0.1:{port_b}/v1/drafter"]])
-    with run_stack(tiny_models["target"], spec, tmp_path) as fleet:
-        start_replica(fleet, tiny_models["target"], port_b)
+                     per_drafter=[[], ["--verifier-url", f"ws://127.0.0.1:{port_b}/v1/drafter,"
+                                                         f"ws://127.0.0.1:{port_a}/v1/drafter"]])
+    with replica(tiny_models["target"], port_b, tmp_path) as victim, \
+            run_stack(tiny_models["target"], spec, tmp_path) as fleet:
         url_a, url_b = f"http://127.0.0.1:{port_a}", f"http://127.0.0.1:{port_b}"
         wait_for(lambda: len(httpx.get(fleet.base_url + "/ready").json().get("drafters", [])) == 2, 120,
                  "both replicas and their drafters")
-        victim = next(c for c in fleet.supervisor.children if c.name == "verifier-b")
 
         async def run(tag: str, n: int, kill: bool) -> list[str]:
             async with httpx.AsyncClient(base_url=fleet.base_url, timeout=240) as http:
                 clients = asyncio.gather(*(stream_one(http, body(tag, i)) for i in range(n)))
                 if kill:
+                    deadline = time.monotonic() + 60
                     while not (sessions(url_a) > 0 and sessions(url_b) > 0):  # both replicas serve
+                        assert time.monotonic() < deadline, "the requests did not reach both replicas"
                         await asyncio.sleep(0.05)
                     await asyncio.sleep(0.3)
                     os.kill(victim.proc.pid, signal.SIGKILL)
                 return list(await clients)
 
         check(target, "R", asyncio.run(run("R", N_REQUESTS, kill=True)))
-        check(target, "S", asyncio.run(run("S", 8, kill=False)))  # the survivor serves on alone
+        # the lost replica's drafter moves to the survivor (its next URL), which serves on alone
+        wait_for(lambda: "drafter-2" in httpx.get(fleet.base_url + "/ready").json().get("drafters", []), 60,
+                 "the lost replica's drafter on the surviving replica")
+        check(target, "S", asyncio.run(run("S", 8, kill=False)))
     log = (tmp_path / "coordinator.log").read_text()
     moved = sum(int(json.loads(line).get("requests", 0)) for line in log.splitlines()
                 if "its requests failed over" in line)
