@@ -30,6 +30,18 @@ class ConfigError(ValueError):
     """A flag or environment variable could not be parsed; the message names it."""
 
 
+def url_list(value: str, flag: str) -> list[str]:
+    """A comma-separated list of ws:// or wss:// URLs (several verifier replicas), all of one
+    scheme; ConfigError naming ``flag`` otherwise."""
+    urls = [u.strip() for u in value.split(",") if u.strip()]
+    if not urls or not all(u.startswith(("ws://", "wss://")) for u in urls):
+        raise ConfigError(f"{flag} must be a ws:// or wss:// URL (or a comma-separated list of them, one per "
+                          f"verifier replica), got {value!r}")
+    if len({u.partition("://")[0] for u in urls}) > 1:
+        raise ConfigError(f"{flag} mixes ws:// and wss:// replicas: {value!r}")
+    return urls
+
+
 def opt(default: Any, help: str) -> Any:
     """A config field with help text (lists get a fresh copy per instance)."""
     if isinstance(default, list):

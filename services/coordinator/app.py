@@ -26,8 +26,8 @@ from services.coordinator.ratelimit import RateLimiter
 from services.coordinator.routes import router
 from services.coordinator.state import CoordinatorState
 from services.coordinator.verifier_link import VerifierLink
-from services.coordinator.verifier_pool import VerifierPool, split_urls
-from shared.config import ConfigError
+from services.coordinator.verifier_pool import VerifierPool
+from shared.config import ConfigError, url_list
 from shared.credentials import Credentials, CredentialsError
 from shared.queue import RequestQueue, open_queue
 from shared.queue_memory import MemoryQueue
@@ -56,11 +56,9 @@ def create_app(
     if queue is None:
         queue = (open_queue(cfg.redis_url, stream=cfg.queue_stream, group=cfg.queue_group)
                  if cfg.redis_url else MemoryQueue(max_depth=cfg.max_queue))
-    urls = split_urls(cfg.verifier_url)
+    urls = url_list(cfg.verifier_url, "--verifier-url")
     try:
-        if len({u.partition("://")[0].lower() for u in urls}) > 1:
-            raise TlsConfigError(f"--verifier-url mixes ws:// and wss:// replicas: {cfg.verifier_url!r}")
-        verifier_tls = client_context(urls[0] if urls else cfg.verifier_url, cfg.tls_ca)
+        verifier_tls = client_context(urls[0], cfg.tls_ca)
         credentials = Credentials(cfg.auth_token, cfg.credentials_file)
     except (TlsConfigError, CredentialsError) as exc:
         raise ConfigError(str(exc)) from None

@@ -26,10 +26,6 @@ from shared.protocol import Cancel, OpenSession, Welcome
 log = get_logger("coordinator.verifier_pool")
 
 
-def split_urls(urls: str) -> list[str]:
-    return [u.strip() for u in urls.split(",") if u.strip()]
-
-
 class VerifierPool:
     """The coordinator's links to every verifier replica, with the interface of one link."""
 

@@ -72,7 +72,7 @@ class VerifierLink:
                  tls: ssl.SSLContext | None = None) -> None:
         """``url``: one verifier, or several replicas comma-separated: the link connects to one and,
         when it cannot reach it, tries the next (the coordinator fails its requests over too)."""
-        self.urls = [u.strip() for u in url.split(",") if u.strip()] or [url]
+        self.urls = [u.strip() for u in url.split(",") if u.strip()] or [url]  # checked by url_list at start-up
         self.url = self.urls[0]
         self.tls = tls  # for wss://: the CA-pinned context (shared.tls.client_context); None: defaults
         self.hello = hello

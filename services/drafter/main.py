@@ -30,7 +30,7 @@ from services.drafter.proposers.draft_model import DRAFT_MODES, DraftModelPropos
 from services.drafter.proposers.ngram import NgramProposer
 from services.drafter.sessions import DraftSession
 from services.drafter.worker import ComputeWorker
-from shared.config import ConfigError, describe, load_config
+from shared.config import ConfigError, describe, load_config, url_list
 from shared.draft_q import Nucleus
 from shared.log import get_logger, setup_logging
 from shared.models import LoadedModel, ModelLoadError, load_model, load_vocabulary
@@ -51,9 +51,8 @@ def link_tls(cfg: DrafterConfig) -> tuple[ssl.SSLContext | None, ssl.SSLContext 
     """Client TLS contexts for the verifier link and a ws(s):// queue link (None: plaintext or not a
     WebSocket queue). ConfigError for a missing CA file or, under --require-tls, a plaintext URL."""
     try:
-        urls = [u.strip() for u in cfg.verifier_url.split(",") if u.strip()] or [cfg.verifier_url]
-        contexts = [client_context(u, cfg.tls_ca, cfg.require_tls) for u in urls]  # every URL is checked
-        verifier = contexts[0]
+        urls = url_list(cfg.verifier_url, "--verifier-url")
+        verifier = client_context(urls[0], cfg.tls_ca, cfg.require_tls)  # url_list: one scheme for all
         scheme = cfg.queue_url.partition("://")[0].lower()
         if scheme in ("ws", "wss"):
             return verifier, client_context(cfg.queue_url, cfg.tls_ca, cfg.require_tls)
@@ -70,12 +69,10 @@ def check_config(cfg: DrafterConfig, need_model: bool = True) -> None:
     problems = []
     if need_model and not cfg.model:
         problems.append("--model is required: a local Hugging Face directory holding the draft model")
-    urls = [u.strip() for u in cfg.verifier_url.split(",") if u.strip()]
-    if not urls or not all(u.startswith(("ws://", "wss://")) for u in urls):
-        problems.append(f"--verifier-url must be a ws:// or wss:// URL (or a comma-separated list of them, "
-                        f"one per verifier replica), got {cfg.verifier_url!r}")
-    elif len({u.partition("://")[0] for u in urls}) > 1:
-        problems.append(f"--verifier-url mixes ws:// and wss:// replicas: {cfg.verifier_url!r}")
+    try:
+        url_list(cfg.verifier_url, "--verifier-url")
+    except ConfigError as exc:
+        problems.append(str(exc))
     if not 1 <= cfg.max_sessions <= 100_000:
         problems.append(f"--max-sessions must be in [1, 100000], got {cfg.max_sessions}")
     if cfg.proposer not in PROPOSERS:

@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import re
 import signal
@@ -23,9 +22,9 @@ import redis
 
 from shared.fleet import Fleet
 from shared.models import load_model
-from tests.conftest import free_port, greedy_reference
+from tests.conftest import free_port
+from tests.e2e.greedy_streams import check_greedy, greedy_body, stream_text
 from tests.e2e.stack import StackSpec, run_stack
-from tests.e2e.test_full_stack import prompt_ids
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults, pytest.mark.redis]
 
@@ -35,23 +34,7 @@ STREAM = "specfleet:coordinator-kill"
 
 
 def body(tag: str, i: int) -> dict[str, Any]:
-    return {"model": "target", "prompt": f"class {tag}{i}(", "max_tokens": MAX_TOKENS, "temperature": 0,
-            "ignore_eos": True, "stream": True}
-
-
-async def stream_one(base_url: str, req: dict[str, Any], seen: list[int]) -> str:
-    """The streamed text; ``seen[0]`` counts its coordinator's text chunks as they arrive."""
-    text = ""
-    async with httpx.AsyncClient(base_url=base_url, timeout=120) as http, \
-            http.stream("POST", "/v1/completions", json=req) as resp:
-        assert resp.status_code == 200, await resp.aread()
-        async for line in resp.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                chunk = json.loads(line[6:])
-                assert "error" not in chunk, chunk
-                text += chunk["choices"][0]["text"]
-                seen[0] += 1
-    return text
+    return greedy_body(tag, i, MAX_TOKENS, "class {tag}{i}(")
 
 
 def second_coordinator(fleet: Fleet, port: int) -> str:
@@ -91,21 +74,19 @@ def test_a_killed_coordinator_loses_nothing_of_the_other_and_leaves_no_pending_e
         base_b = second_coordinator(fleet, free_port())
         victim = next(c for c in fleet.supervisor.children if c.name == "coordinator")
 
-        async def run() -> list[Any]:
-            seen_a, seen_b = [0], [0]
-            a = [asyncio.create_task(stream_one(fleet.base_url, body("A", i), seen_a)) for i in range(PER_COORDINATOR)]
-            b = [asyncio.create_task(stream_one(base_b, body("B", i), seen_b)) for i in range(PER_COORDINATOR)]
-            while seen_a[0] < 20:  # A's first requests are being served, the rest still queued
-                await asyncio.sleep(0.02)
-            os.kill(victim.proc.pid, signal.SIGKILL)
-            await asyncio.gather(*a, return_exceptions=True)  # their clients lose the connection
-            return await asyncio.gather(*b)
+        async def run() -> list[str]:
+            seen_a = [0]
+            async with httpx.AsyncClient(base_url=fleet.base_url, timeout=120) as http_a, \
+                    httpx.AsyncClient(base_url=base_b, timeout=120) as http_b:
+                a = [asyncio.create_task(stream_text(http_a, body("A", i), seen_a)) for i in range(PER_COORDINATOR)]
+                b = [asyncio.create_task(stream_text(http_b, body("B", i))) for i in range(PER_COORDINATOR)]
+                while seen_a[0] < 20:  # A's first requests are being served, the rest still queued
+                    await asyncio.sleep(0.02)
+                os.kill(victim.proc.pid, signal.SIGKILL)
+                await asyncio.gather(*a, return_exceptions=True)  # their clients lose the connection
+                return list(await asyncio.gather(*b))
 
-        texts = asyncio.run(run())
-        for i, text in enumerate(texts):
-            ids = prompt_ids(target, {"kind": "completion", **body("B", i)})
-            ref = greedy_reference(target.model, ids, MAX_TOKENS, set())
-            assert text == target.tokenizer.decode(ref, skip_special_tokens=True), f"B request {i}"
+        check_greedy(target, [body("B", i) for i in range(PER_COORDINATOR)], asyncio.run(run()))
         client = redis.Redis.from_url(redis_url)
         assert wait_drained(client, 60) == 0, "queue entries stayed pending after their coordinator died"
         # A's requests were mostly not computed: far fewer tokens than both coordinators' full work

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import threading
 import time
 from collections.abc import Coroutine, Iterator
@@ -27,16 +26,20 @@ import httpx
 import pytest
 
 from bench.delay_proxy import DelayProxy, Link
-from shared.models import LoadedModel, load_model
-from tests.conftest import free_port, greedy_reference
+from shared.models import load_model
+from tests.conftest import free_port
+from tests.e2e.greedy_streams import check_greedy, greedy_body, stream_text
 from tests.e2e.stack import StackSpec, run_stack
-from tests.e2e.test_full_stack import prompt_ids
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults, pytest.mark.redis]
 
 T = TypeVar("T")
 MAX_TOKENS = 256
 PARTITION_S = 5.0  # > the verifier's draft timeout (1 s) and the queue's claim time (1.5 s)
+
+
+def body(tag: str, i: int) -> dict[str, Any]:
+    return greedy_body(tag, i, MAX_TOKENS)
 
 
 class Proxies:
@@ -80,32 +83,8 @@ def proxies() -> Iterator[Proxies]:
         p.close()
 
 
-def body(tag: str, i: int) -> dict[str, Any]:
-    return {"model": "target", "prompt": f"def {tag}{i}(x", "max_tokens": MAX_TOKENS, "temperature": 0,
-            "ignore_eos": True, "stream": True}
-
-
-async def stream_one(http: httpx.AsyncClient, req: dict[str, Any]) -> str:
-    text = ""
-    async with http.stream("POST", "/v1/completions", json=req) as resp:
-        assert resp.status_code == 200, await resp.aread()
-        async for line in resp.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                chunk = json.loads(line[6:])
-                assert "error" not in chunk, chunk
-                text += chunk["choices"][0]["text"]
-    return text
-
-
 def committed_by(verifier_url: str, drafter: str) -> int:
     return int(httpx.get(verifier_url + "/status").json()["committed_by_drafter"].get(drafter, 0))
-
-
-def check(target: LoadedModel, tag: str, texts: list[str]) -> None:
-    for i, text in enumerate(texts):
-        ids = prompt_ids(target, {"kind": "completion", **body(tag, i)})
-        ref = greedy_reference(target.model, ids, MAX_TOKENS, set())
-        assert text == target.tokenizer.decode(ref, skip_special_tokens=True), f"{tag} request {i}"
 
 
 @pytest.mark.timeout(280)
@@ -127,7 +106,7 @@ def test_a_partitioned_drafter_rejoins_without_double_serving(tiny_models: dict[
 
             async def run(tag: str, n: int, during: Any = None) -> list[str]:
                 async with httpx.AsyncClient(base_url=fleet.base_url, timeout=240) as http:
-                    clients = asyncio.gather(*(stream_one(http, body(tag, i)) for i in range(n)))
+                    clients = asyncio.gather(*(stream_text(http, body(tag, i)) for i in range(n)))
                     if during is not None:
                         await during()
                     return list(await clients)
@@ -139,10 +118,10 @@ def test_a_partitioned_drafter_rejoins_without_double_serving(tiny_models: dict[
                 await asyncio.sleep(PARTITION_S)
                 cut.heal()
 
-            check(target, "P", asyncio.run(run("P", 10, partition)))
+            check_greedy(target, [body("P", i) for i in range(10)], asyncio.run(run("P", 10, partition)))
             before = committed_by(fleet.verifier_url, "drafter-1")
             time.sleep(1.0)  # the healed drafter settles its late frames
-            check(target, "Q", asyncio.run(run("Q", 8)))
+            check_greedy(target, [body("Q", i) for i in range(8)], asyncio.run(run("Q", 8)))
             assert committed_by(fleet.verifier_url, "drafter-1") > before, "the healed drafter serves nothing"
         moved = (tmp_path / "verifier.log").read_text().count("no draft in time; session continues target-only")
         gave_up = (tmp_path / "drafter-1.log").read_text().count("verifier rejected a draft")

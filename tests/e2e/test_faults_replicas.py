@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import signal
 import sys
 import time
@@ -24,11 +23,11 @@ from typing import Any
 import httpx
 import pytest
 
-from shared.models import LoadedModel, load_model
+from shared.models import load_model
 from shared.supervisor import Child, Supervisor
-from tests.conftest import free_port, greedy_reference
+from tests.conftest import free_port
+from tests.e2e.greedy_streams import check_greedy, greedy_body, sessions_gauge, stream_text
 from tests.e2e.stack import TOKEN, StackSpec, run_stack
-from tests.e2e.test_full_stack import prompt_ids
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults]
 
@@ -37,20 +36,7 @@ MAX_TOKENS = 96
 
 
 def body(tag: str, i: int) -> dict[str, Any]:
-    return {"model": "target", "prompt": f"def {tag}{i}(x", "max_tokens": MAX_TOKENS, "temperature": 0,
-            "ignore_eos": True, "stream": True}
-
-
-async def stream_one(http: httpx.AsyncClient, req: dict[str, Any]) -> str:
-    text = ""
-    async with http.stream("POST", "/v1/completions", json=req) as resp:
-        assert resp.status_code == 200, await resp.aread()
-        async for line in resp.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                chunk = json.loads(line[6:])
-                assert "error" not in chunk, chunk
-                text += chunk["choices"][0]["text"]
-    return text
+    return greedy_body(tag, i, MAX_TOKENS)
 
 
 def sessions(url: str) -> float:
@@ -58,8 +44,7 @@ def sessions(url: str) -> float:
         text = httpx.get(url + "/metrics", timeout=2).text
     except httpx.HTTPError:
         return 0.0
-    found = re.search(r"^specfleet_verifier_sessions (\S+)$", text, re.M)
-    return float(found.group(1)) if found else 0.0
+    return sessions_gauge(text)
 
 
 def wait_for(check: Any, timeout_s: float, what: str) -> None:
@@ -67,13 +52,6 @@ def wait_for(check: Any, timeout_s: float, what: str) -> None:
     while not check():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.1)
-
-
-def check(target: LoadedModel, tag: str, texts: list[str]) -> None:
-    for i, text in enumerate(texts):
-        ids = prompt_ids(target, {"kind": "completion", **body(tag, i)})
-        ref = greedy_reference(target.model, ids, MAX_TOKENS, set())
-        assert text == target.tokenizer.decode(ref, skip_special_tokens=True), f"{tag} request {i}"
 
 
 @contextmanager
@@ -108,7 +86,7 @@ def test_two_replicas_share_the_load_and_one_lost_fails_over(tiny_models: dict[s
 
         async def run(tag: str, n: int, kill: bool) -> list[str]:
             async with httpx.AsyncClient(base_url=fleet.base_url, timeout=240) as http:
-                clients = asyncio.gather(*(stream_one(http, body(tag, i)) for i in range(n)))
+                clients = asyncio.gather(*(stream_text(http, body(tag, i)) for i in range(n)))
                 if kill:
                     deadline = time.monotonic() + 60
                     while not (sessions(url_a) > 0 and sessions(url_b) > 0):  # both replicas serve
@@ -118,11 +96,11 @@ def test_two_replicas_share_the_load_and_one_lost_fails_over(tiny_models: dict[s
                     os.kill(victim.proc.pid, signal.SIGKILL)
                 return list(await clients)
 
-        check(target, "R", asyncio.run(run("R", N_REQUESTS, kill=True)))
+        check_greedy(target, [body("R", i) for i in range(N_REQUESTS)], asyncio.run(run("R", N_REQUESTS, kill=True)))
         # the lost replica's drafter moves to the survivor (its next URL), which serves on alone
         wait_for(lambda: "drafter-2" in httpx.get(fleet.base_url + "/ready").json().get("drafters", []), 60,
                  "the lost replica's drafter on the surviving replica")
-        check(target, "S", asyncio.run(run("S", 8, kill=False)))
+        check_greedy(target, [body("S", i) for i in range(8)], asyncio.run(run("S", 8, kill=False)))
     log = (tmp_path / "coordinator.log").read_text()
     moved = sum(int(json.loads(line).get("requests", 0)) for line in log.splitlines()
                 if "its requests failed over" in line)

@@ -13,7 +13,6 @@ import asyncio
 import json
 import os
 import random
-import re
 import signal
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ from shared.fleet import Fleet
 from shared.models import LoadedModel, load_model
 from shared.supervisor import Child
 from tests.conftest import greedy_reference
+from tests.e2e.greedy_streams import sessions_gauge
 from tests.e2e.stack import StackSpec, run_stack
 from tests.e2e.test_full_stack import prompt_ids
 
@@ -112,8 +112,7 @@ async def verifier_sessions(http: httpx.AsyncClient, url: str) -> float:
         text = (await http.get(f"{url}/metrics")).text
     except httpx.HTTPError:
         return 0.0
-    found = re.search(r"^specfleet_verifier_sessions (\S+)$", text, re.M)
-    return float(found.group(1)) if found else 0.0
+    return sessions_gauge(text)
 
 
 async def kill_at(fleet: Fleet, progress: Progress, thresholds: list[int], clients: asyncio.Task[Any]) -> int:

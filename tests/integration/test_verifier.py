@@ -49,18 +49,27 @@ class Running:
     target: LoadedModel
 
 
-@pytest_asyncio.fixture
-async def verifier(tiny_models: dict[str, Path]) -> AsyncIterator[Running]:
+@contextlib.asynccontextmanager
+async def serving(tiny_models: dict[str, Path], **settings: Any) -> AsyncIterator[Running]:
+    """A real verifier on a free loopback port, in this event loop, with these VerifierConfig settings."""
     port = free_port()
-    cfg = VerifierConfig(port=port, model=str(tiny_models["target"]), auth_token=TOKEN, draft_len=3,
-                         draft_timeout_s=1.5, resume_grace_s=0.0)  # scripted drafters, often with no frontend
+    cfg = VerifierConfig(port=port, model=str(tiny_models["target"]), auth_token=TOKEN, **settings)
     ready = asyncio.Event()
     task = asyncio.create_task(serve(cfg, ready))
     await asyncio.wait_for(ready.wait(), 60)
-    yield Running(f"ws://127.0.0.1:{port}", load_model(tiny_models["target"]))
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+    try:
+        yield Running(f"ws://127.0.0.1:{port}", load_model(tiny_models["target"]))
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+@pytest_asyncio.fixture
+async def verifier(tiny_models: dict[str, Path]) -> AsyncIterator[Running]:
+    # scripted drafters, often with no frontend
+    async with serving(tiny_models, draft_len=3, draft_timeout_s=1.5, resume_grace_s=0.0) as running:
+        yield running
 
 
 class Peer:

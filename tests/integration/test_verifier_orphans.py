@@ -7,7 +7,6 @@ untouched."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -16,12 +15,8 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from services.verifier.config import VerifierConfig
-from services.verifier.main import serve
-from shared.models import load_model
 from shared.protocol import Draft, ErrorFrame, OpenSession, SamplingParams, SessionOpened, TokenEvent, Verdict, Welcome
-from tests.conftest import free_port
-from tests.integration.test_verifier import TOKEN, Running, collect_text, connect
+from tests.integration.test_verifier import Running, collect_text, connect, serving
 
 pytestmark = pytest.mark.asyncio
 
@@ -30,16 +25,9 @@ LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
 
 @pytest_asyncio.fixture
 async def verifier(tiny_models: dict[str, Path]) -> AsyncIterator[Running]:
-    port = free_port()
-    cfg = VerifierConfig(port=port, model=str(tiny_models["target"]), auth_token=TOKEN, resume_grace_s=0.0,
-                         draft_timeout_s=1.0)  # the scripted drafter drafts one round only
-    ready = asyncio.Event()
-    task = asyncio.create_task(serve(cfg, ready))
-    await asyncio.wait_for(ready.wait(), 60)
-    yield Running(f"ws://127.0.0.1:{port}", load_model(tiny_models["target"]))
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+    # the scripted drafter drafts one round only
+    async with serving(tiny_models, resume_grace_s=0.0, draft_timeout_s=1.0) as running:
+        yield running
 
 
 async def sessions(url: str) -> int:

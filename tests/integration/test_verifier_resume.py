@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 import pytest_asyncio
 
-from services.verifier.config import VerifierConfig
 from services.verifier.detok import IncrementalText
-from services.verifier.main import serve
-from shared.models import load_model
 from shared.protocol import (
     Draft,
     ErrorFrame,
@@ -25,8 +20,8 @@ from shared.protocol import (
     Verdict,
     Welcome,
 )
-from tests.conftest import free_port, greedy_reference
-from tests.integration.test_verifier import TOKEN, Running, collect_text, connect
+from tests.conftest import greedy_reference
+from tests.integration.test_verifier import Running, collect_text, connect, serving
 
 pytestmark = pytest.mark.asyncio
 
@@ -34,16 +29,8 @@ pytestmark = pytest.mark.asyncio
 @pytest_asyncio.fixture
 async def verifier(tiny_models: dict[str, Path]) -> AsyncIterator[Running]:
     """A verifier that holds drafters' opens until their coordinator said ResumeDone."""
-    port = free_port()
-    cfg = VerifierConfig(port=port, model=str(tiny_models["target"]), auth_token=TOKEN, draft_len=3,
-                         resume_grace_s=60.0)
-    ready = asyncio.Event()
-    task = asyncio.create_task(serve(cfg, ready))
-    await asyncio.wait_for(ready.wait(), 60)
-    yield Running(f"ws://127.0.0.1:{port}", load_model(tiny_models["target"]))
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+    async with serving(tiny_models, draft_len=3, resume_grace_s=60.0) as running:
+        yield running
 
 
 def relayed(tokenizer: object, stops: list[str], ids: list[int]) -> str:

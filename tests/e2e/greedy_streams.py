@@ -1,0 +1,48 @@
+"""Greedy SSE completions for the fault tests: the request, its streamed text, the check against
+target-only decoding, and the verifier's open-session gauge."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import httpx
+
+from shared.models import LoadedModel
+from tests.conftest import greedy_reference
+from tests.e2e.test_full_stack import prompt_ids
+
+
+def greedy_body(tag: str, i: int, max_tokens: int, prompt: str = "def {tag}{i}(x") -> dict[str, Any]:
+    return {"model": "target", "prompt": prompt.format(tag=tag, i=i), "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+
+
+async def stream_text(http: httpx.AsyncClient, req: dict[str, Any], seen: list[int] | None = None) -> str:
+    """The text of one streamed completion; ``seen[0]`` counts its text chunks as they arrive."""
+    text = ""
+    async with http.stream("POST", "/v1/completions", json=req) as resp:
+        assert resp.status_code == 200, await resp.aread()
+        async for line in resp.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                text += chunk["choices"][0]["text"]
+                if seen is not None:
+                    seen[0] += 1
+    return text
+
+
+def check_greedy(target: LoadedModel, bodies: list[dict[str, Any]], texts: list[str]) -> None:
+    """Each text is target-only greedy decoding of its request."""
+    for i, (req, text) in enumerate(zip(bodies, texts, strict=True)):
+        ids = prompt_ids(target, {"kind": "completion", **req})
+        ref = greedy_reference(target.model, ids, req["max_tokens"], set())
+        assert text == target.tokenizer.decode(ref, skip_special_tokens=True), f"request {i}: {req['prompt']!r}"
+
+
+def sessions_gauge(metrics_text: str) -> float:
+    """``specfleet_verifier_sessions`` from a verifier's /metrics (0 when absent)."""
+    found = re.search(r"^specfleet_verifier_sessions (\S+)$", metrics_text, re.M)
+    return float(found.group(1)) if found else 0.0
