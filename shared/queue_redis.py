@@ -263,17 +263,19 @@ class RedisStreamQueue:
         self._group_ready = True
 
     async def _run(self, op: Callable[[], Awaitable[T]]) -> T:
-        """Run one Redis operation: group created first, errors turned into QueueError."""
+        """Run one Redis operation: group created first, errors turned into QueueError.
+
+        A connection error is retried once on fresh connections: after Redis restarts, every
+        connection pooled before it is dead, and the first caller should not pay for that with an
+        error while Redis is up again. Each operation here is safe to repeat: a repeated XADD makes
+        a second entry with the same request id, which the verifier declines as a duplicate."""
         try:
-            await self._ensure_group()
             try:
-                return await op()
-            except ResponseError as exc:
-                if "NOGROUP" not in str(exc):
-                    raise
-                self._group_ready = False  # the stream was deleted under us: recreate and retry once
-                await self._ensure_group()
-                return await op()
+                return await self._once(op)
+            except (RedisConnectionError, RedisTimeoutError, OSError):
+                self._group_ready = False
+                await self._redis.connection_pool.disconnect(inuse_connections=False)
+                return await self._once(op)
         except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
             self._group_ready = False
             raise QueueError(f"cannot reach Redis at {self._where}: {exc}; is redis-server running?") from None
@@ -281,3 +283,14 @@ class RedisStreamQueue:
             raise QueueError(
                 f"Redis at {self._where} refused a queue operation on stream {self._stream!r}: {exc}"
             ) from None
+
+    async def _once(self, op: Callable[[], Awaitable[T]]) -> T:
+        await self._ensure_group()
+        try:
+            return await op()
+        except ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            self._group_ready = False  # the stream was deleted under us: recreate and retry once
+            await self._ensure_group()
+            return await op()

@@ -262,12 +262,35 @@ def up(timeout_s: float = 300.0) -> dict[str, str]:
     PLAYED.write_text(yaml.safe_dump_all(docs, sort_keys=False))
     (STATE / "secrets.json").write_text(json.dumps([s["metadata"]["name"] for s in secrets]))
     run(["podman", "kube", "play", "--network", NETWORK, str(PLAYED)], timeout=600)
+    pin_bridge_mac()
     ips = {name: pod_ip(name) for name in ("redis", "verifier", "coordinator", "drafter")}
     wait_http(f"http://{ips['verifier']}:8100/health", timeout_s, "the verifier", "verifier", "verifier")
     wait_http(f"http://{ips['drafter']}:9100/ready", timeout_s, "the drafter", "drafter", "drafter")
     wait_http(f"http://{ips['coordinator']}:8000/ready", timeout_s, "the coordinator", "coordinator", "coordinator")
     (STATE / "ips.json").write_text(json.dumps(ips))
     return ips
+
+
+def pin_bridge_mac() -> None:
+    """Keep the network's gateway MAC fixed while pods come and go.
+
+    A Linux bridge whose MAC was never set takes the lowest MAC among its ports, so it changes
+    when a pod stops or starts. Pods keep the old MAC for the gateway in their ARP cache and send
+    their replies to the host into the void: a client's open connection to the coordinator hangs
+    after an unrelated pod (Redis, a drafter) restarts. A cluster's CNI keeps its gateway stable;
+    setting the bridge's MAC to its current value does the same here. Rootless podman keeps the
+    bridge in its own namespace, out of reach and out of the host's way: nothing to do then."""
+    bridge = run(["podman", "network", "inspect", NETWORK, "--format", "{{.NetworkInterface}}"]).strip()
+    sysfs = Path("/sys/class/net") / bridge
+    if not bridge or not (sysfs / "address").exists():
+        return
+    if (sysfs / "addr_assign_type").read_text().strip() == "3":  # NET_ADDR_SET: pinned already
+        return
+    mac = (sysfs / "address").read_text().strip()
+    out = run(["ip", "link", "set", "dev", bridge, "address", mac], check=False)
+    if (sysfs / "addr_assign_type").read_text().strip() != "3":
+        print(f"warning: could not pin the MAC of bridge {bridge} ({out.strip() or 'no reason given'}); "
+              "a client connection may hang after a pod restarts", file=sys.stderr)
 
 
 def down(quiet: bool = False) -> None:

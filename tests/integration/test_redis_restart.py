@@ -5,6 +5,7 @@ its own."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 
@@ -62,6 +63,24 @@ async def test_redis_restart_with_aof_loses_no_acknowledged_request(tmp_path: Pa
         assert sorted(again) == sorted(want), "lost or repeated requests across the Redis restart"
         print(f"redis kill -9 + AOF restart: {len(again)}/{len(want)} unfinished requests delivered again, "
               f"{len(taken[:5])} acknowledged ones not")
+    finally:
+        await q.close()
+        stop_redis(proc)
+
+
+async def test_first_put_after_a_redis_restart_reconnects(tmp_path: Path) -> None:
+    """Connections pooled before the restart are dead; the next put must not hand that to a client
+    as a 503 while Redis is back up."""
+    proc, port = start_redis(tmp_path, aof=True)
+    q = RedisStreamQueue(f"redis://127.0.0.1:{port}/0", stream="reconnect", group="drafters")
+    try:
+        await asyncio.gather(*(q.put(request(i)) for i in range(8)))  # several pooled connections
+        proc.kill()
+        proc.wait(10)
+        proc, _ = start_redis(tmp_path, aof=True, port=port)
+        for i in range(8, 12):
+            await q.put(request(i))
+        assert await q.depth() == 12
     finally:
         await q.close()
         stop_redis(proc)

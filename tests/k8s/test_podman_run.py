@@ -178,7 +178,8 @@ def _diagnosis() -> str:
     queue = play.run(["podman", "exec", "redis-pod-0-redis", "redis-cli", "XINFO", "GROUPS", "specfleet:requests"],
                      check=False)
     return (f"pods:\n{state}\nredis groups:\n{queue}\ndrafter log:\n{play.logs('drafter', 'drafter')}\n"
-            f"coordinator log:\n{play.logs('coordinator', 'coordinator')}")
+            f"coordinator log:\n{play.logs('coordinator', 'coordinator')}\n"
+            f"verifier log:\n{play.logs('verifier', 'verifier', lines=60)}")
 
 
 def test_queued_request_survives_a_redis_restart(fleet: Fleet, target: LoadedModel) -> None:
