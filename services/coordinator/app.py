@@ -7,6 +7,7 @@ queue or link to run the same app against in-process or fake peers.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import secrets
 import socket
@@ -21,6 +22,7 @@ from services.coordinator.errors import install_error_handlers
 from services.coordinator.generation import Generator
 from services.coordinator.metrics import CoordinatorMetrics
 from services.coordinator.model_info import ModelInfo
+from services.coordinator.queue_fallback import QueueFallback
 from services.coordinator.queue_link import make_queue_router
 from services.coordinator.ratelimit import RateLimiter
 from services.coordinator.routes import router
@@ -75,12 +77,19 @@ def create_app(
         limiter=RateLimiter(cfg.rate_limit_rps, cfg.rate_limit_burst, cfg.token_quota, cfg.quota_window_s),
     )
 
+    fallback = (QueueFallback(link, cfg.queue_fallback_s, counter=metrics.queue_fallback)
+                if cfg.speculation == "auto" and cfg.queue_fallback_s else None)
+
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         await link.start()
+        watcher = asyncio.create_task(fallback.run(), name="queue-fallback") if fallback is not None else None
         try:
             yield
         finally:
+            if watcher is not None:
+                watcher.cancel()
+                await asyncio.gather(watcher, return_exceptions=True)
             await link.stop()
             if owns_queue:
                 await queue.close()

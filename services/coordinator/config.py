@@ -24,6 +24,11 @@ class CoordinatorConfig:
         "on: every request goes through the queue to a drafter; off: the verifier decodes target-only "
         "(centralized serving, no drafters needed); auto: like on while a drafter is connected, else off",
     )
+    queue_fallback_s: float = opt(
+        5.0,
+        "with --speculation auto: after this many seconds with no drafter connected, requests still waiting in "
+        "the queue are served target-only (a drafter that comes back takes them over); 0: they wait for a drafter",
+    )
     model: str = opt("", "local directory of the target model (tokenizer, chat template, /v1/models root)")
     served_model_name: str = opt("", "model id clients must ask for; empty uses the model directory's name")
     auth_token: str = opt("", "bearer token for the verifier link and the drafters' queue link (with "
@@ -78,6 +83,8 @@ def check_config(cfg: CoordinatorConfig) -> None:
         problems.append("--rate-limit-rps, --rate-limit-burst and --token-quota must be >= 0 (0: off)")
     if cfg.quota_window_s <= 0:
         problems.append(f"--quota-window-s must be > 0, got {cfg.quota_window_s}")
+    if cfg.queue_fallback_s < 0:
+        problems.append(f"--queue-fallback-s must be >= 0 (0: off), got {cfg.queue_fallback_s}")
     if cfg.retry_after_s < 1:
         problems.append(f"--retry-after-s must be >= 1, got {cfg.retry_after_s}")
     if problems:

@@ -58,6 +58,8 @@ class CoordinatorMetrics:
                                        registry=r)
         self.acceptance_rate = Gauge(f"{_PREFIX}_acceptance_rate", "accepted / drafted tokens since start",
                                      registry=r)
+        self.queue_fallback = Counter(f"{_PREFIX}_queue_fallback", "Queued requests served target-only because "
+                                      "no drafter was connected (--queue-fallback-s)", registry=r)
         self.queue_depth = Gauge(f"{_PREFIX}_queue_depth", "Requests waiting for a drafter", registry=r)
         self.drafters = Gauge(f"{_PREFIX}_connected_drafters", "Drafters in the verifier's latest FleetStatus",
                               registry=r)

@@ -74,3 +74,8 @@ class ResumeLedger:
         """One resuming OpenSession per request in flight (or per one of ``request_ids``), oldest first."""
         wanted = None if request_ids is None else set(request_ids)
         return [entry.reopen() for rid, entry in self._entries.items() if wanted is None or rid in wanted]
+
+    def opened(self, request_ids: list[str]) -> list[OpenSession]:
+        """How each of ``request_ids`` still in flight was opened (target-only form), oldest first."""
+        wanted = set(request_ids)
+        return [entry.opened for rid, entry in self._entries.items() if rid in wanted]

@@ -33,6 +33,8 @@ class Routing:
     subs: dict[str, asyncio.Queue[Inbound]] = field(default_factory=dict)
     ledger: ResumeLedger = field(default_factory=ResumeLedger)
     where: dict[str, int] = field(default_factory=dict)  # request id -> replica index
+    #: queued requests this coordinator opened target-only itself (``queue_fallback.py``)
+    fallen_back: set[str] = field(default_factory=set)
 
     def subscribe(self, request_id: str, opened: OpenSession | None) -> asyncio.Queue[Inbound]:
         if request_id in self.subs:
@@ -46,6 +48,7 @@ class Routing:
     def forget(self, request_id: str) -> asyncio.Queue[Inbound] | None:
         self.ledger.forget(request_id)
         self.where.pop(request_id, None)
+        self.fallen_back.discard(request_id)
         return self.subs.pop(request_id, None)
 
     def owned_by(self, request_id: str, replica: int) -> bool:
@@ -63,6 +66,17 @@ class Routing:
         self.ledger.relayed(event)
         if event.finished:
             self.where.pop(event.request_id, None)
+
+    def declined_fallback(self, request_id: str, code: str) -> bool:
+        """Whether an error for ``request_id`` only declines this coordinator's target-only open of
+        a queued request: "duplicate" (a drafter opened it first; its events will come) or "busy"
+        (it keeps waiting and is tried again)."""
+        if request_id not in self.fallen_back or code not in ("duplicate", "busy"):
+            return False
+        if code == "busy":  # not served: back to waiting
+            self.fallen_back.discard(request_id)
+            self.where.pop(request_id, None)
+        return True
 
     def of(self, replica: int) -> list[str]:
         """The requests ``replica`` serves (see :meth:`owned_by`)."""

@@ -108,6 +108,11 @@ class VerifierLink:
     def connected(self) -> bool:
         return self._up.is_set()
 
+    @property
+    def routing(self) -> Routing:
+        """The requests in flight (shared with the other replicas' links in a pool)."""
+        return self._routing
+
     def subscribe(self, request_id: str, opened: OpenSession | None = None) -> asyncio.Queue[Inbound]:
         """The queue that will receive ``request_id``'s TokenEvents; subscribe before queueing.
 
@@ -287,6 +292,9 @@ class VerifierLink:
         """An error about one of our requests ends it. The code travels with the final event, so
         that a refusal for capacity ("busy") can be told apart from a real failure."""
         rid = err.request_id or ""
+        if self._routing.declined_fallback(rid, err.code):
+            log.info("target-only open of a queued request declined", request_id=rid, code=err.code)
+            return
         if rid in self._routing.subs and not self._routing.owned_by(rid, self.index):
             log.info("error from a replica that does not serve the request", request_id=rid, code=err.code)
             return

@@ -46,6 +46,10 @@ class VerifierPool:
         return any(link.connected for link in self.links)
 
     @property
+    def routing(self) -> Routing:
+        return self._routing
+
+    @property
     def last_error(self) -> str:
         return "; ".join(f"{link.url}: {link.last_error}" for link in self.links if not link.connected)
 

@@ -94,6 +94,9 @@ def test_up_names_the_service_that_died(tiny_models: dict[str, Path], tmp_path: 
     assert str(tmp_path / "state" / "logs" / f"{named[0]}.log") in proc.stderr
 
 
+RESUME_TOKENS = 448  # the tiny models' context is 512
+
+
 def test_up_restarts_a_killed_drafter_and_resumes_its_sessions(tiny_models: dict[str, Path], tmp_path: Path) -> None:
     """kill -9 a drafter with 20 requests in flight: every request completes, greedy output is the
     target's own, a live drafter resumes the victim's sessions (the survivor, or the victim itself
@@ -106,8 +109,9 @@ def test_up_restarts_a_killed_drafter_and_resumes_its_sessions(tiny_models: dict
         base_url = next(m.group(1) for line in lines if (m := re.search(r"ready at (http://\S+)", line)))
         victim = int(next(m.group(1) for line in lines if (m := re.search(r"started drafter-1\s+pid (\d+)", line))))
         stack = SimpleNamespace(ws_url=base_url.replace("http://", "ws://") + "/v1/stream")
-        # long enough that the victim's sessions are still running when the queue hands them on
-        sent = [{"kind": "completion", "model": "target", "prompt": f"def f{i}(x", "max_tokens": 192,
+        # long enough that the victim's sessions are still running when the queue hands them on (at
+        # 192 tokens the verifier, going on target-only, could finish them before a drafter had room)
+        sent = [{"kind": "completion", "model": "target", "prompt": f"def f{i}(x", "max_tokens": RESUME_TOKENS,
                  "temperature": 0, "ignore_eos": True} for i in range(20)]
 
         async def run() -> list[tuple]:
@@ -137,7 +141,7 @@ def test_up_restarts_a_killed_drafter_and_resumes_its_sessions(tiny_models: dict
             proc.wait()
     target = load_model(tiny_models["target"])
     for body, (ids, _, done) in zip(sent, results, strict=True):
-        assert ids == greedy_reference(target.model, prompt_ids(target, body), 192, set())
+        assert ids == greedy_reference(target.model, prompt_ids(target, body), RESUME_TOKENS, set())
         assert done["finish_reason"] == "length"
     assert "restarting in" in err and "drafter-1" in err, err
     assert resumed >= 1

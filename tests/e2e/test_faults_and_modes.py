@@ -61,3 +61,33 @@ def test_killed_drafter_loses_no_request(tiny_models: dict[str, Path], tmp_path:
         verifier_log = (tmp_path / "verifier.log").read_text()
     assert "sessions continue target-only" in verifier_log, "the kill landed after drafter-1's sessions ended"
     assert_greedy(target, sent, results)
+
+
+def test_queued_requests_go_target_only_when_the_last_drafter_dies(tiny_models: dict[str, Path],
+                                                                   tmp_path: Path) -> None:
+    """The only drafter (one session at a time) is killed for good with requests still in the
+    queue: after --queue-fallback-s without a drafter the coordinator serves them target-only,
+    instead of leaving them to wait for a drafter that may never come."""
+    target = load_model(tiny_models["target"])
+    spec = StackSpec(drafts=[tiny_models["draft-L2"]], max_sessions=1, draft_len=2, drafter_log_level="info",
+                     extra_coordinator=["--queue-fallback-s", "1"])
+    with run_stack(tiny_models["target"], spec, tmp_path) as stack:
+        victim = next(c for c in stack.supervisor.children if c.name == "drafter-1")
+
+        async def run() -> list[tuple]:
+            work = asyncio.create_task(stream_many(stack, sent))
+            for _ in range(400):
+                if "session opened" in victim.log_path.read_text():
+                    break
+                await asyncio.sleep(0.01)
+            os.kill(victim.proc.pid, signal.SIGKILL)
+            return await asyncio.wait_for(work, 120)  # without the fallback the queued ones wait for 600 s
+
+        sent = bodies(4, 200)
+        results = asyncio.run(run())
+        coordinator_log = (tmp_path / "coordinator.log").read_text()
+    assert "queued requests served target-only" in coordinator_log
+    assert_greedy(target, sent, results)
+    moved = sum(done["specfleet"]["drafted_tokens"] == 0 for _, _, done in results)
+    print(f"last drafter killed: {len(results)}/{len(sent)} completed, {moved} never drafted (served target-only)")
+    assert moved >= 1
