@@ -14,6 +14,7 @@ import contextlib
 import json
 import secrets
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -242,10 +243,15 @@ def prepare(args: argparse.Namespace) -> tuple[Edge, Models, Path]:
     return edge, models, out
 
 
+def given_args(argv: list[str] | None) -> list[str]:
+    """The flags a bench command ran with: ``argv``, or the command line's when run as a module."""
+    return sys.argv[1:] if argv is None else argv
+
+
 def run_meta(command: str, argv: list[str] | None, edge: Edge, **extra: Any) -> dict[str, Any]:
     """What a results file says about its run: the command line, when, and the edge emulation."""
-    return {"command": f"python -m bench {command} " + " ".join(argv or []), "when": time.strftime("%Y-%m-%d %H:%M"),
-            "edge": edge.describe(), **extra}
+    return {"command": f"python -m bench {command} " + " ".join(given_args(argv)),
+            "when": time.strftime("%Y-%m-%d %H:%M"), "edge": edge.describe(), **extra}
 
 
 def write_results(out: Path, stem: str, data: dict[str, Any], lines: list[str]) -> None:

@@ -24,7 +24,7 @@ import msgspec
 import torch
 from tqdm import tqdm
 
-from bench.fleets import PROMPTS
+from bench.fleets import PROMPTS, given_args
 from shared.draft_q import Nucleus, cut, dense, pack
 from shared.models import load_model
 from shared.protocol import MAX_Q_ENTRIES, Draft, SamplingParams, encode
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         r["vs_full_q"] = r["acceptance"] / full
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"command": "python -m bench qwire " + " ".join(argv or []), "positions": p.shape[0],
+    meta = {"command": "python -m bench qwire " + " ".join(given_args(argv)), "positions": p.shape[0],
             "vocab": p.shape[-1], "temperature": args.temperature, "k": args.k, "draft": args.draft}
     (out / "qwire.json").write_bytes(msgspec.json.encode({"meta": meta, "results": results}))
     lines = [f"Command: `{meta['command'].strip()}` ({meta['positions']} positions of the target's own samples at "

@@ -29,7 +29,16 @@ from typing import Any
 from tqdm import tqdm
 
 from bench.edge import Edge, edge_from, run_pinned
-from bench.fleets import Run, Scenario, add_workload_flags, bench_fleet, domain_prompts, drafters_of, measure
+from bench.fleets import (
+    Run,
+    Scenario,
+    add_workload_flags,
+    bench_fleet,
+    domain_prompts,
+    drafters_of,
+    given_args,
+    measure,
+)
 from bench.profile import smallest
 from bench.targets import run_row, targets
 from shared.up import resolve_models
@@ -127,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     costs = raw_costs(models.target, draft, args.draft_len, edge)
     runs = run_all(models.target, scenarios(draft, args.draft_len, args.temperature), args, edge)
     rows = [run_row(r, drafters_of(r) if r.scenario != "target-only" else None) for r in runs]
-    meta = {"command": "python -m bench.serving " + " ".join(argv or []), "target": str(models.target),
+    meta = {"command": "python -m bench.serving " + " ".join(given_args(argv)), "target": str(models.target),
             "draft": str(draft), "repeats": args.repeats, "requests": args.requests, "max_tokens": args.max_tokens,
             "draft_len": args.draft_len, "temperature": args.temperature,
             "edge": edge.describe(), "when": time.strftime("%Y-%m-%d %H:%M:%S"),
