@@ -287,7 +287,10 @@ def pin_bridge_mac() -> None:
     if (sysfs / "addr_assign_type").read_text().strip() == "3":  # NET_ADDR_SET: pinned already
         return
     mac = (sysfs / "address").read_text().strip()
-    out = run(["ip", "link", "set", "dev", bridge, "address", mac], check=False)
+    try:
+        out = run(["ip", "link", "set", "dev", bridge, "address", mac], check=False)
+    except PlayError as exc:  # no `ip` here
+        out = str(exc)
     if (sysfs / "addr_assign_type").read_text().strip() != "3":
         print(f"warning: could not pin the MAC of bridge {bridge} ({out.strip() or 'no reason given'}); "
               "a client connection may hang after a pod restarts", file=sys.stderr)

@@ -66,7 +66,7 @@ def create_app(
         raise ConfigError(str(exc)) from None
     if link is None and len(urls) > 1:  # several verifier replicas, with session affinity and failover
         link = VerifierPool(urls, node_id, cfg.auth_token, model.fingerprint, tls=verifier_tls)
-    link = link or VerifierLink(cfg.verifier_url, node_id, cfg.auth_token, model.fingerprint, tls=verifier_tls)
+    link = link or VerifierLink(urls[0], node_id, cfg.auth_token, model.fingerprint, tls=verifier_tls)
     metrics = CoordinatorMetrics()
     metrics.in_flight_limit.set(cfg.max_in_flight)
     admission = InFlightLimit(cfg.max_in_flight, cfg.retry_after_s, metrics.in_flight)

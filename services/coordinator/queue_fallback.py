@@ -7,11 +7,14 @@ After ``grace_s`` with no drafter at all (long enough for a restarted drafter to
 this coordinator opens each of its requests that no one has started yet on the verifier by
 itself, the way ``auto`` would have sent them.
 
-Nothing is computed twice or lost: the verifier serves a request id once. If a drafter opened
-the request first (its first event has not reached us yet), the verifier declines our open as
-a duplicate and the link ignores that; if we were first, a drafter that takes the queue entry
-later is declined and acknowledges it. A "busy" refusal leaves the request waiting for the next
-try. With several verifier replicas the pool opens it on the least loaded connected one.
+Nothing is lost, and with one verifier nothing is computed twice: it serves a request id once.
+If a drafter opened the request first (its first event has not reached us yet), the verifier
+declines our open as a duplicate and the link ignores that. If we were first, a drafter that
+takes the queue entry later resumes the session from its committed tokens, or, once it has
+finished, is declined as a duplicate and acknowledges the entry. A "busy" refusal leaves the
+request waiting for the next try. With several verifier replicas the pool opens it on the least
+loaded connected one; if a drafter opens it on another replica meanwhile, both start it and the
+routing table cancels the one whose events come second.
 """
 
 from __future__ import annotations
@@ -51,7 +54,6 @@ class QueueFallback:
         self.grace_s = grace_s
         self._period_s = period_s
         self._empty_since: float | None = None
-        self.sent = 0  # requests this coordinator moved from the queue to target-only
 
     def tick(self, now: float) -> int:
         """Open the waiting requests target-only once the fleet has been empty for ``grace_s``;
@@ -64,21 +66,21 @@ class QueueFallback:
         if now - self._empty_since < self.grace_s:
             return 0
         routing = self._link.routing
-        waiting = [rid for rid in routing.subs if rid not in routing.where and rid not in routing.fallen_back]
-        frames = routing.ledger.opened(waiting)  # no event yet: nobody has started them
-        for frame in frames:
+        waiting = [rid for rid in routing.subs if rid not in routing.where]  # an open places a request
+        sent = 0
+        for frame in routing.ledger.opened(waiting):  # no event yet: nobody has started them
             try:
                 self._link.open_target_only(frame)
             except ConnectionError:
-                return 0  # the link went down meanwhile: its own resume logic takes over
+                break  # the link went down meanwhile: its own resume logic takes over
             routing.fallen_back.add(frame.request_id)
-        if frames:
-            self.sent += len(frames)
+            sent += 1
+        if sent:
             if self._counter is not None:
-                self._counter.inc(len(frames))
-            log.warning("no drafter connected; queued requests served target-only", requests=len(frames),
+                self._counter.inc(sent)
+            log.warning("no drafter connected; queued requests served target-only", requests=sent,
                         no_drafter_for_s=round(now - self._empty_since, 1))
-        return len(frames)
+        return sent
 
     async def run(self) -> None:
         while True:

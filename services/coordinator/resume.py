@@ -72,10 +72,12 @@ class ResumeLedger:
 
     def reopen(self, request_ids: list[str] | None = None) -> list[OpenSession]:
         """One resuming OpenSession per request in flight (or per one of ``request_ids``), oldest first."""
-        wanted = None if request_ids is None else set(request_ids)
-        return [entry.reopen() for rid, entry in self._entries.items() if wanted is None or rid in wanted]
+        return [entry.reopen() for entry in self._select(request_ids)]
 
     def opened(self, request_ids: list[str]) -> list[OpenSession]:
         """How each of ``request_ids`` still in flight was opened (target-only form), oldest first."""
-        wanted = set(request_ids)
-        return [entry.opened for rid, entry in self._entries.items() if rid in wanted]
+        return [entry.opened for entry in self._select(request_ids)]
+
+    def _select(self, request_ids: list[str] | None) -> list[Relayed]:
+        wanted = None if request_ids is None else set(request_ids)
+        return [entry for rid, entry in self._entries.items() if wanted is None or rid in wanted]

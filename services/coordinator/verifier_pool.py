@@ -35,6 +35,7 @@ class VerifierPool:
             raise ValueError("at least one verifier URL is needed")
         self.node_id = node_id
         self._routing = Routing(replicas=len(urls))
+        self._stopping = False
         self.links = [VerifierLink(url, node_id, auth_token, tokenizer_fingerprint, min_backoff_s=min_backoff_s,
                                    tls=tls, routing=self._routing, index=i, on_lost=self._fail_over)
                       for i, url in enumerate(urls)]
@@ -108,6 +109,7 @@ class VerifierPool:
             await link.start()
 
     async def stop(self) -> None:
+        self._stopping = True  # links going down now must not move their requests to the ones still up
         for link in self.links:
             await link.stop()
 
@@ -115,6 +117,8 @@ class VerifierPool:
 
     def _fail_over(self, lost: int) -> None:
         """Replica ``lost``'s link went down: re-open its requests on a connected replica."""
+        if self._stopping:
+            return
         live = [link for link in self.links if link.connected and link.index != lost]
         moving = [rid for rid in self._routing.of(lost) if rid in self._routing.ledger]
         if not live or not moving:

@@ -13,8 +13,9 @@ Per verifier connection:
 * a finished session acks its queue delivery and frees its slot at once.
 
 When the link drops, sessions are dropped WITHOUT acking (the verifier finishes them
-target-only), the queue is told to ``release`` this consumer's deliveries, and the loop
-reconnects; re-opened requests the verifier still knows come back "duplicate" and are acked.
+target-only), the queue is told to ``release`` this consumer's deliveries (after
+``HAND_BACK_DELAY_S``, so that coordinators re-open them first on another verifier replica), and
+the loop reconnects; re-opened requests the verifier still knows come back "duplicate" and are acked.
 """
 
 from __future__ import annotations
@@ -43,6 +44,11 @@ ADMISSIONS = ("max-sessions", "starsd")
 QUEUE_POLL_S = 1.0
 #: Upper bound on queue calls made while shutting down, so a dead queue cannot hang the exit.
 SHUTDOWN_QUEUE_TIMEOUT_S = 5.0
+#: After losing its verifier, wait this long before handing our deliveries back to the queue. With
+#: verifier replicas, a drafter on another replica would otherwise take them and open them there
+#: afresh before the coordinators have noticed the loss and re-opened them there from what they
+#: relayed (then the coordinator's re-open is refused as a duplicate and the request fails).
+HAND_BACK_DELAY_S = 1.0
 
 
 def session_limit(admission: str, max_sessions: int, capacity: Capacity) -> int:
@@ -116,10 +122,11 @@ class DrafterLoop:
                                        self.metrics, self.pipeline_sessions,
                                        lambda: len(self._sessions), self.send_confidence)
                 await self._serve_connection(runner, batcher)
-                await self._release()
                 log.warning("lost the verifier; sessions left to the verifier, reconnecting",
-                            retry_in_s=self.reconnect_s)
-                await asyncio.sleep(self.reconnect_s)
+                            retry_in_s=self.reconnect_s, hand_back_in_s=HAND_BACK_DELAY_S)
+                await asyncio.sleep(HAND_BACK_DELAY_S)
+                await self._release()
+                await asyncio.sleep(max(0.0, self.reconnect_s - HAND_BACK_DELAY_S))
         finally:
             await self._drop_sessions()
             await self.link.close()
