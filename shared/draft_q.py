@@ -49,27 +49,53 @@ class Nucleus:
             raise ValueError(f"the q nucleus size must be in [1, {MAX_Q_ENTRIES}], got {self.max_entries}")
 
 
-#: The nucleus is first looked for among this many most likely tokens: a peaked distribution (the
-#: usual case for a real draft model) then costs a partial top-k, not a sort of the vocabulary.
+#: Up to this vocabulary size :func:`cut` orders the whole distribution with an exact radix sort.
+#: On a flat T = 1 row of the demo draft model (4,096 entries) that took ~45 us where torch's sort
+#: or ``topk(4096)`` took ~230 us (the nucleus then holds ~1,800 entries, so a partial top-k does
+#: not help). Over a large vocabulary a radix pass costs more than a partial top-k (3.2 ms against
+#: 0.25 ms for ``topk(256)`` at 131,072 entries), so there the nucleus is first looked for among
+#: the FIRST_LOOK most likely tokens.
+RADIX_VOCAB = 16384
 FIRST_LOOK = 256
+
+
+def descending(probs: np.ndarray) -> np.ndarray:
+    """The indices of ``probs`` (float32, >= 0) from the most likely down; ties keep index order.
+
+    A least-significant-digit radix sort on the float32 bit patterns, which order like the values
+    for non-negative floats: a stable sort on the low 16 bits, then on the high 16. NumPy sorts
+    16-bit keys stably by counting, so each pass is linear in the vocabulary.
+    """
+    keys = ~(np.ascontiguousarray(probs, dtype=np.float32).view(np.uint32) & np.uint32(0x7FFFFFFF))
+    by_low = np.argsort((keys & np.uint32(0xFFFF)).astype(np.uint16), kind="stable")
+    return by_low[np.argsort((keys[by_low] >> np.uint32(16)).astype(np.uint16), kind="stable")]
+
+
+def _most_likely(probs: torch.Tensor, nucleus: Nucleus, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, ids) of the most likely tokens in order: at least the nucleus, at most ``cap``."""
+    if probs.shape[-1] <= RADIX_VOCAB:
+        table = probs.numpy()
+        order = descending(table)[:cap]
+        return torch.from_numpy(table[order]), torch.from_numpy(order.astype(np.int64))
+    values, ids = probs.topk(min(FIRST_LOOK, cap))
+    if float(values.sum()) < nucleus.mass and values.shape[0] < cap:  # a flat distribution: look further
+        values, ids = probs.topk(cap)
+    return values, ids
 
 
 def cut(probs: torch.Tensor, nucleus: Nucleus) -> tuple[torch.Tensor, torch.Tensor]:
     """The nucleus of one distribution ``probs [V]``: (ids int64, float16 weights), most likely first.
 
-    Entries that are 0 (removed by the request's top-k/top-p) or round to 0 in float16 are left out.
+    Entries that are 0 (removed by the request's top-k/top-p) or round to 0 in float16 are left out;
+    being the least likely, they are the nucleus's tail.
     """
-    probs = probs.float()
-    cap = min(nucleus.max_entries, probs.shape[-1])
-    values, ids = probs.topk(min(FIRST_LOOK, cap))
-    mass = values.cumsum(0)
-    if float(mass[-1]) < nucleus.mass and values.shape[0] < cap:  # a flat distribution: look further
-        values, ids = probs.topk(cap)
-        mass = values.cumsum(0)
-    keep = int(torch.searchsorted(mass, torch.tensor([nucleus.mass]), right=False).item()) + 1
-    values, ids = values[:keep].half(), ids[:keep]
-    nonzero = values > 0
-    return ids[nonzero], values[nonzero]
+    probs = probs.detach().to("cpu", torch.float32).contiguous()
+    values, ids = _most_likely(probs, nucleus, min(nucleus.max_entries, probs.shape[-1]))
+    mass = values.cumsum(0).numpy()
+    keep = int(np.searchsorted(mass, nucleus.mass, side="left")) + 1
+    weights = values[:keep].half()
+    keep = int(torch.count_nonzero(weights))
+    return ids[:keep], weights[:keep]
 
 
 def pack(ids: torch.Tensor, weights: torch.Tensor) -> SparseQ:

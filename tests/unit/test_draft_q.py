@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from shared.draft_q import DraftError, Nucleus, check, cut, dense, draft_token, pack, read
+from shared.draft_q import RADIX_VOCAB, DraftError, Nucleus, check, cut, dense, descending, draft_token, pack, read
 from shared.protocol import SamplingParams, SparseQ
 from shared.sampling import make_generator, probs_from_logits
 
@@ -125,13 +125,27 @@ def test_nucleus_settings_validated(mass: float, entries: int) -> None:
 
 @pytest.mark.parametrize("scale", [0.5, 2.0, 6.0, 12.0])  # from flat (a full sort) to peaked (a partial top-k)
 @pytest.mark.parametrize(("mass", "max_entries"), [(0.98, 4096), (0.5, 4096), (0.999, 100), (1.0, 300)])
-def test_cut_equals_the_nucleus_of_the_fully_sorted_distribution(scale: float, mass: float, max_entries: int) -> None:
-    vocab = 2000
+@pytest.mark.parametrize("vocab", [2000, RADIX_VOCAB + 1000])  # a radix sort, then a top-k
+def test_cut_equals_the_nucleus_of_the_fully_sorted_distribution(scale: float, mass: float, max_entries: int,
+                                                                  vocab: int) -> None:
     probs = torch.softmax(torch.randn(vocab, generator=torch.Generator().manual_seed(9)) * scale, -1)
     ordered, order = probs.sort(descending=True)
     cap = min(max_entries, vocab)
     keep = min(cap, int((ordered.cumsum(0) < mass).sum()) + 1)
     ids, weights = cut(probs, Nucleus(mass, max_entries))
     want = order[:keep][ordered[:keep].half() > 0]
-    assert ids.tolist() == want.tolist()
+    assert torch.equal(probs[ids], probs[want])  # the same values in the same order; ties may swap ids
+    assert len(set(ids.tolist())) == len(ids)
     assert torch.equal(weights, probs[want].half())
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_descending_is_an_exact_stable_sort_from_the_most_likely(seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    probs = torch.softmax(torch.randn(3000, generator=gen) * (1 + 4 * seed), -1)
+    probs[torch.randint(0, 3000, (200,), generator=gen)] = 0.0  # zeros (a request's top-k or top-p)
+    probs[100:140] = probs[7]  # ties
+    probs[141] = -0.0  # the sign bit must not make a zero the most likely
+    probs[142] = 1e-42  # a float32 subnormal
+    want = torch.sort(probs.abs(), descending=True, stable=True).indices
+    assert descending(probs.numpy()).tolist() == want.tolist()
