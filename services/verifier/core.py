@@ -338,6 +338,8 @@ class TorchCore:
             return
         kept = [self._commit(req, drafts, v.accepted, v.tokens) for (req, drafts), v in
                 zip(step.verify, verdicts, strict=True)]
+        for (req, drafts), v in zip(step.verify, verdicts, strict=True):
+            self.scheduler.observe_round(req.drafter, req.draft_conf, len(drafts), v.accepted)
         budgets = self._next_budgets(step, verdicts)
         for (req, drafts), v, k in zip(step.verify, verdicts, kept, strict=True):
             logprobs = v.logprobs[: len(k)] if v.logprobs is not None else None

@@ -6,7 +6,8 @@ Each step has a token budget (``max_tokens``) and a session budget (``max_sessio
    whose prompt is cached, or whose uncached rest fits in one chunk, are offered to the batch
    policy (FCFS, WISP, ...). Each feeds its uncached committed tokens (at least the last
    one) plus its drafts, and gets logits from its last committed token on. The trim policy
-   (AdaSpec) may then drop the least likely tail drafts of the chosen sessions.
+   (AdaSpec) may then drop the least likely tail drafts of the chosen sessions, judged by each
+   drafter's confidences calibrated against its past verdicts (``shared.calibration``).
 2. **Prefill.** Sessions with more of the prompt to cache get chunks, oldest first, with no
    logits at all. While verification runs in the step, prefill takes at most ``prefill_chunk``
    tokens, so a long prompt is cached in pieces between rounds and running sessions keep
@@ -16,7 +17,7 @@ Each step has a token budget (``max_tokens``) and a session budget (``max_sessio
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from services.verifier.allocation.goodspeed import expected_tokens
@@ -25,7 +26,12 @@ from services.verifier.batching import BatchLimits, BatchPolicy, Candidate
 from services.verifier.batching.estimator import SegmentShape, StepTimeEstimator
 from services.verifier.requests import Request, Status
 from services.verifier.trim import TrimItem, TrimPolicy, make_trim
+from shared.calibration import AcceptanceCalibration
 from shared.runner import Segment
+
+#: every this many trimmed steps, one is verified untrimmed: a draft the trim drops is never judged,
+#: so without these probes a calibration bin whose estimate fell too low could never recover
+PROBE_EVERY = 8
 
 
 @dataclass
@@ -55,6 +61,8 @@ class Scheduler:
         self.tracker = tracker  # α̂ per session, for the candidates' expected tokens
         self.last_decision_s = 0.0
         self.last_trimmed = 0
+        self.calibrations: dict[str, AcceptanceCalibration] = {}  # per drafter id, for the trim
+        self._trim_steps = 0
 
     def verifiable(self, req: Request) -> bool:
         return req.status is Status.READY and req.to_prefill <= self.prefill_chunk
@@ -102,15 +110,26 @@ class Scheduler:
             d, conf = drafts[req.request_id], req.draft_conf
             fed = len(req.committed) - req.cached
             if d and conf is not None and len(conf) >= len(d):
-                items.append(TrimItem(req.request_id, req.cached, fed, conf[: len(d)]))
+                items.append(TrimItem(req.request_id, req.cached, fed, self._calibrated(req.drafter, conf[: len(d)])))
             else:
                 fixed.append(SegmentShape(new=fed + len(d), cached=req.cached))
-        if not items or self.trim.name == "none":
+        self._trim_steps += 1
+        if not items or self.trim.name == "none" or self._trim_steps % PROBE_EVERY == 0:
             self.last_trimmed = 0
             return {}
         keep = self.trim.keep(items, self.estimator, fixed)
         self.last_trimmed = sum(len(i.confidence) - keep.get(i.session_id, len(i.confidence)) for i in items)
         return keep
+
+    def _calibrated(self, drafter: str, confidence: Sequence[float]) -> list[float]:
+        cal = self.calibrations.get(drafter)
+        return list(confidence) if cal is None else [cal.accept(c) for c in confidence]
+
+    def observe_round(self, drafter: str, confidence: Sequence[float] | None, drafted: int, accepted: int) -> None:
+        """A verified round: its drafter's calibration learns what the confidences of the drafts it
+        sent for verification were worth (only where a trim policy reads them)."""
+        if confidence and drafted and self.trim.name != "none":
+            self.calibrations.setdefault(drafter, AcceptanceCalibration()).observe(confidence[:drafted], accepted)
 
     def _add_prefill(self, step: Step, pending: list[Request]) -> None:
         budget = self.limits.max_tokens - step.verify_tokens

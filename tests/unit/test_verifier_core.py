@@ -29,7 +29,7 @@ from services.verifier.core_api import (
 )
 from services.verifier.metrics import VerifierMetrics
 from services.verifier.requests import Status
-from services.verifier.scheduler import Scheduler
+from services.verifier.scheduler import PROBE_EVERY, Scheduler
 from services.verifier.trim import TrimPolicy, make_trim
 from shared.models import LoadedModel, load_model
 from shared.protocol import SamplingParams
@@ -275,6 +275,28 @@ def test_adaspec_trim_verifies_only_the_drafts_worth_their_cost(target: LoadedMo
     first = h.of(Rounded, "s")[0]
     assert first.drafted == 1 and first.tokens == ref[:2]  # type: ignore[attr-defined]
     assert h.core.metrics.trimmed._value.get() == 2
+
+
+def test_adaspec_trim_learns_that_an_underconfident_drafter_is_right(target: LoadedModel) -> None:
+    """Raw confidences of 0.3 are not worth verifying at this cost; every draft is accepted, so once
+    an untrimmed probe step has taught the calibration, the trim keeps them."""
+    cost = StepTimeEstimator(coef=(5e-4, 0.0, 0.0, 1e-3))  # a fed token costs half a step's fixed part
+    h = Harness(target, trim=make_trim("adaspec"), estimator=cost)
+    params = SamplingParams(temperature=0.0, max_tokens=4 * 4 * PROBE_EVERY + 8, ignore_eos=True)
+    p = prompt(9, 9)
+    ref = greedy_reference(target.model, p, params.max_tokens, set())
+    h.core.submit(AddRequest("s", p, params, speculative=True, drafter="edge-1"))
+    h.turn()
+    drafted = []
+    for _ in range(4 * PROBE_EVERY):
+        done, req = len(h.tokens("s")), h.core.requests["s"]
+        h.core.submit(AddDraft("s", req.round, ref[done : done + 3], None, 0.0, [0.3, 0.3, 0.3]))
+        h.turn()
+        drafted.append(h.of(Rounded, "s")[-1].drafted)  # type: ignore[attr-defined]
+    assert drafted[0] == 0  # uncalibrated: trimmed away
+    assert drafted[-4:] == [3] * 4  # calibrated: all kept
+    assert h.tokens("s") == ref[: len(h.tokens("s"))]
+    assert h.core.scheduler.calibrations["edge-1"].accept(0.3) > 0.3
 
 
 def test_the_tracker_learns_each_rounds_acceptance(target: LoadedModel) -> None:

@@ -23,21 +23,17 @@ learning and drafting resumes when it pays again.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from services.drafter.control.base import StepDecision, StepFeatures
+from shared.calibration import ALPHA, AcceptanceCalibration, ewma
 
-BINS = 10  # confidence bins of the calibration
 #: after this many rounds in a row that the controller chose not to draft, it drafts one token:
 #: a round that drafts nothing teaches the calibration nothing, so without a probe a controller
 #: whose estimates once fell too low would never draft again
 PROBE_EVERY = 4
-ALPHA = 0.05  # weight of a new observation in the moving averages
 MAX_POSITIONS = 64
-
-
-def _ewma(old: float, new: float, alpha: float = ALPHA) -> float:
-    return (1 - alpha) * old + alpha * new
 
 
 @dataclass
@@ -55,7 +51,7 @@ class RoundClock:
     def observe(self, drafted: int, draft_s: float, return_s: float) -> None:
         if drafted > 0 and draft_s > 0:
             per = draft_s / drafted
-            self.draft_token_s = per if self.draft_token_s == 0 else _ewma(self.draft_token_s, per)
+            self.draft_token_s = per if self.draft_token_s == 0 else ewma(self.draft_token_s, per)
         x, decay = float(drafted), 1 - ALPHA
         self._w, self._x, self._y = decay * self._w + 1, decay * self._x + x, decay * self._y + return_s
         self._xx, self._xy = decay * self._xx + x * x, decay * self._xy + x * return_s
@@ -75,29 +71,23 @@ class RoundClock:
 
 
 @dataclass
-class Calibration:
-    """Confidence -> probability of acceptance (given the drafts before were accepted)."""
+class Calibration(AcceptanceCalibration):
+    """The shared calibration (``shared.calibration``), and the mean confidence by position that
+    predicts the next draft's before it is drafted."""
 
-    rate: list[float] = field(default_factory=lambda: [(b + 0.5) / BINS for b in range(BINS)])
     mean_conf: list[float] = field(default_factory=list)  # historical mean confidence by position
-
-    def accept(self, confidence: float) -> float:
-        return self.rate[min(BINS - 1, max(0, int(confidence * BINS)))]
 
     def predicted_confidence(self, position: int) -> float:
         if position < len(self.mean_conf):
             return self.mean_conf[position]
         return self.mean_conf[-1] if self.mean_conf else 0.5
 
-    def observe(self, confidences: list[float], accepted: int) -> None:
-        """Drafts 0..accepted-1 were accepted, draft ``accepted`` (if sent) rejected; later ones
-        were never judged, so they teach nothing."""
-        for i, c in enumerate(confidences[: accepted + 1]):
-            b = min(BINS - 1, max(0, int(c * BINS)))
-            self.rate[b] = _ewma(self.rate[b], 1.0 if i < accepted else 0.0)
+    def observe(self, confidences: Sequence[float], accepted: int) -> None:
+        """Learn acceptance from the judged drafts; every draft's confidence feeds its position's mean."""
+        super().observe(confidences, accepted)
         for i, c in enumerate(confidences[:MAX_POSITIONS]):
             if i < len(self.mean_conf):
-                self.mean_conf[i] = _ewma(self.mean_conf[i], c)
+                self.mean_conf[i] = ewma(self.mean_conf[i], c)
             else:
                 self.mean_conf.append(c)
 

@@ -6,11 +6,11 @@ Efficiency of a batch (§4, §5.3): expected committed tokens over the predicted
     eff = (sum_sessions (E_s + 1) + |fixed|) / T(shapes),
 
 where E_s = sum_{j<=k_s} prod_{i<=j} c_{s,i} is the expected number of the k_s kept drafts that
-are accepted (§4.2 eq. 6-7; ``base.expected_accepted``). Assumption: the confidence c_{s,i} sent
-by the drafter is the probability that draft i is accepted given drafts 1..i-1 were, i.e. the
-verifier applies no calibration of its own. T is the verifier's step-time model over the segment
-shapes of the whole batch (each trimmable session feeds ``fed + k_s`` rows on ``cached`` rows,
-plus the untrimmable ``fixed`` segments).
+are accepted (§4.2 eq. 6-7; ``base.expected_accepted``). c_{s,i} is the probability that draft
+i is accepted given drafts 1..i-1 were: the drafter's confidence, calibrated by the scheduler
+against that drafter's past verdicts (``shared.calibration``) before the trim reads it. T is the
+verifier's step-time model over the segment shapes of the whole batch (each trimmable session
+feeds ``fed + k_s`` rows on ``cached`` rows, plus the untrimmable ``fixed`` segments).
 
 Elimination (§5.2): the draft token with the lowest estimated acceptance prod_{i<=j} c_{s,i} is
 considered first. The running product never rises along a draft, so that token is always some

@@ -1,0 +1,47 @@
+"""A drafter's confidence in a draft token -> the probability that the verifier accepts it.
+
+AdaSpec (adaspec.txt §5.1) estimates acceptance from draft confidence and "calibrates" it with the
+outcomes of past rounds. Calibration matters: a draft model's probability for its own token is not
+the probability that the target accepts it. On the demo pair, greedy, the draft's top-1
+probability is far below the measured acceptance (about 0.84 per token), so uncalibrated
+confidences made AdaSpec's trim drop most drafts that would have been accepted.
+
+The estimate is per confidence bin, a moving average of outcomes. Only judged drafts teach it:
+in a round whose first ``accepted`` drafts were accepted, drafts ``0..accepted-1`` count as
+accepted and draft ``accepted`` (if it was sent) as rejected; later drafts were never judged. So
+the estimate is the conditional acceptance given the drafts before were accepted, which is what
+AdaSpec's chain of products (eq. 6-7) needs. Each bin starts at its own midpoint, that is at
+the raw confidence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+BINS = 10  # confidence bins
+ALPHA = 0.05  # weight of a new outcome in a bin's moving average
+
+
+def ewma(old: float, new: float, alpha: float = ALPHA) -> float:
+    return (1 - alpha) * old + alpha * new
+
+
+def _bin(confidence: float) -> int:
+    return min(BINS - 1, max(0, int(confidence * BINS)))
+
+
+@dataclass
+class AcceptanceCalibration:
+    """Confidence -> probability of acceptance (given the drafts before it were accepted)."""
+
+    rate: list[float] = field(default_factory=lambda: [(b + 0.5) / BINS for b in range(BINS)])
+
+    def accept(self, confidence: float) -> float:
+        return self.rate[_bin(confidence)]
+
+    def observe(self, confidences: Sequence[float], accepted: int) -> None:
+        """Drafts 0..accepted-1 were accepted, draft ``accepted`` (if sent) rejected."""
+        for i, c in enumerate(confidences[: accepted + 1]):
+            b = _bin(c)
+            self.rate[b] = ewma(self.rate[b], 1.0 if i < accepted else 0.0)
