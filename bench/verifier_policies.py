@@ -34,7 +34,7 @@ from typing import Any
 from bench.client import Outcome, run_load
 from bench.edge import Edge, add_edge_flags, edge_from
 from bench.fairness import Sample, settle_round, tracing_utility
-from bench.fleets import PROMPTS, BenchFleet, Scenario, bench_fleet, bodies
+from bench.fleets import PROMPTS, BenchFleet, Scenario, bench_fleet, bodies, given_args
 from bench.scrape import Snapshot
 from shared.up import resolve_models
 
@@ -141,6 +141,19 @@ def _estimator_flags(args: argparse.Namespace) -> tuple[str, ...]:
 # --- report ------------------------------------------------------------------------------------
 
 
+def earlier_parts(path: Path, rerun: list[str]) -> dict[str, Any]:
+    """The results file's parts that this run does not redo, so that a run of some ``--parts``
+    updates them and keeps the rest, each with its own time and command in ``meta.parts``."""
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        old = {}
+    kept = {p: old[p] for p in PARTS if p in old and p not in rerun}
+    when = old.get("meta", {}).get("when", "")
+    before = old.get("meta", {}).get("parts") or {p: {"when": when} for p in kept}
+    return {"meta": {"parts": {p: m for p, m in before.items() if p in kept}}, **kept}
+
+
 def markdown(results: dict[str, Any]) -> str:
     lines = [f"# Verifier policies ({results['meta']['when']}, edge: {results['meta']['edge']})", ""]
     if "allocation" in results:
@@ -222,17 +235,22 @@ def main(argv: list[str] | None = None) -> int:
     edge = edge_from(args)
     edge.pin_self_to_edge()
     models = resolve_models(args.target, args.drafts, Path.cwd(), Path(".specfleet"))
-    results: dict[str, Any] = {"meta": {"when": time.strftime("%Y-%m-%d %H:%M"), "edge": edge.describe()}}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = earlier_parts(out / "verifier-policies.json", parts)
     run = {"allocation": allocation_part, "smartspec": smartspec_part, "wisp": wisp_part, "trim": trim_part}
+    command = "python -m bench verifier-policies " + " ".join(given_args(argv))
     with tempfile.TemporaryDirectory() as logs:
         for part in parts:
             print(f"{part}:", flush=True)
             results[part] = run[part](models, args, edge, Path(logs))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+            results["meta"]["parts"][part] = {"when": time.strftime("%Y-%m-%d %H:%M"), "edge": edge.describe(),
+                                              "command": command}
+    results["meta"]["when"] = "; ".join(f"{p} {m['when']}" for p, m in results["meta"]["parts"].items())
+    results["meta"]["edge"] = edge.describe()
     (out / "verifier-policies.json").write_text(json.dumps(results, indent=1))
     (out / "verifier-policies.md").write_text(markdown(results))
-    if "allocation" in results:
+    if "allocation" in parts:  # a kept allocation part keeps its plot
         plot(results["allocation"], out / "goodspeed-utility.png")
     print(markdown(results))
     return 0
