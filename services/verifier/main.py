@@ -85,6 +85,9 @@ def build(cfg: VerifierConfig, loop: asyncio.AbstractEventLoop) -> tuple[Hub, Ve
         raise ModelLoadError("no target model given: pass --model DIR or set SPECFLEET_MODEL")
     if cfg.backend not in BACKENDS:
         raise ModelLoadError(f"--backend must be one of {', '.join(BACKENDS)}, got {cfg.backend!r}")
+    if cfg.ws_ping_interval_s <= 0 or cfg.ws_ping_timeout_s <= 0:
+        raise ModelLoadError("--ws-ping-interval-s and --ws-ping-timeout-s must be > 0, got "
+                             f"{cfg.ws_ping_interval_s} and {cfg.ws_ping_timeout_s}")
     if cfg.backend == "vllm":
         return build_vllm(cfg)
     if cfg.torch_threads > 0:
@@ -172,7 +175,7 @@ async def serve(cfg: VerifierConfig, ready: asyncio.Event | None = None) -> None
         raise ModelLoadError(str(exc)) from None
     hub, core = await asyncio.to_thread(build, cfg, asyncio.get_running_loop())
     core.start()
-    server = await start_server(hub, cfg.host, cfg.port, tls)
+    server = await start_server(hub, cfg.host, cfg.port, tls, cfg.ws_ping_interval_s, cfg.ws_ping_timeout_s)
     port = server.sockets[0].getsockname()[1] if server.sockets else cfg.port
     log.info("verifier listening", host=cfg.host, port=port, tls=tls is not None, model=hub.welcome.target_model,
              max_model_len=hub.welcome.max_model_len)

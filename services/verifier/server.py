@@ -260,12 +260,17 @@ class Hub:
                 await ws.send(frame)
 
 
-async def start_server(hub: Hub, host: str, port: int, tls: ssl.SSLContext | None = None) -> Server:
-    """Listen on ``host:port``: wss:// with ``tls`` (``shared.tls.server_context``), else ws://."""
+async def start_server(hub: Hub, host: str, port: int, tls: ssl.SSLContext | None = None,
+                       ping_interval_s: float = 10.0, ping_timeout_s: float = 20.0) -> Server:
+    """Listen on ``host:port``: wss:// with ``tls`` (``shared.tls.server_context``), else ws://.
+    A peer that answers no ping within ``ping_timeout_s`` is disconnected, as if it had closed:
+    the closing handshake then waits at most as long again (never more than websockets' default
+    10 s) for a peer that is gone."""
     # No per-message deflate: frames are small MessagePack, and compressing each one costs
     # both ends CPU on every round.
-    server = await serve(hub.handle, host, port, process_request=hub.process_request,
-                         max_size=MAX_FRAME_BYTES, ping_interval=20, ping_timeout=60, compression=None, ssl=tls)
+    server = await serve(hub.handle, host, port, process_request=hub.process_request, max_size=MAX_FRAME_BYTES,
+                         ping_interval=ping_interval_s, ping_timeout=ping_timeout_s,
+                         close_timeout=min(10.0, ping_timeout_s), compression=None, ssl=tls)
     return server
 
 

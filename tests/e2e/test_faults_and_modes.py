@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -91,3 +92,36 @@ def test_queued_requests_go_target_only_when_the_last_drafter_dies(tiny_models: 
     moved = sum(done["specfleet"]["drafted_tokens"] == 0 for _, _, done in results)
     print(f"last drafter killed: {len(results)}/{len(sent)} completed, {moved} never drafted (served target-only)")
     assert moved >= 1
+
+
+def test_a_frozen_drafter_is_dropped_by_the_keepalive(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    """A drafter that stops answering without closing its connection (SIGSTOP: the kernel still
+    acknowledges its TCP segments, as for a host whose process hangs) is disconnected once its
+    WebSocket pong is late, and its sessions finish target-only well before the 30 s draft
+    timeout would have let them go on."""
+    target = load_model(tiny_models["target"])
+    spec = StackSpec(drafts=[tiny_models["draft-L2"]], draft_len=2, drafter_log_level="info",
+                     extra_verifier=["--ws-ping-interval-s", "0.5", "--ws-ping-timeout-s", "1",
+                                     "--draft-timeout-s", "30"])
+    with run_stack(tiny_models["target"], spec, tmp_path) as stack:
+        victim = next(c for c in stack.supervisor.children if c.name == "drafter-1")
+
+        async def run() -> tuple[list[tuple], float]:
+            work = asyncio.create_task(stream_many(stack, sent))
+            for _ in range(400):
+                if "session opened" in victim.log_path.read_text():
+                    break
+                await asyncio.sleep(0.01)
+            os.kill(victim.proc.pid, signal.SIGSTOP)
+            frozen = time.monotonic()
+            try:
+                return await asyncio.wait_for(work, 20), time.monotonic() - frozen
+            finally:
+                os.kill(victim.proc.pid, signal.SIGCONT)
+
+        sent = bodies(4, 300)
+        results, took = asyncio.run(run())
+        verifier_log = (tmp_path / "verifier.log").read_text()
+    print(f"frozen drafter: {len(results)}/{len(sent)} completed {took:.1f} s after the freeze")
+    assert "drafter gone; sessions continue target-only" in verifier_log
+    assert_greedy(target, sent, results)
