@@ -43,11 +43,12 @@ class VerifierConfig:
     draft_len: int = opt(4, "draft tokens per round given to each session (Fixed-S), and the adaptive "
                             "policies' first length")
     max_draft_tokens: int = opt(16, "upper bound on any session's draft budget")
-    ws_ping_interval_s: float = opt(10.0, "send every peer a WebSocket ping this often, so a peer that vanished "
-                                          "without closing its connection (power loss, a cut link) is noticed")
-    ws_ping_timeout_s: float = opt(20.0, "close a peer's connection when its pong is this late; a drafter's "
-                                         "sessions then continue target-only (resumed by another drafter if one has "
-                                         "room)")
+    ws_ping_interval_s: float = opt(10.0, "send every peer (drafters and coordinators) a WebSocket ping this often, "
+                                          "so a peer that vanished without closing its connection (power loss, a cut "
+                                          "link, a hung process) is noticed")
+    ws_ping_timeout_s: float = opt(20.0, "drop a peer's connection when its pong is this late: a drafter's sessions "
+                                         "continue target-only, a coordinator's requests are cancelled as for one "
+                                         "that died. Keep it above the longest stall of either side's event loop")
     draft_timeout_s: float = opt(30.0, "a session whose drafter sends no draft this long continues target-only")
     resume_grace_s: float = opt(30.0, "after start-up, a drafter's OpenSession for a coordinator that has not yet "
                                 "re-opened its in-flight requests here is answered busy (retried) for up to this long, "

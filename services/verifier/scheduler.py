@@ -32,6 +32,8 @@ from shared.runner import Segment
 #: every this many trimmed steps, one is verified untrimmed: a draft the trim drops is never judged,
 #: so without these probes a calibration bin whose estimate fell too low could never recover
 PROBE_EVERY = 8
+#: calibrations kept, the drafters heard from least recently dropped first
+MAX_CALIBRATIONS = 256
 
 
 @dataclass
@@ -113,8 +115,11 @@ class Scheduler:
                 items.append(TrimItem(req.request_id, req.cached, fed, self._calibrated(req.drafter, conf[: len(d)])))
             else:
                 fixed.append(SegmentShape(new=fed + len(d), cached=req.cached))
+        if not items or self.trim.name == "none":
+            self.last_trimmed = 0
+            return {}
         self._trim_steps += 1
-        if not items or self.trim.name == "none" or self._trim_steps % PROBE_EVERY == 0:
+        if self._trim_steps % PROBE_EVERY == 0:  # a probe: verify every draft, so every draft is judged
             self.last_trimmed = 0
             return {}
         keep = self.trim.keep(items, self.estimator, fixed)
@@ -128,8 +133,13 @@ class Scheduler:
     def observe_round(self, drafter: str, confidence: Sequence[float] | None, drafted: int, accepted: int) -> None:
         """A verified round: its drafter's calibration learns what the confidences of the drafts it
         sent for verification were worth (only where a trim policy reads them)."""
-        if confidence and drafted and self.trim.name != "none":
-            self.calibrations.setdefault(drafter, AcceptanceCalibration()).observe(confidence[:drafted], accepted)
+        if not confidence or not drafted or self.trim.name == "none":
+            return
+        cal = self.calibrations.pop(drafter, None) or AcceptanceCalibration()
+        self.calibrations[drafter] = cal  # the most recently heard drafters last
+        cal.observe(confidence[:drafted], accepted)
+        while len(self.calibrations) > MAX_CALIBRATIONS:  # drafters that left (a restart takes a new id)
+            del self.calibrations[next(iter(self.calibrations))]
 
     def _add_prefill(self, step: Step, pending: list[Request]) -> None:
         budget = self.limits.max_tokens - step.verify_tokens

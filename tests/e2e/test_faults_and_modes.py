@@ -101,8 +101,8 @@ def test_a_frozen_drafter_is_dropped_by_the_keepalive(tiny_models: dict[str, Pat
     timeout would have let them go on."""
     target = load_model(tiny_models["target"])
     spec = StackSpec(drafts=[tiny_models["draft-L2"]], draft_len=2, drafter_log_level="info",
-                     extra_verifier=["--ws-ping-interval-s", "0.5", "--ws-ping-timeout-s", "1",
-                                     "--draft-timeout-s", "30"])
+                     extra_verifier=["--ws-ping-interval-s", "0.5", "--ws-ping-timeout-s", "3",
+                                     "--draft-timeout-s", "30"])  # 3 s: room for a loaded coordinator's pongs
     with run_stack(tiny_models["target"], spec, tmp_path) as stack:
         victim = next(c for c in stack.supervisor.children if c.name == "drafter-1")
 
@@ -112,6 +112,8 @@ def test_a_frozen_drafter_is_dropped_by_the_keepalive(tiny_models: dict[str, Pat
                 if "session opened" in victim.log_path.read_text():
                     break
                 await asyncio.sleep(0.01)
+            else:
+                raise AssertionError("the drafter opened no session within 4 s; nothing to freeze it in")
             os.kill(victim.proc.pid, signal.SIGSTOP)
             frozen = time.monotonic()
             try:

@@ -1,0 +1,51 @@
+"""The scheduler's side of AdaSpec's trim: calibrated confidences, probe steps, bounded state."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+from services.verifier.batching import BatchLimits, FcfsBatcher
+from services.verifier.batching.estimator import StepTimeEstimator
+from services.verifier.scheduler import MAX_CALIBRATIONS, PROBE_EVERY, Scheduler
+from services.verifier.trim import make_trim
+
+EXPENSIVE = StepTimeEstimator(coef=(5e-3, 0.0, 0.0, 1e-3))  # a fed token costs 5x a step's fixed part
+
+
+def scheduler() -> Scheduler:
+    return Scheduler(FcfsBatcher(), BatchLimits(32, 2048), 256, EXPENSIVE, make_trim("adaspec"))
+
+
+def request(rid: str, confidence: list[float] | None) -> Any:
+    return SimpleNamespace(request_id=rid, draft_conf=confidence, cached=10, committed=[1] * 11, drafter="edge-1")
+
+
+def test_probes_count_only_steps_that_could_be_trimmed() -> None:
+    """Steps with no confidences in between must not use up the count: every PROBE_EVERY-th
+    trimmable step verifies everything, whatever else runs."""
+    s = scheduler()
+    drafts = {"a": [5, 6, 7], "b": [5, 6, 7]}
+    kept = []
+    for _ in range(2 * PROBE_EVERY):
+        assert s._trim([request("b", None)], drafts) == {}  # nothing to trim: not a probe either
+        kept.append(s._trim([request("a", [0.3, 0.3, 0.3])], drafts).get("a", 3))
+    probes = [i for i, k in enumerate(kept) if k == 3]
+    assert probes == [PROBE_EVERY - 1, 2 * PROBE_EVERY - 1]
+    assert all(k == 0 for i, k in enumerate(kept) if i not in probes)  # otherwise 0.3 is not worth it
+
+
+def test_calibrations_are_kept_for_the_drafters_heard_from_last() -> None:
+    s = scheduler()
+    for i in range(MAX_CALIBRATIONS + 5):
+        s.observe_round(f"drafter-{i}", [0.9, 0.9], 2, 2)
+    s.observe_round("drafter-5", [0.9], 1, 1)  # heard again: now the most recent
+    assert len(s.calibrations) == MAX_CALIBRATIONS
+    assert "drafter-0" not in s.calibrations and "drafter-5" in s.calibrations
+    assert list(s.calibrations)[-1] == "drafter-5"
+
+
+def test_no_trim_keeps_no_calibration() -> None:
+    s = Scheduler(FcfsBatcher(), BatchLimits(32, 2048), 256, EXPENSIVE, make_trim("none"))
+    s.observe_round("edge-1", [0.9], 1, 1)
+    assert s.calibrations == {}
