@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -39,6 +40,7 @@ from bench.scrape import Snapshot
 from shared.up import resolve_models
 
 PARTS = ("allocation", "smartspec", "wisp", "trim")
+ALLOCATIONS = ("fixed", "random", "goodspeed")
 
 
 # --- allocation: GoodSpeed vs Fixed-S vs Random-S ---------------------------------------------
@@ -53,23 +55,39 @@ def traced_load(bf: BenchFleet, reqs: list[dict[str, Any]], concurrency: int) ->
 
 
 def allocation_part(models: Any, args: argparse.Namespace, edge: Edge, logs: Path) -> dict[str, Any]:
-    drafts = (str(models.drafts[0]), str(models.drafts[-1]), str(models.drafts[0]))
-    per = ((), (), ("--proposer", "ngram"))
+    """Each policy ``--allocation-repeats`` times, the policies in turn within each repeat (so that
+    the machine's drift falls on all of them alike); per policy the median run by utility."""
+    runs: dict[str, list[dict[str, Any]]] = {policy: [] for policy in ALLOCATIONS}
+    for repeat in range(args.allocation_repeats):
+        for policy in ALLOCATIONS:
+            runs[policy].append(allocation_run(models, args, edge, logs, policy))
+            r = runs[policy][-1]
+            print(f"  {policy} (run {repeat + 1}): U={r['utility']:.3f} settled at round {r['settled_round']} "
+                  f"of {r['rounds']}, {r['tokens_per_s']:.1f} tokens/s", flush=True)
     out: dict[str, Any] = {}
-    for policy in ("fixed", "random", "goodspeed"):
-        sc = Scenario(policy, drafters=3, drafts=drafts, per_drafter_flags=per, draft_len=args.capacity // 3 * 2,
-                      drafter_flags=("--max-sessions", "1"),
-                      verifier_flags=("--allocation", policy, "--draft-capacity", str(args.capacity),
-                                      "--allocation-seed", "7"))
-        started = time.perf_counter()
-        with bench_fleet(models.target, sc, edge, logs) as bf:
-            trace, wall, outs = traced_load(bf, bodies(args.allocation_requests, 128, models.target.name), 3)
-        final, settled = settle_round([(r, avg) for r, _, avg in trace], args.settle)
-        out[policy] = {"utility": final, "settled_round": settled, "rounds": trace[-1][0] if trace else 0,
-                       "tokens_per_s": sum(o.tokens for o in outs) / wall, "trace": trace,
-                       "seconds": time.perf_counter() - started}
-        print(f"  {policy}: U={final:.3f} settled at round {settled} of {out[policy]['rounds']}", flush=True)
+    for policy, rs in runs.items():
+        median = sorted(rs, key=lambda r: r["utility"])[len(rs) // 2]
+        out[policy] = {**median, "utility_runs": [r["utility"] for r in rs],
+                       "tokens_per_s_runs": [r["tokens_per_s"] for r in rs],
+                       "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rs)}
     return out
+
+
+def allocation_run(models: Any, args: argparse.Namespace, edge: Edge, logs: Path, policy: str) -> dict[str, Any]:
+    drafts = (str(models.drafts[0]), str(models.drafts[-1]), str(models.drafts[0]))
+    sc = Scenario(policy, drafters=3, drafts=drafts, per_drafter_flags=((), (), ("--proposer", "ngram")),
+                  draft_len=args.capacity // 3 * 2, drafter_flags=("--max-sessions", "1"),
+                  verifier_flags=("--allocation", policy, "--draft-capacity", str(args.capacity),
+                                  "--allocation-seed", "7"))
+    started = time.perf_counter()
+    with bench_fleet(models.target, sc, edge, logs) as bf:
+        trace, wall, outs = traced_load(bf, bodies(args.allocation_requests, 128, models.target.name), 3)
+    final, settled = settle_round([(r, avg) for r, _, avg in trace], args.settle)
+    tail = trace[len(trace) // 2:]
+    return {"utility": final, "settled_round": settled, "rounds": trace[-1][0] if trace else 0,
+            "utility_x": sum(u for _, u, _ in tail) / len(tail) if tail else float("nan"),
+            "tokens_per_s": sum(o.tokens for o in outs) / wall, "trace": trace,
+            "seconds": time.perf_counter() - started}
 
 
 # --- SmartSpec, WISP and the trim: tokens/s or SLO attainment by load --------------------------
@@ -158,10 +176,9 @@ def markdown(results: dict[str, Any]) -> str:
     lines = [f"# Verifier policies ({results['meta']['when']}, edge: {results['meta']['edge']})", ""]
     if "allocation" in results:
         lines += ["## Allocation: GoodSpeed vs its baselines (3 heterogeneous drafters, one session each)", "",
-                  "| policy | U(x̄) = Σ log x̄ (last half) | settled at round | rounds | tokens/s |",
-                  "|---|---|---|---|---|"]
-        lines += [f"| {p} | {r['utility']:.3f} | {r['settled_round']} | {r['rounds']} | {r['tokens_per_s']:.1f} |"
-                  for p, r in results["allocation"].items()]
+                  "| policy | U(x̄) = Σ log x̄ (last half; median) | runs | Σ log X (last half) | settled at round "
+                  "| rounds | tokens/s (median) |", "|---|---|---|---|---|---|---|"]
+        lines += [_allocation_row(p, r) for p, r in results["allocation"].items()]
         lines.append("")
     for part, title, key in (("smartspec", "SmartSpec: tokens/s by load (ratio to target-only)", "tokens_per_s"),
                              ("trim", "AdaSpec trim vs fixed k: tokens/s by load", "tokens_per_s"),
@@ -169,6 +186,13 @@ def markdown(results: dict[str, Any]) -> str:
         if part in results:
             lines += [f"## {title}", "", *_table(results[part], key, part == "smartspec"), ""]
     return "\n".join(lines)
+
+
+def _allocation_row(policy: str, r: dict[str, Any]) -> str:
+    runs = ", ".join(f"{u:.2f}" for u in r.get("utility_runs", [r["utility"]]))
+    ux = r.get("utility_x")
+    return (f"| {policy} | {r['utility']:.3f} | {runs} | {'' if ux is None else f'{ux:.3f}'} | {r['settled_round']} "
+            f"| {r['rounds']} | {r['tokens_per_s']:.1f} |")
 
 
 def _table(part: dict[str, dict[Any, dict[str, float]]], key: str, ratio: bool) -> list[str]:
@@ -212,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", default="", help="target model directory (default models/target)")
     p.add_argument("--drafts", default="", help="draft model directories, small first (default models/draft-*)")
     p.add_argument("--capacity", type=int, default=12, help="allocation: GoodSpeed's C")
-    p.add_argument("--allocation-requests", type=int, default=24, help="allocation: requests (128 tokens) per policy")
+    p.add_argument("--allocation-requests", type=int, default=24, help="allocation: requests (128 tokens) per run")
+    p.add_argument("--allocation-repeats", type=int, default=3, help="allocation: runs per policy (median reported)")
     p.add_argument("--settle", type=float, default=0.05, help="allocation: U within this of its final value")
     p.add_argument("--draft-len", type=int, default=4, help="fixed k of the smartspec and wisp parts")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per request (smartspec, wisp, trim)")
