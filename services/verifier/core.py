@@ -338,8 +338,6 @@ class TorchCore:
             return
         kept = [self._commit(req, drafts, v.accepted, v.tokens) for (req, drafts), v in
                 zip(step.verify, verdicts, strict=True)]
-        for (req, drafts), v in zip(step.verify, verdicts, strict=True):
-            self.scheduler.observe_round(req.drafter, req.draft_conf, len(drafts), v.accepted)
         budgets = self._next_budgets(step, verdicts)
         for (req, drafts), v, k in zip(step.verify, verdicts, kept, strict=True):
             logprobs = v.logprobs[: len(k)] if v.logprobs is not None else None
@@ -376,6 +374,7 @@ class TorchCore:
         req.slot.truncate(keep)  # keep the accepted drafts' keys/values (none: the next round recomputes all)
         req.drafted += len(drafts)
         req.accepted += accepted
+        self.scheduler.observe_round(req.drafter, req.draft_conf, len(drafts), accepted)  # the trim's calibration
         return req.commit(tokens)
 
     def _publish_round(self, req: Request, drafted: int, accepted: int, kept: list[int], budget: int,

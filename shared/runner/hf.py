@@ -57,7 +57,8 @@ def _arena_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
 
 AttentionInterface.register(ATTN_NAME, _arena_attention)
 # Outside a step the model must build the masks sdpa gets (padding!); transformers builds none for
-# an attention name without a mask function. Inside a step a 4D placeholder skips mask building.
+# an attention name without a mask function. Inside a step HFDecoder passes an empty 4D mask
+# (``no_mask``), so transformers builds none and _arena_attention ignores it.
 AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
 
 
