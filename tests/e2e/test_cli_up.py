@@ -116,11 +116,13 @@ def test_up_restarts_a_killed_drafter_and_resumes_its_sessions(tiny_models: dict
 
         async def run() -> list[tuple]:
             work = asyncio.create_task(stream_many(stack, sent))  # type: ignore[arg-type]
-            await asyncio.sleep(1.0)
-            for _ in range(100):  # on a loaded machine the victim may not hold sessions yet
+            # kill as soon as the victim holds sessions: the tiny models generate 448 tokens in about
+            # 1.5 s here, so a later kill can leave the survivor nothing to resume (they finished
+            # target-only first, and its opens were answered "duplicate")
+            for _ in range(500):
                 if _sample(f"http://127.0.0.1:{metrics_port}/metrics", "specfleet_drafter_sessions") > 0:
                     break
-                await asyncio.sleep(0.1)
+                await asyncio.sleep(0.02)
             os.kill(victim, signal.SIGKILL)
             return await work
 
