@@ -14,8 +14,9 @@ Every part starts real pinned fleets (the verifier on the server CPU, the rest o
 * **wisp** (WISP §5): FCFS and WISP batching at each load of ``--wisp-loads``, requests spread
   over 4 SLO classes (``--slo-classes``, tokens/s): the share of finished requests that missed
   their class, from the verifier's counters, and the most sessions served at ≤ 5 % violations.
-* **trim** (AdaSpec §6): fixed k for each of ``--trim-ks`` and AdaSpec's trim of the longest
-  (drafters send confidences) at each load of ``--trim-loads``.
+* **trim** (AdaSpec §6): fixed k for each of ``--trim-ks``, AdaSpec's trim of the longest
+  (drafters send confidences), and AdaSpec whole (its drafter controller stops early, the
+  verifier trims) at each load of ``--trim-loads``.
 
 Writes ``<out>/verifier-policies.{json,md}`` and ``<out>/goodspeed-utility.png``.
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import statistics
 import tempfile
@@ -36,6 +38,7 @@ from bench.client import Outcome, run_load
 from bench.edge import Edge, add_edge_flags, edge_from
 from bench.fairness import Sample, settle_round, tracing_utility
 from bench.fleets import PROMPTS, BenchFleet, Scenario, bench_fleet, bodies, given_args
+from bench.profile import largest, smallest
 from bench.scrape import Snapshot
 from shared.up import resolve_models
 
@@ -74,7 +77,8 @@ def allocation_part(models: Any, args: argparse.Namespace, edge: Edge, logs: Pat
 
 
 def allocation_run(models: Any, args: argparse.Namespace, edge: Edge, logs: Path, policy: str) -> dict[str, Any]:
-    drafts = (str(models.drafts[0]), str(models.drafts[-1]), str(models.drafts[0]))
+    small, large = str(smallest(models.drafts)), str(largest(models.drafts))
+    drafts = (small, large, small)  # the third drafts by prompt lookup (no model)
     sc = Scenario(policy, drafters=3, drafts=drafts, per_drafter_flags=((), (), ("--proposer", "ngram")),
                   draft_len=args.capacity // 3 * 2, drafter_flags=("--max-sessions", "1"),
                   verifier_flags=("--allocation", policy, "--draft-capacity", str(args.capacity),
@@ -93,22 +97,46 @@ def allocation_run(models: Any, args: argparse.Namespace, edge: Edge, logs: Path
 # --- SmartSpec, WISP and the trim: tokens/s or SLO attainment by load --------------------------
 
 
-def serve_loads(models: Any, sc: Scenario, loads: list[int], edge: Edge, logs: Path, max_tokens: int,
-                body_extra: Callable[[int], dict[str, Any]] | None = None) -> dict[int, dict[str, float]]:
-    """Per load: tokens/s of ``max(8, 2 x load)`` requests, and the verifier's SLO counters' change."""
-    rows: dict[int, dict[str, float]] = {}
-    with bench_fleet(models.target, sc, edge, logs) as bf:
+def serve_loads(models: Any, scs: list[Scenario], loads: list[int], edge: Edge, logs: Path, max_tokens: int,
+                repeats: int, body_extra: Callable[[int], dict[str, Any]] | None = None
+                ) -> dict[str, dict[int, dict[str, Any]]]:
+    """Per scenario and load: tokens/s of ``max(16, 4 x load)`` requests (the median of
+    ``repeats`` runs) and the share of requests that missed their SLO class (over all runs).
+
+    Every scenario's fleet is up at once (an idle fleet costs next to nothing) and each repeat
+    runs the scenarios in turn: this machine's speed drifts by tens of percent from minute to
+    minute, and scenarios measured minutes apart compared that drift rather than the policies."""
+    rows: dict[str, dict[int, dict[str, Any]]] = {sc.name: {} for sc in scs}
+    with contextlib.ExitStack() as stack:
+        fleets = [(sc, stack.enter_context(bench_fleet(models.target, sc, edge, logs))) for sc in scs]
         for load in loads:
-            n = max(8, 2 * load)
-            reqs = bodies(n, max_tokens, models.target.name, prompts=PROMPTS)
-            if body_extra is not None:
-                reqs = [{**b, **body_extra(i)} for i, b in enumerate(reqs)]
-            before = bf.scrape()["verifier"]
-            wall, outs = asyncio.run(run_load(bf.fleet.ws_url, reqs, load))
-            slo = _slo_counts(bf.scrape()["verifier"], before)
-            rows[load] = {"tokens_per_s": sum(o.tokens for o in outs) / wall, **slo}
-            print(f"  {sc.name} @{load}: {rows[load]}", flush=True)
+            runs: dict[str, list[dict[str, float]]] = {sc.name: [] for sc in scs}
+            for _ in range(repeats):
+                for sc, bf in fleets:
+                    runs[sc.name].append(_serve_once(models, bf, load, max_tokens, body_extra))
+            for name, rs in runs.items():
+                rows[name][load] = _summary(rs)
+                print(f"  {name} @{load}: {rows[name][load]}", flush=True)
     return rows
+
+
+def _serve_once(models: Any, bf: BenchFleet, load: int, max_tokens: int,
+                body_extra: Callable[[int], dict[str, Any]] | None) -> dict[str, float]:
+    n = max(16, 4 * load)  # about 4 s of work at each load or more: shorter runs were noise
+    reqs = bodies(n, max_tokens, models.target.name, prompts=PROMPTS)
+    if body_extra is not None:
+        reqs = [{**b, **body_extra(i)} for i, b in enumerate(reqs)]
+    before = bf.scrape()["verifier"]
+    wall, outs = asyncio.run(run_load(bf.fleet.ws_url, reqs, load))
+    return {"tokens_per_s": sum(o.tokens for o in outs) / wall, **_slo_counts(bf.scrape()["verifier"], before)}
+
+
+def _summary(runs: list[dict[str, float]]) -> dict[str, Any]:
+    counted = sum(r["slo_counted"] for r in runs)
+    missed = sum(r["violated"] * r["slo_counted"] for r in runs if r["slo_counted"])
+    return {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
+            "tokens_per_s_runs": [round(r["tokens_per_s"], 1) for r in runs],
+            "violated": missed / counted if counted else float("nan"), "slo_counted": counted}
 
 
 def _slo_counts(after: Snapshot, before: Snapshot) -> dict[str, float]:
@@ -121,35 +149,36 @@ def _slo_counts(after: Snapshot, before: Snapshot) -> dict[str, float]:
 
 
 def smartspec_part(models: Any, args: argparse.Namespace, edge: Edge, logs: Path) -> dict[str, Any]:
-    draft = str(models.drafts[0])
+    draft = str(smallest(models.drafts))
     scs = [Scenario("target-only"), Scenario(f"fixed k={args.draft_len}", drafters=1, draft=draft,
                                              draft_len=args.draft_len),
            Scenario("smartspec", drafters=1, draft=draft, draft_len=args.draft_len,
                     verifier_flags=("--allocation", "smartspec", *_estimator_flags(args)))]
-    return {sc.name: serve_loads(models, sc, args.loads, edge, logs, args.max_tokens) for sc in scs}
+    return serve_loads(models, scs, args.loads, edge, logs, args.max_tokens, args.repeats)
 
 
 def wisp_part(models: Any, args: argparse.Namespace, edge: Edge, logs: Path) -> dict[str, Any]:
-    draft = str(models.drafts[0])
+    draft = str(smallest(models.drafts))
     classes = args.slo_classes
 
     def slo(i: int) -> dict[str, Any]:
         return {"slo_tokens_per_s": classes[i % len(classes)]}
-    out = {}
-    for policy in ("fcfs", "wisp"):
-        sc = Scenario(policy, drafters=1, draft=draft, draft_len=args.draft_len,
-                      verifier_flags=("--batching", policy, *_estimator_flags(args)))
-        out[policy] = serve_loads(models, sc, args.wisp_loads, edge, logs, args.max_tokens, slo)
-    return out
+    scs = [Scenario(policy, drafters=1, draft=draft, draft_len=args.draft_len,
+                    verifier_flags=("--batching", policy, *_estimator_flags(args))) for policy in ("fcfs", "wisp")]
+    return serve_loads(models, scs, args.wisp_loads, edge, logs, args.max_tokens, args.repeats, slo)
 
 
 def trim_part(models: Any, args: argparse.Namespace, edge: Edge, logs: Path) -> dict[str, Any]:
-    draft = str(models.drafts[0])
+    draft = str(smallest(models.drafts))
     scs = [Scenario(f"fixed k={k}", drafters=1, draft=draft, draft_len=k) for k in args.trim_ks]
     scs.append(Scenario(f"adaspec trim (k={max(args.trim_ks)})", drafters=1, draft=draft, draft_len=max(args.trim_ks),
                         drafter_flags=("--send-confidence", "true"),
                         verifier_flags=("--trim", "adaspec", *_estimator_flags(args))))
-    return {sc.name: serve_loads(models, sc, args.trim_loads, edge, logs, args.max_tokens) for sc in scs}
+    # AdaSpec as the paper builds it: the drafter stops early (§4-5.1) and the verifier trims (§5.2-5.3)
+    scs.append(Scenario(f"adaspec drafter + trim (k={max(args.trim_ks)})", drafters=1, draft=draft,
+                        draft_len=max(args.trim_ks), drafter_flags=("--controller", "adaspec"),
+                        verifier_flags=("--trim", "adaspec", *_estimator_flags(args))))
+    return serve_loads(models, scs, args.trim_loads, edge, logs, args.max_tokens, args.repeats)
 
 
 def _estimator_flags(args: argparse.Namespace) -> tuple[str, ...]:
@@ -180,8 +209,10 @@ def markdown(results: dict[str, Any]) -> str:
                   "| rounds | tokens/s (median) |", "|---|---|---|---|---|---|---|"]
         lines += [_allocation_row(p, r) for p, r in results["allocation"].items()]
         lines.append("")
-    for part, title, key in (("smartspec", "SmartSpec: tokens/s by load (ratio to target-only)", "tokens_per_s"),
-                             ("trim", "AdaSpec trim vs fixed k: tokens/s by load", "tokens_per_s"),
+    for part, title, key in (("smartspec", "SmartSpec: tokens/s by load, median of the repeats (median ratio to "
+                                           "target-only in the same repeat)", "tokens_per_s"),
+                             ("trim", "AdaSpec trim vs fixed k: tokens/s by load (median of the repeats)",
+                              "tokens_per_s"),
                              ("wisp", "WISP vs FCFS: share of requests that missed their SLO class", "violated")):
         if part in results:
             lines += [f"## {title}", "", *_table(results[part], key, part == "smartspec"), ""]
@@ -195,7 +226,7 @@ def _allocation_row(policy: str, r: dict[str, Any]) -> str:
             f"| {r['rounds']} | {r['tokens_per_s']:.1f} |")
 
 
-def _table(part: dict[str, dict[Any, dict[str, float]]], key: str, ratio: bool) -> list[str]:
+def _table(part: dict[str, dict[Any, dict[str, Any]]], key: str, ratio: bool) -> list[str]:
     loads = sorted({int(load) for rows in part.values() for load in rows})
     base = part.get("target-only", {})
     out = ["| scenario | " + " | ".join(f"@{n}" for n in loads) + " |", "|---" * (len(loads) + 1) + "|"]
@@ -205,10 +236,21 @@ def _table(part: dict[str, dict[Any, dict[str, float]]], key: str, ratio: bool) 
             row = rows.get(n) or rows.get(str(n))
             value = row[key] if row else float("nan")
             ref = base.get(n) or base.get(str(n))
-            cells.append(f"{value:.1f} ({value / ref[key]:.2f}x)" if ratio and ref and name != "target-only"
-                         else f"{value:.3f}" if key == "violated" else f"{value:.1f}")
+            if ratio and row and ref and name != "target-only":
+                cells.append(f"{value:.1f} ({_ratio(row, ref, key):.2f}x)")
+            else:
+                cells.append(f"{value:.3f}" if key == "violated" else f"{value:.1f}")
         out.append(f"| {name} | " + " | ".join(cells) + " |")
     return out
+
+
+def _ratio(row: dict[str, Any], ref: dict[str, Any], key: str) -> float:
+    """The median over repeats of this scenario's rate over the reference's in the same repeat
+    (the two ran back to back), or the ratio of the two values for a single run."""
+    mine, theirs = row.get(f"{key}_runs", []), ref.get(f"{key}_runs", [])
+    if len(mine) == len(theirs) > 1:
+        return statistics.median(a / b for a, b in zip(mine, theirs, strict=True))
+    return float(row[key] / ref[key])
 
 
 def plot(allocation: dict[str, Any], path: Path) -> None:
@@ -234,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
     p.add_argument("--out", default="bench/results", help="results folder")
     p.add_argument("--target", default="", help="target model directory (default models/target)")
-    p.add_argument("--drafts", default="", help="draft model directories, small first (default models/draft-*)")
+    p.add_argument("--drafts", default="", help="draft model directories (default models/draft-*); the smallest drafts "
+                   "(allocation's second drafter: the largest)")
     p.add_argument("--capacity", type=int, default=12, help="allocation: GoodSpeed's C")
     p.add_argument("--allocation-requests", type=int, default=24, help="allocation: requests (128 tokens) per run")
     p.add_argument("--allocation-repeats", type=int, default=3, help="allocation: runs per policy (median reported)")
@@ -242,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-len", type=int, default=4, help="fixed k of the smartspec and wisp parts")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per request (smartspec, wisp, trim)")
     p.add_argument("--loads", default="1,4,16,64", help="smartspec: concurrent requests")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="smartspec, wisp, trim: runs of each scenario at each load, in turn (median reported)")
     p.add_argument("--wisp-loads", default="24,48,96", help="wisp: concurrent requests")
     p.add_argument("--slo-classes", default="10,20,30,40", help="wisp: SLO classes, tokens/s, spread over requests")
     p.add_argument("--trim-loads", default="1,16", help="trim: concurrent requests")

@@ -28,5 +28,6 @@ def policy_status(allocator: Allocator, scheduler: Scheduler, tracker: GoodputTr
                                    for name, cal in sorted(scheduler.calibrations.items())}
     last_k = getattr(allocator, "last_k", None)
     if last_k is not None:  # SmartSpec: the length it chose last, and that length's predicted goodput
-        out["smartspec"] = {"k": last_k, "goodput_tok_s": round(getattr(allocator, "last_goodput", 0.0), 3)}
+        out["smartspec"] = {"k": last_k, "goodput_tok_s": round(getattr(allocator, "last_goodput", 0.0), 3),
+                            **getattr(allocator, "beliefs", dict)()}
     return out

@@ -213,8 +213,8 @@ def test_ready_says_what_is_missing(client: TestClient) -> None:
 
 
 def test_metrics_count_requests_by_endpoint_and_status(client: TestClient) -> None:
-    client.post(CHAT, json={"messages": []})
-    client.post(COMP, json={"prompt": "a", "n": 3})
+    assert client.post(CHAT, json={"messages": []}).status_code == 400
+    assert client.post(COMP, json={"prompt": ""}).status_code == 400  # n > 1 is served now: not a 400
     text = client.get("/metrics").text
     assert 'specfleet_coordinator_requests_total{endpoint="chat",status="400"}' in text
     assert 'specfleet_coordinator_requests_total{endpoint="completions",status="400"}' in text

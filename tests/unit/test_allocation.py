@@ -17,7 +17,7 @@ from services.verifier.allocation import (
     make_allocator,
 )
 from services.verifier.allocation.goodspeed import expected_tokens, greedy_lengths, length_at, solve
-from services.verifier.allocation.smartspec import DraftWaitModel, best_length
+from services.verifier.allocation.smartspec import PROBE_EVERY, PROBE_STEPS, DraftWaitModel, best_length, goodputs
 from services.verifier.batching.estimator import SegmentShape, StepTimeEstimator
 
 
@@ -212,24 +212,84 @@ class Linear:
 ])
 def test_smartspec_switches_speculation_off_only_when_it_does_not_pay(
         sessions: int, fixed: float, per_token: float, alpha: float, want_zero: bool) -> None:
-    k, goodput = best_length([alpha] * sessions, [200] * sessions, 8, Linear(fixed, per_token), DraftWaitModel())
+    k, goodput = best_length(alpha, sessions, 200, 8, Linear(fixed, per_token), DraftWaitModel())
     assert (k == 0) is want_zero
     assert goodput == pytest.approx(max(
         sessions * expected_tokens(alpha, j) / Linear(fixed, per_token).predict(
             [SegmentShape(1 + j, 200)] * sessions) for j in range(9)))
 
 
-def test_smartspec_counts_the_wait_for_drafts() -> None:
+def slow_edge() -> DraftWaitModel:
     wait = DraftWaitModel()
     for k in range(1, 9):
         wait.observe(k, 0.020 + 0.010 * k)  # a slow edge: 20 ms + 10 ms per drafted token
+    return wait
+
+
+def test_smartspec_counts_the_wait_for_drafts() -> None:
+    wait = slow_edge()
     assert wait.e0 == pytest.approx(0.020) and wait.e1 == pytest.approx(0.010)
-    k_slow, _ = best_length([0.6], [100], 8, Linear(5e-3, 0.1e-3), wait)
-    k_fast, _ = best_length([0.6], [100], 8, Linear(5e-3, 0.1e-3), DraftWaitModel())
+    k_slow, _ = best_length(0.6, 1, 100, 8, Linear(5e-3, 0.1e-3), wait)
+    k_fast, _ = best_length(0.6, 1, 100, 8, Linear(5e-3, 0.1e-3), DraftWaitModel())
     assert k_slow == 0 < k_fast
 
 
-def test_smartspec_allocator_uses_each_sessions_moving_average() -> None:
+def test_smartspec_counts_only_the_wait_other_sessions_do_not_fill() -> None:
+    """An edge that takes 5 ms + 1 ms per drafted token: one session alone would leave the
+    verifier idle through that wait, and speculation does not pay; with 40 sessions the verifier
+    verifies the others' drafts meanwhile, the wait costs it nothing, and speculation pays."""
+    wait = DraftWaitModel()
+    for k in range(1, 9):
+        wait.observe(k, 0.005 + 0.001 * k)
+    k_alone, _ = best_length(0.6, 1, 100, 8, Linear(5e-3, 0.1e-3), wait)
+    k_busy, _ = best_length(0.6, 40, 100, 8, Linear(5e-3, 0.1e-3), wait)
+    assert k_alone == 0 < k_busy
+
+
+def test_smartspec_changes_its_length_only_for_a_clear_gain() -> None:
+    model, wait = Linear(8e-3, 0.1e-3), DraftWaitModel()
+    best, g_best = best_length(0.7, 1, 100, 8, model, wait)
+    g = goodputs(0.7, 1, 100, 8, model, wait)
+    near = next(k for k in range(9) if k != best and g[k] * 1.05 >= g_best)  # within 5 % of the best
+    assert best_length(0.7, 1, 100, 8, model, wait, current=near, margin=0.05) == (near, pytest.approx(g[near]))
+    assert best_length(0.7, 1, 100, 8, model, wait, current=0, margin=0.05)[0] == best  # 0 is far worse
+
+
+def test_the_draft_wait_line_goes_through_each_lengths_mean() -> None:
+    wait = DraftWaitModel(refit_every=1)
+    for t in (0.002, 0.004):
+        wait.observe(2, t)
+    for t in (0.005, 0.005):
+        wait.observe(4, t)
+    assert wait.e1 == pytest.approx(0.001) and wait.e0 == pytest.approx(0.001)
+    assert wait.predict(0) == 0.0 and wait.predict(3) == pytest.approx(0.004)
+
+
+def test_smartspec_leaves_first_rounds_out_of_the_draft_wait() -> None:
+    """A session's first draft also pays the drafter's prefill, and the first after a pause its
+    catch-up on the tokens decoded without it: neither is a draft's usual wait."""
+    alloc = make_allocator("smartspec", AllocationSettings(draft_len=4, max_len=8), Linear(8e-3, 0.1e-3))
+    t = GoodputTracker()
+    alloc.assign([rs("a", 4, 4, wait=0.5)], t)  # first round
+    assert not alloc.wait.points  # type: ignore[attr-defined]
+    alloc.assign([rs("a", 4, 4, wait=0.004)], t)
+    assert list(alloc.wait.points) == [(4, 0.004)]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(("rounds", "want"), [
+    ([(4, 4), (4, 4)], 1.0),  # every draft accepted: no test failed
+    ([(4, 0)], 0.0),  # the first draft rejected: one test, failed
+    ([(4, 2), (4, 4)], 6 / 7),  # 2 accepted + 1 rejected, then 4 accepted
+    ([(4, 3), (2, 2), (0, 0)], 5 / 6),  # a round without drafts tests nothing
+])
+def test_smartspec_alpha_counts_drafts_up_to_the_first_rejection(rounds: list[tuple[int, int]], want: float) -> None:
+    alloc = make_allocator("smartspec", AllocationSettings(draft_len=4, max_len=8), Linear(8e-3, 0.1e-3))
+    t = GoodputTracker()
+    alloc.assign([rs(f"s{i}", d, a) for i, (d, a) in enumerate(rounds)], t)
+    assert alloc.alpha() == pytest.approx(want)  # type: ignore[attr-defined]
+
+
+def test_smartspec_gives_every_session_of_a_batch_the_same_length() -> None:
     est = StepTimeEstimator(coef=(0.1e-3, 0.0, 0.0, 8e-3))
     alloc = make_allocator("smartspec", AllocationSettings(draft_len=4, max_len=8), est)
     t = GoodputTracker()
@@ -239,6 +299,20 @@ def test_smartspec_allocator_uses_each_sessions_moving_average() -> None:
     budgets = alloc.assign(rounds, t)
     assert len(set(budgets.values())) == 1 and budgets["a"] > 0
     assert alloc.initial("c", t) == budgets["a"]
+
+
+def test_smartspec_keeps_probing_while_speculation_is_off() -> None:
+    """Nothing is accepted, so it switches speculation off, after ``window`` steps of evidence;
+    then PROBE_STEPS of every PROBE_EVERY batches draft again and keep the estimate fresh."""
+    alloc = make_allocator("smartspec", AllocationSettings(draft_len=4, max_len=8), Linear(8e-3, 0.1e-3))
+    t = GoodputTracker()
+    ks = []
+    for _ in range(16 + 2 * PROBE_EVERY):
+        k = ks[-1] if ks else 4
+        ks.append(alloc.assign([rs("a", k, 0)], t)["a"])
+    assert ks[:15] == [4] * 15  # too little evidence to switch off yet
+    off = ks[16:]
+    assert 0 in off and off.count(4) == 2 * PROBE_STEPS
 
 
 def test_goodspeed_converges_to_the_joint_optimum_when_rounds_return_one_at_a_time() -> None:

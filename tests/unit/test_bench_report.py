@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from bench.report import SECTIONS, render
-from bench.verifier_policies import earlier_parts
+from bench.verifier_policies import _summary, _table, earlier_parts
 
 
 def test_every_section_shows_its_latest_table_or_says_it_was_not_run(tmp_path: Path) -> None:
@@ -46,3 +46,15 @@ def test_a_run_of_some_verifier_policy_parts_keeps_the_others(tmp_path: Path) ->
     legacy = {"meta": {"when": "2026-11-23 14:55"}, "smartspec": {"x": {}}}  # written before meta.parts existed
     path.write_text(json.dumps(legacy))
     assert earlier_parts(path, ["trim"])["meta"]["parts"] == {"smartspec": {"when": "2026-11-23 14:55"}}
+
+
+def test_load_tables_report_medians_and_ratios_paired_by_repeat() -> None:
+    """Each repeat runs every scenario back to back; a ratio is taken within a repeat, then the
+    median across repeats, so a slow minute of the machine does not favour one scenario."""
+    base = _summary([{"tokens_per_s": r, "violated": 0.0, "slo_counted": 8.0} for r in (100.0, 200.0, 300.0)])
+    spec = _summary([{"tokens_per_s": r, "violated": v, "slo_counted": 8.0}
+                     for r, v in ((150.0, 0.5), (220.0, 0.0), (280.0, 0.25))])
+    assert base["tokens_per_s"] == 200.0 and spec["tokens_per_s"] == 220.0
+    assert spec["violated"] == (4 + 0 + 2) / 24  # pooled over the repeats' finished requests
+    table = _table({"target-only": {4: base}, "smartspec": {4: spec}}, "tokens_per_s", ratio=True)
+    assert table[-1] == "| smartspec | 220.0 (1.10x) |"  # median of 1.5, 1.1 and 0.93

@@ -2,24 +2,38 @@
 
 Goodput is the expected tokens a batch generates over the time the batch takes:
 
-    goodput(k) = Σ_i l(α_i, k) / (T_target(batch with k drafts each) + T_draft(k))
+    goodput(k) = Σ_i l(α, k) / (T_target(batch with k drafts each) + T_draft(k))
     l(α, k)    = (1 − α^(k+1)) / (1 − α)                     (eq. 8, the bonus token included)
 
-The policy tries every proposal length k in 0…V for the sessions just verified (the batch that
-comes back next) and gives them the best one; k = 0 is plain decoding, so speculation switches
-itself off when the verifier is saturated and extra tokens cost more than they return.
+After every verified step the policy tries every proposal length k in 0…V and gives the best
+one to the sessions just verified; k = 0 is plain decoding, so speculation switches itself off
+when extra tokens cost more than they return. While it is off, PROBE_STEPS of every
+PROBE_EVERY steps draft anyway, so that the estimates it decided on stay measured.
 
-* α_i is a moving average of session i's per-round acceptance rate over its last ``window``
-  rounds (SmartSpec's "top-1 candidate" estimate, request-level granularity).
+* α is the per-token acceptance rate of eq. 8 (the chance that a draft is accepted once every
+  draft before it was), estimated over the last ``window`` verified steps of all sessions:
+  SmartSpec's "global token acceptance rate" (§4.4, Alg. 2 lines 13-14), the granularity the
+  paper ships. A round tests its drafts in order until the first rejection, so it shows
+  ``accepted`` successes and one failure when it stopped short; α = Σ successes / Σ tests.
+  (Accepted over drafted would be biased low: with α = 0.8 and k = 4 it is 0.59.) When
+  speculation is off no step adds to it, so it keeps the rate speculation last had.
 * T_target comes from the shared verification-time estimator (``batching/estimator.py``), whose
   coefficients are profiled offline and refined online by least squares.
 * T_draft is SmartSpec's eq. 4 term. Here drafts are made at the edge, so it is the time the
   verifier waits for a draft of k tokens (drafting plus both network legs), fitted online as
-  e0 + e1·k by least squares over recent rounds; with k = 0 no draft is awaited and it is 0.
+  e0 + e1·k through the mean wait at each length; a session's first round (its draft also paid
+  the drafter's prefill) and its first after a pause (the drafter caught up on the tokens
+  decoded without it) are left out. With k = 0 no draft is awaited and it is 0. Unlike the
+  paper's colocated drafter, an edge drafter does not take the verifier's time: while one
+  session's draft is made, the verifier verifies the others' (see :func:`goodputs`).
+* The paper's batch holds every running request. Here a step holds only the sessions whose
+  drafts are in, so the length is chosen for all live speculating sessions, and it changes only
+  for a predicted gain of SWITCH_MARGIN or more.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 from collections.abc import Sequence
 
@@ -29,42 +43,83 @@ from services.verifier.allocation.tracker import GoodputTracker
 from services.verifier.batching.estimator import SegmentShape, StepTimeModel
 
 EDGE_WINDOW = 256  # recent rounds the draft-wait line is fitted on
+#: while speculation is off, every this many-th batch drafts anyway (``draft_len`` tokens), so
+#: that the acceptance and draft-wait estimates it was switched off on keep being measured; a
+#: probe lasts PROBE_STEPS batches, as a drafter's first round after a pause also catches its
+#: cache up on the tokens decoded without it, and that wait is not a draft's usual one
+PROBE_EVERY = 32
+PROBE_STEPS = 4
+#: the chosen length changes only for this much more predicted goodput: a drafter pays for every
+#: change (a lookahead drafted for the old length is lost), and noise would otherwise flip it
+SWITCH_MARGIN = 0.05
 
 
 class DraftWaitModel:
-    """Least-squares line through (k, seconds the verifier waited for a k-token draft)."""
+    """Least-squares line through the mean seconds the verifier waited for a draft of each
+    length k, over the last ``window`` rounds (refitted every ``refit_every`` of them)."""
 
-    def __init__(self, window: int = EDGE_WINDOW) -> None:
+    def __init__(self, window: int = EDGE_WINDOW, refit_every: int = 16) -> None:
         self.points: deque[tuple[int, float]] = deque(maxlen=window)
+        self.refit_every, self._since = refit_every, 0
         self.e0, self.e1 = 0.0, 0.0
 
     def observe(self, k: int, seconds: float) -> None:
         if k <= 0 or seconds <= 0:
             return
         self.points.append((k, seconds))
-        n = len(self.points)
-        mean_k = sum(p[0] for p in self.points) / n
-        mean_t = sum(p[1] for p in self.points) / n
-        var = sum((p[0] - mean_k) ** 2 for p in self.points)
-        slope = sum((p[0] - mean_k) * (p[1] - mean_t) for p in self.points) / var if var > 0 else 0.0
-        self.e1 = max(0.0, slope)
+        self._since += 1
+        if self._since >= self.refit_every or len(self.points) < self.refit_every:
+            self._since = 0
+            self._refit()
+
+    def _refit(self) -> None:
+        by_k: dict[int, list[float]] = {}
+        for k, t in self.points:
+            by_k.setdefault(k, []).append(t)
+        ks = sorted(by_k)
+        means = [statistics.fmean(by_k[k]) for k in ks]
+        weights = [len(by_k[k]) for k in ks]
+        n = sum(weights)
+        mean_k = sum(w * k for w, k in zip(weights, ks, strict=True)) / n
+        mean_t = sum(w * t for w, t in zip(weights, means, strict=True)) / n
+        var = sum(w * (k - mean_k) ** 2 for w, k in zip(weights, ks, strict=True))
+        cov = sum(w * (k - mean_k) * (t - mean_t) for w, k, t in zip(weights, ks, means, strict=True))
+        self.e1 = max(0.0, cov / var) if var > 0 else 0.0
         self.e0 = max(0.0, mean_t - self.e1 * mean_k)
 
     def predict(self, k: int) -> float:
         return 0.0 if k <= 0 else self.e0 + self.e1 * k
 
 
-def best_length(alphas: Sequence[float], contexts: Sequence[int], max_len: int, model: StepTimeModel,
-                wait: DraftWaitModel) -> tuple[int, float]:
-    """(k, goodput) maximising eq. 3's goodput for one batch over k in 0…max_len."""
-    best_k, best = 0, -1.0
+def goodputs(alpha: float, sessions: int, context: int, max_len: int, model: StepTimeModel,
+             wait: DraftWaitModel) -> list[float]:
+    """Eq. 3's goodput of ``sessions`` alike live sessions (``context`` tokens each) at each k in
+    0…max_len: their expected tokens over the time in which each completes a round.
+
+    A round is the verifier's work for all of them, T_target(all, k), or one session's loop, its
+    draft wait plus its own verification, whichever is longer: while one session's draft is made
+    at the edge the verifier verifies the others', so the wait only costs the verifier when it
+    has nothing else to do (one session: the paper's T_target + T_draft). Eq. 19 is affine in its
+    sums, so n alike segments cost T(1) plus n - 1 times the second one's extra cost."""
+    out = []
     for k in range(max_len + 1):
-        tokens = sum(expected_tokens(a, k) for a in alphas)
-        seconds = model.predict([SegmentShape(new=1 + k, cached=c) for c in contexts]) + wait.predict(k)
-        goodput = tokens / max(seconds, 1e-9)
-        if goodput > best:
-            best_k, best = k, goodput
-    return best_k, best
+        one = SegmentShape(new=1 + k, cached=context)
+        first = model.predict([one])
+        everyone = first + (sessions - 1) * (model.predict([one, one]) - first)
+        seconds = max(everyone, wait.predict(k) + first)
+        out.append(sessions * expected_tokens(alpha, k) / max(seconds, 1e-9))
+    return out
+
+
+def best_length(alpha: float, sessions: int, context: int, max_len: int, model: StepTimeModel,
+                wait: DraftWaitModel, current: int | None = None, margin: float = 0.0) -> tuple[int, float]:
+    """(k, goodput) maximising eq. 3's goodput over k in 0…max_len; with ``current``, it stays
+    unless the best k predicts ``margin`` (a fraction) more goodput than it."""
+    g = goodputs(alpha, sessions, context, max_len, model, wait)
+    best = max(range(len(g)), key=g.__getitem__)
+    if current is not None and 0 <= current < len(g) and g[best] <= g[current] * (1 + margin):
+        return current, g[current]
+    return best, g[best]
 
 
 class SmartSpecAllocator:
@@ -74,30 +129,53 @@ class SmartSpecAllocator:
                  alpha0: float = 0.5) -> None:
         if draft_len < 0 or max_len < 0 or window < 1:
             raise ValueError("draft_len and max_len must be >= 0 and window >= 1")
-        self.model, self.max_len, self.window, self.alpha0 = model, max_len, window, alpha0
-        self.last_k = min(draft_len, max_len)
+        self.model, self.max_len, self.alpha0 = model, max_len, alpha0
+        self.explore_k = self.last_k = min(draft_len, max_len)
+        self._off_steps = 0
+        self._chosen: int | None = None  # the length the estimates last chose (probes aside)
+        self._sent: dict[str, int] = {}  # the budget each live session was last given
         self.last_goodput = 0.0
         self.wait = DraftWaitModel()
-        self._rates: dict[str, deque[float]] = {}
+        self._tests: deque[tuple[int, int]] = deque(maxlen=window)  # (accepted, tested) of recent drafted steps
+        self.window = window
 
     def initial(self, session_id: str, tracker: GoodputTracker) -> int:
         return self.last_k
 
-    def alpha(self, session_id: str) -> float:
-        rates = self._rates.get(session_id)
-        return sum(rates) / len(rates) if rates else self.alpha0
+    def alpha(self) -> float:
+        """Accepted over tested drafts in the recent steps (``alpha0`` before any)."""
+        tested = sum(t for _, t in self._tests)
+        return sum(a for a, _ in self._tests) / tested if tested else self.alpha0
+
+    def beliefs(self) -> dict[str, float]:
+        """What the choice rests on: the acceptance estimate and the draft-wait line."""
+        return {"alpha": round(self.alpha(), 4), "draft_wait_e0_s": round(self.wait.e0, 6),
+                "draft_wait_e1_s": round(self.wait.e1, 6)}
 
     def assign(self, rounds: Sequence[RoundStats], tracker: GoodputTracker) -> dict[str, int]:
+        accepted = tested = 0
         for r in rounds:
-            self.wait.observe(r.drafted, r.draft_wait_s)
-            if r.drafted > 0:
-                self._rates.setdefault(r.session_id, deque(maxlen=self.window)).append(r.accepted / r.drafted)
-        live = set(tracker.sessions)
-        for sid in [s for s in self._rates if s not in live]:
-            del self._rates[sid]
+            if self._sent.get(r.session_id, 0) > 0:  # not a first round, nor the first after a pause
+                self.wait.observe(r.drafted, r.draft_wait_s)
+            accepted += r.accepted
+            tested += r.accepted + (r.accepted < r.drafted)  # the drafts up to the first rejection
+        if tested > 0:
+            self._tests.append((accepted, tested))
+        if len(self._sent) > 2 * tracker.speculative() + 64:
+            self._sent = {sid: k for sid, k in self._sent.items() if sid in tracker.sessions}
         if not rounds:
             return {}
-        self.last_k, self.last_goodput = best_length([self.alpha(r.session_id) for r in rounds],
-                                                     [r.context_len for r in rounds], self.max_len, self.model,
-                                                     self.wait)
-        return {r.session_id: self.last_k for r in rounds}
+        # the paper's batch holds every running request; here a step holds the sessions whose
+        # drafts are in, so plan for all live speculating sessions, at this batch's mean context
+        ctx = sum(r.context_len for r in rounds) // len(rounds)
+        sessions = max(len(rounds), tracker.speculative())
+        k, self.last_goodput = best_length(self.alpha(), sessions, ctx, self.max_len, self.model, self.wait,
+                                           self._chosen, SWITCH_MARGIN)
+        self._chosen = k
+        self._off_steps = self._off_steps + 1 if k == 0 else 0
+        if len(self._tests) < self.window or self._off_steps % PROBE_EVERY >= PROBE_EVERY - PROBE_STEPS:
+            k = self.explore_k  # too little evidence yet, or a probe of a switched-off speculation
+        self.last_k = k
+        for r in rounds:
+            self._sent[r.session_id] = k
+        return {r.session_id: k for r in rounds}
