@@ -103,16 +103,26 @@ def serve_loads(models: Any, scs: list[Scenario], loads: list[int], edge: Edge, 
     """Per scenario and load: tokens/s of ``max(16, 4 x load)`` requests (the median of
     ``repeats`` runs) and the share of requests that missed their SLO class (over all runs).
 
-    Every scenario's fleet is up at once (an idle fleet costs next to nothing) and each repeat
-    runs the scenarios in turn: this machine's speed drifts by tens of percent from minute to
-    minute, and scenarios measured minutes apart compared that drift rather than the policies."""
+    Every scenario's fleet is up at once (an idle fleet takes memory, one model copy per
+    service, but next to no CPU) and each repeat runs the scenarios in turn: this machine's
+    speed drifts by tens of percent from minute to minute, and scenarios measured minutes apart
+    compared that drift rather than the policies. Over an emulated edge network (``--rtt-ms``
+    etc.) the fleets run one at a time, as each needs the process's one edge namespace."""
     rows: dict[str, dict[int, dict[str, Any]]] = {sc.name: {} for sc in scs}
+    if edge.networked:  # one emulated edge network per process (bench.netns): one fleet at a time
+        for sc in scs:
+            with bench_fleet(models.target, sc, edge, logs) as bf:
+                for load in loads:
+                    rows[sc.name][load] = _summary([_serve_once(models, bf, load, max_tokens, body_extra)
+                                                    for _ in range(repeats)])
+                    print(f"  {sc.name} @{load}: {rows[sc.name][load]}", flush=True)
+        return rows
     with contextlib.ExitStack() as stack:
         fleets = [(sc, stack.enter_context(bench_fleet(models.target, sc, edge, logs))) for sc in scs]
         for load in loads:
             runs: dict[str, list[dict[str, float]]] = {sc.name: [] for sc in scs}
-            for _ in range(repeats):
-                for sc, bf in fleets:
+            for i in range(repeats):  # each repeat starts with the next scenario: drift within one cancels too
+                for sc, bf in fleets[i % len(fleets):] + fleets[: i % len(fleets)]:
                     runs[sc.name].append(_serve_once(models, bf, load, max_tokens, body_extra))
             for name, rs in runs.items():
                 rows[name][load] = _summary(rs)
@@ -135,7 +145,7 @@ def _summary(runs: list[dict[str, float]]) -> dict[str, Any]:
     counted = sum(r["slo_counted"] for r in runs)
     missed = sum(r["violated"] * r["slo_counted"] for r in runs if r["slo_counted"])
     return {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
-            "tokens_per_s_runs": [round(r["tokens_per_s"], 1) for r in runs],
+            "tokens_per_s_runs": [r["tokens_per_s"] for r in runs],
             "violated": missed / counted if counted else float("nan"), "slo_counted": counted}
 
 
@@ -248,9 +258,9 @@ def _ratio(row: dict[str, Any], ref: dict[str, Any], key: str) -> float:
     """The median over repeats of this scenario's rate over the reference's in the same repeat
     (the two ran back to back), or the ratio of the two values for a single run."""
     mine, theirs = row.get(f"{key}_runs", []), ref.get(f"{key}_runs", [])
-    if len(mine) == len(theirs) > 1:
+    if len(mine) == len(theirs) > 1 and all(b > 0 for b in theirs):
         return statistics.median(a / b for a, b in zip(mine, theirs, strict=True))
-    return float(row[key] / ref[key])
+    return float(row[key] / ref[key]) if ref[key] > 0 else float("nan")
 
 
 def plot(allocation: dict[str, Any], path: Path) -> None:

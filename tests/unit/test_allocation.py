@@ -270,10 +270,27 @@ def test_smartspec_leaves_first_rounds_out_of_the_draft_wait() -> None:
     catch-up on the tokens decoded without it: neither is a draft's usual wait."""
     alloc = make_allocator("smartspec", AllocationSettings(draft_len=4, max_len=8), Linear(8e-3, 0.1e-3))
     t = GoodputTracker()
+    alloc.initial("a", t)
     alloc.assign([rs("a", 4, 4, wait=0.5)], t)  # first round
     assert not alloc.wait.points  # type: ignore[attr-defined]
     alloc.assign([rs("a", 4, 4, wait=0.004)], t)
-    assert list(alloc.wait.points) == [(4, 0.004)]  # type: ignore[attr-defined]
+    alloc.assign([rs("a", 0, 0)], t)  # a round at budget 0: nothing drafted
+    alloc.assign([rs("a", 4, 4, wait=0.3)], t)  # the first drafted round after it: catch-up
+    alloc.assign([rs("a", 4, 4, wait=0.005)], t)
+    alloc.initial("a", t)  # resumed by another drafter
+    alloc.assign([rs("a", 4, 4, wait=0.4)], t)
+    assert list(alloc.wait.points) == [(4, 0.004), (4, 0.005)]  # type: ignore[attr-defined]
+
+
+def test_smartspec_with_draft_len_0_still_measures_and_can_speculate() -> None:
+    alloc = make_allocator("smartspec", AllocationSettings(draft_len=0, max_len=8), Linear(8e-3, 0.1e-3))
+    t = GoodputTracker()
+    assert alloc.initial("a", t) == 0
+    k = alloc.assign([rs("a", 0, 0)], t)["a"]
+    assert k == 1  # the warm-up drafts one token to learn α
+    for _ in range(20):
+        k = alloc.assign([rs("a", k, k)], t)["a"]
+    assert k > 0
 
 
 @pytest.mark.parametrize(("rounds", "want"), [
@@ -291,14 +308,31 @@ def test_smartspec_alpha_counts_drafts_up_to_the_first_rejection(rounds: list[tu
 
 def test_smartspec_gives_every_session_of_a_batch_the_same_length() -> None:
     est = StepTimeEstimator(coef=(0.1e-3, 0.0, 0.0, 8e-3))
-    alloc = make_allocator("smartspec", AllocationSettings(draft_len=4, max_len=8), est)
+    alloc = make_allocator("smartspec", AllocationSettings(draft_len=1, max_len=8), est)
     t = GoodputTracker()
     rounds = [rs("a", 4, 4), rs("b", 4, 4)]
     for r in rounds:
         t.observe(r)
-    budgets = alloc.assign(rounds, t)
-    assert len(set(budgets.values())) == 1 and budgets["a"] > 0
+    for _ in range(16):  # past the warm-up, which drafts draft_len = 1
+        budgets = alloc.assign(rounds, t)
+    assert len(set(budgets.values())) == 1 and budgets["a"] > 1  # every draft accepted: long drafts pay
     assert alloc.initial("c", t) == budgets["a"]
+
+
+def test_smartspec_keeps_its_length_within_the_switching_margin() -> None:
+    """α falls from 1 to 0.875: the best length moves from 8 to 6, which predicts less than 5 %
+    more goodput than 8, so the allocator keeps 8 (it passes its last choice to the margin)."""
+    est = StepTimeEstimator(coef=(0.5e-3, 0.0, 0.0, 2e-3))
+    alloc = make_allocator("smartspec", AllocationSettings(draft_len=4, max_len=8), est)
+    t = GoodputTracker()
+    for _ in range(16):
+        k = alloc.assign([rs("a", 9, 9)], t)["a"]  # α = 1 in the warm-up: the longest length
+    assert k == 8
+    for _ in range(16):
+        k = alloc.assign([rs("a", 8, 7)], t)["a"]  # α ≈ 0.9: the best length drops a little
+    g = goodputs(alloc.alpha(), 1, 100, 8, est, alloc.wait)  # type: ignore[attr-defined]
+    assert max(range(9), key=g.__getitem__) == 6 and g[8] * 1.05 >= g[6]
+    assert k == 8
 
 
 def test_smartspec_keeps_probing_while_speculation_is_off() -> None:
@@ -306,7 +340,7 @@ def test_smartspec_keeps_probing_while_speculation_is_off() -> None:
     then PROBE_STEPS of every PROBE_EVERY batches draft again and keep the estimate fresh."""
     alloc = make_allocator("smartspec", AllocationSettings(draft_len=4, max_len=8), Linear(8e-3, 0.1e-3))
     t = GoodputTracker()
-    ks = []
+    ks: list[int] = []
     for _ in range(16 + 2 * PROBE_EVERY):
         k = ks[-1] if ks else 4
         ks.append(alloc.assign([rs("a", k, 0)], t)["a"])

@@ -53,8 +53,8 @@ def test_load_tables_report_medians_and_ratios_paired_by_repeat() -> None:
     median across repeats, so a slow minute of the machine does not favour one scenario."""
     base = _summary([{"tokens_per_s": r, "violated": 0.0, "slo_counted": 8.0} for r in (100.0, 200.0, 300.0)])
     spec = _summary([{"tokens_per_s": r, "violated": v, "slo_counted": 8.0}
-                     for r, v in ((150.0, 0.5), (220.0, 0.0), (280.0, 0.25))])
-    assert base["tokens_per_s"] == 200.0 and spec["tokens_per_s"] == 220.0
+                     for r, v in ((250.0, 0.5), (210.0, 0.0), (290.0, 0.25))])
+    assert base["tokens_per_s"] == 200.0 and spec["tokens_per_s"] == 250.0
     assert spec["violated"] == (4 + 0 + 2) / 24  # pooled over the repeats' finished requests
     table = _table({"target-only": {4: base}, "smartspec": {4: spec}}, "tokens_per_s", ratio=True)
-    assert table[-1] == "| smartspec | 220.0 (1.10x) |"  # median of 1.5, 1.1 and 0.93
+    assert table[-1] == "| smartspec | 250.0 (1.05x) |"  # median of 2.5, 1.05, 0.97; medians' ratio: 1.25

@@ -1,9 +1,12 @@
 """SmartSpec's goodput-maximising proposal length (smartspec.txt §4–5, eq. 3, 4, 8, Alg. 2).
 
-Goodput is the expected tokens a batch generates over the time the batch takes:
+Goodput is the expected tokens the sessions generate over the time a round of theirs takes:
 
-    goodput(k) = Σ_i l(α, k) / (T_target(batch with k drafts each) + T_draft(k))
+    goodput(k) = N·l(α, k) / max(T_target(all N sessions, k), T_draft(k) + T_target(one session, k))
     l(α, k)    = (1 − α^(k+1)) / (1 − α)                     (eq. 8, the bonus token included)
+
+(the paper's T_target + T_draft for one session, and its batch of every running request; the
+bullets below say why the max).
 
 After every verified step the policy tries every proposal length k in 0…V and gives the best
 one to the sessions just verified; k = 0 is plain decoding, so speculation switches itself off
@@ -21,9 +24,11 @@ PROBE_EVERY steps draft anyway, so that the estimates it decided on stay measure
   coefficients are profiled offline and refined online by least squares.
 * T_draft is SmartSpec's eq. 4 term. Here drafts are made at the edge, so it is the time the
   verifier waits for a draft of k tokens (drafting plus both network legs), fitted online as
-  e0 + e1·k through the mean wait at each length; a session's first round (its draft also paid
-  the drafter's prefill) and its first after a pause (the drafter caught up on the tokens
-  decoded without it) are left out. With k = 0 no draft is awaited and it is 0. Unlike the
+  e0 + e1·k through the mean wait at each length; a round whose session drafted nothing in its
+  previous round is left out: a first round (its draft also paid the drafter's prefill) and the
+  first drafted round after a pause (the drafter caught up on the tokens decoded without it).
+  While every measured round has the same length the line is flat (e1 = 0): the per-token
+  drafting cost shows once lengths differ. With k = 0 no draft is awaited and it is 0. Unlike the
   paper's colocated drafter, an edge drafter does not take the verifier's time: while one
   session's draft is made, the verifier verifies the others' (see :func:`goodputs`).
 * The paper's batch holds every running request. Here a step holds only the sessions whose
@@ -130,16 +135,18 @@ class SmartSpecAllocator:
         if draft_len < 0 or max_len < 0 or window < 1:
             raise ValueError("draft_len and max_len must be >= 0 and window >= 1")
         self.model, self.max_len, self.alpha0 = model, max_len, alpha0
-        self.explore_k = self.last_k = min(draft_len, max_len)
+        self.last_k = min(draft_len, max_len)
+        self.explore_k = max(1, self.last_k) if max_len > 0 else 0  # what warm-up rounds and probes draft
         self._off_steps = 0
         self._chosen: int | None = None  # the length the estimates last chose (probes aside)
-        self._sent: dict[str, int] = {}  # the budget each live session was last given
+        self._drafted: dict[str, int] = {}  # drafts in each live session's previous verified round
         self.last_goodput = 0.0
         self.wait = DraftWaitModel()
         self._tests: deque[tuple[int, int]] = deque(maxlen=window)  # (accepted, tested) of recent drafted steps
         self.window = window
 
     def initial(self, session_id: str, tracker: GoodputTracker) -> int:
+        self._drafted.pop(session_id, None)  # opened or resumed: its next draft is a first one
         return self.last_k
 
     def alpha(self) -> float:
@@ -155,14 +162,15 @@ class SmartSpecAllocator:
     def assign(self, rounds: Sequence[RoundStats], tracker: GoodputTracker) -> dict[str, int]:
         accepted = tested = 0
         for r in rounds:
-            if self._sent.get(r.session_id, 0) > 0:  # not a first round, nor the first after a pause
+            if self._drafted.get(r.session_id, 0) > 0:  # not a first round, nor the first after a pause
                 self.wait.observe(r.drafted, r.draft_wait_s)
+            self._drafted[r.session_id] = r.drafted
             accepted += r.accepted
             tested += r.accepted + (r.accepted < r.drafted)  # the drafts up to the first rejection
         if tested > 0:
             self._tests.append((accepted, tested))
-        if len(self._sent) > 2 * tracker.speculative() + 64:
-            self._sent = {sid: k for sid, k in self._sent.items() if sid in tracker.sessions}
+        if len(self._drafted) > 2 * len(tracker.sessions) + 64:
+            self._drafted = {sid: d for sid, d in self._drafted.items() if sid in tracker.sessions}
         if not rounds:
             return {}
         # the paper's batch holds every running request; here a step holds the sessions whose
@@ -176,6 +184,4 @@ class SmartSpecAllocator:
         if len(self._tests) < self.window or self._off_steps % PROBE_EVERY >= PROBE_EVERY - PROBE_STEPS:
             k = self.explore_k  # too little evidence yet, or a probe of a switched-off speculation
         self.last_k = k
-        for r in rounds:
-            self._sent[r.session_id] = k
         return {r.session_id: k for r in rounds}
