@@ -109,24 +109,18 @@ def serve_loads(models: Any, scs: list[Scenario], loads: list[int], edge: Edge, 
     compared that drift rather than the policies. Over an emulated edge network (``--rtt-ms``
     etc.) the fleets run one at a time, as each needs the process's one edge namespace."""
     rows: dict[str, dict[int, dict[str, Any]]] = {sc.name: {} for sc in scs}
-    if edge.networked:  # one emulated edge network per process (bench.netns): one fleet at a time
-        for sc in scs:
-            with bench_fleet(models.target, sc, edge, logs) as bf:
-                for load in loads:
-                    rows[sc.name][load] = _summary([_serve_once(models, bf, load, max_tokens, body_extra)
-                                                    for _ in range(repeats)])
-                    print(f"  {sc.name} @{load}: {rows[sc.name][load]}", flush=True)
-        return rows
-    with contextlib.ExitStack() as stack:
-        fleets = [(sc, stack.enter_context(bench_fleet(models.target, sc, edge, logs))) for sc in scs]
-        for load in loads:
-            runs: dict[str, list[dict[str, float]]] = {sc.name: [] for sc in scs}
-            for i in range(repeats):  # each repeat starts with the next scenario: drift within one cancels too
-                for sc, bf in fleets[i % len(fleets):] + fleets[: i % len(fleets)]:
-                    runs[sc.name].append(_serve_once(models, bf, load, max_tokens, body_extra))
-            for name, rs in runs.items():
-                rows[name][load] = _summary(rs)
-                print(f"  {name} @{load}: {rows[name][load]}", flush=True)
+    groups = [[sc] for sc in scs] if edge.networked else [scs]  # fleets up together
+    for group in groups:
+        with contextlib.ExitStack() as stack:
+            fleets = [(sc, stack.enter_context(bench_fleet(models.target, sc, edge, logs))) for sc in group]
+            for load in loads:
+                runs: dict[str, list[dict[str, float]]] = {sc.name: [] for sc in group}
+                for i in range(repeats):  # each repeat starts with the next scenario: drift within one cancels too
+                    for sc, bf in fleets[i % len(fleets):] + fleets[: i % len(fleets)]:
+                        runs[sc.name].append(_serve_once(models, bf, load, max_tokens, body_extra))
+                for name, rs in runs.items():
+                    rows[name][load] = _summary(rs)
+                    print(f"  {name} @{load}: {rows[name][load]}", flush=True)
     return rows
 
 

@@ -27,6 +27,12 @@ def ewma(old: float, new: float, alpha: float = ALPHA) -> float:
     return (1 - alpha) * old + alpha * new
 
 
+def judged(drafted: int, accepted: int) -> int:
+    """Drafts a round's verdict judged: the ``accepted`` ones, and the first rejected one if the
+    round stopped short of its ``drafted`` drafts (the later ones were never compared)."""
+    return min(drafted, accepted + 1)
+
+
 def _bin(confidence: float) -> int:
     return min(BINS - 1, max(0, int(confidence * BINS)))
 
@@ -42,6 +48,6 @@ class AcceptanceCalibration:
 
     def observe(self, confidences: Sequence[float], accepted: int) -> None:
         """Drafts 0..accepted-1 were accepted, draft ``accepted`` (if sent) rejected."""
-        for i, c in enumerate(confidences[: accepted + 1]):
+        for i, c in enumerate(confidences[: judged(len(confidences), accepted)]):
             b = _bin(c)
             self.rate[b] = ewma(self.rate[b], 1.0 if i < accepted else 0.0)

@@ -38,7 +38,6 @@ PROBE_EVERY steps draft anyway, so that the estimates it decided on stay measure
 
 from __future__ import annotations
 
-import statistics
 from collections import deque
 from collections.abc import Sequence
 
@@ -46,6 +45,7 @@ from services.verifier.allocation.base import RoundStats
 from services.verifier.allocation.goodspeed import expected_tokens
 from services.verifier.allocation.tracker import GoodputTracker
 from services.verifier.batching.estimator import SegmentShape, StepTimeModel
+from shared.calibration import judged
 
 EDGE_WINDOW = 256  # recent rounds the draft-wait line is fitted on
 #: while speculation is off, every this many-th batch drafts anyway (``draft_len`` tokens), so
@@ -62,8 +62,8 @@ SWITCH_MARGIN = 0.2
 
 
 class DraftWaitModel:
-    """Least-squares line through the mean seconds the verifier waited for a draft of each
-    length k, over the last ``window`` rounds (refitted every ``refit_every`` of them)."""
+    """Least-squares line through the seconds the verifier waited for a draft of length k, over
+    the last ``window`` rounds (refitted every ``refit_every`` of them)."""
 
     def __init__(self, window: int = EDGE_WINDOW, refit_every: int = 16) -> None:
         self.points: deque[tuple[int, float]] = deque(maxlen=window)
@@ -80,17 +80,13 @@ class DraftWaitModel:
             self._refit()
 
     def _refit(self) -> None:
-        by_k: dict[int, list[float]] = {}
-        for k, t in self.points:
-            by_k.setdefault(k, []).append(t)
-        ks = sorted(by_k)
-        means = [statistics.fmean(by_k[k]) for k in ks]
-        weights = [len(by_k[k]) for k in ks]
-        n = sum(weights)
-        mean_k = sum(w * k for w, k in zip(weights, ks, strict=True)) / n
-        mean_t = sum(w * t for w, t in zip(weights, means, strict=True)) / n
-        var = sum(w * (k - mean_k) ** 2 for w, k in zip(weights, ks, strict=True))
-        cov = sum(w * (k - mean_k) * (t - mean_t) for w, k, t in zip(weights, ks, means, strict=True))
+        """Ordinary least squares over the points (the same line as through each length's mean
+        wait weighted by its count)."""
+        n = len(self.points)
+        mean_k = sum(k for k, _ in self.points) / n
+        mean_t = sum(t for _, t in self.points) / n
+        var = sum((k - mean_k) ** 2 for k, _ in self.points)
+        cov = sum((k - mean_k) * (t - mean_t) for k, t in self.points)
         self.e1 = max(0.0, cov / var) if var > 0 else 0.0
         self.e0 = max(0.0, mean_t - self.e1 * mean_k)
 
@@ -168,7 +164,7 @@ class SmartSpecAllocator:
                 self.wait.observe(r.drafted, r.draft_wait_s)
             self._drafted[r.session_id] = r.drafted
             accepted += r.accepted
-            tested += r.accepted + (r.accepted < r.drafted)  # the drafts up to the first rejection
+            tested += judged(r.drafted, r.accepted)
         if tested > 0:
             self._tests.append((accepted, tested))
         if len(self._drafted) > 2 * len(tracker.sessions) + 64:
