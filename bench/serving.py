@@ -9,8 +9,8 @@ In one run, on one machine, with the edge emulated by pinning (``bench.edge``):
    (the model's raw decode rate) and the same loop on specfleet's runner, and pure forwards of
    the shapes the targets need; the draft's forward on the edge CPU;
 2. real fleets: target-only serving, and 1 drafter (the smallest draft, default draft mode,
-   k = ``--draft-len``), each at every concurrency, ``--repeats`` times, with requests at
-   ``--temperature``; tokens/s is the median;
+   k = ``--draft-len``) with and without pipelined drafting, each at every concurrency,
+   ``--repeats`` times, with unseeded requests at ``--temperature``; tokens/s is the median;
 3. the fast-rounds targets, computed from those numbers (``bench.targets``).
 
 Writes ``<out>/serving.json``, ``serving.md`` (tables and targets) and ``serving.png``
@@ -53,12 +53,11 @@ def raw_costs(target: Path, draft: Path, k: int, edge: Edge) -> dict[str, Any]:
     return {"target": server, "draft": draft_costs}
 
 
-def scenarios(draft: Path, k: int, temperature: float) -> list[Scenario]:
-    out = [Scenario("target-only"), Scenario(f"1 drafter k={k}", drafters=1, draft=str(draft), draft_len=k)]
-    if temperature == 0:  # pipelined drafting serves greedy sessions: measure its gain beside it
-        out.append(Scenario(f"1 drafter k={k}, no pipelining", drafters=1, draft=str(draft), draft_len=k,
-                            drafter_flags=("--pipeline-sessions", "0")))
-    return out
+def scenarios(draft: Path, k: int) -> list[Scenario]:
+    # pipelined drafting serves greedy and unseeded sampled sessions (the load is unseeded): its gain beside it
+    return [Scenario("target-only"), Scenario(f"1 drafter k={k}", drafters=1, draft=str(draft), draft_len=k),
+            Scenario(f"1 drafter k={k}, no pipelining", drafters=1, draft=str(draft), draft_len=k,
+                     drafter_flags=("--pipeline-sessions", "0"))]
 
 
 def run_all(target: Path, scs: list[Scenario], args: argparse.Namespace, edge: Edge) -> list[Run]:
@@ -134,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     draft = smallest(models.drafts)
     print(f"raw model costs ({edge.describe()}) ...", flush=True)
     costs = raw_costs(models.target, draft, args.draft_len, edge)
-    runs = run_all(models.target, scenarios(draft, args.draft_len, args.temperature), args, edge)
+    runs = run_all(models.target, scenarios(draft, args.draft_len), args, edge)
     rows = [run_row(r, drafters_of(r) if r.scenario != "target-only" else None) for r in runs]
     meta = {"command": "python -m bench.serving " + " ".join(given_args(argv)), "target": str(models.target),
             "draft": str(draft), "repeats": args.repeats, "requests": args.requests, "max_tokens": args.max_tokens,

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from shared.coupling import race_noise, race_winner
 from shared.protocol import MAX_Q_ENTRIES, SamplingParams, SparseQ
 from shared.sampling import probs_from_logits, sample
 
@@ -134,6 +135,16 @@ def draft_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generat
     ids, weights = cut(probs_from_logits(logits, params), nucleus)
     token = int(ids[sample(weights, gen)])
     return token, pack(ids, weights)
+
+
+def guess_token(logits: torch.Tensor, params: SamplingParams, race: tuple[int, int],
+                nucleus: Nucleus) -> tuple[int, SparseQ]:
+    """Guess the verifier's coupled bonus token (``shared.coupling``): the winner of the race keyed
+    by ``race`` = (key, round) over the request's full distribution. No draw from the drafting
+    stream. Its nucleus is returned as for a drafted token, though a guess is never sent as a draft."""
+    probs = probs_from_logits(logits, params)
+    token = race_winner(probs, race_noise(*race, probs.shape[-1]))
+    return token, pack(*cut(probs, nucleus))
 
 
 @dataclass(frozen=True)

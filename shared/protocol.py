@@ -33,7 +33,8 @@ import msgspec
 #: 5: Draft.pause_rounds; SamplingParams logprobs, penalties and structured output; TokenEvent.logprobs
 #: and .error_code;
 #: OpenSession.resume, ResumeDone and Welcome.instance (a coordinator re-opens its requests on a new verifier)
-PROTOCOL_VERSION = 5
+#: 6: SessionOpened.bonus_key and Draft.guess_bonus (shared.coupling: sampled sessions draft ahead)
+PROTOCOL_VERSION = 6
 #: Largest frame any service accepts. A 32k-token prompt is ~200 KiB; sparse q for 64 draft
 #: positions x 4096 entries is 1.5 MiB. 4 MiB leaves room and still bounds a hostile peer.
 MAX_FRAME_BYTES = 4 * 1024 * 1024
@@ -222,6 +223,9 @@ class SessionOpened(_Msg, tag="session_opened", frozen=True):
     draft_budget: int  # how many tokens to draft for the first round (0: as in Verdict)
     committed_ids: list[TokenId] = []  # generated tokens already committed (resume only)
     round: Annotated[int, msgspec.Meta(ge=0)] = 0  # the round the first Draft is for
+    #: the key of the verifier's coupled bonus tokens (shared.coupling), for a drafter that guesses
+    #: them to draft ahead at temperature > 0; None: this verifier does not couple them
+    bonus_key: Annotated[int, msgspec.Meta(ge=0)] | None = None
 
 
 class Draft(_Msg, tag="draft", frozen=True):
@@ -242,6 +246,9 @@ class Draft(_Msg, tag="draft", frozen=True):
     #: not to wait for it in the next this-many rounds: they run target-only at once (budget 0,
     #: as SmartSpec's switch-off), then the budget comes back and the drafter decides again
     pause_rounds: Annotated[int, msgspec.Meta(ge=0, le=MAX_PAUSE_ROUNDS)] = 0
+    #: draw the token after a fully accepted draft by the race keyed by SessionOpened.bonus_key
+    #: (shared.coupling): the drafter guesses it and drafts on from its guess
+    guess_bonus: bool = False
 
 
 class Verdict(_Msg, tag="verdict", frozen=True):

@@ -129,7 +129,8 @@ def probs_from_logit_rows(
     return x.softmax(-1)
 
 
-#: The independent random streams of one request: the drafter's choices and the verifier's.
+#: The independent random streams of one request: the drafter's choices and the verifier's. (A
+#: third source, the keyed race of shared.coupling, is shared by both sides on purpose.)
 STREAMS = ("draft", "verify")
 
 

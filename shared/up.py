@@ -51,6 +51,7 @@ _FLAGS: list[tuple[str, type, object, str]] = [
     ("--port", int, 8000, "coordinator HTTP port (0: pick a free one)"),
     ("--verifier-port", int, 8100, "verifier port (0: pick a free one)"),
     ("--drafters", int, 2, "number of drafter processes"),
+    ("--sessions-per-drafter", int, 4, "sessions each drafter serves at once (its --max-sessions)"),
     ("--target", str, "", "target model dir (default: models/target, else tiny models)"),
     ("--drafts", str, "", "comma list of draft dirs (default: draft* dirs beside the target)"),
     ("--redis-url", str, "", "queue in Redis Streams (redis://host:6379/0) instead of in-process"),
@@ -125,6 +126,7 @@ def plan(args: argparse.Namespace, models: Models, ports: Ports) -> list[tuple[s
         drafter_metrics_ports=[args.drafter_metrics_port + i for i in range(args.drafters)]
         if args.drafter_metrics_port else [],
         verifier_flags=["--backend", args.backend] if args.backend != "torch" else [],
+        drafter_flags=["--max-sessions", str(args.sessions_per_drafter)],
         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
     ))
 
@@ -228,9 +230,10 @@ def run(args: argparse.Namespace, cwd: Path) -> int:
 
 def up_main(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(list(argv))
-    if args.drafters < 1:
-        print("specfleet up: --drafters must be at least 1", file=sys.stderr)
-        return 2
+    for flag, value in (("--drafters", args.drafters), ("--sessions-per-drafter", args.sessions_per_drafter)):
+        if value < 1:
+            print(f"specfleet up: {flag} must be at least 1, got {value}", file=sys.stderr)
+            return 2
     tls = [args.tls_cert, args.tls_key, args.tls_ca]
     if any(tls) and not all(tls):
         print("specfleet up: --tls-cert, --tls-key and --tls-ca go together: give all three or none", file=sys.stderr)

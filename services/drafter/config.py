@@ -43,8 +43,9 @@ class DrafterConfig:
     q_mass: float = opt(0.98, "sampled drafts: keep the draft distribution's most likely tokens up to this mass")
     q_max_entries: int = opt(4096, "sampled drafts: but at most this many tokens per position (6 bytes each; "
                                    "lower it for slow links, see bench/results/qwire.md)")
-    pipeline_sessions: int = opt(2, "greedy sessions draft their next round while this one is verified, while this "
-                                    "drafter serves at most this many sessions (0: never; see bench/RESULTS.md)")
+    pipeline_sessions: int = opt(2, "greedy and unseeded sampled sessions draft their next round while this one is "
+                                    "verified, while this drafter serves at most this many sessions (0: never; "
+                                    "see bench/RESULTS.md)")
     admission: str = opt("max-sessions", "how many sessions to claim: max-sessions (up to --max-sessions), or starsd "
                                          "(also at most StarSD's N_max, estimated from measured timings)")
     controller: str = opt("fixed", "when to stop drafting within the verifier's budget: fixed (draft it all, the "

@@ -16,8 +16,13 @@ A lookahead is drafted without the session's controller (it is not a round), but
 step features the controller reads; the round that takes it lets the controller screen it token
 by token, so a policy stops a ready draft where it would have stopped a fresh one.
 
-Only greedy requests pipeline: their drafts are argmax and draw no randomness, so whether a
-lookahead ran or was used never changes a seeded request's random stream.
+Greedy requests pipeline: their drafts are argmax and draw no randomness, so whether a
+lookahead ran or was used never changes a seeded request's random stream. Unseeded sampled
+requests pipeline too, when the verifier couples its bonus token (``shared.coupling``): the
+first lookahead token is then the winner of the same race the verifier runs, over the draft
+model's distribution instead of the target's, and the rest are sampled from the drafting stream
+with their q, as in any round. (A seeded request does not: its stream would then depend on
+timing.)
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from services.drafter.batcher import DraftBatcher
 from services.drafter.control.base import DraftController, StepDecision, StepFeatures
 from services.drafter.metrics import DrafterMetrics
 from services.drafter.proposers.base import DraftJob, Proposal
-from shared.protocol import Verdict
+from shared.protocol import SparseQ, Verdict
 
 
 class Lookahead:
@@ -54,7 +59,8 @@ class Lookahead:
         n = min(k, len(ready.token_ids))
         if controller is not None and controller.wants_features and len(ready.steps) >= n:
             n = _screen(controller, ready.steps[:n], k)
-        return Proposal(token_ids=ready.token_ids[:n], q=None, steps=ready.steps[:n])
+        q = None if ready.q is None else ready.q[:n]
+        return Proposal(token_ids=ready.token_ids[:n], q=q, steps=ready.steps[:n])
 
     async def settle(self, verdict: Verdict, drafted: int, metrics: DrafterMetrics) -> None:
         """Keep the lookahead when the verdict made its guess true; drop it otherwise."""
@@ -71,7 +77,9 @@ class Lookahead:
             return
         after = list(verdict.token_ids[drafted:])  # the verifier's own tokens (vLLM may commit several)
         if proposal.token_ids[:len(after)] == after and len(proposal.token_ids) > len(after):
-            self._ready = Proposal(token_ids=proposal.token_ids[len(after):], q=None, steps=proposal.steps[len(after):])
+            cut = len(after)
+            self._ready = Proposal(token_ids=proposal.token_ids[cut:], steps=proposal.steps[cut:],
+                                   q=None if proposal.q is None else proposal.q[cut:])
             metrics.lookahead.labels("used").inc()
         else:
             metrics.lookahead.labels("missed").inc()
@@ -99,15 +107,20 @@ async def _one_token_at_a_time(batcher: DraftBatcher, job: DraftJob) -> tuple[Pr
     one forward at most, never for a whole lookahead (the batcher drafts rounds first)."""
     tokens: list[int] = []
     steps: list[StepFeatures] = []
+    qs: list[SparseQ] | None = None
     started = ended = 0.0
-    for _ in range(job.k):
-        step, began, ended = await batcher.propose(replace(job, k=1, assume=(*job.assume, *tokens)))
+    for i in range(job.k):
+        guess = job.guess if i == 0 else None  # only the first token guesses the verifier's
+        step, began, ended = await batcher.propose(replace(job, k=1, assume=(*job.assume, *tokens), guess=guess))
         started = started or began
         tokens += step.token_ids
         steps += step.steps
+        if step.q is not None:
+            qs = [*(qs or []), *step.q]
         if not step.token_ids or step.final:  # an end token, or the controller stopped it
             break
-    return Proposal(token_ids=tokens, steps=steps), started, ended
+    return Proposal(token_ids=tokens, q=qs if qs is not None and len(qs) == len(tokens) else None,
+                    steps=steps), started, ended
 
 
 async def _drop(task: asyncio.Task[tuple[Proposal, float, float]]) -> None:

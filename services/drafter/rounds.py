@@ -106,6 +106,7 @@ class SessionRunner:
             await self.link.send(frame)
             reply = await self._reply_to_open(inbox)
             if isinstance(reply, SessionOpened):
+                session.bonus_key = reply.bonus_key
                 if reply.committed_ids or reply.round:  # resumed: another drafter served it before us
                     session.committed.extend(reply.committed_ids)
                     session.round = reply.round
@@ -156,10 +157,14 @@ class SessionRunner:
             return
         drafted = len(proposal.token_ids)
         pause = PAUSE_ROUNDS if budget > 0 and k == 0 and not session.drafting_disabled else 0
+        ahead = self._pipelines(session, proposal)
+        guess = ahead and not is_greedy(session.params)  # then the verifier races for its bonus token
         await self.link.send(Draft(request_id=rid, round=session.round, token_ids=proposal.token_ids,
-                                   q=proposal.q, confidence=_confidence(proposal), pause_rounds=pause))
+                                   q=proposal.q, confidence=_confidence(proposal), pause_rounds=pause,
+                                   guess_bonus=guess))
         sent = time.perf_counter()
-        self._look_ahead(session, proposal, k)
+        if ahead:
+            self._look_ahead(session, proposal, k, guess)
         reply = await self._reply_to_draft(session, inbox)
         verdict_at = time.perf_counter()
         if isinstance(reply, Verdict):
@@ -199,22 +204,28 @@ class SessionRunner:
             self.metrics.n_full.set(capacity.n_full or 0)
             self.metrics.n_max.set(capacity.n_max or 0)
 
-    def _look_ahead(self, session: DraftSession, sent: Proposal, k: int) -> None:
-        """Greedy sessions draft their next round while this one is verified (lookahead.py), while
-        the draft model has time for it: at most ``pipeline_sessions`` sessions, and fewer than
+    def _pipelines(self, session: DraftSession, sent: Proposal) -> bool:
+        """Whether the session drafts its next round while this one is verified (lookahead.py):
+        greedy sessions, and unseeded sampled ones whose verifier couples its bonus token; and only
+        while the draft model has time for it: at most ``pipeline_sessions`` sessions, and fewer than
         StarSD's N_full (capacity.py). With more, lookaheads only took edge CPU from real rounds."""
-        if not sent.token_ids or not is_greedy(session.params) or session.drafting_disabled:
-            return
+        coupled = (session.bonus_key is not None and session.params.seed is None and self.proposer.guesses_bonus)
+        if not sent.token_ids or not (is_greedy(session.params) or coupled) or session.drafting_disabled:
+            return False
         n_full = self.batcher.capacity.n_full
-        if self.active() > self.pipeline_sessions or (n_full is not None and self.active() >= n_full):
-            return
+        return self.active() <= self.pipeline_sessions and (n_full is None or self.active() < n_full)
+
+    def _look_ahead(self, session: DraftSession, sent: Proposal, k: int, guess: bool) -> None:
+        """Start the lookahead after ``sent``; with ``guess``, its first token runs the verifier's
+        race of this round (shared.coupling)."""
         base = len(session.committed)
+        race = (session.bonus_key, session.round) if guess and session.bonus_key is not None else None
         # no controller: a lookahead is not a round, and must not touch a controller's round state;
         # its features are kept so the controller screens it when the next round takes it
         session.lookahead.start(self.batcher, DraftJob(session.request_id, k + 1, session.params, session.rng,
                                                        None, tuple(sent.token_ids), base,
                                                        features=self._wants_features(session),
-                                                       prompt_len=session.prompt_len))
+                                                       prompt_len=session.prompt_len, guess=race))
 
     async def _draft(self, session: DraftSession, k: int) -> tuple[Proposal, float, float]:
         """The round's proposal, and when the worker started and ended computing it."""

@@ -45,6 +45,7 @@ class DraftSession:
     extra_deliveries: list[str] = field(default_factory=list)  # duplicate deliveries to ack at the end
     stats: SessionStats = field(default_factory=SessionStats)
     lookahead: Lookahead = field(default_factory=Lookahead)
+    bonus_key: int | None = None  # the verifier's coupled-bonus key (SessionOpened; shared.coupling)
     started_at: float = field(default_factory=time.monotonic)
 
     @classmethod

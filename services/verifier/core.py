@@ -52,7 +52,7 @@ from services.verifier.core_api import (
     Result,
     Rounded,
 )
-from services.verifier.judge import Verdict, judge
+from services.verifier.judge import Verdict, judge, races
 from services.verifier.metrics import VerifierMetrics
 from services.verifier.prefix import copy_shared, followers
 from services.verifier.requests import Request, Status
@@ -262,6 +262,7 @@ class TorchCore:
             return
         req.draft_ids, req.draft_q, req.draft_conf = cmd.token_ids, cmd.q, cmd.confidence
         req.pause_left = cmd.pause_rounds
+        req.guess_bonus = cmd.guess_bonus and not req.greedy and req.params.seed is None  # shared.coupling
         req.draft_wait_s = max(0.0, cmd.received_at - req.waiting_since)
         self.metrics.draft_wait.observe(req.draft_wait_s)
         req.mark_ready()
@@ -275,7 +276,8 @@ class TorchCore:
             req.draft_budget = self._initial_budget(req.request_id)
         if not req.attach(cmd.drafter):
             return  # waiting for KV memory: Admitted opens it
-        self._results.append(Attached(req.request_id, req.committed[req.prompt_len:], req.round, req.draft_budget))
+        self._results.append(Attached(req.request_id, req.committed[req.prompt_len:], req.round, req.draft_budget,
+                                      req.bonus_key))
 
     def _expire_silent_drafters(self) -> None:
         now = time.perf_counter()
@@ -308,9 +310,10 @@ class TorchCore:
             req.draft_budget = budget
             req.begin_round()
             if req.reattached and req.speculative:  # a drafter resumed it while it waited: tell it where it is
-                self._results.append(Attached(req.request_id, req.committed[req.prompt_len:], req.round, budget))
+                self._results.append(Attached(req.request_id, req.committed[req.prompt_len:], req.round, budget,
+                                              req.bonus_key))
             else:
-                self._results.append(Admitted(req.request_id, budget))
+                self._results.append(Admitted(req.request_id, budget, req.bonus_key))
         self.metrics.set_kv(self.kv_stats())
 
     def _initial_budget(self, session_id: str) -> int:
@@ -336,6 +339,8 @@ class TorchCore:
             for req in [r for r, _ in step.verify] + step.prefill:
                 self._fail(req, f"verification failed: {exc}")
             return
+        self.metrics.raced_bonus.inc(sum(races(req, drafts, v.accepted)
+                                         for (req, drafts), v in zip(step.verify, verdicts, strict=True)))
         kept = [self._commit(req, drafts, v.accepted, v.tokens) for (req, drafts), v in
                 zip(step.verify, verdicts, strict=True)]
         budgets = self._next_budgets(step, verdicts)

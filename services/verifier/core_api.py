@@ -47,6 +47,7 @@ class AddDraft:
     received_at: float  # time.perf_counter() when the frame arrived
     confidence: list[float] | None = None  # the draft model's probability of each token (AdaSpec trim)
     pause_rounds: int = 0  # the drafter asks not to be waited for in the next this-many rounds
+    guess_bonus: bool = False  # draw the bonus token by the keyed race (shared.coupling)
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,7 @@ class Admitted:
 
     request_id: str
     draft_budget: int
+    bonus_key: int | None = None  # shared.coupling; None: bonus tokens are not coupled
 
 
 @dataclass(frozen=True)
@@ -132,6 +134,7 @@ class Attached:
     generated: list[int]
     round: int
     draft_budget: int
+    bonus_key: int | None = None  # shared.coupling; None: bonus tokens are not coupled
 
 
 Result = Admitted | Refused | Rounded | OutOfTurn | Detached | Attached

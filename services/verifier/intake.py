@@ -190,8 +190,10 @@ class Intake:
             except DraftError as exc:  # verifying as ids-only is still exactly lossless
                 log.warning("draft q refused; verifying ids-only", request_id=rid, reason=str(exc))
         confidence = msg.confidence if msg.confidence and len(msg.confidence) == len(msg.token_ids) else None
+        # an untrusted drafter knows the race's variates, and could choose drafts to steer them
+        guess = msg.guess_bonus and self.trusted(conn_id)
         self._submit(conn_id, AddDraft(rid, msg.round, list(msg.token_ids), q, received_at, confidence,
-                                       msg.pause_rounds))
+                                       msg.pause_rounds, guess))
         return None
 
     def _detach(self, conn_id: str, request_id: str) -> None:

@@ -8,8 +8,9 @@ the whole batch where the maths allows:
 * one call turns the sampled sessions' rows into their distributions, each row with its own
   temperature, top-k and top-p; one gather reads p(x) of every drafted token;
 * one ``.tolist()`` each brings those to Python; per session there remain its k uniforms and
-  one draw from its generator, from the residual or the bonus row, all of which reach the host
-  in one transfer (two synchronisations per step on a GPU, whatever the batch).
+  one draw from its generator, from the residual or the bonus row (or, for a bonus the drafter
+  guesses, the keyed race of ``shared.coupling``), all of which reach the host in one transfer
+  (two synchronisations per step on a GPU, whatever the batch).
 
 The rules themselves are the pure functions of ``shared.acceptance``.
 """
@@ -24,6 +25,7 @@ import torch
 from services.verifier.logprobs import round_logprobs
 from services.verifier.requests import Request
 from shared.acceptance import accepted_prefix, one_hot, residual, verify_greedy
+from shared.coupling import race_noise, race_winner
 from shared.penalties import apply_penalties, has_penalties
 from shared.protocol import TokenLogprob
 from shared.sampling import probs_from_logit_rows, sample
@@ -115,8 +117,22 @@ def _judge_sampled(batch: Sequence[tuple[Request, list[int]]], starts: list[int]
         probs.append(prob)
         last.append(p[start + k] if n == k else residual(p[start + n], _q_row(req, drafts, n, p.shape[-1], p.device)))
     final = torch.stack(last).cpu()
-    return [Verdict(n, [*drafts[:n], sample(final[i], req.gen)], probs[i])
+    return [Verdict(n, [*drafts[:n], _own_token(req, final[i], races(req, drafts, n))], probs[i])
             for i, ((req, drafts), n) in enumerate(zip(batch, accepted, strict=True))]
+
+
+def races(req: Request, drafts: list[int], accepted: int) -> bool:
+    """Whether the round's own token is drawn by the keyed race (shared.coupling): the drafter
+    asked, and the verifier verified its whole draft (not trimmed) and accepted all of it."""
+    return req.guess_bonus and accepted == len(drafts) == len(req.draft_ids)
+
+
+def _own_token(req: Request, row: torch.Tensor, race: bool) -> int:
+    """The verifier's token from ``row`` (a residual, or the bonus row): by the keyed race of the
+    round when ``race``, else from the request's stream."""
+    if race:
+        return race_winner(row, race_noise(req.bonus_key, req.round, row.shape[-1]))
+    return sample(row, req.gen)
 
 
 def _accepted(req: Request, drafts: list[int], p_x: list[float]) -> tuple[int, float]:

@@ -61,6 +61,9 @@ class VerifierMetrics:
                                    registry=r)
         self.steps = Counter(f"{_P}_steps", "Engine steps", registry=r)
         self.rounds = Counter(f"{_P}_rounds", "Verified rounds", registry=r)
+        self.raced_bonus = Counter(f"{_P}_raced_bonus_tokens",
+                                   "Tokens after a fully accepted draft drawn by the keyed race the drafter "
+                                   "guesses to draft ahead at temperature > 0 (shared.coupling)", registry=r)
         self.prefill_tokens = Counter(f"{_P}_prefill_tokens", "Prompt tokens cached", registry=r)
         self.shared_tokens = Counter(f"{_P}_shared_prefix_tokens",
                                      "Prompt tokens copied from another live request's KV instead of computed",

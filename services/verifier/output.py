@@ -87,13 +87,15 @@ class Output:
         route = self.routes.get(r.request_id)
         # only to the drafter that opened it: one that resumed it since hears Attached instead
         if route is not None and route.owner is not None and route.owner == route.opener:
-            self._conn(route.owner, SessionOpened(request_id=r.request_id, draft_budget=r.draft_budget))
+            self._conn(route.owner, SessionOpened(request_id=r.request_id, draft_budget=r.draft_budget,
+                                                    bonus_key=r.bonus_key))
 
     def _attached(self, r: Attached) -> None:
         route = self.routes.get(r.request_id)
         if route is not None and route.drafter is not None:
             self._conn(route.drafter, SessionOpened(request_id=r.request_id, draft_budget=r.draft_budget,
-                                                    committed_ids=r.generated, round=r.round))
+                                                    committed_ids=r.generated, round=r.round,
+                                                    bonus_key=r.bonus_key))
 
     def _refused(self, r: Refused) -> None:
         route = self.routes.get(r.request_id)

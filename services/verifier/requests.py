@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.verifier.grammar import Grammar
+from shared.coupling import new_bonus_key
 from shared.draft_q import CheckedQ
 from shared.protocol import FinishReason, SamplingParams
 from shared.runner import KVSlot
@@ -50,6 +51,9 @@ class Request:
     draft_ids: list[int] = field(default_factory=list)
     draft_q: list[CheckedQ] | None = None
     draft_conf: list[float] | None = None  # the drafter's confidence in each draft token
+    #: this round's token after a fully accepted draft is drawn by the keyed race (shared.coupling)
+    guess_bonus: bool = False
+    bonus_key: int = 0  # shared.coupling: keys the race (fresh entropy per request)
     drafter: str = ""  # node id of the drafter serving it ("" when target-only)
     reattached: bool = False  # a drafter resumed it (not the one that opened it): it must hear the committed state
     slo_tokens_per_s: float | None = None  # token-speed SLO (WISP batching); None: best effort
@@ -71,7 +75,7 @@ class Request:
         return cls(request_id=request_id, prompt_len=len(prompt_ids), params=params, speculative=speculative,
                    max_model_len=max_model_len, eos_ids=frozenset() if params.ignore_eos else eos_ids,
                    committed=[*prompt_ids, *(generated or [])], gen=make_generator(params.seed, "verify"),
-                   drafter=drafter,
+                   drafter=drafter, bonus_key=new_bonus_key(),
                    slo_tokens_per_s=slo_tokens_per_s)
 
     # --- derived ---------------------------------------------------------------------------
@@ -110,7 +114,7 @@ class Request:
         self.ready_since = time.perf_counter()
 
     def await_draft(self) -> None:
-        self.draft_ids, self.draft_q, self.draft_conf = [], None, None
+        self.draft_ids, self.draft_q, self.draft_conf, self.guess_bonus = [], None, None, False
         self.status = Status.WAITING_DRAFT
         self.waiting_since = time.perf_counter()
 
@@ -118,7 +122,7 @@ class Request:
         """After a verified round: wait for the drafter, or go straight on when target-only or
         when the round's budget is 0 (the drafter sends nothing for it)."""
         self.round += 1
-        self.draft_ids, self.draft_q, self.draft_conf = [], None, None
+        self.draft_ids, self.draft_q, self.draft_conf, self.guess_bonus = [], None, None, False
         self.draft_wait_s = 0.0
         self.begin_round()
 

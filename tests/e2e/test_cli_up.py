@@ -102,7 +102,11 @@ def test_up_restarts_a_killed_drafter_and_resumes_its_sessions(tiny_models: dict
     target's own, a live drafter resumes the victim's sessions (the survivor, or the victim itself
     once restarted: whichever claims them first), and the victim is started again."""
     metrics_port = free_port()
-    proc = subprocess.Popen(_up(tmp_path, tiny_models, "--drafter-metrics-port", str(metrics_port)),
+    # room for every request at once: the survivor then resumes the victim's sessions as soon as they
+    # are released (with 4 per drafter it had no room until its own finished, and the verifier,
+    # going on target-only, sometimes finished the victim's first: nothing was left to resume)
+    proc = subprocess.Popen(_up(tmp_path, tiny_models, "--drafter-metrics-port", str(metrics_port),
+                                "--sessions-per-drafter", "16"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         lines = _until_ready(proc)

@@ -190,8 +190,8 @@ def test_greedy_identical_three_drafters_redis(three_drafters: Stack, target: Lo
 SAMPLING_PROMPT = "def "
 
 
-def run_sampling(stack: Stack, target: LoadedModel, params: SamplingParams) -> dict[str, float]:
-    """p-values of the first-two-token distribution of SAMPLES seeded requests.
+def run_sampling(stack: Stack, target: LoadedModel, params: SamplingParams, seeded: bool = True) -> dict[str, float]:
+    """p-values of the first-two-token distribution of SAMPLES requests, seeded unless told.
 
     A correct sampler fails one alpha=0.01 test 1 % of the time, so a failing batch is retried
     once with fresh seeds: a biased sampler fails both, a correct one fails both ~1e-4 of the time.
@@ -202,7 +202,7 @@ def run_sampling(stack: Stack, target: LoadedModel, params: SamplingParams) -> d
     offset = int(os.environ.get("SPECFLEET_TEST_SEED_OFFSET", "0"))
     for attempt in range(2):
         seeds = range(offset + attempt * SAMPLES, offset + (attempt + 1) * SAMPLES)
-        results = asyncio.run(stream_many(stack, [{**body, "seed": seed} for seed in seeds]))
+        results = asyncio.run(stream_many(stack, [{**body, "seed": seed} if seeded else body for seed in seeds]))
         p_values = lossless_p_values([(ids[0], ids[1]) for ids, _, _ in results], joint)
         print(f"attempt {attempt}: {p_values}")
         if min(p_values.values()) > 0.01:
@@ -241,6 +241,21 @@ def test_sampling_lossless_ids_only(one_drafter: Stack, target: LoadedModel, nam
 def test_sampling_lossless_sparse_q(three_drafters: Stack, target: LoadedModel, name: str) -> None:
     p_values = run_sampling(three_drafters, target, SAMPLING[name])
     print(name, p_values)
+    assert min(p_values.values()) > 0.01, p_values
+
+
+@pytest.mark.stat
+def test_sampling_lossless_pipelined(tiny_models: dict[str, Path], target: LoadedModel, tmp_path: Path) -> None:
+    """Unseeded sampled requests draft ahead of their verdicts: one draft per round, so the second
+    token is the verifier's token after a fully accepted draft whenever the first draft is kept,
+    drawn by the race the drafter guesses (shared.coupling). Its law is still the target's."""
+    spec = StackSpec(drafts=[tiny_models["draft-L2"]], draft_len=1, max_sessions=CONCURRENCY,
+                     extra_drafter=["--pipeline-sessions", str(CONCURRENCY)])
+    with run_stack(tiny_models["target"], spec, tmp_path) as stack:
+        p_values = run_sampling(stack, target, SAMPLING["t1"], seeded=False)
+        metrics = httpx.get(stack.verifier_url + "/metrics").text
+    raced = [ln for ln in metrics.splitlines() if ln.startswith("specfleet_verifier_raced_bonus_tokens_total")]
+    assert raced and float(raced[0].split()[-1]) > 100, raced
     assert min(p_values.values()) > 0.01, p_values
 
 

@@ -88,3 +88,14 @@ def test_lying_drafter_biases_only_when_trusted() -> None:
     # and the bias is the liar's: trusted output is close to uniform, not to p
     uniform_p = chi_square_p(Counter(trusted), [1 / VOCAB] * VOCAB, SESSIONS)
     assert uniform_p > ALPHA, uniform_p
+
+
+def test_only_a_trusted_drafter_may_ask_for_the_raced_bonus() -> None:
+    """A drafter knows the variates of the verifier's race for its bonus token (shared.coupling)
+    and could choose draft lengths to steer it: an untrusted drafter's ask is ignored."""
+    for trusted in (True, False):
+        core, routes, conn = CoreInbox(), Routes(2), "drafter-1"
+        intake = Intake(core, routes, NoErrors(), None, trusted=lambda _c, t=trusted: t)  # type: ignore[arg-type]
+        routes.add(Route("s0", "frontend", conn, conn, conn, 3, None))  # type: ignore[arg-type]
+        intake.handle(conn, "drafter", Draft(request_id="s0", round=0, token_ids=[1], guess_bonus=True))
+        assert core.drafts["s0"].guess_bonus is trusted

@@ -45,9 +45,10 @@ def test_up_help_lists_flags(capsys: pytest.CaptureFixture[str]) -> None:
         assert flag in out
 
 
-def test_up_refuses_zero_drafters(capsys: pytest.CaptureFixture[str]) -> None:
-    assert up_main(["--drafters", "0"]) == 2
-    assert "--drafters must be at least 1" in capsys.readouterr().err
+@pytest.mark.parametrize("flag", ["--drafters", "--sessions-per-drafter"])
+def test_up_refuses_zero_drafters_or_sessions(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert up_main([flag, "0"]) == 2
+    assert f"{flag} must be at least 1, got 0" in capsys.readouterr().err
 
 
 def _model(path: Path) -> Path:

@@ -16,15 +16,20 @@ import torch
 
 from services.drafter.batcher import DraftBatcher
 from services.drafter.capacity import ALPHA, WARM_ROUNDS, Capacity
+from services.drafter.control import make_controller
 from services.drafter.control.threshold import ThresholdController
 from services.drafter.lookahead import Lookahead
 from services.drafter.loop import session_limit
 from services.drafter.metrics import DrafterMetrics
 from services.drafter.proposers.base import DraftJob, Proposal
 from services.drafter.proposers.draft_model import DraftModelProposer
+from services.drafter.rounds import SessionRunner
+from services.drafter.sessions import DraftSession
 from services.drafter.worker import ComputeWorker
+from shared.draft_q import Nucleus, check, guess_token
 from shared.models import LoadedModel, load_model
-from shared.protocol import SamplingParams, Verdict
+from shared.protocol import QueuedRequest, SamplingParams, Verdict
+from shared.queue import Delivery
 from shared.runner import ModelRunner
 from shared.sampling import make_generator
 
@@ -137,6 +142,62 @@ async def test_a_lookahead_that_came_true_is_the_next_rounds_draft(draft: Loaded
         assert lookahead.take(K) is None  # a lookahead is used once
         # it is exactly what drafting the round now would give
         assert await p.round(K) == expected[1:]
+
+
+@pytest.mark.parametrize("came_true", [True, False])
+@pytest.mark.asyncio
+async def test_a_sampled_lookahead_guesses_the_verifiers_raced_token_and_keeps_its_q(
+        came_true: bool, draft: LoadedModel) -> None:
+    """At temperature > 0 the first lookahead token is the winner of the verifier's race over the
+    draft model's distribution (shared.coupling); the rest are sampled drafts with their q."""
+    p = Pipeline(draft)
+    lookahead = Lookahead()
+    sampled = SamplingParams(temperature=1.0, max_tokens=64, ignore_eos=True)
+    async with running(p.batcher):
+        proposal, _, _ = await p.batcher.propose(DraftJob("s", K, sampled, gen()))
+        sent = proposal.token_ids
+        race = (99, len(p.committed) + len(sent))
+        with torch.inference_mode():
+            logits = draft.model(input_ids=torch.tensor([PROMPT + sent])).logits[0, -1]
+        guess, _ = guess_token(logits, sampled, race, Nucleus())
+        lookahead.start(p.batcher, DraftJob("s", K + 1, sampled, gen(), None, tuple(sent), len(p.committed),
+                                            guess=race))
+        own = guess if came_true else (guess + 1) % draft.vocab_size
+        tokens = [*sent, own]
+        p.commit(tokens, len(sent))
+        await lookahead.settle(verdict(tokens, len(sent)), len(sent), p.metrics)
+        ready = lookahead.take(K)
+    if not came_true:
+        assert ready is None and outcomes(p.metrics)["missed"] == 1.0
+        return
+    assert ready is not None and ready.q is not None and len(ready.token_ids) == len(ready.q) == K
+    for token, q in zip(ready.token_ids, ready.q, strict=True):
+        check(q, token, draft.vocab_size)  # each kept token lists itself in the q it came from
+
+
+class _Guesser:
+    def __init__(self, guesses: bool) -> None:
+        self.guesses_bonus = guesses
+
+
+@pytest.mark.parametrize(("temperature", "seed", "key", "guesses", "ahead"), [
+    (0.0, None, None, False, True),  # greedy: drafts draw no randomness
+    (1.0, None, 5, True, True),  # unseeded sampled, a verifier that couples its token, a draft model
+    (1.0, 3, 5, True, False),  # seeded: its stream must not depend on whether a lookahead ran
+    (1.0, None, None, True, False),  # the verifier does not couple its token (the vLLM core)
+    (1.0, None, 5, False, False),  # the proposer cannot guess it (n-gram)
+], ids=["greedy", "sampled", "seeded", "uncoupled-verifier", "ngram"])
+def test_which_sessions_draft_ahead(temperature: float, seed: int | None, key: int | None, guesses: bool,
+                                    ahead: bool) -> None:
+    params = SamplingParams(temperature=temperature, seed=seed, max_tokens=64)
+    req = QueuedRequest(request_id="r", prompt_ids=[1, 2], params=params, origin="c", model="m", created_at=0.0)
+    session = DraftSession.from_delivery(Delivery("1", req), make_controller("fixed"))
+    session.bonus_key = key
+    proposer = _Guesser(guesses)
+    worker = ComputeWorker(inline=True)
+    runner = SessionRunner(None, proposer, worker, DraftBatcher(proposer, worker), max_draft_tokens=4)  # type: ignore[arg-type]
+    assert runner._pipelines(session, Proposal(token_ids=[7, 8])) is ahead
+    assert not runner._pipelines(session, Proposal(token_ids=[]))  # nothing sent, nothing to continue
 
 
 @pytest.mark.asyncio

@@ -63,10 +63,16 @@ class DraftJob:
     #: how many of the session's first committed tokens are its prompt: penalties (frequency,
     #: presence) count only the tokens after them as generated, as the verifier does
     prompt_len: int = 0
+    #: a lookahead at temperature > 0: its first token guesses the verifier's coupled bonus token,
+    #: the winner of the race keyed by (key, round) over the request's full distribution
+    #: (shared.coupling); the proposer draws the race's variates for its own vocabulary
+    guess: tuple[int, int] | None = None
 
 
 class Proposer(Protocol):
     name: str
+    #: it honours ``DraftJob.guess`` (and so can draft ahead of a sampled request's verdict)
+    guesses_bonus: bool
 
     def start(self, session_id: str, prompt_ids: list[int], max_new_tokens: int) -> None:
         """Begin a session whose committed sequence is ``prompt_ids``; it will grow by at most

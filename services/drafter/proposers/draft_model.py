@@ -39,7 +39,7 @@ import torch
 
 from services.drafter.control.base import DraftController, StepDecision, StepFeatures
 from services.drafter.proposers.base import EMPTY_PROPOSAL, DraftJob, Proposal, ProposerError
-from shared.draft_q import Nucleus, draft_token
+from shared.draft_q import Nucleus, draft_token, guess_token
 from shared.log import get_logger
 from shared.penalties import apply_penalties, has_penalties
 from shared.prefix import common_prefix_len
@@ -102,6 +102,7 @@ class DraftModelProposer:
         self.eos_ids = frozenset(eos_ids)
         self.mode = mode
         self.nucleus = nucleus or Nucleus()
+        self.guesses_bonus = mode == "sampled"
         self._sessions: dict[str, _SessionCache] = {}
 
     # --- lifecycle -----------------------------------------------------------------------
@@ -174,7 +175,9 @@ class DraftModelProposer:
         if d.penalised:
             logits = _penalise(d, logits)
             argmax = int(logits.argmax())
-        if d.sampled:
+        if d.sampled and d.job.guess is not None and not d.tokens:
+            token, q = guess_token(logits, d.job.params, d.job.guess, self.nucleus)
+        elif d.sampled:
             token, q = draft_token(logits, d.job.params, d.job.rng, self.nucleus)
         else:
             token, q = argmax, None

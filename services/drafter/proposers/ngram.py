@@ -36,6 +36,7 @@ def lookup(context: Sequence[int], k: int, max_n: int, min_n: int) -> list[int]:
 
 class NgramProposer:
     name = "ngram"
+    guesses_bonus = False  # it drafts ids, from no distribution to race with
 
     def __init__(self, eos_ids: set[int], max_n: int = 4, min_n: int = 1) -> None:
         if not 1 <= min_n <= max_n:

@@ -1,0 +1,56 @@
+"""A coupled bonus token: the verifier's own token after a fully accepted draft, drawn so that a
+drafter can guess it at temperature > 0 (pipelined drafting for sampled requests).
+
+The verifier draws that token by the *exponential race*: with E_x independent Exp(1) variates,
+one per vocabulary entry, the winner ``argmax_x p(x) / E_x`` is an exact sample of p (it is the
+Gumbel-max trick: -log E_x are Gumbel variates). The E_x come from a generator seeded by
+(the request's bonus key, the round), and the verifier gives the key to the session's drafter.
+The drafter, having sent a draft, guesses the verifier's token the same way from its own
+distribution q at the bonus position: ``argmax_x q(x) / E_x``. When p and q are
+close the two races usually have the same winner; with Σ min(p, q) = s they agree with
+probability at least s / (2 - s), i.e. 0.67 at s = 0.8. The drafter's lookahead continues from
+its guess, and is the next round's draft when the guess came true.
+
+Why the output is still exactly the target's: each round is verified once, so the verifier uses
+each round's variates at most once, and they are independent of everything that led to that
+round: the acceptance uniforms and residual draws come from the request's own verification
+stream, and the drafts from the drafter's stream. The drafter reads a round's variates only
+after sending that round's draft, to choose which continuation to draft ahead; a wrong guess is
+dropped, and a right one only decides which drafts come next, after the bonus token. Later rounds
+have variates of their own. So the bonus token is an exact sample of p given the past, as if
+drawn by inverting p's CDF.
+
+A round uses the race only when its Draft asks for it (``Draft.guess_bonus``) and the verifier
+verifies the whole draft (a trimmed draft's bonus is not where the drafter guessed): V variates
+per round cost more than the single uniform of an inverted CDF on a large vocabulary. Only
+unseeded sampled requests race: a seeded request's stream must not depend on whether a
+lookahead ran.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+
+import torch
+
+#: the smallest exponential variate used (a draw of exactly 0 would make 0 / 0 for a token p excludes)
+_TINY = 1e-300
+
+
+def new_bonus_key() -> int:
+    """A request's bonus key: fresh entropy (only unseeded requests race)."""
+    return secrets.randbits(63)
+
+
+def race_noise(key: int, round_: int, vocab: int) -> torch.Tensor:
+    """The Exp(1) variates of one round (float64, one per vocabulary entry)."""
+    digest = hashlib.blake2b(f"{key}:{round_}".encode(), digest_size=8).digest()
+    gen = torch.Generator(device="cpu").manual_seed(int.from_bytes(digest, "little") >> 1)
+    uniform = torch.rand(vocab, generator=gen, dtype=torch.float64)
+    return (-torch.log1p(-uniform)).clamp_(min=_TINY)
+
+
+def race_winner(probs: torch.Tensor, noise: torch.Tensor) -> int:
+    """``argmax_x probs(x) / noise(x)``: an exact sample of ``probs`` (weights need not sum to 1)."""
+    return int((probs.detach().to("cpu", torch.float64) / noise).argmax())
