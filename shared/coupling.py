@@ -29,10 +29,11 @@ lookahead ran.
 
 from __future__ import annotations
 
-import hashlib
 import secrets
 
 import torch
+
+from shared.sampling import hashed_generator
 
 #: the smallest exponential variate used (a draw of exactly 0 would make 0 / 0 for a token p excludes)
 _TINY = 1e-300
@@ -45,9 +46,7 @@ def new_bonus_key() -> int:
 
 def race_noise(key: int, round_: int, vocab: int) -> torch.Tensor:
     """The Exp(1) variates of one round (float64, one per vocabulary entry)."""
-    digest = hashlib.blake2b(f"{key}:{round_}".encode(), digest_size=8).digest()
-    gen = torch.Generator(device="cpu").manual_seed(int.from_bytes(digest, "little") >> 1)
-    uniform = torch.rand(vocab, generator=gen, dtype=torch.float64)
+    uniform = torch.rand(vocab, generator=hashed_generator(f"{key}:{round_}"), dtype=torch.float64)
     return (-torch.log1p(-uniform)).clamp_(min=_TINY)
 
 

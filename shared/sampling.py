@@ -17,6 +17,7 @@ from shared.protocol import MAX_LOGIT_BIAS, SamplingParams
 __all__ = [
     "SamplingError",
     "SamplingParams",
+    "hashed_generator",
     "is_greedy",
     "make_generator",
     "probs_from_logit_rows",
@@ -144,11 +145,15 @@ def make_generator(seed: int | None, stream: str) -> torch.Generator:
     """
     if stream not in STREAMS:
         raise ValueError(f"unknown random stream {stream!r}; one of {', '.join(STREAMS)}")
-    gen = torch.Generator(device="cpu")
     if seed is None:
-        return gen.manual_seed(secrets.randbits(63))
-    digest = hashlib.blake2b(f"{stream}:{seed}".encode(), digest_size=8).digest()
-    return gen.manual_seed(int.from_bytes(digest, "little") >> 1)
+        return torch.Generator(device="cpu").manual_seed(secrets.randbits(63))
+    return hashed_generator(f"{stream}:{seed}")
+
+
+def hashed_generator(label: str) -> torch.Generator:
+    """A CPU generator seeded by a hash of ``label``: the same label, the same draws, anywhere."""
+    digest = hashlib.blake2b(label.encode(), digest_size=8).digest()
+    return torch.Generator(device="cpu").manual_seed(int.from_bytes(digest, "little") >> 1)
 
 
 def sample(probs: torch.Tensor, gen: torch.Generator) -> int:

@@ -16,20 +16,16 @@ import torch
 
 from services.drafter.batcher import DraftBatcher
 from services.drafter.capacity import ALPHA, WARM_ROUNDS, Capacity
-from services.drafter.control import make_controller
 from services.drafter.control.threshold import ThresholdController
 from services.drafter.lookahead import Lookahead
 from services.drafter.loop import session_limit
 from services.drafter.metrics import DrafterMetrics
 from services.drafter.proposers.base import DraftJob, Proposal
 from services.drafter.proposers.draft_model import DraftModelProposer
-from services.drafter.rounds import SessionRunner
-from services.drafter.sessions import DraftSession
 from services.drafter.worker import ComputeWorker
 from shared.draft_q import Nucleus, check, guess_token
 from shared.models import LoadedModel, load_model
-from shared.protocol import QueuedRequest, SamplingParams, Verdict
-from shared.queue import Delivery
+from shared.protocol import SamplingParams, Verdict
 from shared.runner import ModelRunner
 from shared.sampling import make_generator
 
@@ -174,30 +170,6 @@ async def test_a_sampled_lookahead_guesses_the_verifiers_raced_token_and_keeps_i
     for token, q in zip(ready.token_ids, ready.q, strict=True):
         check(q, token, draft.vocab_size)  # each kept token lists itself in the q it came from
 
-
-class _Guesser:
-    def __init__(self, guesses: bool) -> None:
-        self.guesses_bonus = guesses
-
-
-@pytest.mark.parametrize(("temperature", "seed", "key", "guesses", "ahead"), [
-    (0.0, None, None, False, True),  # greedy: drafts draw no randomness
-    (1.0, None, 5, True, True),  # unseeded sampled, a verifier that couples its token, a draft model
-    (1.0, 3, 5, True, False),  # seeded: its stream must not depend on whether a lookahead ran
-    (1.0, None, None, True, False),  # the verifier does not couple its token (the vLLM core)
-    (1.0, None, 5, False, False),  # the proposer cannot guess it (n-gram)
-], ids=["greedy", "sampled", "seeded", "uncoupled-verifier", "ngram"])
-def test_which_sessions_draft_ahead(temperature: float, seed: int | None, key: int | None, guesses: bool,
-                                    ahead: bool) -> None:
-    params = SamplingParams(temperature=temperature, seed=seed, max_tokens=64)
-    req = QueuedRequest(request_id="r", prompt_ids=[1, 2], params=params, origin="c", model="m", created_at=0.0)
-    session = DraftSession.from_delivery(Delivery("1", req), make_controller("fixed"))
-    session.bonus_key = key
-    proposer = _Guesser(guesses)
-    worker = ComputeWorker(inline=True)
-    runner = SessionRunner(None, proposer, worker, DraftBatcher(proposer, worker), max_draft_tokens=4)  # type: ignore[arg-type]
-    assert runner._pipelines(session, Proposal(token_ids=[7, 8])) is ahead
-    assert not runner._pipelines(session, Proposal(token_ids=[]))  # nothing sent, nothing to continue
 
 
 @pytest.mark.asyncio
