@@ -120,11 +120,12 @@ def test_up_restarts_a_killed_drafter_and_resumes_its_sessions(tiny_models: dict
 
         async def run() -> list[tuple]:
             work = asyncio.create_task(stream_many(stack, sent))  # type: ignore[arg-type]
-            # kill as soon as the victim holds sessions: the tiny models generate 448 tokens in about
-            # 1.5 s here, so a later kill can leave the survivor nothing to resume (they finished
-            # target-only first, and its opens were answered "duplicate")
+            # kill as soon as the victim has played a round: the tiny models generate 448 tokens in
+            # about 1.5 s here, so a later kill can leave the survivor nothing to resume (they finished
+            # target-only first, and its opens were answered "duplicate"); an earlier one, while its
+            # sessions only held a slot, left nothing committed, so the survivor opened them afresh
             for _ in range(500):
-                if _sample(f"http://127.0.0.1:{metrics_port}/metrics", "specfleet_drafter_sessions") > 0:
+                if _sample(f"http://127.0.0.1:{metrics_port}/metrics", "specfleet_drafter_rounds_total") > 0:
                     break
                 await asyncio.sleep(0.02)
             os.kill(victim, signal.SIGKILL)
