@@ -48,6 +48,8 @@ class Peers(Protocol):
 
     def send_frontend(self, origin: str, msgs: list[Batchable]) -> None: ...
 
+    def trusted(self, conn_id: str) -> bool: ...
+
 
 class Output:
     def __init__(self, peers: Peers, routes: Routes, metrics: VerifierMetrics) -> None:
@@ -88,14 +90,19 @@ class Output:
         # only to the drafter that opened it: one that resumed it since hears Attached instead
         if route is not None and route.owner is not None and route.owner == route.opener:
             self._conn(route.owner, SessionOpened(request_id=r.request_id, draft_budget=r.draft_budget,
-                                                    bonus_key=r.bonus_key))
+                                                    bonus_key=self._key_for(route.owner, r.bonus_key)))
 
     def _attached(self, r: Attached) -> None:
         route = self.routes.get(r.request_id)
         if route is not None and route.drafter is not None:
             self._conn(route.drafter, SessionOpened(request_id=r.request_id, draft_budget=r.draft_budget,
                                                     committed_ids=r.generated, round=r.round,
-                                                    bonus_key=r.bonus_key))
+                                                    bonus_key=self._key_for(route.drafter, r.bonus_key)))
+
+    def _key_for(self, conn_id: str, key: int | None) -> int | None:
+        """The bonus key (shared.coupling) only for a trusted drafter: the intake ignores an untrusted
+        one's guess_bonus, so with the key it would only draft lookaheads that can never be used."""
+        return key if self.peers.trusted(conn_id) else None
 
     def _refused(self, r: Refused) -> None:
         route = self.routes.get(r.request_id)

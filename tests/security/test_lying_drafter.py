@@ -17,13 +17,15 @@ from typing import Any
 
 import torch
 
-from services.verifier.core_api import AddDraft
+from services.verifier.core_api import AddDraft, Admitted, Attached
 from services.verifier.intake import Intake
 from services.verifier.judge import judge
+from services.verifier.metrics import VerifierMetrics
+from services.verifier.output import Output
 from services.verifier.requests import Request
 from services.verifier.sessions import Route, Routes
 from shared.draft_q import pack
-from shared.protocol import Draft, SamplingParams
+from shared.protocol import Draft, SamplingParams, SessionOpened
 from shared.sampling import probs_from_logits
 from tests.e2e.lossless_stats import chi_square_p
 
@@ -99,3 +101,33 @@ def test_only_a_trusted_drafter_may_ask_for_the_raced_bonus() -> None:
         routes.add(Route("s0", "frontend", conn, conn, conn, 3, None))  # type: ignore[arg-type]
         intake.handle(conn, "drafter", Draft(request_id="s0", round=0, token_ids=[1], guess_bonus=True))
         assert core.drafts["s0"].guess_bonus is trusted
+
+
+class Sent:
+    """The connection registry as the verifier's Output sees it: it records frames per connection."""
+
+    def __init__(self, trusted: bool) -> None:
+        self.frames: dict[str, list[Any]] = {}
+        self._trusted = trusted
+
+    def send(self, conn_id: str, msgs: list[Any]) -> None:
+        self.frames.setdefault(conn_id, []).extend(msgs)
+
+    def send_frontend(self, origin: str, msgs: list[Any]) -> None:
+        pass
+
+    def trusted(self, conn_id: str) -> bool:
+        return self._trusted
+
+
+def test_only_a_trusted_drafter_hears_the_bonus_key() -> None:
+    """An untrusted drafter's ask for the race is ignored, so it gets no key to guess with: its
+    lookaheads could never be used (on open and on resume alike)."""
+    for trusted in (True, False):
+        peers, routes, conn = Sent(trusted), Routes(2), "drafter-1"
+        output = Output(peers, routes, VerifierMetrics())  # type: ignore[arg-type]
+        routes.add(Route("s0", "frontend", conn, conn, conn, 3, None))  # type: ignore[arg-type]
+        output.on_results([Admitted("s0", 4, bonus_key=1234), Attached("s0", [5], 1, 4, bonus_key=1234)])
+        opened = [m for m in peers.frames[conn] if isinstance(m, SessionOpened)]
+        assert len(opened) == 2
+        assert all(m.bonus_key == (1234 if trusted else None) for m in opened), opened
