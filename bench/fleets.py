@@ -212,6 +212,22 @@ def measure(bf: BenchFleet, sc: Scenario, concurrency: int, repeats: int, reques
     return Run(sc.name, concurrency, rates, outcomes, diff_all(bf.scrape(), before), bf.network, walls)
 
 
+def prime(bf: BenchFleet, model: str, temperature: float = 0.0) -> None:
+    """One short request, before a measurement of a fleet that sat idle while others were measured:
+    the services count an idle gap when work resumes (the draft model's idle time, for one), so the
+    gap lands here, outside the measured window, and every fleet starts its window warm."""
+    asyncio.run(run_load(bf.fleet.ws_url, bodies(1, 4, model, temperature), 1))
+
+
+def combined(runs: Sequence[Run]) -> Run:
+    """Single-repeat runs of one scenario at one concurrency as one run: their rates in order,
+    every outcome, and each service's metrics summed over the runs' windows."""
+    first = runs[0]
+    metrics = {name: merged([r.metrics[name] for r in runs if name in r.metrics]) for name in first.metrics}
+    return Run(first.scenario, first.concurrency, [x for r in runs for x in r.rates],
+               [o for r in runs for o in r.outcomes], metrics, first.network, [w for r in runs for w in r.walls])
+
+
 def add_workload_flags(p: argparse.ArgumentParser, repeats: int = 3, requests: int = 16, max_tokens: int = 128,
                        concurrency: tuple[int, ...] = (1, 4)) -> None:
     """The flags every serving benchmark shares: the workload, the target, the output folder, the edge."""

@@ -8,9 +8,11 @@ In one run, on one machine, with the edge emulated by pinning (``bench.edge``):
 1. raw model costs, in pinned child processes: the target's plain transformers greedy loop
    (the model's raw decode rate) and the same loop on specfleet's runner, and pure forwards of
    the shapes the targets need; the draft's forward on the edge CPU;
-2. real fleets: target-only serving, and 1 drafter (the smallest draft, default draft mode,
-   k = ``--draft-len``) with and without pipelined drafting, each at every concurrency,
-   ``--repeats`` times, with unseeded requests at ``--temperature``; tokens/s is the median;
+2. real fleets, all up at once: target-only serving, and 1 drafter (the smallest draft, default
+   draft mode, k = ``--draft-len``) with and without pipelined drafting, at every concurrency,
+   ``--repeats`` times with the scenarios interleaved, with unseeded requests at
+   ``--temperature``; tokens/s is the median, and the ratio to target-only the median of the
+   repeats' ratios (each repeat's runs minutes apart at most);
 3. the fast-rounds targets, computed from those numbers (``bench.targets``).
 
 Writes ``<out>/serving.json``, ``serving.md`` (tables and targets) and ``serving.png``
@@ -20,7 +22,9 @@ Writes ``<out>/serving.json``, ``serving.md`` (tables and targets) and ``serving
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -34,10 +38,12 @@ from bench.fleets import (
     Scenario,
     add_workload_flags,
     bench_fleet,
+    combined,
     domain_prompts,
     drafters_of,
     given_args,
     measure,
+    prime,
 )
 from bench.profile import smallest
 from bench.targets import run_row, targets
@@ -60,10 +66,17 @@ def scenarios(draft: Path, k: int) -> list[Scenario]:
                      drafter_flags=("--pipeline-sessions", "0"))]
 
 
-def run_all(target: Path, scs: list[Scenario], args: argparse.Namespace, edge: Edge) -> list[Run]:
-    runs: list[Run] = []
-    total = len(scs) * len(args.concurrency)
-    with tqdm(total=total, desc="bench serving", unit="level") as bar, tempfile.TemporaryDirectory() as logs:
+def run_all(target: Path, scs: list[Scenario], args: argparse.Namespace, edge: Edge,
+            interleave: bool = False) -> list[Run]:
+    """Measure every scenario at every concurrency, ``args.repeats`` times: one fleet after another,
+    or, with ``interleave``, every fleet up at once and each repeat measuring them in turn, so a
+    drift in the machine's speed over minutes (up to 30 % here) hits every scenario alike rather
+    than whichever ran during it. An interleaved fleet is primed before each window (``prime``)."""
+    total = len(scs) * len(args.concurrency) * args.repeats
+    with tqdm(total=total, desc="bench serving", unit="run") as bar, tempfile.TemporaryDirectory() as logs:
+        if interleave:
+            return _interleaved(target, scs, args, edge, Path(logs), bar)
+        runs: list[Run] = []
         for sc in scs:
             bar.set_postfix_str(sc.name)
             with bench_fleet(target, sc, edge, Path(logs)) as bf:
@@ -71,8 +84,40 @@ def run_all(target: Path, scs: list[Scenario], args: argparse.Namespace, edge: E
                     runs.append(measure(bf, sc, conc, args.repeats, max(args.requests, conc), args.max_tokens,
                                         target.name, args.temperature, domain_prompts(args.domains),
                                         args.arrival_rate, args.seed, args.trace))
+                    bar.update(args.repeats)
+        return runs
+
+
+def _interleaved(target: Path, scs: list[Scenario], args: argparse.Namespace, edge: Edge, logs: Path,
+                 bar: tqdm) -> list[Run]:
+    runs: list[Run] = []
+    with contextlib.ExitStack() as stack:
+        fleets = []
+        for sc in scs:
+            bar.set_postfix_str(f"starting {sc.name}")
+            fleets.append(stack.enter_context(bench_fleet(target, sc, edge, logs)))
+        for conc in args.concurrency:
+            parts: dict[str, list[Run]] = {sc.name: [] for sc in scs}
+            for i in range(args.repeats):
+                for sc, bf in zip(scs, fleets, strict=True):
+                    bar.set_postfix_str(f"{sc.name} @{conc}")
+                    prime(bf, target.name, args.temperature)
+                    parts[sc.name].append(measure(bf, sc, conc, 1, max(args.requests, conc), args.max_tokens,
+                                                  target.name, args.temperature, domain_prompts(args.domains),
+                                                  args.arrival_rate, args.seed + i, args.trace))
                     bar.update(1)
+            runs += [combined(parts[sc.name]) for sc in scs]
     return runs
+
+
+def paired_ratios(rows: list[dict[str, Any]]) -> None:
+    """Each row's speed over target-only at its concurrency, repeat by repeat (the repeats ran side
+    by side, ``run_all``): ``ratio_runs``, and their median ``ratio``."""
+    base = {r["concurrency"]: r["tokens_per_s_runs"] for r in rows if r["scenario"] == "target-only"}
+    for r in rows:
+        ref = base.get(r["concurrency"])
+        runs = [x / y for x, y in zip(r["tokens_per_s_runs"], ref, strict=True) if y] if ref else []
+        r["ratio_runs"], r["ratio"] = runs, statistics.median(runs) if runs else float("nan")
 
 
 def write(rows: list[dict[str, Any]], checks: list[dict[str, Any]], meta: dict[str, Any], out: Path) -> str:
@@ -80,14 +125,12 @@ def write(rows: list[dict[str, Any]], checks: list[dict[str, Any]], meta: dict[s
     stem = "serving" if meta["temperature"] == 0 else f"serving-t{meta['temperature']:g}"
     (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows, "targets": checks}, indent=2))
     lines = [f"Command: `{meta['command']}` ({meta['when']}; {meta['edge']}).", "",
-             "| scenario | concurrency | tokens/s (median) | runs | vs target-only | acceptance | "
+             "| scenario | concurrency | tokens/s (median) | runs | vs target-only (median of repeats) | acceptance | "
              "verifier CPU per step / forward | drafted tokens/s | draft model idle | lookaheads used |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    base = {r["concurrency"]: r["tokens_per_s"] for r in rows if r["scenario"] == "target-only"}
     for r in rows:
-        ratio = r["tokens_per_s"] / base[r["concurrency"]] if base.get(r["concurrency"]) else float("nan")
         runs = ", ".join(f"{x:.0f}" for x in r["tokens_per_s_runs"])
-        lines.append(f"| {r['scenario']} | {r['concurrency']} | {r['tokens_per_s']:.1f} | {runs} | {ratio:.2f}x | "
+        lines.append(f"| {r['scenario']} | {r['concurrency']} | {r['tokens_per_s']:.1f} | {runs} | {r['ratio']:.2f}x | "
                      f"{r['acceptance']:.3f} | {r['cpu_per_step_over_forward']:.3f} | {r['drafted_tok_s']:.0f} | "
                      f"{r['draft_idle_fraction']:.2f} | {r['lookahead_used']:.0f} |")
     lines += ["", "| target | measured | goal | met |", "|---|---|---|---|"]
@@ -133,8 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     draft = smallest(models.drafts)
     print(f"raw model costs ({edge.describe()}) ...", flush=True)
     costs = raw_costs(models.target, draft, args.draft_len, edge)
-    runs = run_all(models.target, scenarios(draft, args.draft_len), args, edge)
+    runs = run_all(models.target, scenarios(draft, args.draft_len), args, edge, interleave=True)
     rows = [run_row(r, drafters_of(r) if r.scenario != "target-only" else None) for r in runs]
+    paired_ratios(rows)
     meta = {"command": "python -m bench.serving " + " ".join(given_args(argv)), "target": str(models.target),
             "draft": str(draft), "repeats": args.repeats, "requests": args.requests, "max_tokens": args.max_tokens,
             "draft_len": args.draft_len, "temperature": args.temperature,

@@ -1,0 +1,42 @@
+"""Interleaved serving repeats: single-repeat runs combine into one, and ratios pair repeat by repeat."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+from bench.fleets import Run, combined
+from bench.scrape import Snapshot
+from bench.serving import paired_ratios
+
+
+def snap(**samples: float) -> Snapshot:
+    return Snapshot({(name, ()): value for name, value in samples.items()})
+
+
+def test_combined_keeps_every_repeat_and_sums_each_services_metrics() -> None:
+    a = Run("s", 4, [100.0], [], {"verifier": snap(steps=10, cpu=1.0), "drafter-1": snap(rounds=3)}, walls=[2.0])
+    b = Run("s", 4, [300.0], [], {"verifier": snap(steps=5, cpu=0.5), "drafter-1": snap(rounds=4)}, walls=[1.0])
+    c = Run("s", 4, [200.0], [], {"verifier": snap(steps=1), "drafter-1": snap(rounds=1)}, walls=[1.5])
+    run = combined([a, b, c])
+    assert (run.scenario, run.concurrency, run.rates, run.walls) == ("s", 4, [100.0, 300.0, 200.0], [2.0, 1.0, 1.5])
+    assert run.tokens_per_s == 200.0
+    assert run.metrics["verifier"].value("steps") == 16 and run.metrics["verifier"].value("cpu") == 1.5
+    assert run.metrics["drafter-1"].value("rounds") == 8
+
+
+@pytest.mark.parametrize(("base", "spec", "ratios", "median"), [
+    ([100.0, 200.0, 150.0], [150.0, 200.0, 300.0], [1.5, 1.0, 2.0], 1.5),
+    # the machine slowed down in the second repeat: both scenarios did, and the pair keeps the ratio
+    ([200.0, 100.0], [240.0, 120.0], [1.2, 1.2], 1.2),
+])
+def test_ratios_pair_the_repeats(base: list[float], spec: list[float], ratios: list[float], median: float) -> None:
+    rows: list[dict[str, Any]] = [{"scenario": "target-only", "concurrency": 1, "tokens_per_s_runs": base},
+            {"scenario": "1 drafter", "concurrency": 1, "tokens_per_s_runs": spec},
+            {"scenario": "1 drafter", "concurrency": 4, "tokens_per_s_runs": spec}]  # no baseline at 4
+    paired_ratios(rows)
+    assert rows[0]["ratio_runs"] == [1.0] * len(base) and rows[0]["ratio"] == 1.0
+    assert rows[1]["ratio_runs"] == pytest.approx(ratios) and rows[1]["ratio"] == pytest.approx(median)
+    assert rows[2]["ratio_runs"] == [] and math.isnan(rows[2]["ratio"])
