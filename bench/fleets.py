@@ -223,7 +223,8 @@ def combined(runs: Sequence[Run]) -> Run:
     """Single-repeat runs of one scenario at one concurrency as one run: their rates in order,
     every outcome, and each service's metrics summed over the runs' windows."""
     first = runs[0]
-    metrics = {name: merged([r.metrics[name] for r in runs if name in r.metrics]) for name in first.metrics}
+    names = dict.fromkeys(name for r in runs for name in r.metrics)  # every service any run scraped, in order
+    metrics = {name: merged([r.metrics[name] for r in runs if name in r.metrics]) for name in names}
     return Run(first.scenario, first.concurrency, [x for r in runs for x in r.rates],
                [o for r in runs for o in r.outcomes], metrics, first.network, [w for r in runs for w in r.walls])
 

@@ -112,11 +112,14 @@ def _interleaved(target: Path, scs: list[Scenario], args: argparse.Namespace, ed
 
 def paired_ratios(rows: list[dict[str, Any]]) -> None:
     """Each row's speed over target-only at its concurrency, repeat by repeat (the repeats ran side
-    by side, ``run_all``): ``ratio_runs``, and their median ``ratio``."""
+    by side, ``run_all``): ``ratio_runs``, and their median ``ratio`` (NaN without a target-only
+    repeat to pair with; a repeat without its pair is left out).
+
+    This is not the ratio of the two medians the table also shows."""
     base = {r["concurrency"]: r["tokens_per_s_runs"] for r in rows if r["scenario"] == "target-only"}
     for r in rows:
-        ref = base.get(r["concurrency"])
-        runs = [x / y for x, y in zip(r["tokens_per_s_runs"], ref, strict=True) if y] if ref else []
+        ref = base.get(r["concurrency"], [])
+        runs = [x / y for x, y in zip(r["tokens_per_s_runs"], ref, strict=False) if y > 0]  # repeat i with repeat i
         r["ratio_runs"], r["ratio"] = runs, statistics.median(runs) if runs else float("nan")
 
 
@@ -176,7 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     draft = smallest(models.drafts)
     print(f"raw model costs ({edge.describe()}) ...", flush=True)
     costs = raw_costs(models.target, draft, args.draft_len, edge)
-    runs = run_all(models.target, scenarios(draft, args.draft_len), args, edge, interleave=True)
+    # an emulated edge network is one namespace per fleet, named by this process: one fleet at a time then
+    if edge.networked:
+        print("emulated edge network: the scenarios run one after another, not interleaved", flush=True)
+    runs = run_all(models.target, scenarios(draft, args.draft_len), args, edge, interleave=not edge.networked)
     rows = [run_row(r, drafters_of(r) if r.scenario != "target-only" else None) for r in runs]
     paired_ratios(rows)
     meta = {"command": "python -m bench.serving " + " ".join(given_args(argv)), "target": str(models.target),

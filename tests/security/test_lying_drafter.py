@@ -131,3 +131,18 @@ def test_only_a_trusted_drafter_hears_the_bonus_key() -> None:
         opened = [m for m in peers.frames[conn] if isinstance(m, SessionOpened)]
         assert len(opened) == 2
         assert all(m.bonus_key == (1234 if trusted else None) for m in opened), opened
+
+
+def test_a_resuming_drafter_is_judged_on_its_own_trust() -> None:
+    """The key on resume goes by the resuming drafter's trust, not by the opener's."""
+    peers, routes = Sent(True), Routes(2)
+    peers.trusted = lambda conn_id: conn_id == "opener"  # type: ignore[method-assign]
+    output = Output(peers, routes, VerifierMetrics())  # type: ignore[arg-type]
+    routes.add(Route("s0", "frontend", "opener", "resumer", "opener", 3, None))  # type: ignore[arg-type]
+    output.on_results([Attached("s0", [5], 1, 4, bonus_key=1234)])
+    (opened,) = [m for m in peers.frames["resumer"] if isinstance(m, SessionOpened)]
+    assert opened.bonus_key is None
+    routes.get("s0").drafter = "opener"  # type: ignore[union-attr]
+    output.on_results([Attached("s0", [5], 1, 4, bonus_key=1234)])
+    (opened,) = [m for m in peers.frames["opener"] if isinstance(m, SessionOpened)]
+    assert opened.bonus_key == 1234

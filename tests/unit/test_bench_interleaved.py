@@ -40,3 +40,18 @@ def test_ratios_pair_the_repeats(base: list[float], spec: list[float], ratios: l
     assert rows[0]["ratio_runs"] == [1.0] * len(base) and rows[0]["ratio"] == 1.0
     assert rows[1]["ratio_runs"] == pytest.approx(ratios) and rows[1]["ratio"] == pytest.approx(median)
     assert rows[2]["ratio_runs"] == [] and math.isnan(rows[2]["ratio"])
+
+
+def test_combined_keeps_a_service_only_a_later_run_scraped() -> None:
+    a = Run("s", 1, [1.0], [], {"verifier": snap(steps=1)})
+    b = Run("s", 1, [2.0], [], {"verifier": snap(steps=2), "coordinator": snap(relays=5)})
+    run = combined([a, b])
+    assert run.metrics["verifier"].value("steps") == 3 and run.metrics["coordinator"].value("relays") == 5
+
+
+def test_a_repeat_without_its_pair_is_left_out() -> None:
+    rows: list[dict[str, Any]] = [
+        {"scenario": "target-only", "concurrency": 1, "tokens_per_s_runs": [100.0, 0.0, 50.0]},
+        {"scenario": "spec", "concurrency": 1, "tokens_per_s_runs": [150.0, 90.0]}]
+    paired_ratios(rows)
+    assert rows[1]["ratio_runs"] == [1.5] and rows[1]["ratio"] == 1.5  # repeat 2 has no target-only rate
