@@ -137,14 +137,12 @@ def draft_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generat
     return token, pack(ids, weights)
 
 
-def guess_token(logits: torch.Tensor, params: SamplingParams, race: tuple[int, int],
-                nucleus: Nucleus) -> tuple[int, SparseQ]:
+def guess_token(logits: torch.Tensor, params: SamplingParams, race: tuple[int, int]) -> int:
     """Guess the verifier's coupled bonus token (``shared.coupling``): the winner of the race keyed
     by ``race`` = (key, round) over the request's full distribution. No draw from the drafting
-    stream. Its nucleus is returned as for a drafted token, though a guess is never sent as a draft."""
+    stream, and no q: a guess is never sent as a draft (the verifier's own token replaces it)."""
     probs = probs_from_logits(logits, params)
-    token = race_winner(probs, race_noise(*race, probs.shape[-1]))
-    return token, pack(*cut(probs, nucleus))
+    return race_winner(probs, race_noise(*race, probs.shape[-1]))
 
 
 @dataclass(frozen=True)

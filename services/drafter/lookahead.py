@@ -77,9 +77,9 @@ class Lookahead:
             return
         after = list(verdict.token_ids[drafted:])  # the verifier's own tokens (vLLM may commit several)
         if proposal.token_ids[:len(after)] == after and len(proposal.token_ids) > len(after):
-            cut = len(after)
-            self._ready = Proposal(token_ids=proposal.token_ids[cut:], steps=proposal.steps[cut:],
-                                   q=None if proposal.q is None else proposal.q[cut:])
+            cut = len(after)  # at least the guessed token, whose q the lookahead never kept (see below)
+            q = None if proposal.q is None else proposal.q[len(proposal.q) - len(proposal.token_ids) + cut:]
+            self._ready = Proposal(token_ids=proposal.token_ids[cut:], steps=proposal.steps[cut:], q=q)
             metrics.lookahead.labels("used").inc()
         else:
             metrics.lookahead.labels("missed").inc()
@@ -104,7 +104,11 @@ def _screen(controller: DraftController, steps: list[StepFeatures], budget: int)
 
 async def _one_token_at_a_time(batcher: DraftBatcher, job: DraftJob) -> tuple[Proposal, float, float]:
     """Draft the lookahead one token per batch, so a round that becomes ready meanwhile waits for
-    one forward at most, never for a whole lookahead (the batcher drafts rounds first)."""
+    one forward at most, never for a whole lookahead (the batcher drafts rounds first).
+
+    A sampled lookahead's q covers its tokens after the first: the first guesses the verifier's own
+    token (``job.guess``), which replaces it in any case, so it has no q (``Lookahead.settle``
+    aligns the rest from the end)."""
     tokens: list[int] = []
     steps: list[StepFeatures] = []
     qs: list[SparseQ] | None = None
@@ -119,8 +123,8 @@ async def _one_token_at_a_time(batcher: DraftBatcher, job: DraftJob) -> tuple[Pr
             qs = [*(qs or []), *step.q]
         if not step.token_ids or step.final:  # an end token, or the controller stopped it
             break
-    return Proposal(token_ids=tokens, q=qs if qs is not None and len(qs) == len(tokens) else None,
-                    steps=steps), started, ended
+    whole = qs is not None and len(qs) == len(tokens) - (job.guess is not None)
+    return Proposal(token_ids=tokens, q=qs if whole else None, steps=steps), started, ended
 
 
 async def _drop(task: asyncio.Task[tuple[Proposal, float, float]]) -> None:

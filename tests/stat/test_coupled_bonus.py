@@ -63,7 +63,7 @@ def _generate(seed: int, trust_guess: bool = False) -> list[int]:
         k = 2 if rounds == 0 else 1
         drafts, qs = ready if ready is not None else _drafts(drafter, req.committed[-1], k)
         req.round, req.draft_ids = rounds, drafts
-        guess, _ = guess_token(torch.log(Q[drafts[-1]]).float(), PARAMS, (req.bonus_key, req.round), EXACT)
+        guess = guess_token(torch.log(Q[drafts[-1]]).float(), PARAMS, (req.bonus_key, req.round))
         ahead = _drafts(drafter, guess, 1)  # the lookahead drafts on while the round is verified
         req.draft_q, req.guess_bonus = [check(q, t, V) for q, t in zip(qs, drafts, strict=True)], True
         verdict = judge([(req, drafts)], _rows(req.committed[-1], drafts))[0]

@@ -9,7 +9,7 @@ import torch
 from services.verifier.judge import judge, races
 from services.verifier.requests import Request
 from shared.coupling import new_bonus_key, race_noise, race_winner
-from shared.draft_q import Nucleus, guess_token
+from shared.draft_q import guess_token
 from shared.protocol import SamplingParams
 from shared.sampling import make_generator, probs_from_logits, sample
 
@@ -57,7 +57,7 @@ def test_when_the_draft_model_is_the_target_the_guess_is_always_the_verifiers_to
         req = _request(guess=True, key=key)
         req.round = key % 5
         token = judge([(req, [])], logits)[0].tokens[0]
-        guess, _ = guess_token(logits[0], SAMPLED, (key, req.round), Nucleus())
+        guess = guess_token(logits[0], SAMPLED, (key, req.round))
         assert guess == token
 
 

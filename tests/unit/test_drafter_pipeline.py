@@ -23,7 +23,7 @@ from services.drafter.metrics import DrafterMetrics
 from services.drafter.proposers.base import DraftJob, Proposal
 from services.drafter.proposers.draft_model import DraftModelProposer
 from services.drafter.worker import ComputeWorker
-from shared.draft_q import Nucleus, check, guess_token
+from shared.draft_q import check, guess_token
 from shared.models import LoadedModel, load_model
 from shared.protocol import SamplingParams, Verdict
 from shared.runner import ModelRunner
@@ -155,7 +155,7 @@ async def test_a_sampled_lookahead_guesses_the_verifiers_raced_token_and_keeps_i
         race = (99, len(p.committed) + len(sent))
         with torch.inference_mode():
             logits = draft.model(input_ids=torch.tensor([PROMPT + sent])).logits[0, -1]
-        guess, _ = guess_token(logits, sampled, race, Nucleus())
+        guess = guess_token(logits, sampled, race)
         lookahead.start(p.batcher, DraftJob("s", K + 1, sampled, gen(), None, tuple(sent), len(p.committed),
                                             guess=race))
         own = guess if came_true else (guess + 1) % draft.vocab_size

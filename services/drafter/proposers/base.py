@@ -32,7 +32,8 @@ class Proposal:
 
     ``q`` is None for ids-only drafts (the verifier treats q as one-hot on each token, which is
     exact), or one SparseQ per token: the exact distribution that token was sampled from
-    (``shared.draft_q``).
+    (``shared.draft_q``). A token that guesses the verifier's bonus token (``DraftJob.guess``) has
+    none: it is never sent as a draft.
     ``steps`` are the controller features of the kept tokens, when the controller reads them.
     """
 

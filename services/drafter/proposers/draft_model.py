@@ -176,7 +176,7 @@ class DraftModelProposer:
             logits = _penalise(d, logits)
             argmax = int(logits.argmax())
         if d.sampled and d.job.guess is not None and not d.tokens:
-            token, q = guess_token(logits, d.job.params, d.job.guess, self.nucleus)
+            token, q = guess_token(logits, d.job.params, d.job.guess), None  # never sent: no q
         elif d.sampled:
             token, q = draft_token(logits, d.job.params, d.job.rng, self.nucleus)
         else:
