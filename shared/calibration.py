@@ -6,7 +6,12 @@ the probability that the target accepts it. On the demo pair, greedy, the draft'
 probability is far below the measured acceptance (about 0.84 per token), so uncalibrated
 confidences made AdaSpec's trim drop most drafts that would have been accepted.
 
-The estimate is per confidence bin, a moving average of outcomes. Only judged drafts teach it:
+The estimate is per confidence bin: the mean of the bin's outcomes and its prior (the raw
+confidence, weighted as ``PRIOR_WEIGHT`` outcomes) while it has fewer than about 1/``ALPHA`` of
+them, then a moving average. A plain moving average from the prior learned too slowly: with the
+demo pair's top-1 probabilities around 0.25 and acceptance around 0.8, AdaSpec's drafter
+believed its second draft would fail, drafted one token a round, and so taught the bins of
+longer drafts next to nothing, and ran slower than fixed k. Only judged drafts teach it:
 in a round whose first ``accepted`` drafts were accepted, drafts ``0..accepted-1`` count as
 accepted and draft ``accepted`` (if it was sent) as rejected; later drafts were never judged. So
 the estimate is the conditional acceptance given the drafts before were accepted, which is what
@@ -21,6 +26,7 @@ from dataclasses import dataclass, field
 
 BINS = 10  # confidence bins
 ALPHA = 0.05  # weight of a new outcome in a bin's moving average
+PRIOR_WEIGHT = 1.0  # the raw confidence counts as this many outcomes of its bin
 
 
 def ewma(old: float, new: float, alpha: float = ALPHA) -> float:
@@ -42,6 +48,7 @@ class AcceptanceCalibration:
     """Confidence -> probability of acceptance (given the drafts before it were accepted)."""
 
     rate: list[float] = field(default_factory=lambda: [(b + 0.5) / BINS for b in range(BINS)])
+    seen: list[int] = field(default_factory=lambda: [0] * BINS)  # judged drafts per bin
 
     def accept(self, confidence: float) -> float:
         return self.rate[_bin(confidence)]
@@ -50,4 +57,6 @@ class AcceptanceCalibration:
         """Drafts 0..accepted-1 were accepted, draft ``accepted`` (if sent) rejected."""
         for i, c in enumerate(confidences[: judged(len(confidences), accepted)]):
             b = _bin(c)
-            self.rate[b] = ewma(self.rate[b], 1.0 if i < accepted else 0.0)
+            self.seen[b] += 1
+            weight = max(ALPHA, 1.0 / (PRIOR_WEIGHT + self.seen[b]))  # the running mean, then the EWMA
+            self.rate[b] = ewma(self.rate[b], 1.0 if i < accepted else 0.0, weight)

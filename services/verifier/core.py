@@ -102,7 +102,7 @@ class TorchCore:
         self._thread: threading.Thread | None = None
         self._task: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None  # inline mode: set by submit()
-        self._last_step_start = 0.0
+        self._last_step_start = self._last_forward_end = 0.0
         self._expiry_checked = 0.0
 
     # --- the VerifierCore interface (event loop thread) -------------------------------------
@@ -348,7 +348,9 @@ class TorchCore:
             logprobs = v.logprobs[: len(k)] if v.logprobs is not None else None
             self._publish_round(req, len(drafts), v.accepted, k, budgets.get(req.request_id, 0), logprobs)
         self.metrics.observe_step(step, scheduled, t0, t1, time.perf_counter(), self._last_step_start, cpu1 - cpu0)
-        self._last_step_start = t0
+        if self._last_forward_end:
+            self.scheduler.observe_gap(t0 - self._last_forward_end)
+        self._last_step_start, self._last_forward_end = t0, t1
 
     def _next_budgets(self, step: Step, verdicts: list[Verdict]) -> dict[str, int]:
         """Fold the speculating sessions' rounds into the tracker; the allocator's next budgets."""

@@ -34,6 +34,10 @@ from shared.runner import Segment
 PROBE_EVERY = 8
 #: calibrations kept, the drafters heard from least recently dropped first
 MAX_CALIBRATIONS = 256
+#: weight of a new gap between steps in the trim's moving average of it
+GAP_ALPHA = 0.1
+#: a longer gap between steps is idleness between requests, not part of a step's period
+MAX_GAP_S = 0.5
 
 
 @dataclass
@@ -64,6 +68,7 @@ class Scheduler:
         self.last_decision_s = 0.0
         self.last_trimmed = 0
         self.calibrations: dict[str, AcceptanceCalibration] = {}  # per drafter id, for the trim
+        self.gap_s = 0.0  # moving average: one forward's end to the next one's start (the trim's)
         self._trim_steps = 0
 
     def verifiable(self, req: Request) -> bool:
@@ -122,9 +127,15 @@ class Scheduler:
         if self._trim_steps % PROBE_EVERY == 0:  # a probe: verify every draft, so every draft is judged
             self.last_trimmed = 0
             return {}
-        keep = self.trim.keep(items, self.estimator, fixed)
+        keep = self.trim.keep(items, self.estimator, fixed, self.gap_s)
         self.last_trimmed = sum(len(i.confidence) - keep.get(i.session_id, len(i.confidence)) for i in items)
         return keep
+
+    def observe_gap(self, gap_s: float) -> None:
+        """The time from the last forward's end to this one's start: the part of a step's period
+        that trimming drafts cannot shorten (``trim.base.rate``)."""
+        if 0.0 <= gap_s < MAX_GAP_S:
+            self.gap_s = gap_s if self.gap_s == 0.0 else (1 - GAP_ALPHA) * self.gap_s + GAP_ALPHA * gap_s
 
     def _calibrated(self, drafter: str, confidence: Sequence[float]) -> list[float]:
         cal = self.calibrations.get(drafter)

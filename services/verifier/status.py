@@ -23,9 +23,10 @@ def policy_status(allocator: Allocator, scheduler: Scheduler, tracker: GoodputTr
         "estimator": {"fitted": estimator.fitted, "coef": dict(zip(FEATURES, estimator.coef, strict=True))},
         "last_batch_decision_s": scheduler.last_decision_s,
     }
-    if scheduler.trim.name != "none":  # the trim's acceptance by confidence bin, per drafter
+    if scheduler.trim.name != "none":  # the trim's acceptance by confidence bin, per drafter, and its gap
         out["trim_calibration"] = {name: [round(r, 4) for r in cal.rate]
                                    for name, cal in sorted(scheduler.calibrations.items())}
+        out["trim_gap_s"] = round(scheduler.gap_s, 6)
     last_k = getattr(allocator, "last_k", None)
     if last_k is not None:  # SmartSpec: the length it chose last, and that length's predicted goodput
         out["smartspec"] = {"k": last_k, "goodput_tok_s": round(getattr(allocator, "last_goodput", 0.0), 3),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.calibration import BINS, AcceptanceCalibration
+from shared.calibration import ALPHA, BINS, PRIOR_WEIGHT, AcceptanceCalibration
 
 
 def test_each_bin_starts_at_the_raw_confidence() -> None:
@@ -41,3 +41,18 @@ def test_an_underconfident_drafter_is_learned() -> None:
 def test_out_of_range_confidences_use_the_edge_bins(confidence: float) -> None:
     cal = AcceptanceCalibration()
     assert cal.accept(confidence) in (cal.rate[0], cal.rate[BINS - 1])
+
+
+def test_a_bin_is_the_mean_of_its_prior_and_outcomes_until_it_has_enough() -> None:
+    """Warm-up: a bin's first outcomes count fully (a running mean with its prior), so a badly
+    calibrated drafter is learned in a few rounds; later ones enter a moving average."""
+    cal = AcceptanceCalibration()
+    for n in range(1, 6):
+        cal.observe([0.25], accepted=1)
+        assert cal.accept(0.25) == pytest.approx((0.25 * PRIOR_WEIGHT + n) / (PRIOR_WEIGHT + n))
+    assert cal.accept(0.25) > 0.85
+    for _ in range(100):
+        cal.observe([0.25], accepted=1)
+    before = cal.accept(0.25)
+    cal.observe([0.25], accepted=0)  # settled: one outcome moves it by ALPHA of the way
+    assert cal.accept(0.25) == pytest.approx((1 - ALPHA) * before)

@@ -3,6 +3,7 @@ a batch of sessions = each session alone."""
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ torch.set_num_threads(1)
 PROMPT = [12, 40, 77, 5, 130, 9, 64]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
 WARM = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=64, seed=3)
+RUNNER_RTOL = 2e-2  # the cached runner's logits against a plain transformers forward: within 0.5 % here
 FP16_RTOL = 2e-3  # float16 keeps 11 significant bits; renormalising adds one more rounding
 
 
@@ -328,6 +330,7 @@ class _StopAt:
 
     name = "stop-at"
     wants_features = True
+    wants_spread = True
 
     def __init__(self, position: int, decision: StepDecision) -> None:
         self.position, self.decision = position, decision
@@ -365,6 +368,52 @@ def test_step_features_describe_the_draft_distribution(draft: LoadedModel) -> No
         assert 0.0 <= step.top2_prob <= step.top1_prob <= 1.0
         assert step.margin >= 0.0
         assert 0.0 <= step.entropy <= float(torch.log(torch.tensor(draft.vocab_size)))
+
+
+class _Watch(_StopAt):
+    """Never stops; reads the spread or not."""
+
+    def __init__(self, spread: bool) -> None:
+        super().__init__(99, StepDecision.CONTINUE)
+        self.wants_spread = spread
+
+
+def _reference_features(logits: torch.Tensor, token: int) -> tuple[float, float, float, float, float]:
+    probs = logits.float().softmax(-1)
+    top = probs.topk(2).values.tolist()
+    return (float(probs[token]), top[0], top[1], float(torch.special.entr(probs).sum()), float(logits.float().std()))
+
+
+def test_step_features_of_a_batch_are_each_rows_own(draft: LoadedModel) -> None:
+    """Features come from one batched computation over the rows that want them; each row's equal
+    a plain softmax of that session's own (penalised, where it has penalties) logits, and a
+    controller that does not read the spread gets NaN there."""
+    proposer = make(draft)
+    prompts = {"plain": PROMPT, "penalised": PROMPT[::-1], "spread": [3, *PROMPT], "none": PROMPT[2:]}
+    penalised = SamplingParams(temperature=0.0, max_tokens=64, frequency_penalty=1.5, logit_bias={7: -100.0})
+    params = {"plain": GREEDY, "penalised": penalised, "spread": WARM, "none": GREEDY}
+    watches = {"plain": _Watch(False), "penalised": _Watch(True), "spread": _Watch(True), "none": None}
+    for sid, prompt in prompts.items():
+        proposer.start(sid, prompt, 64)
+    jobs = [DraftJob(sid, 3, params[sid], gen(i), watches[sid]) for i, sid in enumerate(prompts)]
+    out = dict(zip(prompts, proposer.propose(jobs), strict=True))
+    assert out["none"].steps == [] and len(out["none"].token_ids) == 3
+    for sid in ("plain", "penalised", "spread"):
+        steps, tokens = out[sid].steps, out[sid].token_ids
+        assert len(steps) == len(tokens) == 3
+        for pos, (token, step) in enumerate(zip(tokens, steps, strict=True)):
+            ctx = [*prompts[sid], *tokens[:pos]]
+            logits = reference_logits(draft, ctx)
+            if sid == "penalised":
+                logits = apply_penalties(logits[None], penalised, prompts[sid], tokens[:pos])[0]
+            prob, top1, top2, entropy, std = _reference_features(logits, token)
+            assert (step.position, step.budget, step.token_id) == (pos, 3, token)
+            probs = (step.token_prob, step.top1_prob, step.top2_prob)
+            assert probs == pytest.approx((prob, top1, top2), rel=RUNNER_RTOL)
+            if sid != "plain":  # its controller does not read the spread
+                assert (step.entropy, step.logit_std) == pytest.approx((entropy, std), rel=RUNNER_RTOL)
+            else:
+                assert math.isnan(step.entropy) and math.isnan(step.logit_std)
 
 
 def test_fixed_controller_skips_features(draft: LoadedModel) -> None:

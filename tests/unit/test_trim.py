@@ -118,6 +118,28 @@ def test_result_within_draft_counts_and_efficiency_not_worse(seed: int) -> None:
     assert policy.last.efficiency <= best * (1 + 1e-12)  # sanity of the brute force itself
 
 
+@pytest.mark.parametrize(("gap", "kept"), [(0.0, 1), (0.01, 2), (0.1, 3)])
+def test_a_gap_between_steps_makes_dropping_worth_less(gap: float, kept: int) -> None:
+    """A draft row costs a fifth of the forward's fixed part; with a gap between forwards (the
+    verifier's own work, its wait for drafts) the saved row is a smaller part of the period,
+    so less likely tails are kept. The efficiency reported is tokens over forward plus gap."""
+    items = _items((0.9, 0.3, 0.2))  # chain 0.9, 0.27, 0.054
+    model = Linear(base=0.01, per_new=0.002)
+    policy = AdaSpecTrim()
+    assert policy.keep(items, model, gap_s=gap) == {"s0": kept}
+    tokens = 1 + expected_accepted(items[0].confidence[:kept])
+    assert policy.last is not None
+    assert policy.last.efficiency == pytest.approx(tokens / (model.predict([items[0].shape(kept)]) + gap))
+
+
+def test_the_tpot_guard_reads_the_forward_alone_not_the_gap() -> None:
+    items = _items((0.99,) * 4)
+    model = Linear(base=0.01, per_new=0.0005)  # 0.0125 with every draft
+    policy = AdaSpecTrim(tpot_slo_s=0.013)
+    assert policy.keep(items, model, gap_s=0.05) == {"s0": 4}
+    assert policy.last is not None and policy.last.fits_slo is True
+
+
 @pytest.mark.parametrize("slo", [0.02, 0.015, 0.012])
 def test_tpot_guard_trims_until_the_step_fits(slo: float) -> None:
     items = _items((0.99,) * 8, (0.95,) * 8)

@@ -5,9 +5,11 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from services.verifier.batching import BatchLimits, FcfsBatcher
 from services.verifier.batching.estimator import StepTimeEstimator
-from services.verifier.scheduler import MAX_CALIBRATIONS, PROBE_EVERY, Scheduler
+from services.verifier.scheduler import GAP_ALPHA, MAX_CALIBRATIONS, MAX_GAP_S, PROBE_EVERY, Scheduler
 from services.verifier.trim import make_trim
 
 EXPENSIVE = StepTimeEstimator(coef=(5e-3, 0.0, 0.0, 1e-3))  # a fed token costs 5x a step's fixed part
@@ -49,3 +51,25 @@ def test_no_trim_keeps_no_calibration() -> None:
     s = Scheduler(FcfsBatcher(), BatchLimits(32, 2048), 256, EXPENSIVE, make_trim("none"))
     s.observe_round("edge-1", [0.9], 1, 1)
     assert s.calibrations == {}
+
+
+def test_the_gap_between_steps_is_a_moving_average_that_skips_idleness() -> None:
+    s = scheduler()
+    s.observe_gap(0.004)
+    assert s.gap_s == pytest.approx(0.004)  # the first one as it is
+    s.observe_gap(0.014)
+    assert s.gap_s == pytest.approx(0.004 + GAP_ALPHA * 0.010)
+    before = s.gap_s
+    s.observe_gap(MAX_GAP_S + 1.0)  # the verifier idled between requests: not a step's period
+    s.observe_gap(-0.001)
+    assert s.gap_s == before
+
+
+def test_the_trim_reads_the_gap() -> None:
+    """With EXPENSIVE's costs drafts at 0.6 are not worth their rows; with a gap of 0.4 s
+    between forwards, they are."""
+    s = scheduler()
+    drafts = {"a": [5, 6, 7]}
+    assert s._trim([request("a", [0.6, 0.6, 0.6])], drafts) == {"a": 0}
+    s.observe_gap(0.4)
+    assert s._trim([request("a", [0.6, 0.6, 0.6])], drafts) == {"a": 3}

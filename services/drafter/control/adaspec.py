@@ -114,6 +114,7 @@ def efficiency(alphas: list[float], clock: RoundClock) -> float:
 class AdaSpecController:
     name = "adaspec"
     wants_features = True
+    wants_spread = False
 
     def __init__(self, shared: AdaSpecState) -> None:
         self.shared = shared

@@ -10,6 +10,7 @@ class FixedController:
 
     name = "fixed"
     wants_features = False  # it never stops early, so drafting skips the per-token features
+    wants_spread = False
 
     def begin_round(self, budget: int) -> int:
         return max(0, budget)

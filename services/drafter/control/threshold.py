@@ -15,6 +15,7 @@ DEFAULT_THRESHOLD = 0.4
 class ThresholdController:
     name = "threshold"
     wants_features = True
+    wants_spread = False
 
     def __init__(self, threshold: float = DEFAULT_THRESHOLD) -> None:
         if not 0.0 <= threshold <= 1.0:

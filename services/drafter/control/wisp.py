@@ -113,6 +113,7 @@ class WispState:
 class WispController:
     name = "wisp"
     wants_features = True
+    wants_spread = True
 
     def __init__(self, shared: WispState) -> None:
         self.shared = shared

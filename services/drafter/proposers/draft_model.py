@@ -32,8 +32,10 @@ the draft tokens before each position counted as generated. Correctness does not
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -72,6 +74,7 @@ class _Drafting:
     enders: frozenset[int]
     watch: DraftController | None
     features: bool  # compute step features (for ``watch``, or for a later screening)
+    spread: bool  # ... with entropy and logit std (``watch`` reads them)
     feed: list[int]  # tokens the next forward feeds for this session
     context: list[int]  # the committed sequence the draft continues
     penalised: bool  # the request has penalties: apply them to each row before choosing
@@ -85,6 +88,14 @@ class _Drafting:
     def slot(self) -> KVSlot:
         assert self.state.slot is not None  # a session without a slot drafts nothing
         return self.state.slot
+
+
+class _Pick(NamedTuple):
+    """The token chosen for one row, its q (a sampled draft's) and the row it was chosen from."""
+
+    token: int
+    q: SparseQ | None
+    logits: torch.Tensor  # penalised when the request has penalties
 
 
 class DraftModelProposer:
@@ -145,9 +156,10 @@ class DraftModelProposer:
                 logits = self.runner.forward([Segment(d.slot, d.feed, len(d.feed) - 1) for d in live])
                 assert logits is not None
                 argmax = logits.argmax(-1).tolist()  # every greedy row in one op
-                for row, d in enumerate(live):
+                picks = [self._pick(d, logits[row], argmax[row]) for row, d in enumerate(live)]
+                for d, pick, step in zip(live, picks, _step_features(live, picks), strict=True):
                     d.state.cached.extend(d.feed)
-                    self._step(d, logits[row], argmax[row])
+                    self._take(d, pick, step)
                 live = [d for d in live if not d.done]
         out = [EMPTY_PROPOSAL] * len(jobs)
         for d in drafts:
@@ -167,34 +179,35 @@ class DraftModelProposer:
         watch = job.controller if job.controller is not None and job.controller.wants_features else None
         enders = frozenset(job.params.stop_token_ids) | (frozenset() if job.params.ignore_eos else self.eos_ids)
         return _Drafting(index, job, state, k, self.mode == "sampled" and not is_greedy(job.params), enders, watch,
-                         watch is not None or job.features,
+                         watch is not None or job.features, watch is not None and watch.wants_spread,
                          feed=context[len(state.cached):], context=context, penalised=has_penalties(job.params))
 
-    def _step(self, d: _Drafting, logits: torch.Tensor, argmax: int) -> None:
-        """Choose the next token of one session from its logits row; decide whether to go on."""
+    def _pick(self, d: _Drafting, logits: torch.Tensor, argmax: int) -> _Pick:
+        """Choose the next token of one session from its logits row."""
         if d.penalised:
             logits = _penalise(d, logits)
             argmax = int(logits.argmax())
         if d.sampled and d.job.guess is not None and not d.tokens:
-            token, q = guess_token(logits, d.job.params, d.job.guess), None  # never sent: no q
-        elif d.sampled:
-            token, q = draft_token(logits, d.job.params, d.job.rng, self.nucleus)
-        else:
-            token, q = argmax, None
+            return _Pick(guess_token(logits, d.job.params, d.job.guess), None, logits)  # never sent: no q
+        if d.sampled:
+            return _Pick(*draft_token(logits, d.job.params, d.job.rng, self.nucleus), logits)
+        return _Pick(argmax, None, logits)
+
+    def _take(self, d: _Drafting, pick: _Pick, step: StepFeatures | None) -> None:
+        """Keep the picked token unless the controller discards it; decide whether to go on."""
         decision = StepDecision.CONTINUE
-        if d.features:
-            step = _features(logits, token, len(d.tokens), d.k)
+        if step is not None:
             decision = d.watch.on_step(step) if d.watch is not None else StepDecision.CONTINUE
             if decision is StepDecision.DISCARD:
                 d.done = d.final = True
                 return
             d.steps.append(step)
-        d.tokens.append(token)
-        if q is not None:
-            d.qs.append(q)
-        d.final = decision is StepDecision.STOP or token in d.enders  # nothing follows an end token
+        d.tokens.append(pick.token)
+        if pick.q is not None:
+            d.qs.append(pick.q)
+        d.final = decision is StepDecision.STOP or pick.token in d.enders  # nothing follows an end token
         d.done = d.final or len(d.tokens) >= d.k
-        d.feed = [token]
+        d.feed = [pick.token]
 
     def _clamp(self, state: _SessionCache, context_len: int, k: int) -> int:
         """Never draft past the slot, the draft model's context or the wire's per-frame ceiling."""
@@ -235,16 +248,30 @@ def _penalise(d: _Drafting, logits: torch.Tensor) -> torch.Tensor:
     return row[0]
 
 
-def _features(logits: torch.Tensor, token: int, position: int, budget: int) -> StepFeatures:
-    probs = logits.softmax(-1)
-    top = probs.topk(min(2, probs.shape[-1])).values.tolist()
-    return StepFeatures(
-        position=position,
-        budget=budget,
-        token_id=token,
-        token_prob=float(probs[token]),
-        top1_prob=top[0],
-        top2_prob=top[1] if len(top) > 1 else 0.0,
-        entropy=float(torch.special.entr(probs).sum()),
-        logit_std=float(logits.float().std()),
-    )
+def _step_features(live: Sequence[_Drafting], picks: Sequence[_Pick]) -> list[StepFeatures | None]:
+    """The step features of every row that wants them, in a few ops over all those rows at once:
+    per row, ops over a vocabulary-wide row cost more in dispatch than in arithmetic. The
+    probabilities come from log-sum-exp and the top two logits; the spread (entropy, logit std)
+    only for the rows whose controller reads it."""
+    want = [i for i, d in enumerate(live) if d.features]
+    out: list[StepFeatures | None] = [None] * len(live)
+    if not want:
+        return out
+    rows = torch.stack([picks[i].logits for i in want]).float()
+    tokens = torch.tensor([picks[i].token for i in want])
+    lse = rows.logsumexp(-1, keepdim=True)
+    top = rows.topk(min(2, rows.shape[-1]), dim=-1).values
+    chosen = rows.gather(-1, tokens[:, None])
+    probs = torch.cat([chosen, top], -1).sub_(lse).exp_().tolist()
+    entropy, logit_std = [math.nan] * len(want), [math.nan] * len(want)
+    if spread := [n for n, i in enumerate(want) if live[i].spread]:
+        some = rows[spread]
+        for n, e, sd in zip(spread, torch.special.entr((some - lse[spread]).exp_()).sum(-1).tolist(),
+                            some.std(-1).tolist(), strict=True):
+            entropy[n], logit_std[n] = e, sd
+    for n, i in enumerate(want):
+        d, p = live[i], probs[n]
+        out[i] = StepFeatures(position=len(d.tokens), budget=d.k, token_id=picks[i].token, token_prob=p[0],
+                              top1_prob=p[1], top2_prob=p[2] if len(p) > 2 else 0.0, entropy=entropy[n],
+                              logit_std=logit_std[n])
+    return out

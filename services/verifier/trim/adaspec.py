@@ -3,7 +3,7 @@ by the SLO-aware efficiency estimator (§5.3, Alg. 3).
 
 Efficiency of a batch (§4, §5.3): expected committed tokens over the predicted step time,
 
-    eff = (sum_sessions (E_s + 1) + |fixed|) / T(shapes),
+    eff = (sum_sessions (E_s + 1) + |fixed|) / (T(shapes) + gap),
 
 where E_s = sum_{j<=k_s} prod_{i<=j} c_{s,i} is the expected number of the k_s kept drafts that
 are accepted (§4.2 eq. 6-7; ``base.expected_accepted``). c_{s,i} is the probability that draft
@@ -11,6 +11,9 @@ i is accepted given drafts 1..i-1 were: the drafter's confidence, calibrated by 
 against that drafter's past verdicts (``shared.calibration``) before the trim reads it. T is the
 verifier's step-time model over the segment shapes of the whole batch (each trimmable session
 feeds ``fed + k_s`` rows on ``cached`` rows, plus the untrimmable ``fixed`` segments).
+
+The efficiency's time is the step's period: the predicted forward plus ``gap_s``, the measured
+time between forwards that no trim shortens (``base.rate``).
 
 Elimination (§5.2): the draft token with the lowest estimated acceptance prod_{i<=j} c_{s,i} is
 considered first. The running product never rises along a draft, so that token is always some
@@ -53,14 +56,16 @@ class _Batch:
     shapes: list[SegmentShape]  # items' segments first, then the fixed ones
     tokens: float
     seconds: float
+    gap_s: float = 0.0
     predictions: int = 1
 
     @classmethod
-    def full(cls, items: Sequence[TrimItem], model: StepTimeModel, fixed: Sequence[SegmentShape]) -> _Batch:
+    def full(cls, items: Sequence[TrimItem], model: StepTimeModel, fixed: Sequence[SegmentShape],
+             gap_s: float) -> _Batch:
         chains = [acceptance_chain(item.confidence) for item in items]
         shapes = [item.shape(item.drafts) for item in items] + list(fixed)
         tokens = len(shapes) + sum(sum(chain) for chain in chains)
-        return cls(items, chains, [len(c) for c in chains], shapes, tokens, model.predict(shapes))
+        return cls(items, chains, [len(c) for c in chains], shapes, tokens, model.predict(shapes), gap_s)
 
     def tails(self) -> list[tuple[float, int, int]]:
         """Heap entries (acceptance of the last kept draft, -its position, item index)."""
@@ -79,7 +84,7 @@ class _Batch:
         self.predictions += 1
         tokens = self.tokens - self.chains[i][k]
         over_slo = tpot_slo_s is not None and self.seconds > tpot_slo_s
-        if over_slo or rate(tokens, seconds) > rate(self.tokens, self.seconds):
+        if over_slo or rate(tokens, seconds, self.gap_s) > rate(self.tokens, self.seconds, self.gap_s):
             self.kept[i], self.tokens, self.seconds = k, tokens, seconds
             return True
         self.shapes[i] = self.items[i].shape(k + 1)
@@ -89,7 +94,7 @@ class _Batch:
         offered = sum(len(chain) for chain in self.chains)
         # recomputed rather than the running sum, so rounding does not accumulate
         tokens = len(self.shapes) + sum(sum(chain[:k]) for chain, k in zip(self.chains, self.kept, strict=True))
-        return TrimReport(offered, sum(self.kept), tokens, self.seconds, rate(tokens, self.seconds),
+        return TrimReport(offered, sum(self.kept), tokens, self.seconds, rate(tokens, self.seconds, self.gap_s),
                           fits(self.seconds, tpot_slo_s), self.predictions)
 
 
@@ -101,13 +106,14 @@ class AdaSpecTrim:
         self.last: TrimReport | None = None
 
     def keep(
-        self, items: Sequence[TrimItem], model: StepTimeModel, fixed: Sequence[SegmentShape] = ()
+        self, items: Sequence[TrimItem], model: StepTimeModel, fixed: Sequence[SegmentShape] = (),
+        gap_s: float = 0.0,
     ) -> dict[str, int]:
         check_items(items)
         if not items and not fixed:
             self.last = TrimReport(0, 0, 0.0, 0.0, 0.0, fits(0.0, self.tpot_slo_s), 0)
             return {}
-        batch = _Batch.full(items, model, fixed)
+        batch = _Batch.full(items, model, fixed, gap_s)
         self._eliminate(batch, model)
         self.last = batch.report(self.tpot_slo_s)
         return {item.session_id: k for item, k in zip(items, batch.kept, strict=True)}

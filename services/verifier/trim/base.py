@@ -63,7 +63,7 @@ class TrimReport:
     kept: int  # drafts kept over all items
     expected_tokens: float  # expected committed tokens of the batch as kept (bonus tokens included)
     predicted_s: float  # the step-time model's prediction for the batch as kept
-    efficiency: float  # expected_tokens / predicted_s (inf if the prediction is <= 0)
+    efficiency: float  # expected_tokens / (predicted_s + the gap), inf if that is <= 0
     fits_slo: bool | None  # predicted_s <= the TPOT SLO; None when no SLO is set
     predictions: int  # model.predict calls made for this decision
 
@@ -73,10 +73,12 @@ class TrimPolicy(Protocol):
     last: TrimReport | None
 
     def keep(
-        self, items: Sequence[TrimItem], model: StepTimeModel, fixed: Sequence[SegmentShape] = ()
+        self, items: Sequence[TrimItem], model: StepTimeModel, fixed: Sequence[SegmentShape] = (),
+        gap_s: float = 0.0,
     ) -> dict[str, int]:
         """Drafts to keep per offered session (0 <= kept <= len(confidence)); ``fixed`` is the
-        untrimmable rest of the batch."""
+        untrimmable rest of the batch; ``gap_s`` is the time between steps that no trim shortens
+        (see ``rate``)."""
         ...
 
 
@@ -106,9 +108,18 @@ def check_items(items: Sequence[TrimItem]) -> None:
         seen.add(item.session_id)
 
 
-def rate(tokens: float, seconds: float) -> float:
-    """Tokens per second; an instantaneous step is infinitely efficient."""
-    return tokens / seconds if seconds > 0 else math.inf
+def rate(tokens: float, seconds: float, gap_s: float = 0.0) -> float:
+    """Tokens per second of a step that takes ``seconds`` and recurs every ``seconds + gap_s``;
+    an instantaneous step with no gap is infinitely efficient.
+
+    AdaSpec's efficiency (§4, §5.3) is tokens over the step time, the period of a GPU server
+    that is never idle. Here the gap is the verifier's measured time from one forward's end to
+    the next one's start: its own work per step (judging, publishing, its event loop) and,
+    when it is not saturated, its wait for the next drafts. Dropping a draft shortens neither,
+    so a step whose forward is a small part of its period gains little from a shorter forward.
+    """
+    period = seconds + max(0.0, gap_s)
+    return tokens / period if period > 0 else math.inf
 
 
 def fits(predicted_s: float, tpot_slo_s: float | None) -> bool | None:

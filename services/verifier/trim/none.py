@@ -29,13 +29,14 @@ class NoTrim:
         self.last: TrimReport | None = None
 
     def keep(
-        self, items: Sequence[TrimItem], model: StepTimeModel, fixed: Sequence[SegmentShape] = ()
+        self, items: Sequence[TrimItem], model: StepTimeModel, fixed: Sequence[SegmentShape] = (),
+        gap_s: float = 0.0,
     ) -> dict[str, int]:
         check_items(items)
         drafts = sum(item.drafts for item in items)
         shapes = [item.shape(item.drafts) for item in items] + list(fixed)
         predicted = model.predict(shapes) if shapes else 0.0
         tokens = len(shapes) + sum(expected_accepted(item.confidence) for item in items)
-        self.last = TrimReport(drafts, drafts, tokens, predicted, rate(tokens, predicted) if shapes else 0.0,
+        self.last = TrimReport(drafts, drafts, tokens, predicted, rate(tokens, predicted, gap_s) if shapes else 0.0,
                                fits(predicted, self.tpot_slo_s), 1 if shapes else 0)
         return {item.session_id: item.drafts for item in items}
