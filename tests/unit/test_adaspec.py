@@ -25,6 +25,18 @@ def test_clock_fits_the_return_time_line() -> None:
     assert clock.round_time(4) == pytest.approx(4 * 0.001 + 0.006 + 4 * 0.0005)
 
 
+def test_rounds_drafted_ahead_cost_no_drafting_time() -> None:
+    """A round whose draft a lookahead had ready waited for no drafting (draft_s = 0): the clock
+    charges what rounds wait for, so half the rounds ready halves the time per draft token."""
+    clock = RoundClock()
+    clock.observe(4, 0.0, 0.01)  # ready before anything was measured: still unmeasured
+    assert clock.draft_token_s == 0.0
+    for _ in range(400):
+        clock.observe(4, 0.004, 0.01)
+        clock.observe(4, 0.0, 0.01)
+    assert clock.draft_token_s == pytest.approx(0.0005, rel=0.1)
+
+
 def test_clock_with_one_draft_length_is_flat() -> None:
     clock = RoundClock()
     for _ in range(10):
