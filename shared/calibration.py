@@ -6,8 +6,8 @@ the probability that the target accepts it. On the demo pair, greedy, the draft'
 probability is far below the measured acceptance (about 0.84 per token), so uncalibrated
 confidences made AdaSpec's trim drop most drafts that would have been accepted.
 
-The estimate is per confidence bin: the mean of the bin's outcomes and its prior (the raw
-confidence, weighted as ``PRIOR_WEIGHT`` outcomes) while it has fewer than about 1/``ALPHA`` of
+The estimate is per confidence bin: the mean of the bin's outcomes and its prior (the bin's
+midpoint, weighted as ``PRIOR_WEIGHT`` outcomes) while it has fewer than about 1/``ALPHA`` of
 them, then a moving average. A plain moving average from the prior learned too slowly: with the
 demo pair's top-1 probabilities around 0.25 and acceptance around 0.8, AdaSpec's drafter
 believed its second draft would fail, drafted one token a round, and so taught the bins of
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 BINS = 10  # confidence bins
 ALPHA = 0.05  # weight of a new outcome in a bin's moving average
-PRIOR_WEIGHT = 1.0  # the raw confidence counts as this many outcomes of its bin
+PRIOR_WEIGHT = 1.0  # the bin's midpoint counts as this many outcomes of its bin
 
 
 def ewma(old: float, new: float, alpha: float = ALPHA) -> float:

@@ -225,6 +225,7 @@ class SessionRunner:
         session.lookahead.start(self.batcher, DraftJob(session.request_id, k + 1, session.params, session.rng,
                                                        None, tuple(sent.token_ids), base,
                                                        features=self._wants_features(session),
+                                                       spread=session.controller.wants_spread,
                                                        prompt_len=session.prompt_len, guess=race))
 
     async def _draft(self, session: DraftSession, k: int) -> tuple[Proposal, float, float]:

@@ -338,6 +338,7 @@ class TorchCore:
             log.exception("verification step failed", sessions=len(step.segments))
             for req in [r for r, _ in step.verify] + step.prefill:
                 self._fail(req, f"verification failed: {exc}")
+            self._last_forward_end = 0.0  # the time to the next step is no gap of a step's period
             return
         self.metrics.raced_bonus.inc(sum(races(req, drafts, v.accepted)
                                          for (req, drafts), v in zip(step.verify, verdicts, strict=True)))
@@ -350,7 +351,8 @@ class TorchCore:
         self.metrics.observe_step(step, scheduled, t0, t1, time.perf_counter(), self._last_step_start, cpu1 - cpu0)
         if self._last_forward_end:
             self.scheduler.observe_gap(t0 - self._last_forward_end)
-        self._last_step_start, self._last_forward_end = t0, t1
+        # with no session left, the time to the next step is idleness between requests, not a gap
+        self._last_step_start, self._last_forward_end = t0, (t1 if self.requests else 0.0)
 
     def _next_budgets(self, step: Step, verdicts: list[Verdict]) -> dict[str, int]:
         """Fold the speculating sessions' rounds into the tracker; the allocator's next budgets."""

@@ -48,11 +48,11 @@ def test_a_bin_is_the_mean_of_its_prior_and_outcomes_until_it_has_enough() -> No
     calibrated drafter is learned in a few rounds; later ones enter a moving average."""
     cal = AcceptanceCalibration()
     for n in range(1, 6):
-        cal.observe([0.25], accepted=1)
-        assert cal.accept(0.25) == pytest.approx((0.25 * PRIOR_WEIGHT + n) / (PRIOR_WEIGHT + n))
-    assert cal.accept(0.25) > 0.85
+        cal.observe([0.22], accepted=1)  # bin 2, whose prior is its midpoint 0.25
+        assert cal.accept(0.22) == pytest.approx((0.25 * PRIOR_WEIGHT + n) / (PRIOR_WEIGHT + n))
+    assert cal.accept(0.22) > 0.85
     for _ in range(100):
-        cal.observe([0.25], accepted=1)
-    before = cal.accept(0.25)
-    cal.observe([0.25], accepted=0)  # settled: one outcome moves it by ALPHA of the way
-    assert cal.accept(0.25) == pytest.approx((1 - ALPHA) * before)
+        cal.observe([0.22], accepted=1)
+    before = cal.accept(0.22)
+    cal.observe([0.22], accepted=0)  # settled: one outcome moves it by ALPHA of the way
+    assert cal.accept(0.22) == pytest.approx((1 - ALPHA) * before)

@@ -28,7 +28,7 @@ torch.set_num_threads(1)
 PROMPT = [12, 40, 77, 5, 130, 9, 64]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
 WARM = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=64, seed=3)
-RUNNER_RTOL = 2e-2  # the cached runner's logits against a plain transformers forward: within 0.5 % here
+RUNNER_RTOL = 1e-2  # the cached runner's logits against a plain transformers forward: within 0.6 % here
 FP16_RTOL = 2e-3  # float16 keeps 11 significant bits; renormalising adds one more rounding
 
 
@@ -389,16 +389,19 @@ def test_step_features_of_a_batch_are_each_rows_own(draft: LoadedModel) -> None:
     a plain softmax of that session's own (penalised, where it has penalties) logits, and a
     controller that does not read the spread gets NaN there."""
     proposer = make(draft)
-    prompts = {"plain": PROMPT, "penalised": PROMPT[::-1], "spread": [3, *PROMPT], "none": PROMPT[2:]}
+    prompts = {"plain": PROMPT, "penalised": PROMPT[::-1], "spread": [3, *PROMPT], "none": PROMPT[2:],
+               "ahead": PROMPT[1:]}
     penalised = SamplingParams(temperature=0.0, max_tokens=64, frequency_penalty=1.5, logit_bias={7: -100.0})
-    params = {"plain": GREEDY, "penalised": penalised, "spread": WARM, "none": GREEDY}
-    watches = {"plain": _Watch(False), "penalised": _Watch(True), "spread": _Watch(True), "none": None}
+    params = {"plain": GREEDY, "penalised": penalised, "spread": WARM, "none": GREEDY, "ahead": GREEDY}
+    watches = {"plain": _Watch(False), "penalised": _Watch(True), "spread": _Watch(True), "none": None, "ahead": None}
     for sid, prompt in prompts.items():
         proposer.start(sid, prompt, 64)
-    jobs = [DraftJob(sid, 3, params[sid], gen(i), watches[sid]) for i, sid in enumerate(prompts)]
+    # "ahead" is drafted as a lookahead is: no controller, features (with the spread) for a later screening
+    jobs = [DraftJob(sid, 3, params[sid], gen(i), watches[sid], prompt_len=len(prompts[sid]),
+                     features=sid == "ahead", spread=sid == "ahead") for i, sid in enumerate(prompts)]
     out = dict(zip(prompts, proposer.propose(jobs), strict=True))
     assert out["none"].steps == [] and len(out["none"].token_ids) == 3
-    for sid in ("plain", "penalised", "spread"):
+    for sid in ("plain", "penalised", "spread", "ahead"):
         steps, tokens = out[sid].steps, out[sid].token_ids
         assert len(steps) == len(tokens) == 3
         for pos, (token, step) in enumerate(zip(tokens, steps, strict=True)):

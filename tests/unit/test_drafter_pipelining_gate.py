@@ -4,11 +4,13 @@ greedy ones always, sampled ones only when unseeded and their verifier couples i
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from services.drafter.batcher import DraftBatcher
 from services.drafter.control import make_controller
-from services.drafter.proposers.base import Proposal
+from services.drafter.proposers.base import DraftJob, Proposal
 from services.drafter.rounds import SessionRunner
 from services.drafter.sessions import DraftSession
 from services.drafter.worker import ComputeWorker
@@ -39,3 +41,32 @@ def test_which_sessions_draft_ahead(temperature: float, seed: int | None, key: i
     runner = SessionRunner(None, proposer, worker, DraftBatcher(proposer, worker), max_draft_tokens=4)  # type: ignore[arg-type]
     assert runner._pipelines(session, Proposal(token_ids=[7, 8])) is ahead
     assert not runner._pipelines(session, Proposal(token_ids=[]))  # nothing sent, nothing to continue
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.jobs: list[DraftJob] = []
+
+    def start(self, batcher: object, job: DraftJob) -> None:
+        self.jobs.append(job)
+
+
+@pytest.mark.parametrize(("features", "spread"), [(False, False), (True, False), (True, True)],
+                         ids=["fixed", "threshold-like", "wisp-like"])
+def test_a_lookahead_computes_the_features_its_controller_will_screen_it_with(features: bool, spread: bool) -> None:
+    """The lookahead is drafted without a controller (it is not a round), and screened by the
+    session's controller when the next round takes it: it must compute what that controller reads,
+    entropy and logit spread included for one that reads them (WISP), or WISP screens NaNs."""
+    params = SamplingParams(temperature=0.0, max_tokens=64)
+    req = QueuedRequest(request_id="r", prompt_ids=[1, 2], params=params, origin="c", model="m", created_at=0.0)
+    controller = SimpleNamespace(name="stub", wants_features=features, wants_spread=spread)
+    session = DraftSession.from_delivery(Delivery("1", req), controller)  # type: ignore[arg-type]
+    recorder = _Recorder()
+    session.lookahead = recorder  # type: ignore[assignment]
+    proposer = _Guesser(False)
+    worker = ComputeWorker(inline=True)
+    runner = SessionRunner(None, proposer, worker, DraftBatcher(proposer, worker), max_draft_tokens=4)  # type: ignore[arg-type]
+    runner._look_ahead(session, Proposal(token_ids=[7, 8]), 2, guess=False)
+    (job,) = recorder.jobs
+    assert job.controller is None and (job.features, job.spread) == (features, spread)
+    assert job.assume == (7, 8) and job.k == 3

@@ -6,6 +6,7 @@ turn does; the socket-level behaviour is tested in tests/integration/test_verifi
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from services.verifier.core_api import (
 )
 from services.verifier.metrics import VerifierMetrics
 from services.verifier.requests import Status
-from services.verifier.scheduler import PROBE_EVERY, Scheduler
+from services.verifier.scheduler import GAP_ALPHA, MAX_GAP_S, PROBE_EVERY, Scheduler
 from services.verifier.trim import TrimPolicy, make_trim
 from shared.models import LoadedModel, load_model
 from shared.protocol import SamplingParams
@@ -38,6 +39,8 @@ from shared.runner.runner import kv_shape
 from tests.conftest import greedy_reference
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+IDLE_S = 0.3  # a pause between requests
+assert IDLE_S < MAX_GAP_S
 
 
 @pytest.fixture(scope="module")
@@ -313,3 +316,19 @@ def test_the_tracker_learns_each_rounds_acceptance(target: LoadedModel) -> None:
     assert est.drafter == "edge-1" and est.rounds == 1 and est.accepted == 1
     matched = [pytest.approx((1 - t.eta) * t.alpha0 + t.eta * k / 3) for k in (1, 2)]
     assert est.alpha in matched and est.goodput == pytest.approx((1 - t.beta) * t.goodput0 + t.beta * 2)
+
+
+def test_the_gap_between_forwards_is_measured_while_sessions_run_not_across_idleness(target: LoadedModel) -> None:
+    """The trim's gap (scheduler.gap_s): from one forward's end to the next one's start, while
+    sessions run. A pause with no session at all is idleness between requests: it must not count."""
+    h = Harness(target)
+    h.core.submit(AddRequest("a", prompt(1, 5), GREEDY, speculative=False))
+    h.turn(3)
+    assert 0.0 < h.core.scheduler.gap_s < IDLE_S / 10
+    h.turn(40)
+    assert not h.core.requests  # finished and freed
+    before = h.core.scheduler.gap_s
+    time.sleep(IDLE_S)  # shorter than MAX_GAP_S: only "no session left" tells it from a gap
+    h.core.submit(AddRequest("b", prompt(2, 5), GREEDY, speculative=False))
+    h.turn(2)
+    assert h.core.scheduler.gap_s < before + GAP_ALPHA * IDLE_S / 10

@@ -40,7 +40,7 @@ MAX_POSITIONS = 64
 class RoundClock:
     """T(j): time per draft token, and the return time as a line in the draft length."""
 
-    draft_token_s: float = 0.0  # 0 until a round has been drafted
+    draft_token_s: float = 0.0  # 0 until a round waited for its drafting (read as: unmeasured)
     # exponentially weighted sums for the least-squares line return_s = z0 + z1 * drafted
     _w: float = 0.0
     _x: float = 0.0
@@ -49,10 +49,13 @@ class RoundClock:
     _xy: float = 0.0
 
     def observe(self, drafted: int, draft_s: float, return_s: float) -> None:
-        """``draft_s`` is the drafting the round waited for: 0 when a lookahead had the draft ready
+        """``draft_s`` is the round's drafting compute: 0 when a lookahead had the draft ready
         (drafted while the previous round was verified). Those rounds count at 0 per token, so
-        ``draft_token_s`` is the exposed drafting time per token: a model that charged every
-        token its full drafting time would stop a pipelining drafter too early."""
+        ``draft_token_s`` is the drafting time per token that rounds wait for: a model that
+        charged every token its full drafting time would stop a pipelining drafter too early.
+        The clock is shared by a drafter's sessions, and only a few of them pipeline
+        (``--pipeline-sessions``): when the load rises past that, it takes about 1/ALPHA rounds
+        to catch up, drafting a little too much meanwhile."""
         if drafted > 0:
             per = draft_s / drafted
             self.draft_token_s = per if self.draft_token_s == 0 else ewma(self.draft_token_s, per)

@@ -61,6 +61,8 @@ class DraftJob:
     base: int = -1
     #: compute step features without a controller (a lookahead its controller screens later)
     features: bool = False
+    #: ... with their entropy and logit spread (that later controller reads them: ``wants_spread``)
+    spread: bool = False
     #: how many of the session's first committed tokens are its prompt: penalties (frequency,
     #: presence) count only the tokens after them as generated, as the verifier does
     prompt_len: int = 0

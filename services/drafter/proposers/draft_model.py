@@ -179,7 +179,7 @@ class DraftModelProposer:
         watch = job.controller if job.controller is not None and job.controller.wants_features else None
         enders = frozenset(job.params.stop_token_ids) | (frozenset() if job.params.ignore_eos else self.eos_ids)
         return _Drafting(index, job, state, k, self.mode == "sampled" and not is_greedy(job.params), enders, watch,
-                         watch is not None or job.features, watch is not None and watch.wants_spread,
+                         watch is not None or job.features, (watch is not None and watch.wants_spread) or job.spread,
                          feed=context[len(state.cached):], context=context, penalised=has_penalties(job.params))
 
     def _pick(self, d: _Drafting, logits: torch.Tensor, argmax: int) -> _Pick:
@@ -258,7 +258,7 @@ def _step_features(live: Sequence[_Drafting], picks: Sequence[_Pick]) -> list[St
     if not want:
         return out
     rows = torch.stack([picks[i].logits for i in want]).float()
-    tokens = torch.tensor([picks[i].token for i in want])
+    tokens = torch.tensor([picks[i].token for i in want], device=rows.device)
     lse = rows.logsumexp(-1, keepdim=True)
     top = rows.topk(min(2, rows.shape[-1]), dim=-1).values
     chosen = rows.gather(-1, tokens[:, None])
