@@ -1,7 +1,9 @@
 """``python -m bench load``: speculation policies as the arrival rate grows (SmartSpec Fig. 11 shape).
 
 At each mean arrival rate of ``--rates`` (requests/s, open loop: seeded Poisson, or a bursty
-pattern with ``--trace``), one real pinned fleet per setup serves the same requests: no
+pattern with ``--trace``), one real pinned fleet per setup serves the same requests (every
+fleet up at once, each repeat measuring the setups in turn; one after another over an emulated
+edge network, whose namespace is the process's): no
 speculation (target-only), fixed k for each k of ``--ks``, SmartSpec (the verifier picks the
 length, 0 turning speculation off, from its step-time estimator) and AdaSpec (the drafter's
 efficiency-based stop within a budget of the largest k). Reported: mean request latency and
@@ -89,8 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     edge, models, out = prepare(args)
     points = [Point(f"{x:g} req/s", 0, args.requests, x) for x in args.rates]
+    if edge.networked:
+        print("emulated edge network: the setups run one after another, not in turn", flush=True)
     rows = sweep(models.target, scenarios(smallest(models.drafts), args.ks, args.estimator_file), points, args, edge,
-                 "bench load")
+                 "bench load", interleave=not edge.networked)
     speedups(rows)
     meta = run_meta("load", argv, edge, trace=args.trace, rates=args.rates)
     plot(rows, args.rates, out / f"load{'' if args.trace == 'poisson' else '-' + args.trace}.png")

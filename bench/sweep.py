@@ -14,7 +14,7 @@ from typing import Any
 from tqdm import tqdm
 
 from bench.edge import Edge
-from bench.fleets import BenchFleet, Scenario, bench_fleet, domain_prompts, measure
+from bench.fleets import BenchFleet, Run, Scenario, bench_fleet, combined, domain_prompts, measure, prime
 from bench.run_stats import summary
 
 Around = Callable[[BenchFleet], contextlib.AbstractContextManager[Any]]
@@ -36,29 +36,73 @@ def closed(levels: Sequence[int], per_session: int = 2, least: int = 8) -> list[
 
 
 def sweep(target: Path, scs: Sequence[Scenario], points: Sequence[Point], args: argparse.Namespace, edge: Edge,
-          desc: str, slo_classes: Sequence[float] = (), around: Around | None = None) -> list[dict[str, Any]]:
-    """Every scenario at every point, in one run; scenario by scenario, one fleet each. With
-    ``around``, each point runs inside ``around(fleet)``, and what it yields (a trace, say)
-    becomes the row's ``"trace"``."""
+          desc: str, slo_classes: Sequence[float] = (), around: Around | None = None,
+          interleave: bool = False) -> list[dict[str, Any]]:
+    """Every scenario at every point, in one run: scenario by scenario, one fleet each; or, with
+    ``interleave``, every fleet up at once and each repeat measuring the scenarios in turn (each
+    repeat starting with the next one), so that a drift of the machine's speed over minutes hits
+    every scenario alike. With ``around``, each point runs inside ``around(fleet)``, and what it
+    yields (a trace, say) becomes the row's ``"trace"`` (not with ``interleave``)."""
+    if interleave and around is not None:
+        raise ValueError("sweep: around and interleave do not combine")
+    total = len(scs) * len(points) * (args.repeats if interleave else 1)
+    with tqdm(total=total, desc=desc, unit="run" if interleave else "point") as bar, \
+            tempfile.TemporaryDirectory() as logs:
+        if interleave:
+            return _interleaved(target, scs, points, args, edge, slo_classes, Path(logs), bar)
+        return _sequential(target, scs, points, args, edge, slo_classes, around, Path(logs), bar)
+
+
+def _sequential(target: Path, scs: Sequence[Scenario], points: Sequence[Point], args: argparse.Namespace,
+                edge: Edge, slo_classes: Sequence[float], around: Around | None, logs: Path,
+                bar: tqdm) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
-    with tqdm(total=len(scs) * len(points), desc=desc, unit="point") as bar, tempfile.TemporaryDirectory() as logs:
-        for sc in scs:
-            bar.set_postfix_str(sc.name)
-            with bench_fleet(target, sc, edge, Path(logs)) as bf:
-                for pt in points:
-                    with around(bf) if around else contextlib.nullcontext(None) as extra:
-                        run = measure(bf, sc, pt.concurrency, args.repeats, pt.requests, args.max_tokens, target.name,
-                                      args.temperature, domain_prompts(args.domains), pt.arrival_rate, args.seed,
-                                      args.trace, slo_classes)
-                    rows.append({"scenario": sc.name, "point": pt.label, "concurrency": pt.concurrency,
-                                 "arrival_rate": pt.arrival_rate, "requests": pt.requests, "trace": args.trace,
-                                 "seed": args.seed, "max_tokens": args.max_tokens, "drafters": sc.drafters,
-                                 "draft_len": sc.draft_len, "network": run.network,
-                                 "tokens_per_s_runs": run.rates, **summary(run)})
-                    if extra is not None:
-                        rows[-1]["trace"] = list(extra)
-                    bar.update(1)
+    for sc in scs:
+        bar.set_postfix_str(sc.name)
+        with bench_fleet(target, sc, edge, logs) as bf:
+            for pt in points:
+                with around(bf) if around else contextlib.nullcontext(None) as extra:
+                    run = _measure(bf, sc, pt, args, args.repeats, args.seed, slo_classes, target.name)
+                rows.append(_row(sc, pt, run, args))
+                if extra is not None:
+                    rows[-1]["trace"] = list(extra)
+                bar.update(1)
     return rows
+
+
+def _interleaved(target: Path, scs: Sequence[Scenario], points: Sequence[Point], args: argparse.Namespace,
+                 edge: Edge, slo_classes: Sequence[float], logs: Path, bar: tqdm) -> list[dict[str, Any]]:
+    """Repeat i of every scenario uses the same seed (``args.seed + i``), so each repeat serves
+    every scenario the same requests and arrivals; each fleet is primed before its window."""
+    rows: list[dict[str, Any]] = []
+    with contextlib.ExitStack() as stack:
+        fleets = []
+        for sc in scs:
+            bar.set_postfix_str(f"starting {sc.name}")
+            fleets.append((sc, stack.enter_context(bench_fleet(target, sc, edge, logs))))
+        for pt in points:
+            parts: dict[str, list[Run]] = {sc.name: [] for sc in scs}
+            for i in range(args.repeats):
+                for sc, bf in fleets[i % len(fleets):] + fleets[: i % len(fleets)]:
+                    bar.set_postfix_str(f"{sc.name} {pt.label}")
+                    prime(bf, target.name, args.temperature)
+                    parts[sc.name].append(_measure(bf, sc, pt, args, 1, args.seed + i, slo_classes, target.name))
+                    bar.update(1)
+            rows += [_row(sc, pt, combined(parts[sc.name]), args) for sc, _ in fleets]
+    return rows
+
+
+def _measure(bf: BenchFleet, sc: Scenario, pt: Point, args: argparse.Namespace, repeats: int, seed: int,
+             slo_classes: Sequence[float], model: str) -> Run:
+    return measure(bf, sc, pt.concurrency, repeats, pt.requests, args.max_tokens, model, args.temperature,
+                   domain_prompts(args.domains), pt.arrival_rate, seed, args.trace, slo_classes)
+
+
+def _row(sc: Scenario, pt: Point, run: Run, args: argparse.Namespace) -> dict[str, Any]:
+    return {"scenario": sc.name, "point": pt.label, "concurrency": pt.concurrency, "arrival_rate": pt.arrival_rate,
+            "requests": pt.requests, "trace": args.trace, "seed": args.seed, "max_tokens": args.max_tokens,
+            "drafters": sc.drafters, "draft_len": sc.draft_len, "network": run.network,
+            "tokens_per_s_runs": run.rates, **summary(run)}
 
 
 def cell(rows: list[dict[str, Any]], scenario: str, point: str) -> dict[str, Any] | None:

@@ -1,15 +1,23 @@
-"""Interleaved serving repeats: single-repeat runs combine into one, and ratios pair repeat by repeat."""
+"""Interleaved repeats: single-repeat runs combine into one, ratios pair repeat by repeat, and the
+sweep of ``bench load`` measures its setups in turn."""
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import math
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from bench.fleets import Run, combined
+import bench.sweep as sweep_mod
+from bench.fleets import Run, Scenario, combined
 from bench.scrape import Snapshot
 from bench.serving import paired_ratios
+from bench.sweep import Point
 
 
 def snap(**samples: float) -> Snapshot:
@@ -55,3 +63,38 @@ def test_a_repeat_without_its_pair_is_left_out() -> None:
         {"scenario": "spec", "concurrency": 1, "tokens_per_s_runs": [150.0, 90.0]}]
     paired_ratios(rows)
     assert rows[1]["ratio_runs"] == [1.5] and rows[1]["ratio"] == 1.5  # repeat 2 has no target-only rate
+
+
+def test_sweep_in_turn_runs_every_setup_in_each_repeat_with_that_repeats_seed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bench load``'s sweep with ``interleave``: all fleets up at once, every repeat measuring
+    each setup once (each repeat starting with the next setup), all with the repeat's seed, each
+    fleet primed first; one row per setup and point, its rates in repeat order."""
+    calls: list[tuple[str, str, int, int]] = []
+    primed: list[str] = []
+
+    @contextlib.contextmanager
+    def fleet(target: Path, sc: Scenario, edge: Any, logs: Path) -> Iterator[Any]:
+        yield SimpleNamespace(name=sc.name)
+
+    def measure(bf: Any, sc: Scenario, concurrency: int, repeats: int, requests: int, max_tokens: int, model: str,
+                temperature: float, prompts: list[str], arrival_rate: float, seed: int, *rest: Any) -> Run:
+        calls.append((sc.name, f"{arrival_rate:g}", repeats, seed))
+        return Run(sc.name, concurrency, [float(100 * seed + len(calls))], [], {"verifier": snap(steps=1)})
+
+    monkeypatch.setattr(sweep_mod, "bench_fleet", fleet)
+    monkeypatch.setattr(sweep_mod, "measure", measure)
+    monkeypatch.setattr(sweep_mod, "prime", lambda bf, model, temperature=0.0: primed.append(bf.name))
+    monkeypatch.setattr(sweep_mod, "summary", lambda run: {"tokens_per_s": run.tokens_per_s})
+    scs = [Scenario("a"), Scenario("b"), Scenario("c")]
+    points = [Point("2 req/s", 0, 8, 2.0), Point("6 req/s", 0, 8, 6.0)]
+    args = argparse.Namespace(repeats=3, seed=10, max_tokens=16, temperature=0.0, domains=["code"], trace="poisson")
+    rows = sweep_mod.sweep(Path("target"), scs, points, args, SimpleNamespace(), "test", interleave=True)
+    at_2 = [c for c in calls if c[1] == "2"]
+    assert [c[0] for c in at_2] == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert [c[3] for c in at_2] == [10, 10, 10, 11, 11, 11, 12, 12, 12] and {c[2] for c in calls} == {1}
+    assert primed == [c[0] for c in calls]
+    assert [(r["scenario"], r["point"]) for r in rows] == [(s, p.label) for p in points for s in "abc"]
+    assert [int(x) // 100 for x in rows[0]["tokens_per_s_runs"]] == [10, 11, 12]  # repeat order kept
+    with pytest.raises(ValueError, match="around and interleave"):
+        sweep_mod.sweep(Path("t"), scs, points, args, SimpleNamespace(), "test",
+                        around=lambda bf: contextlib.nullcontext(None), interleave=True)
