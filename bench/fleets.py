@@ -17,11 +17,11 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from bench.client import Outcome, run_arrivals, run_load
@@ -32,6 +32,8 @@ from bench.traces import TRACES, trace_arrivals
 from shared.fleet import Fleet, FleetSpec, pinned, running_fleet
 from shared.redis_server import private_redis
 from shared.up import Models, free_port, resolve_models
+
+L = TypeVar("L")  # a load level: a concurrency, a sweep point
 
 PROMPTS = [
     "def read_config(path):\n", "class LRUCache:\n    def __init__(self", "import os\nimport sys\n\n",
@@ -227,6 +229,31 @@ def combined(runs: Sequence[Run]) -> Run:
     metrics = {name: merged([r.metrics[name] for r in runs if name in r.metrics]) for name in names}
     return Run(first.scenario, first.concurrency, [x for r in runs for x in r.rates],
                [o for r in runs for o in r.outcomes], metrics, first.network, [w for r in runs for w in r.walls])
+
+
+def in_turn(target: Path, scs: Sequence[Scenario], edge: Edge, logs: Path, levels: Sequence[L], repeats: int,
+            model: str, temperature: float, measure_one: Callable[[BenchFleet, Scenario, L, int], Run],
+            on_run: Callable[[str], None] = lambda label: None) -> list[tuple[Scenario, L, Run]]:
+    """Every scenario at every level, ``repeats`` times, taking turns: every fleet up at once, and
+    each repeat measuring each scenario once (``measure_one(fleet, scenario, level, repeat)``), each
+    repeat starting with the next scenario, each fleet primed before its window. A drift of the
+    machine's speed over minutes then hits every scenario alike. Returns each scenario's repeats
+    at each level as one run (``combined``), level by level; ``on_run`` hears each window's label."""
+    out: list[tuple[Scenario, L, Run]] = []
+    with contextlib.ExitStack() as stack:
+        fleets = []
+        for sc in scs:
+            on_run(f"starting {sc.name}")
+            fleets.append((sc, stack.enter_context(bench_fleet(target, sc, edge, logs))))
+        for level in levels:
+            parts: dict[str, list[Run]] = {sc.name: [] for sc in scs}
+            for i in range(repeats):
+                for sc, bf in fleets[i % len(fleets):] + fleets[: i % len(fleets)]:
+                    on_run(f"{sc.name} {level}")
+                    prime(bf, model, temperature)
+                    parts[sc.name].append(measure_one(bf, sc, level, i))
+            out += [(sc, level, combined(parts[sc.name])) for sc, _ in fleets]
+    return out
 
 
 def add_workload_flags(p: argparse.ArgumentParser, repeats: int = 3, requests: int = 16, max_tokens: int = 128,

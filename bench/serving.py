@@ -22,7 +22,6 @@ Writes ``<out>/serving.json``, ``serving.md`` (tables and targets) and ``serving
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import tempfile
@@ -34,16 +33,16 @@ from tqdm import tqdm
 
 from bench.edge import Edge, edge_from, run_pinned
 from bench.fleets import (
+    BenchFleet,
     Run,
     Scenario,
     add_workload_flags,
     bench_fleet,
-    combined,
     domain_prompts,
     drafters_of,
     given_args,
+    in_turn,
     measure,
-    prime,
 )
 from bench.profile import smallest
 from bench.targets import run_row, targets
@@ -90,24 +89,15 @@ def run_all(target: Path, scs: list[Scenario], args: argparse.Namespace, edge: E
 
 def _interleaved(target: Path, scs: list[Scenario], args: argparse.Namespace, edge: Edge, logs: Path,
                  bar: tqdm) -> list[Run]:
-    runs: list[Run] = []
-    with contextlib.ExitStack() as stack:
-        fleets = []
-        for sc in scs:
-            bar.set_postfix_str(f"starting {sc.name}")
-            fleets.append(stack.enter_context(bench_fleet(target, sc, edge, logs)))
-        for conc in args.concurrency:
-            parts: dict[str, list[Run]] = {sc.name: [] for sc in scs}
-            for i in range(args.repeats):
-                for sc, bf in zip(scs, fleets, strict=True):
-                    bar.set_postfix_str(f"{sc.name} @{conc}")
-                    prime(bf, target.name, args.temperature)
-                    parts[sc.name].append(measure(bf, sc, conc, 1, max(args.requests, conc), args.max_tokens,
-                                                  target.name, args.temperature, domain_prompts(args.domains),
-                                                  args.arrival_rate, args.seed + i, args.trace))
-                    bar.update(1)
-            runs += [combined(parts[sc.name]) for sc in scs]
-    return runs
+    def one(bf: BenchFleet, sc: Scenario, conc: int, i: int) -> Run:
+        run = measure(bf, sc, conc, 1, max(args.requests, conc), args.max_tokens, target.name, args.temperature,
+                      domain_prompts(args.domains), args.arrival_rate, args.seed + i, args.trace)
+        bar.update(1)
+        return run
+
+    done = in_turn(target, scs, edge, logs, args.concurrency, args.repeats, target.name, args.temperature, one,
+                   bar.set_postfix_str)
+    return [run for _, _, run in done]
 
 
 def paired_ratios(rows: list[dict[str, Any]]) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 from tqdm import tqdm
 
 from bench.edge import Edge
-from bench.fleets import BenchFleet, Run, Scenario, bench_fleet, combined, domain_prompts, measure, prime
+from bench.fleets import BenchFleet, Run, Scenario, bench_fleet, domain_prompts, in_turn, measure
 from bench.run_stats import summary
 
 Around = Callable[[BenchFleet], contextlib.AbstractContextManager[Any]]
@@ -73,23 +73,15 @@ def _sequential(target: Path, scs: Sequence[Scenario], points: Sequence[Point], 
 def _interleaved(target: Path, scs: Sequence[Scenario], points: Sequence[Point], args: argparse.Namespace,
                  edge: Edge, slo_classes: Sequence[float], logs: Path, bar: tqdm) -> list[dict[str, Any]]:
     """Repeat i of every scenario uses the same seed (``args.seed + i``), so each repeat serves
-    every scenario the same requests and arrivals; each fleet is primed before its window."""
-    rows: list[dict[str, Any]] = []
-    with contextlib.ExitStack() as stack:
-        fleets = []
-        for sc in scs:
-            bar.set_postfix_str(f"starting {sc.name}")
-            fleets.append((sc, stack.enter_context(bench_fleet(target, sc, edge, logs))))
-        for pt in points:
-            parts: dict[str, list[Run]] = {sc.name: [] for sc in scs}
-            for i in range(args.repeats):
-                for sc, bf in fleets[i % len(fleets):] + fleets[: i % len(fleets)]:
-                    bar.set_postfix_str(f"{sc.name} {pt.label}")
-                    prime(bf, target.name, args.temperature)
-                    parts[sc.name].append(_measure(bf, sc, pt, args, 1, args.seed + i, slo_classes, target.name))
-                    bar.update(1)
-            rows += [_row(sc, pt, combined(parts[sc.name]), args) for sc, _ in fleets]
-    return rows
+    every scenario the same requests and arrivals (``bench.fleets.in_turn``)."""
+    def one(bf: BenchFleet, sc: Scenario, pt: Point, i: int) -> Run:
+        run = _measure(bf, sc, pt, args, 1, args.seed + i, slo_classes, target.name)
+        bar.update(1)
+        return run
+
+    done = in_turn(target, scs, edge, logs, points, args.repeats, target.name, args.temperature, one,
+                   bar.set_postfix_str)
+    return [_row(sc, pt, run, args) for sc, pt, run in done]
 
 
 def _measure(bf: BenchFleet, sc: Scenario, pt: Point, args: argparse.Namespace, repeats: int, seed: int,

@@ -26,7 +26,7 @@ from services.verifier.batching import BatchLimits, BatchPolicy, Candidate
 from services.verifier.batching.estimator import SegmentShape, StepTimeEstimator
 from services.verifier.requests import Request, Status
 from services.verifier.trim import TrimItem, TrimPolicy, make_trim
-from shared.calibration import AcceptanceCalibration
+from shared.calibration import AcceptanceCalibration, ewma
 from shared.runner import Segment
 
 #: every this many trimmed steps, one is verified untrimmed: a draft the trim drops is never judged,
@@ -135,7 +135,7 @@ class Scheduler:
         """The time from the last forward's end to this one's start: the part of a step's period
         that trimming drafts cannot shorten (``trim.base.rate``)."""
         if 0.0 <= gap_s < MAX_GAP_S:
-            self.gap_s = gap_s if self.gap_s == 0.0 else (1 - GAP_ALPHA) * self.gap_s + GAP_ALPHA * gap_s
+            self.gap_s = gap_s if self.gap_s == 0.0 else ewma(self.gap_s, gap_s, GAP_ALPHA)
 
     def _calibrated(self, drafter: str, confidence: Sequence[float]) -> list[float]:
         cal = self.calibrations.get(drafter)

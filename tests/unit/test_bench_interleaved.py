@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+import bench.fleets as fleets_mod
 import bench.sweep as sweep_mod
 from bench.fleets import Run, Scenario, combined
 from bench.scrape import Snapshot
@@ -81,9 +82,9 @@ def test_sweep_in_turn_runs_every_setup_in_each_repeat_with_that_repeats_seed(mo
         calls.append((sc.name, f"{arrival_rate:g}", repeats, seed))
         return Run(sc.name, concurrency, [float(100 * seed + len(calls))], [], {"verifier": snap(steps=1)})
 
-    monkeypatch.setattr(sweep_mod, "bench_fleet", fleet)
+    monkeypatch.setattr(fleets_mod, "bench_fleet", fleet)  # the turns are bench.fleets.in_turn's
+    monkeypatch.setattr(fleets_mod, "prime", lambda bf, model, temperature=0.0: primed.append(bf.name))
     monkeypatch.setattr(sweep_mod, "measure", measure)
-    monkeypatch.setattr(sweep_mod, "prime", lambda bf, model, temperature=0.0: primed.append(bf.name))
     monkeypatch.setattr(sweep_mod, "summary", lambda run: {"tokens_per_s": run.tokens_per_s})
     scs = [Scenario("a"), Scenario("b"), Scenario("c")]
     points = [Point("2 req/s", 0, 8, 2.0), Point("6 req/s", 0, 8, 6.0)]

@@ -1,81 +1,44 @@
 """The draft-model proposer: greedy = argmax decoding, rollback = fresh cache, sampled q exact,
-a batch of sessions = each session alone."""
+a batch of sessions = each session alone. Its step features and controllers: test_draft_features."""
 
 from __future__ import annotations
 
-import math
 from collections import Counter
-from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
-from services.drafter.control import make_controller
-from services.drafter.control.base import DraftController, StepDecision, StepFeatures
-from services.drafter.control.fixed import FixedController
-from services.drafter.proposers.base import EMPTY_PROPOSAL, DraftJob, Proposal, ProposerError
+from services.drafter.control.base import StepDecision
+from services.drafter.proposers.base import EMPTY_PROPOSAL, DraftJob, ProposerError
 from services.drafter.proposers.draft_model import DraftModelProposer
 from shared.draft_q import Nucleus, dense, read
-from shared.models import LoadedModel, load_model, make_tiny_family
+from shared.models import LoadedModel
 from shared.penalties import apply_penalties
 from shared.protocol import MAX_DRAFT_TOKENS, SamplingParams
 from shared.runner import ModelRunner
-from shared.sampling import make_generator, probs_from_logits
+from shared.sampling import probs_from_logits
+from tests.unit.draft_proposer_support import (
+    GREEDY,
+    PROMPT,
+    WARM,
+    StopAt,
+    gen,
+    make,
+    propose,
+    reference_draft,
+    reference_greedy,
+    reference_logits,
+    tiny_draft,
+)
 
 torch.set_num_threads(1)
 
-PROMPT = [12, 40, 77, 5, 130, 9, 64]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
-WARM = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=64, seed=3)
-RUNNER_RTOL = 1e-2  # the cached runner's logits against a plain transformers forward: within 0.6 % here
 FP16_RTOL = 2e-3  # float16 keeps 11 significant bits; renormalising adds one more rounding
 
 
 @pytest.fixture(scope="module")
 def draft(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    paths = make_tiny_family(Path(tmp_path_factory.getbasetemp()) / "tiny-family")
-    return load_model(paths["draft-L1"])
-
-
-def make(draft: LoadedModel, **kwargs: Any) -> DraftModelProposer:
-    """A proposer on its own runner and KV arena (room for a few full-context sessions)."""
-    runner = ModelRunner(draft, 4 * draft.max_model_len * 1024, self_check=False)
-    return DraftModelProposer(runner, draft.eos_ids, **kwargs)
-
-
-def gen(seed: int) -> torch.Generator:
-    return make_generator(seed, "draft")
-
-
-def propose(proposer: DraftModelProposer, session_id: str, k: int, params: SamplingParams,
-            rng: torch.Generator, controller: DraftController | None = None) -> Proposal:
-    """One session alone: a batch of one job."""
-    proposals = proposer.propose([DraftJob(session_id, k, params, rng, controller)])
-    assert len(proposals) == 1
-    return proposals[0]
-
-
-def reference_greedy(model: LoadedModel, ids: list[int], k: int) -> list[int]:
-    """Argmax decoding with plain transformers calls, no cache: the ground truth."""
-    seq = list(ids)
-    with torch.inference_mode():
-        for _ in range(k):
-            logits = model.model(input_ids=torch.tensor([seq])).logits[0, -1]
-            seq.append(int(logits.argmax()))
-    return seq[len(ids):]
-
-
-def reference_draft(model: LoadedModel, ids: list[int], k: int) -> list[int]:
-    """What a greedy request drafts: argmax decoding that ends after an end token."""
-    out = reference_greedy(model, ids, k)
-    ends = [i for i, t in enumerate(out) if t in model.eos_ids]
-    return out[: ends[0] + 1] if ends else out
-
-
-def reference_logits(model: LoadedModel, ids: list[int]) -> torch.Tensor:
-    with torch.inference_mode():
-        return model.model(input_ids=torch.tensor([ids])).logits[0, -1]
+    return tiny_draft(tmp_path_factory)
 
 
 def test_greedy_proposal_is_argmax_decoding(draft: LoadedModel) -> None:
@@ -186,7 +149,7 @@ def test_sessions_leaving_the_batch_early_do_not_stop_the_others(draft: LoadedMo
     for sid, prompt in BATCH_PROMPTS.items():
         proposer.start(sid, prompt, 64)
     end = reference_greedy(draft, BATCH_PROMPTS["b"], 2)[1]
-    controller = _StopAt(0, StepDecision.STOP)
+    controller = StopAt(0, StepDecision.STOP)
     a, b, c = proposer.propose([
         DraftJob("a", 6, GREEDY, gen(0), controller),  # the controller stops it after one token
         DraftJob("b", 6, SamplingParams(temperature=0.0, stop_token_ids=[end]), gen(0)),  # ends at its 2nd
@@ -321,120 +284,6 @@ def test_sampled_is_the_default_mode(draft: LoadedModel) -> None:
     proposer.start("s", PROMPT, 64)
     proposal = propose(proposer, "s", 2, WARM, gen(0))
     assert proposal.q is not None and len(proposal.q) == 2
-
-
-# --- controllers ----------------------------------------------------------------------------------
-
-class _StopAt:
-    """A controller that stops (keeping or discarding the token) at a given position."""
-
-    name = "stop-at"
-    wants_features = True
-    wants_spread = True
-
-    def __init__(self, position: int, decision: StepDecision) -> None:
-        self.position, self.decision = position, decision
-        self.seen: list[StepFeatures] = []
-
-    def begin_round(self, budget: int) -> int:
-        return budget
-
-    def on_step(self, step: StepFeatures) -> StepDecision:
-        self.seen.append(step)
-        return self.decision if step.position == self.position else StepDecision.CONTINUE
-
-    def end_round(self, drafted: int, accepted: int) -> None:
-        pass
-
-
-@pytest.mark.parametrize(("decision", "expected_len"), [(StepDecision.STOP, 3), (StepDecision.DISCARD, 2)])
-def test_controller_can_stop_drafting(draft: LoadedModel, decision: StepDecision, expected_len: int) -> None:
-    proposer = make(draft)
-    proposer.start("s", PROMPT, 64)
-    controller = _StopAt(2, decision)
-    proposal = propose(proposer, "s", 6, GREEDY, gen(0), controller)
-    assert proposal.token_ids == reference_greedy(draft, PROMPT, 6)[:expected_len]
-    assert [s.position for s in controller.seen] == [0, 1, 2]
-
-
-def test_step_features_describe_the_draft_distribution(draft: LoadedModel) -> None:
-    proposer = make(draft)
-    proposer.start("s", PROMPT, 64)
-    proposal = propose(proposer, "s", 4, GREEDY, gen(0), _StopAt(99, StepDecision.CONTINUE))
-    assert len(proposal.steps) == 4
-    for pos, (token, step) in enumerate(zip(proposal.token_ids, proposal.steps, strict=True)):
-        assert (step.position, step.budget, step.token_id) == (pos, 4, token)
-        assert step.token_prob == pytest.approx(step.top1_prob)  # greedy drafts the top-1 token
-        assert 0.0 <= step.top2_prob <= step.top1_prob <= 1.0
-        assert step.margin >= 0.0
-        assert 0.0 <= step.entropy <= float(torch.log(torch.tensor(draft.vocab_size)))
-
-
-class _Watch(_StopAt):
-    """Never stops; reads the spread or not."""
-
-    def __init__(self, spread: bool) -> None:
-        super().__init__(99, StepDecision.CONTINUE)
-        self.wants_spread = spread
-
-
-def _reference_features(logits: torch.Tensor, token: int) -> tuple[float, float, float, float, float]:
-    probs = logits.float().softmax(-1)
-    top = probs.topk(2).values.tolist()
-    return (float(probs[token]), top[0], top[1], float(torch.special.entr(probs).sum()), float(logits.float().std()))
-
-
-def test_step_features_of_a_batch_are_each_rows_own(draft: LoadedModel) -> None:
-    """Features come from one batched computation over the rows that want them; each row's equal
-    a plain softmax of that session's own (penalised, where it has penalties) logits, and a
-    controller that does not read the spread gets NaN there."""
-    proposer = make(draft)
-    prompts = {"plain": PROMPT, "penalised": PROMPT[::-1], "spread": [3, *PROMPT], "none": PROMPT[2:],
-               "ahead": PROMPT[1:]}
-    penalised = SamplingParams(temperature=0.0, max_tokens=64, frequency_penalty=1.5, logit_bias={7: -100.0})
-    params = {"plain": GREEDY, "penalised": penalised, "spread": WARM, "none": GREEDY, "ahead": GREEDY}
-    watches = {"plain": _Watch(False), "penalised": _Watch(True), "spread": _Watch(True), "none": None, "ahead": None}
-    for sid, prompt in prompts.items():
-        proposer.start(sid, prompt, 64)
-    # "ahead" is drafted as a lookahead is: no controller, features (with the spread) for a later screening
-    jobs = [DraftJob(sid, 3, params[sid], gen(i), watches[sid], prompt_len=len(prompts[sid]),
-                     features=sid == "ahead", spread=sid == "ahead") for i, sid in enumerate(prompts)]
-    out = dict(zip(prompts, proposer.propose(jobs), strict=True))
-    assert out["none"].steps == [] and len(out["none"].token_ids) == 3
-    for sid in ("plain", "penalised", "spread", "ahead"):
-        steps, tokens = out[sid].steps, out[sid].token_ids
-        assert len(steps) == len(tokens) == 3
-        for pos, (token, step) in enumerate(zip(tokens, steps, strict=True)):
-            ctx = [*prompts[sid], *tokens[:pos]]
-            logits = reference_logits(draft, ctx)
-            if sid == "penalised":
-                logits = apply_penalties(logits[None], penalised, prompts[sid], tokens[:pos])[0]
-            prob, top1, top2, entropy, std = _reference_features(logits, token)
-            assert (step.position, step.budget, step.token_id) == (pos, 3, token)
-            probs = (step.token_prob, step.top1_prob, step.top2_prob)
-            assert probs == pytest.approx((prob, top1, top2), rel=RUNNER_RTOL)
-            if sid != "plain":  # its controller does not read the spread
-                assert (step.entropy, step.logit_std) == pytest.approx((entropy, std), rel=RUNNER_RTOL)
-            else:
-                assert math.isnan(step.entropy) and math.isnan(step.logit_std)
-
-
-def test_fixed_controller_skips_features(draft: LoadedModel) -> None:
-    proposer = make(draft)
-    proposer.start("s", PROMPT, 64)
-    proposal = propose(proposer, "s", 4, GREEDY, gen(0), FixedController())
-    assert proposal.token_ids == reference_greedy(draft, PROMPT, 4) and proposal.steps == []
-
-
-def test_fixed_controller_drafts_the_whole_budget() -> None:
-    controller = make_controller("fixed")
-    assert controller.begin_round(5) == 5
-    assert controller.begin_round(0) == 0
-    step = StepFeatures(position=0, budget=5, token_id=1, token_prob=0.01, top1_prob=0.01, top2_prob=0.01,
-                        entropy=5.0)
-    assert controller.on_step(step) is StepDecision.CONTINUE
-    with pytest.raises(ValueError, match="unknown controller 'nope'; choose one of: adaspec, fixed, threshold"):
-        make_controller("nope")
 
 
 # --- limits and refusals --------------------------------------------------------------------------
