@@ -60,7 +60,10 @@ def raw_costs(target: Path, draft: Path, k: int, edge: Edge) -> dict[str, Any]:
 
 def scenarios(draft: Path, k: int) -> list[Scenario]:
     # pipelined drafting serves greedy and unseeded sampled sessions (the load is unseeded): its gain beside it
+    # and of the alternative lookaheads (after a rejection) beside the all-accepted one alone
     return [Scenario("target-only"), Scenario(f"1 drafter k={k}", drafters=1, draft=str(draft), draft_len=k),
+            Scenario(f"1 drafter k={k}, all-accepted lookahead only", drafters=1, draft=str(draft), draft_len=k,
+                     drafter_flags=("--lookahead-branches", "0")),
             Scenario(f"1 drafter k={k}, no pipelining", drafters=1, draft=str(draft), draft_len=k,
                      drafter_flags=("--pipeline-sessions", "0"))]
 
@@ -119,13 +122,15 @@ def write(rows: list[dict[str, Any]], checks: list[dict[str, Any]], meta: dict[s
     (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows, "targets": checks}, indent=2))
     lines = [f"Command: `{meta['command']}` ({meta['when']}; {meta['edge']}).", "",
              "| scenario | concurrency | tokens/s (median) | runs | vs target-only (median of repeats) | acceptance | "
-             "verifier CPU per step / forward | drafted tokens/s | draft model idle | lookaheads used |",
+             "verifier CPU per step / forward | drafted tokens/s | draft model idle | "
+             "lookaheads used (after a rejection) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         runs = ", ".join(f"{x:.0f}" for x in r["tokens_per_s_runs"])
         lines.append(f"| {r['scenario']} | {r['concurrency']} | {r['tokens_per_s']:.1f} | {runs} | {r['ratio']:.2f}x | "
                      f"{r['acceptance']:.3f} | {r['cpu_per_step_over_forward']:.3f} | {r['drafted_tok_s']:.0f} | "
-                     f"{r['draft_idle_fraction']:.2f} | {r['lookahead_used']:.0f} |")
+                     f"{r['draft_idle_fraction']:.2f} | {r['lookahead_used']:.0f} "
+                     f"({r.get('alternatives_used', 0):.0f}) |")
     lines += ["", "| target | measured | goal | met |", "|---|---|---|---|"]
     lines += [f"| {c['name']} | {c['value']:.3f} | {c['goal']} | {'yes' if c['met'] else 'NO'} |" for c in checks]
     lines += ["", "How each is computed:", ""] + [f"- {c['name']}: {c['how']}" for c in checks]

@@ -43,6 +43,8 @@ def run_row(run: Run, drafter: Snapshot | None) -> dict[str, Any]:
         "draft_idle_fraction": _idle(drafter),
         "lookahead_used": drafter.value("specfleet_drafter_lookaheads_total", outcome="used")
         if drafter is not None else 0.0,
+        "alternatives_used": drafter.value("specfleet_drafter_alternative_lookaheads_used_total")
+        if drafter is not None else 0.0,
     }
 
 

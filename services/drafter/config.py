@@ -46,6 +46,9 @@ class DrafterConfig:
     pipeline_sessions: int = opt(2, "greedy and unseeded sampled sessions draft their next round while this one is "
                                     "verified, while this drafter serves at most this many sessions (0: never; "
                                     "see bench/RESULTS.md)")
+    lookahead_branches: int = opt(1, "a greedy session alone on this drafter also drafts ahead for the N likeliest "
+                                     "rejections of its draft in flight (the verifier committing the draft model's "
+                                     "second choice instead), in spare KV caches (0: only the all-accepted lookahead)")
     admission: str = opt("max-sessions", "how many sessions to claim: max-sessions (up to --max-sessions), or starsd "
                                          "(also at most StarSD's N_max, estimated from measured timings)")
     controller: str = opt("fixed", "when to stop drafting within the verifier's budget: fixed (draft it all, the "

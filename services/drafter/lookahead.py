@@ -9,6 +9,17 @@ the draft cache. (A continuous verifier such as vLLM may commit several tokens a
 then the lookahead must have guessed them all.) Otherwise it is dropped (the proposer's
 rollback discards it from the cache).
 
+A greedy draft is also rejected often, and then the verifier's own token is often the draft
+model's runner-up at that position (``Proposal.runner_up``): on the demo pair at k = 4, 60 % of
+rounds reject a draft, and the runner-up is the verifier's token in about half of those. So a
+greedy session alone on its drafter also drafts *alternative* lookaheads, up to
+``--lookahead-branches`` of them: for draft j, "drafts before j accepted, the runner-up committed
+instead", for the positions where that came true most often so far (``BranchOdds``). Each drafts
+in a spare KV cache of the session (``proposers/draft_cache.py``) and all of them share the draft
+model's forwards; the verdict keeps the one whose outcome came true, if any, and the proposer
+makes its cache the session's. Each alternative adds a row to every lookahead forward, so only a
+few pay: one was worth more than two or four on the demo pair (bench/RESULTS.md).
+
 The draft model would sit idle during verification anyway, so a dropped lookahead costs only
 edge compute, and a batched lookahead rides along with other sessions' drafts.
 
@@ -29,26 +40,46 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import replace
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 from services.drafter.batcher import DraftBatcher
 from services.drafter.control.base import DraftController, StepDecision, StepFeatures
 from services.drafter.metrics import DrafterMetrics
 from services.drafter.proposers.base import DraftJob, Proposal
+from shared.calibration import ewma
 from shared.protocol import SparseQ, Verdict
+
+#: ``BranchOdds``: a position's hit rate before it is observed, and the moving average's weight
+ODDS_PRIOR = 0.1
+ODDS_ALPHA = 0.05
+
+
+@dataclass(eq=False)
+class _Branch:
+    """One lookahead: the outcome of the round in flight it assumes, and the task drafting after it."""
+
+    accepted: int  # drafts of the round in flight it assumes accepted
+    guessed: tuple[int, ...]  # the verifier's token it assumes after them; () when its first token guesses it
+    task: asyncio.Task[tuple[Proposal, float, float]]
 
 
 class Lookahead:
-    """One session's lookahead: at most one in flight, and at most one ready draft."""
+    """One session's lookaheads: those of the round in flight, and at most one ready draft."""
 
     def __init__(self) -> None:
-        self._task: asyncio.Task[tuple[Proposal, float, float]] | None = None
+        self._branches: list[_Branch] = []
         self._ready: Proposal | None = None
 
-    def start(self, batcher: DraftBatcher, job: DraftJob) -> None:
-        """Draft ``job`` (its ``assume`` is the Draft just sent) while the verdict is awaited."""
+    def start(self, batcher: DraftBatcher, job: DraftJob, alternatives: Sequence[tuple[int, int]] = ()) -> None:
+        """Draft ``job`` (its ``assume`` is the Draft just sent) while the verdict is awaited, and
+        for each ``(j, token)`` of ``alternatives`` the outcome "draft j rejected, ``token``
+        committed instead", in a spare draft cache (``DraftJob.branch``)."""
         self.cancel()
-        self._task = asyncio.create_task(_one_token_at_a_time(batcher, job), name=f"lookahead-{job.session_id}")
+        self._branches.append(_Branch(len(job.assume), (), _spawn(batcher, job)))
+        for n, (j, token) in enumerate(alternatives, start=1):  # k - 1: the correction is assumed, not drafted
+            alt = replace(job, k=job.k - 1, assume=(*job.assume[:j], token), guess=None, branch=n)
+            self._branches.append(_Branch(j, (token,), _spawn(batcher, alt)))
 
     def take(self, k: int, controller: DraftController | None = None) -> Proposal | None:
         """The next round's draft, if the last lookahead came true: at most ``k`` tokens, and
@@ -60,35 +91,75 @@ class Lookahead:
         if controller is not None and controller.wants_features and len(ready.steps) >= n:
             n = _screen(controller, ready.steps[:n], k)
         q = None if ready.q is None else ready.q[:n]
-        return Proposal(token_ids=ready.token_ids[:n], q=q, steps=ready.steps[:n])
+        return Proposal(token_ids=ready.token_ids[:n], q=q, steps=ready.steps[:n], runner_up=ready.runner_up[:n])
 
     async def settle(self, verdict: Verdict, drafted: int, metrics: DrafterMetrics) -> None:
-        """Keep the lookahead when the verdict made its guess true; drop it otherwise."""
-        task, self._task = self._task, None
-        if task is None:
+        """Keep the lookahead whose outcome the verdict made true; drop the others."""
+        branches, self._branches = self._branches, []
+        if not branches:
             return
-        if verdict.finished or verdict.accepted < drafted or not verdict.token_ids:
-            await _drop(task)
+        accepted = min(verdict.accepted, drafted)
+        match = None if verdict.finished or not verdict.token_ids else \
+            next((b for b in branches if b.accepted == accepted), None)
+        for branch in branches:
+            if branch is not match:
+                branch.task.cancel()  # first, so they take no more forwards while the match finishes
+        for branch in branches:
+            if branch is not match:
+                await _drop(branch.task)
+        if match is None:
             metrics.lookahead.labels("dropped").inc()
             return
         try:
-            proposal, _, _ = await task
+            proposal, _, _ = await match.task
         except Exception:  # the batcher logged it; the round simply drafts afresh
             return
-        after = list(verdict.token_ids[drafted:])  # the verifier's own tokens (vLLM may commit several)
-        if proposal.token_ids[:len(after)] == after and len(proposal.token_ids) > len(after):
-            cut = len(after)  # at least the guessed token, whose q the lookahead never kept (see below)
-            q = None if proposal.q is None else proposal.q[len(proposal.q) - len(proposal.token_ids) + cut:]
-            self._ready = Proposal(token_ids=proposal.token_ids[cut:], steps=proposal.steps[cut:], q=q)
-            metrics.lookahead.labels("used").inc()
-        else:
+        self._keep(match, proposal, list(verdict.token_ids[accepted:]), metrics)
+
+    def _keep(self, branch: _Branch, proposal: Proposal, after: list[int], metrics: DrafterMetrics) -> None:
+        """Make the rest of ``branch``'s lookahead ready if it guessed ``after``, the verifier's own
+        tokens after the accepted drafts (one; a continuous verifier such as vLLM may commit several)."""
+        full = [*branch.guessed, *proposal.token_ids]
+        if full[:len(after)] != after or len(full) <= len(after):
             metrics.lookahead.labels("missed").inc()
+            return
+        cut = len(after) - len(branch.guessed)  # of the proposal's own tokens: at least one guessed token
+        q = None if proposal.q is None else proposal.q[len(proposal.q) - len(proposal.token_ids) + cut:]
+        self._ready = Proposal(token_ids=proposal.token_ids[cut:], steps=proposal.steps[cut:], q=q,
+                               runner_up=proposal.runner_up[cut:])
+        metrics.lookahead.labels("used").inc()
+        if branch.guessed:
+            metrics.alternative_used.inc()
 
     def cancel(self) -> None:
         self._ready = None
-        if self._task is not None:
-            self._task.cancel()
-            self._task = None
+        for branch in self._branches:
+            branch.task.cancel()
+        self._branches = []
+
+
+class BranchOdds:
+    """How often the verifier's token after a rejection at draft position j was the draft model's
+    runner-up there, per position (a moving average over this drafter's greedy rounds). Every
+    round is observed, branched or not, so the estimate never depends on what was drafted ahead;
+    ``pick`` drafts ahead only for the likeliest alternatives."""
+
+    def __init__(self) -> None:
+        self.rate: dict[int, float] = {}
+
+    def observe(self, sent: Proposal, verdict: Verdict, drafted: int) -> None:
+        if verdict.finished or not sent.runner_up:
+            return
+        accepted = min(verdict.accepted, drafted)
+        for j in range(min(drafted, len(sent.runner_up))):
+            hit = accepted == j and len(verdict.token_ids) > j and verdict.token_ids[j] == sent.runner_up[j]
+            self.rate[j] = ewma(self.rate.get(j, ODDS_PRIOR), float(hit), ODDS_ALPHA)
+
+    def pick(self, sent: Proposal, n: int) -> list[tuple[int, int]]:
+        """Up to ``n`` (j, runner-up) alternatives of ``sent``, likeliest first."""
+        ups = [(j, up) for j, up in enumerate(sent.runner_up[: len(sent.token_ids)]) if 0 <= up != sent.token_ids[j]]
+        ups.sort(key=lambda alt: -self.rate.get(alt[0], ODDS_PRIOR))
+        return ups[:n]
 
 
 def _screen(controller: DraftController, steps: list[StepFeatures], budget: int) -> int:
@@ -102,6 +173,10 @@ def _screen(controller: DraftController, steps: list[StepFeatures], budget: int)
     return len(steps)
 
 
+def _spawn(batcher: DraftBatcher, job: DraftJob) -> asyncio.Task[tuple[Proposal, float, float]]:
+    return asyncio.create_task(_one_token_at_a_time(batcher, job), name=f"lookahead-{job.session_id}-{job.branch}")
+
+
 async def _one_token_at_a_time(batcher: DraftBatcher, job: DraftJob) -> tuple[Proposal, float, float]:
     """Draft the lookahead one token per batch, so a round that becomes ready meanwhile waits for
     one forward at most, never for a whole lookahead (the batcher drafts rounds first).
@@ -110,6 +185,7 @@ async def _one_token_at_a_time(batcher: DraftBatcher, job: DraftJob) -> tuple[Pr
     token (``job.guess``), which replaces it in any case, so it has no q (``Lookahead.settle``
     aligns the rest from the end)."""
     tokens: list[int] = []
+    ups: list[int] = []
     steps: list[StepFeatures] = []
     qs: list[SparseQ] | None = None
     started = ended = 0.0
@@ -118,13 +194,15 @@ async def _one_token_at_a_time(batcher: DraftBatcher, job: DraftJob) -> tuple[Pr
         step, began, ended = await batcher.propose(replace(job, k=1, assume=(*job.assume, *tokens), guess=guess))
         started = started or began
         tokens += step.token_ids
+        ups += step.runner_up
         steps += step.steps
         if step.q is not None:
             qs = [*(qs or []), *step.q]
         if not step.token_ids or step.final:  # an end token, or the controller stopped it
             break
     whole = qs is not None and len(qs) == len(tokens) - (job.guess is not None)
-    return Proposal(token_ids=tokens, q=qs if whole else None, steps=steps), started, ended
+    return Proposal(token_ids=tokens, q=qs if whole else None, steps=steps,
+                    runner_up=ups if len(ups) == len(tokens) else []), started, ended
 
 
 async def _drop(task: asyncio.Task[tuple[Proposal, float, float]]) -> None:

@@ -86,8 +86,10 @@ class DrafterLoop:
         pipeline_sessions: int = 2,
         send_confidence: bool = False,
         admission: str = "max-sessions",
+        lookahead_branches: int = 0,
     ) -> None:
         self.pipeline_sessions = pipeline_sessions
+        self.lookahead_branches = lookahead_branches
         self.send_confidence = send_confidence
         self.admission = admission
         self.node_id = node_id
@@ -120,7 +122,8 @@ class DrafterLoop:
                 batcher = DraftBatcher(self.proposer, self.worker, self.metrics, self.max_sessions)
                 runner = SessionRunner(self.link, self.proposer, self.worker, batcher, welcome.max_draft_tokens,
                                        self.metrics, self.pipeline_sessions,
-                                       lambda: len(self._sessions), self.send_confidence)
+                                       lambda: len(self._sessions), self.send_confidence,
+                                       self.lookahead_branches)
                 await self._serve_connection(runner, batcher)
                 log.warning("lost the verifier; sessions left to the verifier, reconnecting",
                             retry_in_s=self.reconnect_s, hand_back_in_s=HAND_BACK_DELAY_S)

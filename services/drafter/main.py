@@ -34,7 +34,7 @@ from shared.config import ConfigError, describe, load_config, url_list
 from shared.draft_q import Nucleus
 from shared.log import get_logger, setup_logging
 from shared.models import LoadedModel, ModelLoadError, load_model, load_vocabulary
-from shared.protocol import MAX_Q_ENTRIES, PROTOCOL_VERSION, Hello
+from shared.protocol import MAX_DRAFT_TOKENS, MAX_Q_ENTRIES, PROTOCOL_VERSION, Hello
 from shared.queue import RequestQueue, open_queue
 from shared.runner import ModelRunner
 from shared.runner.runner import kv_shape
@@ -87,6 +87,8 @@ def check_config(cfg: DrafterConfig, need_model: bool = True) -> None:
         problems.append(f"--q-max-entries must be in [1, {MAX_Q_ENTRIES}], got {cfg.q_max_entries}")
     if cfg.pipeline_sessions < 0:
         problems.append(f"--pipeline-sessions must be >= 0, got {cfg.pipeline_sessions}")
+    if not 0 <= cfg.lookahead_branches <= MAX_DRAFT_TOKENS:
+        problems.append(f"--lookahead-branches must be in [0, {MAX_DRAFT_TOKENS}], got {cfg.lookahead_branches}")
     if cfg.admission not in ADMISSIONS:
         problems.append(f"--admission must be one of {', '.join(ADMISSIONS)}, got {cfg.admission!r}")
     if not 0.0 <= cfg.threshold <= 1.0:
@@ -205,7 +207,7 @@ async def serve(
         new_controller=lambda: make_controller(cfg.controller, controls),
         on_session_end=on_session_end, metrics=metrics, pipeline_sessions=cfg.pipeline_sessions,
         send_confidence=cfg.send_confidence,
-        admission=cfg.admission,
+        admission=cfg.admission, lookahead_branches=cfg.lookahead_branches,
     )
     try:
         await loop.run(ready)

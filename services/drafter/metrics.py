@@ -30,10 +30,13 @@ class DrafterMetrics:
         self.drafted = Counter(f"{_P}_drafted_tokens", "Draft tokens sent", registry=r)
         self.accepted = Counter(f"{_P}_accepted_tokens", "Draft tokens the verifier accepted", registry=r)
         self.sessions = Gauge(f"{_P}_sessions", "Sessions being served", registry=r)
-        self.lookahead = Counter(f"{_P}_lookaheads", "Pipelined drafts by outcome: used (the verdict made them "
-                                 "true), missed (all accepted, but a wrong guess or nothing past it), dropped (a draft "
-                                 "was rejected)",
+        self.lookahead = Counter(f"{_P}_lookaheads", "Pipelined drafts by outcome: used (the verdict made one "
+                                 "true), missed (the verdict's outcome had a lookahead, but its guessed token was "
+                                 "wrong or nothing was past it), dropped (no lookahead assumed the verdict's outcome)",
                                  ["outcome"], registry=r)
+        self.alternative_used = Counter(f"{_P}_alternative_lookaheads_used", "Used lookaheads that assumed a "
+                                        "rejected draft (--lookahead-branches); also counted in lookaheads{used}",
+                                        registry=r)
         self.n_full = Gauge(f"{_P}_n_full", "StarSD's N_full: sessions from which the draft model never idles "
                             "(0 until estimated)", registry=r)
         self.n_max = Gauge(f"{_P}_n_max", "StarSD's N_max: the most sessions this drafter claims (0 until "

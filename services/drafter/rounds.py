@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 from services.drafter.batcher import DraftBatcher
 from services.drafter.link import LINK_LOST, Inbound, LinkDown, VerifierLink
+from services.drafter.lookahead import BranchOdds
 from services.drafter.metrics import DrafterMetrics
 from services.drafter.proposers.base import EMPTY_PROPOSAL, DraftJob, Proposal, Proposer
 from services.drafter.sessions import DraftSession
@@ -61,8 +62,11 @@ class SessionRunner:
         pipeline_sessions: int = 2,
         active: Callable[[], int] = lambda: 1,
         send_confidence: bool = False,
+        lookahead_branches: int = 0,
     ) -> None:
         self.pipeline_sessions = pipeline_sessions
+        self.lookahead_branches = lookahead_branches  # alternative lookaheads per greedy round (lookahead.py)
+        self.odds = BranchOdds()
         self.send_confidence = send_confidence  # compute draft probabilities even without a controller that reads them
         self.active = active  # how many sessions this drafter serves now
         self.link = link
@@ -179,6 +183,7 @@ class SessionRunner:
             session.lookahead.cancel()
             session.apply_verdict(reply, drafted=0)
             return
+        self.odds.observe(proposal, reply, drafted)
         new = session.apply_verdict(reply, drafted)
         session.controller.end_round(drafted, min(reply.accepted, drafted), ended - started, verdict_at - sent)
         if session.finish_reason is None:
@@ -222,11 +227,14 @@ class SessionRunner:
         race = (session.bonus_key, session.round) if guess and session.bonus_key is not None else None
         # no controller: a lookahead is not a round, and must not touch a controller's round state;
         # its features are kept so the controller screens it when the next round takes it
-        session.lookahead.start(self.batcher, DraftJob(session.request_id, k + 1, session.params, session.rng,
-                                                       None, tuple(sent.token_ids), base,
-                                                       features=self._wants_features(session),
-                                                       spread=session.controller.wants_spread,
-                                                       prompt_len=session.prompt_len, guess=race))
+        job = DraftJob(session.request_id, k + 1, session.params, session.rng, None, tuple(sent.token_ids), base,
+                       features=self._wants_features(session), spread=session.controller.wants_spread,
+                       prompt_len=session.prompt_len, guess=race)
+        # and for the likeliest rejections (a greedy draft's runner-ups; a sampled one has none), only
+        # while this is the drafter's one session: with two, the extra rows took the draft model's slack
+        # and lost more than they won (bench/RESULTS.md)
+        alternatives = self.lookahead_branches if self.active() <= 1 else 0
+        session.lookahead.start(self.batcher, job, self.odds.pick(sent, alternatives))
 
     async def _draft(self, session: DraftSession, k: int) -> tuple[Proposal, float, float]:
         """The round's proposal, and when the worker started and ended computing it."""

@@ -24,7 +24,7 @@ import websockets
 
 from shared.models import LoadedModel, load_model
 from shared.protocol import SamplingParams
-from tests.conftest import greedy_reference
+from tests.conftest import free_port, greedy_reference
 from tests.e2e.lossless_stats import first_two_distribution, lossless_p_values
 from tests.e2e.stack import Stack, StackSpec, run_stack
 
@@ -140,6 +140,19 @@ def test_greedy_identical_under_every_drafting_policy(policy: list[str], tiny_mo
     spec = StackSpec(drafts=[tiny_models["draft-L2"]], max_sessions=CONCURRENCY, extra_drafter=policy)
     with run_stack(tiny_models["target"], spec, tmp_path) as stack:
         check_greedy(stack, target)
+
+
+def test_alternative_lookaheads_are_used_and_greedy_identical(tiny_models: dict[str, Path], target: LoadedModel,
+                                                              tmp_path: Path) -> None:
+    """One session per drafter, so every round drafts ahead for its likeliest rejections too."""
+    port = free_port()
+    spec = StackSpec(drafts=[tiny_models["draft-L2"]], max_sessions=1,
+                     extra_drafter=["--lookahead-branches", "2", "--metrics-port", str(port)])
+    with run_stack(tiny_models["target"], spec, tmp_path) as stack:
+        check_greedy(stack, target)
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    used = [ln for ln in metrics.splitlines() if ln.startswith("specfleet_drafter_alternative_lookaheads_used_total")]
+    assert used and float(used[0].split()[-1]) > 0, "no alternative lookahead was ever used"
 
 
 def test_wisp_learns_from_verdicts_and_stays_greedy_identical(tiny_models: dict[str, Path], target: LoadedModel,

@@ -47,7 +47,7 @@ class _Recorder:
     def __init__(self) -> None:
         self.jobs: list[DraftJob] = []
 
-    def start(self, batcher: object, job: DraftJob) -> None:
+    def start(self, batcher: object, job: DraftJob, alternatives: object = ()) -> None:
         self.jobs.append(job)
 
 

@@ -41,6 +41,9 @@ class Proposal:
     q: list[SparseQ] | None = None
     steps: list[StepFeatures] = field(default_factory=list)
     final: bool = False  # drafting ended on its own (an end token, or the controller stopped it)
+    #: a greedy draft's second choice at each position (the draft model's runner-up), when the
+    #: proposer ranks its tokens: the verifier's likeliest correction if it rejects that draft
+    runner_up: list[int] = field(default_factory=list)
 
 
 EMPTY_PROPOSAL = Proposal(token_ids=[])
@@ -70,6 +73,10 @@ class DraftJob:
     #: the winner of the race keyed by (key, round) over the request's full distribution
     #: (shared.coupling); the proposer draws the race's variates for its own vocabulary
     guess: tuple[int, int] | None = None
+    #: which of the session's draft caches to draft in: 0 the main one; n > 0 a spare, for a
+    #: lookahead of another outcome than "all accepted" (``lookahead.py``). A proposer without
+    #: caches ignores it.
+    branch: int = 0
 
 
 class Proposer(Protocol):

@@ -9,6 +9,12 @@ that is always a prefix of what was fed. Before drafting, the cache is cut back 
 prefix it shares with the committed sequence, keeping at least the last committed token out of
 it (its logits are what the first draft token is chosen from). That one rule rolls back
 rejected drafts, keeps accepted ones, and never recomputes a token the cache already holds.
+A lookahead for another outcome than "all accepted" drafts in a spare cache of the session, and
+a commit that makes its outcome true makes that spare the main cache (``draft_cache.py``).
+
+A greedy draft records each token's runner-up, the draft model's second choice: when the
+verifier rejects a greedy draft, its own token is often that one, so a lookahead can start
+from it before the verdict arrives.
 
 Sessions are drafted in batches (StarSD §3): each draft position of every session in the batch
 is one packed forward of the draft model, so a batch of B sessions drafting k tokens costs k
@@ -41,10 +47,10 @@ import torch
 
 from services.drafter.control.base import DraftController, StepDecision, StepFeatures
 from services.drafter.proposers.base import EMPTY_PROPOSAL, DraftJob, Proposal, ProposerError
+from services.drafter.proposers.draft_cache import KVCache, SessionCaches
 from shared.draft_q import Nucleus, draft_token, guess_token
 from shared.log import get_logger
 from shared.penalties import apply_penalties, has_penalties
-from shared.prefix import common_prefix_len
 from shared.protocol import MAX_DRAFT_TOKENS, SparseQ
 from shared.runner import KVSlot, ModelRunner, Segment
 from shared.sampling import is_greedy
@@ -57,8 +63,7 @@ log = get_logger("drafter.proposer")
 @dataclass
 class _SessionCache:
     committed: list[int]
-    slot: KVSlot | None
-    cached: list[int] = field(default_factory=list)  # the tokens the slot holds, in order
+    caches: SessionCaches  # the main KV cache (None: no room) and the spares for branch lookaheads
     disabled: str = ""  # why this session cannot be drafted for; empty: it can
 
 
@@ -69,6 +74,7 @@ class _Drafting:
     index: int  # the job's position in the batch
     job: DraftJob
     state: _SessionCache
+    cache: KVCache  # the main cache, or a spare for a branch lookahead (``DraftJob.branch``)
     k: int
     sampled: bool
     enders: frozenset[int]
@@ -79,21 +85,18 @@ class _Drafting:
     context: list[int]  # the committed sequence the draft continues
     penalised: bool  # the request has penalties: apply them to each row before choosing
     tokens: list[int] = field(default_factory=list)
+    runner_up: list[int] = field(default_factory=list)  # a greedy draft's second choice per token
     qs: list[SparseQ] = field(default_factory=list)
     steps: list[StepFeatures] = field(default_factory=list)
     done: bool = False
     final: bool = False  # stopped on its own, not by reaching k
-
-    @property
-    def slot(self) -> KVSlot:
-        assert self.state.slot is not None  # a session without a slot drafts nothing
-        return self.state.slot
 
 
 class _Pick(NamedTuple):
     """The token chosen for one row, its q (a sampled draft's) and the row it was chosen from."""
 
     token: int
+    runner_up: int  # a greedy row's second choice; -1 for a sampled one
     q: SparseQ | None
     logits: torch.Tensor  # penalised when the request has penalties
 
@@ -120,8 +123,9 @@ class DraftModelProposer:
 
     def start(self, session_id: str, prompt_ids: list[int], max_new_tokens: int) -> None:
         need = max(1, min(self.max_model_len, len(prompt_ids) + max_new_tokens + MAX_DRAFT_TOKENS))
-        slot = self.runner.kv.allocate(need) if need <= self.runner.kv.tokens else None
-        state = _SessionCache(committed=list(prompt_ids), slot=slot)
+        slot = self._allocate(need)
+        main = None if slot is None else KVCache(slot)
+        state = _SessionCache(committed=list(prompt_ids), caches=SessionCaches(self.runner.kv, main))
         self._sessions[session_id] = state
         if slot is None:
             state.disabled = (f"the draft KV cache has no room for {need} more tokens; raise the drafter's "
@@ -134,16 +138,28 @@ class DraftModelProposer:
     def commit(self, session_id: str, committed_new_tokens: list[int], accepted: int) -> None:
         state = self._get(session_id)
         state.committed.extend(committed_new_tokens)
+        state.caches.promote(state.committed)
         self._check_ids(session_id, state, committed_new_tokens)
 
     def close(self, session_id: str) -> None:
         state = self._sessions.pop(session_id, None)
-        if state is not None and state.slot is not None:
-            self.runner.kv.free(state.slot)
+        if state is not None:
+            state.caches.close()
 
     def cached_tokens(self, session_id: str) -> int:
-        """How many tokens the session's cache holds (for tests and stats)."""
-        return len(self._get(session_id).cached)
+        """How many tokens the session's main cache holds (for tests and stats)."""
+        main = self._get(session_id).caches.main
+        return 0 if main is None else len(main.cached)
+
+    def _allocate(self, tokens: int) -> KVSlot | None:
+        """A session's main slot; spares of other sessions give way to it."""
+        kv = self.runner.kv
+        if tokens > kv.tokens:
+            return None
+        if not kv.fits(tokens):
+            for state in self._sessions.values():
+                state.caches.release()
+        return kv.allocate(tokens)
 
     # --- drafting ------------------------------------------------------------------------
 
@@ -153,17 +169,18 @@ class DraftModelProposer:
         live = drafts
         with torch.inference_mode():
             while live:
-                logits = self.runner.forward([Segment(d.slot, d.feed, len(d.feed) - 1) for d in live])
+                logits = self.runner.forward([Segment(d.cache.slot, d.feed, len(d.feed) - 1) for d in live])
                 assert logits is not None
-                argmax = logits.argmax(-1).tolist()  # every greedy row in one op
-                picks = [self._pick(d, logits[row], argmax[row]) for row, d in enumerate(live)]
+                top2 = logits.topk(min(2, logits.shape[-1]), -1).indices.tolist()  # every greedy row in one op
+                picks = [self._pick(d, logits[row], top2[row]) for row, d in enumerate(live)]
                 for d, pick, step in zip(live, picks, _step_features(live, picks), strict=True):
-                    d.state.cached.extend(d.feed)
+                    d.cache.cached.extend(d.feed)
                     self._take(d, pick, step)
                 live = [d for d in live if not d.done]
         out = [EMPTY_PROPOSAL] * len(jobs)
         for d in drafts:
-            out[d.index] = Proposal(token_ids=d.tokens, q=d.qs if d.sampled else None, steps=d.steps, final=d.final)
+            out[d.index] = Proposal(token_ids=d.tokens, q=d.qs if d.sampled else None, steps=d.steps, final=d.final,
+                                    runner_up=[] if d.sampled else d.runner_up)
         return out
 
     def _begin(self, index: int, job: DraftJob) -> _Drafting | None:
@@ -173,25 +190,27 @@ class DraftModelProposer:
             return None
         context = state.committed if job.base < 0 else [*state.committed[: job.base], *job.assume]
         k = self._clamp(state, len(context), job.k)
-        if k == 0:
+        cache = state.caches.for_job(job.branch, context) if k else None
+        if cache is None:
             return None
-        self._rollback(state, context)
         watch = job.controller if job.controller is not None and job.controller.wants_features else None
         enders = frozenset(job.params.stop_token_ids) | (frozenset() if job.params.ignore_eos else self.eos_ids)
-        return _Drafting(index, job, state, k, self.mode == "sampled" and not is_greedy(job.params), enders, watch,
-                         watch is not None or job.features, (watch is not None and watch.wants_spread) or job.spread,
-                         feed=context[len(state.cached):], context=context, penalised=has_penalties(job.params))
+        sampled = self.mode == "sampled" and not is_greedy(job.params)
+        spread = (watch is not None and watch.wants_spread) or job.spread
+        return _Drafting(index, job, state, cache, k, sampled, enders, watch, watch is not None or job.features, spread,
+                         feed=context[len(cache.cached):], context=context, penalised=has_penalties(job.params))
 
-    def _pick(self, d: _Drafting, logits: torch.Tensor, argmax: int) -> _Pick:
-        """Choose the next token of one session from its logits row."""
+    def _pick(self, d: _Drafting, logits: torch.Tensor, top2: list[int]) -> _Pick:
+        """Choose the next token of one session from its logits row (``top2``: its two best ids)."""
         if d.penalised:
             logits = _penalise(d, logits)
-            argmax = int(logits.argmax())
+            top2 = logits.topk(len(top2)).indices.tolist()
         if d.sampled and d.job.guess is not None and not d.tokens:
-            return _Pick(guess_token(logits, d.job.params, d.job.guess), None, logits)  # never sent: no q
+            return _Pick(guess_token(logits, d.job.params, d.job.guess), -1, None, logits)  # never sent: no q
         if d.sampled:
-            return _Pick(*draft_token(logits, d.job.params, d.job.rng, self.nucleus), logits)
-        return _Pick(argmax, None, logits)
+            token, q = draft_token(logits, d.job.params, d.job.rng, self.nucleus)
+            return _Pick(token, -1, q, logits)
+        return _Pick(top2[0], top2[-1], None, logits)
 
     def _take(self, d: _Drafting, pick: _Pick, step: StepFeatures | None) -> None:
         """Keep the picked token unless the controller discards it; decide whether to go on."""
@@ -203,6 +222,7 @@ class DraftModelProposer:
                 return
             d.steps.append(step)
         d.tokens.append(pick.token)
+        d.runner_up.append(pick.runner_up)
         if pick.q is not None:
             d.qs.append(pick.q)
         d.final = decision is StepDecision.STOP or pick.token in d.enders  # nothing follows an end token
@@ -211,18 +231,11 @@ class DraftModelProposer:
 
     def _clamp(self, state: _SessionCache, context_len: int, k: int) -> int:
         """Never draft past the slot, the draft model's context or the wire's per-frame ceiling."""
-        if state.disabled or state.slot is None:
+        main = state.caches.main
+        if state.disabled or main is None:
             return 0
-        room = min(self.max_model_len, state.slot.capacity) - context_len
+        room = min(self.max_model_len, main.slot.capacity) - context_len
         return max(0, min(k, room, MAX_DRAFT_TOKENS))
-
-    def _rollback(self, state: _SessionCache, context: list[int]) -> None:
-        """Cut the cache back to what it shares with ``context``, keeping the last token out."""
-        assert state.slot is not None
-        keep = min(common_prefix_len(state.cached, context), len(context) - 1)
-        if keep < len(state.cached):
-            state.slot.truncate(keep)
-            del state.cached[keep:]
 
     # --- helpers -------------------------------------------------------------------------
 
