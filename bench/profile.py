@@ -66,6 +66,11 @@ def report(run: Run) -> str:
         lines += ["", f"verifier CPU per step {cpu * 1e3:.3f} ms, of which the forward {fcpu * 1e3:.3f} ms: "
                       f"CPU per step / forward CPU = {cpu / fcpu:.3f}; step period / forward = {period / forward:.3f} "
                       "(the period includes waiting for drafts)"]
+    if wall := sum(run.walls):
+        d, vcpu = drafters_of(run), v.value("process_cpu_seconds_total")
+        lines += ["", f"busy over the {wall:.2f} s measured: verifier CPU {vcpu / wall:.0%}"
+                      f" (its forwards {v.value(f'{V}_step_seconds_sum', phase='forward') / wall:.0%}), drafter CPU "
+                      f"{d.value('process_cpu_seconds_total') / wall:.0%} (each has one core: near 100 % is the limit)"]
     return "\n".join(lines)
 
 
