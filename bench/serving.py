@@ -26,6 +26,7 @@ import json
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,12 +59,17 @@ def raw_costs(target: Path, draft: Path, k: int, edge: Edge) -> dict[str, Any]:
     return {"target": server, "draft": draft_costs}
 
 
-def scenarios(draft: Path, k: int) -> list[Scenario]:
-    # pipelined drafting serves greedy and unseeded sampled sessions (the load is unseeded): its gain beside it
-    # and of the alternative lookaheads (after a rejection) beside the all-accepted one alone
+def scenarios(draft: Path, k: int, branches: Sequence[int] = (0,)) -> list[Scenario]:
+    """Target-only, one drafter with its defaults, one per value of ``branches`` (the drafter's
+    ``--lookahead-branches``: alternative lookaheads after a rejection; 0 keeps the all-accepted
+    one alone), and one without pipelined drafting (it serves greedy and unseeded sampled sessions,
+    and the load is unseeded): each gain beside the defaults."""
+    def named(n: int) -> str:
+        return "all-accepted lookahead only" if n == 0 else f"{n} alternative lookahead{'s' * (n > 1)}"
+
     return [Scenario("target-only"), Scenario(f"1 drafter k={k}", drafters=1, draft=str(draft), draft_len=k),
-            Scenario(f"1 drafter k={k}, all-accepted lookahead only", drafters=1, draft=str(draft), draft_len=k,
-                     drafter_flags=("--lookahead-branches", "0")),
+            *[Scenario(f"1 drafter k={k}, {named(n)}", drafters=1, draft=str(draft), draft_len=k,
+                       drafter_flags=("--lookahead-branches", str(n))) for n in branches],
             Scenario(f"1 drafter k={k}, no pipelining", drafters=1, draft=str(draft), draft_len=k,
                      drafter_flags=("--pipeline-sessions", "0"))]
 
@@ -166,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.serving", description=__doc__.splitlines()[0])
     p.add_argument("--draft-len", type=int, default=4)
     p.add_argument("--draft", default="", help="draft model dir (default: the smallest draft beside the target)")
+    p.add_argument("--lookahead-branches", type=lambda s: [int(x) for x in s.split(",") if x], default=[0],
+                   help="also measure the drafter with each of these --lookahead-branches (its default is 1)")
     add_workload_flags(p, concurrency=(1, 4, 16))  # --temperature T != 0 writes serving-t<T>.*
     args = p.parse_args(argv)
     edge = edge_from(args)
@@ -177,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     # an emulated edge network is one namespace per fleet, named by this process: one fleet at a time then
     if edge.networked:
         print("emulated edge network: the scenarios run one after another, not interleaved", flush=True)
-    runs = run_all(models.target, scenarios(draft, args.draft_len), args, edge, interleave=not edge.networked)
+    runs = run_all(models.target, scenarios(draft, args.draft_len, args.lookahead_branches), args, edge,
+                   interleave=not edge.networked)
     rows = [run_row(r, drafters_of(r) if r.scenario != "target-only" else None) for r in runs]
     paired_ratios(rows)
     meta = {"command": "python -m bench.serving " + " ".join(given_args(argv)), "target": str(models.target),

@@ -10,15 +10,16 @@ then the lookahead must have guessed them all.) Otherwise it is dropped (the pro
 rollback discards it from the cache).
 
 A greedy draft is also rejected often, and then the verifier's own token is often the draft
-model's runner-up at that position (``Proposal.runner_up``): on the demo pair at k = 4, 60 % of
-rounds reject a draft, and the runner-up is the verifier's token in about half of those. So a
+model's runner-up at that position (``Proposal.runner_up``). On the demo pair at k = 4 (an
+offline count over the benchmark prompts: 580 rounds), 345 rounds rejected a draft, and in 180
+of them the verifier's token was the runner-up. So a
 greedy session alone on its drafter also drafts *alternative* lookaheads, up to
 ``--lookahead-branches`` of them: for draft j, "drafts before j accepted, the runner-up committed
 instead", for the positions where that came true most often so far (``BranchOdds``). Each drafts
 in a spare KV cache of the session (``proposers/draft_cache.py``) and all of them share the draft
 model's forwards; the verdict keeps the one whose outcome came true, if any, and the proposer
 makes its cache the session's. Each alternative adds a row to every lookahead forward, so only a
-few pay: one was worth more than two or four on the demo pair (bench/RESULTS.md).
+few pay: on the demo pair one or two beat four (bench/RESULTS.md, greedy serving).
 
 The draft model would sit idle during verification anyway, so a dropped lookahead costs only
 edge compute, and a batched lookahead rides along with other sessions' drafts.
@@ -99,28 +100,34 @@ class Lookahead:
         if not branches:
             return
         accepted = min(verdict.accepted, drafted)
+        after = list(verdict.token_ids[accepted:])  # the verifier's own tokens after the accepted drafts
         match = None if verdict.finished or not verdict.token_ids else \
             next((b for b in branches if b.accepted == accepted), None)
-        for branch in branches:
-            if branch is not match:
-                branch.task.cancel()  # first, so they take no more forwards while the match finishes
-        for branch in branches:
-            if branch is not match:
-                await _drop(branch.task)
-        if match is None:
-            metrics.lookahead.labels("dropped").inc()
-            return
         try:
-            proposal, _, _ = await match.task
-        except Exception:  # the batcher logged it; the round simply drafts afresh
-            return
-        self._keep(match, proposal, list(verdict.token_ids[accepted:]), metrics)
+            for branch in branches:
+                if branch is not match:
+                    branch.task.cancel()  # first, so they take no more forwards while the match finishes
+            for branch in branches:
+                if branch is not match:
+                    await _drop(branch.task)
+            if match is None:
+                metrics.lookahead.labels("dropped").inc()
+                return
+            try:
+                proposal, _, _ = await match.task
+            except Exception:  # the batcher logged it; the round simply drafts afresh
+                return
+        finally:  # cancelled meanwhile (the session ends): leave no lookahead running
+            for branch in branches:
+                branch.task.cancel()
+        self._keep(match, proposal, after, metrics)
 
     def _keep(self, branch: _Branch, proposal: Proposal, after: list[int], metrics: DrafterMetrics) -> None:
         """Make the rest of ``branch``'s lookahead ready if it guessed ``after``, the verifier's own
-        tokens after the accepted drafts (one; a continuous verifier such as vLLM may commit several)."""
+        tokens after the accepted drafts (one; a continuous verifier such as vLLM may commit several, or
+        none after a fully accepted draft: then the whole all-accepted lookahead is the next draft)."""
         full = [*branch.guessed, *proposal.token_ids]
-        if full[:len(after)] != after or len(full) <= len(after):
+        if full[:len(after)] != after or len(full) <= len(after) or len(after) < len(branch.guessed):
             metrics.lookahead.labels("missed").inc()
             return
         cut = len(after) - len(branch.guessed)  # of the proposal's own tokens: at least one guessed token

@@ -32,7 +32,8 @@ class DrafterMetrics:
         self.sessions = Gauge(f"{_P}_sessions", "Sessions being served", registry=r)
         self.lookahead = Counter(f"{_P}_lookaheads", "Pipelined drafts by outcome: used (the verdict made one "
                                  "true), missed (the verdict's outcome had a lookahead, but its guessed token was "
-                                 "wrong or nothing was past it), dropped (no lookahead assumed the verdict's outcome)",
+                                 "wrong or nothing was past it), dropped (no lookahead assumed the verdict's "
+                                 "outcome, or the session finished)",
                                  ["outcome"], registry=r)
         self.alternative_used = Counter(f"{_P}_alternative_lookaheads_used", "Used lookaheads that assumed a "
                                         "rejected draft (--lookahead-branches); also counted in lookaheads{used}",

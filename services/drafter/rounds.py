@@ -183,12 +183,15 @@ class SessionRunner:
             session.lookahead.cancel()
             session.apply_verdict(reply, drafted=0)
             return
-        self.odds.observe(proposal, reply, drafted)
+        if is_greedy(session.params):  # runner-ups guess a greedy verifier's token only
+            self.odds.observe(proposal, reply, drafted)
         new = session.apply_verdict(reply, drafted)
         session.controller.end_round(drafted, min(reply.accepted, drafted), ended - started, verdict_at - sent)
+        # settle first: it lets the lookahead that came true finish, so the commit finds all of its
+        # rows in its cache and makes that cache the session's (draft_cache.SessionCaches.promote)
+        await session.lookahead.settle(reply, drafted, self.metrics)
         if session.finish_reason is None:
             self.worker.submit(self.proposer.commit, rid, new, min(reply.accepted, drafted))
-        await session.lookahead.settle(reply, drafted, self.metrics)
 
     async def _target_round(self, session: DraftSession, inbox: asyncio.Queue[Inbound]) -> None:
         """A round with budget 0: no draft is sent; the verifier decodes one token and sends the
@@ -233,7 +236,7 @@ class SessionRunner:
         # and for the likeliest rejections (a greedy draft's runner-ups; a sampled one has none), only
         # while this is the drafter's one session: with two, the extra rows took the draft model's slack
         # and lost more than they won (bench/RESULTS.md)
-        alternatives = self.lookahead_branches if self.active() <= 1 else 0
+        alternatives = self.lookahead_branches if self.active() <= 1 and is_greedy(session.params) else 0
         session.lookahead.start(self.batcher, job, self.odds.pick(sent, alternatives))
 
     async def _draft(self, session: DraftSession, k: int) -> tuple[Proposal, float, float]:

@@ -160,14 +160,22 @@ async def test_the_verdict_keeps_the_alternative_whose_rejection_came_true(draft
                         alternatives)
         correction = sent.runner_up[2] if came_true else (sent.runner_up[2] + 1) % draft.vocab_size
         tokens = [*sent.token_ids[:2], correction]
-        p.commit("s", tokens, 2)
+        # as the session runner does: settle first (the verdict may come before the branch has
+        # drafted anything: settle waits for it), then commit
         await lookahead.settle(verdict(tokens, 2), K, metrics)
+        p.commit("s", tokens, 2)
         ready = lookahead.take(K)
         expected = reference_greedy(draft, PROMPT + tokens, K)
         if came_true:
             assert ready is not None and ready.token_ids == expected and len(ready.runner_up) == K
             assert outcomes(metrics) == {"used": 1.0, "missed": 0.0, "dropped": 0.0}
             assert metrics.registry.get_sample_value("specfleet_drafter_alternative_lookaheads_used_total") == 1.0
+            # the branch's cache is now the session's: it holds the correction and the ready draft
+            # but its last token, so the next lookahead feeds only that one
+            assert p.cached_tokens("s") == len(PROMPT) + len(tokens) + K - 1
+            look, _, _ = await batcher.propose(DraftJob("s", K + 1, GREEDY, gen(0), None, tuple(expected),
+                                                        len(PROMPT) + len(tokens)))
+            assert look.token_ids == reference_greedy(draft, PROMPT + tokens + expected, K + 1)
         else:
             assert ready is None and outcomes(metrics) == {"used": 0.0, "missed": 1.0, "dropped": 0.0}
         fresh, _, _ = await batcher.propose(DraftJob("s", K, GREEDY, gen(0)))

@@ -4,6 +4,7 @@ greedy ones always, sampled ones only when unseeded and their verifier couples i
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from types import SimpleNamespace
 
 import pytest
@@ -14,7 +15,7 @@ from services.drafter.proposers.base import DraftJob, Proposal
 from services.drafter.rounds import SessionRunner
 from services.drafter.sessions import DraftSession
 from services.drafter.worker import ComputeWorker
-from shared.protocol import QueuedRequest, SamplingParams
+from shared.protocol import QueuedRequest, SamplingParams, Verdict
 from shared.queue import Delivery
 
 
@@ -46,9 +47,11 @@ def test_which_sessions_draft_ahead(temperature: float, seed: int | None, key: i
 class _Recorder:
     def __init__(self) -> None:
         self.jobs: list[DraftJob] = []
+        self.alternatives: list[list[tuple[int, int]]] = []
 
-    def start(self, batcher: object, job: DraftJob, alternatives: object = ()) -> None:
+    def start(self, batcher: object, job: DraftJob, alternatives: Sequence[tuple[int, int]] = ()) -> None:
         self.jobs.append(job)
+        self.alternatives.append(list(alternatives))
 
 
 @pytest.mark.parametrize(("features", "spread"), [(False, False), (True, False), (True, True)],
@@ -70,3 +73,29 @@ def test_a_lookahead_computes_the_features_its_controller_will_screen_it_with(fe
     (job,) = recorder.jobs
     assert job.controller is None and (job.features, job.spread) == (features, spread)
     assert job.assume == (7, 8) and job.k == 3
+
+
+@pytest.mark.parametrize(("temperature", "active", "branches", "expected"), [
+    (0.0, 1, 1, [(1, 11)]),  # alone on the drafter: the likeliest rejection (position 1 hit before)
+    (0.0, 1, 2, [(1, 11), (0, 10)]),
+    (0.0, 2, 1, []),  # another session shares the draft model: no alternative
+    (0.0, 1, 0, []),  # --lookahead-branches 0
+    (1.0, 1, 1, []),  # sampled: its correction comes from p - q, not the runner-up
+], ids=["alone", "two", "shared-drafter", "off", "sampled"])
+def test_alternative_lookaheads_only_for_a_greedy_session_alone(temperature: float, active: int, branches: int,
+                                                                expected: list[tuple[int, int]]) -> None:
+    params = SamplingParams(temperature=temperature, max_tokens=64)
+    req = QueuedRequest(request_id="r", prompt_ids=[1, 2], params=params, origin="c", model="m", created_at=0.0)
+    session = DraftSession.from_delivery(Delivery("1", req), make_controller("fixed"))
+    session.bonus_key = 5
+    recorder = _Recorder()
+    session.lookahead = recorder  # type: ignore[assignment]
+    proposer = _Guesser(True)
+    worker = ComputeWorker(inline=True)
+    runner = SessionRunner(None, proposer, worker, DraftBatcher(proposer, worker), max_draft_tokens=4,  # type: ignore[arg-type]
+                           active=lambda: active, lookahead_branches=branches)
+    sent = Proposal(token_ids=[7, 8, 9], runner_up=[10, 11, 12])
+    runner.odds.observe(sent, Verdict(request_id="r", round=0, accepted=1, token_ids=[7, 11], finished=False,
+                                      finish_reason=None, draft_budget=4), 3)  # rejected at 1, for the runner-up
+    runner._look_ahead(session, sent, 3, guess=temperature > 0)
+    assert recorder.alternatives == [expected]
