@@ -1,7 +1,8 @@
 """``python -m bench capacity``: system goodput at equal server cores (WISP Table 3 shape).
 
 Three setups, each a real pinned fleet on the same server CPUs, serve the same closed-loop
-load at each concurrency of ``--concurrency``:
+load at each concurrency of ``--concurrency``, in turn (every fleet up at once; each repeat
+measures them one after another), so a drift of the machine's speed hits all three alike:
 
 * **specfleet**: drafters at the edge, GoodSpeed's allocation over the sessions;
 * **centralized**: target-only serving, continuously batched (no drafters);
@@ -20,7 +21,7 @@ from typing import Any
 
 from bench.fleets import Scenario, add_workload_flags, prepare, run_meta, write_results
 from bench.profile import smallest
-from bench.sweep import cell, closed, sweep
+from bench.sweep import cell, closed, in_turn_unless_networked, sweep
 
 
 def scenarios(draft: Path, drafters: int, draft_len: int) -> list[Scenario]:
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     edge, models, out = prepare(args)
     rows = sweep(models.target, scenarios(smallest(models.drafts), args.drafters, args.draft_len),
-                 closed(args.concurrency), args, edge, "bench capacity")
+                 closed(args.concurrency), args, edge, "bench capacity", interleave=in_turn_unless_networked(edge))
     meta = run_meta("capacity", argv, edge)
     plot(rows, out / "capacity.png")
     write_results(out, "capacity", {"meta": meta, "rows": rows}, markdown(meta, rows))

@@ -21,7 +21,7 @@ from typing import Any
 from bench.fleets import Scenario, add_workload_flags, prepare, run_meta, write_results
 from bench.profile import smallest
 from bench.sim.costs import DEFAULT_PROFILE
-from bench.sweep import Point, cell, sweep
+from bench.sweep import Point, cell, in_turn_unless_networked, sweep
 
 
 def scenarios(draft: Path, ks: list[int], estimator: str) -> list[Scenario]:
@@ -91,10 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     edge, models, out = prepare(args)
     points = [Point(f"{x:g} req/s", 0, args.requests, x) for x in args.rates]
-    if edge.networked:
-        print("emulated edge network: the setups run one after another, not in turn", flush=True)
     rows = sweep(models.target, scenarios(smallest(models.drafts), args.ks, args.estimator_file), points, args, edge,
-                 "bench load", interleave=not edge.networked)
+                 "bench load", interleave=in_turn_unless_networked(edge))
     speedups(rows)
     meta = run_meta("load", argv, edge, trace=args.trace, rates=args.rates)
     plot(rows, args.rates, out / f"load{'' if args.trace == 'poisson' else '-' + args.trace}.png")

@@ -1,7 +1,8 @@
 """``python -m bench slo``: FCFS vs WISP batching as sessions grow (WISP Table 2 / Fig. 7 shape).
 
 One real pinned fleet per batching policy (one drafter, fixed k) serves closed-loop load at
-each number of concurrent sessions of ``--sessions``; requests are spread over the SLO classes
+each number of concurrent sessions of ``--sessions``, the policies in turn (both fleets up at
+once); requests are spread over the SLO classes
 of ``--slo-classes`` (token-speed targets, tokens/s, the extension field ``slo_tokens_per_s``).
 Reported per policy and load: the share of finished requests that missed their class, per
 class and in all (the verifier's counters), and the capacity: the most sessions served with at
@@ -17,7 +18,7 @@ from typing import Any
 from bench.fleets import Scenario, add_workload_flags, prepare, run_meta, write_results
 from bench.profile import smallest
 from bench.sim.costs import DEFAULT_PROFILE
-from bench.sweep import closed, sweep
+from bench.sweep import closed, in_turn_unless_networked, sweep
 
 POLICIES = ("fcfs", "wisp")
 
@@ -86,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     edge, models, out = prepare(args)
     rows = sweep(models.target, scenarios(smallest(models.drafts), args.draft_len, args.estimator_file),
-                 closed(args.sessions), args, edge, "bench slo", slo_classes=args.slo_classes)
+                 closed(args.sessions), args, edge, "bench slo", slo_classes=args.slo_classes,
+                 interleave=in_turn_unless_networked(edge))
     meta = run_meta("slo", argv, edge, slo_classes=args.slo_classes)
     meta["capacity"] = {p: capacity(rows, p, args.max_violations) for p in POLICIES}
     plot(rows, out / "slo.png")

@@ -35,6 +35,14 @@ def closed(levels: Sequence[int], per_session: int = 2, least: int = 8) -> list[
     return [Point(f"@{n}", n, max(least, per_session * n)) for n in levels]
 
 
+def in_turn_unless_networked(edge: Edge) -> bool:
+    """Whether a sweep can take turns: not over an emulated edge network (one namespace per fleet,
+    named by this process: one fleet at a time then), and it says so."""
+    if edge.networked:
+        print("emulated edge network: the setups run one after another, not in turn", flush=True)
+    return not edge.networked
+
+
 def sweep(target: Path, scs: Sequence[Scenario], points: Sequence[Point], args: argparse.Namespace, edge: Edge,
           desc: str, slo_classes: Sequence[float] = (), around: Around | None = None,
           interleave: bool = False) -> list[dict[str, Any]]:
