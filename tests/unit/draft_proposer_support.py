@@ -10,16 +10,19 @@ import pytest
 import torch
 
 from services.drafter.control.base import DraftController, StepDecision, StepFeatures
+from services.drafter.metrics import DrafterMetrics
 from services.drafter.proposers.base import DraftJob, Proposal
 from services.drafter.proposers.draft_model import DraftModelProposer
 from shared.models import LoadedModel, load_model, make_tiny_family
-from shared.protocol import SamplingParams
+from shared.protocol import SamplingParams, Verdict
 from shared.runner import ModelRunner
 from shared.sampling import make_generator
 
 PROMPT = [12, 40, 77, 5, 130, 9, 64]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
 WARM = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=64, seed=3)
+FULL_GREEDY = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)  # drafts always have k tokens
+K = 4
 FP16_RTOL = 2e-3  # float16 keeps 11 significant bits; renormalising adds one more rounding
 
 
@@ -90,3 +93,15 @@ class StopAt:
 
     def end_round(self, drafted: int, accepted: int) -> None:
         pass
+
+
+def verdict(token_ids: list[int], accepted: int, finished: bool = False) -> Verdict:
+    """The verifier's answer to session "s"'s round 0."""
+    return Verdict(request_id="s", round=0, accepted=accepted, token_ids=token_ids, finished=finished,
+                   finish_reason="length" if finished else None, draft_budget=0 if finished else K)
+
+
+def outcomes(metrics: DrafterMetrics) -> dict[str, float]:
+    """The drafter's lookahead counters by outcome."""
+    get = metrics.registry.get_sample_value
+    return {o: get("specfleet_drafter_lookaheads_total", {"outcome": o}) or 0.0 for o in ("used", "missed", "dropped")}

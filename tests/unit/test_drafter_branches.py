@@ -19,32 +19,30 @@ from services.drafter.proposers.draft_cache import SPARE_IDLE_COMMITS, KVCache, 
 from services.drafter.proposers.draft_model import DraftModelProposer
 from services.drafter.worker import ComputeWorker
 from shared.models import LoadedModel, load_model
-from shared.protocol import MAX_DRAFT_TOKENS, SamplingParams, Verdict
+from shared.protocol import MAX_DRAFT_TOKENS, SamplingParams
 from shared.runner import ModelRunner
 from shared.runner.kv import KVArena, KVShape
 from shared.runner.runner import kv_shape
-from tests.unit.draft_proposer_support import gen, make, reference_greedy, reference_logits
+from tests.unit.draft_proposer_support import (
+    FULL_GREEDY,
+    PROMPT,
+    K,
+    gen,
+    make,
+    outcomes,
+    reference_greedy,
+    reference_logits,
+    verdict,
+)
 
 torch.set_num_threads(1)
 
-PROMPT = [12, 40, 77, 5, 130, 9, 64]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)  # drafts always have k tokens
-K = 4
+GREEDY = FULL_GREEDY
 
 
 @pytest.fixture(scope="module")
 def draft(tiny_models: dict[str, Path]) -> LoadedModel:
     return load_model(tiny_models["draft-L1"])
-
-
-def verdict(token_ids: list[int], accepted: int, finished: bool = False) -> Verdict:
-    return Verdict(request_id="s", round=0, accepted=accepted, token_ids=token_ids, finished=finished,
-                   finish_reason="length" if finished else None, draft_budget=K)
-
-
-def outcomes(metrics: DrafterMetrics) -> dict[str, float]:
-    get = metrics.registry.get_sample_value
-    return {o: get("specfleet_drafter_lookaheads_total", {"outcome": o}) or 0.0 for o in ("used", "missed", "dropped")}
 
 
 @contextlib.asynccontextmanager

@@ -25,15 +25,14 @@ from services.drafter.proposers.draft_model import DraftModelProposer
 from services.drafter.worker import ComputeWorker
 from shared.draft_q import check, guess_token
 from shared.models import LoadedModel, load_model
-from shared.protocol import SamplingParams, Verdict
+from shared.protocol import SamplingParams
 from shared.runner import ModelRunner
 from shared.sampling import make_generator
+from tests.unit.draft_proposer_support import FULL_GREEDY, PROMPT, K, outcomes, verdict
 
 torch.set_num_threads(1)
 
-PROMPT = [12, 40, 77, 5, 130, 9, 64]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)  # drafts always have k tokens
-K = 4
+GREEDY = FULL_GREEDY
 
 
 @pytest.fixture(scope="module")
@@ -58,16 +57,6 @@ def reference_greedy(model: LoadedModel, ids: list[int], k: int) -> list[int]:
         for _ in range(k):
             seq.append(int(model.model(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
     return seq[len(ids):]
-
-
-def verdict(token_ids: list[int], accepted: int, finished: bool = False) -> Verdict:
-    return Verdict(request_id="s", round=0, accepted=accepted, token_ids=token_ids, finished=finished,
-                   finish_reason="length" if finished else None, draft_budget=0 if finished else K)
-
-
-def outcomes(metrics: DrafterMetrics) -> dict[str, float]:
-    get = metrics.registry.get_sample_value
-    return {o: get("specfleet_drafter_lookaheads_total", {"outcome": o}) or 0.0 for o in ("used", "missed", "dropped")}
 
 
 @contextlib.asynccontextmanager
