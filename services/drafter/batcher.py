@@ -4,7 +4,9 @@ Session tasks do not call the draft model themselves. Each hands its round's ``D
 the batcher and awaits the proposal. The batcher's loop is short:
 
     while running:
-        1. wait until at least one job is ready (the draft model idles only when none is);
+        1. wait until at least one job is ready (the draft model idles only when none is), then
+           let the verdicts that arrived with it, or during the last batch, in
+           (``shared.event_loop``: with inline compute the loop was blocked meanwhile);
         2. take every ready job (up to ``max_batch``) and draft them together: one forward per
            draft position for the whole batch, on the compute worker;
         3. hand each session its proposal.
@@ -28,6 +30,7 @@ from services.drafter.capacity import Capacity
 from services.drafter.metrics import DrafterMetrics
 from services.drafter.proposers.base import DraftJob, Proposal, Proposer
 from services.drafter.worker import ComputeWorker
+from shared.event_loop import let_io_in
 from shared.log import get_logger
 
 log = get_logger("drafter.batcher")
@@ -58,6 +61,7 @@ class DraftBatcher:
             if not self._ready:
                 self._wake.clear()
                 await self._wake.wait()
+            await let_io_in(handoffs=1)  # jobs of verdicts that came with this one (or during the last batch) join it
             began = time.perf_counter()
             self.metrics.draft_idle.inc(began - idle_since)
             batch = self._next_batch()

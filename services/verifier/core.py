@@ -14,7 +14,8 @@ Two ways to run it, same loop body (``--core-mode``):
 * ``thread``: on a thread of its own. The event loop encodes and sends step N's results while
   the core already runs step N+1, so the model never waits for the network. This is the mode
   for a server with cores to spare (and for a GPU, where the forward is asynchronous anyway).
-* ``inline``: as a task on the event loop, yielding to it between steps. With a single CPU
+* ``inline``: as a task on the event loop, yielding to it between steps, long enough that the
+  drafts that arrived during a step join the next one (``shared.event_loop``). With a single CPU
   there is nothing to overlap with, and the thread mode's cost is pure loss: GIL hand-overs and
   context switches at every step. ``auto`` picks inline when the process may use one CPU.
 
@@ -58,6 +59,7 @@ from services.verifier.prefix import copy_shared, followers
 from services.verifier.requests import Request, Status
 from services.verifier.scheduler import Scheduler, Step
 from services.verifier.status import policy_status
+from shared.event_loop import let_io_in
 from shared.log import get_logger
 from shared.protocol import TokenLogprob
 from shared.runner import KVError, ModelRunner
@@ -167,7 +169,7 @@ class TorchCore:
                     async with asyncio.timeout(IDLE_WAKE_S):
                         await self._wake.wait()
             self._iterate(block=False)
-            await asyncio.sleep(0)  # let the event loop read frames and send this step's results
+            await let_io_in()  # read the frames that arrived during the step, send this step's results
 
     def _iterate(self, block: bool) -> None:
         """One turn of the loop: commands, admission, at most one step, results out."""

@@ -95,48 +95,42 @@ def test_up_names_the_service_that_died(tiny_models: dict[str, Path], tmp_path: 
 
 
 RESUME_TOKENS = 448  # the tiny models' context is 512
+N_RESUME = 20  # requests in flight when the drafter is killed
+PER_DRAFTER = 16  # sessions each drafter serves at once
 
 
 def test_up_restarts_a_killed_drafter_and_resumes_its_sessions(tiny_models: dict[str, Path], tmp_path: Path) -> None:
     """kill -9 a drafter with 20 requests in flight: every request completes, greedy output is the
     target's own, a live drafter resumes the victim's sessions (the survivor, or the victim itself
     once restarted: whichever claims them first), and the victim is started again."""
-    metrics_port = free_port()
-    # room for every request at once: the survivor then resumes the victim's sessions as soon as they
-    # are released (with 4 per drafter it had no room until its own finished, and the verifier,
-    # going on target-only, sometimes finished the victim's first: nothing was left to resume)
+    metrics_port = free_port()  # drafter-1's; drafter-2's is the next port
     proc = subprocess.Popen(_up(tmp_path, tiny_models, "--drafter-metrics-port", str(metrics_port),
-                                "--sessions-per-drafter", "16"),
+                                "--sessions-per-drafter", str(PER_DRAFTER)),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         lines = _until_ready(proc)
         base_url = next(m.group(1) for line in lines if (m := re.search(r"ready at (http://\S+)", line)))
-        victim = int(next(m.group(1) for line in lines if (m := re.search(r"started drafter-1\s+pid (\d+)", line))))
+        pids = {int(m.group(1)): int(m.group(2)) for line in lines
+                if (m := re.search(r"started drafter-(\d+)\s+pid (\d+)", line))}
         stack = SimpleNamespace(ws_url=base_url.replace("http://", "ws://") + "/v1/stream")
         # long enough that the victim's sessions are still running when the queue hands them on (at
         # 192 tokens the verifier, going on target-only, could finish them before a drafter had room)
         sent = [{"kind": "completion", "model": "target", "prompt": f"def f{i}(x", "max_tokens": RESUME_TOKENS,
-                 "temperature": 0, "ignore_eos": True} for i in range(20)]
+                 "temperature": 0, "ignore_eos": True} for i in range(N_RESUME)]
 
-        async def run() -> list[tuple]:
+        async def run() -> tuple[int, list[tuple]]:
             work = asyncio.create_task(stream_many(stack, sent))  # type: ignore[arg-type]
-            # kill as soon as the victim has played a round: the tiny models generate 448 tokens in
-            # about 1.5 s here, so a later kill can leave the survivor nothing to resume (they finished
-            # target-only first, and its opens were answered "duplicate"); an earlier one, while its
-            # sessions only held a slot, left nothing committed, so the survivor opened them afresh
-            for _ in range(500):
-                if _sample(f"http://127.0.0.1:{metrics_port}/metrics", "specfleet_drafter_rounds_total") > 0:
-                    break
-                await asyncio.sleep(0.02)
-            os.kill(victim, signal.SIGKILL)
-            return await work
+            victim = await _busier_drafter_once_it_drafted(metrics_port)
+            os.kill(pids[victim], signal.SIGKILL)
+            return victim, await work
 
-        results = asyncio.run(run())
+        victim, results = asyncio.run(run())
+        victim_port = metrics_port + victim - 1
         # the requests may all finish before the supervisor has even noticed the death: wait until
         # the victim serves its metrics again (restarted), so stderr holds the restart and its
         # counters can be read
         deadline = time.monotonic() + 90
-        while not _serves(f"http://127.0.0.1:{metrics_port}/metrics") and time.monotonic() < deadline:
+        while not _serves(f"http://127.0.0.1:{victim_port}/metrics") and time.monotonic() < deadline:
             time.sleep(0.2)
         resumed = sum(_sample(f"http://127.0.0.1:{port}/metrics", "specfleet_drafter_sessions_resumed_total")
                       for port in (metrics_port, metrics_port + 1))  # the restarted victim, the survivor
@@ -150,10 +144,30 @@ def test_up_restarts_a_killed_drafter_and_resumes_its_sessions(tiny_models: dict
     for body, (ids, _, done) in zip(sent, results, strict=True):
         assert ids == greedy_reference(target.model, prompt_ids(target, body), RESUME_TOKENS, set())
         assert done["finish_reason"] == "length"
-    assert "restarting in" in err and "drafter-1" in err, err
+    assert "restarting in" in err and f"drafter-{victim}" in err, err
     assert resumed >= 1
     verifier_log = (tmp_path / "state" / "logs" / "verifier.log").read_text()
     assert "session resumed by a drafter" in verifier_log
+
+
+async def _busier_drafter_once_it_drafted(metrics_port: int) -> int:
+    """The drafter (1 or 2) holding more of the requests, as soon as all are claimed and it has
+    played a round. Killing that one leaves the survivor room for the victim's sessions at once
+    (PER_DRAFTER minus at most half of N_RESUME): the queue hands the first free drafter all it can
+    take, so the other one may hold only N_RESUME - PER_DRAFTER, and killing that one left a survivor
+    with no room until its own sessions ended, while the verifier, going on target-only, finished
+    the victim's first. A later kill can leave nothing to resume (the tiny models generate 448
+    tokens in about 1.5 s here); an earlier one, while its sessions only held a slot, nothing
+    committed, so the survivor opened them afresh."""
+    urls = {n: f"http://127.0.0.1:{metrics_port + n - 1}/metrics" for n in (1, 2)}
+    busier = 1
+    for _ in range(500):
+        held = {n: _sample(url, "specfleet_drafter_sessions") for n, url in urls.items()}
+        busier = max(held, key=lambda n: held[n])
+        if sum(held.values()) >= N_RESUME and _sample(urls[busier], "specfleet_drafter_rounds_total") > 0:
+            break
+        await asyncio.sleep(0.02)
+    return busier
 
 
 def _until_ready(proc: subprocess.Popen[str]) -> list[str]:
@@ -226,7 +240,7 @@ def test_up_restarts_a_killed_verifier_and_every_request_completes(tiny_models: 
         victim = int(next(m.group(1) for line in lines if (m := re.search(r"started verifier\s+pid (\d+)", line))))
         stack = SimpleNamespace(ws_url=base_url.replace("http://", "ws://") + "/v1/stream")
         sent = [{"kind": "completion", "model": "target", "prompt": f"def g{i}(y", "max_tokens": 256,
-                 "temperature": 0, "ignore_eos": True} for i in range(20)]
+                 "temperature": 0, "ignore_eos": True} for i in range(N_RESUME)]
 
         async def run() -> list[tuple]:
             work = asyncio.create_task(stream_many(stack, sent))  # type: ignore[arg-type]

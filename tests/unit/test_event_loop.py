@@ -1,0 +1,87 @@
+"""``shared.event_loop.let_io_in``: after blocking work on the event loop, a websocket message
+that arrived meanwhile has been handed on; with one pass fewer it has not (so IO_HOPS is the
+least that works, and what the verifier's inline core and the drafter's batcher rely on)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+
+import pytest
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.asyncio.server import ServerConnection, serve
+
+from shared.event_loop import IO_HOPS, let_io_in
+
+BLOCK_S = 0.02  # the "forward": blocking work on the server's event loop
+SEND_AFTER_S = 0.005  # the peer's message arrives this long into it
+
+
+@contextmanager
+def peer_loop() -> Iterator[asyncio.AbstractEventLoop]:
+    """The sending side runs on a loop of its own, in a thread, as another process would."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield loop
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
+
+
+@asynccontextmanager
+async def linked(got: list[str], loop: asyncio.AbstractEventLoop) -> AsyncIterator[ClientConnection]:
+    async def handler(ws: ServerConnection) -> None:
+        async for msg in ws:
+            got.append(str(msg))
+
+    async with serve(handler, "127.0.0.1", 0) as server:
+        port = server.sockets[0].getsockname()[1]
+
+        async def dial() -> ClientConnection:
+            return await connect(f"ws://127.0.0.1:{port}")
+
+        client = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(dial(), loop))
+        try:
+            yield client
+        finally:
+            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(client.close(), loop))
+
+
+async def send_later(client: ClientConnection) -> None:
+    await asyncio.sleep(SEND_AFTER_S)
+    await client.send("draft")
+
+
+async def handled_after(passes: int) -> bool:
+    """Block the loop while the peer sends; then yield ``passes`` times: was the message handled?"""
+    got: list[str] = []
+    with peer_loop() as loop:
+        async with linked(got, loop) as client:
+            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(client.send("warm-up"), loop))
+            while not got:
+                await asyncio.sleep(0.001)
+            got.clear()
+            asyncio.run_coroutine_threadsafe(send_later(client), loop)
+            time.sleep(BLOCK_S)  # the event loop is blocked, as during an inline forward
+            if passes == IO_HOPS:
+                await let_io_in()
+            else:
+                for _ in range(passes):
+                    await asyncio.sleep(0)
+            return got == ["draft"]
+
+
+@pytest.mark.asyncio
+async def test_a_message_that_arrived_during_blocking_work_is_handled_after_let_io_in() -> None:
+    assert await handled_after(IO_HOPS)
+
+
+@pytest.mark.asyncio
+async def test_one_pass_fewer_is_not_enough() -> None:
+    assert not await handled_after(IO_HOPS - 1)
