@@ -10,8 +10,10 @@ RESULTS.md shows the latest run of every scenario; a scenario never run is liste
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
+import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,7 +58,8 @@ SECTIONS = (
 
 
 def when(results: Path, stem: str) -> str:
-    """The run's time, from its JSON's meta when it has one, else from the table's file time."""
+    """The run's time: from its JSON's meta, else the first time its table's opening line names,
+    else when git last committed the table (a clone's file times are when it was checked out)."""
     data = results / f"{stem}.json"
     if data.exists():
         try:
@@ -65,7 +68,16 @@ def when(results: Path, stem: str) -> str:
                 return str(meta["when"])
         except (ValueError, AttributeError):
             pass
-    return time.strftime("%Y-%m-%d %H:%M", time.localtime((results / f"{stem}.md").stat().st_mtime))
+    table = results / f"{stem}.md"
+    named = re.search(r"\b20\d\d-\d\d-\d\d \d\d:\d\d\b", table.read_text().split("\n", 1)[0])
+    if named:
+        return named.group(0)
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        committed = subprocess.run(["git", "log", "-1", "--format=%cd", "--date=format:%Y-%m-%d %H:%M", "--",
+                                    table.name], cwd=results, capture_output=True, text=True, timeout=10).stdout
+        if committed.strip():
+            return f"{committed.strip()} (when its table was committed)"
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(table.stat().st_mtime))
 
 
 def demote(markdown: str) -> str:

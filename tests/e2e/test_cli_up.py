@@ -152,23 +152,23 @@ def test_up_restarts_a_killed_drafter_and_resumes_its_sessions(tiny_models: dict
 
 async def _busier_drafter_once_it_drafted(metrics_port: int) -> int:
     """The drafter (1 or 2) holding more of the requests, as soon as all are claimed and it has
-    played a round. Killing that one leaves the survivor room for the victim's sessions at once
-    (PER_DRAFTER minus at most half of N_RESUME): the queue hands the first free drafter all it can
-    take, so the other one may hold only N_RESUME - PER_DRAFTER, and killing that one left a survivor
-    with no room until its own sessions ended, while the verifier, going on target-only, finished
-    the victim's first. A later kill can leave nothing to resume (the tiny models generate 448
-    tokens in about 1.5 s here); an earlier one, while its sessions only held a slot, nothing
-    committed, so the survivor opened them afresh."""
+    played a round. With PER_DRAFTER 16 and N_RESUME 20 the other holds at most 10, so the survivor
+    has room for 6 of the victim's sessions at once. (When this test killed drafter-1 whatever it
+    held, it now and then saw nothing resumed; with room for all 20 on each drafter it saw nothing
+    resumed in 2 of 2 runs. Why was not found.) A later kill can leave nothing to resume (the tiny
+    models generate 448 tokens in about 1.5 s here); an earlier one, while its sessions only held a
+    slot, nothing committed, so the survivor opened them afresh."""
     urls = {n: f"http://127.0.0.1:{metrics_port + n - 1}/metrics" for n in (1, 2)}
-    busier = 1
-    for _ in range(500):
-        held = {n: _sample(url, "specfleet_drafter_sessions") for n, url in urls.items()}
-        busier = max(held, key=lambda n: held[n])
-        if sum(held.values()) >= N_RESUME and _sample(urls[busier], "specfleet_drafter_rounds_total") > 0:
-            break
-        await asyncio.sleep(0.02)
-    return busier
-
+    held: dict[int, float] = {}
+    async with httpx.AsyncClient(timeout=5) as http:
+        for _ in range(500):
+            held = {n: await _sample_async(http, url, "specfleet_drafter_sessions") for n, url in urls.items()}
+            busier = max(held, key=lambda n: held[n])
+            if (sum(held.values()) >= N_RESUME
+                    and await _sample_async(http, urls[busier], "specfleet_drafter_rounds_total") > 0):
+                return busier
+            await asyncio.sleep(0.02)
+    pytest.fail(f"the drafters never held all {N_RESUME} requests with a round played: sessions {held}")
 
 def _until_ready(proc: subprocess.Popen[str]) -> list[str]:
     assert proc.stdout is not None
@@ -240,7 +240,7 @@ def test_up_restarts_a_killed_verifier_and_every_request_completes(tiny_models: 
         victim = int(next(m.group(1) for line in lines if (m := re.search(r"started verifier\s+pid (\d+)", line))))
         stack = SimpleNamespace(ws_url=base_url.replace("http://", "ws://") + "/v1/stream")
         sent = [{"kind": "completion", "model": "target", "prompt": f"def g{i}(y", "max_tokens": 256,
-                 "temperature": 0, "ignore_eos": True} for i in range(N_RESUME)]
+                 "temperature": 0, "ignore_eos": True} for i in range(20)]
 
         async def run() -> list[tuple]:
             work = asyncio.create_task(stream_many(stack, sent))  # type: ignore[arg-type]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -39,12 +40,21 @@ def body(tag: str, i: int) -> dict[str, Any]:
     return greedy_body(tag, i, MAX_TOKENS)
 
 
-def sessions(url: str) -> float:
+def metrics_text(url: str) -> str:
     try:
-        text = httpx.get(url + "/metrics", timeout=2).text
+        return httpx.get(url + "/metrics", timeout=2).text
     except httpx.HTTPError:
-        return 0.0
-    return sessions_gauge(text)
+        return ""  # a replica that is down has no sessions and has verified nothing
+
+
+def sessions(url: str) -> float:
+    return sessions_gauge(metrics_text(url))
+
+
+def rounds(url: str) -> float:
+    """Rounds a verifier has verified."""
+    found = re.search(r"^specfleet_verifier_rounds_total (\S+)$", metrics_text(url), re.M)
+    return float(found.group(1)) if found else 0.0
 
 
 def wait_for(check: Any, timeout_s: float, what: str) -> None:
@@ -89,11 +99,12 @@ def test_two_replicas_share_the_load_and_one_lost_fails_over(tiny_models: dict[s
                 clients = asyncio.gather(*(stream_text(http, body(tag, i)) for i in range(n)))
                 if kill:
                     deadline = time.monotonic() + 60
-                    while not (sessions(url_a) > 0 and sessions(url_b) > 0):  # both replicas serve
+                    # both replicas serve, and the victim has committed tokens: then kill at once (on a
+                    # quiet machine the victim finished all of its requests within the 0.3 s this test
+                    # used to wait, and then had nothing left to fail over)
+                    while not (sessions(url_a) > 0 and sessions(url_b) > 0 and rounds(url_b) > 0):
                         assert time.monotonic() < deadline, "the requests did not reach both replicas"
-                        await asyncio.sleep(0.05)
-                    # kill at once: on a quiet machine the victim finished all of its requests within
-                    # the 0.3 s this test used to wait, and then had nothing left to fail over
+                        await asyncio.sleep(0.02)
                     os.kill(victim.proc.pid, signal.SIGKILL)
                 return list(await clients)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.report import SECTIONS, render
+from bench.report import SECTIONS, render, when
 from bench.verifier_policies import _summary, _table, earlier_parts
 
 
@@ -58,3 +58,9 @@ def test_load_tables_report_medians_and_ratios_paired_by_repeat() -> None:
     assert spec["violated"] == (4 + 0 + 2) / 24  # pooled over the repeats' finished requests
     table = _table({"target-only": {4: base}, "smartspec": {4: spec}}, "tokens_per_s", ratio=True)
     assert table[-1] == "| smartspec | 250.0 (1.05x) |"  # median of 2.5, 1.05, 0.97; medians' ratio: 1.25
+
+
+def test_when_falls_back_to_the_time_the_table_names(tmp_path: Path) -> None:
+    (tmp_path / "x.md").write_text("Collected by `python -m bench x` (2026-11-23 13:49; pinned).\n\n| a |\n")
+    (tmp_path / "x.json").write_text(json.dumps({"meta": {"command": "x"}}))  # no meta.when
+    assert when(tmp_path, "x") == "2026-11-23 13:49"

@@ -16,8 +16,7 @@ from websockets.asyncio.server import ServerConnection, serve
 
 from shared.event_loop import IO_HOPS, let_io_in
 
-BLOCK_S = 0.02  # the "forward": blocking work on the server's event loop
-SEND_AFTER_S = 0.005  # the peer's message arrives this long into it
+WAIT_S = 10.0  # the most the test waits for the peer (a loaded machine may be slow to schedule it)
 
 
 @contextmanager
@@ -53,9 +52,9 @@ async def linked(got: list[str], loop: asyncio.AbstractEventLoop) -> AsyncIterat
             await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(client.close(), loop))
 
 
-async def send_later(client: ClientConnection) -> None:
-    await asyncio.sleep(SEND_AFTER_S)
-    await client.send("draft")
+async def send_and_tell(client: ClientConnection, sent: threading.Event) -> None:
+    await client.send("draft")  # on loopback the bytes are in the server's socket once this returns
+    sent.set()
 
 
 async def handled_after(passes: int) -> bool:
@@ -64,11 +63,14 @@ async def handled_after(passes: int) -> bool:
     with peer_loop() as loop:
         async with linked(got, loop) as client:
             await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(client.send("warm-up"), loop))
-            while not got:
-                await asyncio.sleep(0.001)
+            async with asyncio.timeout(WAIT_S):
+                while not got:
+                    await asyncio.sleep(0.001)
             got.clear()
-            asyncio.run_coroutine_threadsafe(send_later(client), loop)
-            time.sleep(BLOCK_S)  # the event loop is blocked, as during an inline forward
+            sent = threading.Event()
+            asyncio.run_coroutine_threadsafe(send_and_tell(client, sent), loop)
+            assert sent.wait(WAIT_S), "the peer did not send"  # blocks the event loop, as an inline forward does
+            time.sleep(0.005)  # and a little longer, as a forward ends after the frame came in
             if passes == IO_HOPS:
                 await let_io_in()
             else:
