@@ -7,6 +7,9 @@ puts requests in directly.
 Semantics match the Redis transport so that drafters cannot tell them apart:
 
 * FIFO; a delivery keeps its id for life, also when it is re-delivered (like a stream entry id).
+  Ids are unique to this queue (``<instance>-<n>``, the instance random): a drafter that kept an
+  ACK while the coordinator was down sends it to the restarted coordinator's new queue, where a
+  bare counter would have matched, and removed, a new request that was given the same number.
 * A delivered request stays with its consumer until ACKed; ``release(consumer)`` puts that
   consumer's unacknowledged requests back at the FRONT, in their original order (they were
   first in line, and a drafter crash must not push them behind later arrivals).
@@ -23,6 +26,7 @@ Semantics match the Redis transport so that drafters cannot tell them apart:
 from __future__ import annotations
 
 import asyncio
+import secrets
 from collections import OrderedDict
 
 from shared.log import get_logger
@@ -45,6 +49,7 @@ class MemoryQueue:
         self._ready: OrderedDict[str, QueuedRequest] = OrderedDict()
         self._held: dict[str, dict[str, QueuedRequest]] = {}  # consumer -> {delivery_id: request}
         self._owner: dict[str, str] = {}  # delivery_id -> consumer holding it
+        self._instance = secrets.token_hex(4)
         self._next_id = 0
         self._changed = asyncio.Condition()
         self._closed = False
@@ -57,7 +62,7 @@ class MemoryQueue:
                 f"the in-process request queue is full: {self.max_depth} requests already wait for a drafter"
             )
         self._next_id += 1
-        self._ready[str(self._next_id)] = request
+        self._ready[f"{self._instance}-{self._next_id}"] = request
         await self._notify()
 
     async def get(self, consumer: str, max_items: int = 1, timeout_s: float | None = None) -> list[Delivery]:
@@ -97,7 +102,7 @@ class MemoryQueue:
         held = self._held.pop(consumer, None)
         if not held:
             return
-        for delivery_id in sorted(held, key=int, reverse=True):
+        for delivery_id in sorted(held, key=_number, reverse=True):
             del self._owner[delivery_id]
             self._ready[delivery_id] = held[delivery_id]
             self._ready.move_to_end(delivery_id, last=False)
@@ -133,3 +138,8 @@ class MemoryQueue:
     def _check_open(self) -> None:
         if self._closed:
             raise QueueError("the in-process request queue is closed (the coordinator is shutting down)")
+
+
+def _number(delivery_id: str) -> int:
+    """A delivery's place in the queue's order (ids are ``<instance>-<n>``)."""
+    return int(delivery_id.rpartition("-")[2])

@@ -283,6 +283,18 @@ async def test_memory_ack_by_another_consumer_finishes_the_request() -> None:
     assert q.in_flight() == 0
 
 
+async def test_memory_ack_from_a_previous_coordinator_removes_nothing() -> None:
+    """A drafter keeps an ACK while the coordinator is down and sends it to the restarted
+    coordinator, whose queue is new: it must not match, and drop, a new request there (with ids
+    that were bare counters, delivery "1" of the new queue was acknowledged and never served)."""
+    before, after = MemoryQueue(), MemoryQueue()
+    await before.put(request(0))
+    [old] = await before.get("drafter-1", timeout_s=1)
+    await after.put(request(1))
+    await after.ack("drafter-1", old.delivery_id)
+    assert ids(await after.get("drafter-2", timeout_s=1)) == ["r1"]
+
+
 async def test_unreachable_redis_is_a_clear_error() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
