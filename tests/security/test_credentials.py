@@ -171,7 +171,8 @@ async def test_queue_link_identity_and_ack_ownership(tmp_path: Path) -> None:
         async with websockets.connect(url, additional_headers=auth) as raw:
             await raw.send(encode(Hello(role="drafter", node_id="drafter-b", protocol_version=PROTOCOL_VERSION)))
             assert isinstance(decode(await raw.recv()), Welcome)
-            for delivery_id in (got[0].delivery_id, "2"):
+            waiting = got[0].delivery_id.rpartition("-")[0] + "-2"  # r2's id in this queue: "<instance>-2"
+            for delivery_id in (got[0].delivery_id, waiting):
                 await raw.send(encode(QueueAck(delivery_id=delivery_id)))
                 err = decode(await raw.recv())
                 assert isinstance(err, ErrorFrame) and err.code == "not_owner", err
