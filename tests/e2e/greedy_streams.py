@@ -42,6 +42,16 @@ def check_greedy(target: LoadedModel, bodies: list[dict[str, Any]], texts: list[
         assert text == target.tokenizer.decode(ref, skip_special_tokens=True), f"request {i}: {req['prompt']!r}"
 
 
+def sample_metric(url: str, name: str, timeout_s: float = 5.0) -> float:
+    """One unlabelled sample from a service's /metrics at ``url`` (0 when unreachable or absent)."""
+    try:
+        text = httpx.get(url, timeout=timeout_s).text
+    except httpx.HTTPError:
+        return 0.0
+    found = re.search(rf"^{name} (\S+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
 def sessions_gauge(metrics_text: str) -> float:
     """``specfleet_verifier_sessions`` from a verifier's /metrics (0 when absent)."""
     found = re.search(r"^specfleet_verifier_sessions (\S+)$", metrics_text, re.M)

@@ -22,6 +22,7 @@ import pytest
 from shared import cli
 from shared.models import load_model
 from tests.conftest import free_port, greedy_reference
+from tests.e2e.greedy_streams import sample_metric
 from tests.e2e.test_full_stack import prompt_ids, stream_many
 
 pytestmark = pytest.mark.e2e
@@ -132,7 +133,7 @@ def test_up_restarts_a_killed_drafter_and_resumes_its_sessions(tiny_models: dict
         deadline = time.monotonic() + 90
         while not _serves(f"http://127.0.0.1:{victim_port}/metrics") and time.monotonic() < deadline:
             time.sleep(0.2)
-        resumed = sum(_sample(f"http://127.0.0.1:{port}/metrics", "specfleet_drafter_sessions_resumed_total")
+        resumed = sum(sample_metric(f"http://127.0.0.1:{port}/metrics", "specfleet_drafter_sessions_resumed_total")
                       for port in (metrics_port, metrics_port + 1))  # the restarted victim, the survivor
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
@@ -211,16 +212,6 @@ def _serves(url: str) -> bool:
         return httpx.get(url, timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
-
-
-def _sample(url: str, name: str) -> float:
-    """One unlabelled sample of a service's /metrics (0 when unreachable or absent)."""
-    try:
-        text = httpx.get(url, timeout=5).text
-    except httpx.HTTPError:
-        return 0.0
-    found = re.search(rf"^{name} (\S+)$", text, re.M)
-    return float(found.group(1)) if found else 0.0
 
 
 @pytest.mark.faults

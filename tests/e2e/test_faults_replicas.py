@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import signal
 import sys
 import time
@@ -27,7 +26,7 @@ import pytest
 from shared.models import load_model
 from shared.supervisor import Child, Supervisor
 from tests.conftest import free_port
-from tests.e2e.greedy_streams import check_greedy, greedy_body, sessions_gauge, stream_text
+from tests.e2e.greedy_streams import check_greedy, greedy_body, sample_metric, stream_text
 from tests.e2e.stack import TOKEN, StackSpec, run_stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults]
@@ -40,21 +39,13 @@ def body(tag: str, i: int) -> dict[str, Any]:
     return greedy_body(tag, i, MAX_TOKENS)
 
 
-def metrics_text(url: str) -> str:
-    try:
-        return httpx.get(url + "/metrics", timeout=2).text
-    except httpx.HTTPError:
-        return ""  # a replica that is down has no sessions and has verified nothing
-
-
 def sessions(url: str) -> float:
-    return sessions_gauge(metrics_text(url))
+    return sample_metric(url + "/metrics", "specfleet_verifier_sessions", 2)
 
 
 def rounds(url: str) -> float:
     """Rounds a verifier has verified."""
-    found = re.search(r"^specfleet_verifier_rounds_total (\S+)$", metrics_text(url), re.M)
-    return float(found.group(1)) if found else 0.0
+    return sample_metric(url + "/metrics", "specfleet_verifier_rounds_total", 2)
 
 
 def wait_for(check: Any, timeout_s: float, what: str) -> None:
