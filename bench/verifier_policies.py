@@ -9,8 +9,9 @@ Every part starts real pinned fleets (the verifier on the server CPU, the rest o
   utility of the empirical average goodputs, U(x̄) = Σ log x̄, is recorded against verified
   rounds. Reported: its mean over the last half of the run, and the round after which it stays
   within ``--settle`` of that.
-* **smartspec** (SmartSpec §5): target-only, fixed k and SmartSpec at each load of
-  ``--loads``: tokens/s and the ratio to target-only at the same load.
+* **smartspec** (SmartSpec §5): target-only, fixed k for each of ``--smartspec-ks`` and
+  SmartSpec at each load of ``--loads``: tokens/s and the ratio to target-only at the same load
+  (SmartSpec's claim is against the best fixed k at each load, so it needs more than one).
 * **wisp** (WISP §5): FCFS and WISP batching at each load of ``--wisp-loads``, requests spread
   over 4 SLO classes (``--slo-classes``, tokens/s): the share of finished requests that missed
   their class, from the verifier's counters, and the most sessions served at ≤ 5 % violations.
@@ -154,8 +155,8 @@ def _slo_counts(after: Snapshot, before: Snapshot) -> dict[str, float]:
 
 def smartspec_part(models: Any, args: argparse.Namespace, edge: Edge, logs: Path) -> dict[str, Any]:
     draft = str(smallest(models.drafts))
-    scs = [Scenario("target-only"), Scenario(f"fixed k={args.draft_len}", drafters=1, draft=draft,
-                                             draft_len=args.draft_len),
+    scs = [Scenario("target-only"), *(Scenario(f"fixed k={k}", drafters=1, draft=draft, draft_len=k)
+                                      for k in args.smartspec_ks),
            Scenario("smartspec", drafters=1, draft=draft, draft_len=args.draft_len,
                     verifier_flags=("--allocation", "smartspec", *_estimator_flags(args)))]
     return serve_loads(models, scs, args.loads, edge, logs, args.max_tokens, args.repeats)
@@ -286,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--allocation-requests", type=int, default=24, help="allocation: requests (128 tokens) per run")
     p.add_argument("--allocation-repeats", type=int, default=3, help="allocation: runs per policy (median reported)")
     p.add_argument("--settle", type=float, default=0.05, help="allocation: U within this of its final value")
-    p.add_argument("--draft-len", type=int, default=4, help="fixed k of the smartspec and wisp parts")
+    p.add_argument("--draft-len", type=int, default=4, help="fixed k of the wisp part, SmartSpec's first length")
+    p.add_argument("--smartspec-ks", default="2,4,6", help="smartspec: the fixed k baselines")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per request (smartspec, wisp, trim)")
     p.add_argument("--loads", default="1,4,16,64", help="smartspec: concurrent requests")
     p.add_argument("--repeats", type=int, default=3,
@@ -302,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     args.wisp_loads = [int(x) for x in args.wisp_loads.split(",")]
     args.trim_loads = [int(x) for x in args.trim_loads.split(",")]
     args.trim_ks = [int(x) for x in args.trim_ks.split(",")]
+    args.smartspec_ks = [int(x) for x in args.smartspec_ks.split(",")]
     args.slo_classes = [float(x) for x in args.slo_classes.split(",")]
     parts = [x for x in args.parts.split(",") if x]
     if unknown := set(parts) - set(PARTS):

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from shared.models import LoadedModel, load_model
+from shared.supervisor import Child
 from tests.conftest import greedy_reference
 from tests.e2e.stack import StackSpec, run_stack
 from tests.e2e.test_full_stack import prompt_ids, stream_many
@@ -27,6 +28,17 @@ def assert_greedy(target: LoadedModel, sent: list[dict[str, object]], results: l
     for body, (ids, _, done) in zip(sent, results, strict=True):
         ref = greedy_reference(target.model, prompt_ids(target, body), int(body["max_tokens"]), set())  # type: ignore[call-overload]
         assert ids == ref and done["finish_reason"] == "length"
+
+
+async def session_opened(drafter: Child, timeout_s: float = 60.0) -> None:
+    """Wait until ``drafter`` logs an opened session: the moment to kill or freeze it. Under a
+    loaded machine the other drafter can claim the first requests, so this waits long and fails
+    loudly rather than letting a kill land on a drafter that holds nothing."""
+    deadline = time.monotonic() + timeout_s
+    while "session opened" not in drafter.log_path.read_text():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{drafter.name} opened no session within {timeout_s:.0f} s")
+        await asyncio.sleep(0.01)
 
 
 def test_target_only_serving_without_drafters(tiny_models: dict[str, Path], tmp_path: Path) -> None:
@@ -49,10 +61,7 @@ def test_killed_drafter_loses_no_request(tiny_models: dict[str, Path], tmp_path:
 
         async def run() -> list[tuple]:
             work = asyncio.create_task(stream_many(stack, sent))
-            for _ in range(400):  # kill as soon as the victim holds live sessions
-                if "session opened" in victim.log_path.read_text():
-                    break
-                await asyncio.sleep(0.01)
+            await session_opened(victim)
             os.kill(victim.proc.pid, signal.SIGKILL)
             return await work
 
@@ -77,10 +86,7 @@ def test_queued_requests_go_target_only_when_the_last_drafter_dies(tiny_models: 
 
         async def run() -> list[tuple]:
             work = asyncio.create_task(stream_many(stack, sent))
-            for _ in range(400):
-                if "session opened" in victim.log_path.read_text():
-                    break
-                await asyncio.sleep(0.01)
+            await session_opened(victim)
             os.kill(victim.proc.pid, signal.SIGKILL)
             return await asyncio.wait_for(work, 120)  # without the fallback the queued ones wait for 600 s
 
@@ -108,12 +114,7 @@ def test_a_frozen_drafter_is_dropped_by_the_keepalive(tiny_models: dict[str, Pat
 
         async def run() -> tuple[list[tuple], float]:
             work = asyncio.create_task(stream_many(stack, sent))
-            for _ in range(400):
-                if "session opened" in victim.log_path.read_text():
-                    break
-                await asyncio.sleep(0.01)
-            else:
-                raise AssertionError("the drafter opened no session within 4 s; nothing to freeze it in")
+            await session_opened(victim)
             os.kill(victim.proc.pid, signal.SIGSTOP)
             frozen = time.monotonic()
             try:
