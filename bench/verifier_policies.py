@@ -186,6 +186,17 @@ def trim_part(models: Any, args: argparse.Namespace, edge: Edge, logs: Path) -> 
     return serve_loads(models, scs, args.trim_loads, edge, logs, args.max_tokens, args.repeats)
 
 
+def _distinct_lengths(p: argparse.ArgumentParser, flag: str, text: str) -> list[int]:
+    """``text`` as a comma list of distinct draft lengths >= 1 (each names one scenario)."""
+    try:
+        ks = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        p.error(f"{flag} takes a comma list of draft lengths, e.g. 2,4,6; got {text!r}")
+    if not ks or min(ks) < 1 or len(set(ks)) != len(ks):
+        p.error(f"{flag} takes distinct draft lengths >= 1, e.g. 2,4,6; got {text!r}")
+    return ks
+
+
 def _estimator_flags(args: argparse.Namespace) -> tuple[str, ...]:
     return ("--estimator-file", str(args.estimator_file)) if args.estimator_file else ()
 
@@ -287,8 +298,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--allocation-requests", type=int, default=24, help="allocation: requests (128 tokens) per run")
     p.add_argument("--allocation-repeats", type=int, default=3, help="allocation: runs per policy (median reported)")
     p.add_argument("--settle", type=float, default=0.05, help="allocation: U within this of its final value")
-    p.add_argument("--draft-len", type=int, default=4, help="fixed k of the wisp part, SmartSpec's first length")
-    p.add_argument("--smartspec-ks", default="2,4,6", help="smartspec: the fixed k baselines")
+    p.add_argument("--draft-len", type=int, default=4,
+                   help="wisp: the fixed k; smartspec: SmartSpec's first length and the length of its probes")
+    p.add_argument("--smartspec-ks", default="2,4,6",
+                   help="smartspec: the fixed k baselines (SmartSpec chooses from 0 to the verifier's "
+                        "--smartspec-max-len, 8)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per request (smartspec, wisp, trim)")
     p.add_argument("--loads", default="1,4,16,64", help="smartspec: concurrent requests")
     p.add_argument("--repeats", type=int, default=3,
@@ -304,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     args.wisp_loads = [int(x) for x in args.wisp_loads.split(",")]
     args.trim_loads = [int(x) for x in args.trim_loads.split(",")]
     args.trim_ks = [int(x) for x in args.trim_ks.split(",")]
-    args.smartspec_ks = [int(x) for x in args.smartspec_ks.split(",")]
+    args.smartspec_ks = _distinct_lengths(p, "--smartspec-ks", args.smartspec_ks)
     args.slo_classes = [float(x) for x in args.slo_classes.split(",")]
     parts = [x for x in args.parts.split(",") if x]
     if unknown := set(parts) - set(PARTS):

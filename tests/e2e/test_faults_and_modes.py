@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from shared.models import LoadedModel, load_model
-from shared.supervisor import Child
+from shared.supervisor import Child, death_report, tail
 from tests.conftest import greedy_reference
 from tests.e2e.stack import StackSpec, run_stack
 from tests.e2e.test_full_stack import prompt_ids, stream_many
@@ -30,14 +30,23 @@ def assert_greedy(target: LoadedModel, sent: list[dict[str, object]], results: l
         assert ids == ref and done["finish_reason"] == "length"
 
 
-async def session_opened(drafter: Child, timeout_s: float = 60.0) -> None:
-    """Wait until ``drafter`` logs an opened session: the moment to kill or freeze it. Under a
-    loaded machine the other drafter can claim the first requests, so this waits long and fails
-    loudly rather than letting a kill land on a drafter that holds nothing."""
+async def session_opened(drafter: Child, work: asyncio.Task[list[tuple]], timeout_s: float = 60.0) -> None:
+    """Wait until ``drafter`` (run with ``drafter_log_level="info"``) logs an opened session:
+    the moment to kill or freeze it. On a loaded machine it can take seconds (a second drafter
+    may claim the first requests, or the drafter connects late), so this waits long, and it fails
+    with the reason rather than letting a kill land on a drafter that holds nothing: the
+    requests all ended first (their error, if any, is raised), the drafter died, or the time ran
+    out."""
     deadline = time.monotonic() + timeout_s
-    while "session opened" not in drafter.log_path.read_text():
+    while "session opened" not in drafter.log_path.read_text(errors="replace"):
+        if work.done():
+            work.result()  # raises the requests' error, if they failed
+            raise AssertionError(f"every request finished before {drafter.name} opened a session")
+        if not drafter.alive:
+            raise AssertionError(death_report(drafter))
         if time.monotonic() > deadline:
-            raise AssertionError(f"{drafter.name} opened no session within {timeout_s:.0f} s")
+            raise AssertionError(f"{drafter.name} opened no session within {timeout_s:.0f} s; its log ends:\n"
+                                 f"{tail(drafter.log_path)}")
         await asyncio.sleep(0.01)
 
 
@@ -61,7 +70,7 @@ def test_killed_drafter_loses_no_request(tiny_models: dict[str, Path], tmp_path:
 
         async def run() -> list[tuple]:
             work = asyncio.create_task(stream_many(stack, sent))
-            await session_opened(victim)
+            await session_opened(victim, work)
             os.kill(victim.proc.pid, signal.SIGKILL)
             return await work
 
@@ -86,7 +95,7 @@ def test_queued_requests_go_target_only_when_the_last_drafter_dies(tiny_models: 
 
         async def run() -> list[tuple]:
             work = asyncio.create_task(stream_many(stack, sent))
-            await session_opened(victim)
+            await session_opened(victim, work)
             os.kill(victim.proc.pid, signal.SIGKILL)
             return await asyncio.wait_for(work, 120)  # without the fallback the queued ones wait for 600 s
 
@@ -114,7 +123,7 @@ def test_a_frozen_drafter_is_dropped_by_the_keepalive(tiny_models: dict[str, Pat
 
         async def run() -> tuple[list[tuple], float]:
             work = asyncio.create_task(stream_many(stack, sent))
-            await session_opened(victim)
+            await session_opened(victim, work)
             os.kill(victim.proc.pid, signal.SIGSTOP)
             frozen = time.monotonic()
             try:

@@ -1,0 +1,42 @@
+"""``bench verifier-policies``: the SmartSpec part's baselines and the checks on their flag."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+import bench.verifier_policies as vp
+
+
+def test_smartspec_part_runs_one_fixed_k_fleet_per_length(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    seen: dict[str, Any] = {}
+
+    def serve(models: Any, scs: list[Any], loads: list[int], *rest: Any) -> dict[str, Any]:
+        seen.update(scenarios=scs, loads=loads)
+        return {}
+
+    monkeypatch.setattr(vp, "serve_loads", serve)
+    monkeypatch.setattr(vp, "smallest", lambda drafts: drafts[0])
+    args = argparse.Namespace(smartspec_ks=[2, 4, 6], draft_len=3, loads=[1, 16], max_tokens=8, repeats=1,
+                              estimator_file="")
+    vp.smartspec_part(SimpleNamespace(drafts=[tmp_path]), args, SimpleNamespace(), tmp_path)
+    scs = seen["scenarios"]
+    assert [sc.name for sc in scs] == ["target-only", "fixed k=2", "fixed k=4", "fixed k=6", "smartspec"]
+    assert [sc.draft_len for sc in scs[1:4]] == [2, 4, 6] and scs[0].drafters == 0
+    assert scs[-1].draft_len == 3 and "smartspec" in scs[-1].verifier_flags
+    assert seen["loads"] == [1, 16]
+
+
+@pytest.mark.parametrize("text", ["4,4", "", "0,2", "2,x"])
+def test_smartspec_ks_must_be_distinct_lengths(text: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        vp._distinct_lengths(argparse.ArgumentParser(), "--smartspec-ks", text)
+    assert "--smartspec-ks" in capsys.readouterr().err
+
+
+def test_smartspec_ks_parsed() -> None:
+    assert vp._distinct_lengths(argparse.ArgumentParser(), "--smartspec-ks", "2, 4,6") == [2, 4, 6]
