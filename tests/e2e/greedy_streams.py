@@ -42,17 +42,23 @@ def check_greedy(target: LoadedModel, bodies: list[dict[str, Any]], texts: list[
         assert text == target.tokenizer.decode(ref, skip_special_tokens=True), f"request {i}: {req['prompt']!r}"
 
 
+def metric_value(metrics_text: str, name: str) -> float:
+    """One unlabelled sample ``name`` from a /metrics page's text (0 when absent)."""
+    found = re.search(rf"^{name} (\S+)$", metrics_text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
 def sample_metric(url: str, name: str, timeout_s: float = 5.0) -> float:
     """One unlabelled sample from a service's /metrics at ``url`` (0 when unreachable or absent)."""
     try:
-        text = httpx.get(url, timeout=timeout_s).text
+        return metric_value(httpx.get(url, timeout=timeout_s).text, name)
     except httpx.HTTPError:
         return 0.0
-    found = re.search(rf"^{name} (\S+)$", text, re.M)
-    return float(found.group(1)) if found else 0.0
 
 
-def sessions_gauge(metrics_text: str) -> float:
-    """``specfleet_verifier_sessions`` from a verifier's /metrics (0 when absent)."""
-    found = re.search(r"^specfleet_verifier_sessions (\S+)$", metrics_text, re.M)
-    return float(found.group(1)) if found else 0.0
+async def sample_metric_async(http: httpx.AsyncClient, url: str, name: str) -> float:
+    """:func:`sample_metric` without blocking the event loop that clients stream on."""
+    try:
+        return metric_value((await http.get(url)).text, name)
+    except httpx.HTTPError:
+        return 0.0

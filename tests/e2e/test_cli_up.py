@@ -22,7 +22,7 @@ import pytest
 from shared import cli
 from shared.models import load_model
 from tests.conftest import free_port, greedy_reference
-from tests.e2e.greedy_streams import sample_metric
+from tests.e2e.greedy_streams import sample_metric, sample_metric_async
 from tests.e2e.test_full_stack import prompt_ids, stream_many
 
 pytestmark = pytest.mark.e2e
@@ -163,10 +163,10 @@ async def _busier_drafter_once_it_drafted(metrics_port: int) -> int:
     held: dict[int, float] = {}
     async with httpx.AsyncClient(timeout=5) as http:
         for _ in range(500):
-            held = {n: await _sample_async(http, url, "specfleet_drafter_sessions") for n, url in urls.items()}
+            held = {n: await sample_metric_async(http, url, "specfleet_drafter_sessions") for n, url in urls.items()}
             busier = max(held, key=lambda n: held[n])
             if (sum(held.values()) >= N_RESUME
-                    and await _sample_async(http, urls[busier], "specfleet_drafter_rounds_total") > 0):
+                    and await sample_metric_async(http, urls[busier], "specfleet_drafter_rounds_total") > 0):
                 return busier
             await asyncio.sleep(0.02)
     pytest.fail(f"the drafters never held all {N_RESUME} requests with a round played: sessions {held}")
@@ -195,16 +195,6 @@ def _until_answers(url: str, timeout_s: float) -> None:
             pass
         time.sleep(0.2)
     raise AssertionError(f"{url} did not answer 200 within {timeout_s:g} s")
-
-
-async def _sample_async(http: httpx.AsyncClient, url: str, name: str) -> float:
-    """Like :func:`_sample`, without blocking the event loop the clients stream on."""
-    try:
-        text = (await http.get(url)).text
-    except httpx.HTTPError:
-        return 0.0
-    found = re.search(rf"^{name} (\S+)$", text, re.M)
-    return float(found.group(1)) if found else 0.0
 
 
 def _serves(url: str) -> bool:
@@ -237,9 +227,9 @@ def test_up_restarts_a_killed_verifier_and_every_request_completes(tiny_models: 
             work = asyncio.create_task(stream_many(stack, sent))  # type: ignore[arg-type]
             async with httpx.AsyncClient(timeout=5) as http:
                 for _ in range(3000):  # kill once all 20 are admitted and the verifier is generating
-                    in_flight = await _sample_async(http, f"{base_url}/metrics",
+                    in_flight = await sample_metric_async(http, f"{base_url}/metrics",
                                                     "specfleet_coordinator_requests_in_flight")
-                    if in_flight == 20 and await _sample_async(
+                    if in_flight == 20 and await sample_metric_async(
                             http, f"http://127.0.0.1:{verifier_port}/metrics", "specfleet_verifier_sessions") > 0:
                         break
                     await asyncio.sleep(0.01)

@@ -26,7 +26,7 @@ from shared.fleet import Fleet
 from shared.models import LoadedModel, load_model
 from shared.supervisor import Child
 from tests.conftest import greedy_reference
-from tests.e2e.greedy_streams import sessions_gauge
+from tests.e2e.greedy_streams import sample_metric_async
 from tests.e2e.stack import StackSpec, run_stack
 from tests.e2e.test_full_stack import prompt_ids
 
@@ -108,11 +108,7 @@ async def run_clients(fleet: Fleet, progress: Progress) -> list[dict[str, Any]]:
 
 async def verifier_sessions(http: httpx.AsyncClient, url: str) -> float:
     """Sessions the verifier holds (0 while it is down or starting)."""
-    try:
-        text = (await http.get(f"{url}/metrics")).text
-    except httpx.HTTPError:
-        return 0.0
-    return sessions_gauge(text)
+    return await sample_metric_async(http, f"{url}/metrics", "specfleet_verifier_sessions")
 
 
 async def kill_at(fleet: Fleet, progress: Progress, thresholds: list[int], clients: asyncio.Task[Any]) -> int:
