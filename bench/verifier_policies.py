@@ -133,15 +133,29 @@ def _serve_once(models: Any, bf: BenchFleet, load: int, max_tokens: int,
         reqs = [{**b, **body_extra(i)} for i, b in enumerate(reqs)]
     before = bf.scrape()["verifier"]
     wall, outs = asyncio.run(run_load(bf.fleet.ws_url, reqs, load))
-    return {"tokens_per_s": sum(o.tokens for o in outs) / wall, **_slo_counts(bf.scrape()["verifier"], before)}
+    after = bf.scrape()["verifier"]
+    return {"tokens_per_s": sum(o.tokens for o in outs) / wall, **_slo_counts(after, before),
+            **_budget_counts(after - before)}
 
 
 def _summary(runs: list[dict[str, float]]) -> dict[str, Any]:
     counted = sum(r["slo_counted"] for r in runs)
     missed = sum(r["violated"] * r["slo_counted"] for r in runs if r["slo_counted"])
+    rounds = sum(r.get("budget_rounds", 0.0) for r in runs)  # speculating rounds the verifier handed a budget
     return {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
             "tokens_per_s_runs": [r["tokens_per_s"] for r in runs],
-            "violated": missed / counted if counted else float("nan"), "slo_counted": counted}
+            "violated": missed / counted if counted else float("nan"), "slo_counted": counted,
+            **({"budget_zero_share": sum(r["budget_zero"] for r in runs) / rounds,
+                "budget_mean": sum(r["budget_sum"] for r in runs) / rounds,
+                "budget_changes_per_100": 100 * sum(r["budget_changes"] for r in runs) / rounds} if rounds else {})}
+
+
+def _budget_counts(d: Snapshot) -> dict[str, float]:
+    """The draft budgets the verifier handed speculating rounds over a run (``d``: the change in
+    its /metrics): how many, how many at 0, their sum, and how many changed a session's budget."""
+    name = "specfleet_verifier_draft_budget"
+    return {"budget_rounds": d.value(f"{name}_tokens_count"), "budget_zero": d.value(f"{name}_tokens_bucket", le="0.0"),
+            "budget_sum": d.value(f"{name}_tokens_sum"), "budget_changes": d.value(f"{name}_changes_total")}
 
 
 def _slo_counts(after: Snapshot, before: Snapshot) -> dict[str, float]:
@@ -232,7 +246,20 @@ def markdown(results: dict[str, Any]) -> str:
                              ("wisp", "WISP vs FCFS: share of requests that missed their SLO class", "violated")):
         if part in results:
             lines += [f"## {title}", "", *_table(results[part], key, part == "smartspec"), ""]
+        if part == "smartspec" and part in results:
+            lines += _budget_table(results[part].get("smartspec", {}))
     return "\n".join(lines)
+
+
+def _budget_table(rows: dict[Any, dict[str, Any]]) -> list[str]:
+    """SmartSpec's budgets by load, over all repeats: how often it had speculation off, its mean
+    length, and how often a session's length changed (each change costs the drafter its lookahead)."""
+    loads = sorted((int(n), r) for n, r in rows.items() if "budget_zero_share" in r)
+    if not loads:
+        return []
+    return ["SmartSpec's budgets, over all repeats: "
+            + "; ".join(f"@{n}: {r['budget_zero_share']:.0%} of rounds at 0, mean {r['budget_mean']:.1f}, "
+                        f"{r['budget_changes_per_100']:.1f} changes per 100 rounds" for n, r in loads), ""]
 
 
 def _allocation_row(policy: str, r: dict[str, Any]) -> str:

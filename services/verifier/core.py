@@ -398,6 +398,8 @@ class TorchCore:
         if finished:
             self._retire(req)
         else:
+            if req.speculative:
+                self.metrics.count_budget(budget, req.draft_budget)
             req.draft_budget = budget
             req.next_round()
 

@@ -13,6 +13,8 @@ overhead whether or not the verifier idles, and whatever the host steals from a 
 
 The policies' own gauges: per drafter its sessions' mean α̂, summed goodput X and draft
 budget S (GoodSpeed's eq. 3 and 4, whatever the allocation policy), and accepted tokens;
+the draft budget each speculating round hands on (its share at 0 is how often SmartSpec had
+speculation off) and how many rounds changed it;
 ``utility`` is Σ log X over live sessions; per SLO class the finished requests that attained
 or violated it; the time of each allocation and batch decision; and the step-time
 estimator's error on each step before that step refines it (held-out by construction).
@@ -38,6 +40,7 @@ _P = "specfleet_verifier"
 _TIME = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2e-3, 3e-3, 5e-3, 7.5e-3, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1,
          0.25, 0.5, 1.0, 2.5)
 _SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+_BUDGETS = (0, 1, 2, 3, 4, 5, 6, 8, 12, 16)
 #: a gap longer than this between steps is idleness, not step time
 MAX_PERIOD_S = 0.5
 
@@ -99,6 +102,12 @@ class VerifierMetrics:
                                         buckets=(0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0), registry=r)
         self.policy = Gauge(f"{_P}_policy_info", "The policies this verifier runs (value 1)",
                             ["allocation", "batching", "trim"], registry=r)
+        self.draft_budget = Histogram(f"{_P}_draft_budget_tokens", "Draft budget each verified round of a "
+                                      "speculating session gives its next round (0: that round decodes target-only)",
+                                      buckets=_BUDGETS, registry=r)
+        self.budget_changes = Counter(f"{_P}_draft_budget_changes", "Speculating rounds whose next budget differs "
+                                      "from the one before (a drafter's lookahead for the old length is lost)",
+                                      registry=r)
         self.trimmed = Counter(f"{_P}_trimmed_tokens", "Draft tokens dropped by the trim policy", registry=r)
 
     def observe_step(self, step: Step, scheduled: float, start: float, forward_end: float, end: float,
@@ -115,6 +124,12 @@ class VerifierMetrics:
         self.batch_sessions.observe(len(step.segments))
         self.batch_tokens.observe(step.verify_tokens + step.prefill_tokens)
         self.prefill_tokens.inc(step.prefill_tokens)
+
+    def count_budget(self, budget: int, before: int) -> None:
+        """A speculating session's next draft budget, and whether it changed."""
+        self.draft_budget.observe(budget)
+        if budget != before:
+            self.budget_changes.inc()
 
     def count_round(self, drafted: int, accepted: int, committed: int) -> None:
         self.rounds.inc()

@@ -40,3 +40,20 @@ def test_smartspec_ks_must_be_distinct_lengths(text: str, capsys: pytest.Capture
 
 def test_smartspec_ks_parsed() -> None:
     assert vp._distinct_lengths(argparse.ArgumentParser(), "--smartspec-ks", "2, 4,6") == [2, 4, 6]
+
+
+def test_the_smartspec_part_reports_how_often_smartspec_was_off_and_changed_lengths() -> None:
+    name = "specfleet_verifier_draft_budget"
+    before = vp.Snapshot({(f"{name}_tokens_count", ()): 10.0, (f"{name}_tokens_bucket", (("le", "0.0"),)): 2.0,
+                          (f"{name}_tokens_sum", ()): 30.0, (f"{name}_changes_total", ()): 1.0})
+    after = vp.Snapshot({(f"{name}_tokens_count", ()): 110.0, (f"{name}_tokens_bucket", (("le", "0.0"),)): 27.0,
+                         (f"{name}_tokens_sum", ()): 330.0, (f"{name}_changes_total", ()): 6.0})
+    run = {"tokens_per_s": 100.0, "violated": 0.0, "slo_counted": 0.0, **vp._budget_counts(after - before)}
+    assert run["budget_rounds"] == 100 and run["budget_zero"] == 25 and run["budget_changes"] == 5
+    idle = {**run, "budget_rounds": 0.0, "budget_zero": 0.0, "budget_sum": 0.0, "budget_changes": 0.0}
+    row = vp._summary([run, idle])
+    assert row["budget_zero_share"] == 0.25 and row["budget_mean"] == 3.0 and row["budget_changes_per_100"] == 5.0
+    meta = {"when": "now", "edge": "pinned"}
+    text = vp.markdown({"meta": meta, "smartspec": {"smartspec": {"16": row}}})
+    assert "@16: 25% of rounds at 0, mean 3.0, 5.0 changes per 100 rounds" in text
+    assert "changes per 100" not in vp.markdown({"meta": meta, "smartspec": {"smartspec": {"16": vp._summary([idle])}}})

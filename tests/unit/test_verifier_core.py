@@ -245,6 +245,11 @@ def test_rounds_with_budget_zero_run_target_only_without_waiting(target: LoadedM
         budget = last.draft_budget  # type: ignore[attr-defined]
     assert done == ref
     assert [r.drafted for r in h.of(Rounded, "s")][:4] == [2, 0, 2, 0]  # type: ignore[attr-defined]
+    handed = [r.draft_budget for r in h.of(Rounded, "s")][:-1]  # type: ignore[attr-defined]  # the last one finished
+    sample = h.core.metrics.registry.get_sample_value
+    assert sample("specfleet_verifier_draft_budget_tokens_count") == len(handed)
+    assert sample("specfleet_verifier_draft_budget_tokens_bucket", {"le": "0.0"}) == handed.count(0)
+    assert sample("specfleet_verifier_draft_budget_changes_total") == len(handed)  # 2, 0, 2, ...: each a change
 
 
 def test_a_drafter_pause_runs_that_many_rounds_target_only_then_drafts_again(target: LoadedModel) -> None:

@@ -249,6 +249,7 @@ class VllmCore:
             self._forget.append(session.request_id)
         elif speculative:
             budget = self._next_budget(session, done)
+            self.metrics.count_budget(budget, session.budget)
         session.budget = budget
         self._results.append(Rounded(session.request_id, done.round, done.drafted, done.accepted, done.tokens,
                                      finished, reason, budget, error=error))
