@@ -145,9 +145,10 @@ def _summary(runs: list[dict[str, float]]) -> dict[str, Any]:
     return {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
             "tokens_per_s_runs": [r["tokens_per_s"] for r in runs],
             "violated": missed / counted if counted else float("nan"), "slo_counted": counted,
-            **({"budget_zero_share": sum(r["budget_zero"] for r in runs) / rounds,
-                "budget_mean": sum(r["budget_sum"] for r in runs) / rounds,
-                "budget_changes_per_100": 100 * sum(r["budget_changes"] for r in runs) / rounds} if rounds else {})}
+            **({"budget_zero_share": sum(r.get("budget_zero", 0.0) for r in runs) / rounds,
+                "budget_mean": sum(r.get("budget_sum", 0.0) for r in runs) / rounds,
+                "budget_changes_per_100": 100 * sum(r.get("budget_changes", 0.0) for r in runs) / rounds}
+               if rounds else {})}
 
 
 def _budget_counts(d: Snapshot) -> dict[str, float]:

@@ -13,8 +13,8 @@ overhead whether or not the verifier idles, and whatever the host steals from a 
 
 The policies' own gauges: per drafter its sessions' mean α̂, summed goodput X and draft
 budget S (GoodSpeed's eq. 3 and 4, whatever the allocation policy), and accepted tokens;
-the draft budget each speculating round hands on (its share at 0 is how often SmartSpec had
-speculation off) and how many rounds changed it;
+the draft budget each speculating round hands on (its share at 0: rounds with speculation off,
+by SmartSpec or a drafter's pause) and how many rounds changed it;
 ``utility`` is Σ log X over live sessions; per SLO class the finished requests that attained
 or violated it; the time of each allocation and batch decision; and the step-time
 estimator's error on each step before that step refines it (held-out by construction).

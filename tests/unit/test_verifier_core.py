@@ -120,6 +120,31 @@ def test_a_step_with_nothing_to_verify_prefills_up_to_the_token_budget(target: L
     assert h.core.requests["long"].cached == 100
 
 
+def test_budgets_are_counted_for_speculating_rounds_only_and_changes_only_when_they_change(
+        target: LoadedModel) -> None:
+    """Fixed k = 3: each speculating round hands 3 on, the same as before (no change); the
+    target-only session's rounds hand nothing and are not counted."""
+    h = Harness(target)
+    p = prompt(5, 8)
+    ref = greedy_reference(target.model, p, GREEDY.max_tokens, target.eos_ids)
+    h.core.submit(AddRequest("s", p, GREEDY, speculative=True))
+    h.core.submit(AddRequest("t", prompt(6, 8), GREEDY, speculative=False))
+    h.turn()
+    while h.core.requests.get("s") is not None:
+        req = h.core.requests["s"]
+        if req.status is Status.WAITING_DRAFT:
+            done = len(h.tokens("s"))
+            h.core.submit(AddDraft("s", req.round, ref[done: done + 3], None, 0.0))
+        h.turn()
+    h.turn(20)
+    handed = len(h.of(Rounded, "s")) - 1  # every round but the last, which finished
+    sample = h.core.metrics.registry.get_sample_value
+    assert len(h.of(Rounded, "t")) > handed > 0
+    assert sample("specfleet_verifier_draft_budget_tokens_count") == handed
+    assert sample("specfleet_verifier_draft_budget_tokens_sum") == 3 * handed
+    assert sample("specfleet_verifier_draft_budget_changes_total") == 0
+
+
 def test_speculative_round_accepts_the_target_own_tokens(target: LoadedModel) -> None:
     h = Harness(target)
     p = prompt(4, 9)
