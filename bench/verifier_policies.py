@@ -133,22 +133,21 @@ def _serve_once(models: Any, bf: BenchFleet, load: int, max_tokens: int,
         reqs = [{**b, **body_extra(i)} for i, b in enumerate(reqs)]
     before = bf.scrape()["verifier"]
     wall, outs = asyncio.run(run_load(bf.fleet.ws_url, reqs, load))
-    after = bf.scrape()["verifier"]
-    return {"tokens_per_s": sum(o.tokens for o in outs) / wall, **_slo_counts(after, before),
-            **_budget_counts(after - before)}
+    d = bf.scrape()["verifier"] - before
+    return {"tokens_per_s": sum(o.tokens for o in outs) / wall, **_slo_counts(d), **_budget_counts(d)}
 
 
 def _summary(runs: list[dict[str, float]]) -> dict[str, Any]:
     counted = sum(r["slo_counted"] for r in runs)
     missed = sum(r["violated"] * r["slo_counted"] for r in runs if r["slo_counted"])
-    rounds = sum(r.get("budget_rounds", 0.0) for r in runs)  # speculating rounds the verifier handed a budget
+    def total(key: str) -> float:
+        return sum(r.get(key, 0.0) for r in runs)
+    rounds = total("budget_rounds")  # speculating rounds the verifier handed a budget
+    budgets = {"budget_zero_share": total("budget_zero") / rounds, "budget_mean": total("budget_sum") / rounds,
+               "budget_changes_per_100": 100 * total("budget_changes") / rounds} if rounds else {}
     return {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
             "tokens_per_s_runs": [r["tokens_per_s"] for r in runs],
-            "violated": missed / counted if counted else float("nan"), "slo_counted": counted,
-            **({"budget_zero_share": sum(r.get("budget_zero", 0.0) for r in runs) / rounds,
-                "budget_mean": sum(r.get("budget_sum", 0.0) for r in runs) / rounds,
-                "budget_changes_per_100": 100 * sum(r.get("budget_changes", 0.0) for r in runs) / rounds}
-               if rounds else {})}
+            "violated": missed / counted if counted else float("nan"), "slo_counted": counted, **budgets}
 
 
 def _budget_counts(d: Snapshot) -> dict[str, float]:
@@ -159,9 +158,11 @@ def _budget_counts(d: Snapshot) -> dict[str, float]:
             "budget_sum": d.value(f"{name}_tokens_sum"), "budget_changes": d.value(f"{name}_changes_total")}
 
 
-def _slo_counts(after: Snapshot, before: Snapshot) -> dict[str, float]:
+def _slo_counts(d: Snapshot) -> dict[str, float]:
+    """The share of finished requests that missed their SLO class over a run (``d``: the change
+    in the verifier's /metrics), and how many were counted."""
     def total(outcome: str) -> float:
-        return sum(v - before.get(k, 0.0) for k, v in after.items()
+        return sum(v for k, v in d.items()
                    if k[0] == "specfleet_verifier_slo_requests_total" and ("outcome", outcome) in k[1])
     attained, violated = total("attained"), total("violated")
     return {"violated": violated / (attained + violated) if attained + violated else float("nan"),

@@ -228,7 +228,7 @@ def test_up_restarts_a_killed_verifier_and_every_request_completes(tiny_models: 
             async with httpx.AsyncClient(timeout=5) as http:
                 for _ in range(3000):  # kill once all 20 are admitted and the verifier is generating
                     in_flight = await sample_metric_async(http, f"{base_url}/metrics",
-                                                    "specfleet_coordinator_requests_in_flight")
+                                                          "specfleet_coordinator_requests_in_flight")
                     if in_flight == 20 and await sample_metric_async(
                             http, f"http://127.0.0.1:{verifier_port}/metrics", "specfleet_verifier_sessions") > 0:
                         break

@@ -57,3 +57,12 @@ def test_the_smartspec_part_reports_how_often_smartspec_was_off_and_changed_leng
     text = vp.markdown({"meta": meta, "smartspec": {"smartspec": {"16": row}}})
     assert "@16: 25% of rounds at 0, mean 3.0, 5.0 changes per 100 rounds" in text
     assert "changes per 100" not in vp.markdown({"meta": meta, "smartspec": {"smartspec": {"16": vp._summary([idle])}}})
+
+
+def test_slo_counts_are_the_change_over_a_run() -> None:
+    name = "specfleet_verifier_slo_requests_total"
+    key = lambda outcome: (name, (("outcome", outcome), ("slo", "4.0")))  # noqa: E731
+    before = vp.Snapshot({key("attained"): 5.0, key("violated"): 1.0})
+    after = vp.Snapshot({key("attained"): 11.0, key("violated"): 3.0})
+    assert vp._slo_counts(after - before) == {"violated": 0.25, "slo_counted": 8.0}
+    assert vp._slo_counts(before - before)["slo_counted"] == 0
