@@ -183,8 +183,9 @@ def _diagnosis() -> str:
 
 
 def test_queued_request_survives_a_redis_restart(fleet: Fleet, target: LoadedModel) -> None:
-    """With no drafter, a request waits in the Redis stream; Redis restarts (AOF on its volume); the
-    drafter comes back, takes the request and the answer is still the target's own."""
+    """With no drafter, a request waits in the Redis stream (the ci overlay runs the coordinator with
+    speculation on); Redis restarts (AOF on its volume); the drafter comes back, takes the request and
+    the answer is still the target's own."""
     subprocess.run(["podman", "pod", "stop", "-t", "10", "drafter-pod-0"], check=True, capture_output=True)
     prompt = PROMPTS[0]
     result: dict[str, Any] = {}
@@ -199,8 +200,9 @@ def test_queued_request_survives_a_redis_restart(fleet: Fleet, target: LoadedMod
     sender = threading.Thread(target=send)
     sender.start()
     deadline = time.monotonic() + 30
-    while _redis("XLEN", "specfleet:requests") != "1":
-        assert time.monotonic() < deadline, "the request never reached the Redis stream"
+    while (length := _redis("XLEN", "specfleet:requests")) != "1":
+        assert time.monotonic() < deadline, (f"the request never reached the Redis stream (XLEN {length}, "
+                                             f"the sender's result {result!r}); {_diagnosis()}")
         time.sleep(0.5)
     time.sleep(1.5)  # appendfsync everysec
     # Stop, then start (`podman pod restart` races with the pod's exit policy and can stop it again).
