@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+import time
 from pathlib import Path
 
 from bench.edge import add_edge_flags, edge_from
@@ -50,7 +51,7 @@ def breakdown(run: Run) -> list[tuple[str, float, str]]:
     return rows
 
 
-def report(run: Run) -> str:
+def report(run: Run, client_cpu_s: float = 0.0) -> str:
     v = run.metrics["verifier"]
     steps = v.count(f"{V}_step_seconds", phase="forward")
     sessions = v.mean(f"{V}_batch_sessions")
@@ -71,6 +72,10 @@ def report(run: Run) -> str:
         lines += ["", f"busy over the {wall:.2f} s measured: verifier CPU {vcpu / wall:.0%}"
                       f" (its forwards {v.value(f'{V}_step_seconds_sum', phase='forward') / wall:.0%}), drafter CPU "
                       f"{d.value('process_cpu_seconds_total') / wall:.0%} (each has one core: near 100 % is the limit)"]
+        if (c := run.metrics.get("coordinator")) is not None:
+            lines[-1] += (f"; on the drafter's core also the coordinator, CPU "
+                          f"{c.value('process_cpu_seconds_total') / wall:.0%}, and the load client (this process), "
+                          f"CPU {client_cpu_s / wall:.0%}")
     return "\n".join(lines)
 
 
@@ -105,9 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# round breakdown ({edge.describe()})\n")
     with tempfile.TemporaryDirectory() as logs, bench_fleet(models.target, sc, edge, Path(logs)) as bf:
         for conc in args.concurrency:
+            cpu = time.process_time()
             run = measure(bf, sc, conc, 1, max(args.requests, conc), args.max_tokens, models.target.name,
                           args.temperature)
-            print(report(run) + "\n", flush=True)
+            print(report(run, time.process_time() - cpu) + "\n", flush=True)
     return 0
 
 

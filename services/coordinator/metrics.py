@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from shared.protocol import TokenEvent
@@ -43,6 +43,7 @@ class CoordinatorMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        ProcessCollector(registry=r)  # process_cpu_seconds_total, memory: the process's (all its coordinators')
         self.requests = Counter(f"{_PREFIX}_requests", "Requests by endpoint and final HTTP status",
                                 ["endpoint", "status"], registry=r)
         self.latency = Histogram(f"{_PREFIX}_request_latency_seconds", "Time from arrival to the last byte",

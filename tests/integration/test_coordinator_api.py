@@ -223,6 +223,7 @@ def test_metrics_count_requests_by_endpoint_and_status(client: TestClient) -> No
                  "connected_drafters"):
         assert f"specfleet_coordinator_{name}" in text
     assert "specfleet_coordinator_verifier_connected 0.0" in text
+    assert "process_cpu_seconds_total" in text  # the process's CPU, as the verifier and drafters report it
 
 
 def test_missing_model_dir_is_a_clear_error(tmp_path: Path) -> None:
