@@ -68,11 +68,27 @@ def get_logger(name: str) -> StructLogger:
     return StructLogger(name)
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes each record to ``sys.stderr`` as it is when the record comes, not as it was at set-up:
+    a stderr replaced since and closed (a test's output capture) is never written to."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value: Any) -> None:
+        pass
+
+
 def setup_logging(service: str, level: str = "info") -> None:
     """Route the root logger to JSON lines on stderr. Call once at service start."""
     global _SERVICE
     _SERVICE = service
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     handler.setFormatter(_JsonFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
