@@ -72,9 +72,6 @@ class _StderrHandler(logging.StreamHandler):
     """Writes each record to ``sys.stderr`` as it is when the record comes, not as it was at set-up:
     a stderr replaced since and closed (a test's output capture) is never written to."""
 
-    def __init__(self) -> None:
-        super().__init__(sys.stderr)
-
     @property
     def stream(self) -> Any:
         return sys.stderr
