@@ -101,6 +101,7 @@ class Run:
     metrics: dict[str, Snapshot] = field(default_factory=dict)
     network: str = "loopback"
     walls: list[float] = field(default_factory=list)  # seconds of each repeat
+    client_cpu_s: float = 0.0  # the load client's CPU seconds (this process) over the repeats
 
     @property
     def tokens_per_s(self) -> float:
@@ -201,6 +202,7 @@ def measure(bf: BenchFleet, sc: Scenario, concurrency: int, repeats: int, reques
     rates: list[float] = []
     walls: list[float] = []
     outcomes: list[Outcome] = []
+    cpu = time.process_time()
     for i in range(repeats):
         reqs = bodies(requests, max_tokens, model, temperature, prompts, slo_classes)
         if arrival_rate > 0:
@@ -211,7 +213,8 @@ def measure(bf: BenchFleet, sc: Scenario, concurrency: int, repeats: int, reques
         rates.append(sum(o.tokens for o in outs) / wall)
         walls.append(wall)
         outcomes += outs
-    return Run(sc.name, concurrency, rates, outcomes, diff_all(bf.scrape(), before), bf.network, walls)
+    cpu = time.process_time() - cpu
+    return Run(sc.name, concurrency, rates, outcomes, diff_all(bf.scrape(), before), bf.network, walls, cpu)
 
 
 def prime(bf: BenchFleet, model: str, temperature: float = 0.0) -> None:
@@ -228,7 +231,8 @@ def combined(runs: Sequence[Run]) -> Run:
     names = dict.fromkeys(name for r in runs for name in r.metrics)  # every service any run scraped, in order
     metrics = {name: merged([r.metrics[name] for r in runs if name in r.metrics]) for name in names}
     return Run(first.scenario, first.concurrency, [x for r in runs for x in r.rates],
-               [o for r in runs for o in r.outcomes], metrics, first.network, [w for r in runs for w in r.walls])
+               [o for r in runs for o in r.outcomes], metrics, first.network, [w for r in runs for w in r.walls],
+               sum(r.client_cpu_s for r in runs))
 
 
 def in_turn(target: Path, scs: Sequence[Scenario], edge: Edge, logs: Path, levels: Sequence[L], repeats: int,

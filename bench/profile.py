@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import time
 from pathlib import Path
 
 from bench.edge import add_edge_flags, edge_from
@@ -51,7 +50,7 @@ def breakdown(run: Run) -> list[tuple[str, float, str]]:
     return rows
 
 
-def report(run: Run, client_cpu_s: float = 0.0) -> str:
+def report(run: Run) -> str:
     v = run.metrics["verifier"]
     steps = v.count(f"{V}_step_seconds", phase="forward")
     sessions = v.mean(f"{V}_batch_sessions")
@@ -75,7 +74,7 @@ def report(run: Run, client_cpu_s: float = 0.0) -> str:
         if (c := run.metrics.get("coordinator")) is not None:
             lines[-1] += (f"; on the drafter's core also the coordinator, CPU "
                           f"{c.value('process_cpu_seconds_total') / wall:.0%}, and the load client (this process), "
-                          f"CPU {client_cpu_s / wall:.0%}")
+                          f"CPU {run.client_cpu_s / wall:.0%}")
     return "\n".join(lines)
 
 
@@ -110,10 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# round breakdown ({edge.describe()})\n")
     with tempfile.TemporaryDirectory() as logs, bench_fleet(models.target, sc, edge, Path(logs)) as bf:
         for conc in args.concurrency:
-            cpu = time.process_time()
             run = measure(bf, sc, conc, 1, max(args.requests, conc), args.max_tokens, models.target.name,
                           args.temperature)
-            print(report(run, time.process_time() - cpu) + "\n", flush=True)
+            print(report(run) + "\n", flush=True)
     return 0
 
 

@@ -106,7 +106,8 @@ def summary(run: Run) -> dict[str, Any]:
 def measured_costs(run: Run) -> dict[str, Any]:
     """What the simulator's cost models are fitted from (``bench.sim.validate``): the verifier's
     mean forward and step period, sessions per step, the draft model's time per drafted token
-    and rounds' drafts (over every drafter, and per drafter in ``by_drafter``)."""
+    and rounds' drafts (over every drafter, and per drafter in ``by_drafter``), and where the
+    CPU went (``cpu``)."""
     v = run.metrics.get("verifier", Snapshot())
     snaps = [s for name, s in run.metrics.items() if name.startswith("drafter")]
     rounds = sum(s.value(f"{D}_rounds_total") for s in snaps)
@@ -119,7 +120,23 @@ def measured_costs(run: Run) -> dict[str, Any]:
             "draft_ms_per_token": busy / drafted * 1e3 if drafted else 0.0,
             "drafted_per_round": drafted / rounds if rounds else 0.0,
             "by_drafter": {name: drafter_costs(s) for name, s in sorted(run.metrics.items())
-                           if name.startswith("drafter")}}
+                           if name.startswith("drafter")},
+            "cpu": cpu_split(run)}
+
+
+def cpu_split(run: Run) -> dict[str, float]:
+    """Where the run's CPU went, in seconds over its measured window (``wall_s``): each service's
+    process CPU and the load client's; the verifier's steps (``verifier_steps_s``: the wall time
+    of its steps, each on its one core, so its CPU beyond them is its event loop's) and session
+    rounds; the draft models' busy time and the drafters' rounds."""
+    v = run.metrics.get("verifier", Snapshot())
+    out = {f"{name}_s": snap.value("process_cpu_seconds_total") for name, snap in sorted(run.metrics.items())}
+    drafters = [s for name, s in run.metrics.items() if name.startswith("drafter")]
+    return {**out, "client_s": run.client_cpu_s, "wall_s": sum(run.walls),
+            "verifier_steps_s": v.value(f"{V}_step_seconds_sum", phase="total"),
+            "verifier_rounds": v.value(f"{V}_rounds_total"),
+            "draft_busy_s": sum(s.value(f"{D}_model_busy_seconds_total") for s in drafters),
+            "drafter_rounds": sum(s.value(f"{D}_rounds_total") for s in drafters)}
 
 
 def drafter_costs(snap: Snapshot) -> dict[str, float]:

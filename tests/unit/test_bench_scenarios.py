@@ -11,7 +11,7 @@ import pytest
 
 from bench.fairness import parse_drafters, settle_round
 from bench.fleets import Run, bodies
-from bench.run_stats import jain, per_drafter_goodput, round_breakdown, slo_by_class, sum_log
+from bench.run_stats import cpu_split, jain, per_drafter_goodput, round_breakdown, slo_by_class, sum_log
 from bench.scrape import Snapshot
 from bench.sim.validate import alpha_for, drafter_params, policies_of, spec_of, step_scale
 from bench.slo import capacity, violations
@@ -43,6 +43,19 @@ def test_per_drafter_goodput_counts_each_round_and_its_accepted_drafts_over_the_
                                                      specfleet_drafter_accepted_tokens_total=30),
                                    "drafter-2": snap(specfleet_drafter_rounds_total=20)}, walls=[2.0, 3.0])
     assert per_drafter_goodput(run) == {"drafter-1": 8.0, "drafter-2": 4.0}
+
+
+def test_cpu_split_gives_each_service_and_the_client_over_the_window() -> None:
+    cpu, h = "process_cpu_seconds_total", "specfleet_verifier_step_seconds_sum"
+    run = Run("s", 2, [1.0], [], {"verifier": Snapshot({(cpu, ()): 4.0, (h, (("phase", "total"),)): 3.0,
+                                                        ("specfleet_verifier_rounds_total", ()): 100.0}),
+                                   "coordinator": snap(process_cpu_seconds_total=0.5),
+                                   "drafter-1": snap(process_cpu_seconds_total=2.0, specfleet_drafter_rounds_total=40,
+                                                     specfleet_drafter_model_busy_seconds_total=1.5)},
+              walls=[2.0, 3.0], client_cpu_s=0.25)
+    assert cpu_split(run) == {"coordinator_s": 0.5, "drafter-1_s": 2.0, "verifier_s": 4.0, "client_s": 0.25,
+                              "wall_s": 5.0, "verifier_steps_s": 3.0, "verifier_rounds": 100.0, "draft_busy_s": 1.5,
+                              "drafter_rounds": 40.0}
 
 
 def test_slo_attainment_is_per_class() -> None:
