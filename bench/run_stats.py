@@ -106,13 +106,13 @@ def summary(run: Run) -> dict[str, Any]:
 def measured_costs(run: Run) -> dict[str, Any]:
     """What the simulator's cost models are fitted from (``bench.sim.validate``): the verifier's
     mean forward and step period, sessions per step, the draft model's time per drafted token
-    and rounds' drafts (over every drafter, and per drafter in ``by_drafter``), and where the
-    CPU went (``cpu``)."""
+    of its rounds (lookaheads apart) and rounds' drafts (over every drafter, and per drafter in
+    ``by_drafter``), and where the CPU went (``cpu``)."""
     v = run.metrics.get("verifier", Snapshot())
     snaps = [s for name, s in run.metrics.items() if name.startswith("drafter")]
     rounds = sum(s.value(f"{D}_rounds_total") for s in snaps)
     drafted = sum(s.value(f"{D}_drafted_tokens_total") for s in snaps)
-    busy = sum(s.value(f"{D}_model_busy_seconds_total") for s in snaps)
+    busy = sum(round_busy(s) for s in snaps)
     return {"forward_ms": v.mean(f"{V}_step_seconds", phase="forward") * 1e3,
             "step_ms": v.mean(f"{V}_step_seconds", phase="total") * 1e3,
             "step_period_ms": v.mean(f"{V}_step_period_seconds") * 1e3,
@@ -128,7 +128,7 @@ def cpu_split(run: Run) -> dict[str, float]:
     """Where the run's CPU went, in seconds over its measured window (``wall_s``): each service's
     process CPU and the load client's; the verifier's steps (``verifier_steps_s``: the wall time
     of its steps, each on its one core, so its CPU beyond them is its event loop's) and session
-    rounds; the draft models' busy time and the drafters' rounds."""
+    rounds; the draft models' busy time (lookaheads included, and apart) and the drafters' rounds."""
     v = run.metrics.get("verifier", Snapshot())
     out = {f"{name}_s": snap.value("process_cpu_seconds_total") for name, snap in sorted(run.metrics.items())}
     drafters = [s for name, s in run.metrics.items() if name.startswith("drafter")]
@@ -136,12 +136,23 @@ def cpu_split(run: Run) -> dict[str, float]:
             "verifier_steps_s": v.value(f"{V}_step_seconds_sum", phase="total"),
             "verifier_rounds": v.value(f"{V}_rounds_total"),
             "draft_busy_s": sum(s.value(f"{D}_model_busy_seconds_total") for s in drafters),
+            "lookahead_busy_s": sum(s.value(f"{D}_lookahead_busy_seconds_total") for s in drafters),
             "drafter_rounds": sum(s.value(f"{D}_rounds_total") for s in drafters)}
 
 
 def drafter_costs(snap: Snapshot) -> dict[str, float]:
-    """One drafter's draft-model milliseconds per drafted token, drafted and accepted tokens per round."""
+    """One drafter's draft-model milliseconds per drafted token of its rounds, drafted and accepted
+    tokens per round, its rounds, draft-model busy seconds (lookaheads included, and apart) and
+    process CPU seconds."""
     rounds, drafted = snap.value(f"{D}_rounds_total"), snap.value(f"{D}_drafted_tokens_total")
-    return {"draft_ms_per_token": snap.value(f"{D}_model_busy_seconds_total") / drafted * 1e3 if drafted else 0.0,
+    return {"draft_ms_per_token": round_busy(snap) / drafted * 1e3 if drafted else 0.0,
             "drafted_per_round": drafted / rounds if rounds else 0.0,
-            "accepted_per_round": snap.value(f"{D}_accepted_tokens_total") / rounds if rounds else 0.0}
+            "accepted_per_round": snap.value(f"{D}_accepted_tokens_total") / rounds if rounds else 0.0,
+            "rounds": rounds, "model_busy_s": snap.value(f"{D}_model_busy_seconds_total"),
+            "lookahead_busy_s": snap.value(f"{D}_lookahead_busy_seconds_total"),
+            "cpu_s": snap.value("process_cpu_seconds_total")}
+
+
+def round_busy(snap: Snapshot) -> float:
+    """A drafter's draft-model seconds on its rounds: its busy time less its lookaheads'."""
+    return snap.value(f"{D}_model_busy_seconds_total") - snap.value(f"{D}_lookahead_busy_seconds_total")

@@ -1,12 +1,16 @@
 """The discrete-event loop and the drafters' side; :func:`simulate` runs a :class:`SimSpec`.
 
-Drafters (mirroring ``services/drafter/rounds.py``): a verdict (or the admission) with budget
-b > 0 queues the session on its drafter's one draft model (FIFO, one draft at a time). When its
-turn comes, the drafter caps b at what the request can still use (``useful_draft_len``: at most
-``max_tokens − generated − 1``), asks the real controller (``begin_round``), and drafts token by
-token: each synthetic token (``tokens.py``) is shown to ``on_step`` when the controller wants
-features, which may stop early (STOP keeps the token, DISCARD drops it; its compute is spent).
-The draft leaves when done and reaches the verifier RTT/2 later. When the verdict comes back,
+Drafters (mirroring ``services/drafter/rounds.py`` and ``batcher.py``): a verdict (or the
+admission) with budget b > 0 makes the session ready on its drafter's one draft model. When the
+model is free it takes every ready session (up to ``max_batch``, oldest first) as one batch,
+as the real batcher does. For each, the drafter caps b at what the request can still use
+(``useful_draft_len``: at most ``max_tokens − generated − 1``), asks the real controller
+(``begin_round``), and drafts token by token: each synthetic token (``tokens.py``) is shown to
+``on_step`` when the controller wants features, which may stop early (STOP keeps the token,
+DISCARD drops it; its compute is spent). The batch takes the sum of its sessions' draft costs
+(``DrafterSpec``) and every draft of it leaves when the batch ends, reaching the verifier RTT/2
+later. Pipelined drafting (drafting ahead while a draft is verified) is not modelled. When the
+verdict comes back,
 ``end_round(drafted, accepted, draft_s, verify_s)`` feeds the controller, as the real drafter
 does. The controller's decisions are taken when the draft starts (the simulator draws the whole
 draft at once), so feedback from other sessions' verdicts during a draft is seen from the next one.
@@ -18,8 +22,9 @@ drafters draw from one pool, as the real ones do from the request queue. Latency
 and SLO attainment (the real ``slo_met``) are measured at the client, from its arrival there to
 its tokens' return.
 
-Events at the same instant are all handled before the verifier picks a batch, as the real
-verifier drains its command queue before scheduling.
+Events at the same instant are all handled before the verifier picks a batch and before an
+idle drafter takes its next batch, as the real verifier drains its command queue before
+scheduling and the real batcher lets the verdicts that came together in.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from tqdm import tqdm
 
 from bench.sim.result import Recorder, RequestRecord, SimResult, summarise
 from bench.sim.spec import DrafterSpec, SimSpec
-from bench.sim.state import Edge, Events, Kind, Session, Step, Verdict
+from bench.sim.state import Edge, Events, Kind, Lookahead, Session, Step, Verdict
 from bench.sim.tokens import acceptance_prob, features
 from bench.sim.verifier import SimVerifier
 from services.drafter.control import ControlSettings, StepDecision, make_controller
@@ -42,8 +47,8 @@ from services.verifier.batching import slo_met
 
 
 def _edge(index: int, d: DrafterSpec, threshold: float) -> Edge:
-    return Edge(index, d.name, d.alpha, d.token_s, d.round_s, d.prefill_token_s, d.rtt_s / 2,
-                ControlSettings(threshold))
+    return Edge(index, d.name, d.alpha, d.token_s, d.round_s, d.prefill_token_s, d.rtt_s / 2, d.max_batch,
+                d.pipeline_sessions, ControlSettings(threshold))
 
 
 class Simulation:
@@ -56,6 +61,7 @@ class Simulation:
         self.rec = Recorder(len(spec.drafters))
         self.verifier = SimVerifier(spec, spec.cost.build(), self.events, self.rec, lambda: self.now)
         self.edges = [_edge(i, d, spec.policies.threshold) for i, d in enumerate(spec.drafters)]
+        self.ready: list[Edge] = []  # drafters that may start a batch at the end of this instant
         self.target_rounds = spec.rounds * len(spec.drafters) if spec.rounds is not None else None
         pool = spec.shared_requests
         for edge, d in zip(self.edges, spec.drafters, strict=True):
@@ -75,7 +81,8 @@ class Simulation:
         bar = _Progress(self, progress)
         handlers: dict[Kind, Callable[[Any], None]] = {
             Kind.ARRIVE: self._arrive, Kind.OPEN: self._open, Kind.VERDICT: self._verdict,
-            Kind.DRAFT_DONE: self._draft_done, Kind.DRAFT_IN: self._draft_in, Kind.STEP_END: self._step_end}
+            Kind.DRAFT_DONE: self._draft_done, Kind.DRAFT_IN: self._draft_in, Kind.STEP_END: self._step_end,
+            Kind.LOOKAHEAD_DONE: self._lookahead_done}
         while self.events and not self._done():
             at = self.events.next_time()
             assert at is not None
@@ -87,6 +94,7 @@ class Simulation:
                 _, kind, payload = self.events.pop()
                 handlers[kind](payload)
                 bar.tick()
+            self._start_batches()
             self.verifier.try_start(self.now)
         bar.close()
         return self._result(time.perf_counter() - wall)
@@ -113,6 +121,7 @@ class Simulation:
         s = Session(f"{edge.name}-r{edge.requests}", edge, d.prompt_len, d.max_tokens, d.slo_tokens_per_s, self.now,
                     controller)
         edge.requests += 1
+        edge.live += 1
         self.events.push(self.now + edge.half_rtt, Kind.OPEN, s)
 
     def _open(self, s: Session) -> None:
@@ -124,6 +133,7 @@ class Simulation:
         tpot = (self.now - first) / (s.generated - 1) if s.generated > 1 else None
         self.rec.requests.append(RequestRecord(s.edge.index, self.now - s.arrived_at, first - s.arrived_at, tpot,
                                                s.slo, slo_met(s.arrived_at, s.generated, s.slo, self.now)))
+        s.edge.live -= 1
         d = self.spec.drafters[s.edge.index]
         if self.spec.shared_requests:
             if self.started < self.spec.shared_requests:
@@ -136,33 +146,94 @@ class Simulation:
 
     def _verdict(self, v: Verdict) -> None:
         s = v.session
+        if s in s.edge.in_flight:
+            s.edge.in_flight.remove(s)
         if v.drafted > 0 and s.controller is not None:
             s.controller.end_round(v.drafted, min(v.accepted, v.drafted), s.draft_s, self.now - s.sent_at)
             if isinstance(s.controller, WispController):
                 s.controller.shared.wait_trained()  # a retraining runs to completion: deterministic
+        ahead, s.ahead = s.ahead, None
         if v.finished:
             self._complete(s)
+        elif v.budget > 0 and ahead is not None and ahead.hit:
+            if ahead.done:
+                self._take(s, ahead)
+            else:
+                ahead.wanted, s.ahead = True, ahead  # taken when its batch ends
         elif v.budget > 0:
             s.edge.queue.append(s)
-            if not s.edge.busy:
-                self._start_draft(s.edge)
+            self.ready.append(s.edge)
 
-    def _start_draft(self, edge: Edge) -> None:
-        s = edge.queue.popleft()
-        useful = max(0, min(s.budget, self.spec.policies.max_draft_tokens, s.remaining - 1))
-        k = 0
-        if s.controller is not None:
-            k = max(0, min(useful, s.controller.begin_round(useful)))
-        computed = self._draw(s, k)
-        seconds = 0.0
-        if computed:
-            seconds = edge.round_s + edge.token_s * computed
-            if not s.prefilled:
-                seconds += edge.prefill_token_s * s.prompt_len
-                s.prefilled = True
-        s.draft_s = seconds
+    def _start_batches(self) -> None:
+        """Idle drafters with ready sessions start a batch, once every event of the instant is in
+        (as the real batcher lets the verdicts that arrived together in before it takes a batch);
+        with none ready, they may draft lookaheads."""
+        for edge in self.ready:
+            if not edge.busy and edge.queue:
+                self._start_batch(edge)
+            elif not edge.busy and 0 < edge.live <= edge.pipeline_sessions:
+                self._start_lookaheads(edge)
+        self.ready.clear()
+
+    # --- pipelined drafting ------------------------------------------------------------------
+
+    def _start_lookaheads(self, edge: Edge) -> None:
+        """Draft the next round of every in-flight session that has no lookahead yet, as one batch:
+        its budget and a guess of the verifier's bonus token, which comes true (when every draft
+        of the round is accepted) with the drafter's α."""
+        batch = [s for s in edge.in_flight if s.ahead is None and s.budget > 0]
+        if not batch:
+            return
+        for s in batch:
+            hit = bool(s.drafts) and all(ok for _, ok in s.drafts) and self.rng.random() < edge.alpha
+            s.ahead = Lookahead(hit, s.budget)
+        seconds = sum(edge.token_s * (s.budget + 1) for s in batch)
         edge.busy = True
-        self.events.push(self.now + seconds, Kind.DRAFT_DONE, s)
+        self.events.push(self.now + seconds, Kind.LOOKAHEAD_DONE,
+                         (edge, tuple((s, s.ahead) for s in batch if s.ahead is not None)))
+
+    def _lookahead_done(self, done: tuple[Edge, tuple[tuple[Session, Lookahead], ...]]) -> None:
+        edge, batch = done
+        edge.busy = False
+        self.ready.append(edge)
+        for s, ahead in batch:
+            ahead.done = True
+            if ahead.wanted and s.ahead is ahead:
+                s.ahead = None
+                self._take(s, ahead)
+
+    def _take(self, s: Session, ahead: Lookahead) -> None:
+        """The verdict came true for ``s``'s lookahead: its next draft leaves after the drafter's
+        own work of a round (the controller screens it as a fresh one; the model's work is done)."""
+        self._draw(s, self._round_len(s, ahead.tokens))
+        s.draft_s = 0.0
+        self._send(s, s.edge.round_s)
+
+    def _start_batch(self, edge: Edge) -> None:
+        """Draft every ready session of ``edge`` (up to its ``max_batch``) as one batch."""
+        batch = [edge.queue.popleft() for _ in range(min(len(edge.queue), edge.max_batch))]
+        seconds = sum(self._draft(edge, s) for s in batch)
+        for s in batch:
+            s.draft_s = seconds
+        edge.busy = True
+        self.events.push(self.now + seconds, Kind.DRAFT_DONE, (edge, tuple(batch)))
+
+    def _round_len(self, s: Session, cap: int) -> int:
+        """The draft length the controller picks within ``s``'s budget, ``cap`` and what the request
+        can still use (at most ``max_tokens − generated − 1``)."""
+        useful = max(0, min(s.budget, cap, self.spec.policies.max_draft_tokens, s.remaining - 1))
+        return max(0, min(useful, s.controller.begin_round(useful))) if s.controller is not None else 0
+
+    def _draft(self, edge: Edge, s: Session) -> float:
+        """Draw ``s``'s draft for this round; returns its share of the batch's draft-model time."""
+        computed = self._draw(s, self._round_len(s, s.budget))
+        if not computed:
+            return 0.0
+        seconds = edge.round_s + edge.token_s * computed
+        if not s.prefilled:
+            seconds += edge.prefill_token_s * s.prompt_len
+            s.prefilled = True
+        return seconds
 
     def _draw(self, s: Session, k: int) -> int:
         """Draft up to ``k`` synthetic tokens into ``s.drafts``; returns how many were computed."""
@@ -180,12 +251,18 @@ class Simulation:
                 return i + 1
         return k
 
-    def _draft_done(self, s: Session) -> None:
-        s.sent_at = self.now
-        self.events.push(self.now + s.edge.half_rtt, Kind.DRAFT_IN, s)
-        s.edge.busy = False
-        if s.edge.queue:
-            self._start_draft(s.edge)
+    def _draft_done(self, done: tuple[Edge, tuple[Session, ...]]) -> None:
+        edge, batch = done
+        edge.busy = False
+        for s in batch:
+            self._send(s)
+
+    def _send(self, s: Session, after: float = 0.0) -> None:
+        """The draft leaves ``after`` seconds from now."""
+        s.sent_at = self.now + after
+        s.edge.in_flight.append(s)
+        self.ready.append(s.edge)  # its drafter may draft the session's lookahead
+        self.events.push(s.sent_at + s.edge.half_rtt, Kind.DRAFT_IN, s)
 
     def _draft_in(self, s: Session) -> None:
         s.draft_wait_s = self.now - s.waiting_since

@@ -15,12 +15,15 @@ from bench.sim.costs import CostSpec
 
 @dataclass(frozen=True)
 class DrafterSpec:
-    """One edge drafter (one draft model serving its sessions one draft at a time, FIFO) and the
-    requests it serves.
+    """One edge drafter (one draft model drafting its ready sessions in batches of up to
+    ``max_batch``) and the requests it serves.
 
-    Costs: a draft of j tokens takes ``round_s + j·token_s`` on the draft model (the first round
-    of a request also prefills its prompt: ``prompt_len·prefill_token_s``); a message takes
-    ``rtt_s / 2`` each way between the drafter and the verifier.
+    Costs: a session's draft of j tokens adds ``round_s + j·token_s`` to its batch's time (the
+    first round of a request also prefills its prompt: ``prompt_len·prefill_token_s``); every
+    draft of a batch leaves when the batch ends. ``token_s`` is the draft model's time per token
+    at the batch sizes the drafter sees (a batch's forwards amortise their fixed cost over its
+    rows), ``round_s`` the drafter's own work per round beside the model (taking the verdict,
+    sending the draft). A message takes ``rtt_s / 2`` each way between the drafter and the verifier.
 
     Requests: closed loop with ``concurrency`` sessions at once (a finished request is followed
     at once by the next one, no think time; ``requests`` > 0 ends the loop after that many)
@@ -36,6 +39,12 @@ class DrafterSpec:
     round_s: float = 5e-4  # fixed draft cost per round (scheduling, sampling setup, serialisation)
     prefill_token_s: float = 5e-5  # draft model seconds per prompt token, first round of a request
     rtt_s: float = 0.02  # round-trip time to the verifier
+    max_batch: int = 64  # the most sessions drafted together (the real drafter: its session limit)
+    #: pipelined drafting (the real drafter's --pipeline-sessions): while it serves at most this many
+    #: sessions and no round is ready, its draft model drafts each in-flight session's next round
+    #: (its budget, plus a guess of the verifier's bonus token) as if all of this one is accepted;
+    #: 0: off. Alternative lookaheads (--lookahead-branches) are not modelled.
+    pipeline_sessions: int = 0
     concurrency: int = 1
     requests: int = 0  # closed loop: stop after this many requests in all (0: never)
     arrivals: tuple[float, ...] = ()
@@ -48,8 +57,10 @@ class DrafterSpec:
             raise ValueError(f"{self.name}: alpha must be in [0, 1], got {self.alpha}")
         if min(self.token_s, self.round_s, self.prefill_token_s, self.rtt_s) < 0:
             raise ValueError(f"{self.name}: costs and RTT must be >= 0")
-        if self.concurrency < 1 or self.prompt_len < 1 or self.max_tokens < 1 or self.requests < 0:
-            raise ValueError(f"{self.name}: concurrency, prompt_len and max_tokens must be >= 1")
+        if min(self.concurrency, self.max_batch, self.prompt_len, self.max_tokens) < 1 or min(
+                self.requests, self.pipeline_sessions) < 0:
+            raise ValueError(f"{self.name}: concurrency, max_batch, prompt_len and max_tokens must be >= 1, "
+                             "requests and pipeline_sessions >= 0")
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,10 @@ class Kind(IntEnum):
     ARRIVE = 0  # a request arrives at its drafter/client [Edge]
     OPEN = 1  # the session's open message reaches the verifier [Session]
     VERDICT = 2  # a verdict (or the admission) reaches the drafter [Verdict]
-    DRAFT_DONE = 3  # the draft model finished a session's draft [Session]
+    DRAFT_DONE = 3  # the draft model finished a batch of drafts [(Edge, tuple of Sessions)]
     DRAFT_IN = 4  # a draft reaches the verifier [Session]
     STEP_END = 5  # the verifier's forward pass finished [Step]
+    LOOKAHEAD_DONE = 6  # the draft model finished a batch of lookaheads [(Edge, tuple of (Session, Lookahead))]
 
 
 class Events:
@@ -67,6 +68,7 @@ class Session:
     draft_wait_s: float = 0.0
     first_token_at: float | None = None  # first output token back at the client
     finished: bool = False
+    ahead: Lookahead | None = None  # its draft of the next round, drafted while this one is verified
 
     @property
     def context_len(self) -> int:
@@ -78,8 +80,21 @@ class Session:
 
 
 @dataclass(slots=True, eq=False)
+class Lookahead:
+    """A pipelined draft of a session's next round (``services/drafter/lookahead.py``). Whether
+    the verdict will make it the next draft is known when it starts: the simulator has drawn the
+    round's outcomes (every draft accepted, and the first lookahead token guessing the verifier's
+    bonus token)."""
+
+    hit: bool
+    tokens: int  # draft tokens it holds for the next round
+    done: bool = False  # the draft model finished it
+    wanted: bool = False  # the verdict came and takes it, once done
+
+
+@dataclass(slots=True, eq=False)
 class Edge:
-    """One drafter: its draft model (busy or not), the FIFO of sessions waiting for it, its counters."""
+    """One drafter: its draft model (busy or not), the sessions ready for it (oldest first), its counters."""
 
     index: int
     name: str
@@ -88,10 +103,14 @@ class Edge:
     round_s: float
     prefill_token_s: float
     half_rtt: float
+    max_batch: int  # sessions drafted together at most
+    pipeline_sessions: int  # sessions draft lookaheads while this drafter serves at most this many
     settings: ControlSettings  # one per drafter: the controllers of its sessions share its state
     queue: deque[Session] = field(default_factory=deque)
+    in_flight: list[Session] = field(default_factory=list)  # drafts sent, verdict not yet back
     busy: bool = False
     requests: int = 0  # requests started
+    live: int = 0  # requests started and not finished
 
 
 @dataclass(frozen=True, slots=True)

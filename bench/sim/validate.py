@@ -42,6 +42,7 @@ SOURCES = ("capacity", "load", "fairness")
 TOLERANCE = 0.15
 PROMPT_LEN = 12  # the benchmark prompts' typical length in target tokens
 TARGET_ONLY = ("centralized", "no speculation", "target-only")
+PIPELINE_SESSIONS = 2  # the real drafters' default --pipeline-sessions, which the benchmarks keep
 
 
 def alpha_for(accepted_per_round: float, drafted_per_round: float) -> float:
@@ -78,16 +79,49 @@ def policies_of(source: str, row: dict[str, Any], meta: dict[str, Any]) -> Polic
     return None
 
 
-def drafter_params(row: dict[str, Any], n: int) -> list[tuple[float, float]]:
-    """Each drafter's (α, draft seconds per token): its own measured rounds where the run recorded
-    them per drafter (``costs.by_drafter``), else the run's pooled values for all of them."""
+def drafter_params(row: dict[str, Any], n: int) -> list[tuple[float, float, float]]:
+    """Each drafter's (α, draft seconds per token, seconds of its own work per round): its own
+    measured rounds where the run recorded them per drafter (``costs.by_drafter``), else the run's
+    pooled values for all of them."""
     c = row["costs"]
-    pooled = (alpha_for(row["mean_accepted_per_round"], c["drafted_per_round"]), c["draft_ms_per_token"] / 1e3)
-    own = [v for _, v in sorted(c.get("by_drafter", {}).items())]
+    cpu = c.get("cpu", {})
+    pooled = (alpha_for(row["mean_accepted_per_round"], c["drafted_per_round"]), c["draft_ms_per_token"] / 1e3,
+              drafter_round_s(cpu, drafter_cpu(cpu), cpu.get("draft_busy_s", 0.0), cpu.get("drafter_rounds", 0.0)))
+    own = sorted(c.get("by_drafter", {}).items())
     if len(own) != n:
         return [pooled] * n
-    return [(alpha_for(d["accepted_per_round"], d["drafted_per_round"]), d["draft_ms_per_token"] / 1e3)
-            if d["drafted_per_round"] > 0 else pooled for d in own]
+    return [(alpha_for(d["accepted_per_round"], d["drafted_per_round"]), d["draft_ms_per_token"] / 1e3,
+             drafter_round_s(cpu, cpu.get(f"{name}_s", 0.0), d.get("model_busy_s", 0.0), d.get("rounds", 0.0))
+             if "rounds" in d else pooled[2])
+            if d["drafted_per_round"] > 0 else pooled for name, d in own]
+
+
+def drafter_cpu(cpu: dict[str, float]) -> float:
+    """The drafters' process CPU seconds, all of them."""
+    return sum(v for k, v in cpu.items() if k.startswith("drafter-"))
+
+
+def drafter_round_s(cpu: dict[str, float], own_cpu_s: float, model_busy_s: float, rounds: float) -> float:
+    """A drafter's wall seconds per round beside its draft model (taking verdicts, sending drafts),
+    from a run's CPU split (``bench.run_stats.cpu_split``; 0 without one). Its CPU beyond the model
+    is its process CPU less the model's share of it. The model's busy time is wall time, stretched
+    by the edge core's other tenants (the coordinator, the load client, other drafters), which
+    leave this drafter the share 1 − their CPU / the window; so is its own work, hence the division."""
+    wall = cpu.get("wall_s", 0.0)
+    if rounds <= 0 or wall <= 0:
+        return 0.0
+    others = cpu.get("coordinator_s", 0.0) + cpu.get("client_s", 0.0) + drafter_cpu(cpu) - own_cpu_s
+    share = max(0.1, 1.0 - others / wall)
+    return max(0.0, own_cpu_s / share - model_busy_s) / rounds
+
+
+def verifier_loop_s(cpu: dict[str, float]) -> float:
+    """The verifier's CPU seconds per verified session-round outside its steps (its event loop:
+    reading drafts, sending verdicts and tokens), from a run's CPU split (0 without one)."""
+    rounds = cpu.get("verifier_rounds", 0.0)
+    if rounds <= 0:
+        return 0.0
+    return max(0.0, cpu.get("verifier_s", 0.0) - cpu.get("verifier_steps_s", 0.0)) / rounds
 
 
 def drafters_of(source: str, row: dict[str, Any], meta: dict[str, Any], repeat: int = 0) -> tuple[DrafterSpec, ...]:
@@ -100,11 +134,12 @@ def drafters_of(source: str, row: dict[str, Any], meta: dict[str, Any], repeat: 
     if row.get("arrival_rate", 0) > 0:
         arrivals = trace_arrivals(row.get("trace", "poisson"), row["arrival_rate"], requests,
                                   int(row.get("seed", 0)) + repeat)
-    base = DrafterSpec("d", round_s=0.0, prompt_len=PROMPT_LEN, max_tokens=int(row.get("max_tokens", 128)))
-    return tuple(replace(base, name=f"d{i}", alpha=alpha, token_s=token_s, rtt_s=rtts[i] / 1e3,
+    base = DrafterSpec("d", round_s=0.0, prompt_len=PROMPT_LEN, max_tokens=int(row.get("max_tokens", 128)),
+                       pipeline_sessions=PIPELINE_SESSIONS)
+    return tuple(replace(base, name=f"d{i}", alpha=alpha, token_s=token_s, round_s=round_s, rtt_s=rtts[i] / 1e3,
                          concurrency=max(1, row["concurrency"] // n), requests=requests // n,
                          arrivals=tuple(arrivals[i::n]))
-                 for i, (alpha, token_s) in enumerate(drafter_params(row, n)))
+                 for i, (alpha, token_s, round_s) in enumerate(drafter_params(row, n)))
 
 
 def step_scale(row: dict[str, Any], coef: Coef) -> float:
@@ -129,7 +164,8 @@ def spec_of(source: str, row: dict[str, Any], meta: dict[str, Any], coef: Coef, 
     c = row["costs"]
     overhead = max(0.0, c["step_ms"] - c["forward_ms"]) / 1e3
     closed = not row.get("arrival_rate", 0) > 0
-    return SimSpec(drafters_of(source, row, meta, repeat), pol, VerifierSpec(32, 2048, overhead, 0.0),
+    loop = verifier_loop_s(c.get("cpu", {}))
+    return SimSpec(drafters_of(source, row, meta, repeat), pol, VerifierSpec(32, 2048, overhead, loop),
                    CostSpec("cpu", coef, scale=step_scale(row, coef)), speculative=row["scenario"] not in TARGET_ONLY,
                    rounds=None, duration_s=3600.0, shared_requests=int(row.get("requests", 30)) if closed else 0)
 

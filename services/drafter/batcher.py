@@ -94,7 +94,9 @@ class DraftBatcher:
                     fut.set_exception(exc)
             return
         self.metrics.draft_busy.inc(ended - started)
-        if not batch[0][0].assume:  # a batch is all rounds or all lookaheads (_next_batch)
+        if batch[0][0].assume:  # a batch is all rounds or all lookaheads (_next_batch)
+            self.metrics.lookahead_busy.inc(ended - started)
+        else:
             self.capacity.observe_batch(ended - started, len(batch))
         for (_, _, fut), proposal in zip(batch, proposals, strict=True):
             if not fut.done():

@@ -45,6 +45,8 @@ class DrafterMetrics:
         self.resumed = Counter(f"{_P}_sessions_resumed", "Sessions taken over from a drafter that left, from "
                                "their committed text", registry=r)
         self.draft_busy = Counter(f"{_P}_model_busy_seconds", "Time the draft model spent drafting", registry=r)
+        self.lookahead_busy = Counter(f"{_P}_lookahead_busy_seconds", "Time the draft model spent drafting "
+                                      "lookaheads (pipelined drafting; also in model_busy)", registry=r)
         self.draft_idle = Counter(f"{_P}_model_idle_seconds", "Time the draft model waited for a ready session "
                                   "(StarSD's T_idle)", registry=r)
         self.job_wait = Histogram(f"{_P}_job_wait_seconds", "A ready session's wait for the draft model (StarSD's "

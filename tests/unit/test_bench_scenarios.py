@@ -13,7 +13,15 @@ from bench.fairness import parse_drafters, settle_round
 from bench.fleets import Run, bodies
 from bench.run_stats import cpu_split, jain, per_drafter_goodput, round_breakdown, slo_by_class, sum_log
 from bench.scrape import Snapshot
-from bench.sim.validate import alpha_for, drafter_params, policies_of, spec_of, step_scale
+from bench.sim.validate import (
+    alpha_for,
+    drafter_params,
+    drafter_round_s,
+    policies_of,
+    spec_of,
+    step_scale,
+    verifier_loop_s,
+)
 from bench.slo import capacity, violations
 from bench.traces import TRACES, rate_profile, trace_arrivals
 from services.verifier.batching.estimator import StepTimeEstimator
@@ -55,6 +63,7 @@ def test_cpu_split_gives_each_service_and_the_client_over_the_window() -> None:
               walls=[2.0, 3.0], client_cpu_s=0.25)
     assert cpu_split(run) == {"coordinator_s": 0.5, "drafter-1_s": 2.0, "verifier_s": 4.0, "client_s": 0.25,
                               "wall_s": 5.0, "verifier_steps_s": 3.0, "verifier_rounds": 100.0, "draft_busy_s": 1.5,
+                              "lookahead_busy_s": 0.0,
                               "drafter_rounds": 40.0}
 
 
@@ -160,9 +169,33 @@ def test_drafter_params_are_per_drafter_when_the_run_recorded_them() -> None:
     assert pooled[0] == pooled[1] and pooled[0][1] == pytest.approx(5e-3)
     own = {"drafter-1": {"draft_ms_per_token": 1.0, "drafted_per_round": 2.0, "accepted_per_round": 2.0},
            "drafter-2": {"draft_ms_per_token": 8.0, "drafted_per_round": 4.0, "accepted_per_round": 0.0}}
-    (a1, t1), (a2, t2) = drafter_params(real_row(by_drafter=own), 2)
+    (a1, t1, r1), (a2, t2, r2) = drafter_params(real_row(by_drafter=own), 2)
     assert (a1, t1) == (pytest.approx(1.0), pytest.approx(1e-3))
     assert (a2, t2) == (pytest.approx(0.0), pytest.approx(8e-3))
+    assert r1 == r2 == 0.0  # no CPU split recorded
+
+
+@pytest.mark.parametrize(("cpu", "own", "busy", "rounds", "want"), [
+    ({}, 1.0, 0.5, 10, 0.0),  # no CPU split recorded
+    ({"wall_s": 10.0, "drafter-1_s": 6.0}, 6.0, 5.0, 100, 0.01),  # alone on its core: CPU beyond the model
+    # the coordinator and the client take half the core: the drafter's CPU takes twice as long
+    ({"wall_s": 10.0, "drafter-1_s": 4.0, "coordinator_s": 3.0, "client_s": 2.0}, 4.0, 6.0, 100, 0.02),
+    ({"wall_s": 10.0, "drafter-1_s": 4.0, "drafter-2_s": 5.0}, 4.0, 6.0, 200, 0.01),  # another drafter
+    ({"wall_s": 10.0, "drafter-1_s": 1.0}, 1.0, 2.0, 100, 0.0),  # never below 0
+])
+def test_drafter_round_s_is_its_cpu_beyond_the_model_stretched_by_the_edge_cores_other_tenants(
+        cpu: dict[str, float], own: float, busy: float, rounds: int, want: float) -> None:
+    assert drafter_round_s(cpu, own, busy, rounds) == pytest.approx(want)
+
+
+def test_verifier_loop_s_is_its_cpu_outside_steps_per_round() -> None:
+    assert verifier_loop_s({}) == 0.0
+    assert verifier_loop_s({"verifier_s": 5.0, "verifier_steps_s": 4.0, "verifier_rounds": 500}) == pytest.approx(2e-3)
+    assert verifier_loop_s({"verifier_s": 3.9, "verifier_steps_s": 4.0, "verifier_rounds": 500}) == 0.0
+    meta = {"drafters": [["small", 0], ["ngram", 40]], "capacity": 8}
+    spec = spec_of("fairness", real_row(cpu={"verifier_s": 5.0, "verifier_steps_s": 4.0, "verifier_rounds": 500}),
+                   meta, COEF)
+    assert spec is not None and spec.verifier.round_overhead_s == pytest.approx(2e-3)
 
 
 def test_a_closed_loop_row_draws_from_one_pool() -> None:

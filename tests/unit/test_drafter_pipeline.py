@@ -102,8 +102,14 @@ async def test_a_lookahead_job_drafts_what_the_next_round_drafts_if_the_guess_co
     p = Pipeline(draft)
     async with running(p.batcher):
         sent = await p.round()
+        busy = p.metrics.registry.get_sample_value("specfleet_drafter_model_busy_seconds_total") or 0.0
+        assert busy > 0 and p.metrics.registry.get_sample_value("specfleet_drafter_lookahead_busy_seconds_total") == 0
         look, _, _ = await p.batcher.propose(DraftJob("s", K + 1, GREEDY, gen(), None, tuple(sent), len(PROMPT)))
         assert look.token_ids == reference_greedy(draft, PROMPT + sent, K + 1)
+        # the lookahead's batch counts as the draft model's busy time, and apart as a lookahead's
+        after = p.metrics.registry.get_sample_value("specfleet_drafter_model_busy_seconds_total") or 0.0
+        ahead = p.metrics.registry.get_sample_value("specfleet_drafter_lookahead_busy_seconds_total") or 0.0
+        assert ahead > 0 and ahead == pytest.approx(after - busy)
         # the verifier accepts every draft and adds the lookahead's first token: the next round,
         # drafted normally after that commit, is the rest of the lookahead
         p.commit([*sent, look.token_ids[0]], len(sent))

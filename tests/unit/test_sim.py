@@ -24,6 +24,8 @@ from bench.sim import (
     simulate,
 )
 from bench.sim.__main__ import main
+from bench.sim.engine import Simulation
+from bench.sim.state import Edge, Session
 from bench.sim.tokens import acceptance_prob, accepted_prefix, features
 from services.verifier.batching.estimator import DEFAULT_COEF, SegmentShape, StepTimeEstimator
 
@@ -66,6 +68,60 @@ def test_hopeless_drafter_commits_one_token_per_round() -> None:
     r = run([0.0, 0.0])
     assert r.drafted > 0 and r.accepted == 0
     assert r.committed == r.rounds
+
+
+@pytest.mark.parametrize(("max_batch", "batches"), [(4, [("d0-r0", "d0-r1", "d0-r2")]),
+                                                   (2, [("d0-r0", "d0-r1"), ("d0-r2",)])])
+def test_a_drafter_drafts_its_ready_sessions_as_one_batch(max_batch: int, batches: list[tuple[str, ...]]) -> None:
+    """Sessions ready together are drafted together (up to max_batch), and their drafts all leave
+    when the batch ends: after the sum of their draft costs."""
+    d = DrafterSpec("d0", token_s=1e-3, round_s=2e-3, prefill_token_s=0.0, concurrency=3, max_batch=max_batch)
+    sim = Simulation(SimSpec(drafters=(d,), cost=H100, rounds=1))
+    started: list[float] = []
+    done: list[tuple[float, tuple[str, ...]]] = []
+    start, end = sim._start_batch, sim._draft_done
+
+    def record_start(edge: Edge) -> None:
+        started.append(sim.now)
+        start(edge)
+
+    def record_end(batch: tuple[Edge, tuple[Session, ...]]) -> None:
+        done.append((sim.now, tuple(s.sid for s in batch[1])))
+        end(batch)
+    sim._start_batch, sim._draft_done = record_start, record_end  # type: ignore[method-assign, assignment]
+    sim.run()
+    assert [sids for _, sids in done[: len(batches)]] == batches
+    per_session = 2e-3 + 4 * 1e-3  # round_s + draft_len·token_s
+    for began, (ended, sids) in zip(started, done[: len(batches)], strict=False):
+        assert ended - began == pytest.approx(per_session * len(sids))
+
+
+def pipelined(alpha: float, pipeline_sessions: int, concurrency: int = 1) -> SimResult:
+    d = DrafterSpec("d0", alpha=alpha, token_s=2e-3, rtt_s=0.01, max_tokens=50, prompt_len=16,
+                    concurrency=concurrency, requests=4, pipeline_sessions=pipeline_sessions)
+    return simulate(SimSpec(drafters=(d,), cost=H100, rounds=None, duration_s=600.0))
+
+
+def test_pipelined_drafting_hides_the_draft_time_when_every_draft_is_accepted() -> None:
+    off, on = pipelined(1.0, 0), pipelined(1.0, 1)
+    assert on.requests_done == off.requests_done == 4 and on.committed == off.committed
+    assert off.latency_s is not None and on.latency_s is not None
+    # every round but a request's first finds its draft ready: k·token_s less per round
+    saved_per_round = (off.latency_s - on.latency_s) * on.requests_done / (on.rounds - on.requests_done)
+    assert saved_per_round == pytest.approx(4 * 2e-3, rel=0.05)
+
+
+def test_lookaheads_that_never_come_true_only_cost_time() -> None:
+    off, on = pipelined(0.0, 0), pipelined(0.0, 1)
+    assert on.committed == off.committed and on.accepted == off.accepted == 0
+    assert on.latency_s is not None and off.latency_s is not None and on.latency_s >= off.latency_s
+
+
+def test_no_lookaheads_beyond_pipeline_sessions() -> None:
+    """4 identical requests at once, all live until they end together: 1 is below that."""
+    on, off = pipelined(1.0, 1, concurrency=4), pipelined(1.0, 0, concurrency=4)
+    assert (on.latency_s, on.committed, on.steps) == (off.latency_s, off.committed, off.steps)
+    assert on.latency_s is not None and (pipelined(1.0, 4, concurrency=4).latency_s or 0.0) < on.latency_s
 
 
 def test_goodput_grows_with_alpha() -> None:
