@@ -105,7 +105,8 @@ def summary(run: Run) -> dict[str, Any]:
 
 def measured_costs(run: Run) -> dict[str, Any]:
     """What the simulator's cost models are fitted from (``bench.sim.validate``): the verifier's
-    mean forward and step period, sessions per step, the draft model's time per drafted token
+    mean forward, step period, queue wait (draft in to its step) and publishing (step results
+    to frames), sessions per step, the draft model's time per drafted token
     of its rounds (lookaheads apart) and rounds' drafts (over every drafter, and per drafter in
     ``by_drafter``), and where the CPU went (``cpu``)."""
     v = run.metrics.get("verifier", Snapshot())
@@ -116,6 +117,8 @@ def measured_costs(run: Run) -> dict[str, Any]:
     return {"forward_ms": v.mean(f"{V}_step_seconds", phase="forward") * 1e3,
             "step_ms": v.mean(f"{V}_step_seconds", phase="total") * 1e3,
             "step_period_ms": v.mean(f"{V}_step_period_seconds") * 1e3,
+            "queue_wait_ms": v.mean(f"{V}_queue_wait_seconds") * 1e3,
+            "publish_ms": v.mean(f"{V}_publish_seconds") * 1e3,
             "batch_sessions": v.mean(f"{V}_batch_sessions"),
             "draft_ms_per_token": busy / drafted * 1e3 if drafted else 0.0,
             "drafted_per_round": drafted / rounds if rounds else 0.0,
@@ -142,14 +145,15 @@ def cpu_split(run: Run) -> dict[str, float]:
 
 def drafter_costs(snap: Snapshot) -> dict[str, float]:
     """One drafter's draft-model milliseconds per drafted token of its rounds, drafted and accepted
-    tokens per round, its rounds, draft-model busy seconds (lookaheads included, and apart) and
-    process CPU seconds."""
+    tokens per round, its rounds, draft-model busy seconds (lookaheads included, and apart), its
+    rounds' mean wait for the verdict and its process CPU seconds."""
     rounds, drafted = snap.value(f"{D}_rounds_total"), snap.value(f"{D}_drafted_tokens_total")
     return {"draft_ms_per_token": round_busy(snap) / drafted * 1e3 if drafted else 0.0,
             "drafted_per_round": drafted / rounds if rounds else 0.0,
             "accepted_per_round": snap.value(f"{D}_accepted_tokens_total") / rounds if rounds else 0.0,
             "rounds": rounds, "model_busy_s": snap.value(f"{D}_model_busy_seconds_total"),
             "lookahead_busy_s": snap.value(f"{D}_lookahead_busy_seconds_total"),
+            "verify_wait_ms": snap.mean(f"{D}_round_phase_seconds", phase="verify_wait") * 1e3,
             "cpu_s": snap.value("process_cpu_seconds_total")}
 
 

@@ -29,7 +29,7 @@ import statistics
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from bench.fleets import write_results
 from bench.sim.costs import DEFAULT_PROFILE, CostSpec, load_cpu_coef
@@ -79,21 +79,44 @@ def policies_of(source: str, row: dict[str, Any], meta: dict[str, Any]) -> Polic
     return None
 
 
-def drafter_params(row: dict[str, Any], n: int) -> list[tuple[float, float, float]]:
-    """Each drafter's (α, draft seconds per token, seconds of its own work per round): its own
-    measured rounds where the run recorded them per drafter (``costs.by_drafter``), else the run's
-    pooled values for all of them."""
+class DrafterCosts(NamedTuple):
+    """What a real run measured of one drafter, as the simulator takes it."""
+
+    alpha: float  # per-token acceptance
+    token_s: float  # draft-model seconds per drafted token of its rounds
+    round_s: float  # its own work per round beside the model
+    link_s: float  # a round's time between drafter and verifier beyond both (network, event loops)
+
+
+def drafter_params(row: dict[str, Any], n: int) -> list[DrafterCosts]:
+    """Each drafter's costs: its own measured rounds where the run recorded them per drafter
+    (``costs.by_drafter``), else the run's pooled values for all of them."""
     c = row["costs"]
     cpu = c.get("cpu", {})
-    pooled = (alpha_for(row["mean_accepted_per_round"], c["drafted_per_round"]), c["draft_ms_per_token"] / 1e3,
-              drafter_round_s(cpu, drafter_cpu(cpu), cpu.get("draft_busy_s", 0.0), cpu.get("drafter_rounds", 0.0)))
+    pooled = DrafterCosts(
+        alpha_for(row["mean_accepted_per_round"], c["drafted_per_round"]), c["draft_ms_per_token"] / 1e3,
+        drafter_round_s(cpu, drafter_cpu(cpu), cpu.get("draft_busy_s", 0.0), cpu.get("drafter_rounds", 0.0)),
+        link_s(c, row.get("round_ms", {}).get("verify_wait", 0.0)))
     own = sorted(c.get("by_drafter", {}).items())
     if len(own) != n:
         return [pooled] * n
-    return [(alpha_for(d["accepted_per_round"], d["drafted_per_round"]), d["draft_ms_per_token"] / 1e3,
-             drafter_round_s(cpu, cpu.get(f"{name}_s", 0.0), d.get("model_busy_s", 0.0), d.get("rounds", 0.0))
-             if "rounds" in d else pooled[2])
-            if d["drafted_per_round"] > 0 else pooled for name, d in own]
+    return [DrafterCosts(
+        alpha_for(d["accepted_per_round"], d["drafted_per_round"]), d["draft_ms_per_token"] / 1e3,
+        drafter_round_s(cpu, cpu.get(f"{name}_s", 0.0), d.get("model_busy_s", 0.0), d.get("rounds", 0.0))
+        if "rounds" in d else pooled.round_s,
+        link_s(c, d["verify_wait_ms"]) if "verify_wait_ms" in d else pooled.link_s)
+        if d["drafted_per_round"] > 0 else pooled for name, d in own]
+
+
+def link_s(costs: dict[str, Any], verify_wait_ms: float) -> float:
+    """A round's seconds between the drafter and the verifier beyond both (0 for a run that did not
+    record them): the drafter's wait for its verdict less what the verifier spent on the round
+    (its queue wait, its step, publishing the result). That is the network (the RTT) and each
+    frame's wait for the event loop of a busy process, on this machine's loopback several ms."""
+    if "queue_wait_ms" not in costs or verify_wait_ms <= 0:
+        return 0.0
+    inside = costs["queue_wait_ms"] + costs["step_ms"] + costs.get("publish_ms", 0.0)
+    return max(0.0, verify_wait_ms - inside) / 1e3
 
 
 def drafter_cpu(cpu: dict[str, float]) -> float:
@@ -126,7 +149,8 @@ def verifier_loop_s(cpu: dict[str, float]) -> float:
 
 def drafters_of(source: str, row: dict[str, Any], meta: dict[str, Any], repeat: int = 0) -> tuple[DrafterSpec, ...]:
     """The clients and drafters of the row: its sessions, requests, arrivals (those of its
-    ``repeat``-th repeat: the real run seeds repeat i with seed + i), RTTs and costs."""
+    ``repeat``-th repeat: the real run seeds repeat i with seed + i), RTTs and costs. A drafter's
+    RTT is its configured one, or the measured link time of its rounds when that is longer."""
     n = max(1, len(row["goodput_by_drafter"]))
     requests = int(row.get("requests", 30))
     rtts = [float(rtt) for _, rtt in meta["drafters"]] if source == "fairness" else [0.0] * n
@@ -136,10 +160,10 @@ def drafters_of(source: str, row: dict[str, Any], meta: dict[str, Any], repeat: 
                                   int(row.get("seed", 0)) + repeat)
     base = DrafterSpec("d", round_s=0.0, prompt_len=PROMPT_LEN, max_tokens=int(row.get("max_tokens", 128)),
                        pipeline_sessions=PIPELINE_SESSIONS)
-    return tuple(replace(base, name=f"d{i}", alpha=alpha, token_s=token_s, round_s=round_s, rtt_s=rtts[i] / 1e3,
-                         concurrency=max(1, row["concurrency"] // n), requests=requests // n,
-                         arrivals=tuple(arrivals[i::n]))
-                 for i, (alpha, token_s, round_s) in enumerate(drafter_params(row, n)))
+    return tuple(replace(base, name=f"d{i}", alpha=d.alpha, token_s=d.token_s, round_s=d.round_s,
+                         rtt_s=max(rtts[i] / 1e3, d.link_s), concurrency=max(1, row["concurrency"] // n),
+                         requests=requests // n, arrivals=tuple(arrivals[i::n]))
+                 for i, d in enumerate(drafter_params(row, n)))
 
 
 def step_scale(row: dict[str, Any], coef: Coef) -> float:

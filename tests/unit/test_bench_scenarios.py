@@ -17,6 +17,7 @@ from bench.sim.validate import (
     alpha_for,
     drafter_params,
     drafter_round_s,
+    link_s,
     policies_of,
     spec_of,
     step_scale,
@@ -169,10 +170,31 @@ def test_drafter_params_are_per_drafter_when_the_run_recorded_them() -> None:
     assert pooled[0] == pooled[1] and pooled[0][1] == pytest.approx(5e-3)
     own = {"drafter-1": {"draft_ms_per_token": 1.0, "drafted_per_round": 2.0, "accepted_per_round": 2.0},
            "drafter-2": {"draft_ms_per_token": 8.0, "drafted_per_round": 4.0, "accepted_per_round": 0.0}}
-    (a1, t1, r1), (a2, t2, r2) = drafter_params(real_row(by_drafter=own), 2)
+    (a1, t1, r1, l1), (a2, t2, r2, l2) = drafter_params(real_row(by_drafter=own), 2)
     assert (a1, t1) == (pytest.approx(1.0), pytest.approx(1e-3))
     assert (a2, t2) == (pytest.approx(0.0), pytest.approx(8e-3))
-    assert r1 == r2 == 0.0  # no CPU split recorded
+    assert r1 == r2 == l1 == l2 == 0.0  # no CPU split or verifier waits recorded
+
+
+@pytest.mark.parametrize(("costs", "verify_wait_ms", "want"), [
+    ({"step_ms": 13.0}, 30.0, 0.0),  # an older run: no queue wait recorded
+    ({"step_ms": 13.0, "queue_wait_ms": 4.0, "publish_ms": 1.0}, 30.0, 0.012),
+    ({"step_ms": 13.0, "queue_wait_ms": 4.0, "publish_ms": 1.0}, 15.0, 0.0),  # never below 0
+])
+def test_link_s_is_the_verdict_wait_beyond_the_verifiers_own_time(costs: dict[str, float], verify_wait_ms: float,
+                                                                   want: float) -> None:
+    assert link_s(costs, verify_wait_ms) == pytest.approx(want)
+
+
+def test_a_drafters_rtt_is_at_least_its_measured_link_time() -> None:
+    own = {"drafter-1": {"draft_ms_per_token": 1.0, "drafted_per_round": 2.0, "accepted_per_round": 2.0,
+                         "verify_wait_ms": 30.0},
+           "drafter-2": {"draft_ms_per_token": 1.0, "drafted_per_round": 2.0, "accepted_per_round": 2.0,
+                         "verify_wait_ms": 20.0}}
+    row = real_row(by_drafter=own, queue_wait_ms=4.0, publish_ms=1.0)  # step_ms 13: links of 12 and 2 ms
+    meta = {"drafters": [["small", 5], ["ngram", 40]], "capacity": 8}
+    spec = spec_of("fairness", row, meta, COEF)
+    assert spec is not None and [d.rtt_s for d in spec.drafters] == pytest.approx([0.012, 0.04])
 
 
 @pytest.mark.parametrize(("cpu", "own", "busy", "rounds", "want"), [
