@@ -84,28 +84,24 @@ class DrafterCosts(NamedTuple):
 
     alpha: float  # per-token acceptance
     token_s: float  # draft-model seconds per drafted token of its rounds
-    round_s: float  # its own work per round beside the model
+    round_s: float  # its own work per round beside the model: handing the draft off and sending it
     link_s: float  # a round's time between drafter and verifier beyond both (network, event loops)
 
 
 def drafter_params(row: dict[str, Any], n: int) -> list[DrafterCosts]:
     """Each drafter's costs: its own measured rounds where the run recorded them per drafter
     (``costs.by_drafter``), else the run's pooled values for all of them."""
-    c = row["costs"]
-    cpu = c.get("cpu", {})
-    pooled = DrafterCosts(
-        alpha_for(row["mean_accepted_per_round"], c["drafted_per_round"]), c["draft_ms_per_token"] / 1e3,
-        drafter_round_s(cpu, drafter_cpu(cpu), cpu.get("draft_busy_s", 0.0), cpu.get("drafter_rounds", 0.0)),
-        link_s(c, row.get("round_ms", {}).get("verify_wait", 0.0)))
-    own = sorted(c.get("by_drafter", {}).items())
+    c, phases = row["costs"], row.get("round_ms", {})
+    pooled = DrafterCosts(alpha_for(row["mean_accepted_per_round"], c["drafted_per_round"]),
+                          c["draft_ms_per_token"] / 1e3, phases.get("send", 0.0) / 1e3,
+                          link_s(c, phases.get("verify_wait", 0.0)))
+    own = [d for _, d in sorted(c.get("by_drafter", {}).items())]
     if len(own) != n:
         return [pooled] * n
-    return [DrafterCosts(
-        alpha_for(d["accepted_per_round"], d["drafted_per_round"]), d["draft_ms_per_token"] / 1e3,
-        drafter_round_s(cpu, cpu.get(f"{name}_s", 0.0), d.get("model_busy_s", 0.0), d.get("rounds", 0.0))
-        if "rounds" in d else pooled.round_s,
-        link_s(c, d["verify_wait_ms"]) if "verify_wait_ms" in d else pooled.link_s)
-        if d["drafted_per_round"] > 0 else pooled for name, d in own]
+    return [DrafterCosts(alpha_for(d["accepted_per_round"], d["drafted_per_round"]), d["draft_ms_per_token"] / 1e3,
+                         d["send_ms"] / 1e3 if "send_ms" in d else pooled.round_s,
+                         link_s(c, d["verify_wait_ms"]) if "verify_wait_ms" in d else pooled.link_s)
+            if d["drafted_per_round"] > 0 else pooled for d in own]
 
 
 def link_s(costs: dict[str, Any], verify_wait_ms: float) -> float:
@@ -117,25 +113,6 @@ def link_s(costs: dict[str, Any], verify_wait_ms: float) -> float:
         return 0.0
     inside = costs["queue_wait_ms"] + costs["step_ms"] + costs.get("publish_ms", 0.0)
     return max(0.0, verify_wait_ms - inside) / 1e3
-
-
-def drafter_cpu(cpu: dict[str, float]) -> float:
-    """The drafters' process CPU seconds, all of them."""
-    return sum(v for k, v in cpu.items() if k.startswith("drafter-"))
-
-
-def drafter_round_s(cpu: dict[str, float], own_cpu_s: float, model_busy_s: float, rounds: float) -> float:
-    """A drafter's wall seconds per round beside its draft model (taking verdicts, sending drafts),
-    from a run's CPU split (``bench.run_stats.cpu_split``; 0 without one). Its CPU beyond the model
-    is its process CPU less the model's share of it. The model's busy time is wall time, stretched
-    by the edge core's other tenants (the coordinator, the load client, other drafters), which
-    leave this drafter the share 1 − their CPU / the window; so is its own work, hence the division."""
-    wall = cpu.get("wall_s", 0.0)
-    if rounds <= 0 or wall <= 0:
-        return 0.0
-    others = cpu.get("coordinator_s", 0.0) + cpu.get("client_s", 0.0) + drafter_cpu(cpu) - own_cpu_s
-    share = max(0.1, 1.0 - others / wall)
-    return max(0.0, own_cpu_s / share - model_busy_s) / rounds
 
 
 def verifier_loop_s(cpu: dict[str, float]) -> float:

@@ -16,7 +16,6 @@ from bench.scrape import Snapshot
 from bench.sim.validate import (
     alpha_for,
     drafter_params,
-    drafter_round_s,
     link_s,
     policies_of,
     spec_of,
@@ -197,17 +196,12 @@ def test_a_drafters_rtt_is_at_least_its_measured_link_time() -> None:
     assert spec is not None and [d.rtt_s for d in spec.drafters] == pytest.approx([0.012, 0.04])
 
 
-@pytest.mark.parametrize(("cpu", "own", "busy", "rounds", "want"), [
-    ({}, 1.0, 0.5, 10, 0.0),  # no CPU split recorded
-    ({"wall_s": 10.0, "drafter-1_s": 6.0}, 6.0, 5.0, 100, 0.01),  # alone on its core: CPU beyond the model
-    # the coordinator and the client take half the core: the drafter's CPU takes twice as long
-    ({"wall_s": 10.0, "drafter-1_s": 4.0, "coordinator_s": 3.0, "client_s": 2.0}, 4.0, 6.0, 100, 0.02),
-    ({"wall_s": 10.0, "drafter-1_s": 4.0, "drafter-2_s": 5.0}, 4.0, 6.0, 200, 0.01),  # another drafter
-    ({"wall_s": 10.0, "drafter-1_s": 1.0}, 1.0, 2.0, 100, 0.0),  # never below 0
-])
-def test_drafter_round_s_is_its_cpu_beyond_the_model_stretched_by_the_edge_cores_other_tenants(
-        cpu: dict[str, float], own: float, busy: float, rounds: int, want: float) -> None:
-    assert drafter_round_s(cpu, own, busy, rounds) == pytest.approx(want)
+def test_a_drafters_own_work_per_round_is_its_measured_hand_off_and_send() -> None:
+    own = {"drafter-1": {"draft_ms_per_token": 1.0, "drafted_per_round": 2.0, "accepted_per_round": 2.0,
+                         "send_ms": 0.5},
+           "drafter-2": {"draft_ms_per_token": 1.0, "drafted_per_round": 2.0, "accepted_per_round": 2.0}}
+    row = {**real_row(by_drafter=own), "round_ms": {"send": 2.0}}  # drafter-2 has only the pooled value
+    assert [d.round_s for d in drafter_params(row, 2)] == pytest.approx([5e-4, 2e-3])
 
 
 def test_verifier_loop_s_is_its_cpu_outside_steps_per_round() -> None:
