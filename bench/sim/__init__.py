@@ -4,7 +4,9 @@ It runs the real policies (``services.verifier.allocation`` allocators,
 ``services.verifier.batching`` batchers, ``services.drafter.control`` controllers) over
 simulated time, with time from cost models: the verifier's profiled step-time estimator or an
 H100 roofline projection (``costs.py``), per-drafter draft costs and RTTs (``spec.py``), and
-synthetic draft tokens whose acceptance follows each drafter's α (``tokens.py``). It answers
+synthetic draft tokens whose acceptance follows each drafter's α (``tokens.py``). Drafters
+draft their ready sessions in batches and may pipeline (draft a round ahead), as the real
+ones do (``engine.py``). It answers
 what the testbed cannot: how the policies behave, and what choosing costs, with 10,000 drafters.
 
     from bench.sim import SimSpec, make_fleet, simulate

@@ -47,7 +47,7 @@ from services.verifier.batching import slo_met
 
 
 def _edge(index: int, d: DrafterSpec, threshold: float) -> Edge:
-    return Edge(index, d.name, d.alpha, d.token_s, d.round_s, d.prefill_token_s, d.rtt_s / 2, d.max_batch,
+    return Edge(index, d.name, d.alpha, d.token_s, d.round_s, d.prefill_token_s, d.send_s, d.rtt_s / 2, d.max_batch,
                 d.pipeline_sessions, ControlSettings(threshold))
 
 
@@ -207,7 +207,7 @@ class Simulation:
         own work of a round (the controller screens it as a fresh one; the model's work is done)."""
         self._draw(s, self._round_len(s, ahead.tokens))
         s.draft_s = 0.0
-        self._send(s, s.edge.round_s)
+        self._send(s, s.edge.round_s + s.edge.send_s)
 
     def _start_batch(self, edge: Edge) -> None:
         """Draft every ready session of ``edge`` (up to its ``max_batch``) as one batch."""
@@ -255,7 +255,7 @@ class Simulation:
         edge, batch = done
         edge.busy = False
         for s in batch:
-            self._send(s)
+            self._send(s, edge.send_s)
 
     def _send(self, s: Session, after: float = 0.0) -> None:
         """The draft leaves ``after`` seconds from now."""

@@ -23,7 +23,9 @@ class DrafterSpec:
     draft of a batch leaves when the batch ends. ``token_s`` is the draft model's time per token
     at the batch sizes the drafter sees (a batch's forwards amortise their fixed cost over its
     rows), ``round_s`` the drafter's own work per round beside the model (taking the verdict,
-    sending the draft). A message takes ``rtt_s / 2`` each way between the drafter and the verifier.
+    sending the draft). Each draft leaves ``send_s`` after its batch ends (the hand-off: its
+    session's share of turning the batch into frames, which does not hold the draft model up).
+    A message takes ``rtt_s / 2`` each way between the drafter and the verifier.
 
     Requests: closed loop with ``concurrency`` sessions at once (a finished request is followed
     at once by the next one, no think time; ``requests`` > 0 ends the loop after that many)
@@ -38,6 +40,7 @@ class DrafterSpec:
     token_s: float = 1e-3  # draft model seconds per drafted token
     round_s: float = 5e-4  # fixed draft cost per round (scheduling, sampling setup, serialisation)
     prefill_token_s: float = 5e-5  # draft model seconds per prompt token, first round of a request
+    send_s: float = 0.0  # from a batch's end to each of its drafts leaving (the drafter's hand-off)
     rtt_s: float = 0.02  # round-trip time to the verifier
     max_batch: int = 64  # the most sessions drafted together (the real drafter: its session limit)
     #: pipelined drafting (the real drafter's --pipeline-sessions): while it serves at most this many
@@ -55,7 +58,7 @@ class DrafterSpec:
     def __post_init__(self) -> None:
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"{self.name}: alpha must be in [0, 1], got {self.alpha}")
-        if min(self.token_s, self.round_s, self.prefill_token_s, self.rtt_s) < 0:
+        if min(self.token_s, self.round_s, self.prefill_token_s, self.send_s, self.rtt_s) < 0:
             raise ValueError(f"{self.name}: costs and RTT must be >= 0")
         if min(self.concurrency, self.max_batch, self.prompt_len, self.max_tokens) < 1 or min(
                 self.requests, self.pipeline_sessions) < 0:

@@ -102,6 +102,7 @@ class Edge:
     token_s: float
     round_s: float
     prefill_token_s: float
+    send_s: float
     half_rtt: float
     max_batch: int  # sessions drafted together at most
     pipeline_sessions: int  # sessions draft lookaheads while this drafter serves at most this many

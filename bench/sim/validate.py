@@ -8,13 +8,20 @@ profile says, simulates it, and compares goodput (committed tokens/s) and mean r
   gives the run's measured mean forward at the run's mean batch (``step_scale``: the real
   verifier refits its estimator online to the forwards it measures), plus the run's own
   measured step time beyond its forward (scheduling, judging: the ``total`` minus the
-  ``forward`` phase) as a fixed per-step overhead;
-* each drafter's draft cost: its draft-model seconds per drafted token (per drafter where the
-  run recorded them, else the run's pooled value);
+  ``forward`` phase) as a fixed per-step overhead, and its CPU outside its steps (its event
+  loop) per session verified;
+* each drafter's costs (per drafter where the run recorded them, else the run's pooled
+  values): its draft-model seconds per drafted token of its rounds (lookaheads apart), its
+  hand-off and send per round (a delay after its batch), and its link time (``link_s``: the wait for its verdict beyond
+  the verifier's own time on the round), which stands for the RTT when longer than the
+  configured one; drafters pipeline as the real ones do by default;
 * acceptance: the per-token α whose accepted prefix over the mean draft length gives the mean
   accepted tokens per round (per drafter, likewise);
 * the workload: the same sessions, requests, output lengths, arrival times (the same seeded
   trace) and RTTs; a closed-loop run's requests come from one pool, as from the real queue.
+
+Older results files lack some of these (the CPU split, lookahead time, link time); their rows
+are simulated without them.
 
 Rows the simulator does not model are listed as skipped (the SLED-like baseline recomputes the
 whole context, which the simulator's verifier does not). Writes ``<out>/sim-validation.{json,md}``.
@@ -84,7 +91,7 @@ class DrafterCosts(NamedTuple):
 
     alpha: float  # per-token acceptance
     token_s: float  # draft-model seconds per drafted token of its rounds
-    round_s: float  # its own work per round beside the model: handing the draft off and sending it
+    send_s: float  # from its batch's end to a draft leaving: handing it off and sending it
     link_s: float  # a round's time between drafter and verifier beyond both (network, event loops)
 
 
@@ -92,27 +99,42 @@ def drafter_params(row: dict[str, Any], n: int) -> list[DrafterCosts]:
     """Each drafter's costs: its own measured rounds where the run recorded them per drafter
     (``costs.by_drafter``), else the run's pooled values for all of them."""
     c, phases = row["costs"], row.get("round_ms", {})
+    wall, draft_ms = c.get("cpu", {}).get("wall_s", 0.0), phases.get("draft", 0.0)
+    pooled_busy = c.get("cpu", {}).get("draft_busy_s", 0.0) / n
     pooled = DrafterCosts(alpha_for(row["mean_accepted_per_round"], c["drafted_per_round"]),
                           c["draft_ms_per_token"] / 1e3, phases.get("send", 0.0) / 1e3,
-                          link_s(c, phases.get("verify_wait", 0.0)))
+                          link_s(c, phases.get("verify_wait", 0.0), draft_ms, pooled_busy / wall if wall else 0.0))
     own = [d for _, d in sorted(c.get("by_drafter", {}).items())]
     if len(own) != n:
         return [pooled] * n
     return [DrafterCosts(alpha_for(d["accepted_per_round"], d["drafted_per_round"]), d["draft_ms_per_token"] / 1e3,
-                         d["send_ms"] / 1e3 if "send_ms" in d else pooled.round_s,
-                         link_s(c, d["verify_wait_ms"]) if "verify_wait_ms" in d else pooled.link_s)
+                         d["send_ms"] / 1e3 if "send_ms" in d else pooled.send_s,
+                         link_s(c, d["verify_wait_ms"], draft_ms, d.get("model_busy_s", 0.0) / wall if wall else 0.0)
+                         if "verify_wait_ms" in d else pooled.link_s)
             if d["drafted_per_round"] > 0 else pooled for d in own]
 
 
-def link_s(costs: dict[str, Any], verify_wait_ms: float) -> float:
+def link_s(costs: dict[str, Any], verify_wait_ms: float, draft_ms: float = 0.0, drafter_busy: float = 0.0) -> float:
     """A round's seconds between the drafter and the verifier beyond both (0 for a run that did not
-    record them): the drafter's wait for its verdict less what the verifier spent on the round
-    (its queue wait, its step, publishing the result). That is the network (the RTT) and each
-    frame's wait for the event loop of a busy process, on this machine's loopback several ms."""
+    record them): the network (the RTT), and each frame's wait for the event loop of a process
+    that is busy with something else, on this machine's loopback several ms.
+
+    It is the drafter's wait for its verdict less what the simulator models itself: the
+    verifier's time on the round (its queue wait, its step, publishing the result), and the two
+    waits of a frame that arrives while its receiver computes (with inline compute its event loop
+    is blocked meanwhile): a draft arriving during a verifier step waits on average the rest of
+    it, busy · step / 2 (the verifier's busy share of the window), and a verdict arriving during
+    a draft batch the rest of that, ``drafter_busy`` · ``draft_ms`` / 2. Only work for other
+    sessions makes a session's frame wait (a session alone finds both ends idle when its frames
+    come), so both are scaled by the share of a step's sessions that are others, 1 − 1/sessions."""
     if "queue_wait_ms" not in costs or verify_wait_ms <= 0:
         return 0.0
+    cpu = costs.get("cpu", {})
+    verifier_busy = cpu["verifier_steps_s"] / cpu["wall_s"] if cpu.get("wall_s") else 0.0
+    others = 1.0 - 1.0 / max(1.0, costs.get("batch_sessions") or 1.0)
     inside = costs["queue_wait_ms"] + costs["step_ms"] + costs.get("publish_ms", 0.0)
-    return max(0.0, verify_wait_ms - inside) / 1e3
+    blocked = others * (verifier_busy * costs["step_ms"] + drafter_busy * draft_ms) / 2
+    return max(0.0, verify_wait_ms - inside - blocked) / 1e3
 
 
 def verifier_loop_s(cpu: dict[str, float]) -> float:
@@ -137,7 +159,7 @@ def drafters_of(source: str, row: dict[str, Any], meta: dict[str, Any], repeat: 
                                   int(row.get("seed", 0)) + repeat)
     base = DrafterSpec("d", round_s=0.0, prompt_len=PROMPT_LEN, max_tokens=int(row.get("max_tokens", 128)),
                        pipeline_sessions=PIPELINE_SESSIONS)
-    return tuple(replace(base, name=f"d{i}", alpha=d.alpha, token_s=d.token_s, round_s=d.round_s,
+    return tuple(replace(base, name=f"d{i}", alpha=d.alpha, token_s=d.token_s, send_s=d.send_s,
                          rtt_s=max(rtts[i] / 1e3, d.link_s), concurrency=max(1, row["concurrency"] // n),
                          requests=requests // n, arrivals=tuple(arrivals[i::n]))
                  for i, d in enumerate(drafter_params(row, n)))
@@ -183,17 +205,19 @@ def compare(source: str, row: dict[str, Any], meta: dict[str, Any], coef: Coef) 
     tok_s = statistics.median(r.goodput_tok_s for r in sims)
     latency = sum((r.latency_s or 0.0) * r.requests_done for r in sims) / max(1, sum(r.requests_done for r in sims))
     out.update(sim_tok_s=tok_s, sim_latency_s=latency, alpha=specs[0].drafters[0].alpha, repeats=repeats,
-               alphas=[d.alpha for d in specs[0].drafters], step_scale=specs[0].cost.scale)
+               alphas=[d.alpha for d in specs[0].drafters], step_scale=specs[0].cost.scale,
+               rtts_ms=[d.rtt_s * 1e3 for d in specs[0].drafters] if specs[0].speculative else [])
     out["tok_s_error"] = tok_s / row["goodput_tok_s"] - 1
     out["latency_error"] = latency / row["latency_s_mean"] - 1 if row["latency_s_mean"] else math.nan
     out["within"] = abs(out["tok_s_error"]) <= TOLERANCE and abs(out["latency_error"]) <= TOLERANCE
     return out
 
 
-def alphas(row: dict[str, Any]) -> str:
-    """The row's per-token α, one per drafter when they differ."""
-    values = row.get("alphas") or [row["alpha"]]
-    return "/".join(f"{a:.2f}" for a in values) if len(set(values)) > 1 else f"{values[0]:.2f}"
+def per_drafter(values: list[float], digits: int) -> str:
+    """One value per drafter when they differ, else one."""
+    if not values:
+        return ""
+    return "/".join(f"{v:.{digits}f}" for v in values) if len(set(values)) > 1 else f"{values[0]:.{digits}f}"
 
 
 def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
@@ -201,16 +225,19 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
     ok = sum(1 for r in done if r["within"])
     lines = [f"Command: `{meta['command']}` ({meta['when']}); real runs from {', '.join(meta['sources'])}.", "",
              f"{ok} of {len(done)} rows within {TOLERANCE:.0%} on both goodput and mean latency.", "",
+             "RTT ms: each simulated drafter's round trip to the verifier, its configured RTT or, when longer, "
+             "its rounds' measured link time (network and event loops).", "",
              "| source | scenario | point | real tok/s | sim tok/s | error | real latency s | sim latency s | error | "
-             "α | step scale | within |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "α | RTT ms | step scale | within |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "skipped" in r:
             lines.append(f"| {r['source']} | {r['scenario']} | {r['point']} | {r['real_tok_s']:.1f} | | | "
-                         f"{r['real_latency_s']:.2f} | | | | | skipped: {r['skipped']} |")
+                         f"{r['real_latency_s']:.2f} | | | | | | skipped: {r['skipped']} |")
             continue
         lines.append(f"| {r['source']} | {r['scenario']} | {r['point']} | {r['real_tok_s']:.1f} | "
                      f"{r['sim_tok_s']:.1f} | {r['tok_s_error']:+.0%} | {r['real_latency_s']:.2f} | "
-                     f"{r['sim_latency_s']:.2f} | {r['latency_error']:+.0%} | {alphas(r)} | "
+                     f"{r['sim_latency_s']:.2f} | {r['latency_error']:+.0%} | "
+                     f"{per_drafter(r.get('alphas') or [r['alpha']], 2)} | {per_drafter(r.get('rtts_ms', []), 1)} | "
                      f"{r.get('step_scale', 1.0):.2f} | {'yes' if r['within'] else 'no'} |")
     return lines
 

@@ -201,7 +201,7 @@ def test_a_drafters_own_work_per_round_is_its_measured_hand_off_and_send() -> No
                          "send_ms": 0.5},
            "drafter-2": {"draft_ms_per_token": 1.0, "drafted_per_round": 2.0, "accepted_per_round": 2.0}}
     row = {**real_row(by_drafter=own), "round_ms": {"send": 2.0}}  # drafter-2 has only the pooled value
-    assert [d.round_s for d in drafter_params(row, 2)] == pytest.approx([5e-4, 2e-3])
+    assert [d.send_s for d in drafter_params(row, 2)] == pytest.approx([5e-4, 2e-3])
 
 
 def test_verifier_loop_s_is_its_cpu_outside_steps_per_round() -> None:
