@@ -146,13 +146,16 @@ def cpu_split(run: Run) -> dict[str, float]:
 def drafter_costs(snap: Snapshot) -> dict[str, float]:
     """One drafter's draft-model milliseconds per drafted token of its rounds, drafted and accepted
     tokens per round, its rounds, draft-model busy seconds (lookaheads included, and apart), its
-    rounds' mean hand-off and send and wait for the verdict, and its process CPU seconds."""
+    lookaheads (and how many were used), its rounds' mean hand-off and send and wait for the
+    verdict, and its process CPU seconds."""
     rounds, drafted = snap.value(f"{D}_rounds_total"), snap.value(f"{D}_drafted_tokens_total")
     return {"draft_ms_per_token": round_busy(snap) / drafted * 1e3 if drafted else 0.0,
             "drafted_per_round": drafted / rounds if rounds else 0.0,
             "accepted_per_round": snap.value(f"{D}_accepted_tokens_total") / rounds if rounds else 0.0,
             "rounds": rounds, "model_busy_s": snap.value(f"{D}_model_busy_seconds_total"),
             "lookahead_busy_s": snap.value(f"{D}_lookahead_busy_seconds_total"),
+            "lookaheads": sum(snap.value(f"{D}_lookaheads_total", outcome=o) for o in ("used", "missed", "dropped")),
+            "lookaheads_used": snap.value(f"{D}_lookaheads_total", outcome="used"),
             "send_ms": snap.mean(f"{D}_round_phase_seconds", phase="send") * 1e3,
             "verify_wait_ms": snap.mean(f"{D}_round_phase_seconds", phase="verify_wait") * 1e3,
             "cpu_s": snap.value("process_cpu_seconds_total")}

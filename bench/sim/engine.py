@@ -48,7 +48,7 @@ from services.verifier.batching import slo_met
 
 def _edge(index: int, d: DrafterSpec, threshold: float) -> Edge:
     return Edge(index, d.name, d.alpha, d.token_s, d.round_s, d.prefill_token_s, d.send_s, d.rtt_s / 2, d.max_batch,
-                d.pipeline_sessions, ControlSettings(threshold))
+                d.pipeline_sessions, d.lookahead_s, ControlSettings(threshold))
 
 
 class Simulation:
@@ -187,7 +187,8 @@ class Simulation:
         for s in batch:
             hit = bool(s.drafts) and all(ok for _, ok in s.drafts) and self.rng.random() < edge.alpha
             s.ahead = Lookahead(hit, s.budget)
-        seconds = sum(edge.token_s * (s.budget + 1) for s in batch)
+        seconds = sum(edge.lookahead_s or edge.token_s * (s.budget + 1) for s in batch)
+        self.rec.lookaheads += len(batch)
         edge.busy = True
         self.events.push(self.now + seconds, Kind.LOOKAHEAD_DONE,
                          (edge, tuple((s, s.ahead) for s in batch if s.ahead is not None)))
@@ -206,6 +207,7 @@ class Simulation:
         """The verdict came true for ``s``'s lookahead: its next draft leaves after the drafter's
         own work of a round (the controller screens it as a fresh one; the model's work is done)."""
         self._draw(s, self._round_len(s, ahead.tokens))
+        self.rec.lookaheads_used += 1
         s.draft_s = 0.0
         self._send(s, s.edge.round_s + s.edge.send_s)
 

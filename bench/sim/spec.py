@@ -48,6 +48,7 @@ class DrafterSpec:
     #: (its budget, plus a guess of the verifier's bonus token) as if all of this one is accepted;
     #: 0: off. Alternative lookaheads (--lookahead-branches) are not modelled.
     pipeline_sessions: int = 0
+    lookahead_s: float = 0.0  # draft-model seconds of one session's lookahead (0: token_s per token of it)
     concurrency: int = 1
     requests: int = 0  # closed loop: stop after this many requests in all (0: never)
     arrivals: tuple[float, ...] = ()
@@ -58,7 +59,7 @@ class DrafterSpec:
     def __post_init__(self) -> None:
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"{self.name}: alpha must be in [0, 1], got {self.alpha}")
-        if min(self.token_s, self.round_s, self.prefill_token_s, self.send_s, self.rtt_s) < 0:
+        if min(self.token_s, self.round_s, self.prefill_token_s, self.send_s, self.lookahead_s, self.rtt_s) < 0:
             raise ValueError(f"{self.name}: costs and RTT must be >= 0")
         if min(self.concurrency, self.max_batch, self.prompt_len, self.max_tokens) < 1 or min(
                 self.requests, self.pipeline_sessions) < 0:

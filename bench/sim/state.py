@@ -106,6 +106,7 @@ class Edge:
     half_rtt: float
     max_batch: int  # sessions drafted together at most
     pipeline_sessions: int  # sessions draft lookaheads while this drafter serves at most this many
+    lookahead_s: float  # one session's lookahead on the draft model (0: token_s per token)
     settings: ControlSettings  # one per drafter: the controllers of its sessions share its state
     queue: deque[Session] = field(default_factory=deque)
     in_flight: list[Session] = field(default_factory=list)  # drafts sent, verdict not yet back

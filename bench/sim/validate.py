@@ -12,7 +12,8 @@ profile says, simulates it, and compares goodput (committed tokens/s) and mean r
   loop) per session verified;
 * each drafter's costs (per drafter where the run recorded them, else the run's pooled
   values): its draft-model seconds per drafted token of its rounds (lookaheads apart), its
-  hand-off and send per round (a delay after its batch), and its link time (``link_s``: the wait for its verdict beyond
+  hand-off and send per round (a delay after its batch), its draft-model time per lookahead,
+  and its link time (``link_s``: the wait for its verdict beyond
   the verifier's own time on the round), which stands for the RTT when longer than the
   configured one; drafters pipeline as the real ones do by default;
 * acceptance: the per-token α whose accepted prefix over the mean draft length gives the mean
@@ -93,6 +94,7 @@ class DrafterCosts(NamedTuple):
     token_s: float  # draft-model seconds per drafted token of its rounds
     send_s: float  # from its batch's end to a draft leaving: handing it off and sending it
     link_s: float  # a round's time between drafter and verifier beyond both (network, event loops)
+    lookahead_s: float = 0.0  # draft-model seconds per lookahead (0: not recorded)
 
 
 def drafter_params(row: dict[str, Any], n: int) -> list[DrafterCosts]:
@@ -110,7 +112,8 @@ def drafter_params(row: dict[str, Any], n: int) -> list[DrafterCosts]:
     return [DrafterCosts(alpha_for(d["accepted_per_round"], d["drafted_per_round"]), d["draft_ms_per_token"] / 1e3,
                          d["send_ms"] / 1e3 if "send_ms" in d else pooled.send_s,
                          link_s(c, d["verify_wait_ms"], draft_ms, d.get("model_busy_s", 0.0) / wall if wall else 0.0)
-                         if "verify_wait_ms" in d else pooled.link_s)
+                         if "verify_wait_ms" in d else pooled.link_s,
+                         d["lookahead_busy_s"] / d["lookaheads"] if d.get("lookaheads") else 0.0)
             if d["drafted_per_round"] > 0 else pooled for d in own]
 
 
@@ -160,6 +163,7 @@ def drafters_of(source: str, row: dict[str, Any], meta: dict[str, Any], repeat: 
     base = DrafterSpec("d", round_s=0.0, prompt_len=PROMPT_LEN, max_tokens=int(row.get("max_tokens", 128)),
                        pipeline_sessions=PIPELINE_SESSIONS)
     return tuple(replace(base, name=f"d{i}", alpha=d.alpha, token_s=d.token_s, send_s=d.send_s,
+                         lookahead_s=d.lookahead_s,
                          rtt_s=max(rtts[i] / 1e3, d.link_s), concurrency=max(1, row["concurrency"] // n),
                          requests=requests // n, arrivals=tuple(arrivals[i::n]))
                  for i, d in enumerate(drafter_params(row, n)))
@@ -206,11 +210,22 @@ def compare(source: str, row: dict[str, Any], meta: dict[str, Any], coef: Coef) 
     latency = sum((r.latency_s or 0.0) * r.requests_done for r in sims) / max(1, sum(r.requests_done for r in sims))
     out.update(sim_tok_s=tok_s, sim_latency_s=latency, alpha=specs[0].drafters[0].alpha, repeats=repeats,
                alphas=[d.alpha for d in specs[0].drafters], step_scale=specs[0].cost.scale,
-               rtts_ms=[d.rtt_s * 1e3 for d in specs[0].drafters] if specs[0].speculative else [])
+               rtts_ms=[d.rtt_s * 1e3 for d in specs[0].drafters] if specs[0].speculative else [],
+               sim_lookahead_use=sum(r.lookaheads_used for r in sims) / max(1, sum(r.rounds for r in sims)),
+               real_lookahead_use=lookahead_use(row))
     out["tok_s_error"] = tok_s / row["goodput_tok_s"] - 1
     out["latency_error"] = latency / row["latency_s_mean"] - 1 if row["latency_s_mean"] else math.nan
     out["within"] = abs(out["tok_s_error"]) <= TOLERANCE and abs(out["latency_error"]) <= TOLERANCE
     return out
+
+
+def lookahead_use(row: dict[str, Any]) -> float | None:
+    """The share of the real run's rounds whose draft was a lookahead (None: not recorded)."""
+    own = row["costs"].get("by_drafter", {}).values()
+    rounds = sum(d.get("rounds", 0.0) for d in own)
+    if not rounds or not all("lookaheads_used" in d for d in own):
+        return None
+    return sum(d["lookaheads_used"] for d in own) / rounds
 
 
 def per_drafter(values: list[float], digits: int) -> str:

@@ -169,10 +169,12 @@ def test_drafter_params_are_per_drafter_when_the_run_recorded_them() -> None:
     assert pooled[0] == pooled[1] and pooled[0][1] == pytest.approx(5e-3)
     own = {"drafter-1": {"draft_ms_per_token": 1.0, "drafted_per_round": 2.0, "accepted_per_round": 2.0},
            "drafter-2": {"draft_ms_per_token": 8.0, "drafted_per_round": 4.0, "accepted_per_round": 0.0}}
-    (a1, t1, r1, l1), (a2, t2, r2, l2) = drafter_params(real_row(by_drafter=own), 2)
-    assert (a1, t1) == (pytest.approx(1.0), pytest.approx(1e-3))
-    assert (a2, t2) == (pytest.approx(0.0), pytest.approx(8e-3))
-    assert r1 == r2 == l1 == l2 == 0.0  # no CPU split or verifier waits recorded
+    d1, d2 = drafter_params(real_row(by_drafter=own), 2)
+    assert (d1.alpha, d1.token_s) == (pytest.approx(1.0), pytest.approx(1e-3))
+    assert (d2.alpha, d2.token_s) == (pytest.approx(0.0), pytest.approx(8e-3))
+    assert d1.send_s == d1.link_s == d1.lookahead_s == d2.send_s == 0.0  # none of these recorded
+    own["drafter-1"].update(lookahead_busy_s=2.0, lookaheads=400)
+    assert drafter_params(real_row(by_drafter=own), 2)[0].lookahead_s == pytest.approx(5e-3)
 
 
 @pytest.mark.parametrize(("costs", "verify_wait_ms", "want"), [

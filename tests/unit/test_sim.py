@@ -74,8 +74,9 @@ def test_hopeless_drafter_commits_one_token_per_round() -> None:
                                                    (2, [("d0-r0", "d0-r1"), ("d0-r2",)])])
 def test_a_drafter_drafts_its_ready_sessions_as_one_batch(max_batch: int, batches: list[tuple[str, ...]]) -> None:
     """Sessions ready together are drafted together (up to max_batch), and their drafts all leave
-    when the batch ends: after the sum of their draft costs."""
-    d = DrafterSpec("d0", token_s=1e-3, round_s=2e-3, prefill_token_s=0.0, concurrency=3, max_batch=max_batch)
+    send_s after the batch ends, which takes the sum of their draft costs."""
+    d = DrafterSpec("d0", token_s=1e-3, round_s=2e-3, prefill_token_s=0.0, send_s=5e-4, concurrency=3,
+                    max_batch=max_batch)
     sim = Simulation(SimSpec(drafters=(d,), cost=H100, rounds=1))
     started: list[float] = []
     done: list[tuple[float, tuple[str, ...]]] = []
@@ -88,6 +89,7 @@ def test_a_drafter_drafts_its_ready_sessions_as_one_batch(max_batch: int, batche
     def record_end(batch: tuple[Edge, tuple[Session, ...]]) -> None:
         done.append((sim.now, tuple(s.sid for s in batch[1])))
         end(batch)
+        assert all(s.sent_at == pytest.approx(sim.now + 5e-4) for s in batch[1])
     sim._start_batch, sim._draft_done = record_start, record_end  # type: ignore[method-assign, assignment]
     sim.run()
     assert [sids for _, sids in done[: len(batches)]] == batches
@@ -105,6 +107,7 @@ def pipelined(alpha: float, pipeline_sessions: int, concurrency: int = 1) -> Sim
 def test_pipelined_drafting_hides_the_draft_time_when_every_draft_is_accepted() -> None:
     off, on = pipelined(1.0, 0), pipelined(1.0, 1)
     assert on.requests_done == off.requests_done == 4 and on.committed == off.committed
+    assert off.lookaheads == 0 and on.lookaheads_used == on.rounds - on.requests_done  # all but each first round
     assert off.latency_s is not None and on.latency_s is not None
     # every round but a request's first finds its draft ready: k·token_s less per round
     saved_per_round = (off.latency_s - on.latency_s) * on.requests_done / (on.rounds - on.requests_done)
@@ -114,6 +117,7 @@ def test_pipelined_drafting_hides_the_draft_time_when_every_draft_is_accepted() 
 def test_lookaheads_that_never_come_true_only_cost_time() -> None:
     off, on = pipelined(0.0, 0), pipelined(0.0, 1)
     assert on.committed == off.committed and on.accepted == off.accepted == 0
+    assert on.lookaheads > 0 and on.lookaheads_used == 0
     assert on.latency_s is not None and off.latency_s is not None and on.latency_s >= off.latency_s
 
 
