@@ -8,9 +8,11 @@ as the real batcher does. For each, the drafter caps b at what the request can s
 (``begin_round``), and drafts token by token: each synthetic token (``tokens.py``) is shown to
 ``on_step`` when the controller wants features, which may stop early (STOP keeps the token,
 DISCARD drops it; its compute is spent). The batch takes the sum of its sessions' draft costs
-(``DrafterSpec``) and every draft of it leaves when the batch ends, reaching the verifier RTT/2
-later. Pipelined drafting (drafting ahead while a draft is verified) is not modelled. When the
-verdict comes back,
+(``DrafterSpec``) and every draft of it leaves ``send_s`` after the batch ends, reaching the
+verifier RTT/2 later. Pipelined drafting (``lookahead.py``): while a drafter serves at most
+``pipeline_sessions`` sessions and none is ready, it drafts each in-flight session's next round
+as if this one is accepted whole; when the verdict makes that true, the lookahead is the next
+draft, sent as soon as it is done. When the verdict comes back,
 ``end_round(drafted, accepted, draft_s, verify_s)`` feeds the controller, as the real drafter
 does. The controller's decisions are taken when the draft starts (the simulator draws the whole
 draft at once), so feedback from other sessions' verdicts during a draft is seen from the next one.

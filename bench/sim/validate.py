@@ -101,18 +101,20 @@ def drafter_params(row: dict[str, Any], n: int) -> list[DrafterCosts]:
     """Each drafter's costs: its own measured rounds where the run recorded them per drafter
     (``costs.by_drafter``), else the run's pooled values for all of them."""
     c, phases = row["costs"], row.get("round_ms", {})
-    wall, draft_ms = c.get("cpu", {}).get("wall_s", 0.0), phases.get("draft", 0.0)
-    pooled_busy = c.get("cpu", {}).get("draft_busy_s", 0.0) / n
+    wall = c.get("cpu", {}).get("wall_s", 0.0)
+
+    def link(verify_wait_ms: float, busy_s: float) -> float:
+        return link_s(c, verify_wait_ms, phases.get("draft", 0.0), busy_s / wall if wall else 0.0)
     pooled = DrafterCosts(alpha_for(row["mean_accepted_per_round"], c["drafted_per_round"]),
                           c["draft_ms_per_token"] / 1e3, phases.get("send", 0.0) / 1e3,
-                          link_s(c, phases.get("verify_wait", 0.0), draft_ms, pooled_busy / wall if wall else 0.0))
+                          link(phases.get("verify_wait", 0.0), c.get("cpu", {}).get("draft_busy_s", 0.0) / n))
     own = [d for _, d in sorted(c.get("by_drafter", {}).items())]
     if len(own) != n:
         return [pooled] * n
     return [DrafterCosts(alpha_for(d["accepted_per_round"], d["drafted_per_round"]), d["draft_ms_per_token"] / 1e3,
                          d["send_ms"] / 1e3 if "send_ms" in d else pooled.send_s,
-                         link_s(c, d["verify_wait_ms"], draft_ms, d.get("model_busy_s", 0.0) / wall if wall else 0.0)
-                         if "verify_wait_ms" in d else pooled.link_s,
+                         link(d["verify_wait_ms"], d.get("model_busy_s", 0.0)) if "verify_wait_ms" in d
+                         else pooled.link_s,
                          d["lookahead_busy_s"] / d["lookaheads"] if d.get("lookaheads") else 0.0)
             if d["drafted_per_round"] > 0 else pooled for d in own]
 
