@@ -65,9 +65,14 @@ def slo_by_class(verifier: Snapshot) -> dict[str, dict[str, float]]:
                   else float("nan")} for cls, c in sorted(counts.items())}
 
 
+def drafter_snapshots(run: Run) -> list[Snapshot]:
+    """Every drafter's metrics over the run."""
+    return [s for name, s in run.metrics.items() if name.startswith("drafter")]
+
+
 def round_breakdown(run: Run) -> dict[str, float]:
     """Mean milliseconds per round phase over every drafter of the run."""
-    snaps = [s for name, s in run.metrics.items() if name.startswith("drafter")]
+    snaps = drafter_snapshots(run)
     out = {}
     for phase in PHASES:
         n = sum(s.count(f"{D}_round_phase_seconds", phase=phase) for s in snaps)
@@ -110,7 +115,7 @@ def measured_costs(run: Run) -> dict[str, Any]:
     of its rounds (lookaheads apart) and rounds' drafts (over every drafter, and per drafter in
     ``by_drafter``), and where the CPU went (``cpu``)."""
     v = run.metrics.get("verifier", Snapshot())
-    snaps = [s for name, s in run.metrics.items() if name.startswith("drafter")]
+    snaps = drafter_snapshots(run)
     rounds = sum(s.value(f"{D}_rounds_total") for s in snaps)
     drafted = sum(s.value(f"{D}_drafted_tokens_total") for s in snaps)
     busy = sum(round_busy(s) for s in snaps)
@@ -134,7 +139,7 @@ def cpu_split(run: Run) -> dict[str, float]:
     rounds; the draft models' busy time (lookaheads included, and apart) and the drafters' rounds."""
     v = run.metrics.get("verifier", Snapshot())
     out = {f"{name}_s": snap.value("process_cpu_seconds_total") for name, snap in sorted(run.metrics.items())}
-    drafters = [s for name, s in run.metrics.items() if name.startswith("drafter")]
+    drafters = drafter_snapshots(run)
     return {**out, "client_s": run.client_cpu_s, "wall_s": sum(run.walls),
             "verifier_steps_s": v.value(f"{V}_step_seconds_sum", phase="total"),
             "verifier_rounds": v.value(f"{V}_rounds_total"),

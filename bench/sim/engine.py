@@ -9,10 +9,11 @@ as the real batcher does. For each, the drafter caps b at what the request can s
 ``on_step`` when the controller wants features, which may stop early (STOP keeps the token,
 DISCARD drops it; its compute is spent). The batch takes the sum of its sessions' draft costs
 (``DrafterSpec``) and every draft of it leaves ``send_s`` after the batch ends, reaching the
-verifier RTT/2 later. Pipelined drafting (``lookahead.py``): while a drafter serves at most
-``pipeline_sessions`` sessions and none is ready, it drafts each in-flight session's next round
-as if this one is accepted whole; when the verdict makes that true, the lookahead is the next
-draft, sent as soon as it is done. When the verdict comes back,
+verifier RTT/2 later. Pipelined drafting (``lookahead.py``): a session that sends a draft while
+its drafter serves at most ``pipeline_sessions`` sessions drafts its next round ahead, as if
+this one is accepted whole, one token per batch and only while no round is ready. A verdict
+that makes it true takes it as the next draft, sent once it is done; any other drops it. When
+the verdict comes back,
 ``end_round(drafted, accepted, draft_s, verify_s)`` feeds the controller, as the real drafter
 does. The controller's decisions are taken when the draft starts (the simulator draws the whole
 draft at once), so feedback from other sessions' verdicts during a draft is seen from the next one.
@@ -50,7 +51,7 @@ from services.verifier.batching import slo_met
 
 def _edge(index: int, d: DrafterSpec, threshold: float) -> Edge:
     return Edge(index, d.name, d.alpha, d.token_s, d.round_s, d.prefill_token_s, d.send_s, d.rtt_s / 2, d.max_batch,
-                d.pipeline_sessions, d.lookahead_s, ControlSettings(threshold))
+                d.pipeline_sessions, d.lookahead_token_s, ControlSettings(threshold))
 
 
 class Simulation:
@@ -84,7 +85,7 @@ class Simulation:
         handlers: dict[Kind, Callable[[Any], None]] = {
             Kind.ARRIVE: self._arrive, Kind.OPEN: self._open, Kind.VERDICT: self._verdict,
             Kind.DRAFT_DONE: self._draft_done, Kind.DRAFT_IN: self._draft_in, Kind.STEP_END: self._step_end,
-            Kind.LOOKAHEAD_DONE: self._lookahead_done}
+            Kind.LOOKAHEAD_STEP: self._lookahead_step}
         while self.events and not self._done():
             at = self.events.next_time()
             assert at is not None
@@ -154,14 +155,15 @@ class Simulation:
             s.controller.end_round(v.drafted, min(v.accepted, v.drafted), s.draft_s, self.now - s.sent_at)
             if isinstance(s.controller, WispController):
                 s.controller.shared.wait_trained()  # a retraining runs to completion: deterministic
-        ahead, s.ahead = s.ahead, None
+        ahead = s.ahead
+        if ahead is not None and (v.finished or v.budget <= 0 or not ahead.hit):
+            self._drop(s)
         if v.finished:
             self._complete(s)
-        elif v.budget > 0 and ahead is not None and ahead.hit:
-            if ahead.done:
-                self._take(s, ahead)
-            else:
-                ahead.wanted, s.ahead = True, ahead  # taken when its batch ends
+        elif ahead is not None and s.ahead is ahead:  # it came true
+            ahead.wanted = True
+            if not ahead.left:
+                self._take(s)
         elif v.budget > 0:
             s.edge.queue.append(s)
             self.ready.append(s.edge)
@@ -169,49 +171,62 @@ class Simulation:
     def _start_batches(self) -> None:
         """Idle drafters with ready sessions start a batch, once every event of the instant is in
         (as the real batcher lets the verdicts that arrived together in before it takes a batch);
-        with none ready, they may draft lookaheads."""
+        with none ready, they draft a token of each running lookahead."""
         for edge in self.ready:
             if not edge.busy and edge.queue:
                 self._start_batch(edge)
-            elif not edge.busy and 0 < edge.live <= edge.pipeline_sessions:
-                self._start_lookaheads(edge)
+            elif not edge.busy and edge.looking:
+                self._start_lookahead_step(edge)
         self.ready.clear()
 
     # --- pipelined drafting ------------------------------------------------------------------
 
-    def _start_lookaheads(self, edge: Edge) -> None:
-        """Draft the next round of every in-flight session that has no lookahead yet, as one batch:
-        its budget and a guess of the verifier's bonus token, which comes true (when every draft
-        of the round is accepted) with the drafter's α."""
-        batch = [s for s in edge.in_flight if s.ahead is None and s.budget > 0]
-        if not batch:
+    def _look_ahead(self, s: Session) -> None:
+        """``s`` just sent a draft: while its drafter serves few enough sessions, it drafts the next
+        round ahead, which comes true when every draft is accepted and the first lookahead token
+        guesses the verifier's bonus token (the drafter's α)."""
+        edge, sent = s.edge, len(s.drafts)
+        if not sent or not 0 < edge.live <= edge.pipeline_sessions:
             return
-        for s in batch:
-            hit = bool(s.drafts) and all(ok for _, ok in s.drafts) and self.rng.random() < edge.alpha
-            s.ahead = Lookahead(hit, s.budget)
-        seconds = sum(edge.lookahead_s or edge.token_s * (s.budget + 1) for s in batch)
-        self.rec.lookaheads += len(batch)
+        whole = all(ok for _, ok in s.drafts)
+        s.ahead = Lookahead(whole and self.rng.random() < edge.alpha, sent, sent + 1)
+        edge.looking.append(s)
+        self.rec.lookaheads += 1
+
+    def _start_lookahead_step(self, edge: Edge) -> None:
+        batch = edge.looking[: edge.max_batch]
         edge.busy = True
-        self.events.push(self.now + seconds, Kind.LOOKAHEAD_DONE,
+        seconds = (edge.lookahead_token_s or edge.token_s) * len(batch)
+        self.events.push(self.now + seconds, Kind.LOOKAHEAD_STEP,
                          (edge, tuple((s, s.ahead) for s in batch if s.ahead is not None)))
 
-    def _lookahead_done(self, done: tuple[Edge, tuple[tuple[Session, Lookahead], ...]]) -> None:
+    def _lookahead_step(self, done: tuple[Edge, tuple[tuple[Session, Lookahead], ...]]) -> None:
         edge, batch = done
         edge.busy = False
         self.ready.append(edge)
         for s, ahead in batch:
-            ahead.done = True
-            if ahead.wanted and s.ahead is ahead:
-                s.ahead = None
-                self._take(s, ahead)
+            if s.ahead is not ahead:  # dropped meanwhile
+                continue
+            ahead.left -= 1
+            if not ahead.left:
+                edge.looking.remove(s)
+                if ahead.wanted:
+                    self._take(s)
 
-    def _take(self, s: Session, ahead: Lookahead) -> None:
-        """The verdict came true for ``s``'s lookahead: its next draft leaves after the drafter's
-        own work of a round (the controller screens it as a fresh one; the model's work is done)."""
-        self._draw(s, self._round_len(s, ahead.tokens))
+    def _drop(self, s: Session) -> None:
+        if s.ahead is not None and s in s.edge.looking:
+            s.edge.looking.remove(s)
+        s.ahead = None
+
+    def _take(self, s: Session) -> None:
+        """The verdict came true for ``s``'s lookahead: its next draft leaves after the hand-off (the
+        controller screens it as a fresh one; the model's work is done)."""
+        assert s.ahead is not None
+        tokens, s.ahead = s.ahead.tokens, None
+        self._draw(s, self._round_len(s, tokens))
         self.rec.lookaheads_used += 1
         s.draft_s = 0.0
-        self._send(s, s.edge.round_s + s.edge.send_s)
+        self._send(s, s.edge.send_s)
 
     def _start_batch(self, edge: Edge) -> None:
         """Draft every ready session of ``edge`` (up to its ``max_batch``) as one batch."""
@@ -265,7 +280,8 @@ class Simulation:
         """The draft leaves ``after`` seconds from now."""
         s.sent_at = self.now + after
         s.edge.in_flight.append(s)
-        self.ready.append(s.edge)  # its drafter may draft the session's lookahead
+        self._look_ahead(s)
+        self.ready.append(s.edge)
         self.events.push(s.sent_at + s.edge.half_rtt, Kind.DRAFT_IN, s)
 
     def _draft_in(self, s: Session) -> None:

@@ -18,13 +18,13 @@ class DrafterSpec:
     """One edge drafter (one draft model drafting its ready sessions in batches of up to
     ``max_batch``) and the requests it serves.
 
-    Costs: a session's draft of j tokens adds ``round_s + j·token_s`` to its batch's time (the
-    first round of a request also prefills its prompt: ``prompt_len·prefill_token_s``); every
-    draft of a batch leaves when the batch ends. ``token_s`` is the draft model's time per token
-    at the batch sizes the drafter sees (a batch's forwards amortise their fixed cost over its
-    rows), ``round_s`` the drafter's own work per round beside the model (taking the verdict,
-    sending the draft). Each draft leaves ``send_s`` after its batch ends (the hand-off: its
-    session's share of turning the batch into frames, which does not hold the draft model up).
+    Costs: a session's draft of j tokens adds ``round_s + j·token_s`` to its batch's time on the
+    draft model (the first round of a request also prefills its prompt:
+    ``prompt_len·prefill_token_s``). ``token_s`` is the draft model's time per token at the
+    batch sizes the drafter sees (a batch's forwards amortise their fixed cost over its rows),
+    ``round_s`` a fixed draft-model cost per drafted round (scheduling, sampling setup). Each
+    draft leaves ``send_s`` after its batch ends (the hand-off: turning the batch into frames,
+    which does not hold the draft model up).
     A message takes ``rtt_s / 2`` each way between the drafter and the verifier.
 
     Requests: closed loop with ``concurrency`` sessions at once (a finished request is followed
@@ -43,12 +43,13 @@ class DrafterSpec:
     send_s: float = 0.0  # from a batch's end to each of its drafts leaving (the drafter's hand-off)
     rtt_s: float = 0.02  # round-trip time to the verifier
     max_batch: int = 64  # the most sessions drafted together (the real drafter: its session limit)
-    #: pipelined drafting (the real drafter's --pipeline-sessions): while it serves at most this many
-    #: sessions and no round is ready, its draft model drafts each in-flight session's next round
-    #: (its budget, plus a guess of the verifier's bonus token) as if all of this one is accepted;
-    #: 0: off. Alternative lookaheads (--lookahead-branches) are not modelled.
+    #: pipelined drafting (the real drafter's --pipeline-sessions): a session that sends a draft
+    #: while its drafter serves at most this many sessions drafts its next round ahead (a guess of
+    #: the verifier's bonus token, then as many drafts as it sent) as if all of this one is
+    #: accepted, one token per batch and only when no round is ready; 0: off. Alternative
+    #: lookaheads (--lookahead-branches) are not modelled.
     pipeline_sessions: int = 0
-    lookahead_s: float = 0.0  # draft-model seconds of one session's lookahead (0: token_s per token of it)
+    lookahead_token_s: float = 0.0  # draft-model seconds per lookahead token (0: token_s)
     concurrency: int = 1
     requests: int = 0  # closed loop: stop after this many requests in all (0: never)
     arrivals: tuple[float, ...] = ()
@@ -59,7 +60,8 @@ class DrafterSpec:
     def __post_init__(self) -> None:
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"{self.name}: alpha must be in [0, 1], got {self.alpha}")
-        if min(self.token_s, self.round_s, self.prefill_token_s, self.send_s, self.lookahead_s, self.rtt_s) < 0:
+        if min(self.token_s, self.round_s, self.prefill_token_s, self.send_s, self.lookahead_token_s,
+               self.rtt_s) < 0:
             raise ValueError(f"{self.name}: costs and RTT must be >= 0")
         if min(self.concurrency, self.max_batch, self.prompt_len, self.max_tokens) < 1 or min(
                 self.requests, self.pipeline_sessions) < 0:

@@ -21,7 +21,7 @@ class Kind(IntEnum):
     DRAFT_DONE = 3  # the draft model finished a batch of drafts [(Edge, tuple of Sessions)]
     DRAFT_IN = 4  # a draft reaches the verifier [Session]
     STEP_END = 5  # the verifier's forward pass finished [Step]
-    LOOKAHEAD_DONE = 6  # the draft model finished a batch of lookaheads [(Edge, tuple of (Session, Lookahead))]
+    LOOKAHEAD_STEP = 6  # one token of each running lookahead drafted [(Edge, tuple of (Session, Lookahead))]
 
 
 class Events:
@@ -81,14 +81,15 @@ class Session:
 
 @dataclass(slots=True, eq=False)
 class Lookahead:
-    """A pipelined draft of a session's next round (``services/drafter/lookahead.py``). Whether
-    the verdict will make it the next draft is known when it starts: the simulator has drawn the
-    round's outcomes (every draft accepted, and the first lookahead token guessing the verifier's
-    bonus token)."""
+    """A pipelined draft of a session's next round (``services/drafter/lookahead.py``): its guess of
+    the verifier's bonus token, then ``tokens`` drafts, drafted one token per batch of the draft
+    model, after any ready round. Whether the verdict will make it the next draft is known when
+    it starts: the simulator has drawn the round's outcomes (every draft accepted, and the guess
+    right)."""
 
     hit: bool
     tokens: int  # draft tokens it holds for the next round
-    done: bool = False  # the draft model finished it
+    left: int  # tokens still to draft (the guess included)
     wanted: bool = False  # the verdict came and takes it, once done
 
 
@@ -106,10 +107,11 @@ class Edge:
     half_rtt: float
     max_batch: int  # sessions drafted together at most
     pipeline_sessions: int  # sessions draft lookaheads while this drafter serves at most this many
-    lookahead_s: float  # one session's lookahead on the draft model (0: token_s per token)
+    lookahead_token_s: float  # draft-model seconds per lookahead token (0: token_s)
     settings: ControlSettings  # one per drafter: the controllers of its sessions share its state
     queue: deque[Session] = field(default_factory=deque)
     in_flight: list[Session] = field(default_factory=list)  # drafts sent, verdict not yet back
+    looking: list[Session] = field(default_factory=list)  # sessions whose lookahead is being drafted
     busy: bool = False
     requests: int = 0  # requests started
     live: int = 0  # requests started and not finished

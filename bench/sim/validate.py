@@ -94,32 +94,47 @@ class DrafterCosts(NamedTuple):
     token_s: float  # draft-model seconds per drafted token of its rounds
     send_s: float  # from its batch's end to a draft leaving: handing it off and sending it
     link_s: float  # a round's time between drafter and verifier beyond both (network, event loops)
-    lookahead_s: float = 0.0  # draft-model seconds per lookahead (0: not recorded)
+    lookahead_token_s: float = 0.0  # draft-model seconds per lookahead token (0: not recorded)
 
 
 def drafter_params(row: dict[str, Any], n: int) -> list[DrafterCosts]:
     """Each drafter's costs: its own measured rounds where the run recorded them per drafter
     (``costs.by_drafter``), else the run's pooled values for all of them."""
-    c, phases = row["costs"], row.get("round_ms", {})
-    wall = c.get("cpu", {}).get("wall_s", 0.0)
+    c, phases, cpu = row["costs"], row.get("round_ms", {}), row["costs"].get("cpu", {})
+    wall = cpu.get("wall_s", 0.0)
 
-    def link(verify_wait_ms: float, busy_s: float) -> float:
-        return link_s(c, verify_wait_ms, phases.get("draft", 0.0), busy_s / wall if wall else 0.0)
+    def link(verify_wait_ms: float, busy_s: float, lookahead_busy_s: float = 0.0, token_s: float = 0.0) -> float:
+        """``link_s`` with what holds this drafter's event loop up: its round batches (a verdict
+        waits for the rest of one) and its lookahead tokens (for the rest of one token)."""
+        if not wall:
+            return link_s(c, verify_wait_ms)
+        held = ((busy_s - lookahead_busy_s) * phases.get("draft", 0.0) + lookahead_busy_s * token_s * 1e3) / wall
+        return link_s(c, verify_wait_ms, held)
     pooled = DrafterCosts(alpha_for(row["mean_accepted_per_round"], c["drafted_per_round"]),
                           c["draft_ms_per_token"] / 1e3, phases.get("send", 0.0) / 1e3,
-                          link(phases.get("verify_wait", 0.0), c.get("cpu", {}).get("draft_busy_s", 0.0) / n))
+                          link(phases.get("verify_wait", 0.0), cpu.get("draft_busy_s", 0.0) / n,
+                               cpu.get("lookahead_busy_s", 0.0) / n))
     own = [d for _, d in sorted(c.get("by_drafter", {}).items())]
     if len(own) != n:
         return [pooled] * n
     return [DrafterCosts(alpha_for(d["accepted_per_round"], d["drafted_per_round"]), d["draft_ms_per_token"] / 1e3,
                          d["send_ms"] / 1e3 if "send_ms" in d else pooled.send_s,
-                         link(d["verify_wait_ms"], d.get("model_busy_s", 0.0)) if "verify_wait_ms" in d
-                         else pooled.link_s,
-                         d["lookahead_busy_s"] / d["lookaheads"] if d.get("lookaheads") else 0.0)
+                         link(d["verify_wait_ms"], d.get("model_busy_s", 0.0), d.get("lookahead_busy_s", 0.0),
+                              lookahead_token_s(d)) if "verify_wait_ms" in d else pooled.link_s,
+                         lookahead_token_s(d))
             if d["drafted_per_round"] > 0 else pooled for d in own]
 
 
-def link_s(costs: dict[str, Any], verify_wait_ms: float, draft_ms: float = 0.0, drafter_busy: float = 0.0) -> float:
+def lookahead_token_s(d: dict[str, Any]) -> float:
+    """A drafter's draft-model seconds per lookahead token: its lookaheads' time over their tokens,
+    taken as its mean draft length plus the guess each (a lookahead cut short by its verdict has
+    fewer, so this errs low); 0 when the run did not count lookaheads."""
+    if not d.get("lookaheads"):
+        return 0.0
+    return d["lookahead_busy_s"] / (d["lookaheads"] * (d["drafted_per_round"] + 1))
+
+
+def link_s(costs: dict[str, Any], verify_wait_ms: float, drafter_held_ms: float = 0.0) -> float:
     """A round's seconds between the drafter and the verifier beyond both (0 for a run that did not
     record them): the network (the RTT), and each frame's wait for the event loop of a process
     that is busy with something else, on this machine's loopback several ms.
@@ -128,17 +143,18 @@ def link_s(costs: dict[str, Any], verify_wait_ms: float, draft_ms: float = 0.0, 
     verifier's time on the round (its queue wait, its step, publishing the result), and the two
     waits of a frame that arrives while its receiver computes (with inline compute its event loop
     is blocked meanwhile): a draft arriving during a verifier step waits on average the rest of
-    it, busy · step / 2 (the verifier's busy share of the window), and a verdict arriving during
-    a draft batch the rest of that, ``drafter_busy`` · ``draft_ms`` / 2. Only work for other
-    sessions makes a session's frame wait (a session alone finds both ends idle when its frames
-    come), so both are scaled by the share of a step's sessions that are others, 1 − 1/sessions."""
+    it, busy · step / 2 (the verifier's busy share of the window), and a verdict arriving while
+    the drafter computes the rest of that computation, ``drafter_held_ms`` / 2 (Σ busy share ·
+    length over what it computes: round batches, lookahead tokens). Only work for other sessions
+    makes a session's frame wait (a session alone finds both ends idle when its frames come), so
+    both are scaled by the share of a step's sessions that are others, 1 − 1/sessions."""
     if "queue_wait_ms" not in costs or verify_wait_ms <= 0:
         return 0.0
     cpu = costs.get("cpu", {})
     verifier_busy = cpu["verifier_steps_s"] / cpu["wall_s"] if cpu.get("wall_s") else 0.0
     others = 1.0 - 1.0 / max(1.0, costs.get("batch_sessions") or 1.0)
     inside = costs["queue_wait_ms"] + costs["step_ms"] + costs.get("publish_ms", 0.0)
-    blocked = others * (verifier_busy * costs["step_ms"] + drafter_busy * draft_ms) / 2
+    blocked = others * (verifier_busy * costs["step_ms"] + drafter_held_ms) / 2
     return max(0.0, verify_wait_ms - inside - blocked) / 1e3
 
 
@@ -165,7 +181,7 @@ def drafters_of(source: str, row: dict[str, Any], meta: dict[str, Any], repeat: 
     base = DrafterSpec("d", round_s=0.0, prompt_len=PROMPT_LEN, max_tokens=int(row.get("max_tokens", 128)),
                        pipeline_sessions=PIPELINE_SESSIONS)
     return tuple(replace(base, name=f"d{i}", alpha=d.alpha, token_s=d.token_s, send_s=d.send_s,
-                         lookahead_s=d.lookahead_s,
+                         lookahead_token_s=d.lookahead_token_s,
                          rtt_s=max(rtts[i] / 1e3, d.link_s), concurrency=max(1, row["concurrency"] // n),
                          requests=requests // n, arrivals=tuple(arrivals[i::n]))
                  for i, d in enumerate(drafter_params(row, n)))
@@ -213,7 +229,7 @@ def compare(source: str, row: dict[str, Any], meta: dict[str, Any], coef: Coef) 
     out.update(sim_tok_s=tok_s, sim_latency_s=latency, alpha=specs[0].drafters[0].alpha, repeats=repeats,
                alphas=[d.alpha for d in specs[0].drafters], step_scale=specs[0].cost.scale,
                rtts_ms=[d.rtt_s * 1e3 for d in specs[0].drafters] if specs[0].speculative else [],
-               sim_lookahead_use=sum(r.lookaheads_used for r in sims) / max(1, sum(r.rounds for r in sims)),
+               sim_lookahead_use=sum(r.lookaheads_used for r in sims) / max(1, sum(r.drafted_rounds for r in sims)),
                real_lookahead_use=lookahead_use(row))
     out["tok_s_error"] = tok_s / row["goodput_tok_s"] - 1
     out["latency_error"] = latency / row["latency_s_mean"] - 1 if row["latency_s_mean"] else math.nan
@@ -222,7 +238,7 @@ def compare(source: str, row: dict[str, Any], meta: dict[str, Any], coef: Coef) 
 
 
 def lookahead_use(row: dict[str, Any]) -> float | None:
-    """The share of the real run's rounds whose draft was a lookahead (None: not recorded)."""
+    """The share of the real run's drafted rounds whose draft was a lookahead (None: not recorded)."""
     own = row["costs"].get("by_drafter", {}).values()
     rounds = sum(d.get("rounds", 0.0) for d in own)
     if not rounds or not all("lookaheads_used" in d for d in own):

@@ -172,9 +172,9 @@ def test_drafter_params_are_per_drafter_when_the_run_recorded_them() -> None:
     d1, d2 = drafter_params(real_row(by_drafter=own), 2)
     assert (d1.alpha, d1.token_s) == (pytest.approx(1.0), pytest.approx(1e-3))
     assert (d2.alpha, d2.token_s) == (pytest.approx(0.0), pytest.approx(8e-3))
-    assert d1.send_s == d1.link_s == d1.lookahead_s == d2.send_s == 0.0  # none of these recorded
-    own["drafter-1"].update(lookahead_busy_s=2.0, lookaheads=400)
-    assert drafter_params(real_row(by_drafter=own), 2)[0].lookahead_s == pytest.approx(5e-3)
+    assert d1.send_s == d1.link_s == d1.lookahead_token_s == d2.send_s == 0.0  # none of these recorded
+    own["drafter-1"].update(lookahead_busy_s=2.4, lookaheads=400)  # 400 lookaheads of 2 drafts and the guess
+    assert drafter_params(real_row(by_drafter=own), 2)[0].lookahead_token_s == pytest.approx(2e-3)
 
 
 @pytest.mark.parametrize(("costs", "verify_wait_ms", "want"), [
@@ -185,6 +185,32 @@ def test_drafter_params_are_per_drafter_when_the_run_recorded_them() -> None:
 def test_link_s_is_the_verdict_wait_beyond_the_verifiers_own_time(costs: dict[str, float], verify_wait_ms: float,
                                                                    want: float) -> None:
     assert link_s(costs, verify_wait_ms) == pytest.approx(want)
+
+
+@pytest.mark.parametrize(("batch_sessions", "want_ms"), [
+    (1.0, 12.0),  # a session alone: nothing else holds either end up
+    # 4 sessions per step: 3/4 of (verifier busy 0.5 · 13 ms step + drafter held 3 ms) / 2 = 3.5625 ms
+    (4.0, 12.0 - 3.5625),
+])
+def test_link_s_leaves_out_the_waits_for_a_receiver_busy_with_other_sessions(batch_sessions: float,
+                                                                            want_ms: float) -> None:
+    costs = {"step_ms": 13.0, "queue_wait_ms": 4.0, "publish_ms": 1.0, "batch_sessions": batch_sessions,
+             "cpu": {"verifier_steps_s": 5.0, "wall_s": 10.0}}
+    assert link_s(costs, 30.0, drafter_held_ms=3.0) == pytest.approx(want_ms / 1e3)
+
+
+def test_a_drafters_held_time_weighs_round_batches_and_lookahead_tokens() -> None:
+    """The drafter's event loop is held by round batches (the run's mean draft phase) for its round
+    share of busy time, and by single lookahead tokens for the rest."""
+    own = {name: {"draft_ms_per_token": 1.0, "drafted_per_round": 3.0, "accepted_per_round": 2.0,
+                  "verify_wait_ms": 30.0, "model_busy_s": 4.0, "lookahead_busy_s": 2.0, "lookaheads": 250}
+           for name in ("drafter-1", "drafter-2")}  # lookahead tokens: 2.0 s / (250 · 4) = 2 ms
+    row = {**real_row(by_drafter=own, queue_wait_ms=4.0, publish_ms=1.0, batch_sessions=2.0,
+                      cpu={"wall_s": 10.0, "verifier_steps_s": 0.0}), "round_ms": {"draft": 6.0}}
+    held_ms = (2.0 * 6.0 + 2.0 * 2.0) / 10.0  # busy shares 0.2 and 0.2 of 6 ms batches and 2 ms tokens
+    want = link_s(row["costs"], 30.0, held_ms)  # type: ignore[arg-type]
+    assert want < link_s(row["costs"], 30.0)  # type: ignore[arg-type]
+    assert [d.link_s for d in drafter_params(row, 2)] == pytest.approx([want, want])
 
 
 def test_a_drafters_rtt_is_at_least_its_measured_link_time() -> None:
