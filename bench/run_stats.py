@@ -136,7 +136,7 @@ def cpu_split(run: Run) -> dict[str, float]:
     """Where the run's CPU went, in seconds over its measured window (``wall_s``): each service's
     process CPU and the load client's; the verifier's steps (``verifier_steps_s``: the wall time
     of its steps, each on its one core, so its CPU beyond them is its event loop's) and session
-    rounds; the draft models' busy time (lookaheads included, and apart) and the drafters' rounds."""
+    rounds; the draft models' busy time (lookaheads included, and apart)."""
     v = run.metrics.get("verifier", Snapshot())
     out = {f"{name}_s": snap.value("process_cpu_seconds_total") for name, snap in sorted(run.metrics.items())}
     drafters = drafter_snapshots(run)
@@ -144,15 +144,14 @@ def cpu_split(run: Run) -> dict[str, float]:
             "verifier_steps_s": v.value(f"{V}_step_seconds_sum", phase="total"),
             "verifier_rounds": v.value(f"{V}_rounds_total"),
             "draft_busy_s": sum(s.value(f"{D}_model_busy_seconds_total") for s in drafters),
-            "lookahead_busy_s": sum(s.value(f"{D}_lookahead_busy_seconds_total") for s in drafters),
-            "drafter_rounds": sum(s.value(f"{D}_rounds_total") for s in drafters)}
+            "lookahead_busy_s": sum(s.value(f"{D}_lookahead_busy_seconds_total") for s in drafters)}
 
 
 def drafter_costs(snap: Snapshot) -> dict[str, float]:
     """One drafter's draft-model milliseconds per drafted token of its rounds, drafted and accepted
     tokens per round, its rounds, draft-model busy seconds (lookaheads included, and apart), its
-    lookaheads (and how many were used), its rounds' mean hand-off and send and wait for the
-    verdict, and its process CPU seconds."""
+    lookaheads (and how many were used), and its rounds' mean hand-off and send and wait for the
+    verdict (its process CPU is in ``cpu_split``)."""
     rounds, drafted = snap.value(f"{D}_rounds_total"), snap.value(f"{D}_drafted_tokens_total")
     return {"draft_ms_per_token": round_busy(snap) / drafted * 1e3 if drafted else 0.0,
             "drafted_per_round": drafted / rounds if rounds else 0.0,
@@ -162,8 +161,7 @@ def drafter_costs(snap: Snapshot) -> dict[str, float]:
             "lookaheads": sum(snap.value(f"{D}_lookaheads_total", outcome=o) for o in ("used", "missed", "dropped")),
             "lookaheads_used": snap.value(f"{D}_lookaheads_total", outcome="used"),
             "send_ms": snap.mean(f"{D}_round_phase_seconds", phase="send") * 1e3,
-            "verify_wait_ms": snap.mean(f"{D}_round_phase_seconds", phase="verify_wait") * 1e3,
-            "cpu_s": snap.value("process_cpu_seconds_total")}
+            "verify_wait_ms": snap.mean(f"{D}_round_phase_seconds", phase="verify_wait") * 1e3}
 
 
 def round_busy(snap: Snapshot) -> float:

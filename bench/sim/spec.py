@@ -38,7 +38,7 @@ class DrafterSpec:
     name: str
     alpha: float = 0.7  # mean per-token acceptance probability of its draft model against the target
     token_s: float = 1e-3  # draft model seconds per drafted token
-    round_s: float = 5e-4  # fixed draft cost per round (scheduling, sampling setup, serialisation)
+    round_s: float = 5e-4  # fixed draft-model cost per drafted round (scheduling, sampling setup)
     prefill_token_s: float = 5e-5  # draft model seconds per prompt token, first round of a request
     send_s: float = 0.0  # from a batch's end to each of its drafts leaving (the drafter's hand-off)
     rtt_s: float = 0.02  # round-trip time to the verifier

@@ -12,8 +12,8 @@ profile says, simulates it, and compares goodput (committed tokens/s) and mean r
   loop) per session verified;
 * each drafter's costs (per drafter where the run recorded them, else the run's pooled
   values): its draft-model seconds per drafted token of its rounds (lookaheads apart), its
-  hand-off and send per round (a delay after its batch), its draft-model time per lookahead,
-  and its link time (``link_s``: the wait for its verdict beyond
+  hand-off and send per round (a delay after its batch), its draft-model time per lookahead
+  token, and its link time (``link_s``: the wait for its verdict beyond
   the verifier's own time on the round), which stands for the RTT when longer than the
   configured one; drafters pipeline as the real ones do by default;
 * acceptance: the per-token α whose accepted prefix over the mean draft length gives the mean
