@@ -1,7 +1,7 @@
 """Redis itself is killed (SIGKILL) and restarted on its append-only file: no request whose put
 returned is lost, an acknowledged one never comes back, and one that was delivered but not
-acknowledged is delivered again (Redis Streams' at-least-once), to a consumer that reconnects on
-its own."""
+acknowledged to a drafter that died meanwhile is delivered again (Redis Streams' at-least-once),
+to a consumer that reconnects on its own."""
 
 from __future__ import annotations
 
@@ -46,18 +46,22 @@ async def test_redis_restart_with_aof_loses_no_acknowledged_request(tmp_path: Pa
     proc, port = start_redis(tmp_path, aof=True)
     url = f"redis://127.0.0.1:{port}/0"
     q = RedisStreamQueue(url, stream="restart", group="drafters", claim_idle_ms=200)
+    # drafter-1 has its own connection and dies with Redis. A live one would keep its deliveries
+    # claimed across the restart (the keep-alive), and rightly: nobody else may take them then.
+    dead = RedisStreamQueue(url, stream="restart", group="drafters", claim_idle_ms=200)
     try:
         for i in range(N):
             await q.put(request(i))  # returned: the coordinator told its client the request is queued
-        taken = await q.get("drafter-1", max_items=10, timeout_s=2)
+        taken = await dead.get("drafter-1", max_items=10, timeout_s=2)
         for d in taken[:5]:
-            await q.ack("drafter-1", d.delivery_id)  # finished: must never come back
+            await dead.ack("drafter-1", d.delivery_id)  # finished: must never come back
+        await dead.close()
         proc.kill()
         proc.wait(10)
         with pytest.raises(QueueError):
             await q.put(request(N))  # a put while Redis is down fails loudly (the client gets a 503)
         proc, _ = start_redis(tmp_path, aof=True, port=port)
-        time.sleep(0.3)  # past claim_idle_ms: drafter-1's five unacknowledged deliveries may be claimed
+        await asyncio.sleep(0.3)  # past claim_idle_ms: drafter-1's five unacknowledged deliveries may be claimed
         again = await get_retrying(q, "drafter-2")
         want = {f"r{i}" for i in range(5, N)}  # delivered-but-unacked r5..r9 and never-delivered r10..r39
         assert sorted(again) == sorted(want), "lost or repeated requests across the Redis restart"
