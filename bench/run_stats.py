@@ -148,14 +148,16 @@ def cpu_split(run: Run) -> dict[str, float]:
 
 
 def drafter_costs(snap: Snapshot) -> dict[str, float]:
-    """One drafter's draft-model milliseconds per drafted token of its rounds, drafted and accepted
-    tokens per round, its rounds, draft-model busy seconds (lookaheads included, and apart), its
-    lookaheads (and how many were used), and its rounds' mean hand-off and send and wait for the
-    verdict (its process CPU is in ``cpu_split``)."""
+    """One drafter's draft-model milliseconds per drafted token of its rounds; drafted, accepted
+    and asked-for tokens per round (a model-free proposer drafts fewer than asked); its rounds;
+    draft-model busy seconds (lookaheads included, and apart); its lookaheads (and how many were
+    used); and its rounds' mean hand-off and send and wait for the verdict (its process CPU is in
+    ``cpu_split``)."""
     rounds, drafted = snap.value(f"{D}_rounds_total"), snap.value(f"{D}_drafted_tokens_total")
     return {"draft_ms_per_token": round_busy(snap) / drafted * 1e3 if drafted else 0.0,
             "drafted_per_round": drafted / rounds if rounds else 0.0,
             "accepted_per_round": snap.value(f"{D}_accepted_tokens_total") / rounds if rounds else 0.0,
+            "asked_per_round": snap.value(f"{D}_asked_tokens_total") / rounds if rounds else 0.0,
             "rounds": rounds, "model_busy_s": snap.value(f"{D}_model_busy_seconds_total"),
             "lookahead_busy_s": snap.value(f"{D}_lookahead_busy_seconds_total"),
             "lookaheads": sum(snap.value(f"{D}_lookaheads_total", outcome=o) for o in ("used", "missed", "dropped")),

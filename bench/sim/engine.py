@@ -51,7 +51,7 @@ from services.verifier.batching import slo_met
 
 def _edge(index: int, d: DrafterSpec, threshold: float) -> Edge:
     return Edge(index, d.name, d.alpha, d.token_s, d.round_s, d.prefill_token_s, d.send_s, d.rtt_s / 2, d.max_batch,
-                d.pipeline_sessions, d.lookahead_token_s, ControlSettings(threshold))
+                d.pipeline_sessions, d.lookahead_token_s, d.proposal_rate, ControlSettings(threshold))
 
 
 class Simulation:
@@ -256,10 +256,12 @@ class Simulation:
 
     def _draw(self, s: Session, k: int) -> int:
         """Draft up to ``k`` synthetic tokens into ``s.drafts``; returns how many were computed."""
-        ctl, kappa, alpha = s.controller, self.spec.alpha_concentration, s.edge.alpha
+        ctl, kappa, alpha, rate = s.controller, self.spec.alpha_concentration, s.edge.alpha, s.edge.proposal_rate
         watch = ctl is not None and ctl.wants_features
         s.drafts = []
         for i in range(k):
+            if rate < 1.0 and self.rng.random() >= rate:  # the proposer has nothing more to propose
+                return i
             a = acceptance_prob(self.rng, alpha, kappa)
             ok = self.rng.random() < a
             decision = ctl.on_step(features(a, i, k)) if watch and ctl is not None else StepDecision.CONTINUE

@@ -50,6 +50,10 @@ class DrafterSpec:
     #: lookaheads (--lookahead-branches) are not modelled.
     pipeline_sessions: int = 0
     lookahead_token_s: float = 0.0  # draft-model seconds per lookahead token (0: token_s)
+    #: the chance its proposer has each next draft token, having had the one before (a model-free
+    #: drafter proposes only as far as its match goes); a round asked for k drafts j or more with
+    #: probability proposal_rate^j. 1: a draft model, which drafts all k
+    proposal_rate: float = 1.0
     concurrency: int = 1
     requests: int = 0  # closed loop: stop after this many requests in all (0: never)
     arrivals: tuple[float, ...] = ()
@@ -58,8 +62,9 @@ class DrafterSpec:
     slo_tokens_per_s: float | None = None
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.alpha <= 1.0:
-            raise ValueError(f"{self.name}: alpha must be in [0, 1], got {self.alpha}")
+        if not 0.0 <= self.alpha <= 1.0 or not 0.0 <= self.proposal_rate <= 1.0:
+            raise ValueError(f"{self.name}: alpha and proposal_rate must be in [0, 1], got {self.alpha} and "
+                             f"{self.proposal_rate}")
         if min(self.token_s, self.round_s, self.prefill_token_s, self.send_s, self.lookahead_token_s,
                self.rtt_s) < 0:
             raise ValueError(f"{self.name}: costs and RTT must be >= 0")

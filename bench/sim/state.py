@@ -108,6 +108,7 @@ class Edge:
     max_batch: int  # sessions drafted together at most
     pipeline_sessions: int  # sessions draft lookaheads while this drafter serves at most this many
     lookahead_token_s: float  # draft-model seconds per lookahead token (0: token_s)
+    proposal_rate: float  # the chance its proposer has each next draft token (DrafterSpec.proposal_rate)
     settings: ControlSettings  # one per drafter: the controllers of its sessions share its state
     queue: deque[Session] = field(default_factory=deque)
     in_flight: list[Session] = field(default_factory=list)  # drafts sent, verdict not yet back

@@ -17,7 +17,9 @@ profile says, simulates it, and compares goodput (committed tokens/s) and mean r
   the verifier's own time on the round), which stands for the RTT when longer than the
   configured one; drafters pipeline as the real ones do by default;
 * acceptance: the per-token α whose accepted prefix over the mean draft length gives the mean
-  accepted tokens per round (per drafter, likewise);
+  accepted tokens per round (per drafter, likewise); with the fixed controller, a drafter whose
+  proposer drafted fewer tokens than its rounds asked for (the n-gram drafter, when its match runs
+  out) also gets the proposal rate that explains the shortfall (``acceptance_of``);
 * the workload: the same sessions, requests, output lengths, arrival times (the same seeded
   trace) and RTTs; a closed-loop run's requests come from one pool, as from the real queue.
 
@@ -95,11 +97,27 @@ class DrafterCosts(NamedTuple):
     send_s: float  # from its batch's end to a draft leaving: handing it off and sending it
     link_s: float  # a round's time between drafter and verifier beyond both (network, event loops)
     lookahead_token_s: float = 0.0  # draft-model seconds per lookahead token (0: not recorded)
+    proposal_rate: float = 1.0  # the chance its proposer has each next draft token (DrafterSpec's)
 
 
-def drafter_params(row: dict[str, Any], n: int) -> list[DrafterCosts]:
+def acceptance_of(d: dict[str, Any], whole_drafts: bool) -> tuple[float, float]:
+    """A drafter's per-token acceptance α and proposal rate ρ from its rounds' mean drafted,
+    accepted and asked-for tokens. With ``whole_drafts`` (the fixed controller: a round drafts all
+    it asks for unless its proposer runs out), drafts fall short of the ask with probability
+    ρ per token (Σ_{j≤asked} ρ^j = drafted) and the first j are drafted and accepted with
+    probability (ρα)^j; else (or when none fell short, or an older run did not count the ask) ρ = 1
+    and the controller's own stops, which the simulator runs, make the drafts shorter."""
+    drafted, accepted, asked = d["drafted_per_round"], d["accepted_per_round"], d.get("asked_per_round", 0.0)
+    if not whole_drafts or asked <= drafted:
+        return alpha_for(accepted, drafted), 1.0
+    rate = alpha_for(drafted, asked)
+    return (min(1.0, alpha_for(accepted, asked) / rate) if rate > 0 else 0.0), rate
+
+
+def drafter_params(row: dict[str, Any], n: int, whole_drafts: bool = False) -> list[DrafterCosts]:
     """Each drafter's costs: its own measured rounds where the run recorded them per drafter
-    (``costs.by_drafter``), else the run's pooled values for all of them."""
+    (``costs.by_drafter``), else the run's pooled values for all of them (acceptance: see
+    :func:`acceptance_of`)."""
     c, phases, cpu = row["costs"], row.get("round_ms", {}), row["costs"].get("cpu", {})
     wall = cpu.get("wall_s", 0.0)
 
@@ -117,12 +135,15 @@ def drafter_params(row: dict[str, Any], n: int) -> list[DrafterCosts]:
     own = [d for _, d in sorted(c.get("by_drafter", {}).items())]
     if len(own) != n:
         return [pooled] * n
-    return [DrafterCosts(alpha_for(d["accepted_per_round"], d["drafted_per_round"]), d["draft_ms_per_token"] / 1e3,
-                         d["send_ms"] / 1e3 if "send_ms" in d else pooled.send_s,
-                         link(d["verify_wait_ms"], d.get("model_busy_s", 0.0), d.get("lookahead_busy_s", 0.0),
-                              lookahead_token_s(d)) if "verify_wait_ms" in d else pooled.link_s,
-                         lookahead_token_s(d))
-            if d["drafted_per_round"] > 0 else pooled for d in own]
+
+    def of(d: dict[str, Any]) -> DrafterCosts:
+        alpha, rate = acceptance_of(d, whole_drafts)
+        send_s = d["send_ms"] / 1e3 if "send_ms" in d else pooled.send_s
+        return DrafterCosts(alpha, d["draft_ms_per_token"] / 1e3, send_s,
+                            link(d["verify_wait_ms"], d.get("model_busy_s", 0.0), d.get("lookahead_busy_s", 0.0),
+                                 lookahead_token_s(d)) if "verify_wait_ms" in d else pooled.link_s,
+                            lookahead_token_s(d), rate)
+    return [of(d) if d["drafted_per_round"] > 0 else pooled for d in own]
 
 
 def lookahead_token_s(d: dict[str, Any]) -> float:
@@ -167,7 +188,8 @@ def verifier_loop_s(cpu: dict[str, float]) -> float:
     return max(0.0, cpu.get("verifier_s", 0.0) - cpu.get("verifier_steps_s", 0.0)) / rounds
 
 
-def drafters_of(source: str, row: dict[str, Any], meta: dict[str, Any], repeat: int = 0) -> tuple[DrafterSpec, ...]:
+def drafters_of(source: str, row: dict[str, Any], meta: dict[str, Any], repeat: int = 0,
+                whole_drafts: bool = False) -> tuple[DrafterSpec, ...]:
     """The clients and drafters of the row: its sessions, requests, arrivals (those of its
     ``repeat``-th repeat: the real run seeds repeat i with seed + i), RTTs and costs. A drafter's
     RTT is its configured one, or the measured link time of its rounds when that is longer."""
@@ -181,10 +203,10 @@ def drafters_of(source: str, row: dict[str, Any], meta: dict[str, Any], repeat: 
     base = DrafterSpec("d", round_s=0.0, prompt_len=PROMPT_LEN, max_tokens=int(row.get("max_tokens", 128)),
                        pipeline_sessions=PIPELINE_SESSIONS)
     return tuple(replace(base, name=f"d{i}", alpha=d.alpha, token_s=d.token_s, send_s=d.send_s,
-                         lookahead_token_s=d.lookahead_token_s,
+                         lookahead_token_s=d.lookahead_token_s, proposal_rate=d.proposal_rate,
                          rtt_s=max(rtts[i] / 1e3, d.link_s), concurrency=max(1, row["concurrency"] // n),
                          requests=requests // n, arrivals=tuple(arrivals[i::n]))
-                 for i, d in enumerate(drafter_params(row, n)))
+                 for i, d in enumerate(drafter_params(row, n, whole_drafts)))
 
 
 def step_scale(row: dict[str, Any], coef: Coef) -> float:
@@ -210,7 +232,8 @@ def spec_of(source: str, row: dict[str, Any], meta: dict[str, Any], coef: Coef, 
     overhead = max(0.0, c["step_ms"] - c["forward_ms"]) / 1e3
     closed = not row.get("arrival_rate", 0) > 0
     loop = verifier_loop_s(c.get("cpu", {}))
-    return SimSpec(drafters_of(source, row, meta, repeat), pol, VerifierSpec(32, 2048, overhead, loop),
+    drafters = drafters_of(source, row, meta, repeat, whole_drafts=pol.controller == "fixed")
+    return SimSpec(drafters, pol, VerifierSpec(32, 2048, overhead, loop),
                    CostSpec("cpu", coef, scale=step_scale(row, coef)), speculative=row["scenario"] not in TARGET_ONLY,
                    rounds=None, duration_s=3600.0, shared_requests=int(row.get("requests", 30)) if closed else 0)
 

@@ -71,12 +71,14 @@ class Lookahead:
     def __init__(self) -> None:
         self._branches: list[_Branch] = []
         self._ready: Proposal | None = None
+        self.asked = 0  # drafts the latest lookahead asked for past the verifier's token (a ready draft's most)
 
     def start(self, batcher: DraftBatcher, job: DraftJob, alternatives: Sequence[tuple[int, int]] = ()) -> None:
         """Draft ``job`` (its ``assume`` is the Draft just sent) while the verdict is awaited, and
         for each ``(j, token)`` of ``alternatives`` the outcome "draft j rejected, ``token``
         committed instead", in a spare draft cache (``DraftJob.branch``)."""
         self.cancel()
+        self.asked = job.k - 1
         self._branches.append(_Branch(len(job.assume), (), _spawn(batcher, job)))
         for n, (j, token) in enumerate(alternatives, start=1):  # k - 1: the correction is assumed, not drafted
             alt = replace(job, k=job.k - 1, assume=(*job.assume[:j], token), guess=None, branch=n)

@@ -28,6 +28,10 @@ class DrafterMetrics:
                                "verify_wait, round", ["phase"], buckets=_TIME, registry=r)
         self.rounds = Counter(f"{_P}_rounds", "Rounds played", registry=r)
         self.drafted = Counter(f"{_P}_drafted_tokens", "Draft tokens sent", registry=r)
+        self.asked = Counter(f"{_P}_asked_tokens", "Draft tokens the rounds asked their proposer for (the "
+                             "budget, cut to what the request can still use, to what the controller wanted and, "
+                             "in a round drafted ahead, to what its lookahead asked for); a model-free proposer "
+                             "sends fewer when its match runs out", registry=r)
         self.accepted = Counter(f"{_P}_accepted_tokens", "Draft tokens the verifier accepted", registry=r)
         self.sessions = Gauge(f"{_P}_sessions", "Sessions being served", registry=r)
         self.lookahead = Counter(f"{_P}_lookaheads", "Pipelined drafts by outcome: used (the verdict made one "
@@ -54,14 +58,15 @@ class DrafterMetrics:
         self.batch_size = Histogram(f"{_P}_draft_batch_sessions", "Sessions drafted together in one batch",
                                     buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64), registry=r)
 
-    def observe_round(self, worker_wait: float, draft: float, send: float, verify_wait: float, drafted: int,
-                      accepted: int) -> None:
+    def observe_round(self, worker_wait: float, draft: float, send: float, verify_wait: float, asked: int,
+                      drafted: int, accepted: int) -> None:
         self.phase.labels("worker_wait").observe(worker_wait)
         self.phase.labels("draft").observe(draft)
         self.phase.labels("send").observe(send)
         self.phase.labels("verify_wait").observe(verify_wait)
         self.phase.labels("round").observe(worker_wait + draft + send + verify_wait)
         self.rounds.inc()
+        self.asked.inc(asked)
         self.drafted.inc(drafted)
         self.accepted.inc(accepted)
 

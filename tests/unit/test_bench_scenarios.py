@@ -14,6 +14,7 @@ from bench.fleets import Run, bodies
 from bench.run_stats import cpu_split, jain, per_drafter_goodput, round_breakdown, slo_by_class, sum_log
 from bench.scrape import Snapshot
 from bench.sim.validate import (
+    acceptance_of,
     alpha_for,
     drafter_params,
     link_s,
@@ -174,6 +175,30 @@ def test_drafter_params_are_per_drafter_when_the_run_recorded_them() -> None:
     assert d1.send_s == d1.link_s == d1.lookahead_token_s == d2.send_s == 0.0  # none of these recorded
     own["drafter-1"].update(lookahead_busy_s=2.4, lookaheads=400)  # 400 lookaheads of 2 drafts and the guess
     assert drafter_params(real_row(by_drafter=own), 2)[0].lookahead_token_s == pytest.approx(2e-3)
+
+
+def prefix_sum(x: float, k: float) -> float:
+    return x * (1 - x**k) / (1 - x)
+
+
+@pytest.mark.parametrize(("asked", "whole_drafts", "short"), [
+    (None, True, False),  # an older run: the ask was not counted
+    (2.861, True, False),  # every round drafted all it asked for
+    (4.0, False, False),  # another controller: its own stops, which the simulator runs, made drafts short
+    (4.0, True, True),  # the fixed controller: the proposer ran out
+])
+def test_acceptance_of_a_proposer_that_runs_out(asked: float | None, whole_drafts: bool, short: bool) -> None:
+    d = {"drafted_per_round": 2.861, "accepted_per_round": 2.23, **({"asked_per_round": asked} if asked else {})}
+    alpha, rate = acceptance_of(d, whole_drafts)
+    if not short:
+        assert (alpha, rate) == (alpha_for(2.23, 2.861), 1.0)
+        return
+    assert prefix_sum(rate, 4.0) == pytest.approx(2.861)  # j or more drafted with probability ρ^j
+    assert prefix_sum(alpha * rate, 4.0) == pytest.approx(2.23)  # j or more drafted and accepted: (ρα)^j
+    assert rate < 1.0 and alpha > alpha_for(2.23, 2.861)  # fewer drafts, each likelier to be right
+    own = {"drafter-1": {**d, "draft_ms_per_token": 0.01}}
+    [p] = drafter_params(real_row(by_drafter=own), 1, whole_drafts)
+    assert (p.alpha, p.proposal_rate) == (pytest.approx(alpha), pytest.approx(rate))
 
 
 @pytest.mark.parametrize(("costs", "verify_wait_ms", "want"), [

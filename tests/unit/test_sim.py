@@ -64,6 +64,18 @@ def test_perfect_drafter_commits_budget_plus_one(k: int) -> None:
     assert r.acceptance_rate == 1.0
 
 
+@pytest.mark.parametrize("rate", [0.0, 0.5, 0.8])
+def test_a_proposer_that_runs_out_drafts_rate_to_the_j_or_more(rate: float) -> None:
+    """A model-free drafter (proposal_rate ρ) drafts j or more of the k asked with probability ρ^j,
+    so Σ_{j≤k} ρ^j per round on average; every draft it has is accepted here (α = 1)."""
+    k = 4
+    fleet = make_fleet([1.0, 1.0], DrafterSpec("d", max_tokens=600, proposal_rate=rate))
+    r = simulate(SimSpec(drafters=fleet, policies=Policies(draft_len=k), cost=H100, rounds=4000))
+    assert r.accepted == r.drafted and r.committed == r.rounds + r.drafted
+    want = sum(rate**j for j in range(1, k + 1))
+    assert r.drafted / r.rounds == pytest.approx(want, abs=0.05)  # 8000 rounds: σ of the mean ≤ 0.02
+
+
 def test_hopeless_drafter_commits_one_token_per_round() -> None:
     r = run([0.0, 0.0])
     assert r.drafted > 0 and r.accepted == 0
@@ -295,6 +307,8 @@ def test_parse_alphas() -> None:
 def test_spec_rejects_bad_values() -> None:
     with pytest.raises(ValueError, match="alpha"):
         DrafterSpec("x", alpha=1.5)
+    with pytest.raises(ValueError, match="proposal_rate"):
+        DrafterSpec("x", proposal_rate=-0.1)
     with pytest.raises(ValueError, match="bound"):
         SimSpec(drafters=(DrafterSpec("x"),), rounds=None)
 

@@ -1,0 +1,85 @@
+"""A drafter counts the draft tokens each round asked its proposer for beside those it sent: a
+model-free proposer sends fewer when its match runs out (what the simulator's validation reads)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from services.drafter.batcher import DraftBatcher
+from services.drafter.control import ControlSettings, make_controller
+from services.drafter.proposers.ngram import NgramProposer
+from services.drafter.rounds import SessionRunner
+from services.drafter.sessions import DraftSession
+from services.drafter.worker import ComputeWorker
+from shared.protocol import Draft, QueuedRequest, SamplingParams, Verdict
+from shared.queue import Delivery
+
+PROMPT = [5, 6, 7, 8, 5, 6]  # "5 6" was seen before: lookup proposes 7 8 5 6 …
+
+
+class ScriptedVerifier:
+    """The verifier link's send side: records each Draft and answers it with the next verdict."""
+
+    def __init__(self, verdicts: list[Verdict]) -> None:
+        self.inbox: asyncio.Queue[object] = asyncio.Queue()
+        self.verdicts = verdicts
+        self.sent: list[Draft] = []
+
+    async def send(self, msg: object) -> None:
+        assert isinstance(msg, Draft)
+        self.sent.append(msg)
+        await self.inbox.put(self.verdicts.pop(0))
+
+
+def verdict(rnd: int, accepted: int, tokens: list[int], budget: int, finished: bool = False) -> Verdict:
+    return Verdict(request_id="r", round=rnd, accepted=accepted, token_ids=tokens, finished=finished,
+                   finish_reason="stop" if finished else None, draft_budget=budget)
+
+
+async def play(verdicts: list[Verdict], pipeline_sessions: int) -> tuple[list[list[int]], SessionRunner]:
+    """One greedy n-gram session with a first budget of 3, through a round per verdict: the drafts
+    sent, and the runner (its metrics)."""
+    req = QueuedRequest(request_id="r", prompt_ids=PROMPT, params=SamplingParams(temperature=0.0, max_tokens=64),
+                        origin="c", model="m", created_at=time.time())
+    session = DraftSession.from_delivery(Delivery("1", req), make_controller("fixed", ControlSettings()))
+    session.budget = 3
+    proposer = NgramProposer(eos_ids={0})
+    proposer.start("r", PROMPT, req.params.max_tokens)
+    worker, link = ComputeWorker(inline=True), ScriptedVerifier(verdicts)
+    batcher = DraftBatcher(proposer, worker)
+    runner = SessionRunner(link, proposer, worker, batcher, max_draft_tokens=8,  # type: ignore[arg-type]
+                           pipeline_sessions=pipeline_sessions)
+    drafting = asyncio.create_task(batcher.run())
+    for _ in range(len(verdicts)):
+        await runner._round(session, link.inbox)  # type: ignore[arg-type]
+    drafting.cancel()
+    await asyncio.wait([drafting])
+    return [d.token_ids for d in link.sent], runner
+
+
+@pytest.mark.asyncio
+async def test_rounds_count_the_tokens_asked_for_and_those_the_ngram_found() -> None:
+    # round 0: three asked, three found (7 8 5), all accepted, then 9: nothing ever followed "… 5 6 7 8 5 9"
+    sent, runner = await play([verdict(0, 3, [7, 8, 5, 9], 3), verdict(1, 0, [4], 3)], pipeline_sessions=0)
+    assert sent == [[7, 8, 5], []]
+    get = runner.metrics.registry.get_sample_value
+    assert get("specfleet_drafter_asked_tokens_total") == 6.0
+    assert get("specfleet_drafter_drafted_tokens_total") == 3.0
+    assert get("specfleet_drafter_rounds_total") == 2.0
+
+
+@pytest.mark.asyncio
+async def test_a_round_drafted_ahead_asked_for_what_its_lookahead_was_asked_for() -> None:
+    """A lookahead drafts as many tokens as the round before it asked for; the next round taking it
+    under a larger budget asked its proposer for no more than that (the simulator caps it alike)."""
+    # round 0 sends 7 8 5 and drafts ahead 6 7 8 5 (its guess of the verifier's token, then 3 more);
+    # the verdict makes it true and raises the budget to 5
+    sent, runner = await play([verdict(0, 3, [7, 8, 5, 6], 5), verdict(1, 3, [7, 8, 5, 6], 0, finished=True)],
+                              pipeline_sessions=2)
+    assert sent == [[7, 8, 5], [7, 8, 5]]
+    get = runner.metrics.registry.get_sample_value
+    assert get("specfleet_drafter_lookaheads_total", {"outcome": "used"}) == 1.0
+    assert get("specfleet_drafter_asked_tokens_total") == get("specfleet_drafter_drafted_tokens_total") == 6.0
