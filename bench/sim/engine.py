@@ -185,11 +185,11 @@ class Simulation:
         """``s`` just sent a draft: while its drafter serves few enough sessions, it drafts the next
         round ahead, which comes true when every draft is accepted and the first lookahead token
         guesses the verifier's bonus token (the drafter's α)."""
-        edge, sent = s.edge, len(s.drafts)
-        if not sent or not 0 < edge.live <= edge.pipeline_sessions:
+        edge = s.edge
+        if not s.drafts or not 0 < edge.live <= edge.pipeline_sessions:
             return
-        whole = all(ok for _, ok in s.drafts)
-        s.ahead = Lookahead(whole and self.rng.random() < edge.alpha, sent, sent + 1)
+        whole = all(ok for _, ok in s.drafts)  # asked as many as this round did, not only those it drafted
+        s.ahead = Lookahead(whole and self.rng.random() < edge.alpha, s.asked, s.asked + 1)
         edge.looking.append(s)
         self.rec.lookaheads += 1
 
@@ -223,7 +223,7 @@ class Simulation:
         controller screens it as a fresh one; the model's work is done)."""
         assert s.ahead is not None
         tokens, s.ahead = s.ahead.tokens, None
-        self._draw(s, self._round_len(s, tokens))
+        self._draw(s, self._round_len(s, tokens))  # the proposer may run out here, once
         self.rec.lookaheads_used += 1
         s.draft_s = 0.0
         self._send(s, s.edge.send_s)
@@ -258,7 +258,7 @@ class Simulation:
         """Draft up to ``k`` synthetic tokens into ``s.drafts``; returns how many were computed."""
         ctl, kappa, alpha, rate = s.controller, self.spec.alpha_concentration, s.edge.alpha, s.edge.proposal_rate
         watch = ctl is not None and ctl.wants_features
-        s.drafts = []
+        s.drafts, s.asked = [], k
         for i in range(k):
             if rate < 1.0 and self.rng.random() >= rate:  # the proposer has nothing more to propose
                 return i

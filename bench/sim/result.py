@@ -53,6 +53,7 @@ class Recorder:
     drafted_rounds: int = 0
     drafted: int = 0
     accepted: int = 0
+    asked: int = 0
     max_budget_sum: int = 0
     lookaheads: int = 0  # pipelined drafts started, per session
     lookaheads_used: int = 0  # of them, those that became the next round's draft
@@ -72,8 +73,9 @@ class Recorder:
         self.select_s.append(select_s)
         self.assign_s.append(assign_s)
 
-    def round(self, drafter: int, drafted: int, accepted: int, committed: int) -> None:
+    def round(self, drafter: int, drafted: int, accepted: int, committed: int, asked: int) -> None:
         self.rounds += 1
+        self.asked += asked
         self.drafted += drafted
         self.accepted += accepted
         self.drafted_rounds += drafted > 0
@@ -115,6 +117,7 @@ class SimResult:
     slo_attainment: dict[str, float]  # SLO class (tokens/s) -> share of finished requests that met it
     max_budget_sum: int  # peak Σ draft budgets held by live sessions (≤ GoodSpeed's C when one is set)
     drafted_rounds: int  # rounds that carried drafts
+    asked: int  # draft tokens the rounds asked their proposers for (≥ drafted: a proposer may run out)
     lookaheads: int  # pipelined drafts started, per session
     lookaheads_used: int  # of them, those that became the next round's draft
     sched_ms_mean: float  # wall clock in batcher.select + allocator.assign per step
@@ -162,7 +165,8 @@ def summarise(rec: Recorder, sim_s: float, tracker_u: float, wall_s: float, **la
         mean_step_s=rec.step_seconds / rec.steps if rec.steps else None,
         jain=jain(per), sum_log_x=sum_log(per), tracker_sum_log_x=tracker_u,
         slo_attainment=slo_attainment(rec.requests), max_budget_sum=rec.max_budget_sum,
-        drafted_rounds=rec.drafted_rounds, lookaheads=rec.lookaheads, lookaheads_used=rec.lookaheads_used,
+        drafted_rounds=rec.drafted_rounds, asked=rec.asked, lookaheads=rec.lookaheads,
+        lookaheads_used=rec.lookaheads_used,
         sched_ms_mean=_ms(sched), sched_ms_p99=_ms(sched, 99), select_ms_mean=_ms(rec.select_s),
         assign_ms_mean=_ms(rec.assign_s), admit_ms_mean=_ms(rec.admit_s), admit_ms_p99=_ms(rec.admit_s, 99),
         sched_share=sum(sched) / rec.step_seconds if rec.step_seconds > 0 else 0.0, wall_s=wall_s, **labels)

@@ -61,6 +61,7 @@ class Session:
     generated: int = 0
     cached: int = 0  # KV rows the verifier holds for it
     budget: int = 0  # draft budget of the current round
+    asked: int = 0  # draft tokens this round asked its proposer for (its drafts: as many, or fewer if it ran out)
     drafts: list[tuple[float, bool]] = field(default_factory=list)  # this round's (accept prob, accepted)
     draft_s: float = 0.0  # draft model time of this round's draft
     sent_at: float = 0.0  # when the drafter sent this round's draft
@@ -88,7 +89,7 @@ class Lookahead:
     right)."""
 
     hit: bool
-    tokens: int  # draft tokens it holds for the next round
+    tokens: int  # draft tokens it asks its proposer for, for the next round (as many as this round asked)
     left: int  # tokens still to draft (the guess included)
     wanted: bool = False  # the verdict came and takes it, once done
 

@@ -103,10 +103,12 @@ class DrafterCosts(NamedTuple):
 def acceptance_of(d: dict[str, Any], whole_drafts: bool) -> tuple[float, float]:
     """A drafter's per-token acceptance α and proposal rate ρ from its rounds' mean drafted,
     accepted and asked-for tokens. With ``whole_drafts`` (the fixed controller: a round drafts all
-    it asks for unless its proposer runs out), drafts fall short of the ask with probability
-    ρ per token (Σ_{j≤asked} ρ^j = drafted) and the first j are drafted and accepted with
-    probability (ρα)^j; else (or when none fell short, or an older run did not count the ask) ρ = 1
-    and the controller's own stops, which the simulator runs, make the drafts shorter."""
+    it asks for unless its proposer runs out), the proposer has each next token with probability ρ
+    (so Σ_{j≤asked} ρ^j = drafted) and the first j are drafted and accepted with probability
+    (ρα)^j; else (or when none fell short, or an older run did not count the ask) ρ = 1 and the
+    controller's own stops, which the simulator runs, make the drafts shorter. Fitted at the mean
+    ask: exact when every round asks for the same (Fixed-S); when budgets vary (Random-S,
+    GoodSpeed) the concave Σ ρ^j makes ρ come out somewhat low."""
     drafted, accepted, asked = d["drafted_per_round"], d["accepted_per_round"], d.get("asked_per_round", 0.0)
     if not whole_drafts or asked <= drafted:
         return alpha_for(accepted, drafted), 1.0
@@ -148,11 +150,12 @@ def drafter_params(row: dict[str, Any], n: int, whole_drafts: bool = False) -> l
 
 def lookahead_token_s(d: dict[str, Any]) -> float:
     """A drafter's draft-model seconds per lookahead token: its lookaheads' time over their tokens,
-    taken as its mean draft length plus the guess each (a lookahead cut short by its verdict has
-    fewer, so this errs low); 0 when the run did not count lookaheads."""
+    taken as what its rounds asked for (as a lookahead asks for as many as its round did; older
+    runs: what they drafted) plus the guess each (a lookahead cut short by its verdict has fewer,
+    so this errs low); 0 when the run did not count lookaheads."""
     if not d.get("lookaheads"):
         return 0.0
-    return d["lookahead_busy_s"] / (d["lookaheads"] * (d["drafted_per_round"] + 1))
+    return d["lookahead_busy_s"] / (d["lookaheads"] * ((d.get("asked_per_round") or d["drafted_per_round"]) + 1))
 
 
 def link_s(costs: dict[str, Any], verify_wait_ms: float, drafter_held_ms: float = 0.0) -> float:

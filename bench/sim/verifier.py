@@ -147,7 +147,7 @@ class SimVerifier:
         s.cached = s.context_len + accepted  # KV rolled back past the rejected drafts
         s.generated += committed
         s.finished = s.generated >= s.max_tokens
-        self.rec.round(s.edge.index, drafted, accepted, committed)
+        self.rec.round(s.edge.index, drafted, accepted, committed, s.asked)
         return s, drafted, accepted, prob
 
     def _publish(self, s: Session, drafted: int, accepted: int, budget: int, now: float) -> None:
@@ -157,7 +157,7 @@ class SimVerifier:
             s.first_token_at = arrive
         if s.finished or drafted > 0 or budget > 0:  # the drafter hears of it (a target-only round: only at the end)
             self.events.push(arrive, Kind.VERDICT, Verdict(s, drafted, accepted, s.finished, budget))
-        s.budget, s.drafts = budget, []
+        s.budget, s.drafts, s.asked = budget, [], 0
         if s.finished:
             self._forget(s.sid)
         elif budget > 0:

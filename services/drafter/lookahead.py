@@ -62,6 +62,7 @@ class _Branch:
 
     accepted: int  # drafts of the round in flight it assumes accepted
     guessed: tuple[int, ...]  # the verifier's token it assumes after them; () when its first token guesses it
+    asked: int  # tokens its job asked the proposer for
     task: asyncio.Task[tuple[Proposal, float, float]]
 
 
@@ -71,18 +72,17 @@ class Lookahead:
     def __init__(self) -> None:
         self._branches: list[_Branch] = []
         self._ready: Proposal | None = None
-        self.asked = 0  # drafts the latest lookahead asked for past the verifier's token (a ready draft's most)
+        self.asked = 0  # tokens asked of the ready draft's proposer past the verdict's: it holds that many or fewer
 
     def start(self, batcher: DraftBatcher, job: DraftJob, alternatives: Sequence[tuple[int, int]] = ()) -> None:
         """Draft ``job`` (its ``assume`` is the Draft just sent) while the verdict is awaited, and
         for each ``(j, token)`` of ``alternatives`` the outcome "draft j rejected, ``token``
         committed instead", in a spare draft cache (``DraftJob.branch``)."""
         self.cancel()
-        self.asked = job.k - 1
-        self._branches.append(_Branch(len(job.assume), (), _spawn(batcher, job)))
+        self._branches.append(_Branch(len(job.assume), (), job.k, _spawn(batcher, job)))
         for n, (j, token) in enumerate(alternatives, start=1):  # k - 1: the correction is assumed, not drafted
             alt = replace(job, k=job.k - 1, assume=(*job.assume[:j], token), guess=None, branch=n)
-            self._branches.append(_Branch(j, (token,), _spawn(batcher, alt)))
+            self._branches.append(_Branch(j, (token,), alt.k, _spawn(batcher, alt)))
 
     def take(self, k: int, controller: DraftController | None = None) -> Proposal | None:
         """The next round's draft, if the last lookahead came true: at most ``k`` tokens, and
@@ -136,6 +136,7 @@ class Lookahead:
         q = None if proposal.q is None else proposal.q[len(proposal.q) - len(proposal.token_ids) + cut:]
         self._ready = Proposal(token_ids=proposal.token_ids[cut:], steps=proposal.steps[cut:], q=q,
                                runner_up=proposal.runner_up[cut:])
+        self.asked = branch.asked - cut
         metrics.lookahead.labels("used").inc()
         if branch.guessed:
             metrics.alternative_used.inc()

@@ -160,7 +160,8 @@ class SessionRunner:
             session.apply_verdict(early, drafted=0)
             return
         drafted = len(proposal.token_ids)
-        asked = k if ready is None else min(k, session.lookahead.asked)  # what the proposer was asked for
+        # what the proposer was asked for: nothing once drafting failed; a draft from a lookahead, what that asked
+        asked = 0 if session.drafting_disabled else k if ready is None else min(k, session.lookahead.asked)
         pause = PAUSE_ROUNDS if budget > 0 and k == 0 and not session.drafting_disabled else 0
         ahead = self._pipelines(session, proposal)
         guess = ahead and not is_greedy(session.params)  # then the verifier races for its bonus token
@@ -175,7 +176,7 @@ class SessionRunner:
         if isinstance(reply, Verdict):
             self._observe_capacity(verdict_at - sent, len(reply.token_ids))
             self.metrics.observe_round(started - began, ended - started, sent - ended, verdict_at - sent,
-                                       asked, drafted, min(reply.accepted, drafted))
+                                       asked=asked, drafted=drafted, accepted=min(reply.accepted, drafted))
         if isinstance(reply, ErrorFrame):
             session.lookahead.cancel()
             await self._abandon(session, reply)

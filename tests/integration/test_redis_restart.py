@@ -46,8 +46,9 @@ async def test_redis_restart_with_aof_loses_no_acknowledged_request(tmp_path: Pa
     proc, port = start_redis(tmp_path, aof=True)
     url = f"redis://127.0.0.1:{port}/0"
     q = RedisStreamQueue(url, stream="restart", group="drafters", claim_idle_ms=200)
-    # drafter-1 has its own connection and dies with Redis. A live one would keep its deliveries
-    # claimed across the restart (the keep-alive), and rightly: nobody else may take them then.
+    # drafter-1 has its own connection and is gone (closed: its keep-alive stops) before Redis dies.
+    # A live one would keep its deliveries claimed across the restart, and rightly: nobody else may
+    # take them then.
     dead = RedisStreamQueue(url, stream="restart", group="drafters", claim_idle_ms=200)
     try:
         for i in range(N):
@@ -68,6 +69,7 @@ async def test_redis_restart_with_aof_loses_no_acknowledged_request(tmp_path: Pa
         print(f"redis kill -9 + AOF restart: {len(again)}/{len(want)} unfinished requests delivered again, "
               f"{len(taken[:5])} acknowledged ones not")
     finally:
+        await dead.close()
         await q.close()
         stop_redis(proc)
 

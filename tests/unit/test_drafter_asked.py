@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 
 import pytest
 
 from services.drafter.batcher import DraftBatcher
 from services.drafter.control import ControlSettings, make_controller
+from services.drafter.proposers.base import DraftJob, Proposal
 from services.drafter.proposers.ngram import NgramProposer
 from services.drafter.rounds import SessionRunner
 from services.drafter.sessions import DraftSession
@@ -39,14 +41,20 @@ def verdict(rnd: int, accepted: int, tokens: list[int], budget: int, finished: b
                    finish_reason="stop" if finished else None, draft_budget=budget)
 
 
-async def play(verdicts: list[Verdict], pipeline_sessions: int) -> tuple[list[list[int]], SessionRunner]:
+class BrokenNgram(NgramProposer):
+    def propose(self, jobs: Sequence[DraftJob]) -> list[Proposal]:
+        raise RuntimeError("the proposer broke")
+
+
+async def play(verdicts: list[Verdict], pipeline_sessions: int = 0,
+               proposer: NgramProposer | None = None) -> tuple[list[list[int]], SessionRunner]:
     """One greedy n-gram session with a first budget of 3, through a round per verdict: the drafts
     sent, and the runner (its metrics)."""
     req = QueuedRequest(request_id="r", prompt_ids=PROMPT, params=SamplingParams(temperature=0.0, max_tokens=64),
                         origin="c", model="m", created_at=time.time())
     session = DraftSession.from_delivery(Delivery("1", req), make_controller("fixed", ControlSettings()))
     session.budget = 3
-    proposer = NgramProposer(eos_ids={0})
+    proposer = proposer or NgramProposer(eos_ids={0})
     proposer.start("r", PROMPT, req.params.max_tokens)
     worker, link = ComputeWorker(inline=True), ScriptedVerifier(verdicts)
     batcher = DraftBatcher(proposer, worker)
@@ -63,7 +71,7 @@ async def play(verdicts: list[Verdict], pipeline_sessions: int) -> tuple[list[li
 @pytest.mark.asyncio
 async def test_rounds_count_the_tokens_asked_for_and_those_the_ngram_found() -> None:
     # round 0: three asked, three found (7 8 5), all accepted, then 9: nothing ever followed "… 5 6 7 8 5 9"
-    sent, runner = await play([verdict(0, 3, [7, 8, 5, 9], 3), verdict(1, 0, [4], 3)], pipeline_sessions=0)
+    sent, runner = await play([verdict(0, 3, [7, 8, 5, 9], 3), verdict(1, 0, [4], 3)])
     assert sent == [[7, 8, 5], []]
     get = runner.metrics.registry.get_sample_value
     assert get("specfleet_drafter_asked_tokens_total") == 6.0
@@ -83,3 +91,14 @@ async def test_a_round_drafted_ahead_asked_for_what_its_lookahead_was_asked_for(
     get = runner.metrics.registry.get_sample_value
     assert get("specfleet_drafter_lookaheads_total", {"outcome": "used"}) == 1.0
     assert get("specfleet_drafter_asked_tokens_total") == get("specfleet_drafter_drafted_tokens_total") == 6.0
+
+
+@pytest.mark.asyncio
+async def test_a_session_whose_proposer_broke_asks_for_nothing() -> None:
+    """Drafting fails once and the session goes on target-only with empty drafts: those rounds asked
+    the proposer for nothing (else they would read as a proposer that never finds a draft)."""
+    sent, runner = await play([verdict(0, 0, [7], 3), verdict(1, 0, [8], 3)], proposer=BrokenNgram(eos_ids={0}))
+    assert sent == [[], []]
+    get = runner.metrics.registry.get_sample_value
+    assert get("specfleet_drafter_asked_tokens_total") == get("specfleet_drafter_drafted_tokens_total") == 0.0
+    assert get("specfleet_drafter_rounds_total") == 2.0

@@ -166,6 +166,7 @@ async def test_the_verdict_keeps_the_alternative_whose_rejection_came_true(draft
         expected = reference_greedy(draft, PROMPT + tokens, K)
         if came_true:
             assert ready is not None and ready.token_ids == expected and len(ready.runner_up) == K
+            assert lookahead.asked == K  # the round taking it asked the proposer for its K tokens
             assert outcomes(metrics) == {"used": 1.0, "missed": 0.0, "dropped": 0.0}
             assert metrics.registry.get_sample_value("specfleet_drafter_alternative_lookaheads_used_total") == 1.0
             # the branch's cache is now the session's: it holds the correction and the ready draft

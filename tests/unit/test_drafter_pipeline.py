@@ -223,6 +223,7 @@ async def test_a_continuous_verifier_may_commit_several_tokens_after_the_draft(e
         await lookahead.settle(verdict(tokens, len(sent)), len(sent), p.metrics)
         ready = lookahead.take(K + 1)
         assert ready is not None and ready.token_ids == expected[extra:]
+        assert lookahead.asked == K + 1 - extra  # what the proposer was asked for that the ready draft holds
         assert await p.round(K + 1 - extra) == expected[extra:]
 
 

@@ -27,6 +27,7 @@ from bench.sim.__main__ import main
 from bench.sim.engine import Simulation
 from bench.sim.state import Edge, Session
 from bench.sim.tokens import acceptance_prob, accepted_prefix, features
+from bench.sim.validate import acceptance_of
 from services.verifier.batching.estimator import DEFAULT_COEF, SegmentShape, StepTimeEstimator
 
 H100 = CostSpec("h100")
@@ -74,6 +75,17 @@ def test_a_proposer_that_runs_out_drafts_rate_to_the_j_or_more(rate: float) -> N
     assert r.accepted == r.drafted and r.committed == r.rounds + r.drafted
     want = sum(rate**j for j in range(1, k + 1))
     assert r.drafted / r.rounds == pytest.approx(want, abs=0.05)  # 8000 rounds: σ of the mean ≤ 0.02
+
+
+def test_validation_recovers_a_simulated_proposers_rate_and_acceptance() -> None:
+    """The simulator's drafted, accepted and asked-for tokens per round, pipelined (a lookahead asks
+    for as many as its round did, and the proposer may run out then), give back its ρ and α."""
+    fleet = make_fleet([0.8], DrafterSpec("d", max_tokens=2000, proposal_rate=0.7, pipeline_sessions=2))
+    r = simulate(SimSpec(drafters=fleet, policies=Policies(draft_len=4), cost=H100, rounds=20000))
+    assert r.lookaheads_used > 1000
+    alpha, rate = acceptance_of({"drafted_per_round": r.drafted / r.rounds, "accepted_per_round": r.accepted / r.rounds,
+                                 "asked_per_round": r.asked / r.rounds}, whole_drafts=True)
+    assert (rate, alpha) == (pytest.approx(0.7, abs=0.01), pytest.approx(0.8, abs=0.01))
 
 
 def test_hopeless_drafter_commits_one_token_per_round() -> None:
