@@ -45,7 +45,7 @@ class DrafterSpec:
     max_batch: int = 64  # the most sessions drafted together (the real drafter: its session limit)
     #: pipelined drafting (the real drafter's --pipeline-sessions): a session that sends a draft
     #: while its drafter serves at most this many sessions drafts its next round ahead (a guess of
-    #: the verifier's bonus token, then as many drafts as it sent) as if all of this one is
+    #: the verifier's bonus token, then as many drafts as it asked for) as if all of this one is
     #: accepted, one token per batch and only when no round is ready; 0: off. Alternative
     #: lookaheads (--lookahead-branches) are not modelled.
     pipeline_sessions: int = 0

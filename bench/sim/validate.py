@@ -141,10 +141,11 @@ def drafter_params(row: dict[str, Any], n: int, whole_drafts: bool = False) -> l
     def of(d: dict[str, Any]) -> DrafterCosts:
         alpha, rate = acceptance_of(d, whole_drafts)
         send_s = d["send_ms"] / 1e3 if "send_ms" in d else pooled.send_s
+        ahead_s = lookahead_token_s(d)
         return DrafterCosts(alpha, d["draft_ms_per_token"] / 1e3, send_s,
                             link(d["verify_wait_ms"], d.get("model_busy_s", 0.0), d.get("lookahead_busy_s", 0.0),
-                                 lookahead_token_s(d)) if "verify_wait_ms" in d else pooled.link_s,
-                            lookahead_token_s(d), rate)
+                                 ahead_s) if "verify_wait_ms" in d else pooled.link_s,
+                            ahead_s, rate)
     return [of(d) if d["drafted_per_round"] > 0 else pooled for d in own]
 
 
