@@ -10,6 +10,10 @@ prints one JSON object:
 * ``forward_ms``: the median time of one runner forward for each shape ``BxCxN`` (B sessions,
   C tokens of cached context each, N new tokens each), and ``hf_forward_ms`` for the same
   shapes through transformers with a padded DynamicCache;
+* with ``--draft-batches 1,2,4,8,16`` (``--model`` a draft model): ``draft_batch_ms``, the
+  draft-model proposer's greedy drafting batch of ``--draft-len`` tokens per session at each
+  batch size, and its fit per forward, ``draft_forward_ms + rows·draft_row_ms``, with the fixed
+  cost in rows' worth, ``draft_forward_rows``;
 * with ``--assistant DRAFT``: ``hf_generate_tok_s`` and ``hf_assisted_tok_s``, transformers'
   own ``generate`` greedy, alone and with the draft as ``assistant_model`` (Hugging Face's
   assisted generation, on the same pair and the same CPU), over ``--decode`` tokens.
@@ -20,6 +24,7 @@ Every number is a median over repeats, after warm-up, with one torch thread.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -128,6 +133,57 @@ def hf_generate(model: Any, prompts: list[list[int]], tokens: int, assistant: An
     return made / (time.perf_counter() - start)
 
 
+def draft_batch_ms(loaded: Any, rows: list[int], k: int, prompt_len: int, repeats: int) -> dict[int, float]:
+    """Median milliseconds of one greedy drafting batch of the draft-model proposer (what a drafter
+    runs per batch: ``k`` forwards, sampling and its cache bookkeeping) for each batch size in
+    ``rows``; after each batch every session commits 2 of its drafts and a bonus token."""
+    from services.drafter.proposers.base import DraftJob
+    from services.drafter.proposers.draft_model import DraftModelProposer
+    from shared.protocol import MAX_DRAFT_TOKENS, SamplingParams
+    from shared.sampling import make_generator
+
+    new = (WARMUP + repeats + 1) * 3 + k
+    tokens = 2 * max(rows) * (prompt_len + new + MAX_DRAFT_TOKENS)  # room for every session, and its spares
+    proposer = DraftModelProposer(ModelRunner(loaded, tokens * kv_bytes(loaded), "auto"), loaded.eos_ids)
+    params = SamplingParams(temperature=0.0, max_tokens=4096, ignore_eos=True)
+    out = {}
+    for n in rows:
+        ids = [f"b{n}-{i}" for i in range(n)]
+        for i, sid in enumerate(ids):
+            proposer.start(sid, [5 + (i + j) % 200 for j in range(prompt_len)], new)
+        jobs = [DraftJob(sid, k, params, make_generator(i, "draft")) for i, sid in enumerate(ids)]
+        if _draft_and_commit(proposer, jobs) != n * k:  # a session the arena had no room for drafts nothing
+            raise RuntimeError(f"a batch of {n} drafted fewer than {k} tokens each")
+        out[n] = median_ms(functools.partial(_draft_and_commit, proposer, jobs), repeats)
+        for sid in ids:
+            proposer.close(sid)
+    return out
+
+
+def _draft_and_commit(proposer: Any, jobs: list[Any]) -> int:
+    """One batch, then every session commits 2 drafts and a bonus token; returns the tokens drafted."""
+    proposals = proposer.propose(jobs)
+    for job, proposal in zip(jobs, proposals, strict=True):
+        proposer.commit(job.session_id, [*proposal.token_ids[:2], 5], 2)
+    return sum(len(p.token_ids) for p in proposals)
+
+
+def draft_costs(loaded: Any, rows: list[int], k: int, prompt_len: int, repeats: int) -> dict[str, Any]:
+    """:func:`draft_batch_ms` and its fit per forward: ms = fixed + rows·per_row, and the fixed
+    cost in rows' worth (``draft_forward_rows``, the simulator's validation takes it)."""
+    ms = draft_batch_ms(loaded, rows, k, prompt_len, repeats)
+    fixed, per_row = fit_line([float(n) for n in ms], [t / k for t in ms.values()]) if len(ms) > 1 else (0.0, 0.0)
+    return {"draft_batch_ms": ms, "draft_forward_ms": fixed, "draft_row_ms": per_row,
+            "draft_forward_rows": fixed / per_row if per_row > 0 else 0.0}
+
+
+def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares intercept and slope of ys against xs."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+    return my - slope * mx, slope
+
+
 def parse_shape(text: str) -> tuple[int, int, int]:
     b, c, n = (int(x) for x in text.lower().split("x"))
     return b, c, n
@@ -143,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--assistant", default="", help="a draft model: also time HF assisted generation with it")
     p.add_argument("--prompt-text", action="append", default=[], help="prompt(s) for --assistant (repeatable)")
+    p.add_argument("--draft-batches", default="", help="comma list of batch sizes: time the draft-model "
+                   "proposer's greedy batches (--model a draft model) and fit a forward's fixed cost and cost per row")
+    p.add_argument("--draft-len", type=int, default=4, help="tokens each session drafts per batch (--draft-batches)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     loaded = load_model(args.model)
@@ -155,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
         out["hf_decode_tok_s"] = statistics.median(hf_decode(loaded.model, prompt, args.decode) for _ in range(3))
         out["runner_decode_tok_s"] = statistics.median(runner_decode(runner, prompt, args.decode) for _ in range(3))
     out["forward_ms"] = {f"{b}x{c}x{n}": runner_forward_ms(runner, b, c, n, args.repeats) for b, c, n in shapes}
+    if args.draft_batches:
+        out.update(draft_costs(loaded, [int(n) for n in args.draft_batches.split(",")], args.draft_len,
+                               args.prompt_len, args.repeats))
     if args.hf_shapes:
         out["hf_forward_ms"] = {f"{b}x{c}x{n}": hf_forward_ms(loaded.model, b, c, n, args.repeats)
                                 for b, c, n in shapes}

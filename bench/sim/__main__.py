@@ -56,6 +56,9 @@ def parser() -> argparse.ArgumentParser:
     a("--rtt-ms", default="20", help="drafter–verifier round trip in ms: a value, a cycled list or spread:LO:HI")
     a("--draft-ms", default="1.0", help="draft model ms per drafted token: a value, a cycled list or spread:LO:HI")
     a("--draft-round-ms", type=float, default=0.5, help="fixed draft cost per round, ms")
+    a("--draft-forward-ms", type=float, default=0.0, help="fixed draft-model cost per forward of a batch, ms (the "
+                                                         "sessions a drafter drafts together share it; --draft-ms "
+                                                         "is then per row)")
     a("--concurrency", type=int, default=1, help="closed-loop sessions per drafter")
     a("--prompt-len", type=int, default=64, help="prompt tokens per request")
     a("--max-tokens", type=int, default=32, help="output tokens per request")
@@ -84,7 +87,8 @@ def fleet(args: argparse.Namespace, n: int) -> tuple[DrafterSpec, ...]:
     alphas = parse_alphas(args.alphas, n)
     rtts = parse_values(args.rtt_ms, n, (10.0, 100.0))
     drafts = parse_values(args.draft_ms, n, (0.5, 5.0))
-    base = DrafterSpec("d", token_s=0.0, round_s=args.draft_round_ms / 1e3, concurrency=args.concurrency,
+    base = DrafterSpec("d", token_s=0.0, round_s=args.draft_round_ms / 1e3, forward_s=args.draft_forward_ms / 1e3,
+                       concurrency=args.concurrency,
                        prompt_len=args.prompt_len, max_tokens=args.max_tokens,
                        slo_tokens_per_s=args.slo if args.slo > 0 else None)
     return tuple(replace(base, name=f"d{i}", alpha=alphas[i], rtt_s=rtts[i] / 1e3, token_s=drafts[i] / 1e3)

@@ -7,13 +7,13 @@ as the real batcher does. For each, the drafter caps b at what the request can s
 (``useful_draft_len``: at most ``max_tokens − generated − 1``), asks the real controller
 (``begin_round``), and drafts token by token: each synthetic token (``tokens.py``) is shown to
 ``on_step`` when the controller wants features, which may stop early (STOP keeps the token,
-DISCARD drops it; its compute is spent). The batch takes the sum of its sessions' draft costs
-(``DrafterSpec``) and every draft of it leaves ``send_s`` after the batch ends, reaching the
-verifier RTT/2 later. Pipelined drafting (``lookahead.py``): a session that sends a draft while
-its drafter serves at most ``pipeline_sessions`` sessions drafts its next round ahead, as if
-this one is accepted whole, one token per batch and only while no round is ready. A verdict
-that makes it true takes it as the next draft, sent once it is done; any other drops it. When
-the verdict comes back,
+DISCARD drops it; its compute is spent). The batch takes a forward's fixed cost per draft
+position (its longest draft's) plus its sessions' draft costs (``DrafterSpec``), and every draft
+of it leaves ``send_s`` after the batch ends, reaching the verifier RTT/2 later. Pipelined
+drafting (``lookahead.py``): a session that sends a draft while its drafter serves at most
+``pipeline_sessions`` sessions drafts its next round ahead, as if this one is accepted whole,
+one token per batch and only while no round is ready. A verdict that makes it true takes it as
+the next draft, sent once it is done; any other drops it. When the verdict comes back,
 ``end_round(drafted, accepted, draft_s, verify_s)`` feeds the controller, as the real drafter
 does. The controller's decisions are taken when the draft starts (the simulator draws the whole
 draft at once), so feedback from other sessions' verdicts during a draft is seen from the next one.
@@ -51,7 +51,7 @@ from services.verifier.batching import slo_met
 
 def _edge(index: int, d: DrafterSpec, threshold: float) -> Edge:
     return Edge(index, d.name, d.alpha, d.token_s, d.round_s, d.prefill_token_s, d.send_s, d.rtt_s / 2, d.max_batch,
-                d.pipeline_sessions, d.lookahead_token_s, d.proposal_rate, ControlSettings(threshold))
+                d.pipeline_sessions, d.lookahead_token_s, d.proposal_rate, ControlSettings(threshold), d.forward_s)
 
 
 class Simulation:
@@ -155,12 +155,15 @@ class Simulation:
             s.controller.end_round(v.drafted, min(v.accepted, v.drafted), s.draft_s, self.now - s.sent_at)
             if isinstance(s.controller, WispController):
                 s.controller.shared.wait_trained()  # a retraining runs to completion: deterministic
+        if v.finished or v.budget <= 0:
+            s.awaiting = False  # no next drafted round follows this verdict at once
         ahead = s.ahead
         if ahead is not None and (v.finished or v.budget <= 0 or not ahead.hit):
             self._drop(s)
         if v.finished:
             self._complete(s)
         elif ahead is not None and s.ahead is ahead:  # it came true
+            self._next_round(s)
             ahead.wanted = True
             if not ahead.left:
                 self._take(s)
@@ -196,7 +199,7 @@ class Simulation:
     def _start_lookahead_step(self, edge: Edge) -> None:
         batch = edge.looking[: edge.max_batch]
         edge.busy = True
-        seconds = (edge.lookahead_token_s or edge.token_s) * len(batch)
+        seconds = (edge.lookahead_token_s or edge.token_s + edge.forward_s) * len(batch)
         self.events.push(self.now + seconds, Kind.LOOKAHEAD_STEP,
                          (edge, tuple((s, s.ahead) for s in batch if s.ahead is not None)))
 
@@ -231,11 +234,22 @@ class Simulation:
     def _start_batch(self, edge: Edge) -> None:
         """Draft every ready session of ``edge`` (up to its ``max_batch``) as one batch."""
         batch = [edge.queue.popleft() for _ in range(min(len(edge.queue), edge.max_batch))]
-        seconds = sum(self._draft(edge, s) for s in batch)
+        for s in batch:
+            self._next_round(s)
+        drafts = [self._draft(edge, s) for s in batch]
+        # the batch runs one forward per draft position while any of its sessions still drafts
+        seconds = sum(t for t, _ in drafts) + edge.forward_s * max(n for _, n in drafts)
         for s in batch:
             s.draft_s = seconds
         edge.busy = True
         self.events.push(self.now + seconds, Kind.DRAFT_DONE, (edge, tuple(batch)))
+
+    def _next_round(self, s: Session) -> None:
+        """The drafter starts on ``s``'s next round: after a drafted round's verdict, it records the
+        wait since that round's draft left (not after the admission or a target-only round)."""
+        if s.awaiting:
+            self.rec.verdict_wait(s.edge.index, self.now - s.sent_at)
+            s.awaiting = False
 
     def _round_len(self, s: Session, cap: int) -> int:
         """The draft length the controller picks within ``s``'s budget, ``cap`` and what the request
@@ -243,16 +257,17 @@ class Simulation:
         useful = max(0, min(s.budget, cap, self.spec.policies.max_draft_tokens, s.remaining - 1))
         return max(0, min(useful, s.controller.begin_round(useful))) if s.controller is not None else 0
 
-    def _draft(self, edge: Edge, s: Session) -> float:
-        """Draw ``s``'s draft for this round; returns its share of the batch's draft-model time."""
+    def _draft(self, edge: Edge, s: Session) -> tuple[float, int]:
+        """Draw ``s``'s draft for this round; returns its share of the batch's draft-model time
+        (beyond the forwards' fixed cost) and the tokens it computed."""
         computed = self._draw(s, self._round_len(s, s.budget))
         if not computed:
-            return 0.0
+            return 0.0, 0
         seconds = edge.round_s + edge.token_s * computed
         if not s.prefilled:
             seconds += edge.prefill_token_s * s.prompt_len
             s.prefilled = True
-        return seconds
+        return seconds, computed
 
     def _draw(self, s: Session, k: int) -> int:
         """Draft up to ``k`` synthetic tokens into ``s.drafts``; returns how many were computed."""
@@ -280,7 +295,7 @@ class Simulation:
 
     def _send(self, s: Session, after: float = 0.0) -> None:
         """The draft leaves ``after`` seconds from now."""
-        s.sent_at = self.now + after
+        s.sent_at, s.awaiting = self.now + after, True
         s.edge.in_flight.append(s)
         self._look_ahead(s)
         self.ready.append(s.edge)

@@ -62,9 +62,17 @@ class Recorder:
     admit_s: list[float] = field(default_factory=list)
     requests: list[RequestRecord] = field(default_factory=list)
     committed: list[int] = field(default_factory=list)  # per drafter
+    waits: list[list[float]] = field(default_factory=list)  # per drafter: Σ and count of verdict waits
 
     def __post_init__(self) -> None:
         self.committed = [0] * self.n_drafters
+        self.waits = [[0.0, 0.0] for _ in range(self.n_drafters)]
+
+    def verdict_wait(self, drafter: int, seconds: float) -> None:
+        """A session's draft left ``seconds`` ago and its drafter starts on the session's next round
+        now (the real drafter's verify_wait and worker_wait phases)."""
+        self.waits[drafter][0] += seconds
+        self.waits[drafter][1] += 1
 
     def step(self, sessions: int, seconds: float, select_s: float, assign_s: float) -> None:
         self.steps += 1
@@ -120,6 +128,10 @@ class SimResult:
     asked: int  # draft tokens the rounds asked their proposers for (≥ drafted: a proposer may run out)
     lookaheads: int  # pipelined drafts started, per session
     lookaheads_used: int  # of them, those that became the next round's draft
+    #: per drafter: the mean time from a draft leaving to the drafter starting on that session's next
+    #: round (the real drafter's verify_wait + worker_wait: the verifier, both links, and waiting for
+    #: its own draft model); None: no such round
+    verdict_wait_s: tuple[float | None, ...]
     sched_ms_mean: float  # wall clock in batcher.select + allocator.assign per step
     sched_ms_p99: float
     select_ms_mean: float
@@ -132,6 +144,7 @@ class SimResult:
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["per_drafter_tok_s"] = list(self.per_drafter_tok_s)
+        out["verdict_wait_s"] = list(self.verdict_wait_s)
         return out
 
     def deterministic(self) -> dict[str, Any]:
@@ -166,7 +179,7 @@ def summarise(rec: Recorder, sim_s: float, tracker_u: float, wall_s: float, **la
         jain=jain(per), sum_log_x=sum_log(per), tracker_sum_log_x=tracker_u,
         slo_attainment=slo_attainment(rec.requests), max_budget_sum=rec.max_budget_sum,
         drafted_rounds=rec.drafted_rounds, asked=rec.asked, lookaheads=rec.lookaheads,
-        lookaheads_used=rec.lookaheads_used,
+        lookaheads_used=rec.lookaheads_used, verdict_wait_s=tuple(t / n if n else None for t, n in rec.waits),
         sched_ms_mean=_ms(sched), sched_ms_p99=_ms(sched, 99), select_ms_mean=_ms(rec.select_s),
         assign_ms_mean=_ms(rec.assign_s), admit_ms_mean=_ms(rec.admit_s), admit_ms_p99=_ms(rec.admit_s, 99),
         sched_share=sum(sched) / rec.step_seconds if rec.step_seconds > 0 else 0.0, wall_s=wall_s, **labels)

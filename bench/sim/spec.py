@@ -18,11 +18,16 @@ class DrafterSpec:
     """One edge drafter (one draft model drafting its ready sessions in batches of up to
     ``max_batch``) and the requests it serves.
 
-    Costs: a session's draft of j tokens adds ``round_s + j·token_s`` to its batch's time on the
-    draft model (the first round of a request also prefills its prompt:
-    ``prompt_len·prefill_token_s``). ``token_s`` is the draft model's time per token at the
-    batch sizes the drafter sees (a batch's forwards amortise their fixed cost over its rows),
-    ``round_s`` a fixed draft-model cost per drafted round (scheduling, sampling setup). Each
+    Costs: a batch runs one forward of the draft model per draft position, each costing
+    ``forward_s`` whatever its rows, and a session's draft of j tokens adds ``round_s + j·token_s``
+    to the batch's time (the first round of a request also prefills its prompt:
+    ``prompt_len·prefill_token_s``): a batch of n sessions drafting k each takes
+    ``k·forward_s + n·(round_s + k·token_s)``. ``token_s`` is the draft model's time per token
+    and row, ``round_s`` a fixed cost per drafted round (scheduling, sampling setup). With
+    ``forward_s`` 0, ``token_s`` stands for the time per token at the batch sizes the drafter sees
+    (its forwards' fixed cost amortised over their rows). A token of each of n lookaheads drafted
+    together costs ``n·lookahead_token_s`` (measured at the lookahead batches a drafter runs, one
+    or two sessions, so with the fixed cost in it), or ``n·(token_s + forward_s)`` when that is 0. Each
     draft leaves ``send_s`` after its batch ends (the hand-off: turning the batch into frames,
     which does not hold the draft model up).
     A message takes ``rtt_s / 2`` each way between the drafter and the verifier.
@@ -38,6 +43,7 @@ class DrafterSpec:
     name: str
     alpha: float = 0.7  # mean per-token acceptance probability of its draft model against the target
     token_s: float = 1e-3  # draft model seconds per drafted token
+    forward_s: float = 0.0  # draft model fixed seconds per forward of a batch, whatever its rows
     round_s: float = 5e-4  # fixed draft-model cost per drafted round (scheduling, sampling setup)
     prefill_token_s: float = 5e-5  # draft model seconds per prompt token, first round of a request
     send_s: float = 0.0  # from a batch's end to each of its drafts leaving (the drafter's hand-off)
@@ -49,7 +55,7 @@ class DrafterSpec:
     #: accepted, one token per batch and only when no round is ready; 0: off. Alternative
     #: lookaheads (--lookahead-branches) are not modelled.
     pipeline_sessions: int = 0
-    lookahead_token_s: float = 0.0  # draft-model seconds per lookahead token (0: token_s)
+    lookahead_token_s: float = 0.0  # draft-model seconds per lookahead token (0: token_s + forward_s)
     #: the chance its proposer has each next draft token, having had the one before (a model-free
     #: drafter proposes only as far as its match goes); a round asked for k drafts j or more with
     #: probability proposal_rate^j. 1: a draft model, which drafts all k
@@ -65,7 +71,7 @@ class DrafterSpec:
         if not 0.0 <= self.alpha <= 1.0 or not 0.0 <= self.proposal_rate <= 1.0:
             raise ValueError(f"{self.name}: alpha and proposal_rate must be in [0, 1], got {self.alpha} and "
                              f"{self.proposal_rate}")
-        if min(self.token_s, self.round_s, self.prefill_token_s, self.send_s, self.lookahead_token_s,
+        if min(self.token_s, self.forward_s, self.round_s, self.prefill_token_s, self.send_s, self.lookahead_token_s,
                self.rtt_s) < 0:
             raise ValueError(f"{self.name}: costs and RTT must be >= 0")
         if min(self.concurrency, self.max_batch, self.prompt_len, self.max_tokens) < 1 or min(

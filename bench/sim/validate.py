@@ -11,7 +11,9 @@ profile says, simulates it, and compares goodput (committed tokens/s) and mean r
   ``forward`` phase) as a fixed per-step overhead, and its CPU outside its steps (its event
   loop) per session verified;
 * each drafter's costs (per drafter where the run recorded them, else the run's pooled
-  values): its draft-model seconds per drafted token of its rounds (lookaheads apart), its
+  values): its draft-model seconds per drafted token of its rounds (lookaheads apart), split into
+  a forward's fixed cost and a cost per row at the sessions its batches held
+  (``split_draft_cost``: a batch of many sessions costs less per session than one of few), its
   hand-off and send per round (a delay after its batch), its draft-model time per lookahead
   token, and its link time (``link_s``: the wait for its verdict beyond
   the verifier's own time on the round), which stands for the RTT when longer than the
@@ -44,6 +46,7 @@ from typing import Any, NamedTuple
 from bench.fleets import write_results
 from bench.sim.costs import DEFAULT_PROFILE, CostSpec, load_cpu_coef
 from bench.sim.engine import simulate
+from bench.sim.result import SimResult
 from bench.sim.spec import DrafterSpec, Policies, SimSpec, VerifierSpec
 from bench.traces import trace_arrivals
 from services.verifier.batching.estimator import Coef, StepTimeEstimator
@@ -53,6 +56,10 @@ TOLERANCE = 0.15
 PROMPT_LEN = 12  # the benchmark prompts' typical length in target tokens
 TARGET_ONLY = ("centralized", "no speculation", "target-only")
 PIPELINE_SESSIONS = 2  # the real drafters' default --pipeline-sessions, which the benchmarks keep
+#: a draft-model forward's fixed cost in rows' worth: draft-small's greedy batches on the edge core,
+#: `python -m bench.costs --model models/draft-small --draft-batches 1,2,4,8,16 --prompt-len 12`
+#: (2026-11-26: 4.4 and 5.0 in two runs)
+DRAFT_FORWARD_ROWS = 4.5
 
 
 def alpha_for(accepted_per_round: float, drafted_per_round: float) -> float:
@@ -98,6 +105,7 @@ class DrafterCosts(NamedTuple):
     link_s: float  # a round's time between drafter and verifier beyond both (network, event loops)
     lookahead_token_s: float = 0.0  # draft-model seconds per lookahead token (0: not recorded)
     proposal_rate: float = 1.0  # the chance its proposer has each next draft token (DrafterSpec's)
+    forward_s: float = 0.0  # draft-model fixed seconds per forward of a batch (DrafterSpec's)
 
 
 def acceptance_of(d: dict[str, Any], whole_drafts: bool) -> tuple[float, float]:
@@ -116,10 +124,11 @@ def acceptance_of(d: dict[str, Any], whole_drafts: bool) -> tuple[float, float]:
     return (min(1.0, alpha_for(accepted, asked) / rate) if rate > 0 else 0.0), rate
 
 
-def drafter_params(row: dict[str, Any], n: int, whole_drafts: bool = False) -> list[DrafterCosts]:
+def drafter_params(row: dict[str, Any], n: int, whole_drafts: bool = False,
+                   forward_rows: float = DRAFT_FORWARD_ROWS) -> list[DrafterCosts]:
     """Each drafter's costs: its own measured rounds where the run recorded them per drafter
     (``costs.by_drafter``), else the run's pooled values for all of them (acceptance: see
-    :func:`acceptance_of`)."""
+    :func:`acceptance_of`; the draft model's cost per forward and per row: :func:`split_draft_cost`)."""
     c, phases, cpu = row["costs"], row.get("round_ms", {}), row["costs"].get("cpu", {})
     wall = cpu.get("wall_s", 0.0)
 
@@ -142,11 +151,25 @@ def drafter_params(row: dict[str, Any], n: int, whole_drafts: bool = False) -> l
         alpha, rate = acceptance_of(d, whole_drafts)
         send_s = d["send_ms"] / 1e3 if "send_ms" in d else pooled.send_s
         ahead_s = lookahead_token_s(d)
-        return DrafterCosts(alpha, d["draft_ms_per_token"] / 1e3, send_s,
+        row_s, forward_s = split_draft_cost(d["draft_ms_per_token"] / 1e3, d.get("batch_sessions", 0.0), forward_rows)
+        return DrafterCosts(alpha, row_s, send_s,
                             link(d["verify_wait_ms"], d.get("model_busy_s", 0.0), d.get("lookahead_busy_s", 0.0),
                                  ahead_s) if "verify_wait_ms" in d else pooled.link_s,
-                            ahead_s, rate)
+                            ahead_s, rate, forward_s)
     return [of(d) if d["drafted_per_round"] > 0 else pooled for d in own]
+
+
+def split_draft_cost(token_s: float, rows: float, forward_rows: float) -> tuple[float, float]:
+    """A drafter's measured draft-model seconds per drafted token, ``token_s``, at its batches'
+    mean sessions ``rows`` (``batch_sessions``), as a cost per row and a fixed cost per forward
+    worth ``forward_rows`` rows (the draft model's proportion, :data:`DRAFT_FORWARD_ROWS`): a
+    forward over r rows takes forward_s + r·row_s, and at ``rows`` that is rows·token_s. Returns
+    (row_s, forward_s); (token_s, 0), a cost proportional to the rows, for a run that did not
+    record its batches."""
+    if forward_rows <= 0 or rows <= 0:
+        return token_s, 0.0
+    row_s = token_s * rows / (forward_rows + rows)
+    return row_s, forward_rows * row_s
 
 
 def lookahead_token_s(d: dict[str, Any]) -> float:
@@ -193,24 +216,38 @@ def verifier_loop_s(cpu: dict[str, float]) -> float:
 
 
 def drafters_of(source: str, row: dict[str, Any], meta: dict[str, Any], repeat: int = 0,
-                whole_drafts: bool = False) -> tuple[DrafterSpec, ...]:
+                whole_drafts: bool = False, forward_rows: float = DRAFT_FORWARD_ROWS) -> tuple[DrafterSpec, ...]:
     """The clients and drafters of the row: its sessions, requests, arrivals (those of its
     ``repeat``-th repeat: the real run seeds repeat i with seed + i), RTTs and costs. A drafter's
     RTT is its configured one, or the measured link time of its rounds when that is longer."""
     n = max(1, len(row["goodput_by_drafter"]))
     requests = int(row.get("requests", 30))
-    rtts = [float(rtt) for _, rtt in meta["drafters"]] if source == "fairness" else [0.0] * n
+    rtts = configured_rtts(source, meta, n)
     arrivals: list[float] = []
     if row.get("arrival_rate", 0) > 0:
         arrivals = trace_arrivals(row.get("trace", "poisson"), row["arrival_rate"], requests,
                                   int(row.get("seed", 0)) + repeat)
     base = DrafterSpec("d", round_s=0.0, prompt_len=PROMPT_LEN, max_tokens=int(row.get("max_tokens", 128)),
                        pipeline_sessions=PIPELINE_SESSIONS)
-    return tuple(replace(base, name=f"d{i}", alpha=d.alpha, token_s=d.token_s, send_s=d.send_s,
+    return tuple(replace(base, name=f"d{i}", alpha=d.alpha, token_s=d.token_s, forward_s=d.forward_s, send_s=d.send_s,
                          lookahead_token_s=d.lookahead_token_s, proposal_rate=d.proposal_rate,
-                         rtt_s=max(rtts[i] / 1e3, d.link_s), concurrency=max(1, row["concurrency"] // n),
+                         rtt_s=max(rtts[i], d.link_s), concurrency=max(1, row["concurrency"] // n),
                          requests=requests // n, arrivals=tuple(arrivals[i::n]))
-                 for i, d in enumerate(drafter_params(row, n, whole_drafts)))
+                 for i, d in enumerate(drafter_params(row, n, whole_drafts, forward_rows)))
+
+
+def configured_rtts(source: str, meta: dict[str, Any], n: int) -> list[float]:
+    """Each drafter's configured RTT in seconds (the fairness scenario's delay proxies; else 0)."""
+    return [float(rtt) / 1e3 for _, rtt in meta["drafters"]] if source == "fairness" else [0.0] * n
+
+
+def measured_waits(row: dict[str, Any]) -> list[float] | None:
+    """Each drafter's mean seconds from a draft leaving to starting on its session's next round:
+    its rounds' verify_wait plus the run's worker_wait (None: not recorded per drafter)."""
+    own = [d for _, d in sorted(row["costs"].get("by_drafter", {}).items())]
+    if not own or not all(d.get("verify_wait_ms") for d in own):
+        return None
+    return [(d["verify_wait_ms"] + row.get("round_ms", {}).get("worker_wait", 0.0)) / 1e3 for d in own]
 
 
 def step_scale(row: dict[str, Any], coef: Coef) -> float:
@@ -228,7 +265,9 @@ def step_scale(row: dict[str, Any], coef: Coef) -> float:
     return forward_s / predicted
 
 
-def spec_of(source: str, row: dict[str, Any], meta: dict[str, Any], coef: Coef, repeat: int = 0) -> SimSpec | None:
+def spec_of(source: str, row: dict[str, Any], meta: dict[str, Any], coef: Coef, repeat: int = 0,
+            forward_rows: float = DRAFT_FORWARD_ROWS) -> SimSpec | None:
+    """The simulation of ``row`` (None: a scenario the simulator does not model)."""
     pol = policies_of(source, row, meta)
     if pol is None:
         return None
@@ -236,31 +275,43 @@ def spec_of(source: str, row: dict[str, Any], meta: dict[str, Any], coef: Coef, 
     overhead = max(0.0, c["step_ms"] - c["forward_ms"]) / 1e3
     closed = not row.get("arrival_rate", 0) > 0
     loop = verifier_loop_s(c.get("cpu", {}))
-    drafters = drafters_of(source, row, meta, repeat, whole_drafts=pol.controller == "fixed")
+    drafters = drafters_of(source, row, meta, repeat, pol.controller == "fixed", forward_rows)
     return SimSpec(drafters, pol, VerifierSpec(32, 2048, overhead, loop),
                    CostSpec("cpu", coef, scale=step_scale(row, coef)), speculative=row["scenario"] not in TARGET_ONLY,
                    rounds=None, duration_s=3600.0, shared_requests=int(row.get("requests", 30)) if closed else 0)
 
 
-def compare(source: str, row: dict[str, Any], meta: dict[str, Any], coef: Coef) -> dict[str, Any]:
+def compare(source: str, row: dict[str, Any], meta: dict[str, Any], coef: Coef,
+            forward_rows: float = DRAFT_FORWARD_ROWS) -> dict[str, Any]:
     out = {"source": source, "scenario": row["scenario"], "point": row["point"],
            "real_tok_s": row["goodput_tok_s"], "real_latency_s": row["latency_s_mean"]}
     repeats = max(1, len(row.get("tokens_per_s_runs", [])))
-    specs = [spec_of(source, row, meta, coef, i) for i in range(repeats)]
-    if specs[0] is None:
+    specs = [spec_of(source, row, meta, coef, i, forward_rows) for i in range(repeats)]
+    first = specs[0]
+    if first is None:
         return {**out, "skipped": "not modelled (the simulator's verifier keeps every session's KV cache)"}
     sims = [simulate(spec) for spec in specs if spec is not None]
     # as the real row: the median of the repeats' rates, the mean latency over all their requests
     tok_s = statistics.median(r.goodput_tok_s for r in sims)
     latency = sum((r.latency_s or 0.0) * r.requests_done for r in sims) / max(1, sum(r.requests_done for r in sims))
-    out.update(sim_tok_s=tok_s, sim_latency_s=latency, alpha=specs[0].drafters[0].alpha, repeats=repeats,
-               alphas=[d.alpha for d in specs[0].drafters], step_scale=specs[0].cost.scale,
-               rtts_ms=[d.rtt_s * 1e3 for d in specs[0].drafters] if specs[0].speculative else [],
+    out.update(sim_tok_s=tok_s, sim_latency_s=latency, alpha=first.drafters[0].alpha, repeats=repeats,
+               alphas=[d.alpha for d in first.drafters], step_scale=first.cost.scale,
+               rtts_ms=[d.rtt_s * 1e3 for d in first.drafters] if first.speculative else [],
                sim_lookahead_use=sum(r.lookaheads_used for r in sims) / max(1, sum(r.drafted_rounds for r in sims)),
-               real_lookahead_use=lookahead_use(row))
+               real_lookahead_use=lookahead_use(row), sim_verdict_wait_ms=verdict_waits_ms(sims),
+               real_verdict_wait_ms=[w * 1e3 for w in measured_waits(row) or []])
     out["tok_s_error"] = tok_s / row["goodput_tok_s"] - 1
     out["latency_error"] = latency / row["latency_s_mean"] - 1 if row["latency_s_mean"] else math.nan
     out["within"] = abs(out["tok_s_error"]) <= TOLERANCE and abs(out["latency_error"]) <= TOLERANCE
+    return out
+
+
+def verdict_waits_ms(sims: list[SimResult]) -> list[float | None]:
+    """Each simulated drafter's mean verdict wait (``SimResult.verdict_wait_s``) over the repeats."""
+    out: list[float | None] = []
+    for i in range(sims[0].n_drafters):
+        waits = [w for r in sims if (w := r.verdict_wait_s[i]) is not None]
+        out.append(statistics.fmean(waits) * 1e3 if waits else None)
     return out
 
 
@@ -287,6 +338,8 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
              f"{ok} of {len(done)} rows within {TOLERANCE:.0%} on both goodput and mean latency.", "",
              "RTT ms: each simulated drafter's round trip to the verifier, its configured RTT or, when longer, "
              "its rounds' measured link time (network and event loops).", "",
+             f"Draft model: a forward's fixed cost is {meta.get('draft_forward_rows', 0):g} rows' worth "
+             "(`--draft-forward-rows`), split from each drafter's measured cost at its batches' mean sessions.", "",
              "| source | scenario | point | real tok/s | sim tok/s | error | real latency s | sim latency s | error | "
              "α | RTT ms | step scale | within |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -307,6 +360,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results", default="bench/results", help="folder of the real runs' JSON files")
     p.add_argument("--sources", default=",".join(SOURCES), help=f"comma list of {', '.join(SOURCES)}")
     p.add_argument("--estimator-file", default=str(DEFAULT_PROFILE), help="the verifier's step-time profile")
+    p.add_argument("--draft-forward-rows", type=float, default=DRAFT_FORWARD_ROWS,
+                   help="a draft-model forward's fixed cost in rows' worth (`python -m bench.costs --draft-batches`); "
+                        "0: a batch's draft cost is proportional to its rows")
     p.add_argument("--out", default="bench/results")
     args = p.parse_args(argv)
     coef = load_cpu_coef(args.estimator_file)
@@ -318,11 +374,11 @@ def main(argv: list[str] | None = None) -> int:
             continue
         data = json.loads(path.read_text())
         used.append(f"{path} ({data['meta']['when']})")
-        rows += [compare(source, row, data["meta"], coef) for row in data["rows"]]
+        rows += [compare(source, row, data["meta"], coef, args.draft_forward_rows) for row in data["rows"]]
     if not rows:
         p.error(f"no real results to compare with in {args.results}")
     meta = {"command": "python -m bench sim-validate " + " ".join(argv or []), "sources": used,
-            "when": time.strftime("%Y-%m-%d %H:%M"), "coef": coef}
+            "when": time.strftime("%Y-%m-%d %H:%M"), "coef": coef, "draft_forward_rows": args.draft_forward_rows}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     write_results(out, "sim-validation", {"meta": meta, "rows": rows}, markdown(rows, meta))

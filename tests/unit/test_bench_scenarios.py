@@ -20,6 +20,7 @@ from bench.sim.validate import (
     link_s,
     policies_of,
     spec_of,
+    split_draft_cost,
     step_scale,
     verifier_loop_s,
 )
@@ -175,6 +176,29 @@ def test_drafter_params_are_per_drafter_when_the_run_recorded_them() -> None:
     assert d1.send_s == d1.link_s == d1.lookahead_token_s == d2.send_s == 0.0  # none of these recorded
     own["drafter-1"].update(lookahead_busy_s=2.4, lookaheads=400)  # 400 lookaheads of 2 drafts and the guess
     assert drafter_params(real_row(by_drafter=own), 2)[0].lookahead_token_s == pytest.approx(2e-3)
+
+
+@pytest.mark.parametrize(("token_s", "rows", "forward_rows", "want"), [
+    (1e-3, 4.0, 4.0, (5e-4, 2e-3)),  # a forward of 4 rows: 2 ms fixed + 4 × 0.5 ms = 4 × the measured 1 ms
+    (1e-3, 1.0, 4.0, (2e-4, 8e-4)),  # batches of 1: most of the measured cost is the forward's fixed cost
+    (1e-3, 0.0, 4.0, (1e-3, 0.0)),  # an older run: its batches were not recorded
+    (1e-3, 4.0, 0.0, (1e-3, 0.0)),  # a cost proportional to the rows
+])
+def test_a_measured_draft_cost_splits_into_a_forwards_fixed_cost_and_a_cost_per_row(
+        token_s: float, rows: float, forward_rows: float, want: tuple[float, float]) -> None:
+    row_s, forward_s = split_draft_cost(token_s, rows, forward_rows)
+    assert (row_s, forward_s) == pytest.approx(want)
+    if rows > 0:
+        assert forward_s + rows * row_s == pytest.approx(rows * token_s)
+
+
+def test_drafter_params_split_the_draft_cost_at_the_batches_each_drafter_ran() -> None:
+    own = {"drafter-1": {"draft_ms_per_token": 1.0, "drafted_per_round": 2.0, "accepted_per_round": 1.0,
+                         "batch_sessions": 4.0},
+           "drafter-2": {"draft_ms_per_token": 1.0, "drafted_per_round": 2.0, "accepted_per_round": 1.0}}
+    d1, d2 = drafter_params(real_row(by_drafter=own), 2, forward_rows=4.0)
+    assert (d1.token_s, d1.forward_s) == (pytest.approx(5e-4), pytest.approx(2e-3))
+    assert (d2.token_s, d2.forward_s) == (pytest.approx(1e-3), 0.0)  # its batches not recorded
 
 
 def prefix_sum(x: float, k: float) -> float:

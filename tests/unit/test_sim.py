@@ -94,14 +94,17 @@ def test_hopeless_drafter_commits_one_token_per_round() -> None:
     assert r.committed == r.rounds
 
 
+@pytest.mark.parametrize("forward_s", [0.0, 3e-3])
 @pytest.mark.parametrize(("max_batch", "batches"), [(4, [("d0-r0", "d0-r1", "d0-r2")]),
                                                    (2, [("d0-r0", "d0-r1"), ("d0-r2",)])])
-def test_a_drafter_drafts_its_ready_sessions_as_one_batch(max_batch: int, batches: list[tuple[str, ...]]) -> None:
+def test_a_drafter_drafts_its_ready_sessions_as_one_batch(max_batch: int, batches: list[tuple[str, ...]],
+                                                          forward_s: float) -> None:
     """Sessions ready together are drafted together (up to max_batch), and their drafts all leave
-    send_s after the batch ends, which takes the sum of their draft costs."""
+    send_s after the batch ends, which takes the sum of their draft costs and one forward's fixed
+    cost per draft position."""
     d = DrafterSpec("d0", token_s=1e-3, round_s=2e-3, prefill_token_s=0.0, send_s=5e-4, concurrency=3,
-                    max_batch=max_batch)
-    sim = Simulation(SimSpec(drafters=(d,), cost=H100, rounds=1))
+                    max_batch=max_batch, forward_s=forward_s)
+    sim = Simulation(SimSpec(drafters=(d,), cost=H100, rounds=3))  # every session drafted once at least
     started: list[float] = []
     done: list[tuple[float, tuple[str, ...]]] = []
     start, end = sim._start_batch, sim._draft_done
@@ -119,7 +122,19 @@ def test_a_drafter_drafts_its_ready_sessions_as_one_batch(max_batch: int, batche
     assert [sids for _, sids in done[: len(batches)]] == batches
     per_session = 2e-3 + 4 * 1e-3  # round_s + draft_len·token_s
     for began, (ended, sids) in zip(started, done[: len(batches)], strict=False):
-        assert ended - began == pytest.approx(per_session * len(sids))
+        assert ended - began == pytest.approx(4 * forward_s + per_session * len(sids))
+
+
+def test_the_verdict_wait_is_the_round_trip_and_the_verifiers_time() -> None:
+    """One session alone: from its draft leaving to its next round, the RTT and the verifier's
+    step (the same every round at α = 1), so a longer RTT adds exactly its difference."""
+    def waits(rtt_s: float) -> tuple[float | None, ...]:
+        d = DrafterSpec("d0", alpha=1.0, rtt_s=rtt_s, max_tokens=50, requests=2)
+        return simulate(SimSpec(drafters=(d,), cost=H100, rounds=None, duration_s=600.0)).verdict_wait_s
+    [near], [far] = waits(0.01), waits(0.04)
+    assert near is not None and far is not None and near > 0.01
+    assert far - near == pytest.approx(0.03)
+    assert simulate(spec([0.5], speculative=False)).verdict_wait_s == (None,)  # no drafts, no verdicts for them
 
 
 def pipelined(alpha: float, pipeline_sessions: int, concurrency: int = 1, rtt_s: float = 0.01) -> SimResult:
