@@ -24,7 +24,6 @@ Every number is a median over repeats, after warm-up, with one torch thread.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import statistics
 import time
@@ -136,13 +135,14 @@ def hf_generate(model: Any, prompts: list[list[int]], tokens: int, assistant: An
 def draft_batch_ms(loaded: Any, rows: list[int], k: int, prompt_len: int, repeats: int) -> dict[int, float]:
     """Median milliseconds of one greedy drafting batch of the draft-model proposer (what a drafter
     runs per batch: ``k`` forwards, sampling and its cache bookkeeping) for each batch size in
-    ``rows``; after each batch every session commits 2 of its drafts and a bonus token."""
+    ``rows``; after each batch, untimed (the drafter commits apart from its batches), every session
+    commits up to 2 of its drafts and a bonus token."""
     from services.drafter.proposers.base import DraftJob
     from services.drafter.proposers.draft_model import DraftModelProposer
     from shared.protocol import MAX_DRAFT_TOKENS, SamplingParams
     from shared.sampling import make_generator
 
-    new = (WARMUP + repeats + 1) * 3 + k
+    new = (WARMUP + repeats) * 3 + k
     tokens = 2 * max(rows) * (prompt_len + new + MAX_DRAFT_TOKENS)  # room for every session, and its spares
     proposer = DraftModelProposer(ModelRunner(loaded, tokens * kv_bytes(loaded), "auto"), loaded.eos_ids)
     params = SamplingParams(temperature=0.0, max_tokens=4096, ignore_eos=True)
@@ -152,20 +152,25 @@ def draft_batch_ms(loaded: Any, rows: list[int], k: int, prompt_len: int, repeat
         for i, sid in enumerate(ids):
             proposer.start(sid, [5 + (i + j) % 200 for j in range(prompt_len)], new)
         jobs = [DraftJob(sid, k, params, make_generator(i, "draft")) for i, sid in enumerate(ids)]
-        if _draft_and_commit(proposer, jobs) != n * k:  # a session the arena had no room for drafts nothing
-            raise RuntimeError(f"a batch of {n} drafted fewer than {k} tokens each")
-        out[n] = median_ms(functools.partial(_draft_and_commit, proposer, jobs), repeats)
+        times = [_draft_and_commit(proposer, jobs, n * k) for _ in range(WARMUP + repeats)]
+        out[n] = 1e3 * statistics.median(times[WARMUP:])
         for sid in ids:
             proposer.close(sid)
     return out
 
 
-def _draft_and_commit(proposer: Any, jobs: list[Any]) -> int:
-    """One batch, then every session commits 2 drafts and a bonus token; returns the tokens drafted."""
+def _draft_and_commit(proposer: Any, jobs: list[Any], tokens: int) -> float:
+    """One batch, timed; then every session commits up to 2 drafts and a bonus token. Raises when the
+    batch drafted fewer than ``tokens`` (a session the arena had no room for drafts nothing)."""
+    started = time.perf_counter()
     proposals = proposer.propose(jobs)
+    seconds = time.perf_counter() - started
+    if sum(len(p.token_ids) for p in proposals) != tokens:
+        raise RuntimeError(f"a batch of {len(jobs)} sessions drafted fewer than {tokens} tokens")
     for job, proposal in zip(jobs, proposals, strict=True):
-        proposer.commit(job.session_id, [*proposal.token_ids[:2], 5], 2)
-    return sum(len(p.token_ids) for p in proposals)
+        kept = list(proposal.token_ids[:2])
+        proposer.commit(job.session_id, [*kept, 5], len(kept))
+    return seconds
 
 
 def draft_costs(loaded: Any, rows: list[int], k: int, prompt_len: int, repeats: int) -> dict[str, Any]:
@@ -174,7 +179,7 @@ def draft_costs(loaded: Any, rows: list[int], k: int, prompt_len: int, repeats: 
     ms = draft_batch_ms(loaded, rows, k, prompt_len, repeats)
     fixed, per_row = fit_line([float(n) for n in ms], [t / k for t in ms.values()]) if len(ms) > 1 else (0.0, 0.0)
     return {"draft_batch_ms": ms, "draft_forward_ms": fixed, "draft_row_ms": per_row,
-            "draft_forward_rows": fixed / per_row if per_row > 0 else 0.0}
+            "draft_forward_rows": max(0.0, fixed) / per_row if per_row > 0 else 0.0}
 
 
 def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:

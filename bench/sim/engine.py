@@ -199,7 +199,8 @@ class Simulation:
     def _start_lookahead_step(self, edge: Edge) -> None:
         batch = edge.looking[: edge.max_batch]
         edge.busy = True
-        seconds = (edge.lookahead_token_s or edge.token_s + edge.forward_s) * len(batch)
+        n = len(batch)  # one token of each: measured per lookahead, or one forward over n rows
+        seconds = edge.lookahead_token_s * n if edge.lookahead_token_s else edge.forward_s + edge.token_s * n
         self.events.push(self.now + seconds, Kind.LOOKAHEAD_STEP,
                          (edge, tuple((s, s.ahead) for s in batch if s.ahead is not None)))
 
@@ -245,8 +246,9 @@ class Simulation:
         self.events.push(self.now + seconds, Kind.DRAFT_DONE, (edge, tuple(batch)))
 
     def _next_round(self, s: Session) -> None:
-        """The drafter starts on ``s``'s next round: after a drafted round's verdict, it records the
-        wait since that round's draft left (not after the admission or a target-only round)."""
+        """The drafter starts on ``s``'s next round: after the verdict on a draft it sent (an empty one
+        too, as the real drafter's verify_wait counts), it records the wait since that draft left;
+        not after the admission or a round the verifier ran target-only (budget 0)."""
         if s.awaiting:
             self.rec.verdict_wait(s.edge.index, self.now - s.sent_at)
             s.awaiting = False

@@ -27,7 +27,8 @@ class DrafterSpec:
     ``forward_s`` 0, ``token_s`` stands for the time per token at the batch sizes the drafter sees
     (its forwards' fixed cost amortised over their rows). A token of each of n lookaheads drafted
     together costs ``n·lookahead_token_s`` (measured at the lookahead batches a drafter runs, one
-    or two sessions, so with the fixed cost in it), or ``n·(token_s + forward_s)`` when that is 0. Each
+    or two sessions, so with the fixed cost in it), or one forward, ``forward_s + n·token_s``, when
+    that is 0. Each
     draft leaves ``send_s`` after its batch ends (the hand-off: turning the batch into frames,
     which does not hold the draft model up).
     A message takes ``rtt_s / 2`` each way between the drafter and the verifier.
@@ -55,7 +56,7 @@ class DrafterSpec:
     #: accepted, one token per batch and only when no round is ready; 0: off. Alternative
     #: lookaheads (--lookahead-branches) are not modelled.
     pipeline_sessions: int = 0
-    lookahead_token_s: float = 0.0  # draft-model seconds per lookahead token (0: token_s + forward_s)
+    lookahead_token_s: float = 0.0  # draft-model seconds per lookahead token (0: a forward's share)
     #: the chance its proposer has each next draft token, having had the one before (a model-free
     #: drafter proposes only as far as its match goes); a round asked for k drafts j or more with
     #: probability proposal_rate^j. 1: a draft model, which drafts all k

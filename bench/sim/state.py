@@ -65,7 +65,7 @@ class Session:
     drafts: list[tuple[float, bool]] = field(default_factory=list)  # this round's (accept prob, accepted)
     draft_s: float = 0.0  # draft model time of this round's draft
     sent_at: float = 0.0  # when the drafter sent this round's draft
-    awaiting: bool = False  # its draft was sent and its drafter has not started on its next round yet
+    awaiting: bool = False  # its draft (maybe empty) was sent; its drafter has not started its next round
     waiting_since: float = 0.0  # when the verifier began waiting for this round's draft
     draft_wait_s: float = 0.0
     first_token_at: float | None = None  # first output token back at the client
@@ -109,7 +109,7 @@ class Edge:
     half_rtt: float
     max_batch: int  # sessions drafted together at most
     pipeline_sessions: int  # sessions draft lookaheads while this drafter serves at most this many
-    lookahead_token_s: float  # draft-model seconds per lookahead token (0: token_s + forward_s)
+    lookahead_token_s: float  # draft-model seconds per lookahead token (0: a forward's share)
     proposal_rate: float  # the chance its proposer has each next draft token (DrafterSpec.proposal_rate)
     settings: ControlSettings  # one per drafter: the controllers of its sessions share its state
     forward_s: float = 0.0  # draft-model fixed seconds per forward of a batch (DrafterSpec.forward_s)

@@ -58,8 +58,8 @@ TARGET_ONLY = ("centralized", "no speculation", "target-only")
 PIPELINE_SESSIONS = 2  # the real drafters' default --pipeline-sessions, which the benchmarks keep
 #: a draft-model forward's fixed cost in rows' worth: draft-small's greedy batches on the edge core,
 #: `python -m bench.costs --model models/draft-small --draft-batches 1,2,4,8,16 --prompt-len 12`
-#: (2026-11-26: 4.4 and 5.0 in two runs)
-DRAFT_FORWARD_ROWS = 4.5
+#: (2026-11-26: 4.4 and 5.0 in two runs; their mean)
+DRAFT_FORWARD_ROWS = 4.7
 
 
 def alpha_for(accepted_per_round: float, drafted_per_round: float) -> float:
@@ -165,7 +165,8 @@ def split_draft_cost(token_s: float, rows: float, forward_rows: float) -> tuple[
     worth ``forward_rows`` rows (the draft model's proportion, :data:`DRAFT_FORWARD_ROWS`): a
     forward over r rows takes forward_s + r·row_s, and at ``rows`` that is rows·token_s. Returns
     (row_s, forward_s); (token_s, 0), a cost proportional to the rows, for a run that did not
-    record its batches."""
+    record its batches. (The mean over batches stands for the mean over forwards: a batch runs as
+    many forwards as its longest draft, and under a fixed budget its drafts are all alike.)"""
     if forward_rows <= 0 or rows <= 0:
         return token_s, 0.0
     row_s = token_s * rows / (forward_rows + rows)
@@ -339,7 +340,7 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
              "RTT ms: each simulated drafter's round trip to the verifier, its configured RTT or, when longer, "
              "its rounds' measured link time (network and event loops).", "",
              f"Draft model: a forward's fixed cost is {meta.get('draft_forward_rows', 0):g} rows' worth "
-             "(`--draft-forward-rows`), split from each drafter's measured cost at its batches' mean sessions.", "",
+             "(`--draft-forward-rows`), split from each drafter's measured cost at its round batches' mean sessions.", "",
              "| source | scenario | point | real tok/s | sim tok/s | error | real latency s | sim latency s | error | "
              "α | RTT ms | step scale | within |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

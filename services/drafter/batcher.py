@@ -84,7 +84,7 @@ class DraftBatcher:
                      began: float) -> None:
         for _, queued, _ in batch:
             self.metrics.job_wait.observe(began - queued)
-        self.metrics.batch_size.observe(len(batch))
+        self.metrics.batch_size.labels("lookahead" if batch[0][0].assume else "round").observe(len(batch))
         try:
             proposals, started, ended = await self.worker.run(_timed, self.proposer.propose, [j for j, _, _ in batch])
         except Exception as exc:  # every session of the batch goes on without drafts (rounds.py)

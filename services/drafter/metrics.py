@@ -4,8 +4,8 @@ A round, seen from the drafter: wait for the draft model (``worker_wait``: StarS
 T_wait), draft (``draft``: the batch's forwards and sampling), send the Draft (``send``), then
 wait for the Verdict (``verify_wait``: both network legs plus the verifier's queue, forward and
 publish). ``round`` is the whole of it. The model's busy and idle seconds give its idle fraction
-(T_idle); ``draft_batch_sessions`` how many sessions each batch drafted. Served on
-``--metrics-port`` (0 leaves it off).
+(T_idle); ``draft_batch_sessions`` how many sessions each batch drafted (rounds and lookaheads
+apart). Served on ``--metrics-port`` (0 leaves it off).
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ class DrafterMetrics:
                                   "(StarSD's T_idle)", registry=r)
         self.job_wait = Histogram(f"{_P}_job_wait_seconds", "A ready session's wait for the draft model (StarSD's "
                                   "T_wait)", buckets=_TIME, registry=r)
-        self.batch_size = Histogram(f"{_P}_draft_batch_sessions", "Sessions drafted together in one batch",
+        self.batch_size = Histogram(f"{_P}_draft_batch_sessions", "Sessions drafted together in one batch, by "
+                                    "kind: round or lookahead", ["kind"],
                                     buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64), registry=r)
 
     def observe_round(self, worker_wait: float, draft: float, send: float, verify_wait: float, asked: int,

@@ -89,7 +89,7 @@ async def test_a_second_link_of_the_same_coordinator_keeps_its_requests(verifier
             await first.send(OpenSession(request_id="c-1", prompt_ids=prompt, params=LONG, origin="c",
                                          speculative=False))
             await first.recv(TokenEvent, rid="c-1")
-        await asyncio.sleep(0.3)  # the second link closed; the first still relays c's events
-        assert await sessions(verifier.url) == 1
+        # the second link closed a few ms into a request of 400 steps: had that cancelled c's
+        # requests, this one would end "cancelled"; the first link still relays all its tokens
         _, _, last = await collect_text(first, "c-1")
         assert last.finish_reason == "length" and last.completion_tokens == LONG.max_tokens

@@ -18,6 +18,7 @@ from bench.sim.validate import (
     alpha_for,
     drafter_params,
     link_s,
+    measured_waits,
     policies_of,
     spec_of,
     split_draft_cost,
@@ -199,6 +200,15 @@ def test_drafter_params_split_the_draft_cost_at_the_batches_each_drafter_ran() -
     d1, d2 = drafter_params(real_row(by_drafter=own), 2, forward_rows=4.0)
     assert (d1.token_s, d1.forward_s) == (pytest.approx(5e-4), pytest.approx(2e-3))
     assert (d2.token_s, d2.forward_s) == (pytest.approx(1e-3), 0.0)  # its batches not recorded
+
+
+def test_measured_waits_are_each_drafters_verify_wait_and_the_runs_worker_wait() -> None:
+    own = {"drafter-2": {"verify_wait_ms": 30.0}, "drafter-1": {"verify_wait_ms": 10.0}}
+    row = {**real_row(by_drafter=own), "round_ms": {"worker_wait": 2.0}}
+    assert measured_waits(row) == pytest.approx([0.012, 0.032])  # in the drafters' order
+    assert measured_waits(real_row()) is None  # not recorded per drafter
+    own["drafter-1"] = {}
+    assert measured_waits(real_row(by_drafter=own)) is None
 
 
 def prefix_sum(x: float, k: float) -> float:

@@ -25,7 +25,7 @@ from bench.sim import (
 )
 from bench.sim.__main__ import main
 from bench.sim.engine import Simulation
-from bench.sim.state import Edge, Session
+from bench.sim.state import Edge, Kind, Session
 from bench.sim.tokens import acceptance_prob, accepted_prefix, features
 from bench.sim.validate import acceptance_of
 from services.verifier.batching.estimator import DEFAULT_COEF, SegmentShape, StepTimeEstimator
@@ -125,6 +125,28 @@ def test_a_drafter_drafts_its_ready_sessions_as_one_batch(max_batch: int, batche
         assert ended - began == pytest.approx(4 * forward_s + per_session * len(sids))
 
 
+def test_a_batch_pays_one_forward_per_position_of_its_longest_draft() -> None:
+    """Drafts of 4, 0 and 2 tokens in one batch: 4 forwards' fixed cost plus each session's own."""
+    d = DrafterSpec("d0", token_s=1e-3, round_s=0.0, forward_s=3e-3, concurrency=3)
+    sim = Simulation(SimSpec(drafters=(d,), cost=H100, rounds=1))
+    own = iter([(4e-3, 4), (0.0, 0), (2e-3, 2)])
+    sim._draft = lambda edge, s: next(own)  # type: ignore[method-assign]
+    edge = sim.edges[0]
+    edge.queue.extend(Session(f"s{i}", edge, 16, 30, None, 0.0, None) for i in range(3))
+    sim._start_batch(edge)
+    at, (_, batch) = draft_done(sim)
+    assert len(batch) == 3 and at == pytest.approx(4 * 3e-3 + 6e-3)
+
+
+def draft_done(sim: Simulation) -> tuple[float, tuple[Edge, tuple[Session, ...]]]:
+    """The pending DRAFT_DONE event: when, and its payload."""
+    while sim.events:
+        at, kind, payload = sim.events.pop()
+        if kind is Kind.DRAFT_DONE:
+            return at, payload
+    raise AssertionError("no batch was scheduled")
+
+
 def test_the_verdict_wait_is_the_round_trip_and_the_verifiers_time() -> None:
     """One session alone: from its draft leaving to its next round, the RTT and the verifier's
     step (the same every round at α = 1), so a longer RTT adds exactly its difference."""
@@ -135,6 +157,14 @@ def test_the_verdict_wait_is_the_round_trip_and_the_verifiers_time() -> None:
     assert near is not None and far is not None and near > 0.01
     assert far - near == pytest.approx(0.03)
     assert simulate(spec([0.5], speculative=False)).verdict_wait_s == (None,)  # no drafts, no verdicts for them
+
+
+def test_a_lookahead_that_came_true_waits_for_its_verdict_as_a_drafted_round_does() -> None:
+    """α = 1, one session: every lookahead comes true, and the wait from a draft leaving to its
+    verdict is the same with pipelining as without (only the drafting after it is saved)."""
+    off, on = pipelined(1.0, 0), pipelined(1.0, 1)
+    assert on.lookaheads_used > 0
+    assert on.verdict_wait_s == pytest.approx(off.verdict_wait_s)
 
 
 def pipelined(alpha: float, pipeline_sessions: int, concurrency: int = 1, rtt_s: float = 0.01) -> SimResult:
