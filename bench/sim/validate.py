@@ -340,7 +340,8 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
              "RTT ms: each simulated drafter's round trip to the verifier, its configured RTT or, when longer, "
              "its rounds' measured link time (network and event loops).", "",
              f"Draft model: a forward's fixed cost is {meta.get('draft_forward_rows', 0):g} rows' worth "
-             "(`--draft-forward-rows`), split from each drafter's measured cost at its round batches' mean sessions.", "",
+             "(`--draft-forward-rows`), split from each drafter's measured cost at its round batches' mean "
+             "sessions.", "",
              "| source | scenario | point | real tok/s | sim tok/s | error | real latency s | sim latency s | error | "
              "α | RTT ms | step scale | within |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
