@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -25,19 +26,29 @@ def test_draft_costs_time_each_batch_size_with_every_session_drafting(tiny_model
     all of them (a session the arena had no room for would draft nothing, and raise)."""
     out = draft_costs(load_model(tiny_models["draft-L1"]), [1, 2, 8], k=3, prompt_len=8, repeats=2)
     assert list(out["draft_batch_ms"]) == [1, 2, 8] and all(ms > 0 for ms in out["draft_batch_ms"].values())
-    assert out["draft_forward_rows"] >= 0.0
+
+
+def test_draft_costs_fit_the_time_per_forward_against_the_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batches of k = 2 forwards taking 4, 6 and 10 ms at 1, 2 and 4 rows: 1 ms fixed + 1 ms per row
+    per forward, a fixed cost worth 1 row."""
+    monkeypatch.setattr("bench.costs.draft_batch_ms", lambda *a: {1: 4.0, 2: 6.0, 4: 10.0})
+    out = draft_costs(None, [1, 2, 4], k=2, prompt_len=8, repeats=1)
+    assert (out["draft_forward_ms"], out["draft_row_ms"], out["draft_forward_rows"]) == pytest.approx((1.0, 1.0, 1.0))
 
 
 class ShortProposer:
-    """Drafts one token fewer than asked for its first session; records the commits."""
+    """Drafts one token fewer than asked for its first session; records the commits, each taking
+    ``commit_s``."""
 
-    def __init__(self) -> None:
+    def __init__(self, commit_s: float = 0.0) -> None:
         self.commits: list[tuple[str, list[int], int]] = []
+        self.commit_s = commit_s
 
     def propose(self, jobs: list[Any]) -> list[SimpleNamespace]:
         return [SimpleNamespace(token_ids=[7] * (job.k - (i == 0))) for i, job in enumerate(jobs)]
 
     def commit(self, session_id: str, tokens: list[int], accepted: int) -> None:
+        time.sleep(self.commit_s)
         self.commits.append((session_id, tokens, accepted))
 
 
@@ -45,6 +56,6 @@ def test_a_batch_that_drafted_fewer_tokens_than_asked_raises() -> None:
     jobs = [SimpleNamespace(session_id=f"s{i}", k=3) for i in range(2)]
     with pytest.raises(RuntimeError, match="fewer than 6 tokens"):
         _draft_and_commit(ShortProposer(), jobs, 6)
-    proposer = ShortProposer()
-    assert _draft_and_commit(proposer, jobs, 5) >= 0.0
+    proposer = ShortProposer(commit_s=0.05)
+    assert _draft_and_commit(proposer, jobs, 5) < 0.05  # the drafter commits apart from its batches: untimed
     assert proposer.commits == [("s0", [7, 7, 5], 2), ("s1", [7, 7, 5], 2)]

@@ -11,7 +11,15 @@ import pytest
 
 from bench.fairness import parse_drafters, settle_round
 from bench.fleets import Run, bodies
-from bench.run_stats import cpu_split, jain, per_drafter_goodput, round_breakdown, slo_by_class, sum_log
+from bench.run_stats import (
+    cpu_split,
+    drafter_costs,
+    jain,
+    per_drafter_goodput,
+    round_breakdown,
+    slo_by_class,
+    sum_log,
+)
 from bench.scrape import Snapshot
 from bench.sim.validate import (
     acceptance_of,
@@ -200,6 +208,14 @@ def test_drafter_params_split_the_draft_cost_at_the_batches_each_drafter_ran() -
     d1, d2 = drafter_params(real_row(by_drafter=own), 2, forward_rows=4.0)
     assert (d1.token_s, d1.forward_s) == (pytest.approx(5e-4), pytest.approx(2e-3))
     assert (d2.token_s, d2.forward_s) == (pytest.approx(1e-3), 0.0)  # its batches not recorded
+
+
+def test_a_drafters_batch_sessions_are_its_round_batches_mean() -> None:
+    name = "specfleet_drafter_draft_batch_sessions"
+    s = Snapshot({(f"{name}_sum", (("kind", "round"),)): 12.0, (f"{name}_count", (("kind", "round"),)): 4.0,
+                  (f"{name}_sum", (("kind", "lookahead"),)): 3.0, (f"{name}_count", (("kind", "lookahead"),)): 3.0})
+    assert drafter_costs(s)["batch_sessions"] == 3.0  # 12 sessions in 4 round batches; lookaheads apart
+    assert drafter_costs(Snapshot())["batch_sessions"] == 0.0  # none recorded: the validation does not split
 
 
 def test_measured_waits_are_each_drafters_verify_wait_and_the_runs_worker_wait() -> None:

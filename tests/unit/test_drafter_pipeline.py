@@ -378,9 +378,9 @@ async def test_next_batch_takes_rounds_first_and_lookaheads_only_when_no_round_i
 
 @pytest.mark.asyncio
 async def test_a_round_that_becomes_ready_during_a_batch_goes_before_waiting_lookaheads() -> None:
-    recorder = Recorder()
+    recorder, metrics = Recorder(), DrafterMetrics()
     worker = ComputeWorker()  # a real worker thread, so the event loop queues jobs while a batch drafts
-    batcher = DraftBatcher(recorder, worker, DrafterMetrics())
+    batcher = DraftBatcher(recorder, worker, metrics)
     try:
         async with running(batcher):
             recorder.hold.clear()
@@ -392,6 +392,10 @@ async def test_a_round_that_becomes_ready_during_a_batch_goes_before_waiting_loo
     finally:
         worker.shutdown()
     assert recorder.batches == [["r0"], ["r1", "r2"], ["la"]]
+    get = metrics.registry.get_sample_value
+    for kind, batches, sessions in [("round", 2, 3), ("lookahead", 1, 1)]:  # batch sizes by kind, apart
+        assert get("specfleet_drafter_draft_batch_sessions_count", {"kind": kind}) == batches
+        assert get("specfleet_drafter_draft_batch_sessions_sum", {"kind": kind}) == sessions
     assert [len(p.token_ids) for p, _, _ in results] == [2, 1, 2, 2]
     assert all(started <= ended for _, started, ended in results)
 

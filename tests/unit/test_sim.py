@@ -25,7 +25,7 @@ from bench.sim import (
 )
 from bench.sim.__main__ import main
 from bench.sim.engine import Simulation
-from bench.sim.state import Edge, Kind, Session
+from bench.sim.state import Edge, Kind, Lookahead, Session
 from bench.sim.tokens import acceptance_prob, accepted_prefix, features
 from bench.sim.validate import acceptance_of
 from services.verifier.batching.estimator import DEFAULT_COEF, SegmentShape, StepTimeEstimator
@@ -136,6 +136,25 @@ def test_a_batch_pays_one_forward_per_position_of_its_longest_draft() -> None:
     sim._start_batch(edge)
     at, (_, batch) = draft_done(sim)
     assert len(batch) == 3 and at == pytest.approx(4 * 3e-3 + 6e-3)
+
+
+@pytest.mark.parametrize(("lookahead_token_s", "want"), [(0.0, 3e-3 + 2 * 1e-3), (2e-3, 2 * 2e-3)])
+def test_a_lookahead_step_is_one_forward_over_its_rows_unless_its_cost_was_measured(lookahead_token_s: float,
+                                                                                      want: float) -> None:
+    d = DrafterSpec("d0", token_s=1e-3, forward_s=3e-3, lookahead_token_s=lookahead_token_s, concurrency=2)
+    sim = Simulation(SimSpec(drafters=(d,), cost=H100, rounds=1))
+    edge = sim.edges[0]
+    for i in range(2):
+        s = Session(f"s{i}", edge, 16, 30, None, 0.0, None)
+        s.ahead = Lookahead(True, 4, 5)
+        edge.looking.append(s)
+    sim._start_lookahead_step(edge)
+    while sim.events:
+        at, kind, _ = sim.events.pop()
+        if kind is Kind.LOOKAHEAD_STEP:
+            assert at == pytest.approx(want)
+            return
+    raise AssertionError("no lookahead step was scheduled")
 
 
 def draft_done(sim: Simulation) -> tuple[float, tuple[Edge, tuple[Session, ...]]]:
