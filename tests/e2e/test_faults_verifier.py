@@ -4,7 +4,9 @@ The coordinator re-opens every in-flight request on the restarted verifier from 
 (services/coordinator/resume.py); the clients' SSE and WebSocket streams pause and go on. Each
 stream is checked token by token (WebSocket) and character by character (SSE) against target-only
 greedy decoding, so a token or character lost or repeated at a resume fails the test, and the
-usage must still describe the original request.
+usage must still describe the original request. A request that arrives while the verifier is down
+is refused before anything is accepted (503, "retry shortly"); the clients retry it, as the
+message asks.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ N_REQUESTS = 50
 MAX_TOKENS = 32
 CONCURRENCY = 12  # half on WebSockets, half on SSE
 KILLS = 3
+RETRY_S = 0.2  # a client's wait before it sends a request the coordinator refused again
+RETRIES = 100
 
 
 @dataclass
@@ -51,12 +55,20 @@ def body(i: int) -> dict[str, Any]:
             "ignore_eos": True}
 
 
-async def ws_one(ws: Any, req: dict[str, Any], progress: Progress) -> dict[str, Any]:
+def refused(frame: dict[str, Any]) -> bool:
+    """A WebSocket error frame that refuses a request while no verifier is connected."""
+    return frame["type"] == "error" and frame["error"]["code"] == "service_unavailable"
+
+
+async def ws_one(ws: Any, req: dict[str, Any], progress: Progress) -> dict[str, Any] | None:
+    """One request's stream; None when it was refused before its first token (the socket closes)."""
     await ws.send(json.dumps({"kind": "completion", **req}))
     ids: list[int] = []
     text = ""
     while True:
         frame = json.loads(await ws.recv())
+        if refused(frame) and not ids:
+            return None
         if frame["type"] == "token":
             ids += frame["token_ids"]
             text += frame["text"]
@@ -68,9 +80,22 @@ async def ws_one(ws: Any, req: dict[str, Any], progress: Progress) -> dict[str, 
 
 
 async def sse_one(http: httpx.AsyncClient, req: dict[str, Any], progress: Progress) -> dict[str, Any]:
+    for _ in range(RETRIES):
+        got = await sse_try(http, req, progress)
+        if got is not None:
+            return got
+        await asyncio.sleep(RETRY_S)
+    raise AssertionError(f"refused {RETRIES} times: the verifier never came back")
+
+
+async def sse_try(http: httpx.AsyncClient, req: dict[str, Any], progress: Progress) -> dict[str, Any] | None:
+    """One request's stream; None when it was refused (503) while no verifier was connected."""
     payload = {**req, "stream": True, "stream_options": {"include_usage": True}}
     text, reason, usage = "", None, None
     async with http.stream("POST", "/v1/completions", json=payload) as resp:
+        if resp.status_code == 503:
+            await resp.aread()
+            return None
         assert resp.status_code == 200, await resp.aread()
         async for line in resp.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -90,10 +115,19 @@ async def run_clients(fleet: Fleet, progress: Progress) -> list[dict[str, Any]]:
     todo = list(range(N_REQUESTS))
 
     async def ws_worker() -> None:
-        async with websockets.connect(fleet.ws_url, max_size=None) as ws:
-            while todo:
-                i = todo.pop()
-                results[i] = {"via": "ws", **await ws_one(ws, body(i), progress)}
+        i: int | None = None
+        for _ in range(N_REQUESTS + RETRIES):  # a refusal closes the socket: connect again and retry
+            if i is None and not todo:
+                return
+            async with websockets.connect(fleet.ws_url, max_size=None) as ws:
+                while i is not None or todo:
+                    i = todo.pop() if i is None else i
+                    got = await ws_one(ws, body(i), progress)
+                    if got is None:
+                        break
+                    results[i], i = {"via": "ws", **got}, None
+            await asyncio.sleep(RETRY_S)
+        raise AssertionError(f"refused {RETRIES} times: the verifier never came back")
 
     async def sse_worker(http: httpx.AsyncClient) -> None:
         while todo:
