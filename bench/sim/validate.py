@@ -223,7 +223,7 @@ def drafters_of(source: str, row: dict[str, Any], meta: dict[str, Any], repeat: 
     RTT is its configured one, or the measured link time of its rounds when that is longer."""
     n = max(1, len(row["goodput_by_drafter"]))
     requests = int(row.get("requests", 30))
-    rtts = configured_rtts(source, meta, n)
+    rtts = [float(rtt) / 1e3 for _, rtt in meta["drafters"]] if source == "fairness" else [0.0] * n
     arrivals: list[float] = []
     if row.get("arrival_rate", 0) > 0:
         arrivals = trace_arrivals(row.get("trace", "poisson"), row["arrival_rate"], requests,
@@ -235,11 +235,6 @@ def drafters_of(source: str, row: dict[str, Any], meta: dict[str, Any], repeat: 
                          rtt_s=max(rtts[i], d.link_s), concurrency=max(1, row["concurrency"] // n),
                          requests=requests // n, arrivals=tuple(arrivals[i::n]))
                  for i, d in enumerate(drafter_params(row, n, whole_drafts, forward_rows)))
-
-
-def configured_rtts(source: str, meta: dict[str, Any], n: int) -> list[float]:
-    """Each drafter's configured RTT in seconds (the fairness scenario's delay proxies; else 0)."""
-    return [float(rtt) / 1e3 for _, rtt in meta["drafters"]] if source == "fairness" else [0.0] * n
 
 
 def measured_waits(row: dict[str, Any]) -> list[float] | None:

@@ -37,7 +37,7 @@ class ApiError(Exception):
         self.type = type_
         self.param = param
         self.code = code
-        #: set on overload refusals (429, verifier-busy 503): seconds after which a retry may succeed
+        #: set on passing refusals (429, verifier busy or reconnecting 503): seconds after which a retry may succeed
         self.retry_after = retry_after
 
     def body(self) -> dict[str, Any]:
@@ -78,8 +78,10 @@ def unauthorized() -> ApiError:
     )
 
 
-def service_unavailable(message: str) -> ApiError:
-    return ApiError(503, message, "service_unavailable", None, "service_unavailable")
+def service_unavailable(message: str, retry_after_s: int | None = None) -> ApiError:
+    """503; with ``retry_after_s`` when the cause is passing (a verifier reconnecting), so that the
+    client gets Retry-After and a WebSocket stays open for the retry."""
+    return ApiError(503, message, "service_unavailable", None, "service_unavailable", retry_after=retry_after_s)
 
 
 def too_many_requests(message: str, retry_after_s: int) -> ApiError:

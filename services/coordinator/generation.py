@@ -196,15 +196,15 @@ class Generator:
         self._metrics = metrics
 
     async def submit(self, req: GenerationRequest, slot: Slot | None = None) -> Submission:
-        """Queue ``req``: 503 when no verifier is connected to serve it or the queue is down, 429
-        (Retry-After) when the queue is full. Takes over ``slot``: the Submission's close releases
-        it, and so does a failure here."""
+        """Queue ``req``: 503 when no verifier is connected to serve it (Retry-After: it is
+        reconnecting) or the queue is down, 429 (Retry-After) when the queue is full. Takes over
+        ``slot``: the Submission's close releases it, and so does a failure here."""
         if not self._link.connected:
             if slot is not None:
                 slot.release()
             raise service_unavailable(
-                f"the verifier is not connected ({self._link.last_error or 'connecting'}); retry shortly"
-            )
+                f"the verifier is not connected ({self._link.last_error or 'connecting'}); retry shortly",
+                self.admission.retry_after_s)
         rid = uuid.uuid4().hex
         reopen = OpenSession(request_id=rid, prompt_ids=req.prompt_ids, params=req.params, origin=self._node_id,
                              speculative=False, slo_tokens_per_s=req.slo_tokens_per_s)  # after a verifier restart

@@ -5,8 +5,8 @@ The coordinator re-opens every in-flight request on the restarted verifier from 
 stream is checked token by token (WebSocket) and character by character (SSE) against target-only
 greedy decoding, so a token or character lost or repeated at a resume fails the test, and the
 usage must still describe the original request. A request that arrives while the verifier is down
-is refused before anything is accepted (503, "retry shortly"); the clients retry it, as the
-message asks.
+is refused before anything is accepted (503 with Retry-After; on a WebSocket an error frame with
+``retry_after``, the socket kept); the clients retry it, as the refusal asks.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def refused(frame: dict[str, Any]) -> bool:
 
 
 async def ws_one(ws: Any, req: dict[str, Any], progress: Progress) -> dict[str, Any] | None:
-    """One request's stream; None when it was refused before its first token (the socket closes)."""
+    """One request's stream; None when it was refused before its first token (the socket stays open)."""
     await ws.send(json.dumps({"kind": "completion", **req}))
     ids: list[int] = []
     text = ""
@@ -115,19 +115,17 @@ async def run_clients(fleet: Fleet, progress: Progress) -> list[dict[str, Any]]:
     todo = list(range(N_REQUESTS))
 
     async def ws_worker() -> None:
-        i: int | None = None
-        for _ in range(N_REQUESTS + RETRIES):  # a refusal closes the socket: connect again and retry
-            if i is None and not todo:
-                return
-            async with websockets.connect(fleet.ws_url, max_size=None) as ws:
-                while i is not None or todo:
-                    i = todo.pop() if i is None else i
+        async with websockets.connect(fleet.ws_url, max_size=None) as ws:
+            while todo:
+                i = todo.pop()
+                for _ in range(RETRIES):
                     got = await ws_one(ws, body(i), progress)
-                    if got is None:
+                    if got is not None:
                         break
-                    results[i], i = {"via": "ws", **got}, None
-            await asyncio.sleep(RETRY_S)
-        raise AssertionError(f"refused {RETRIES} times: the verifier never came back")
+                    await asyncio.sleep(RETRY_S)
+                else:
+                    raise AssertionError(f"refused {RETRIES} times: the verifier never came back")
+                results[i] = {"via": "ws", **got}
 
     async def sse_worker(http: httpx.AsyncClient) -> None:
         while todo:

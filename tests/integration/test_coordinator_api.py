@@ -153,10 +153,19 @@ def test_unknown_path_and_method_keep_the_error_shape(client: TestClient) -> Non
 def test_valid_request_without_verifier_is_503(client: TestClient, path: str, stream: bool) -> None:
     body = {"messages": msgs(), "stream": stream} if path == CHAT else {"prompt": "hello", "stream": stream}
     resp = client.post(path, json=body)
-    assert resp.status_code == 503
+    assert resp.status_code == 503 and resp.headers["Retry-After"] == "1"  # it reconnects: a passing refusal
     err = resp.json()["error"]
     assert err["type"] == "service_unavailable"
     assert "verifier" in err["message"]
+
+
+def test_websocket_request_without_verifier_is_refused_and_the_socket_stays_open(client: TestClient) -> None:
+    with client.websocket_connect("/v1/stream") as ws:
+        for _ in range(2):  # the same socket takes the retry
+            ws.send_json({"kind": "completion", "prompt": "hello"})
+            frame = ws.receive_json()
+            assert frame["type"] == "error" and frame["error"]["code"] == "service_unavailable"
+            assert frame["retry_after"] == 1
 
 
 @pytest.mark.parametrize(("headers", "status"), [
