@@ -47,11 +47,11 @@ def engine_step_ms(runner: ModelRunner, eos: set[int], batch: int, context: int,
     for i in range(batch):
         prompt = torch.randint(5, runner.vocab_size, (context,), generator=gen).tolist()
         core.submit(AddRequest(f"s{i}", prompt, params, speculative=False))
-    core._iterate(block=False)  # admit and prefill every prompt in one step
+    core._iterate(0.0)  # admit and prefill every prompt in one step
     times = []
     for _ in range(steps):
         start = time.perf_counter()
-        core._iterate(block=False)
+        core._iterate(0.0)
         times.append(time.perf_counter() - start)
     for req in list(core.requests.values()):
         core._retire(req)

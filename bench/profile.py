@@ -6,11 +6,13 @@ time per round and per step of every phase the services measure (their Prometheu
 side by side. Use it before and after a change to the round's machinery.
 
     python -m bench profile [--concurrency 1,16] [--requests 8] [--max-tokens 128] [--target DIR] [--draft DIR]
+                            [--verifier-flags '--fill false'] [--drafter-flags '...']
 """
 
 from __future__ import annotations
 
 import argparse
+import shlex
 import tempfile
 from pathlib import Path
 
@@ -66,6 +68,11 @@ def report(run: Run) -> str:
         lines += ["", f"verifier CPU per step {cpu * 1e3:.3f} ms, of which the forward {fcpu * 1e3:.3f} ms: "
                       f"CPU per step / forward CPU = {cpu / fcpu:.3f}; step period / forward = {period / forward:.3f} "
                       "(the period includes waiting for drafts)"]
+    d = drafters_of(run)
+    used, presented = d.value(f"{D}_lookaheads_total", outcome="used"), d.value(f"{D}_presented_lookaheads_total")
+    lines += ["", f"rounds drafted ahead: {used:.0f} lookaheads used, {presented:.0f} of them already at the verifier "
+                  f"(conditional drafts); verifier: {v.value(f'{V}_filled_tokens_total'):.0f} tokens filled while "
+                  "drafts travelled"]
     if wall := sum(run.walls):
         d, vcpu = drafters_of(run), v.value("process_cpu_seconds_total")
         lines += ["", f"busy over the {wall:.2f} s measured: verifier CPU {vcpu / wall:.0%}"
@@ -100,12 +107,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=0.0, help="request temperature (0: greedy)")
     p.add_argument("--target", default="")
     p.add_argument("--draft", default="", help="draft model dir (default: the smallest draft beside the target)")
+    p.add_argument("--verifier-flags", default="", help="extra verifier flags, e.g. '--fill false'")
+    p.add_argument("--drafter-flags", default="", help="extra drafter flags, e.g. '--conditional-drafts false'")
     add_edge_flags(p)
     args = p.parse_args(argv)
     edge = edge_from(args)
     edge.pin_self_to_edge()
     models = resolve_models(args.target, args.draft, Path.cwd(), Path(".specfleet"))
-    sc = Scenario("1 drafter", drafters=1, draft=str(smallest(models.drafts)), draft_len=args.draft_len)
+    sc = Scenario("1 drafter", drafters=1, draft=str(smallest(models.drafts)), draft_len=args.draft_len,
+                  verifier_flags=tuple(shlex.split(args.verifier_flags)),
+                  drafter_flags=tuple(shlex.split(args.drafter_flags)))
     print(f"# round breakdown ({edge.describe()})\n")
     with tempfile.TemporaryDirectory() as logs, bench_fleet(models.target, sc, edge, Path(logs)) as bf:
         for conc in args.concurrency:

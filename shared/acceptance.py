@@ -37,6 +37,17 @@ def verify_greedy(draft: Sequence[int], target_argmax: Sequence[int]) -> tuple[i
     return n, int(target_argmax[n])
 
 
+def matched(draft: Sequence[int], tokens: Sequence[int]) -> int:
+    """How many leading tokens of ``draft`` equal ``tokens`` (a continuous verifier's committed
+    tokens, or the tokens a verifier decoded while the draft was on its way)."""
+    n = 0
+    for d, t in zip(draft, tokens, strict=False):
+        if d != t:
+            break
+        n += 1
+    return n
+
+
 def accept_probability(p: torch.Tensor, q: torch.Tensor, token: int) -> float:
     """min(1, p(x)/q(x)) for the drafted token x (q(x) > 0 by construction)."""
     qx = float(q[token])

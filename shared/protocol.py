@@ -34,7 +34,8 @@ import msgspec
 #: and .error_code;
 #: OpenSession.resume, ResumeDone and Welcome.instance (a coordinator re-opens its requests on a new verifier)
 #: 6: SessionOpened.bonus_key and Draft.guess_bonus (shared.coupling: sampled sessions draft ahead)
-PROTOCOL_VERSION = 6
+#: 7: Draft.after and Welcome.conditional_drafts (a drafter sends a lookahead before the verdict it assumes)
+PROTOCOL_VERSION = 7
 #: Largest frame any service accepts. A 32k-token prompt is ~200 KiB; sparse q for 64 draft
 #: positions x 4096 entries is 1.5 MiB. 4 MiB leaves room and still bounds a hostile peer.
 MAX_FRAME_BYTES = 4 * 1024 * 1024
@@ -165,6 +166,8 @@ class Welcome(_Msg, tag="welcome", frozen=True):
     #: random per verifier process (v5): a frontend that reconnects to another instance re-opens
     #: its in-flight requests there; "" (queue link, older peers): never resume
     instance: str = ""
+    #: the verifier takes conditional drafts (``Draft.after``, v7); False: a drafter must not send them
+    conditional_drafts: bool = False
 
 
 class Refused(_Msg, tag="refused", frozen=True):
@@ -249,6 +252,11 @@ class Draft(_Msg, tag="draft", frozen=True):
     #: draw the token after a fully accepted draft by the race keyed by SessionOpened.bonus_key
     #: (shared.coupling): the drafter guesses it and drafts on from its guess
     guess_bonus: bool = False
+    #: a *conditional* draft (v7; only to a verifier whose Welcome offers it): sent before the Verdict
+    #: of ``round - 1``, it is this round's draft only if that round commits exactly these tokens
+    #: (the drafter's lookahead guessed them); otherwise the verifier drops it without a word, and
+    #: the drafter, seeing the Verdict, drafts the round afresh
+    after: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_DRAFT_TOKENS + 1)] | None = None
 
 
 class Verdict(_Msg, tag="verdict", frozen=True):

@@ -49,6 +49,10 @@ class DrafterConfig:
     lookahead_branches: int = opt(1, "a greedy session alone on this drafter also drafts ahead for the N likeliest "
                                      "rejections of its draft in flight (the verifier committing the draft model's "
                                      "second choice instead), in spare KV caches (0: only the all-accepted lookahead)")
+    conditional_drafts: bool = opt(True, "send each lookahead to the verifier as soon as it is drafted, as the next "
+                                         "round's draft on the condition that the verdict in flight comes out as it "
+                                         "assumed, so a lookahead that comes true costs no round trip (when the "
+                                         "verifier takes them, and the controller reads no draft features)")
     admission: str = opt("max-sessions", "how many sessions to claim: max-sessions (up to --max-sessions), or starsd "
                                          "(also at most StarSD's N_max, estimated from measured timings)")
     controller: str = opt("fixed", "when to stop drafting within the verifier's budget: fixed (draft it all, the "

@@ -24,6 +24,14 @@ few pay: on the demo pair one or two beat four (bench/RESULTS.md, greedy serving
 The draft model would sit idle during verification anyway, so a dropped lookahead costs only
 edge compute, and a batched lookahead rides along with other sessions' drafts.
 
+**Conditional drafts.** A lookahead need not wait for the verdict it assumes: as soon as a branch
+is drafted, it goes to a verifier that takes them (``Welcome.conditional_drafts``) as the next
+round's Draft with ``after``, the tokens its outcome commits. The verifier keeps it and, when the
+round ends committing exactly those tokens, verifies it at once, without a round trip to the
+edge; any other outcome drops it, and the drafter drafts that round afresh as before. The verdict
+tells the drafter which happened: the verifier holds the branch's draft exactly when the verdict's
+tokens equal the branch's ``after`` and it grants a budget (``Lookahead.presented``).
+
 A lookahead is drafted without the session's controller (it is not a round), but with the
 step features the controller reads; the round that takes it lets the controller screen it token
 by token, so a policy stops a ready draft where it would have stopped a fresh one.
@@ -41,8 +49,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field, replace
 
 from services.drafter.batcher import DraftBatcher
 from services.drafter.control.base import DraftController, StepDecision, StepFeatures
@@ -56,6 +64,11 @@ ODDS_PRIOR = 0.1
 ODDS_ALPHA = 0.05
 
 
+#: sends a branch's draft as the next round's conditional Draft: (its ``after``, the draft) -> whether
+#: that Draft asks the verifier to race its bonus token (``Draft.guess_bonus``)
+Presend = Callable[[tuple[int, ...], Proposal], Awaitable[bool]]
+
+
 @dataclass(eq=False)
 class _Branch:
     """One lookahead: the outcome of the round in flight it assumes, and the task drafting after it."""
@@ -63,7 +76,18 @@ class _Branch:
     accepted: int  # drafts of the round in flight it assumes accepted
     guessed: tuple[int, ...]  # the verifier's token it assumes after them; () when its first token guesses it
     asked: int  # tokens its job asked the proposer for
-    task: asyncio.Task[tuple[Proposal, float, float]]
+    prefix: tuple[int, ...]  # the round's tokens it assumes: the accepted drafts, then ``guessed``
+    task: asyncio.Task[tuple[Proposal, float, float]] = field(init=False)
+    presented: tuple[int, ...] | None = None  # ``after`` of the conditional Draft sent from it
+    guess_bonus: bool = False  # that Draft's guess_bonus
+
+    def next_draft(self, proposal: Proposal) -> tuple[tuple[int, ...], Proposal] | None:
+        """What the branch's outcome commits (the round's tokens: its prefix, then its first token
+        when that guesses the verifier's) and the next round's draft after it; None when empty."""
+        cut = 0 if self.guessed else 1
+        if len(proposal.token_ids) <= cut:
+            return None
+        return (*self.prefix, *proposal.token_ids[:cut]), _rest(proposal, cut)
 
 
 class Lookahead:
@@ -72,24 +96,50 @@ class Lookahead:
     def __init__(self) -> None:
         self._branches: list[_Branch] = []
         self._ready: Proposal | None = None
+        self._open = False  # the round in flight's verdict is not settled yet: branches may pre-send
         self.asked = 0  # tokens asked of the ready draft's proposer past the verdict's: it holds that many or fewer
+        #: the ready draft already is at the verifier, as the next round's Draft (a conditional one that came
+        #: true), with this guess_bonus
+        self.presented = False
+        self.presented_guess = False
 
-    def start(self, batcher: DraftBatcher, job: DraftJob, alternatives: Sequence[tuple[int, int]] = ()) -> None:
+    def start(self, batcher: DraftBatcher, job: DraftJob, alternatives: Sequence[tuple[int, int]] = (),
+              presend: Presend | None = None) -> None:
         """Draft ``job`` (its ``assume`` is the Draft just sent) while the verdict is awaited, and
         for each ``(j, token)`` of ``alternatives`` the outcome "draft j rejected, ``token``
-        committed instead", in a spare draft cache (``DraftJob.branch``)."""
+        committed instead", in a spare draft cache (``DraftJob.branch``). With ``presend``, each
+        branch is sent as a conditional Draft as soon as it is drafted, if the verdict has not come."""
         self.cancel()
-        self._branches.append(_Branch(len(job.assume), (), job.k, _spawn(batcher, job)))
+        self._open = True
+        self._spawn(_Branch(len(job.assume), (), job.k, job.assume), batcher, job, presend)
         for n, (j, token) in enumerate(alternatives, start=1):  # k - 1: the correction is assumed, not drafted
             alt = replace(job, k=job.k - 1, assume=(*job.assume[:j], token), guess=None, branch=n)
-            self._branches.append(_Branch(j, (token,), alt.k, _spawn(batcher, alt)))
+            self._spawn(_Branch(j, (token,), alt.k, alt.assume), batcher, alt, presend)
+
+    def _spawn(self, branch: _Branch, batcher: DraftBatcher, job: DraftJob, presend: Presend | None) -> None:
+        branch.task = asyncio.create_task(self._draft(branch, batcher, job, presend),
+                                          name=f"lookahead-{job.session_id}-{job.branch}")
+        self._branches.append(branch)
+
+    async def _draft(self, branch: _Branch, batcher: DraftBatcher, job: DraftJob,
+                     presend: Presend | None) -> tuple[Proposal, float, float]:
+        drafted = await _one_token_at_a_time(batcher, job)
+        nxt = branch.next_draft(drafted[0]) if presend is not None and self._open else None
+        if nxt is not None and presend is not None:  # decided and written in one turn of the loop, before settle
+            branch.presented = nxt[0]
+            branch.guess_bonus = await presend(*nxt)
+        return drafted
 
     def take(self, k: int, controller: DraftController | None = None) -> Proposal | None:
         """The next round's draft, if the last lookahead came true: at most ``k`` tokens, and
-        screened by the session's controller as if it had watched them being drafted."""
+        screened by the session's controller as if it had watched them being drafted (not one
+        the verifier already holds: ``presented``, which ``take`` clears)."""
         ready, self._ready = self._ready, None
+        presented, self.presented = self.presented, False
         if ready is None or k <= 0:
             return None
+        if presented:
+            return _rest(ready, 0, k)
         n = min(k, len(ready.token_ids))
         if controller is not None and controller.wants_features and len(ready.steps) >= n:
             n = _screen(controller, ready.steps[:n], k)
@@ -98,6 +148,7 @@ class Lookahead:
 
     async def settle(self, verdict: Verdict, drafted: int, metrics: DrafterMetrics) -> None:
         """Keep the lookahead whose outcome the verdict made true; drop the others."""
+        self._open = False
         branches, self._branches = self._branches, []
         if not branches:
             return
@@ -123,6 +174,12 @@ class Lookahead:
             for branch in branches:
                 branch.task.cancel()
         self._keep(match, proposal, after, metrics)
+        # the verifier took the branch's conditional Draft exactly when this holds (services.verifier.core)
+        self.presented = (self._ready is not None and match.presented == tuple(verdict.token_ids)
+                          and verdict.draft_budget > 0)
+        self.presented_guess = match.guess_bonus
+        if self.presented:
+            metrics.presented.inc()
 
     def _keep(self, branch: _Branch, proposal: Proposal, after: list[int], metrics: DrafterMetrics) -> None:
         """Make the rest of ``branch``'s lookahead ready if it guessed ``after``, the verifier's own
@@ -133,16 +190,14 @@ class Lookahead:
             metrics.lookahead.labels("missed").inc()
             return
         cut = len(after) - len(branch.guessed)  # of the proposal's own tokens: at least one guessed token
-        q = None if proposal.q is None else proposal.q[len(proposal.q) - len(proposal.token_ids) + cut:]
-        self._ready = Proposal(token_ids=proposal.token_ids[cut:], steps=proposal.steps[cut:], q=q,
-                               runner_up=proposal.runner_up[cut:])
+        self._ready = _rest(proposal, cut)
         self.asked = branch.asked - cut
         metrics.lookahead.labels("used").inc()
         if branch.guessed:
             metrics.alternative_used.inc()
 
     def cancel(self) -> None:
-        self._ready = None
+        self._ready, self._open, self.presented = None, False, False
         for branch in self._branches:
             branch.task.cancel()
         self._branches = []
@@ -183,8 +238,13 @@ def _screen(controller: DraftController, steps: list[StepFeatures], budget: int)
     return len(steps)
 
 
-def _spawn(batcher: DraftBatcher, job: DraftJob) -> asyncio.Task[tuple[Proposal, float, float]]:
-    return asyncio.create_task(_one_token_at_a_time(batcher, job), name=f"lookahead-{job.session_id}-{job.branch}")
+def _rest(proposal: Proposal, cut: int, k: int | None = None) -> Proposal:
+    """The proposal's tokens from ``cut`` on (at most ``k``), with their q, features and runner-ups
+    (a sampled lookahead's q may lack its first token's, so it is aligned from the end)."""
+    end = len(proposal.token_ids) if k is None else min(len(proposal.token_ids), cut + k)
+    q = None if proposal.q is None else proposal.q[len(proposal.q) - len(proposal.token_ids) + cut:][: end - cut]
+    return Proposal(token_ids=proposal.token_ids[cut:end], steps=proposal.steps[cut:end], q=q,
+                    runner_up=proposal.runner_up[cut:end])
 
 
 async def _one_token_at_a_time(batcher: DraftBatcher, job: DraftJob) -> tuple[Proposal, float, float]:

@@ -87,9 +87,11 @@ class DrafterLoop:
         send_confidence: bool = False,
         admission: str = "max-sessions",
         lookahead_branches: int = 0,
+        conditional_drafts: bool = True,
     ) -> None:
         self.pipeline_sessions = pipeline_sessions
         self.lookahead_branches = lookahead_branches
+        self.conditional_drafts = conditional_drafts
         self.send_confidence = send_confidence
         self.admission = admission
         self.node_id = node_id
@@ -123,7 +125,7 @@ class DrafterLoop:
                 runner = SessionRunner(self.link, self.proposer, self.worker, batcher, welcome.max_draft_tokens,
                                        self.metrics, self.pipeline_sessions,
                                        lambda: len(self._sessions), self.send_confidence,
-                                       self.lookahead_branches)
+                                       self.lookahead_branches, self.conditional_drafts and welcome.conditional_drafts)
                 await self._serve_connection(runner, batcher)
                 log.warning("lost the verifier; sessions left to the verifier, reconnecting",
                             retry_in_s=self.reconnect_s, hand_back_in_s=HAND_BACK_DELAY_S)

@@ -208,6 +208,7 @@ async def serve(
         on_session_end=on_session_end, metrics=metrics, pipeline_sessions=cfg.pipeline_sessions,
         send_confidence=cfg.send_confidence,
         admission=cfg.admission, lookahead_branches=cfg.lookahead_branches,
+        conditional_drafts=cfg.conditional_drafts,
     )
     try:
         await loop.run(ready)

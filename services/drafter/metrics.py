@@ -39,6 +39,8 @@ class DrafterMetrics:
                                  "wrong or nothing was past it), dropped (no lookahead assumed the verdict's "
                                  "outcome, or the session finished)",
                                  ["outcome"], registry=r)
+        self.presented = Counter(f"{_P}_presented_lookaheads", "Used lookaheads the verifier already held, sent as a "
+                                 "conditional Draft before the verdict they assumed (no round trip)", registry=r)
         self.alternative_used = Counter(f"{_P}_alternative_lookaheads_used", "Used lookaheads that assumed a "
                                         "rejected draft (--lookahead-branches); also counted in lookaheads{used}",
                                         registry=r)

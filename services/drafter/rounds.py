@@ -16,12 +16,13 @@ Outcomes, and what happens to the queue delivery:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 
 from services.drafter.batcher import DraftBatcher
 from services.drafter.link import LINK_LOST, Inbound, LinkDown, VerifierLink
-from services.drafter.lookahead import BranchOdds
+from services.drafter.lookahead import BranchOdds, Presend
 from services.drafter.metrics import DrafterMetrics
 from services.drafter.proposers.base import EMPTY_PROPOSAL, DraftJob, Proposal, Proposer
 from services.drafter.sessions import DraftSession
@@ -63,8 +64,11 @@ class SessionRunner:
         active: Callable[[], int] = lambda: 1,
         send_confidence: bool = False,
         lookahead_branches: int = 0,
+        conditional: bool = False,
     ) -> None:
         self.pipeline_sessions = pipeline_sessions
+        #: send each lookahead as a conditional Draft as soon as it is drafted (the verifier takes them)
+        self.conditional = conditional
         self.lookahead_branches = lookahead_branches  # alternative lookaheads per greedy round (lookahead.py)
         self.odds = BranchOdds()
         self.send_confidence = send_confidence  # compute draft probabilities even without a controller that reads them
@@ -153,21 +157,25 @@ class SessionRunner:
         budget = session.useful_draft_len(min(session.budget, self.max_draft_tokens))
         k = max(0, min(budget, session.controller.begin_round(budget)))
         began = time.perf_counter()
-        ready = session.lookahead.take(k, session.controller)
+        # a conditional Draft that came true is at the verifier already, cut to its budget there
+        presented, guessed = session.lookahead.presented, session.lookahead.presented_guess
+        ready = session.lookahead.take(session.budget if presented else k, None if presented else session.controller)
         proposal, started, ended = (ready, began, began) if ready is not None else await self._draft(session, k)
-        early = _drain_final(inbox)  # cancelled while we drafted? then do not send a dead draft
+        early = None if presented else _drain_final(inbox)  # cancelled while we drafted? then do not send a dead draft
         if early is not None:
             session.apply_verdict(early, drafted=0)
             return
         drafted = len(proposal.token_ids)
         # what the proposer was asked for: nothing once drafting failed; a draft from a lookahead, what that asked
-        asked = 0 if session.drafting_disabled else k if ready is None else min(k, session.lookahead.asked)
+        asked = 0 if session.drafting_disabled else k if ready is None else min(drafted, session.lookahead.asked)
         pause = PAUSE_ROUNDS if budget > 0 and k == 0 and not session.drafting_disabled else 0
         ahead = self._pipelines(session, proposal)
-        guess = ahead and not is_greedy(session.params)  # then the verifier races for its bonus token
-        await self.link.send(Draft(request_id=rid, round=session.round, token_ids=proposal.token_ids,
-                                   q=proposal.q, confidence=_confidence(proposal), pause_rounds=pause,
-                                   guess_bonus=guess))
+        # then the verifier races for its bonus token (a presented Draft said so when it was sent)
+        guess = guessed if presented else ahead and not is_greedy(session.params)
+        if not presented:
+            await self.link.send(Draft(request_id=rid, round=session.round, token_ids=proposal.token_ids,
+                                       q=proposal.q, confidence=_confidence(proposal), pause_rounds=pause,
+                                       guess_bonus=guess))
         sent = time.perf_counter()
         if ahead:
             self._look_ahead(session, proposal, k, guess)
@@ -239,7 +247,24 @@ class SessionRunner:
         # while this is the drafter's one session: with two, the extra rows took the draft model's slack
         # and lost more than they won (bench/RESULTS.md)
         alternatives = self.lookahead_branches if self.active() <= 1 and is_greedy(session.params) else 0
-        session.lookahead.start(self.batcher, job, self.odds.pick(sent, alternatives))
+        session.lookahead.start(self.batcher, job, self.odds.pick(sent, alternatives), self._presender(session))
+
+    def _presender(self, session: DraftSession) -> Presend | None:
+        """How a lookahead branch goes out as the next round's conditional Draft, before the verdict
+        of the round in flight (lookahead.py); None when this verifier does not take them, or when
+        the session's controller would screen a ready draft first (it must see the round begin)."""
+        if not self.conditional or session.controller.wants_features:
+            return None
+        rid, round_ = session.request_id, session.round
+
+        async def presend(after: tuple[int, ...], draft: Proposal) -> bool:
+            # whether round + 1 races its bonus token: decided now, as for any Draft, and kept by that round
+            guess = self._pipelines(session, draft) and not is_greedy(session.params)
+            with contextlib.suppress(LinkDown):  # the session sees the link drop in its inbox
+                await self.link.send(Draft(request_id=rid, round=round_ + 1, token_ids=draft.token_ids, q=draft.q,
+                                           confidence=_confidence(draft), guess_bonus=guess, after=list(after)))
+            return guess
+        return presend
 
     async def _draft(self, session: DraftSession, k: int) -> tuple[Proposal, float, float]:
         """The round's proposal, and when the worker started and ended computing it."""

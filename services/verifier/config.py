@@ -73,6 +73,9 @@ class VerifierConfig:
     recompute_context: bool = opt(False, "benchmark baseline (SLED-like): forget each session's cached keys and "
                                          "values after every round, so the next round recomputes its whole context; "
                                          "never for serving (backend=torch only)")
+    fill: bool = opt(True, "when a step has no draft to verify, decode the greedy sessions whose drafts are on their "
+                           "way (one token each; verifying their drafts would commit the same tokens), so the "
+                           "verifier never idles while a drafter drafts (backend=torch)")
     share_prefixes: bool = opt(True, "copy the KV rows of a prompt prefix another live request already computed "
                                      "(n > 1, shared system prompts) instead of computing them again (backend=torch)")
     estimator_file: str = opt("", "step-time coefficients from `make profile-verifier` (refined online); empty: "

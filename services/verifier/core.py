@@ -46,6 +46,7 @@ from services.verifier.core_api import (
     Deliver,
     Detach,
     Detached,
+    Filled,
     Finish,
     KVStats,
     OutOfTurn,
@@ -67,6 +68,7 @@ from shared.runner import KVError, ModelRunner
 log = get_logger("verifier.core")
 IDLE_WAKE_S = 0.25  # an idle core still wakes this often to notice silent drafters
 EXPIRY_CHECK_S = 0.1  # how often the loop looks for drafters that went silent
+MAX_UPCOMING = 8  # conditional drafts held per session for its next round (a drafter's lookahead branches)
 
 
 @dataclass(frozen=True)
@@ -158,22 +160,24 @@ class TorchCore:
 
     def _run_thread(self) -> None:
         while self._running:
-            self._iterate(block=not self._has_work())
+            self._iterate(self._idle_s())
 
     async def _run_inline(self) -> None:
         assert self._wake is not None
         while self._running:
-            if not self._has_work() and self._commands.empty():
+            idle_s = self._idle_s()
+            if idle_s > 0 and self._commands.empty():
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(IDLE_WAKE_S):
+                    async with asyncio.timeout(idle_s):
                         await self._wake.wait()
-            self._iterate(block=False)
+            self._iterate(0.0)
             await let_io_in()  # read the frames that arrived during the step, send this step's results
 
-    def _iterate(self, block: bool) -> None:
-        """One turn of the loop: commands, admission, at most one step, results out."""
-        self._drain(block)
+    def _iterate(self, block_s: float) -> None:
+        """One turn of the loop: commands (waiting up to ``block_s`` for one), admission, at most
+        one step, results out."""
+        self._drain(block_s)
         scheduled = time.perf_counter()
         self._expire_silent_drafters()
         self._admit()
@@ -198,10 +202,18 @@ class TorchCore:
         return any(self.scheduler.verifiable(r) or (r.slot is not None and r.to_prefill > 0)
                    for r in self.requests.values()) or self._can_admit()
 
-    def _drain(self, block: bool) -> None:
-        """Handle every queued command, in order; wait up to IDLE_WAKE_S for one when there is no work."""
+    def _idle_s(self) -> float:
+        """How long the loop may wait for a command: 0 with work to do now, else until a fill step
+        may run (``fill``), at most IDLE_WAKE_S."""
+        if self._has_work():
+            return 0.0
+        wait = self.scheduler.fill_wait_s(self.requests.values())
+        return IDLE_WAKE_S if wait is None else min(IDLE_WAKE_S, wait)
+
+    def _drain(self, block_s: float) -> None:
+        """Handle every queued command, in order; wait up to ``block_s`` for the first."""
         try:
-            command = self._commands.get(timeout=IDLE_WAKE_S) if block else self._commands.get_nowait()
+            command = self._commands.get(timeout=block_s) if block_s > 0 else self._commands.get_nowait()
             while True:
                 if command is not None:  # None is only a wake-up
                     self._handle(command)
@@ -257,17 +269,39 @@ class TorchCore:
 
     def _draft(self, cmd: AddDraft) -> None:
         req = self.requests.get(cmd.request_id)
+        if cmd.after is not None:
+            self._conditional(req, cmd)
+            return
         if req is None or req.status is not Status.WAITING_DRAFT or cmd.round != req.round:
             where = f"round {req.round}" if req is not None else "no open session"
             self._results.append(OutOfTurn(cmd.request_id, f"session {cmd.request_id} expects {where}, "
                                                            f"got a draft for round {cmd.round}"))
             return
-        req.draft_ids, req.draft_q, req.draft_conf = cmd.token_ids, cmd.q, cmd.confidence
+        self._take(req, cmd)
+
+    def _conditional(self, req: Request | None, cmd: AddDraft) -> None:
+        """A draft sent before the Verdict it assumes (``Draft.after``): kept for the next round,
+        taken at once when that Verdict already went out with exactly its ``after``, and otherwise
+        dropped without a word (the drafter drafts the round afresh when the Verdict tells it)."""
+        if req is None or req.status is Status.FINISHED:
+            return
+        if cmd.round == req.round + 1 and len(req.upcoming) < MAX_UPCOMING:
+            req.upcoming.append(cmd)
+        elif cmd.round == req.round and req.status is Status.WAITING_DRAFT and cmd.after == req.last_tokens:
+            self._take(req, cmd)
+            self.metrics.conditional.labels("taken").inc()
+        else:
+            self.metrics.conditional.labels("dropped").inc()
+
+    def _take(self, req: Request, cmd: AddDraft) -> None:
+        """The draft of the round the session waits for."""
         req.pause_left = cmd.pause_rounds
         req.guess_bonus = cmd.guess_bonus and not req.greedy and req.params.seed is None  # shared.coupling
         req.draft_wait_s = max(0.0, cmd.received_at - req.waiting_since)
         self.metrics.draft_wait.observe(req.draft_wait_s)
-        req.mark_ready()
+        if cmd.after is None and self.scheduler.filler is not None:  # a conditional one was there before
+            self.scheduler.filler.observe(req.drafter, req.draft_wait_s)
+        req.take_draft(cmd.token_ids, cmd.q, cmd.confidence)
 
     def _attach(self, cmd: Attach) -> None:
         req = self.requests.get(cmd.request_id)
@@ -335,13 +369,17 @@ class TorchCore:
             t1, cpu1 = time.perf_counter(), time.thread_time()
             self.metrics.observe_estimate(self.estimator.predict(step.shapes), t1 - t0)
             self.estimator.observe(step.shapes, t1 - t0)
-            verdicts = judge(step.verify, logits) if step.verify and logits is not None else []
+            judged = [*step.verify, *((req, []) for req in step.fill)]
+            verdicts = judge(judged, logits) if judged and logits is not None else []
         except (KVError, RuntimeError, ValueError) as exc:  # fail this step's sessions, keep serving
             log.exception("verification step failed", sessions=len(step.segments))
-            for req in [r for r, _ in step.verify] + step.prefill:
+            for req in [r for r, _ in step.verify] + step.fill + step.prefill:
                 self._fail(req, f"verification failed: {exc}")
             self._last_forward_end = 0.0  # the time to the next step is no gap of a step's period
             return
+        verdicts, filled = verdicts[: len(step.verify)], verdicts[len(step.verify) :]
+        for req, v in zip(step.fill, filled, strict=True):
+            self._fill(req, v)
         self.metrics.raced_bonus.inc(sum(races(req, drafts, v.accepted)
                                          for (req, drafts), v in zip(step.verify, verdicts, strict=True)))
         kept = [self._commit(req, drafts, v.accepted, v.tokens) for (req, drafts), v in
@@ -349,7 +387,8 @@ class TorchCore:
         budgets = self._next_budgets(step, verdicts)
         for (req, drafts), v, k in zip(step.verify, verdicts, kept, strict=True):
             logprobs = v.logprobs[: len(k)] if v.logprobs is not None else None
-            self._publish_round(req, len(drafts), v.accepted, k, budgets.get(req.request_id, 0), logprobs)
+            drafted, accepted, _ = req.round_outcome(len(drafts), v.accepted, v.accept_prob)
+            self._publish_round(req, drafted, accepted, k, budgets.get(req.request_id, 0), logprobs)
         self.metrics.observe_step(step, scheduled, t0, t1, time.perf_counter(), self._last_step_start, cpu1 - cpu0)
         if self._last_forward_end:
             self.scheduler.observe_gap(t0 - self._last_forward_end)
@@ -358,9 +397,7 @@ class TorchCore:
 
     def _next_budgets(self, step: Step, verdicts: list[Verdict]) -> dict[str, int]:
         """Fold the speculating sessions' rounds into the tracker; the allocator's next budgets."""
-        rounds = [RoundStats(req.request_id, req.drafter or None, len(d), v.accepted, len(req.committed), v.accept_prob,
-                             req.draft_wait_s)
-                  for (req, d), v in zip(step.verify, verdicts, strict=True)
+        rounds = [_round_stats(req, len(d), v) for (req, d), v in zip(step.verify, verdicts, strict=True)
                   if req.speculative and req.status is not Status.FINISHED]
         for r in rounds:
             self.tracker.observe(r)
@@ -383,17 +420,27 @@ class TorchCore:
         assert req.slot is not None
         keep = 0 if self.limits.recompute_context else req.slot.length - (len(drafts) - accepted)
         req.slot.truncate(keep)  # keep the accepted drafts' keys/values (none: the next round recomputes all)
-        req.drafted += len(drafts)
-        req.accepted += accepted
         self.scheduler.observe_round(req.drafter, req.draft_conf, len(drafts), accepted)  # the trim's calibration
         return req.commit(tokens)
+
+    def _fill(self, req: Request, v: Verdict) -> None:
+        """A token decoded while the session's draft travels: committed now and streamed to the
+        client; its drafter hears of it with the round's Verdict (``Rounded.prior``)."""
+        kept = self._commit(req, [], 0, v.tokens)
+        logprobs = v.logprobs[: len(kept)] if v.logprobs is not None else None
+        self.metrics.count_fill(len(kept))
+        if req.status is Status.FINISHED:  # the round ends here: the drafter's draft for it is moot
+            self._publish_round(req, 0, 0, kept, 0, logprobs)
+            return
+        self._results.append(Filled(req.request_id, req.round, kept, list(req.fill), logprobs))
+        req.fill.extend(kept)
 
     def _publish_round(self, req: Request, drafted: int, accepted: int, kept: list[int], budget: int,
                        logprobs: list[TokenLogprob] | None = None) -> None:
         finished = req.status is Status.FINISHED
         budget = 0 if finished or not req.speculative else min(budget, self.limits.max_draft_tokens)
         self._results.append(Rounded(req.request_id, req.round, drafted, accepted, kept, finished,
-                                     req.finish_reason, budget, logprobs=logprobs))
+                                     req.finish_reason, budget, logprobs=logprobs, prior=list(req.fill)))
         self.metrics.count_round(drafted, accepted, len(kept))
         if finished:
             self._retire(req)
@@ -401,7 +448,18 @@ class TorchCore:
             if req.speculative:
                 self.metrics.count_budget(budget, req.draft_budget)
             req.draft_budget = budget
-            req.next_round()
+            upcoming = req.next_round((*req.fill, *kept))
+            if req.status is Status.WAITING_DRAFT:
+                self._take_upcoming(req, upcoming)
+
+    def _take_upcoming(self, req: Request, upcoming: list[AddDraft]) -> None:
+        """The conditional draft whose ``after`` the round just ended committed, if one came."""
+        came_true = next((cmd for cmd in upcoming if cmd.after == req.last_tokens), None)
+        if upcoming:
+            self.metrics.conditional.labels("dropped").inc(len(upcoming) - (came_true is not None))
+        if came_true is not None:
+            self._take(req, came_true)
+            self.metrics.conditional.labels("taken").inc()
 
     def _fail(self, req: Request, error: str) -> None:
         req.finish("error")
@@ -420,3 +478,10 @@ class TorchCore:
             self.metrics.count_slo(req.slo_tokens_per_s,
                                    slo_met(req.arrived_at, req.generated, req.slo_tokens_per_s, time.perf_counter()))
         self.metrics.set_kv(self.kv_stats())
+
+
+def _round_stats(req: Request, verified: int, v: Verdict) -> RoundStats:
+    """What the allocator learns from a verified round (the fill's matches included)."""
+    drafted, accepted, accept_prob = req.round_outcome(verified, v.accepted, v.accept_prob)
+    return RoundStats(req.request_id, req.drafter or None, drafted, accepted, len(req.committed), accept_prob,
+                      req.draft_wait_s)

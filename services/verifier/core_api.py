@@ -48,6 +48,8 @@ class AddDraft:
     confidence: list[float] | None = None  # the draft model's probability of each token (AdaSpec trim)
     pause_rounds: int = 0  # the drafter asks not to be waited for in the next this-many rounds
     guess_bonus: bool = False  # draw the bonus token by the keyed race (shared.coupling)
+    #: a conditional draft (``Draft.after``): only if round ``round - 1`` commits exactly these tokens
+    after: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,21 @@ class Rounded:
     draft_budget: int
     error: str = ""
     logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked for logprobs
+    #: tokens this round committed earlier, while its draft was on its way (each already out as a
+    #: ``Filled``): the round's Verdict carries them before ``tokens``
+    prior: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Filled:
+    """Tokens committed within a round still open (decoded while its draft travels): for the
+    client now; the drafter hears of them with the round's ``Rounded``."""
+
+    request_id: str
+    round: int
+    tokens: list[int]
+    prior: list[int]  # the round's tokens filled before these
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True)
@@ -137,7 +154,7 @@ class Attached:
     bonus_key: int | None = None  # shared.coupling; None: bonus tokens are not coupled
 
 
-Result = Admitted | Refused | Rounded | OutOfTurn | Detached | Attached
+Result = Admitted | Refused | Rounded | Filled | OutOfTurn | Detached | Attached
 Deliver = Callable[[list[Result]], None]
 
 

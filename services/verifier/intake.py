@@ -192,8 +192,9 @@ class Intake:
         confidence = msg.confidence if msg.confidence and len(msg.confidence) == len(msg.token_ids) else None
         # an untrusted drafter knows the race's variates, and could choose drafts to steer them
         guess = msg.guess_bonus and self.trusted(conn_id)
+        after = tuple(msg.after) if msg.after is not None else None
         self._submit(conn_id, AddDraft(rid, msg.round, list(msg.token_ids), q, received_at, confidence,
-                                       msg.pause_rounds, guess))
+                                       msg.pause_rounds, guess, after))
         return None
 
     def _detach(self, conn_id: str, request_id: str) -> None:

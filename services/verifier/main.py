@@ -107,7 +107,7 @@ def build(cfg: VerifierConfig, loop: asyncio.AbstractEventLoop) -> tuple[Hub, Ve
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from None
     scheduler = Scheduler(batcher, BatchLimits(cfg.max_batch_sessions, cfg.max_batch_tokens), cfg.prefill_chunk,
-                          estimator, trim, tracker)
+                          estimator, trim, tracker, fill=cfg.fill)
     threaded = core_threaded(cfg.core_mode)
 
     def deliver(results: list[Result]) -> None:
@@ -155,7 +155,7 @@ def _hub(cfg: VerifierConfig, loaded: LoadedModel) -> tuple[Hub, Output, Verifie
     try:
         credentials = Credentials(cfg.auth_token, cfg.credentials_file)
         hub = Hub(loaded.name, loaded.fingerprint, loaded.max_model_len, cfg.max_draft_tokens, credentials, routes,
-                  metrics, cfg.drafter_trust)
+                  metrics, cfg.drafter_trust, conditional_drafts=cfg.backend == "torch")  # TorchCore takes them
     except (CredentialsError, ValueError) as exc:
         raise ModelLoadError(str(exc)) from None
     return hub, Output(hub, routes, metrics), metrics

@@ -74,6 +74,11 @@ class VerifierMetrics:
         self.drafted = Counter(f"{_P}_drafted_tokens", "Draft tokens verified", registry=r)
         self.accepted = Counter(f"{_P}_accepted_tokens", "Draft tokens accepted", registry=r)
         self.generated = Counter(f"{_P}_generated_tokens", "Tokens committed", registry=r)
+        self.conditional = Counter(f"{_P}_conditional_drafts", "Drafts sent before the Verdict they assume "
+                                                                "(Draft.after), by whether that Verdict came true",
+                                   ["outcome"], registry=r)
+        self.filled = Counter(f"{_P}_filled_tokens", "Tokens decoded target-only for sessions whose drafts were on "
+                                                     "their way, by steps with nothing to verify (fill)", registry=r)
         self.kv_budget = Gauge(f"{_P}_kv_budget_bytes", "KV arena size", registry=r)
         self.kv_reserved = Gauge(f"{_P}_kv_reserved_bytes", "KV bytes reserved by admitted sessions", registry=r)
         self.kv_cached = Gauge(f"{_P}_kv_cached_tokens", "Tokens whose keys/values are cached", registry=r)
@@ -130,6 +135,11 @@ class VerifierMetrics:
         self.draft_budget.observe(budget)
         if budget != before:
             self.budget_changes.inc()
+
+    def count_fill(self, committed: int) -> None:
+        """Tokens decoded for a session while its draft travelled (``scheduler``: fill)."""
+        self.filled.inc(committed)
+        self.generated.inc(committed)
 
     def count_round(self, drafted: int, accepted: int, committed: int) -> None:
         self.rounds.inc()

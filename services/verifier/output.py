@@ -17,6 +17,7 @@ from services.verifier.core_api import (
     Admitted,
     Attached,
     Detached,
+    Filled,
     Finish,
     OutOfTurn,
     Refused,
@@ -67,6 +68,8 @@ class Output:
         for r in results:
             if isinstance(r, Rounded):
                 self._round(r)
+            elif isinstance(r, Filled):
+                self._filled(r)
             elif isinstance(r, Admitted):
                 self._admitted(r)
             elif isinstance(r, Refused):
@@ -117,27 +120,50 @@ class Output:
         route = self.routes.get(r.request_id)
         if route is None:  # ended here already (cancel, stop string): the core's result is stale
             return
-        kept, stopped = [], False
-        for token in r.tokens:
-            kept.append(token)
-            if route.text.push(token):
-                stopped = True
-                break
+        kept, stopped = self._text(route, r.tokens)
         finished = r.finished or stopped
         reason: FinishReason | None = "stop" if stopped else r.finish_reason
-        if stopped and not r.finished and self.core is not None:
-            self.core.submit(Finish(r.request_id))
-        route.completion_tokens += len(kept)
         route.drafted += r.drafted
         route.accepted += r.accepted
         self._event(route, kept, finished, reason, r.error, r.logprobs[: len(kept)] if r.logprobs is not None else None)
+        self._verdict(route, r.round, r.accepted, [*r.prior, *kept], finished, reason, r.draft_budget)
+
+    def _filled(self, r: Filled) -> None:
+        """Tokens of a round still open go to the client; the drafter hears of them with the round's
+        Verdict, unless a stop string ends the request here."""
+        route = self.routes.get(r.request_id)
+        if route is None:
+            return
+        kept, stopped = self._text(route, r.tokens)
+        self._event(route, kept, stopped, "stop" if stopped else None,
+                    logprobs=r.logprobs[: len(kept)] if r.logprobs is not None else None)
+        if stopped:  # the round ends here: the drafter's draft for it is moot
+            self._verdict(route, r.round, 0, [*r.prior, *kept], True, "stop", 0)
+
+    def _text(self, route: Route, tokens: list[int]) -> tuple[list[int], bool]:
+        """Push ``tokens`` through the session's text: those kept (up to a stop string), and
+        whether one ended the request (the core is then told to drop it)."""
+        kept: list[int] = []
+        for token in tokens:
+            kept.append(token)
+            if route.text.push(token):
+                route.completion_tokens += len(kept)
+                if self.core is not None:
+                    self.core.submit(Finish(route.request_id))
+                return kept, True
+        route.completion_tokens += len(kept)
+        return kept, False
+
+    def _verdict(self, route: Route, round_: int, accepted: int, tokens: list[int], finished: bool,
+                 reason: FinishReason | None, budget: int) -> None:
+        """The round's Verdict to the session's drafter (a finished one to its opener when it has none)."""
         peer = route.drafter if route.drafter is not None else (route.owner if finished else None)
         if peer is not None:
-            self._conn(peer, Verdict(request_id=r.request_id, round=r.round, accepted=r.accepted, token_ids=kept,
-                                     finished=finished, finish_reason=reason,
-                                     draft_budget=0 if finished else r.draft_budget))
+            self._conn(peer, Verdict(request_id=route.request_id, round=round_, accepted=accepted,
+                                     token_ids=tokens, finished=finished, finish_reason=reason,
+                                     draft_budget=0 if finished else budget))
         if finished:
-            self.routes.close(r.request_id)
+            self.routes.close(route.request_id)
 
     # --- out-of-turn endings (event loop initiated) ---------------------------------------
 

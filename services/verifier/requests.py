@@ -1,9 +1,17 @@
 """Per-session state inside the engine core: one ``Request`` per session, with a status enum.
 
     WAITING        admitted by the event loop, waiting for KV memory
-    WAITING_DRAFT  a drafter owns the next move (its draft for ``round``)
+    WAITING_DRAFT  a drafter owns the next move (its draft for ``round``); meanwhile a greedy
+                   session may be *filled*: decoded target-only by steps that would otherwise
+                   idle (``fill``), so the verifier never waits with nothing to do
     READY          can be verified in the next step (it has a draft, or decodes target-only)
     FINISHED
+
+A filled round's draft rests on the tokens committed before the round, so when it arrives its
+leading tokens are compared with the fill: those that match are already committed (for a
+greedy request, exactly what verifying them would have committed), the rest are verified after
+the fill, and a draft that left the fill verifies nothing (the drafts after its first mismatch
+continue a text the target did not write).
 
 Independently of the status, a request may still have prompt tokens to prefill: the committed
 tokens not yet in its KV slot, except the last one, which every round feeds first. The core
@@ -19,7 +27,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.verifier.core_api import AddDraft
 from services.verifier.grammar import Grammar
+from shared.acceptance import matched
 from shared.coupling import new_bonus_key
 from shared.draft_q import CheckedQ
 from shared.protocol import FinishReason, SamplingParams
@@ -58,11 +68,16 @@ class Request:
     reattached: bool = False  # a drafter resumed it (not the one that opened it): it must hear the committed state
     slo_tokens_per_s: float | None = None  # token-speed SLO (WISP batching); None: best effort
     draft_wait_s: float = 0.0  # how long this round waited for its draft
+    #: tokens committed in this round while its draft was on its way (see the module docstring)
+    fill: list[int] = field(default_factory=list)
+    sent: int = 0  # draft tokens the drafter sent for this round (within its budget)
+    matched: int = 0  # of those, the leading ones the fill had already committed
+    #: conditional drafts for the next round (``AddDraft.after``), sent before this round's Verdict
+    upcoming: list[AddDraft] = field(default_factory=list)
+    last_tokens: tuple[int, ...] = ()  # what the previous round committed (a conditional draft's test)
     pause_left: int = 0  # rounds still to run target-only at the drafter's request (Draft.pause_rounds)
     grammar: Grammar | None = None  # structured output: masks p, advanced by committed tokens
     finish_reason: FinishReason | None = None
-    drafted: int = 0
-    accepted: int = 0
     arrived_at: float = field(default_factory=time.perf_counter)
     ready_since: float = 0.0  # perf_counter: when it became READY (queue wait starts)
     waiting_since: float = field(default_factory=time.perf_counter)  # when it began waiting for a draft
@@ -102,10 +117,25 @@ class Request:
         most = self.prompt_len + self.params.max_tokens + max_draft_tokens
         return min(self.max_model_len, most)
 
+    @property
+    def fillable(self) -> bool:
+        """Whether a step may decode this session while its draft is on its way: a greedy session
+        (its tokens do not depend on when they are decoded), with its context cached."""
+        return self.status is Status.WAITING_DRAFT and self.greedy and self.slot is not None and self.to_prefill == 0
+
     def drafts_to_verify(self) -> list[int]:
-        """This round's drafts, clipped to the budget and so the context limit is never crossed."""
+        """This round's drafts after the fill, clipped to the budget and so the context limit is
+        never crossed."""
         room = self.max_model_len - len(self.committed) - 1
-        return self.draft_ids[: max(0, min(self.draft_budget, room))]
+        return self.draft_ids[: max(0, min(self.draft_budget - self.matched, room))]
+
+    def round_outcome(self, verified: int, accepted: int, accept_prob: float) -> tuple[int, int, float]:
+        """(drafted, accepted, Σ acceptance probability) of the round as a whole, after
+        ``verified`` drafts were judged past the fill and ``accepted`` of them kept: the fill's
+        matches count as accepted drafts (probability 1), and a mismatch as one rejected draft."""
+        if self.matched < len(self.fill):  # the draft left the fill (or ran out inside it)
+            return min(self.sent, self.matched + 1), self.matched, float(self.matched)
+        return self.matched + verified, self.matched + accepted, self.matched + accept_prob
 
     # --- transitions -----------------------------------------------------------------------
 
@@ -118,13 +148,30 @@ class Request:
         self.status = Status.WAITING_DRAFT
         self.waiting_since = time.perf_counter()
 
-    def next_round(self) -> None:
-        """After a verified round: wait for the drafter, or go straight on when target-only or
-        when the round's budget is 0 (the drafter sends nothing for it)."""
+    def take_draft(self, ids: list[int], q: list[CheckedQ] | None, confidence: list[float] | None) -> None:
+        """The round's draft arrived: what the fill already committed of it is matched, the rest
+        is to verify (nothing when it left the fill); then the session is ready."""
+        draft = ids[: max(0, self.draft_budget)]
+        self.sent = len(draft)
+        self.matched = matched(draft, self.fill)
+        m = self.matched if self.matched == len(self.fill) else len(draft)  # drafts before m are settled
+        self.draft_ids = draft[m:]
+        self.draft_q = q[m : len(draft)] if q is not None else None
+        self.draft_conf = confidence[m : len(draft)] if confidence is not None else None
+        self.mark_ready()
+
+    def next_round(self, committed: tuple[int, ...]) -> list[AddDraft]:
+        """After a verified round that committed ``committed``: wait for the drafter, or go straight
+        on when target-only or when the round's budget is 0 (the drafter sends nothing for it).
+        Returns the conditional drafts sent for the new round (the caller takes the one that came true)."""
+        self.last_tokens = committed
+        upcoming, self.upcoming = self.upcoming, []
         self.round += 1
         self.draft_ids, self.draft_q, self.draft_conf, self.guess_bonus = [], None, None, False
         self.draft_wait_s = 0.0
+        self.fill, self.sent, self.matched = [], 0, 0
         self.begin_round()
+        return upcoming
 
     def begin_round(self) -> None:
         """Wait for a draft if this round has a drafter and a budget; otherwise be ready now."""
@@ -145,6 +192,7 @@ class Request:
         self.speculative = True
         self.reattached = True
         self.drafter = drafter or self.drafter
+        self.fill = []  # the drafter hears every committed token (Attached): its draft rests on them all
         if self.status is Status.READY:  # a target-only round not run yet: it may wait for a draft instead
             self.begin_round()
             return True

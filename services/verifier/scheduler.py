@@ -8,7 +8,11 @@ Each step has a token budget (``max_tokens``) and a session budget (``max_sessio
    one) plus its drafts, and gets logits from its last committed token on. The trim policy
    (AdaSpec) may then drop the least likely tail drafts of the chosen sessions, judged by each
    drafter's confidences calibrated against its past verdicts (``shared.calibration``).
-2. **Prefill.** Sessions with more of the prompt to cache get chunks, oldest first, with no
+2. **Fill.** A step with nothing to verify may decode, target-only, greedy sessions whose drafts
+   are on their way: one token each, which verifying their drafts would have committed anyway
+   (``requests``), as many as end before the next draft is expected (``fill``). So a slow link
+   does not leave the target idle, and filling takes no step from a verification.
+3. **Prefill.** Sessions with more of the prompt to cache get chunks, oldest first, with no
    logits at all. While verification runs in the step, prefill takes at most ``prefill_chunk``
    tokens, so a long prompt is cached in pieces between rounds and running sessions keep
    streaming; a step with nothing to verify prefills up to the whole token budget.
@@ -24,6 +28,7 @@ from services.verifier.allocation.goodspeed import expected_tokens
 from services.verifier.allocation.tracker import GoodputTracker
 from services.verifier.batching import BatchLimits, BatchPolicy, Candidate
 from services.verifier.batching.estimator import SegmentShape, StepTimeEstimator
+from services.verifier.fill import FillPolicy
 from services.verifier.requests import Request, Status
 from services.verifier.trim import TrimItem, TrimPolicy, make_trim
 from shared.calibration import AcceptanceCalibration, ewma
@@ -43,8 +48,9 @@ MAX_GAP_S = 0.5
 @dataclass
 class Step:
     verify: list[tuple[Request, list[int]]] = field(default_factory=list)  # (request, drafts)
+    fill: list[Request] = field(default_factory=list)  # decoded one token while their drafts travel
     prefill: list[Request] = field(default_factory=list)
-    segments: list[Segment] = field(default_factory=list)  # verify segments first, then prefill
+    segments: list[Segment] = field(default_factory=list)  # verify segments first, then fill, then prefill
     shapes: list[SegmentShape] = field(default_factory=list)  # one per segment, for the step-time estimator
     prefill_tokens: int = 0
     verify_tokens: int = 0
@@ -56,7 +62,7 @@ class Step:
 class Scheduler:
     def __init__(self, batcher: BatchPolicy, limits: BatchLimits, prefill_chunk: int,
                  estimator: StepTimeEstimator | None = None, trim: TrimPolicy | None = None,
-                 tracker: GoodputTracker | None = None) -> None:
+                 tracker: GoodputTracker | None = None, fill: bool = True) -> None:
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.batcher = batcher
@@ -65,6 +71,7 @@ class Scheduler:
         self.estimator = estimator or StepTimeEstimator()
         self.trim = trim or make_trim("none")
         self.tracker = tracker  # α̂ per session, for the candidates' expected tokens
+        self.filler = FillPolicy() if fill else None  # decode waiting greedy sessions in otherwise idle time
         self.last_decision_s = 0.0
         self.last_trimmed = 0
         self.calibrations: dict[str, AcceptanceCalibration] = {}  # per drafter id, for the trim
@@ -80,6 +87,8 @@ class Scheduler:
                   and (not hold or id(r) not in hold)]
         step = Step()
         self._add_verify(step, [r for r in active if self.verifiable(r)])
+        if self.filler is not None and not step.verify:
+            self._add_fill(step, active)
         chosen = {id(req) for req, _ in step.verify}
         self._add_prefill(step, [r for r in active if r.to_prefill > 0 and id(r) not in chosen])
         return step
@@ -102,6 +111,29 @@ class Scheduler:
             step.segments.append(Segment(req.slot, [*feed, *d], len(feed) - 1))
             step.shapes.append(SegmentShape(new=len(feed) + len(d), cached=req.cached))
             step.verify_tokens += len(feed) + len(d)
+
+    def fill_wait_s(self, requests: Iterable[Request]) -> float | None:
+        """Seconds until a fill step may run (0: now), when no draft comes first; None: none will."""
+        if self.filler is None:
+            return None
+        active = [r for r in requests if r.slot is not None and r.status is not Status.FINISHED]
+        if not any(r.fillable for r in active):
+            return None
+        now = time.perf_counter()
+        if self.filler.choose(active, self.estimator, now, 1):
+            return 0.0
+        return self.filler.next_change(active, now)
+
+    def _add_fill(self, step: Step, active: list[Request]) -> None:
+        """One target-only token for each waiting greedy session the fill policy chooses."""
+        assert self.filler is not None
+        limit = min(self.limits.max_sessions, self.limits.max_tokens)
+        for req in self.filler.choose(active, self.estimator, time.perf_counter(), limit):
+            assert req.slot is not None
+            step.fill.append(req)
+            step.segments.append(Segment(req.slot, req.committed[req.cached :], 0))
+            step.shapes.append(SegmentShape(new=1, cached=req.cached))
+            step.verify_tokens += 1
 
     def _candidate(self, r: Request, drafts: list[int]) -> Candidate:
         est = self.tracker.sessions.get(r.request_id) if self.tracker is not None else None

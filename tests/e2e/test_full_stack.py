@@ -133,8 +133,9 @@ def test_greedy_identical_one_drafter(one_drafter: Stack, target: LoadedModel) -
 
 
 @pytest.mark.parametrize("policy", [["--controller", "threshold", "--threshold", "0.6"], ["--proposer", "ngram"],
-                                    ["--controller", "adaspec"], ["--pipeline-sessions", "0"]],
-                         ids=["threshold", "ngram", "adaspec", "no-pipelining"])
+                                    ["--controller", "adaspec"], ["--pipeline-sessions", "0"],
+                                    ["--conditional-drafts", "false"]],
+                         ids=["threshold", "ngram", "adaspec", "no-pipelining", "no-conditional-drafts"])
 def test_greedy_identical_under_every_drafting_policy(policy: list[str], tiny_models: dict[str, Path],
                                                       target: LoadedModel, tmp_path: Path) -> None:
     spec = StackSpec(drafts=[tiny_models["draft-L2"]], max_sessions=CONCURRENCY, extra_drafter=policy)
@@ -142,17 +143,28 @@ def test_greedy_identical_under_every_drafting_policy(policy: list[str], tiny_mo
         check_greedy(stack, target)
 
 
+@pytest.mark.parametrize("fill", ["true", "false"])
 def test_alternative_lookaheads_are_used_and_greedy_identical(tiny_models: dict[str, Path], target: LoadedModel,
-                                                              tmp_path: Path) -> None:
-    """One session per drafter, so every round drafts ahead for its likeliest rejections too."""
+                                                              tmp_path: Path, fill: str) -> None:
+    """One session per drafter, so every round drafts ahead for its likeliest rejections too, and
+    sends each lookahead to the verifier as a conditional draft before the verdict it assumes (with
+    the verifier filling, or not, while drafts travel)."""
     port = free_port()
-    spec = StackSpec(drafts=[tiny_models["draft-L2"]], max_sessions=1,
+    spec = StackSpec(drafts=[tiny_models["draft-L2"]], max_sessions=1, extra_verifier=["--fill", fill],
                      extra_drafter=["--lookahead-branches", "2", "--metrics-port", str(port)])
     with run_stack(tiny_models["target"], spec, tmp_path) as stack:
         check_greedy(stack, target)
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
-    used = [ln for ln in metrics.splitlines() if ln.startswith("specfleet_drafter_alternative_lookaheads_used_total")]
-    assert used and float(used[0].split()[-1]) > 0, "no alternative lookahead was ever used"
+        verifier = httpx.get(stack.verifier_url + "/metrics").text
+    from tests.e2e.greedy_streams import metric_value  # it imports this module
+    assert metric_value(metrics, "specfleet_drafter_alternative_lookaheads_used_total") > 0, \
+        "no alternative lookahead was ever used"
+    if fill == "true":  # the tiny target decodes faster than drafts travel: the verifier filled
+        assert metric_value(verifier, "specfleet_verifier_filled_tokens_total") > 0, "the verifier never filled"
+    else:  # drafts are what it waits for: lookaheads that came true were at the verifier already
+        assert metric_value(metrics, "specfleet_drafter_presented_lookaheads_total") > 0, \
+            "the verifier never held a conditional draft that came true"
+        assert metric_value(verifier, "specfleet_verifier_filled_tokens_total") == 0
 
 
 def test_wisp_learns_from_verdicts_and_stays_greedy_identical(tiny_models: dict[str, Path], target: LoadedModel,

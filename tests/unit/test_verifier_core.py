@@ -68,7 +68,7 @@ class Harness:
     def turn(self, n: int = 1) -> list[Result]:
         start = len(self.results)
         for _ in range(n):
-            self.core._iterate(block=False)
+            self.core._iterate(0.0)
         return self.results[start:]
 
     def of(self, kind: type, rid: str | None = None) -> list[Result]:

@@ -12,7 +12,8 @@ import torch
 from services.verifier.config import VerifierConfig
 from services.verifier.main import build
 from services.verifier.vllm_engine.plugin import InboxProposer, align, expand_batch_to_tokens, external_id
-from services.verifier.vllm_engine.rounds import LiveSession, matched
+from services.verifier.vllm_engine.rounds import LiveSession
+from shared.acceptance import matched
 from shared.models import ModelLoadError
 
 # --- align: what the proposer still proposes after the request moved on ------------------------

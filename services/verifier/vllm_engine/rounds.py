@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shared.acceptance import matched
+
 
 @dataclass(frozen=True)
 class Resolved:
@@ -30,16 +32,6 @@ class Resolved:
     drafted: int
     accepted: int
     tokens: list[int]
-
-
-def matched(draft: list[int], tokens: list[int]) -> int:
-    """How many leading tokens of the draft were committed."""
-    n = 0
-    for d, t in zip(draft, tokens, strict=False):
-        if d != t:
-            break
-        n += 1
-    return n
 
 
 @dataclass

@@ -1,0 +1,204 @@
+"""Filling and conditional drafts in the verifier's engine core, driven in-process.
+
+Filling: a greedy session whose draft is on its way is decoded target-only by steps with nothing to
+verify; its draft's leading tokens are then matched against the fill. Conditional drafts: a draft
+sent before the Verdict it assumes (``AddDraft.after``) is the next round's draft exactly when
+that Verdict commits its ``after``. Either way, the tokens are the target's greedy decoding.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from services.verifier.core_api import AddDraft, AddRequest, Filled, OutOfTurn, Rounded
+from services.verifier.fill import FillPolicy
+from services.verifier.requests import Request, Status
+from shared.models import LoadedModel, load_model
+from shared.protocol import SamplingParams
+from tests.conftest import greedy_reference
+from tests.unit.test_verifier_core import Harness, prompt
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+BUDGET = 3  # the harness's fixed allocation
+
+
+@pytest.fixture(scope="module")
+def target(tiny_models: dict[str, Path]) -> LoadedModel:
+    return load_model(tiny_models["target"])
+
+
+def started(target: LoadedModel, params: SamplingParams = GREEDY) -> tuple[Harness, list[int]]:
+    """A harness whose speculative session "s" waits for its round-0 draft; the greedy reference."""
+    h = Harness(target)
+    p = prompt(5, 9)
+    h.core.submit(AddRequest("s", p, params, speculative=True, drafter="edge"))
+    h.turn()  # admitted and prefilled: round 0 waits for its draft
+    assert h.core.requests["s"].status is Status.WAITING_DRAFT
+    ref = greedy_reference(target.model, p, params.max_tokens, set())
+    head = ref[: 2 * BUDGET + 2]
+    assert len(set(head)) == len(head), "a repetitive reference would hide misplaced drafts: pick another prompt"
+    return h, ref
+
+
+def everything(h: Harness, rid: str = "s") -> list[int]:
+    """Every token the client got, in order: fills and rounds."""
+    return [t for r in h.results if isinstance(r, Filled | Rounded) and r.request_id == rid for t in r.tokens]
+
+
+# --- filling ------------------------------------------------------------------------------------
+
+
+def test_a_waiting_greedy_session_is_filled_and_its_draft_matched_against_the_fill(target: LoadedModel) -> None:
+    h, ref = started(target)
+    h.turn(2)  # nothing to verify: two fill steps
+    assert [r.tokens for r in h.of(Filled, "s")] == [ref[0:1], ref[1:2]]  # type: ignore[attr-defined]
+    h.core.submit(AddDraft("s", 0, ref[0:BUDGET], None, 0.0))
+    h.turn()
+    last = h.of(Rounded, "s")[-1]
+    assert isinstance(last, Rounded)
+    # drafts 0 and 1 were filled already; draft 2 was verified, then the target's own token
+    assert (last.round, last.prior, last.tokens) == (0, ref[0:2], ref[2:4])
+    assert (last.drafted, last.accepted) == (BUDGET, BUDGET)
+    assert everything(h) == ref[:4]
+
+
+def test_a_draft_that_left_the_fill_verifies_nothing(target: LoadedModel) -> None:
+    """The drafts after a mismatch continue a text the target did not write: the round ends with
+    one decoding step, the draft judged up to its first mismatch."""
+    h, ref = started(target)
+    h.turn()  # fills ref[0]
+    wrong = (ref[0] + 1) % target.vocab_size
+    h.core.submit(AddDraft("s", 0, [wrong, ref[1], ref[2]], None, 0.0))
+    h.turn()
+    last = h.of(Rounded, "s")[-1]
+    assert isinstance(last, Rounded)
+    assert (last.prior, last.tokens, last.drafted, last.accepted) == (ref[0:1], ref[1:2], 1, 0)
+    assert everything(h) == ref[:2]
+
+
+def test_a_fill_longer_than_the_draft_accepts_the_draft_and_verifies_nothing(target: LoadedModel) -> None:
+    h, ref = started(target)
+    h.turn(BUDGET + 1)
+    h.core.submit(AddDraft("s", 0, ref[0:BUDGET], None, 0.0))
+    h.turn()
+    last = h.of(Rounded, "s")[-1]
+    assert isinstance(last, Rounded)
+    assert (last.prior, last.tokens, last.drafted, last.accepted) == (ref[: BUDGET + 1], ref[BUDGET + 1 : BUDGET + 2],
+                                                                      BUDGET, BUDGET)
+    assert everything(h) == ref[: BUDGET + 2]
+
+
+def test_sampled_sessions_are_not_filled(target: LoadedModel) -> None:
+    """A sampled session's tokens would depend on when they were decoded: it waits for its draft."""
+    h, _ = started(target, SamplingParams(temperature=1.0, max_tokens=8, seed=5))
+    h.turn(3)
+    assert not h.of(Filled) and h.core.requests["s"].status is Status.WAITING_DRAFT
+
+
+def test_fill_runs_the_session_to_its_end_and_the_round_ends_with_it(target: LoadedModel) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    h, ref = started(target, params)
+    h.turn(params.max_tokens)
+    final = h.of(Rounded, "s")[-1]
+    assert isinstance(final, Rounded) and final.finished and final.finish_reason == "length"
+    assert final.prior == ref[:2] and everything(h) == ref and "s" not in h.core.requests
+
+
+def test_no_fill_when_a_draft_is_expected_before_the_step_would_end(target: LoadedModel) -> None:
+    h, _ = started(target)
+    filler = h.core.scheduler.filler
+    assert filler is not None
+    filler.observe("edge", 3600.0)  # this drafter's drafts come an hour after their verdicts: fill
+    h.turn()
+    assert len(h.of(Filled, "s")) == 1
+    h2, _ = started(target)
+    assert h2.core.scheduler.filler is not None
+    h2.core.scheduler.filler.observe("edge", 10.0)  # ... 10 s after, and this round has waited that long
+    h2.core.requests["s"].waiting_since = time.perf_counter() - 10.0 + 1e-6  # the draft is due: no fill
+    h2.turn()
+    assert not h2.of(Filled, "s")
+
+
+# --- the fill policy's clock ----------------------------------------------------------------------
+
+
+def waiting(drafter: str, since: float) -> Request:
+    req = Request.create("r", [1, 2], GREEDY, True, 64, frozenset(), drafter)
+    req.status, req.waiting_since = Status.WAITING_DRAFT, since
+    return req
+
+
+@pytest.mark.parametrize(("waited", "expected"), [
+    (0.0, 1.0),  # due in 1 s
+    (0.5, 1.0),  # still due at the same time
+    (1.5, 1.5),  # overdue: imminent (expected now)
+    (2.5, None),  # late (past twice the typical wait): expected no more
+])
+def test_when_a_draft_is_expected(waited: float, expected: float | None) -> None:
+    policy = FillPolicy()
+    policy.observe("edge", 1.0)
+    req = waiting("edge", 0.0)
+    assert policy.expected(req, waited) == expected
+    assert FillPolicy().expected(req, waited) is None  # never heard from: no expectation
+
+
+def test_the_typical_wait_is_a_moving_average_per_drafter() -> None:
+    policy = FillPolicy()
+    policy.observe("a", 1.0)
+    policy.observe("a", 2.0)
+    policy.observe("b", 5.0)
+    assert policy.waits == {"a": pytest.approx(1.1), "b": 5.0}
+    assert policy.next_change([waiting("a", 0.0), waiting("b", 0.0)], 1.0) == pytest.approx(1.2)  # a turns late
+
+
+# --- conditional drafts -------------------------------------------------------------------------
+
+
+def play_round_0(h: Harness, ref: list[int], conditional: AddDraft | None = None) -> None:
+    """Round 0 drafts the reference (all accepted: BUDGET + 1 tokens), with ``conditional`` sent after it."""
+    h.core.submit(AddDraft("s", 0, ref[0:BUDGET], None, 0.0))
+    if conditional is not None:
+        h.core.submit(conditional)
+    h.turn()
+
+
+def test_a_conditional_draft_that_came_true_is_the_next_rounds_draft(target: LoadedModel) -> None:
+    h, ref = started(target)
+    after = tuple(ref[: BUDGET + 1])
+    play_round_0(h, ref, AddDraft("s", 1, ref[BUDGET + 1 : 2 * BUDGET + 1], None, 0.0, after=after))
+    req = h.core.requests["s"]
+    assert req.round == 1 and req.status is Status.READY  # no wait for the drafter
+    h.turn()
+    last = h.of(Rounded, "s")[-1]
+    assert isinstance(last, Rounded) and (last.round, last.accepted) == (1, BUDGET)
+    assert everything(h) == ref[: 2 * BUDGET + 2] and not h.of(OutOfTurn)
+
+
+def test_a_conditional_draft_whose_verdict_differs_is_dropped_without_a_word(target: LoadedModel) -> None:
+    h, ref = started(target)
+    wrong = (ref[BUDGET] + 1) % target.vocab_size
+    play_round_0(h, ref, AddDraft("s", 1, [5, 6, 7], None, 0.0, after=(*ref[:BUDGET], wrong)))
+    assert h.core.requests["s"].status is Status.WAITING_DRAFT and not h.of(OutOfTurn)
+    h.core.submit(AddDraft("s", 1, ref[BUDGET + 1 : 2 * BUDGET + 1], None, 0.0))  # the drafter drafts afresh
+    h.turn()
+    assert everything(h) == ref[: 2 * BUDGET + 2] and not h.of(OutOfTurn)
+
+
+def test_a_conditional_draft_that_crosses_its_verdict_is_taken_if_it_came_true(target: LoadedModel) -> None:
+    h, ref = started(target)
+    assert h.core.scheduler.filler is not None
+    h.core.scheduler.filler.observe("edge", 3600.0)  # fill while the draft travels
+    play_round_0(h, ref)
+    h.turn()  # round 1 waits: one token filled
+    assert h.core.requests["s"].fill == ref[BUDGET + 1 : BUDGET + 2]
+    h.core.submit(AddDraft("s", 1, ref[BUDGET + 1 : 2 * BUDGET + 1], None, 0.0, after=tuple(ref[: BUDGET + 1])))
+    stale = AddDraft("s", 0, ref[:BUDGET], None, 0.0, after=(1, 2))  # an older round's: dropped too
+    h.core.submit(stale)
+    h.turn()
+    last = h.of(Rounded, "s")[-1]
+    assert isinstance(last, Rounded)
+    assert (last.round, last.accepted, last.prior) == (1, BUDGET, ref[BUDGET + 1 : BUDGET + 2])
+    assert everything(h) == ref[: 2 * BUDGET + 2] and not h.of(OutOfTurn)
