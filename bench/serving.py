@@ -9,7 +9,8 @@ In one run, on one machine, with the edge emulated by pinning (``bench.edge``):
    (the model's raw decode rate) and the same loop on specfleet's runner, and pure forwards of
    the shapes the targets need; the draft's forward on the edge CPU;
 2. real fleets, all up at once: target-only serving, and 1 drafter (the smallest draft, default
-   draft mode, k = ``--draft-len``) with and without pipelined drafting, at every concurrency,
+   draft mode, k = ``--draft-len``) with its defaults and with one feature off at a time
+   (``scenarios``), at every concurrency,
    ``--repeats`` times with the scenarios interleaved, with unseeded requests at
    ``--temperature``; tokens/s is the median, and the ratio to target-only the median of the
    repeats' ratios (each repeat's runs minutes apart at most);
@@ -59,19 +60,26 @@ def raw_costs(target: Path, draft: Path, k: int, edge: Edge) -> dict[str, Any]:
     return {"target": server, "draft": draft_costs}
 
 
-def scenarios(draft: Path, k: int, branches: Sequence[int] = (0,)) -> list[Scenario]:
-    """Target-only, one drafter with its defaults, one per value of ``branches`` (the drafter's
-    ``--lookahead-branches``: alternative lookaheads after a rejection; 0 keeps the all-accepted
-    one alone), and one without pipelined drafting (it serves greedy and unseeded sampled sessions,
-    and the load is unseeded): each gain beside the defaults."""
+def scenarios(draft: Path, k: int, branches: Sequence[int] = (), temperature: float = 0.0) -> list[Scenario]:
+    """Target-only, one drafter with its defaults, and beside it the same drafter with one feature
+    off at a time, so each one's gain shows in the same run: one per value of ``branches`` (the
+    drafter's ``--lookahead-branches``: alternative lookaheads after a rejection; 0 keeps the
+    all-accepted one alone), no conditional drafts (lookaheads wait for their verdicts), no fill
+    (the verifier idles while drafts travel), at temperature > 0 stream sampling (q on the wire,
+    the verifier's own random stream) instead of races, and no pipelined drafting at all."""
     def named(n: int) -> str:
         return "all-accepted lookahead only" if n == 0 else f"{n} alternative lookahead{'s' * (n > 1)}"
 
-    return [Scenario("target-only"), Scenario(f"1 drafter k={k}", drafters=1, draft=str(draft), draft_len=k),
-            *[Scenario(f"1 drafter k={k}, {named(n)}", drafters=1, draft=str(draft), draft_len=k,
-                       drafter_flags=("--lookahead-branches", str(n))) for n in branches],
-            Scenario(f"1 drafter k={k}, no pipelining", drafters=1, draft=str(draft), draft_len=k,
-                     drafter_flags=("--pipeline-sessions", "0"))]
+    def drafter(name: str, drafter_flags: tuple[str, ...] = (), verifier_flags: tuple[str, ...] = ()) -> Scenario:
+        return Scenario(f"1 drafter k={k}{name}", drafters=1, draft=str(draft), draft_len=k,
+                        drafter_flags=drafter_flags, verifier_flags=verifier_flags)
+
+    stream = [drafter(", stream sampling", verifier_flags=("--sampling", "stream"))] if temperature > 0 else []
+    return [Scenario("target-only"), drafter(""),
+            *[drafter(f", {named(n)}", ("--lookahead-branches", str(n))) for n in branches],
+            drafter(", no conditional drafts", ("--conditional-drafts", "false")),
+            drafter(", no fill", verifier_flags=("--fill", "false")), *stream,
+            drafter(", no pipelining", ("--pipeline-sessions", "0"))]
 
 
 def run_all(target: Path, scs: list[Scenario], args: argparse.Namespace, edge: Edge,
@@ -172,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.serving", description=__doc__.splitlines()[0])
     p.add_argument("--draft-len", type=int, default=4)
     p.add_argument("--draft", default="", help="draft model dir (default: the smallest draft beside the target)")
-    p.add_argument("--lookahead-branches", type=lambda s: [int(x) for x in s.split(",") if x], default=[0],
+    p.add_argument("--lookahead-branches", type=lambda s: [int(x) for x in s.split(",") if x], default=[],
                    help="also measure the drafter with each of these --lookahead-branches (its default is 1)")
     add_workload_flags(p, concurrency=(1, 4, 16))  # --temperature T != 0 writes serving-t<T>.*
     args = p.parse_args(argv)
@@ -185,8 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     # an emulated edge network is one namespace per fleet, named by this process: one fleet at a time then
     if edge.networked:
         print("emulated edge network: the scenarios run one after another, not interleaved", flush=True)
-    runs = run_all(models.target, scenarios(draft, args.draft_len, args.lookahead_branches), args, edge,
-                   interleave=not edge.networked)
+    runs = run_all(models.target, scenarios(draft, args.draft_len, args.lookahead_branches, args.temperature), args,
+                   edge, interleave=not edge.networked)
     rows = [run_row(r, drafters_of(r) if r.scenario != "target-only" else None) for r in runs]
     paired_ratios(rows)
     meta = {"command": "python -m bench.serving " + " ".join(given_args(argv)), "target": str(models.target),

@@ -33,10 +33,8 @@ import secrets
 
 import torch
 
+from shared.race import exponential_
 from shared.sampling import hashed_generator
-
-#: the smallest exponential variate used (a draw of exactly 0 would make 0 / 0 for a token p excludes)
-_TINY = 1e-300
 
 
 def new_bonus_key() -> int:
@@ -46,8 +44,7 @@ def new_bonus_key() -> int:
 
 def race_noise(key: int, round_: int, vocab: int) -> torch.Tensor:
     """The Exp(1) variates of one round (float64, one per vocabulary entry)."""
-    uniform = torch.rand(vocab, generator=hashed_generator(f"{key}:{round_}"), dtype=torch.float64)
-    return (-torch.log1p(-uniform)).clamp_(min=_TINY)
+    return exponential_(torch.rand(vocab, generator=hashed_generator(f"{key}:{round_}"), dtype=torch.float64))
 
 
 def race_winner(probs: torch.Tensor, noise: torch.Tensor) -> int:

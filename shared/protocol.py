@@ -34,7 +34,8 @@ import msgspec
 #: and .error_code;
 #: OpenSession.resume, ResumeDone and Welcome.instance (a coordinator re-opens its requests on a new verifier)
 #: 6: SessionOpened.bonus_key and Draft.guess_bonus (shared.coupling: sampled sessions draft ahead)
-#: 7: Draft.after and Welcome.conditional_drafts (a drafter sends a lookahead before the verdict it assumes)
+#: 7: Draft.after and Welcome.conditional_drafts (a drafter sends a lookahead before the verdict it assumes);
+#: SessionOpened.race_key (race sampling: shared.race)
 PROTOCOL_VERSION = 7
 #: Largest frame any service accepts. A 32k-token prompt is ~200 KiB; sparse q for 64 draft
 #: positions x 4096 entries is 1.5 MiB. 4 MiB leaves room and still bounds a hostile peer.
@@ -229,6 +230,10 @@ class SessionOpened(_Msg, tag="session_opened", frozen=True):
     #: the key of the verifier's coupled bonus tokens (shared.coupling), for a drafter that guesses
     #: them to draft ahead at temperature > 0; None: this verifier does not couple them
     bonus_key: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    #: (v7) every token of this sampled request is the winner of the race keyed by this (shared.race):
+    #: draft each token by the same race over the draft model's distribution, ids only; None: the
+    #: request is greedy, or sampled from the verifier's own stream (draft from q, send it)
+    race_key: Annotated[int, msgspec.Meta(ge=0)] | None = None
 
 
 class Draft(_Msg, tag="draft", frozen=True):

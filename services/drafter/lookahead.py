@@ -36,13 +36,15 @@ A lookahead is drafted without the session's controller (it is not a round), but
 step features the controller reads; the round that takes it lets the controller screen it token
 by token, so a policy stops a ready draft where it would have stopped a fresh one.
 
-Greedy requests pipeline: their drafts are argmax and draw no randomness, so whether a
-lookahead ran or was used never changes a seeded request's random stream. Unseeded sampled
-requests pipeline too, when the verifier couples its bonus token (``shared.coupling``): the
-first lookahead token is then the winner of the same race the verifier runs, over the draft
-model's distribution instead of the target's, and the rest are sampled from the drafting stream
-with their q, as in any round. (A seeded request does not: its stream would then depend on
-timing.)
+Deterministic requests pipeline: greedy ones (argmax drafts) and raced ones (under race
+sampling, ``shared.race``: each draft token is the winner of the verifier's keyed race over the
+draft model's distribution, and the lookahead's first token is simply the race at the bonus
+position). They draw no randomness, so whether a lookahead ran or was used changes nothing, and
+their runner-ups guess the verifier's correction after a rejection. Under stream sampling,
+unseeded sampled requests pipeline too, when the verifier couples its bonus token
+(``shared.coupling``): the first lookahead token is then the winner of the same race the verifier
+runs for that one token, and the rest are sampled from the drafting stream with their q, as in
+any round. (A seeded one does not: its stream would then depend on timing.)
 """
 
 from __future__ import annotations

@@ -29,7 +29,6 @@ from services.drafter.sessions import DraftSession
 from services.drafter.worker import ComputeWorker
 from shared.log import get_logger
 from shared.protocol import MAX_DRAFT_TOKENS, CloseSession, Draft, ErrorFrame, OpenSession, SessionOpened, Verdict
-from shared.sampling import is_greedy
 
 log = get_logger("drafter.rounds")
 
@@ -114,7 +113,7 @@ class SessionRunner:
             await self.link.send(frame)
             reply = await self._reply_to_open(inbox)
             if isinstance(reply, SessionOpened):
-                session.bonus_key = reply.bonus_key
+                session.bonus_key, session.race_key = reply.bonus_key, reply.race_key
                 if reply.committed_ids or reply.round:  # resumed: another drafter served it before us
                     session.committed.extend(reply.committed_ids)
                     session.round = reply.round
@@ -171,7 +170,7 @@ class SessionRunner:
         pause = PAUSE_ROUNDS if budget > 0 and k == 0 and not session.drafting_disabled else 0
         ahead = self._pipelines(session, proposal)
         # then the verifier races for its bonus token (a presented Draft said so when it was sent)
-        guess = guessed if presented else ahead and not is_greedy(session.params)
+        guess = guessed if presented else ahead and not session.deterministic
         if not presented:
             await self.link.send(Draft(request_id=rid, round=session.round, token_ids=proposal.token_ids,
                                        q=proposal.q, confidence=_confidence(proposal), pause_rounds=pause,
@@ -193,7 +192,7 @@ class SessionRunner:
             session.lookahead.cancel()
             session.apply_verdict(reply, drafted=0)
             return
-        if is_greedy(session.params):  # runner-ups guess a greedy verifier's token only
+        if session.deterministic:  # runner-ups guess a deterministic verifier's token only
             self.odds.observe(proposal, reply, drafted)
         new = session.apply_verdict(reply, drafted)
         session.controller.end_round(drafted, min(reply.accepted, drafted), ended - started, verdict_at - sent)
@@ -228,7 +227,7 @@ class SessionRunner:
         while the draft model has time for it: at most ``pipeline_sessions`` sessions, and fewer than
         StarSD's N_full (capacity.py). With more, lookaheads only took edge CPU from real rounds."""
         coupled = (session.bonus_key is not None and session.params.seed is None and self.proposer.guesses_bonus)
-        if not sent.token_ids or not (is_greedy(session.params) or coupled) or session.drafting_disabled:
+        if not sent.token_ids or not (session.deterministic or coupled) or session.drafting_disabled:
             return False
         n_full = self.batcher.capacity.n_full
         return self.active() <= self.pipeline_sessions and (n_full is None or self.active() < n_full)
@@ -242,11 +241,11 @@ class SessionRunner:
         # its features are kept so the controller screens it when the next round takes it
         job = DraftJob(session.request_id, k + 1, session.params, session.rng, None, tuple(sent.token_ids), base,
                        features=self._wants_features(session), spread=session.controller.wants_spread,
-                       prompt_len=session.prompt_len, guess=race)
+                       prompt_len=session.prompt_len, guess=race, race_key=session.race_key)
         # and for the likeliest rejections (a greedy draft's runner-ups; a sampled one has none), only
         # while this is the drafter's one session: with two, the extra rows took the draft model's slack
         # and lost more than they won (bench/RESULTS.md)
-        alternatives = self.lookahead_branches if self.active() <= 1 and is_greedy(session.params) else 0
+        alternatives = self.lookahead_branches if self.active() <= 1 and session.deterministic else 0
         session.lookahead.start(self.batcher, job, self.odds.pick(sent, alternatives), self._presender(session))
 
     def _presender(self, session: DraftSession) -> Presend | None:
@@ -259,7 +258,7 @@ class SessionRunner:
 
         async def presend(after: tuple[int, ...], draft: Proposal) -> bool:
             # whether round + 1 races its bonus token: decided now, as for any Draft, and kept by that round
-            guess = self._pipelines(session, draft) and not is_greedy(session.params)
+            guess = self._pipelines(session, draft) and not session.deterministic
             with contextlib.suppress(LinkDown):  # the session sees the link drop in its inbox
                 await self.link.send(Draft(request_id=rid, round=round_ + 1, token_ids=draft.token_ids, q=draft.q,
                                            confidence=_confidence(draft), guess_bonus=guess, after=list(after)))
@@ -274,7 +273,8 @@ class SessionRunner:
         try:
             proposal, started, ended = await self.batcher.propose(
                 DraftJob(session.request_id, k, session.params, session.rng, session.controller,
-                         features=self._wants_features(session), prompt_len=session.prompt_len))
+                         features=self._wants_features(session), prompt_len=session.prompt_len,
+                         race_key=session.race_key))
         except Exception as exc:  # a broken draft must not break the request: go target-only
             session.drafting_disabled = repr(exc)
             log.exception("drafting failed; the session continues with empty drafts",

@@ -17,7 +17,7 @@ from services.drafter.control.base import DraftController
 from services.drafter.lookahead import Lookahead
 from shared.protocol import SamplingParams, Verdict
 from shared.queue import Delivery
-from shared.sampling import make_generator
+from shared.sampling import is_greedy, make_generator
 
 
 @dataclass
@@ -46,6 +46,7 @@ class DraftSession:
     stats: SessionStats = field(default_factory=SessionStats)
     lookahead: Lookahead = field(default_factory=Lookahead)
     bonus_key: int | None = None  # the verifier's coupled-bonus key (SessionOpened; shared.coupling)
+    race_key: int | None = None  # the request's race key (SessionOpened; shared.race): its tokens are keyed races
     started_at: float = field(default_factory=time.monotonic)
 
     @classmethod
@@ -69,6 +70,12 @@ class DraftSession:
     @property
     def prompt_len(self) -> int:
         return len(self.delivery.request.prompt_ids)
+
+    @property
+    def deterministic(self) -> bool:
+        """Whether the verifier's every token is a function of the text before it (argmax, or a keyed
+        race), so a draft's runner-up guesses its correction and a lookahead draws no randomness."""
+        return is_greedy(self.params) or self.race_key is not None
 
     @property
     def generated(self) -> int:

@@ -73,9 +73,13 @@ class VerifierConfig:
     recompute_context: bool = opt(False, "benchmark baseline (SLED-like): forget each session's cached keys and "
                                          "values after every round, so the next round recomputes its whole context; "
                                          "never for serving (backend=torch only)")
-    fill: bool = opt(True, "when a step has no draft to verify, decode the greedy sessions whose drafts are on their "
-                           "way (one token each; verifying their drafts would commit the same tokens), so the "
-                           "verifier never idles while a drafter drafts (backend=torch)")
+    sampling: str = opt("race", "how a sampled request's tokens are drawn: race (each the winner of a race keyed "
+                                "by the request: drafters draft the same races over their own distribution and send "
+                                "ids only; a seeded request's text is the same with or without speculation; "
+                                "shared.race), or stream (from the request's own random stream; drafters send q)")
+    fill: bool = opt(True, "when a step has no draft to verify, decode greedy and raced sessions whose drafts are on "
+                           "their way (one token each; verifying their drafts would commit the same tokens), as long "
+                           "as no draft is expected before the step would end (backend=torch)")
     share_prefixes: bool = opt(True, "copy the KV rows of a prompt prefix another live request already computed "
                                      "(n > 1, shared system prompts) instead of computing them again (backend=torch)")
     estimator_file: str = opt("", "step-time coefficients from `make profile-verifier` (refined online); empty: "

@@ -80,6 +80,7 @@ class CoreLimits:
     default_slo_tokens_per_s: float | None = None  # SLO class of requests that name none
     recompute_context: bool = False  # SLED-like baseline: no KV reuse across rounds (benchmarks only)
     share_prefixes: bool = True  # copy prompt prefixes other live requests computed (prefix.py)
+    race: bool = True  # sample sampled requests by keyed races (shared.race), else from their own stream
 
 
 class TorchCore:
@@ -249,7 +250,7 @@ class TorchCore:
     def _add(self, cmd: AddRequest) -> None:
         req = Request.create(cmd.request_id, cmd.prompt_ids, cmd.params, cmd.speculative, self.max_model_len,
                              self.eos_ids, cmd.drafter, cmd.slo_tokens_per_s or self.limits.default_slo_tokens_per_s,
-                             cmd.generated)
+                             cmd.generated, race=self.limits.race)
         req.grammar = cmd.grammar
         if req.grammar is not None and cmd.generated:  # a re-opened request: its grammar resumes where its text is
             req.grammar.advance(cmd.generated)
@@ -313,7 +314,7 @@ class TorchCore:
         if not req.attach(cmd.drafter):
             return  # waiting for KV memory: Admitted opens it
         self._results.append(Attached(req.request_id, req.committed[req.prompt_len:], req.round, req.draft_budget,
-                                      req.bonus_key))
+                                      req.bonus_key, req.race_key))
 
     def _expire_silent_drafters(self) -> None:
         now = time.perf_counter()
@@ -347,9 +348,9 @@ class TorchCore:
             req.begin_round()
             if req.reattached and req.speculative:  # a drafter resumed it while it waited: tell it where it is
                 self._results.append(Attached(req.request_id, req.committed[req.prompt_len:], req.round, budget,
-                                              req.bonus_key))
+                                              req.bonus_key, req.race_key))
             else:
-                self._results.append(Admitted(req.request_id, budget, req.bonus_key))
+                self._results.append(Admitted(req.request_id, budget, req.bonus_key, req.race_key))
         self.metrics.set_kv(self.kv_stats())
 
     def _initial_budget(self, session_id: str) -> int:

@@ -86,6 +86,7 @@ class Admitted:
     request_id: str
     draft_budget: int
     bonus_key: int | None = None  # shared.coupling; None: bonus tokens are not coupled
+    race_key: int | None = None  # shared.race: the request's tokens are keyed races; None: not raced
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,7 @@ class Attached:
     round: int
     draft_budget: int
     bonus_key: int | None = None  # shared.coupling; None: bonus tokens are not coupled
+    race_key: int | None = None  # shared.race: the request's tokens are keyed races; None: not raced
 
 
 Result = Admitted | Refused | Rounded | Filled | OutOfTurn | Detached | Attached

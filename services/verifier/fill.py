@@ -1,11 +1,14 @@
-"""Filling: decoding greedy sessions target-only while their drafts travel, when that delays no draft.
+"""Filling: decoding sessions target-only while their drafts travel, when that delays no draft.
 
 A step with nothing to verify would leave the target idle until some draft arrives. It may instead
-decode one token for each greedy session that waits for a draft (``Request.fillable``): the token
-that verifying the draft would have committed at that position anyway, so the draft loses
-nothing (``requests``: the draft's leading tokens are matched against the fill). Over a slow link
-this keeps speculation from falling below plain decoding: the verifier decodes on while the
-drafter's round trip lasts.
+decode one token for each deterministic session that waits for a draft (``Request.fillable``:
+greedy, or raced, ``shared.race``): the token that verifying the draft would have committed at
+that position anyway, so the draft loses nothing (``requests``: the draft's leading tokens are
+matched against the fill). Over a slow link this keeps speculation from falling below plain
+decoding: the verifier decodes on while the drafter's round trip lasts. At 10 ms RTT, one
+request: 650 tokens/s with filling against 300 without, greedy, and 433 against 206 at
+temperature 1 (race sampling against stream sampling, which cannot fill), `python -m bench
+profile --rtt-ms 10` (2026-11-26).
 
 But a fill step takes time, and a draft that arrives during it waits for it. With many sessions
 the next drafts are seldom far away, and filling every waiting session (a step as long as a

@@ -5,6 +5,7 @@ with k drafts, k + 1 rows (its last committed token, then each draft). Work is v
 the whole batch where the maths allows:
 
 * one argmax over every row serves all greedy sessions (no softmax, no copy);
+* a raced session (``shared.race``) is judged as a greedy one, against each row's race winner;
 * one call turns the sampled sessions' rows into their distributions, each row with its own
   temperature, top-k and top-p; one gather reads p(x) of every drafted token;
 * one ``.tolist()`` each brings those to Python; per session there remain its k uniforms and
@@ -28,6 +29,7 @@ from shared.acceptance import accepted_prefix, one_hot, residual, verify_greedy
 from shared.coupling import race_noise, race_winner
 from shared.penalties import apply_penalties, has_penalties
 from shared.protocol import TokenLogprob
+from shared.race import winners
 from shared.sampling import probs_from_logit_rows, sample
 
 
@@ -59,11 +61,12 @@ def judge(batch: Sequence[tuple[Request, list[int]]], raw: torch.Tensor) -> list
             rows = argmax[starts[i] : starts[i] + len(drafts) + 1]
             n, extra = verify_greedy(drafts, rows)
             out[i] = Verdict(n, [*drafts[:n], extra], float(sum(d == a for d, a in zip(drafts, rows, strict=False))))
-    sampled = [i for i, (req, _) in enumerate(batch) if not req.greedy]
-    if sampled:
-        for i, verdict in zip(sampled, _judge_sampled([batch[i] for i in sampled], [starts[i] for i in sampled],
-                                                      logits), strict=True):
-            out[i] = verdict
+    for judged, raced in ((_judge_raced, True), (_judge_sampled, False)):
+        some = [i for i, (req, _) in enumerate(batch) if not req.greedy and (req.race_key is not None) == raced]
+        if some:
+            for i, verdict in zip(some, judged([batch[i] for i in some], [starts[i] for i in some], logits),
+                                  strict=True):
+                out[i] = verdict
     verdicts = [v for v in out if v is not None]
     if any(req.params.logprobs is not None for req, _ in batch):  # read off the same rows: no extra pass
         logprobs = round_logprobs(batch, raw, logits, [v.tokens for v in verdicts])
@@ -90,11 +93,10 @@ def penalized(batch: Sequence[tuple[Request, list[int]]], logits: torch.Tensor) 
     return out
 
 
-def _judge_sampled(batch: Sequence[tuple[Request, list[int]]], starts: list[int],
-                   logits: torch.Tensor) -> list[Verdict]:
-    """Sampled sessions: their distributions in one call, p(x) of every draft in one gather and one
-    transfer, then per session its uniforms; the rows left to sample from (a residual, or the bonus
-    row) are built where the logits live and moved to the host together."""
+def _distributions(batch: Sequence[tuple[Request, list[int]]], starts: list[int],
+                   logits: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """The sampled distribution of every row of ``batch``'s sessions, in one call (each row with its
+    session's temperature, top-k and top-p), and where each session's rows start in it."""
     rows = [r for s, (_, d) in zip(starts, batch, strict=True) for r in range(s, s + len(d) + 1)]
     if len(rows) != logits.shape[0]:
         logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
@@ -105,6 +107,31 @@ def _judge_sampled(batch: Sequence[tuple[Request, list[int]]], starts: list[int]
     for _, drafts in batch:
         local.append(offset)
         offset += len(drafts) + 1
+    return p, local
+
+
+def _judge_raced(batch: Sequence[tuple[Request, list[int]]], starts: list[int],
+                 logits: torch.Tensor) -> list[Verdict]:
+    """Raced sessions (shared.race): the target's token at each row is the row's race winner, so the
+    drafts are judged as greedy ones against the winners (row j is the request's position
+    ``len(committed) + j``)."""
+    p, local = _distributions(batch, starts, logits)
+    out = []
+    for (req, drafts), start in zip(batch, local, strict=True):
+        assert req.race_key is not None
+        first = len(req.committed)
+        won = winners(p[start : start + len(drafts) + 1], req.race_key, range(first, first + len(drafts) + 1))
+        n, extra = verify_greedy(drafts, won)
+        out.append(Verdict(n, [*drafts[:n], extra], float(sum(d == w for d, w in zip(drafts, won, strict=False)))))
+    return out
+
+
+def _judge_sampled(batch: Sequence[tuple[Request, list[int]]], starts: list[int],
+                   logits: torch.Tensor) -> list[Verdict]:
+    """Sampled sessions: their distributions in one call, p(x) of every draft in one gather and one
+    transfer, then per session its uniforms; the rows left to sample from (a residual, or the bonus
+    row) are built where the logits live and moved to the host together."""
+    p, local = _distributions(batch, starts, logits)
     draft_rows = [local[b] + j for b, (_, d) in enumerate(batch) for j in range(len(d))]
     draft_ids = [t for _, d in batch for t in d]
     p_x = p[draft_rows, draft_ids].tolist() if draft_ids else []

@@ -70,6 +70,7 @@ def make_estimator(cfg: VerifierConfig) -> StepTimeEstimator:
 
 
 BACKENDS = ("torch", "vllm")
+SAMPLINGS = ("race", "stream")  # --sampling (backend=vllm samples its own way: stream)
 
 
 def make_allocator_for(cfg: VerifierConfig, estimator: StepTimeEstimator) -> Allocator:
@@ -85,6 +86,8 @@ def build(cfg: VerifierConfig, loop: asyncio.AbstractEventLoop) -> tuple[Hub, Ve
         raise ModelLoadError("no target model given: pass --model DIR or set SPECFLEET_MODEL")
     if cfg.backend not in BACKENDS:
         raise ModelLoadError(f"--backend must be one of {', '.join(BACKENDS)}, got {cfg.backend!r}")
+    if cfg.sampling not in SAMPLINGS:
+        raise ModelLoadError(f"--sampling must be one of {', '.join(SAMPLINGS)}, got {cfg.sampling!r}")
     if cfg.ws_ping_interval_s <= 0 or cfg.ws_ping_timeout_s <= 0:
         raise ModelLoadError("--ws-ping-interval-s and --ws-ping-timeout-s must be > 0, got "
                              f"{cfg.ws_ping_interval_s} and {cfg.ws_ping_timeout_s}")
@@ -118,7 +121,7 @@ def build(cfg: VerifierConfig, loop: asyncio.AbstractEventLoop) -> tuple[Hub, Ve
 
     limits = CoreLimits(cfg.max_draft_tokens, cfg.draft_timeout_s, cfg.max_waiting,
                         default_slo_tokens_per_s=slo, recompute_context=cfg.recompute_context,
-                        share_prefixes=cfg.share_prefixes)
+                        share_prefixes=cfg.share_prefixes, race=cfg.sampling == "race")
     core = TorchCore(runner, loaded.eos_ids, allocator, scheduler, limits, deliver, metrics, threaded=threaded,
                      tracker=tracker, estimator=estimator)
     return _connect(hub, output, core, loaded, cfg.resume_grace_s), core

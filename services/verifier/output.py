@@ -93,14 +93,16 @@ class Output:
         # only to the drafter that opened it: one that resumed it since hears Attached instead
         if route is not None and route.owner is not None and route.owner == route.opener:
             self._conn(route.owner, SessionOpened(request_id=r.request_id, draft_budget=r.draft_budget,
-                                                    bonus_key=self._key_for(route.owner, r.bonus_key)))
+                                                    bonus_key=self._key_for(route.owner, r.bonus_key),
+                                                    race_key=r.race_key))
 
     def _attached(self, r: Attached) -> None:
         route = self.routes.get(r.request_id)
         if route is not None and route.drafter is not None:
             self._conn(route.drafter, SessionOpened(request_id=r.request_id, draft_budget=r.draft_budget,
                                                     committed_ids=r.generated, round=r.round,
-                                                    bonus_key=self._key_for(route.drafter, r.bonus_key)))
+                                                    bonus_key=self._key_for(route.drafter, r.bonus_key),
+                                                    race_key=r.race_key))
 
     def _key_for(self, conn_id: str, key: int | None) -> int | None:
         """The bonus key (shared.coupling) only for a trusted drafter: the intake ignores an untrusted

@@ -1,17 +1,17 @@
 """Per-session state inside the engine core: one ``Request`` per session, with a status enum.
 
     WAITING        admitted by the event loop, waiting for KV memory
-    WAITING_DRAFT  a drafter owns the next move (its draft for ``round``); meanwhile a greedy
-                   session may be *filled*: decoded target-only by steps that would otherwise
-                   idle (``fill``), so the verifier never waits with nothing to do
+    WAITING_DRAFT  a drafter owns the next move (its draft for ``round``); meanwhile a
+                   deterministic session (greedy, or raced: ``shared.race``) may be *filled*:
+                   decoded target-only by steps that would otherwise idle (``fill``)
     READY          can be verified in the next step (it has a draft, or decodes target-only)
     FINISHED
 
 A filled round's draft rests on the tokens committed before the round, so when it arrives its
-leading tokens are compared with the fill: those that match are already committed (for a
-greedy request, exactly what verifying them would have committed), the rest are verified after
-the fill, and a draft that left the fill verifies nothing (the drafts after its first mismatch
-continue a text the target did not write).
+leading tokens are compared with the fill: those that match are already committed (exactly what
+verifying them would have committed: the argmax, or the race's winner, at each position), the
+rest are verified after the fill, and a draft that left the fill verifies nothing (the drafts
+after its first mismatch continue a text the target did not write).
 
 Independently of the status, a request may still have prompt tokens to prefill: the committed
 tokens not yet in its KV slot, except the last one, which every round feeds first. The core
@@ -33,6 +33,7 @@ from shared.acceptance import matched
 from shared.coupling import new_bonus_key
 from shared.draft_q import CheckedQ
 from shared.protocol import FinishReason, SamplingParams
+from shared.race import race_key
 from shared.runner import KVSlot
 from shared.sampling import is_greedy, make_generator
 
@@ -64,6 +65,9 @@ class Request:
     #: this round's token after a fully accepted draft is drawn by the keyed race (shared.coupling)
     guess_bonus: bool = False
     bonus_key: int = 0  # shared.coupling: keys the race (fresh entropy per request)
+    #: shared.race: every token is the winner of the race keyed by this (sampled requests under race
+    #: sampling); None: greedy, or sampled from ``gen``
+    race_key: int | None = None
     drafter: str = ""  # node id of the drafter serving it ("" when target-only)
     reattached: bool = False  # a drafter resumed it (not the one that opened it): it must hear the committed state
     slo_tokens_per_s: float | None = None  # token-speed SLO (WISP batching); None: best effort
@@ -85,12 +89,15 @@ class Request:
     @classmethod
     def create(cls, request_id: str, prompt_ids: list[int], params: SamplingParams, speculative: bool,
                max_model_len: int, eos_ids: frozenset[int], drafter: str = "",
-               slo_tokens_per_s: float | None = None, generated: list[int] | None = None) -> Request:
-        """``generated``: tokens already committed after the prompt (a re-opened request)."""
+               slo_tokens_per_s: float | None = None, generated: list[int] | None = None,
+               race: bool = False) -> Request:
+        """``generated``: tokens already committed after the prompt (a re-opened request);
+        ``race``: a sampled request's tokens are keyed races (shared.race)."""
         return cls(request_id=request_id, prompt_len=len(prompt_ids), params=params, speculative=speculative,
                    max_model_len=max_model_len, eos_ids=frozenset() if params.ignore_eos else eos_ids,
                    committed=[*prompt_ids, *(generated or [])], gen=make_generator(params.seed, "verify"),
                    drafter=drafter, bonus_key=new_bonus_key(),
+                   race_key=race_key(params.seed) if race and not is_greedy(params) else None,
                    slo_tokens_per_s=slo_tokens_per_s)
 
     # --- derived ---------------------------------------------------------------------------
@@ -118,10 +125,18 @@ class Request:
         return min(self.max_model_len, most)
 
     @property
+    def deterministic(self) -> bool:
+        """Whether each token is a function of the text before it: argmax, or a keyed race. Then
+        it does not matter when, or in which round, a token is decoded."""
+        return self.greedy or self.race_key is not None
+
+    @property
     def fillable(self) -> bool:
-        """Whether a step may decode this session while its draft is on its way: a greedy session
-        (its tokens do not depend on when they are decoded), with its context cached."""
-        return self.status is Status.WAITING_DRAFT and self.greedy and self.slot is not None and self.to_prefill == 0
+        """Whether a step may decode this session while its draft is on its way: a deterministic
+        session (a token from its own stream would depend on when it was decoded), with its
+        context cached."""
+        return (self.status is Status.WAITING_DRAFT and self.deterministic and self.slot is not None
+                and self.to_prefill == 0)
 
     def drafts_to_verify(self) -> list[int]:
         """This round's drafts after the fill, clipped to the budget and so the context limit is

@@ -8,10 +8,11 @@ Each step has a token budget (``max_tokens``) and a session budget (``max_sessio
    one) plus its drafts, and gets logits from its last committed token on. The trim policy
    (AdaSpec) may then drop the least likely tail drafts of the chosen sessions, judged by each
    drafter's confidences calibrated against its past verdicts (``shared.calibration``).
-2. **Fill.** A step with nothing to verify may decode, target-only, greedy sessions whose drafts
-   are on their way: one token each, which verifying their drafts would have committed anyway
-   (``requests``), as many as end before the next draft is expected (``fill``). So a slow link
-   does not leave the target idle, and filling takes no step from a verification.
+2. **Fill.** A step with nothing to verify may decode, target-only, deterministic (greedy or raced)
+   sessions whose drafts are on their way: one token each, which verifying their drafts would
+   have committed anyway (``requests``), as many as end before the next draft is expected
+   (``fill``). So a slow link does not leave the target idle, and filling takes no step from a
+   verification.
 3. **Prefill.** Sessions with more of the prompt to cache get chunks, oldest first, with no
    logits at all. While verification runs in the step, prefill takes at most ``prefill_chunk``
    tokens, so a long prompt is cached in pieces between rounds and running sessions keep
@@ -71,7 +72,7 @@ class Scheduler:
         self.estimator = estimator or StepTimeEstimator()
         self.trim = trim or make_trim("none")
         self.tracker = tracker  # α̂ per session, for the candidates' expected tokens
-        self.filler = FillPolicy() if fill else None  # decode waiting greedy sessions in otherwise idle time
+        self.filler = FillPolicy() if fill else None  # decode waiting sessions in otherwise idle time
         self.last_decision_s = 0.0
         self.last_trimmed = 0
         self.calibrations: dict[str, AcceptanceCalibration] = {}  # per drafter id, for the trim
@@ -125,7 +126,7 @@ class Scheduler:
         return self.filler.next_change(active, now)
 
     def _add_fill(self, step: Step, active: list[Request]) -> None:
-        """One target-only token for each waiting greedy session the fill policy chooses."""
+        """One target-only token for each waiting session the fill policy chooses."""
         assert self.filler is not None
         limit = min(self.limits.max_sessions, self.limits.max_tokens)
         for req in self.filler.choose(active, self.estimator, time.perf_counter(), limit):

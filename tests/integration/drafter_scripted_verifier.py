@@ -7,10 +7,16 @@ greedy continuation of the committed sequence (recomputed from scratch, no cache
 KV-cache rollback in the drafter shows up in ``problems``. A draft's q is refused as the real
 verifier refuses it (``shared.draft_q.check``) and must be the draft model's warped distribution
 at that position, restricted to the q's support (a sampled draft's rollback is checked too).
+
+With ``oracle`` the script plays a target that *is* the draft model: it accepts every draft and
+its own token is the draft model's greedy choice, so every lookahead comes true; with
+``conditional`` it also takes conditional drafts (``Draft.after``) as the real verifier does,
+holding each until its round's verdict, and ``verdict_delay_s`` leaves the lookaheads time to come.
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 
 import torch
@@ -60,7 +66,14 @@ class ScriptedVerifier:
     drop_after_first_draft: bool = False  # close the first connection at its first Draft
     check_greedy: bool = True
     check_q: bool = True  # compare each q with the draft model's distribution
+    oracle: bool = False  # accept every draft; the own token is the draft model's greedy choice
+    conditional: bool = False  # take conditional drafts (Welcome.conditional_drafts)
+    verdict_delay_s: float = 0.0  # wait this long before each verdict
     hellos: list[Hello] = field(default_factory=list)
+    held: dict[str, Draft] = field(default_factory=dict)  # a session's conditional drafts for its next round
+    taken: list[Draft] = field(default_factory=list)  # conditional drafts that served their round
+    rounds: dict[str, int] = field(default_factory=dict)  # the round each session waits a draft for
+    last: dict[str, list[int]] = field(default_factory=dict)  # what each session's last round committed
     auth_headers: list[str | None] = field(default_factory=list)
     opens: list[str] = field(default_factory=list)
     drafts: list[Draft] = field(default_factory=list)
@@ -84,11 +97,14 @@ class ScriptedVerifier:
             return
         await ws.send(encode(Welcome(node_id="scripted-verifier", protocol_version=PROTOCOL_VERSION,
                                      target_model="tiny", tokenizer_fingerprint=hello.tokenizer_fingerprint,
-                                     max_model_len=512, max_draft_tokens=16)))
+                                     max_model_len=512, max_draft_tokens=16,
+                                     conditional_drafts=self.conditional)))
         async for raw in ws:
             msg = decode(raw)
             if isinstance(msg, OpenSession):
                 await self._on_open(ws, msg)
+            elif isinstance(msg, Draft) and msg.after is not None:
+                await self._on_conditional(ws, msg)
             elif isinstance(msg, Draft):
                 if self.drop_after_first_draft and connection == 1:
                     self.drafts.append(msg)
@@ -121,15 +137,41 @@ class ScriptedVerifier:
             await ws.send(encode(Verdict(request_id=rid, round=0, accepted=0, token_ids=[], finished=True,
                                          finish_reason="cancelled", draft_budget=0)))
 
-    async def _on_draft(self, ws: ServerConnection, msg: Draft) -> None:
+    async def _on_draft(self, ws: ServerConnection, msg: Draft, conditional: bool = False) -> None:
         rid = msg.request_id
-        self.drafts.append(msg)
+        if not conditional:
+            self.drafts.append(msg)
         if rid in self.finished:
             return  # a late draft for a cancelled session: the real verifier ignores it too
+        if msg.round != self.rounds.get(rid, 0):
+            self.problems.append(f"{rid}: a draft for round {msg.round}, which was not waiting for one")
+        while True:
+            new = await self._verify(ws, rid, msg)
+            held = self.held.pop(rid, None)
+            if rid in self.finished or held is None or list(held.after or ()) != new:
+                return
+            self.taken.append(held)  # it came true: its round runs at once, without a draft from the edge
+            msg = held
+
+    async def _on_conditional(self, ws: ServerConnection, msg: Draft) -> None:
+        """Held for the round in flight; or, when its verdict already went out committing exactly
+        its ``after``, taken at once (it crossed that verdict on the wire)."""
+        rid = msg.request_id
+        if rid in self.finished:
+            return
+        if msg.round == self.rounds.get(rid, 0) and tuple(msg.after or ()) == tuple(self.last.get(rid, ())):
+            self.taken.append(msg)
+            await self._on_draft(ws, msg, conditional=True)
+        elif msg.round == self.rounds.get(rid, 0) + 1:
+            self.held[rid] = msg
+
+    async def _verify(self, ws: ServerConnection, rid: str, msg: Draft) -> list[int]:
+        """Judge one round's draft and send its verdict; the round's committed tokens."""
         seq = self.committed[rid]
         self._check(msg, seq)
-        accepted = min(1, len(msg.token_ids))
-        own = 5 + (len(seq) * 7) % 300  # deterministic and usually unlike the draft's choice
+        accepted = len(msg.token_ids) if self.oracle else min(1, len(msg.token_ids))
+        own = greedy_continuation(self.draft, [*seq, *msg.token_ids], 1)[0] if self.oracle else \
+            5 + (len(seq) * 7) % 300  # deterministic and usually unlike the draft's choice
         new = [*msg.token_ids[:accepted], own]
         generated = len(seq) + len(new) - self._prompt_len[rid]
         finished = generated >= self.finish_after
@@ -138,9 +180,12 @@ class ScriptedVerifier:
             self._open_now.discard(rid)
             self.finished.add(rid)
         seq.extend(new)
+        self.rounds[rid], self.last[rid] = msg.round + 1, new
+        await asyncio.sleep(self.verdict_delay_s)
         await ws.send(encode(Verdict(request_id=rid, round=msg.round, accepted=accepted, token_ids=new,
                                      finished=finished, finish_reason="length" if finished else None,
                                      draft_budget=BUDGET)))
+        return new
 
     def _check(self, msg: Draft, seq: list[int]) -> None:
         params = self._params[msg.request_id]

@@ -30,7 +30,7 @@ from services.drafter.sessions import DraftSession
 from shared.models import LoadedModel, load_model, make_tiny_family
 from shared.protocol import PROTOCOL_VERSION, Hello, QueuedRequest, SamplingParams
 from shared.queue_memory import MemoryQueue
-from tests.integration.drafter_scripted_verifier import ScriptedVerifier
+from tests.integration.drafter_scripted_verifier import ScriptedVerifier, greedy_continuation
 
 torch.set_num_threads(1)
 TIMEOUT_S = 30.0
@@ -154,6 +154,27 @@ async def test_sampled_mode_sends_a_valid_sparse_q(draft: LoadedModel, overrides
     assert all(len(q.ids) // 4 == len(q.probs) // 2 <= max_entries for d in warm for q in d.q or [])
     assert cold and all(d.q is None for d in cold)
     assert verifier.problems == []  # every q was valid and the draft model's distribution
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("conditional", [True, False])
+async def test_lookaheads_go_out_before_their_verdicts_and_are_not_sent_twice(draft: LoadedModel,
+                                                                             conditional: bool) -> None:
+    """A target that agrees with the draft model: every lookahead comes true. With a verifier that
+    takes conditional drafts, each round after the first is served by the lookahead the drafter
+    sent before the previous verdict, and the drafter sends that round no other draft; without,
+    the drafter sends each round's draft after its verdict, as before."""
+    verifier = ScriptedVerifier(draft, finish_after=24, oracle=True, conditional=conditional, verdict_delay_s=0.05)
+    async with running(draft, verifier, max_sessions=1) as h:
+        await h.queue.put(request("r", [12, 40, 77, 5], temperature=0.0, max_tokens=24))
+        await h.wait_for(lambda: len(h.queue.acked) == 1)
+    assert verifier.problems == []  # no round got two drafts; each was the greedy continuation
+    session = h.ended["r"]
+    assert session.committed == [12, 40, 77, 5, *greedy_continuation(draft, [12, 40, 77, 5], 24)]
+    if conditional:  # one plain draft (round 0), then lookaheads, each taken before the edge heard the verdict
+        assert len(verifier.drafts) == 1 and len(verifier.taken) == session.stats.rounds - 1 >= 4
+    else:
+        assert not verifier.taken and len(verifier.drafts) == session.stats.rounds
 
 
 @pytest.mark.asyncio

@@ -1,4 +1,5 @@
-"""A drafter that lies about q biases sampled output when trusted, and cannot when untrusted.
+"""A drafter that lies about q biases sampled output when trusted, and cannot when untrusted (nor,
+under race sampling, when trusted).
 
 The liar draws its token uniformly at random but claims, as q, the target's own distribution p:
 a trusted q makes every draft's acceptance probability min(1, p/q) = 1, so the output follows
@@ -54,8 +55,9 @@ class NoErrors:
         raise AssertionError(f"intake refused a frame from {conn_id}: {code}: {message}")
 
 
-def first_tokens(trusted: bool, logits: torch.Tensor, p: torch.Tensor) -> list[int]:
-    """The first output token of SESSIONS sessions drafted by the liar over one connection."""
+def first_tokens(trusted: bool, logits: torch.Tensor, p: torch.Tensor, race: bool = False) -> list[int]:
+    """The first output token of SESSIONS sessions drafted by the liar over one connection (with
+    ``race``, under race sampling: shared.race)."""
     core, routes = CoreInbox(), Routes(SESSIONS + 1)
     conn = "drafter-1"
     intake = Intake(core, routes, NoErrors(), None, trusted=lambda c: trusted and c == conn)  # type: ignore[arg-type]
@@ -70,7 +72,7 @@ def first_tokens(trusted: bool, logits: torch.Tensor, p: torch.Tensor) -> list[i
     for i in range(SESSIONS):
         add = core.drafts[f"s{i}"]
         req = Request.create(add.request_id, [1, 2, 3], SamplingParams(temperature=1.0, seed=1000 + i), True, 512,
-                             frozenset())
+                             frozenset(), race=race)
         req.draft_q = add.q  # what the core would verify with: the parsed q, or None (ids-only)
         assert (add.q is not None) == trusted
         batch.append((req, add.token_ids))
@@ -90,6 +92,16 @@ def test_lying_drafter_biases_only_when_trusted() -> None:
     # and the bias is the liar's: trusted output is close to uniform, not to p
     uniform_p = chi_square_p(Counter(trusted), [1 / VOCAB] * VOCAB, SESSIONS)
     assert uniform_p > ALPHA, uniform_p
+
+
+def test_under_race_sampling_even_a_trusted_liar_cannot_bias_the_output() -> None:
+    """Every token is the race winner over p (shared.race): a draft only decides how much of it is
+    verified at once, so what a drafter claims about q, or how it chose its tokens, changes nothing."""
+    logits = torch.randn(VOCAB, generator=torch.Generator().manual_seed(3)) * 1.5
+    p = probs_from_logits(logits, PARAMS)
+    raced = first_tokens(True, logits, p, race=True)
+    p_raced = chi_square_p(Counter(raced), p.tolist(), SESSIONS)
+    assert p_raced > ALPHA, f"race sampling must follow p whatever the drafter does (chi-square p = {p_raced:.3g})"
 
 
 def test_only_a_trusted_drafter_may_ask_for_the_raced_bonus() -> None:

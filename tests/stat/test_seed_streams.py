@@ -11,6 +11,10 @@ over 40,000 seeds, and compares the law of the first committed token with the ta
 n = 40,000 and a token of probability 0.2, one standard deviation is 0.2 percentage points: a
 1-point shift is 5 sigma, and the 3-sigma bound below catches it with probability 0.98. A control
 runs the same code with one shared seed and must be caught.
+
+Race sampling (``shared.race``, the verifier's default) shares its variates between the two sides
+on purpose: the output is the race over p whatever was drafted. The same check runs on it, drafts
+raced by the drafter's code and judged by the verifier's.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from services.verifier.judge import judge
 from services.verifier.requests import Request
 from shared.draft_q import Nucleus, check, draft_token
 from shared.protocol import SamplingParams
+from shared.race import top_two
 from shared.sampling import make_generator, probs_from_logits
 
 SEEDS = 40_000
@@ -78,3 +83,36 @@ def test_the_check_catches_one_shared_seed() -> None:
     """Power control: the same check on the old shared-seed scheme must fail."""
     freq = _first_token_counts(_shared)
     assert _worst_sigma(freq) > 3.0, freq.tolist()
+
+
+# --- race sampling (shared.race) ------------------------------------------------------------------
+
+
+def _race_first_token_counts() -> torch.Tensor:
+    """The first committed token over SEEDS seeded requests under race sampling: the drafter races
+    its q (the proposer's pick), the verifier judges against the races over p (``judge``)."""
+    counts = torch.zeros(V)
+    for seed in range(SEEDS):
+        params = SamplingParams(temperature=1.0, max_tokens=8, seed=seed)
+        req = Request.create(f"r{seed}", [1], params, True, 64, frozenset(), race=True)
+        assert req.race_key is not None
+        drafts = [top_two(probs_from_logits(DRAFT[j], params), req.race_key, 1 + j)[0] for j in range(K)]
+        counts[judge([(req, drafts)], TARGET)[0].tokens[0]] += 1
+    return counts / SEEDS
+
+
+def _worst_sigma_against(freq: torch.Tensor, law: torch.Tensor) -> float:
+    return max(abs(f - q) / math.sqrt(q * (1 - q) / SEEDS) for f, q in zip(freq.tolist(), law.tolist(), strict=True))
+
+
+@pytest.mark.stat
+def test_race_sampling_gives_the_targets_law_with_power_for_one_point() -> None:
+    """Seeded races are exact samples of the target; the same check would catch the law moved by
+    one percentage point between two tokens (power control on the very frequencies measured)."""
+    freq = _race_first_token_counts()
+    p = probs_from_logits(TARGET[0], PARAMS)
+    assert _worst_sigma_against(freq, p) < 3.0, freq.tolist()
+    shifted = p.clone()
+    shifted[0] += 0.01
+    shifted[1] -= 0.01
+    assert _worst_sigma_against(freq, shifted) > 3.0, freq.tolist()

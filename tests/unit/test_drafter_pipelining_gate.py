@@ -49,7 +49,8 @@ class _Recorder:
         self.jobs: list[DraftJob] = []
         self.alternatives: list[list[tuple[int, int]]] = []
 
-    def start(self, batcher: object, job: DraftJob, alternatives: Sequence[tuple[int, int]] = ()) -> None:
+    def start(self, batcher: object, job: DraftJob, alternatives: Sequence[tuple[int, int]] = (),
+              presend: object = None) -> None:
         self.jobs.append(job)
         self.alternatives.append(list(alternatives))
 

@@ -53,7 +53,7 @@ class Harness:
                  max_batch_tokens: int = 2048, max_waiting: int = 8, draft_timeout_s: float = 60.0,
                  allocator: Allocator | None = None, trim: TrimPolicy | None = None,
                  estimator: StepTimeEstimator | None = None, recompute_context: bool = False,
-                 share_prefixes: bool = True) -> None:
+                 share_prefixes: bool = True, race: bool = True) -> None:
         per_token = kv_shape(target.model).bytes_per_token
         self.runner = ModelRunner(target, kv_tokens * per_token, self_check=False)
         self.results: list[Result] = []
@@ -61,7 +61,7 @@ class Harness:
                               Scheduler(FcfsBatcher(), BatchLimits(32, max_batch_tokens), prefill_chunk, estimator,
                                         trim),
                               CoreLimits(8, draft_timeout_s, max_waiting, recompute_context=recompute_context,
-                                         share_prefixes=share_prefixes),
+                                         share_prefixes=share_prefixes, race=race),
                               self.results.extend, VerifierMetrics(),
                               threaded=False)
 

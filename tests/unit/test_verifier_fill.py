@@ -30,9 +30,9 @@ def target(tiny_models: dict[str, Path]) -> LoadedModel:
     return load_model(tiny_models["target"])
 
 
-def started(target: LoadedModel, params: SamplingParams = GREEDY) -> tuple[Harness, list[int]]:
+def started(target: LoadedModel, params: SamplingParams = GREEDY, race: bool = True) -> tuple[Harness, list[int]]:
     """A harness whose speculative session "s" waits for its round-0 draft; the greedy reference."""
-    h = Harness(target)
+    h = Harness(target, race=race)
     p = prompt(5, 9)
     h.core.submit(AddRequest("s", p, params, speculative=True, drafter="edge"))
     h.turn()  # admitted and prefilled: round 0 waits for its draft
@@ -91,11 +91,22 @@ def test_a_fill_longer_than_the_draft_accepts_the_draft_and_verifies_nothing(tar
     assert everything(h) == ref[: BUDGET + 2]
 
 
-def test_sampled_sessions_are_not_filled(target: LoadedModel) -> None:
-    """A sampled session's tokens would depend on when they were decoded: it waits for its draft."""
-    h, _ = started(target, SamplingParams(temperature=1.0, max_tokens=8, seed=5))
+def test_raced_sessions_are_filled_and_stream_sampled_ones_are_not(target: LoadedModel) -> None:
+    """A raced token is a function of the text before it (shared.race), so it may be decoded while
+    the draft travels; a token from the request's own stream would depend on when it was decoded."""
+    params = SamplingParams(temperature=1.0, max_tokens=8, seed=5)
+    h, _ = started(target, params, race=False)
     h.turn(3)
     assert not h.of(Filled) and h.core.requests["s"].status is Status.WAITING_DRAFT
+    raced, _ = started(target, params)
+    raced.turn(2)
+    req = raced.core.requests["s"]
+    assert req.race_key is not None and len(raced.of(Filled, "s")) == 2
+    fill = list(req.fill)
+    raced.core.submit(AddDraft("s", 0, fill, None, 0.0))  # a draft that raced like the target
+    raced.turn()
+    last = raced.of(Rounded, "s")[-1]
+    assert isinstance(last, Rounded) and last.accepted == 2 and last.prior == fill
 
 
 def test_fill_runs_the_session_to_its_end_and_the_round_ends_with_it(target: LoadedModel) -> None:

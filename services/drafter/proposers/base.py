@@ -41,8 +41,8 @@ class Proposal:
     q: list[SparseQ] | None = None
     steps: list[StepFeatures] = field(default_factory=list)
     final: bool = False  # drafting ended on its own (an end token, or the controller stopped it)
-    #: a greedy draft's second choice at each position (the draft model's runner-up), when the
-    #: proposer ranks its tokens: the verifier's likeliest correction if it rejects that draft
+    #: a greedy (or raced) draft's second choice at each position (the draft model's runner-up), when
+    #: the proposer ranks its tokens: the verifier's likeliest correction if it rejects that draft
     runner_up: list[int] = field(default_factory=list)
 
 
@@ -73,6 +73,9 @@ class DraftJob:
     #: the winner of the race keyed by (key, round) over the request's full distribution
     #: (shared.coupling); the proposer draws the race's variates for its own vocabulary
     guess: tuple[int, int] | None = None
+    #: the request's race key (shared.race): a sampled request's tokens are keyed races, so each
+    #: draft token is the same race over the draft model's distribution (ids only); None: not raced
+    race_key: int | None = None
     #: which of the session's draft caches to draft in: 0 the main one; n > 0 a spare, for a
     #: lookahead of another outcome than "all accepted" (``lookahead.py``). A proposer without
     #: caches ignores it.

@@ -24,9 +24,12 @@ or its controller stops it.
 Draft modes:
 
 * ``sampled`` (the default): a greedy request gets argmax ids (the verifier treats q as one-hot,
-  which is exact); a sampled request is drafted from its own distribution (temperature, top-k,
-  top-p, as the target samples), cut to a nucleus, with the session's drafting generator, and
-  that nucleus goes on the wire as the draft's q (``shared.draft_q``).
+  which is exact); a raced request (``DraftJob.race_key``: the verifier draws its tokens by keyed
+  races, ``shared.race``) gets, at each position, the winner of the same race over its own
+  distribution (temperature, top-k, top-p, as the target samples), ids only, and the race's
+  runner-up as its second choice; any other sampled request is drafted from its own
+  distribution, cut to a nucleus, with the session's drafting generator, and that nucleus goes
+  on the wire as the draft's q (``shared.draft_q``).
 * ``greedy`` (the baseline): argmax ids for every request. Lossless at any temperature, but at
   temperature 1 each draft is accepted only with probability p(x).
 
@@ -52,8 +55,9 @@ from shared.draft_q import Nucleus, draft_token, guess_token
 from shared.log import get_logger
 from shared.penalties import apply_penalties, has_penalties
 from shared.protocol import MAX_DRAFT_TOKENS, SparseQ
+from shared.race import top_two
 from shared.runner import KVSlot, ModelRunner, Segment
-from shared.sampling import is_greedy
+from shared.sampling import is_greedy, probs_from_logits
 
 DRAFT_MODES = ("sampled", "greedy")
 
@@ -76,7 +80,8 @@ class _Drafting:
     state: _SessionCache
     cache: KVCache  # the main cache, or a spare for a branch lookahead (``DraftJob.branch``)
     k: int
-    sampled: bool
+    sampled: bool  # drafted from the session's stream, with q
+    raced: bool  # the winner of the request's keyed race at each position (shared.race)
     enders: frozenset[int]
     watch: DraftController | None
     features: bool  # compute step features (for ``watch``, or for a later screening)
@@ -196,15 +201,21 @@ class DraftModelProposer:
         watch = job.controller if job.controller is not None and job.controller.wants_features else None
         enders = frozenset(job.params.stop_token_ids) | (frozenset() if job.params.ignore_eos else self.eos_ids)
         sampled = self.mode == "sampled" and not is_greedy(job.params)
+        raced = sampled and job.race_key is not None
         spread = (watch is not None and watch.wants_spread) or job.spread
-        return _Drafting(index, job, state, cache, k, sampled, enders, watch, watch is not None or job.features, spread,
-                         feed=context[len(cache.cached):], context=context, penalised=has_penalties(job.params))
+        return _Drafting(index, job, state, cache, k, sampled and not raced, raced, enders, watch,
+                         watch is not None or job.features, spread, feed=context[len(cache.cached):], context=context,
+                         penalised=has_penalties(job.params))
 
     def _pick(self, d: _Drafting, logits: torch.Tensor, top2: list[int]) -> _Pick:
         """Choose the next token of one session from its logits row (``top2``: its two best ids)."""
         if d.penalised:
             logits = _penalise(d, logits)
             top2 = logits.topk(len(top2)).indices.tolist()
+        if d.raced:
+            assert d.job.race_key is not None
+            token, up = top_two(probs_from_logits(logits, d.job.params), d.job.race_key, len(d.context) + len(d.tokens))
+            return _Pick(token, up, None, logits)
         if d.sampled and d.job.guess is not None and not d.tokens:
             return _Pick(guess_token(logits, d.job.params, d.job.guess), -1, None, logits)  # never sent: no q
         if d.sampled:
