@@ -4,7 +4,8 @@ Drafters run in a network namespace of their own behind a delay proxy and a shap
 (``bench.netns``), at each RTT of ``--rtts`` (default 0, 10 and 40 ms, the standard points).
 At each RTT, one real pinned fleet per drafting setup serves the same greedy workload as
 ``bench.serving``, beside target-only serving (which has no edge link, so no RTT): short drafts
-(k = 2), long drafts (k = 6), and k = 4 with and without pipelined drafting, at 1 and 4
+(k = 2), long drafts (k = 6), and k = 4 with and without pipelined drafting, and without the
+verifier's filling (``services/verifier/fill.py``: it decodes while drafts travel), at 1 and 4
 concurrent sessions (one drafter serves them all). The claim under test: a longer RTT favours
 longer drafts, pipelined drafting and more sessions per drafter. Writes ``<out>/rtt.{json,md,png}``.
 """
@@ -20,14 +21,17 @@ from bench.fleets import Run, Scenario, add_workload_flags, prepare, run_meta, w
 from bench.profile import smallest
 from bench.serving import run_all
 
-SETUPS = {"k=2": (2, ()), "k=6": (6, ()), "k=4": (4, ()), "k=4 no pipelining": (4, ("--pipeline-sessions", "0"))}
+#: name -> (draft length, drafter flags, verifier flags)
+SETUPS: dict[str, tuple[int, tuple[str, ...], tuple[str, ...]]] = {
+    "k=2": (2, (), ()), "k=6": (6, (), ()), "k=4": (4, (), ()),
+    "k=4 no pipelining": (4, ("--pipeline-sessions", "0"), ()), "k=4 no fill": (4, (), ("--fill", "false"))}
 
 
 def scenarios(draft: Path, rtts: list[float]) -> list[Scenario]:
     out = [Scenario("target-only", rtt_ms=0.0)]
     for rtt in rtts:
         out += [Scenario(f"rtt {rtt:g} ms, {name}", drafters=1, draft=str(draft), draft_len=k, drafter_flags=flags,
-                         rtt_ms=rtt) for name, (k, flags) in SETUPS.items()]
+                         verifier_flags=verifier, rtt_ms=rtt) for name, (k, flags, verifier) in SETUPS.items()]
     return out
 
 
