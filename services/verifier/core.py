@@ -147,7 +147,9 @@ class TorchCore:
         while the core may change them: a copy that raced a change is simply taken again)."""
         for _ in range(5):
             try:
-                return policy_status(self.allocator, self.scheduler, self.tracker, self.estimator)
+                return {**policy_status(self.allocator, self.scheduler, self.tracker, self.estimator),
+                        "sampling": "race" if self.limits.race else "stream",
+                        "fill": self.scheduler.filler is not None}
             except RuntimeError:  # a dict changed size while copied
                 continue
         return {"error": "the engine core was too busy to read; retry"}

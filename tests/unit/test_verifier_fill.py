@@ -136,24 +136,34 @@ def test_no_fill_when_a_draft_is_expected_before_the_step_would_end(target: Load
 # --- the fill policy's clock ----------------------------------------------------------------------
 
 
-def waiting(drafter: str, since: float) -> Request:
+def waiting(drafter: str, since: float, budget: int = BUDGET, filled: int = 0) -> Request:
     req = Request.create("r", [1, 2], GREEDY, True, 64, frozenset(), drafter)
-    req.status, req.waiting_since = Status.WAITING_DRAFT, since
+    req.status, req.waiting_since, req.draft_budget, req.fill = Status.WAITING_DRAFT, since, budget, [7] * filled
     return req
 
 
-@pytest.mark.parametrize(("waited", "expected"), [
-    (0.0, 1.0),  # due in 1 s
-    (0.5, 1.0),  # still due at the same time
-    (1.5, 1.5),  # overdue: imminent (expected now)
-    (2.5, None),  # late (past twice the typical wait): expected no more
+@pytest.mark.parametrize(("waited", "filled", "expected"), [
+    (0.0, 0, 1.0),  # due in 1 s
+    (0.5, 0, 1.0),  # still due at the same time
+    (1.5, 0, 1.5),  # overdue: imminent (expected now)
+    (2.5, 0, None),  # late (past twice the typical wait): expected no more
+    (0.5, BUDGET - 1, 1.0),
+    (0.5, BUDGET, None),  # the fill covers every token the draft may have: it can add nothing
 ])
-def test_when_a_draft_is_expected(waited: float, expected: float | None) -> None:
+def test_when_a_draft_is_expected(waited: float, filled: int, expected: float | None) -> None:
     policy = FillPolicy()
     policy.observe("edge", 1.0)
-    req = waiting("edge", 0.0)
+    req = waiting("edge", 0.0, filled=filled)
     assert policy.expected(req, waited) == expected
     assert FillPolicy().expected(req, waited) is None  # never heard from: no expectation
+
+
+def test_a_draft_is_expected_as_early_as_its_waits_spread() -> None:
+    policy = FillPolicy()
+    for wait in (1.0, 2.0, 1.0, 2.0):
+        policy.observe("edge", wait)
+    mean, dev = policy.waits["edge"]
+    assert 0 < dev and policy.expected(waiting("edge", 0.0), 0.0) == pytest.approx(max(0.0, mean - 2 * dev))
 
 
 def test_the_typical_wait_is_a_moving_average_per_drafter() -> None:
@@ -161,7 +171,7 @@ def test_the_typical_wait_is_a_moving_average_per_drafter() -> None:
     policy.observe("a", 1.0)
     policy.observe("a", 2.0)
     policy.observe("b", 5.0)
-    assert policy.waits == {"a": pytest.approx(1.1), "b": 5.0}
+    assert policy.waits == {"a": (pytest.approx(1.1), pytest.approx(0.1)), "b": (5.0, 0.0)}
     assert policy.next_change([waiting("a", 0.0), waiting("b", 0.0)], 1.0) == pytest.approx(1.2)  # a turns late
 
 
@@ -213,3 +223,8 @@ def test_a_conditional_draft_that_crosses_its_verdict_is_taken_if_it_came_true(t
     assert isinstance(last, Rounded)
     assert (last.round, last.accepted, last.prior) == (1, BUDGET, ref[BUDGET + 1 : BUDGET + 2])
     assert everything(h) == ref[: 2 * BUDGET + 2] and not h.of(OutOfTurn)
+
+
+def test_status_says_how_sampled_requests_are_drawn_and_whether_the_verifier_fills(target: LoadedModel) -> None:
+    assert {k: Harness(target).core.status()[k] for k in ("sampling", "fill")} == {"sampling": "race", "fill": True}
+    assert Harness(target, race=False).core.status()["sampling"] == "stream"
