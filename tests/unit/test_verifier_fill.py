@@ -163,7 +163,7 @@ def test_a_draft_is_expected_as_early_as_its_waits_spread() -> None:
     for wait in (1.0, 2.0, 1.0, 2.0):
         policy.observe("edge", wait)
     mean, dev = policy.waits["edge"]
-    assert 0 < dev and policy.expected(waiting("edge", 0.0), 0.0) == pytest.approx(max(0.0, mean - 2 * dev))
+    assert dev > 0 and policy.expected(waiting("edge", 0.0), 0.0) == pytest.approx(max(0.0, mean - 2 * dev))
 
 
 def test_the_typical_wait_is_a_moving_average_per_drafter() -> None:
