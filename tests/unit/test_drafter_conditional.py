@@ -47,14 +47,21 @@ def start(p: Pipeline, lookahead: Lookahead, sent: list[int], presend: Sent,
     lookahead.start(p.batcher, job, alternatives or [], presend)
 
 
+async def drafted_ahead(p: Pipeline, lookahead: Lookahead, presend: Sent,
+                        draft: LoadedModel) -> tuple[list[int], list[int]]:
+    """Round 0's draft, and the all-accepted lookahead after it, once that was sent: (sent, the
+    draft model's greedy continuation after sent)."""
+    sent = await p.round()
+    start(p, lookahead, sent, presend)
+    await sent_once(presend)
+    return sent, reference_greedy(draft, PROMPT + sent, K + 1)
+
+
 @pytest.mark.asyncio
 async def test_a_lookahead_is_sent_before_the_verdict_and_the_verdict_says_it_is_held(draft: LoadedModel) -> None:
     p, lookahead, presend = Pipeline(draft), Lookahead(), Sent()
     async with running(p.batcher):
-        sent = await p.round()
-        expected = reference_greedy(draft, PROMPT + sent, K + 1)
-        start(p, lookahead, sent, presend)
-        await sent_once(presend)
+        sent, expected = await drafted_ahead(p, lookahead, presend, draft)
         # sent as: the next round's draft if this round commits the drafts and the guessed token
         assert presend.drafts == [((*sent, expected[0]), expected[1:])]
         tokens = [*sent, expected[0]]
@@ -71,10 +78,7 @@ async def test_a_lookahead_is_sent_before_the_verdict_and_the_verdict_says_it_is
 async def test_a_verdict_other_than_the_assumed_one_leaves_nothing_held(draft: LoadedModel, outcome: str) -> None:
     p, lookahead, presend = Pipeline(draft), Lookahead(), Sent()
     async with running(p.batcher):
-        sent = await p.round()
-        expected = reference_greedy(draft, PROMPT + sent, K + 1)
-        start(p, lookahead, sent, presend)
-        await sent_once(presend)
+        sent, expected = await drafted_ahead(p, lookahead, presend, draft)
         if outcome == "rejected":
             reply = verdict([*sent[:1], (sent[1] + 1) % draft.vocab_size], 1)
         elif outcome == "another guess":
