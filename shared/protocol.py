@@ -53,6 +53,9 @@ FinishReason = Literal["stop", "length", "cancelled", "error"]
 Probability = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 #: most rounds a drafter may ask the verifier to run without it (Draft.pause_rounds)
 MAX_PAUSE_ROUNDS = 1024
+#: most conditional drafts (Draft.after) a verifier holds per session for its next round; a drafter
+#: sends no more (its lookahead branches beyond them wait for their verdicts)
+MAX_CONDITIONAL_DRAFTS = 8
 #: most alternatives a request may ask logprobs for at each position (OpenAI's top_logprobs limit)
 MAX_LOGPROBS = 20
 #: most tokens one request's logit_bias may list
@@ -268,10 +271,10 @@ class Verdict(_Msg, tag="verdict", frozen=True):
     """The verifier's answer to one Draft.
 
     ``token_ids`` are the tokens committed this round: the first ``accepted`` drafts, then the
-    verifier's own extra token (possibly cut short when a stop condition hit). A continuous
-    verifier (``--backend vllm``) decodes on while drafts travel, so its rounds may commit
-    several tokens of its own, or tokens that equal drafts it never saw; ``accepted`` then counts
-    the leading tokens that match the draft, wherever they came from.
+    verifier's own extra token (possibly cut short when a stop condition hit). A verifier may
+    decode on while drafts travel (``--backend vllm`` always, the torch core when it fills), so a
+    round may commit several tokens of its own, or tokens that equal drafts it never saw, first;
+    ``accepted`` then counts the leading tokens that match the draft, wherever they came from.
     """
 
     request_id: RequestId

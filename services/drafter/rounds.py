@@ -28,7 +28,16 @@ from services.drafter.proposers.base import EMPTY_PROPOSAL, DraftJob, Proposal, 
 from services.drafter.sessions import DraftSession
 from services.drafter.worker import ComputeWorker
 from shared.log import get_logger
-from shared.protocol import MAX_DRAFT_TOKENS, CloseSession, Draft, ErrorFrame, OpenSession, SessionOpened, Verdict
+from shared.protocol import (
+    MAX_CONDITIONAL_DRAFTS,
+    MAX_DRAFT_TOKENS,
+    CloseSession,
+    Draft,
+    ErrorFrame,
+    OpenSession,
+    SessionOpened,
+    Verdict,
+)
 
 log = get_logger("drafter.rounds")
 
@@ -245,8 +254,11 @@ class SessionRunner:
         # and for the likeliest rejections (a greedy draft's runner-ups; a sampled one has none), only
         # while this is the drafter's one session: with two, the extra rows took the draft model's slack
         # and lost more than they won (bench/RESULTS.md)
-        alternatives = self.lookahead_branches if self.active() <= 1 and session.deterministic else 0
-        session.lookahead.start(self.batcher, job, self.odds.pick(sent, alternatives), self._presender(session))
+        alternatives = self.odds.pick(sent, self.lookahead_branches if self.active() <= 1 and session.deterministic
+                                      else 0)
+        # the verifier holds at most MAX_CONDITIONAL_DRAFTS; beyond, every branch waits for its verdict
+        presend = self._presender(session) if 1 + len(alternatives) <= MAX_CONDITIONAL_DRAFTS else None
+        session.lookahead.start(self.batcher, job, alternatives, presend)
 
     def _presender(self, session: DraftSession) -> Presend | None:
         """How a lookahead branch goes out as the next round's conditional Draft, before the verdict

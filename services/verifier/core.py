@@ -4,7 +4,7 @@
         1. drain commands   (new requests, drafts, detaches, finishes)
         2. admit            (reserve KV for waiting requests, oldest first, while it fits)
            share            (copy prompt prefixes other live requests computed: ``prefix.py``)
-        3. schedule         (verification rounds, then prefill chunks: ``Scheduler``)
+        3. schedule         (verification rounds, else fill steps, then prefill chunks: ``Scheduler``)
         4. forward          (one packed pass of the target over every segment)
         5. judge + commit   (acceptance maths, token-level stops, KV rollback, next budgets)
         6. deliver          (hand the step's results to the event loop, without waiting)
@@ -62,13 +62,12 @@ from services.verifier.scheduler import Scheduler, Step
 from services.verifier.status import policy_status
 from shared.event_loop import let_io_in
 from shared.log import get_logger
-from shared.protocol import TokenLogprob
+from shared.protocol import MAX_CONDITIONAL_DRAFTS, TokenLogprob
 from shared.runner import KVError, ModelRunner
 
 log = get_logger("verifier.core")
 IDLE_WAKE_S = 0.25  # an idle core still wakes this often to notice silent drafters
 EXPIRY_CHECK_S = 0.1  # how often the loop looks for drafters that went silent
-MAX_UPCOMING = 8  # conditional drafts held per session for its next round (a drafter's lookahead branches)
 
 
 @dataclass(frozen=True)
@@ -288,7 +287,7 @@ class TorchCore:
         dropped without a word (the drafter drafts the round afresh when the Verdict tells it)."""
         if req is None or req.status is Status.FINISHED:
             return
-        if cmd.round == req.round + 1 and len(req.upcoming) < MAX_UPCOMING:
+        if cmd.round == req.round + 1 and len(req.upcoming) < MAX_CONDITIONAL_DRAFTS:
             req.upcoming.append(cmd)
         elif cmd.round == req.round and req.status is Status.WAITING_DRAFT and cmd.after == req.last_tokens:
             self._take(req, cmd)
@@ -299,7 +298,8 @@ class TorchCore:
     def _take(self, req: Request, cmd: AddDraft) -> None:
         """The draft of the round the session waits for."""
         req.pause_left = cmd.pause_rounds
-        req.guess_bonus = cmd.guess_bonus and not req.greedy and req.params.seed is None  # shared.coupling
+        req.guess_bonus = (cmd.guess_bonus and not req.greedy and req.race_key is None  # shared.coupling
+                           and req.params.seed is None)
         req.draft_wait_s = max(0.0, cmd.received_at - req.waiting_since)
         self.metrics.draft_wait.observe(req.draft_wait_s)
         if cmd.after is None and self.scheduler.filler is not None:  # a conditional one was there before
@@ -431,10 +431,11 @@ class TorchCore:
         client; its drafter hears of it with the round's Verdict (``Rounded.prior``)."""
         kept = self._commit(req, [], 0, v.tokens)
         logprobs = v.logprobs[: len(kept)] if v.logprobs is not None else None
-        self.metrics.count_fill(len(kept))
+        self.metrics.filled.inc(len(kept))
         if req.status is Status.FINISHED:  # the round ends here: the drafter's draft for it is moot
-            self._publish_round(req, 0, 0, kept, 0, logprobs)
+            self._publish_round(req, 0, 0, kept, 0, logprobs)  # counts the tokens generated
             return
+        self.metrics.generated.inc(len(kept))
         self._results.append(Filled(req.request_id, req.round, kept, list(req.fill), logprobs))
         req.fill.extend(kept)
 
@@ -454,6 +455,8 @@ class TorchCore:
             upcoming = req.next_round((*req.fill, *kept))
             if req.status is Status.WAITING_DRAFT:
                 self._take_upcoming(req, upcoming)
+            elif upcoming:  # the round runs without a draft (budget 0, or no drafter)
+                self.metrics.conditional.labels("dropped").inc(len(upcoming))
 
     def _take_upcoming(self, req: Request, upcoming: list[AddDraft]) -> None:
         """The conditional draft whose ``after`` the round just ended committed, if one came."""

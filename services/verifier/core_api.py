@@ -100,7 +100,8 @@ class Refused:
 
 @dataclass(frozen=True)
 class Rounded:
-    """One verified round: ``tokens`` are the accepted drafts then the target's own token."""
+    """One verified round: ``tokens`` are the accepted drafts after ``prior`` (the tokens filled
+    while the draft travelled), then the target's own token."""
 
     request_id: str
     round: int

@@ -136,11 +136,6 @@ class VerifierMetrics:
         if budget != before:
             self.budget_changes.inc()
 
-    def count_fill(self, committed: int) -> None:
-        """Tokens decoded for a session while its draft travelled (``scheduler``: fill)."""
-        self.filled.inc(committed)
-        self.generated.inc(committed)
-
     def count_round(self, drafted: int, accepted: int, committed: int) -> None:
         self.rounds.inc()
         self.drafted.inc(drafted)

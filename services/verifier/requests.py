@@ -160,6 +160,7 @@ class Request:
 
     def await_draft(self) -> None:
         self.draft_ids, self.draft_q, self.draft_conf, self.guess_bonus = [], None, None, False
+        self.sent, self.matched = 0, 0
         self.status = Status.WAITING_DRAFT
         self.waiting_since = time.perf_counter()
 
@@ -208,6 +209,7 @@ class Request:
         self.reattached = True
         self.drafter = drafter or self.drafter
         self.fill = []  # the drafter hears every committed token (Attached): its draft rests on them all
+        self.upcoming = []  # conditional drafts of the drafter before it: not this drafter's
         if self.status is Status.READY:  # a target-only round not run yet: it may wait for a draft instead
             self.begin_round()
             return True

@@ -15,7 +15,7 @@ from services.drafter.proposers.base import DraftJob, Proposal
 from services.drafter.rounds import SessionRunner
 from services.drafter.sessions import DraftSession
 from services.drafter.worker import ComputeWorker
-from shared.protocol import QueuedRequest, SamplingParams, Verdict
+from shared.protocol import MAX_CONDITIONAL_DRAFTS, QueuedRequest, SamplingParams, Verdict
 from shared.queue import Delivery
 
 
@@ -48,11 +48,13 @@ class _Recorder:
     def __init__(self) -> None:
         self.jobs: list[DraftJob] = []
         self.alternatives: list[list[tuple[int, int]]] = []
+        self.presends: list[object] = []
 
     def start(self, batcher: object, job: DraftJob, alternatives: Sequence[tuple[int, int]] = (),
               presend: object = None) -> None:
         self.jobs.append(job)
         self.alternatives.append(list(alternatives))
+        self.presends.append(presend)
 
 
 @pytest.mark.parametrize(("features", "spread"), [(False, False), (True, False), (True, True)],
@@ -100,3 +102,25 @@ def test_alternative_lookaheads_only_for_a_greedy_session_alone(temperature: flo
                                       finish_reason=None, draft_budget=4), 3)  # rejected at 1, for the runner-up
     runner._look_ahead(session, sent, 3, guess=temperature > 0)
     assert recorder.alternatives == [expected]
+
+
+@pytest.mark.parametrize(("branches", "conditional", "presends"), [
+    (1, True, True),
+    (MAX_CONDITIONAL_DRAFTS - 1, True, True),  # every branch fits in what the verifier holds
+    (MAX_CONDITIONAL_DRAFTS, True, False),  # one too many: they all wait for their verdict
+    (1, False, False),  # the verifier does not take conditional drafts
+])
+def test_lookaheads_go_out_early_only_when_the_verifier_holds_them_all(branches: int, conditional: bool,
+                                                                       presends: bool) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=64)
+    req = QueuedRequest(request_id="r", prompt_ids=[1, 2], params=params, origin="c", model="m", created_at=0.0)
+    session = DraftSession.from_delivery(Delivery("1", req), make_controller("fixed"))
+    recorder = _Recorder()
+    session.lookahead = recorder  # type: ignore[assignment]
+    proposer = _Guesser(True)
+    worker = ComputeWorker(inline=True)
+    runner = SessionRunner(None, proposer, worker, DraftBatcher(proposer, worker), max_draft_tokens=16,  # type: ignore[arg-type]
+                           lookahead_branches=branches, conditional=conditional)
+    sent = Proposal(token_ids=list(range(20, 36)), runner_up=list(range(40, 56)))
+    runner._look_ahead(session, sent, 16, guess=False)
+    assert len(recorder.alternatives[0]) == branches and (recorder.presends[0] is not None) is presends

@@ -228,3 +228,22 @@ def test_a_conditional_draft_that_crosses_its_verdict_is_taken_if_it_came_true(t
 def test_status_says_how_sampled_requests_are_drawn_and_whether_the_verifier_fills(target: LoadedModel) -> None:
     assert {k: Harness(target).core.status()[k] for k in ("sampling", "fill")} == {"sampling": "race", "fill": True}
     assert Harness(target, race=False).core.status()["sampling"] == "stream"
+
+
+def test_a_resuming_drafter_starts_clean(target: LoadedModel) -> None:
+    """Attach: the new drafter hears every committed token, so the fill is its base, and the
+    conditional drafts its predecessor sent are not its own."""
+    h, _ = started(target)
+    h.turn()  # one token filled
+    req = h.core.requests["s"]
+    req.upcoming = [AddDraft("s", 1, [5], None, 0.0, after=(1, 2))]
+    req.detach()
+    assert req.attach("edge-2") and req.fill == [] and req.upcoming == [] and (req.sent, req.matched) == (0, 0)
+
+
+def test_a_session_finishing_in_a_fill_counts_its_tokens_once(target: LoadedModel) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    h, _ = started(target, params)
+    h.turn(params.max_tokens)
+    get = h.core.metrics.registry.get_sample_value
+    assert get("specfleet_verifier_generated_tokens_total") == get("specfleet_verifier_filled_tokens_total") == 3
