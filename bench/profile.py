@@ -74,7 +74,7 @@ def report(run: Run) -> str:
                   f"(conditional drafts); verifier: {v.value(f'{V}_filled_tokens_total'):.0f} tokens filled while "
                   "drafts travelled"]
     if wall := sum(run.walls):
-        d, vcpu = drafters_of(run), v.value("process_cpu_seconds_total")
+        vcpu = v.value("process_cpu_seconds_total")
         lines += ["", f"busy over the {wall:.2f} s measured: verifier CPU {vcpu / wall:.0%}"
                       f" (its forwards {v.value(f'{V}_step_seconds_sum', phase='forward') / wall:.0%}), drafter CPU "
                       f"{d.value('process_cpu_seconds_total') / wall:.0%} (each has one core: near 100 % is the limit)"]

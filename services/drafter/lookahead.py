@@ -126,8 +126,10 @@ class Lookahead:
     async def _draft(self, branch: _Branch, batcher: DraftBatcher, job: DraftJob,
                      presend: Presend | None) -> tuple[Proposal, float, float]:
         drafted = await _one_token_at_a_time(batcher, job)
-        nxt = branch.next_draft(drafted[0]) if presend is not None and self._open else None
-        if nxt is not None and presend is not None:  # decided and written in one turn of the loop, before settle
+        if presend is None or not self._open:  # no verifier to hold it, or its verdict is being settled
+            return drafted
+        nxt = branch.next_draft(drafted[0])
+        if nxt is not None:  # decided and written in one turn of the loop, before settle
             branch.presented = nxt[0]
             branch.guess_bonus = await presend(*nxt)
         return drafted
@@ -140,13 +142,10 @@ class Lookahead:
         presented, self.presented = self.presented, False
         if ready is None or k <= 0:
             return None
-        if presented:
-            return _rest(ready, 0, k)
         n = min(k, len(ready.token_ids))
-        if controller is not None and controller.wants_features and len(ready.steps) >= n:
+        if not presented and controller is not None and controller.wants_features and len(ready.steps) >= n:
             n = _screen(controller, ready.steps[:n], k)
-        q = None if ready.q is None else ready.q[:n]
-        return Proposal(token_ids=ready.token_ids[:n], q=q, steps=ready.steps[:n], runner_up=ready.runner_up[:n])
+        return _rest(ready, 0, n)
 
     async def settle(self, verdict: Verdict, drafted: int, metrics: DrafterMetrics) -> None:
         """Keep the lookahead whose outcome the verdict made true; drop the others."""

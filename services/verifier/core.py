@@ -147,8 +147,7 @@ class TorchCore:
         for _ in range(5):
             try:
                 return {**policy_status(self.allocator, self.scheduler, self.tracker, self.estimator),
-                        "sampling": "race" if self.limits.race else "stream",
-                        "fill": self.scheduler.filler is not None}
+                        "sampling": "race" if self.limits.race else "stream"}
             except RuntimeError:  # a dict changed size while copied
                 continue
         return {"error": "the engine core was too busy to read; retry"}

@@ -139,10 +139,10 @@ class Request:
                 and self.to_prefill == 0)
 
     def drafts_to_verify(self) -> list[int]:
-        """This round's drafts after the fill, clipped to the budget and so the context limit is
-        never crossed."""
+        """This round's drafts after the fill (``take_draft`` cut them to the budget), clipped so
+        the context limit is never crossed."""
         room = self.max_model_len - len(self.committed) - 1
-        return self.draft_ids[: max(0, min(self.draft_budget - self.matched, room))]
+        return self.draft_ids[: max(0, room)]
 
     def round_outcome(self, verified: int, accepted: int, accept_prob: float) -> tuple[int, int, float]:
         """(drafted, accepted, Σ acceptance probability) of the round as a whole, after

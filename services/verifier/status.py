@@ -15,6 +15,7 @@ def policy_status(allocator: Allocator, scheduler: Scheduler, tracker: GoodputTr
         "allocation": allocator.name,
         "batching": scheduler.batcher.name,
         "trim": scheduler.trim.name,
+        "fill": scheduler.filler is not None,
         "sessions": len(tracker.sessions),
         "rounds": tracker.rounds,
         "utility_sum_log_x": round(tracker.sum_log_x(), 6),
