@@ -28,13 +28,21 @@ class Outcome:
     accepted: int
     ttft_s: float = 0.0  # request sent -> first token frame
     tpot_s: float = 0.0  # mean time per output token after the first
+    slo_tokens_per_s: float | None = None  # the request's SLO class (its ``slo_tokens_per_s``), if it had one
 
     @classmethod
-    def of(cls, tokens: int, started: float, first: float, ended: float, extra: dict[str, Any]) -> Outcome:
+    def of(cls, tokens: int, started: float, first: float, ended: float, extra: dict[str, Any],
+           slo_tokens_per_s: float | None = None) -> Outcome:
         ttft = (first or ended) - started
         tpot = (ended - first) / (tokens - 1) if first and tokens > 1 else 0.0
         return cls(tokens, ended - started, int(extra.get("drafted_tokens", 0)), int(extra.get("accepted_tokens", 0)),
-                   ttft, tpot)
+                   ttft, tpot, slo_tokens_per_s)
+
+    @property
+    def slo_met(self) -> bool:
+        """Whether the request met its SLO class as its user saw it: its tokens over the whole time
+        from sending it to its last token (queueing and prefill included) at least the class's speed."""
+        return self.slo_tokens_per_s is None or self.tokens >= self.slo_tokens_per_s * self.latency_s
 
 
 async def _one(ws: Any, body: dict[str, Any]) -> Outcome:
@@ -49,7 +57,8 @@ async def _one(ws: Any, body: dict[str, Any]) -> Outcome:
                 first = time.perf_counter()
             tokens += len(frame["token_ids"])
         elif frame["type"] == "done":
-            return Outcome.of(tokens, started, first, time.perf_counter(), frame.get("specfleet", {}))
+            return Outcome.of(tokens, started, first, time.perf_counter(), frame.get("specfleet", {}),
+                              body.get("slo_tokens_per_s"))
         else:
             raise RuntimeError(f"request failed: {frame}")
 

@@ -34,6 +34,9 @@ from shared.redis_server import private_redis
 from shared.up import Models, free_port, resolve_models
 
 L = TypeVar("L")  # a load level: a concurrency, a sweep point
+#: how long a fleet's drafters may take to load their models and reach the verifier after the
+#: coordinator is ready (which it is with the first)
+DRAFTERS_READY_S = 120.0
 
 PROMPTS = [
     "def read_config(path):\n", "class LRUCache:\n    def __init__(self", "import os\nimport sys\n\n",
@@ -168,6 +171,9 @@ def bench_fleet(target: Path, sc: Scenario, edge: Edge, log_dir: Path) -> Iterat
         fleet = stack.enter_context(running_fleet(spec, log_dir / sc.name.replace(" ", "_"),
                                                   secrets.token_urlsafe(16)))
         bf = BenchFleet(fleet, urls, network)
+        for name, url in urls.items():  # the coordinator is ready with one drafter: wait for every one
+            if name.startswith("drafter"):
+                fleet.supervisor.wait_ready(url.replace("/metrics", "/ready"), DRAFTERS_READY_S)
         asyncio.run(run_load(fleet.ws_url, bodies(4, 16, target.name), 2))  # warm-up
         yield bf
 

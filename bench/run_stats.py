@@ -6,7 +6,8 @@ From the client's outcomes and the services' /metrics deltas of one :class:`benc
   accepted drafts: each round commits its accepted drafts and one token of the target's);
 * acceptance (accepted / drafted), mean accepted length per round, wasted drafted tokens
   (drafted, not accepted) and verifier forward passes per committed token;
-* TTFT and TPOT percentiles; SLO attainment per class (the verifier's counters);
+* TTFT and TPOT percentiles; SLO attainment per class, the verifier's counters (from the session's
+  arrival at the verifier) and the client's (``slo_client``: from sending the request to its last token);
 * fairness across drafters: Σ log x_i and Jain's index (Σx)² / (n·Σx²) of the per-drafter goodputs;
 * the scheduler's decision time per step (batch selection and trim, and the allocation);
 * the round breakdown: the drafters' mean seconds per phase of a round.
@@ -18,7 +19,7 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from bench.client import percentiles
+from bench.client import Outcome, percentiles
 from bench.scrape import Snapshot
 
 if TYPE_CHECKING:
@@ -99,6 +100,7 @@ def summary(run: Run) -> dict[str, Any]:
         "ttft_ms": percentiles([o.ttft_s * 1e3 for o in run.outcomes]),
         "tpot_ms": percentiles([o.tpot_s * 1e3 for o in run.outcomes if o.tokens > 1]),
         "slo": slo_by_class(v),
+        "slo_client": client_slo_by_class(run.outcomes),
         "sum_log_x": sum_log(list(drafters.values())) if drafters else float("nan"),
         "jain": jain(list(drafters.values())),
         "decision_ms": {"batch": v.mean(f"{V}_batch_decision_seconds") * 1e3,
@@ -106,6 +108,21 @@ def summary(run: Run) -> dict[str, Any]:
         "round_ms": round_breakdown(run),
         "costs": measured_costs(run),
     }
+
+
+def client_slo_by_class(outcomes: Sequence[Outcome]) -> dict[str, dict[str, float]]:
+    """Per SLO class (``f"{tokens/s:g}"``): requests and the share that met it end to end, from
+    the client's clock (:attr:`Outcome.slo_met`: a request queued before the verifier saw it
+    counts its wait, which the verifier's own count cannot)."""
+    out: dict[str, dict[str, float]] = {}
+    for o in outcomes:
+        if o.slo_tokens_per_s is not None:
+            c = out.setdefault(f"{o.slo_tokens_per_s:g}", {"requests": 0.0, "attainment": 0.0})
+            c["requests"] += 1
+            c["attainment"] += o.slo_met
+    for c in out.values():
+        c["attainment"] /= c["requests"]
+    return out
 
 
 def measured_costs(run: Run) -> dict[str, Any]:

@@ -12,9 +12,11 @@ Every part starts real pinned fleets (the verifier on the server CPU, the rest o
 * **smartspec** (SmartSpec §5): target-only, fixed k for each of ``--smartspec-ks`` and
   SmartSpec at each load of ``--loads``: tokens/s and the ratio to target-only at the same load
   (SmartSpec's claim is against the best fixed k at each load, so it needs more than one).
-* **wisp** (WISP §5): FCFS and WISP batching at each load of ``--wisp-loads``, requests spread
-  over 4 SLO classes (``--slo-classes``, tokens/s): the share of finished requests that missed
-  their class, from the verifier's counters, and the most sessions served at ≤ 5 % violations.
+* **wisp** (WISP §5): FCFS and WISP batching at each load of ``--wisp-loads``, with the fleets of
+  ``bench slo`` (an n-gram drafter, so that the verifier is the bottleneck), requests spread over
+  4 SLO classes (``--slo-classes``, tokens/s): the share of requests that missed their class as
+  their clients saw them (the verifier's own count beside), and the most sessions served at
+  ≤ 5 % violations.
 * **trim** (AdaSpec §6): fixed k for each of ``--trim-ks``, AdaSpec's trim of the longest
   (drafters send confidences), and AdaSpec whole (its drafter controller stops early, the
   verifier trims) at each load of ``--trim-loads``.
@@ -41,6 +43,7 @@ from bench.fairness import Sample, settle_round, tracing_utility
 from bench.fleets import PROMPTS, BenchFleet, Scenario, bench_fleet, bodies, given_args
 from bench.profile import largest, smallest
 from bench.scrape import Snapshot
+from bench.slo import scenarios as slo_scenarios
 from shared.up import resolve_models
 
 PARTS = ("allocation", "smartspec", "wisp", "trim")
@@ -134,12 +137,13 @@ def _serve_once(models: Any, bf: BenchFleet, load: int, max_tokens: int,
     before = bf.scrape()["verifier"]
     wall, outs = asyncio.run(run_load(bf.fleet.ws_url, reqs, load))
     d = bf.scrape()["verifier"] - before
-    return {"tokens_per_s": sum(o.tokens for o in outs) / wall, **_slo_counts(d), **_budget_counts(d)}
+    return {"tokens_per_s": sum(o.tokens for o in outs) / wall, **_slo_counts(outs, d), **_budget_counts(d)}
 
 
 def _summary(runs: list[dict[str, float]]) -> dict[str, Any]:
     counted = sum(r["slo_counted"] for r in runs)
     missed = sum(r["violated"] * r["slo_counted"] for r in runs if r["slo_counted"])
+    at_verifier = sum(r["violated_at_verifier"] * r["slo_counted"] for r in runs if r["slo_counted"])
     def total(key: str) -> float:
         return sum(r.get(key, 0.0) for r in runs)
     rounds = total("budget_rounds")  # speculating rounds the verifier handed a budget
@@ -147,7 +151,9 @@ def _summary(runs: list[dict[str, float]]) -> dict[str, Any]:
                "budget_changes_per_100": 100 * total("budget_changes") / rounds} if rounds else {}
     return {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
             "tokens_per_s_runs": [r["tokens_per_s"] for r in runs],
-            "violated": missed / counted if counted else float("nan"), "slo_counted": counted, **budgets}
+            "violated": missed / counted if counted else float("nan"),
+            "violated_at_verifier": at_verifier / counted if counted else float("nan"), "slo_counted": counted,
+            **budgets}
 
 
 def _budget_counts(d: Snapshot) -> dict[str, float]:
@@ -158,15 +164,18 @@ def _budget_counts(d: Snapshot) -> dict[str, float]:
             "budget_sum": d.value(f"{name}_tokens_sum"), "budget_changes": d.value(f"{name}_changes_total")}
 
 
-def _slo_counts(d: Snapshot) -> dict[str, float]:
-    """The share of finished requests that missed their SLO class over a run (``d``: the change
-    in the verifier's /metrics), and how many were counted."""
+def _slo_counts(outs: list[Outcome], d: Snapshot) -> dict[str, float]:
+    """The share of a run's requests with an SLO class that missed it as their clients saw them
+    (``Outcome.slo_met``), how many had one, and the share the verifier counted as missed (``d``:
+    the change in its /metrics; from each session's arrival there)."""
     def total(outcome: str) -> float:
         return sum(v for k, v in d.items()
                    if k[0] == "specfleet_verifier_slo_requests_total" and ("outcome", outcome) in k[1])
     attained, violated = total("attained"), total("violated")
-    return {"violated": violated / (attained + violated) if attained + violated else float("nan"),
-            "slo_counted": attained + violated}
+    classed = [o for o in outs if o.slo_tokens_per_s is not None]
+    return {"violated": sum(not o.slo_met for o in classed) / len(classed) if classed else float("nan"),
+            "slo_counted": float(len(classed)),
+            "violated_at_verifier": violated / (attained + violated) if attained + violated else float("nan")}
 
 
 def smartspec_part(models: Any, args: argparse.Namespace, edge: Edge, logs: Path) -> dict[str, Any]:
@@ -184,8 +193,8 @@ def wisp_part(models: Any, args: argparse.Namespace, edge: Edge, logs: Path) -> 
 
     def slo(i: int) -> dict[str, Any]:
         return {"slo_tokens_per_s": classes[i % len(classes)]}
-    scs = [Scenario(policy, drafters=1, draft=draft, draft_len=args.draft_len,
-                    verifier_flags=("--batching", policy, *_estimator_flags(args))) for policy in ("fcfs", "wisp")]
+    scs = slo_scenarios(Path(draft), args.draft_len, str(args.estimator_file or ""), "ngram", max(args.wisp_loads),
+                        args.wisp_network_ms)
     return serve_loads(models, scs, args.wisp_loads, edge, logs, args.max_tokens, args.repeats, slo)
 
 
@@ -336,8 +345,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loads", default="1,4,16,64", help="smartspec: concurrent requests")
     p.add_argument("--repeats", type=int, default=3,
                    help="smartspec, wisp, trim: runs of each scenario at each load, in turn (median reported)")
-    p.add_argument("--wisp-loads", default="24,48,96", help="wisp: concurrent requests")
-    p.add_argument("--slo-classes", default="10,20,30,40", help="wisp: SLO classes, tokens/s, spread over requests")
+    p.add_argument("--wisp-loads", default="48,64,80,96", help="wisp: concurrent requests")
+    p.add_argument("--slo-classes", default="20,30,40,60", help="wisp: SLO classes, tokens/s, spread over requests")
+    p.add_argument("--wisp-network-ms", type=float, default=60.0, help="wisp: WISP's T_network (as in bench slo)")
     p.add_argument("--trim-loads", default="1,16", help="trim: concurrent requests")
     p.add_argument("--trim-ks", default="2,4,6", help="trim: the fixed k baselines (the trim drafts the longest)")
     p.add_argument("--estimator-file", default="", help="step-time coefficients (make profile-verifier)")

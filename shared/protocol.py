@@ -36,7 +36,10 @@ import msgspec
 #: 6: SessionOpened.bonus_key and Draft.guess_bonus (shared.coupling: sampled sessions draft ahead)
 #: 7: Draft.after and Welcome.conditional_drafts (a drafter sends a lookahead before the verdict it assumes);
 #: SessionOpened.race_key (race sampling: shared.race)
-PROTOCOL_VERSION = 7
+#: 8: OpenSession.waited_s (a request's SLO clock starts when its coordinator took it, not at the verifier)
+PROTOCOL_VERSION = 8
+#: the most ``OpenSession.waited_s`` a verifier believes (a skewed clock must not make a request overdue for hours)
+MAX_WAITED_S = 600.0
 #: Largest frame any service accepts. A 32k-token prompt is ~200 KiB; sparse q for 64 draft
 #: positions x 4096 entries is 1.5 MiB. 4 MiB leaves room and still bounds a hostile peer.
 MAX_FRAME_BYTES = 4 * 1024 * 1024
@@ -211,6 +214,10 @@ class OpenSession(_Msg, tag="open_session", frozen=True):
     speculative: bool = True
     slo_tokens_per_s: SloRate | None = None  # token-speed SLO class (WISP batching); None: the verifier's default
     resume: ResumeState | None = None  # frontend only: continue after what was already relayed
+    #: seconds the request had waited before this frame was sent (v8): since its coordinator took
+    #: it (``QueuedRequest.created_at``, by the sender's wall clock). The verifier starts the
+    #: request's SLO clock that much earlier (WISP's deadlines, the SLO counters), up to MAX_WAITED_S.
+    waited_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
 
 
 class ResumeDone(_Msg, tag="resume_done", frozen=True):

@@ -116,7 +116,8 @@ class SessionRunner:
     async def _open(self, session: DraftSession, inbox: asyncio.Queue[Inbound]) -> SessionOpened | None:
         req = session.delivery.request
         frame = OpenSession(request_id=req.request_id, prompt_ids=list(req.prompt_ids), params=req.params,
-                            origin=req.origin, speculative=True, slo_tokens_per_s=req.slo_tokens_per_s)
+                            origin=req.origin, speculative=True, slo_tokens_per_s=req.slo_tokens_per_s,
+                            waited_s=max(0.0, time.time() - req.created_at))
         delay = BUSY_RETRY_FIRST_S
         while True:
             await self.link.send(frame)

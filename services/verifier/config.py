@@ -67,6 +67,9 @@ class VerifierConfig:
     slo_tokens_per_s: float = opt(0.0, "SLO class (tokens/s) of requests that name none (extension field "
                                        "slo_tokens_per_s); 0: best effort")
     wisp_delta_ms: float = opt(20.0, "batching=wisp: guard time δ subtracted from each latest start time")
+    wisp_network_ms: float = opt(0.0, "batching=wisp: T_network of eq. 6, the user's side of a request's time that "
+                                      "this server cannot see (queue and edge before its session opens here, "
+                                      "delivery after each commit), taken off every deadline")
     trim: str = opt("none", "draft trim: none, adaspec (drop the least likely tail drafts while that raises the "
                             "batch's estimated tokens per second; needs drafters that send confidences)")
     tpot_slo_ms: float = opt(0.0, "trim=adaspec: refuse batch shapes whose predicted step exceeds this (0: off)")

@@ -252,6 +252,7 @@ class TorchCore:
                              self.eos_ids, cmd.drafter, cmd.slo_tokens_per_s or self.limits.default_slo_tokens_per_s,
                              cmd.generated, race=self.limits.race)
         req.grammar = cmd.grammar
+        req.arrived_at -= cmd.waited_s
         if req.grammar is not None and cmd.generated:  # a re-opened request: its grammar resumes where its text is
             req.grammar.advance(cmd.generated)
         need = req.kv_tokens_needed(self.limits.max_draft_tokens)

@@ -36,6 +36,7 @@ class AddRequest:
     grammar: Grammar | None = None  # structured output: the request's grammar state
     #: tokens already committed after the prompt (a request re-opened after its verifier was lost)
     generated: list[int] = field(default_factory=list)
+    waited_s: float = 0.0  # how long the request waited before it reached us (its SLO clock started then)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from services.verifier.output import Output
 from services.verifier.sessions import Route, Routes
 from shared.draft_q import DraftError, check
 from shared.log import get_logger
-from shared.protocol import Cancel, CloseSession, Draft, FinishReason, Message, OpenSession, ResumeDone
+from shared.protocol import MAX_WAITED_S, Cancel, CloseSession, Draft, FinishReason, Message, OpenSession, ResumeDone
 from shared.sampling import SamplingError, validate
 
 log = get_logger("verifier.intake")
@@ -115,7 +115,7 @@ class Intake:
         try:
             self.core.submit(AddRequest(rid, list(msg.prompt_ids), msg.params, speculative,
                                         self.names(conn_id) if speculative else "", msg.slo_tokens_per_s,
-                                        grammar, generated))
+                                        grammar, generated, min(msg.waited_s, MAX_WAITED_S)))
         except CoreBusy as exc:
             self.routes.close(rid)
             return self.output.error(conn_id, "busy", str(exc), rid)

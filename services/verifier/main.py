@@ -104,7 +104,8 @@ def build(cfg: VerifierConfig, loop: asyncio.AbstractEventLoop) -> tuple[Hub, Ve
     estimator, tracker = make_estimator(cfg), GoodputTracker(cfg.goodspeed_eta, cfg.goodspeed_beta)
     slo = cfg.slo_tokens_per_s if cfg.slo_tokens_per_s > 0 else None
     try:
-        batcher = make_batcher(cfg.batching, estimator, slo, delta_s=cfg.wisp_delta_ms / 1000)
+        batcher = make_batcher(cfg.batching, estimator, slo, delta_s=cfg.wisp_delta_ms / 1000,
+                               network_s=cfg.wisp_network_ms / 1000)
         trim = make_trim(cfg.trim, cfg.tpot_slo_ms / 1000 if cfg.tpot_slo_ms > 0 else None)
         allocator = make_allocator_for(cfg, estimator)
     except ValueError as exc:

@@ -76,6 +76,7 @@ class ScriptedVerifier:
     last: dict[str, list[int]] = field(default_factory=dict)  # what each session's last round committed
     auth_headers: list[str | None] = field(default_factory=list)
     opens: list[str] = field(default_factory=list)
+    waited: dict[str, float] = field(default_factory=dict)  # each OpenSession's waited_s, by request
     drafts: list[Draft] = field(default_factory=list)
     committed: dict[str, list[int]] = field(default_factory=dict)  # prompt + committed tokens
     finished: set[str] = field(default_factory=set)
@@ -115,6 +116,7 @@ class ScriptedVerifier:
     async def _on_open(self, ws: ServerConnection, msg: OpenSession) -> None:
         rid = msg.request_id
         self.opens.append(rid)
+        self.waited[rid] = msg.waited_s
         if rid in self.busy_first:
             self.busy_first.discard(rid)
             await ws.send(encode(ErrorFrame(code="busy", message="full, retry", request_id=rid)))

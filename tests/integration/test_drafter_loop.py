@@ -125,6 +125,9 @@ async def test_sessions_commit_the_verifiers_tokens_and_ack(draft: LoadedModel) 
     assert (hello.role, hello.node_id, hello.protocol_version) == ("drafter", "drafter-test", PROTOCOL_VERSION)
     assert hello.tokenizer_fingerprint == draft.fingerprint and hello.max_sessions == 2
     assert verifier.concurrent_max == 2  # admission fills both slots, never more
+    # each OpenSession says how long its request waited since the coordinator took it (v8): the third
+    # request waited in the queue for one of the first two to end
+    assert all(0.0 <= w < 30.0 for w in verifier.waited.values()) and max(verifier.waited.values()) > 0.0
     for rid, prompt in PROMPTS.items():
         session = h.ended[rid]
         assert session.committed == verifier.committed[rid]

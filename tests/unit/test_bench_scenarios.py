@@ -9,9 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from bench.client import Outcome
 from bench.fairness import parse_drafters, settle_round
 from bench.fleets import Run, bodies
 from bench.run_stats import (
+    client_slo_by_class,
     cpu_split,
     drafter_costs,
     jain,
@@ -87,6 +89,19 @@ def test_slo_attainment_is_per_class() -> None:
     assert violations(row) == pytest.approx(1 / 6)
     assert capacity([row], "wisp", 0.2) == 8 and capacity([row], "wisp", 0.1) == 0
 
+
+def test_the_clients_slo_view_counts_the_whole_request() -> None:
+    """A request meets its class end to end when its tokens over send-to-last-token reach it: the
+    client's view, which also holds the time before the verifier saw the request."""
+    outcomes = [Outcome(64, 1.0, 0, 0, slo_tokens_per_s=60.0), Outcome(64, 1.1, 0, 0, slo_tokens_per_s=60.0),
+                Outcome(64, 3.3, 0, 0, slo_tokens_per_s=20.0), Outcome(64, 9.0, 0, 0)]
+    assert [o.slo_met for o in outcomes] == [True, False, False, True]
+    assert client_slo_by_class(outcomes) == {"60": {"requests": 2.0, "attainment": 0.5},
+                                            "20": {"requests": 1.0, "attainment": 0.0}}
+    verifier = {"60": {"requests": 2.0, "attainment": 1.0}, "20": {"requests": 1.0, "attainment": 1.0}}
+    row = {"slo": verifier, "slo_client": client_slo_by_class(outcomes), "scenario": "wisp", "concurrency": 8}
+    assert violations(row) == pytest.approx(2 / 3) and violations(row, "slo") == 0.0
+    assert violations({"slo": verifier}) == 0.0  # rows from before the client's count: the verifier's
 
 def test_round_breakdown_averages_each_phase_over_all_drafters() -> None:
     h = "specfleet_drafter_round_phase_seconds"

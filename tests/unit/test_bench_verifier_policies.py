@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -59,10 +60,13 @@ def test_the_smartspec_part_reports_how_often_smartspec_was_off_and_changed_leng
     assert "changes per 100" not in vp.markdown({"meta": meta, "smartspec": {"smartspec": {"16": vp._summary([idle])}}})
 
 
-def test_slo_counts_are_the_change_over_a_run() -> None:
+def test_slo_counts_are_the_clients_with_the_verifiers_change_over_a_run_beside() -> None:
     name = "specfleet_verifier_slo_requests_total"
     key = lambda outcome: (name, (("outcome", outcome), ("slo", "4.0")))  # noqa: E731
     before = vp.Snapshot({key("attained"): 5.0, key("violated"): 1.0})
     after = vp.Snapshot({key("attained"): 11.0, key("violated"): 3.0})
-    assert vp._slo_counts(after - before) == {"violated": 0.25, "slo_counted": 8.0}
-    assert vp._slo_counts(before - before)["slo_counted"] == 0
+    outs = [vp.Outcome(8, 1.0, 0, 0, slo_tokens_per_s=4.0), vp.Outcome(8, 3.0, 0, 0, slo_tokens_per_s=4.0),
+            vp.Outcome(8, 3.0, 0, 0)]  # met, missed (8 < 12), no class
+    assert vp._slo_counts(outs, after - before) == {"violated": 0.5, "slo_counted": 2.0, "violated_at_verifier": 0.25}
+    idle = vp._slo_counts([], before - before)
+    assert idle["slo_counted"] == 0 and math.isnan(idle["violated"]) and math.isnan(idle["violated_at_verifier"])

@@ -30,7 +30,7 @@ SAMPLES: list[P.Message] = [
               tokenizer_fingerprint="abcd", max_model_len=512, max_draft_tokens=16, instance="0123abcd"),
     P.Refused(code="bad_version", message="peer speaks version 2, we speak 1"),
     P.OpenSession(request_id="r1", prompt_ids=[5, 6], params=P.SamplingParams(), origin="coord-1",
-                  speculative=False),
+                  speculative=False, waited_s=0.25),
     P.OpenSession(request_id="r2", prompt_ids=[5, 6], params=P.SamplingParams(), origin="coord-1",
                   speculative=False, resume=P.ResumeState(generated_ids=[7, 8], released_chars=3, drafted_tokens=4,
                                                           accepted_tokens=2)),
@@ -214,3 +214,10 @@ def test_batch_refuses_empty_or_unbatchable_items(items: list[typing.Any]) -> No
     raw = msgpack.packb({"type": "batch", "items": [msgspec.to_builtins(i) for i in items]})
     with pytest.raises(P.ProtocolError):
         P.decode(raw)
+
+
+def test_an_open_session_cannot_claim_a_negative_wait() -> None:
+    raw = _raw(P.OpenSession(request_id="r1", prompt_ids=[5], params=P.SamplingParams(), origin="c", waited_s=1.0))
+    raw["waited_s"] = -1.0
+    with pytest.raises(P.ProtocolError):
+        P.decode(_pack(raw))

@@ -209,13 +209,27 @@ def test_round_deadline(cand: Candidate, default: float | None, deadline: float)
         assert not slo_met(cand.arrived_at, cand.generated + cand.expected_tokens, slo, d + 1e-6)
 
 
+def test_network_time_comes_off_every_deadline() -> None:
+    """T_net (eq. 6's T_network) makes a request critical that much earlier and lets no batch run
+    into the part of its deadline the user's side needs: "a" (d = 105) can share a 3 s step with
+    "b" when the deadline is all the server's, not when 2.5 s of it belong to the network."""
+    cand = Candidate("s", 1, 0, 0.0, arrived_at=10.0, generated=6, slo_tokens_per_s=4.0, expected_tokens=2.0)
+    assert round_deadline(cand, None, 0.5) == 11.5 and round_deadline(be("x"), None, 0.5) == math.inf
+    ready = [due("a", 105.0), be("b", new=1)]
+    plain = wisp(delta=1.0)
+    assert plain.select(ready, ROOMY) == ["a", "b"] and plain.last_critical == 0  # 103 <= 105; LST 102 > 100
+    net = WispBatcher(LinearTime(), delta_s=1.0, clock=lambda: NOW, network_s=2.5)
+    assert net.select(ready, ROOMY) == ["a"] and net.last_stop == "deadline"  # 103 > 102.5
+    assert net.last_critical == 1  # LST = 102.5 − 2 − 1 = 99.5 <= 100
+
+
 # --- against a plain transcription of Alg. 1 on 1,000 candidates -----------------------------------
 
 def alg1(ready: Sequence[Candidate], limits: BatchLimits, model: LinearTime, default: float | None, delta: float,
-         kv_budget: int | None, now: float) -> list[str]:
+         kv_budget: int | None, now: float, network: float = 0.0) -> list[str]:
     """Alg. 1 written out directly, model calls on shapes and all (the interpretations as in wisp.py)."""
     v = {c.session_id: model.predict([Shape(c.new_tokens, c.cached)]) for c in ready}
-    d = {c.session_id: round_deadline(c, default) for c in ready}
+    d = {c.session_id: round_deadline(c, default, network) for c in ready}
     crit = [c for c in ready if now >= d[c.session_id] - v[c.session_id] - delta]
     non = [c for c in ready if c not in crit]
     crit.sort(key=lambda c: (d[c.session_id], c.ready_since))
@@ -246,21 +260,23 @@ def random_candidate(rng: random.Random, sid: str) -> Candidate:
                      kv_tokens=rng.choice([0, 0, 16, 64]))
 
 
-@pytest.mark.parametrize(("seed", "limits", "kv_budget", "default"), [
-    pytest.param(0, BatchLimits(32, 2048), None, None, id="sessions-stop"),
-    pytest.param(1, BatchLimits(32, 2048), 512, 4.0, id="kv-stop"),
-    pytest.param(2, BatchLimits(1000, 100_000), None, None, id="deadline-stop-in-fill"),
-    pytest.param(3, BatchLimits(64, 120), 1024, 2.0, id="tokens-stop"),
-    pytest.param(4, BatchLimits(1000, 100_000), None, 4.0, id="deadline-stop-critical"),
+@pytest.mark.parametrize(("seed", "limits", "kv_budget", "default", "network"), [
+    pytest.param(0, BatchLimits(32, 2048), None, None, 0.0, id="sessions-stop"),
+    pytest.param(1, BatchLimits(32, 2048), 512, 4.0, 0.0, id="kv-stop"),
+    pytest.param(2, BatchLimits(1000, 100_000), None, None, 0.0, id="deadline-stop-in-fill"),
+    pytest.param(3, BatchLimits(64, 120), 1024, 2.0, 0.0, id="tokens-stop"),
+    pytest.param(4, BatchLimits(1000, 100_000), None, 4.0, 0.0, id="deadline-stop-critical"),
+    pytest.param(5, BatchLimits(1000, 100_000), None, 4.0, 0.25, id="deadline-stop-with-network"),
 ])
 def test_1000_candidates_match_alg1_and_are_valid(seed: int, limits: BatchLimits, kv_budget: int | None,
-                                                  default: float | None) -> None:
+                                                  default: float | None, network: float) -> None:
     rng = random.Random(seed)
     ready = [random_candidate(rng, f"s{i}") for i in range(1000)]
     model = LinearTime(a=3.3e-5, b=3.45e-8, c=4.6e-6, d=0.0149)  # the paper's Table 12 fit
-    batcher = WispBatcher(model, default, delta_s=0.02, clock=lambda: NOW, kv_budget_tokens=kv_budget)
+    batcher = WispBatcher(model, default, delta_s=0.02, clock=lambda: NOW, kv_budget_tokens=kv_budget,
+                          network_s=network)
     chosen = batcher.select(ready, limits)
-    assert chosen == alg1(ready, limits, model, default, 0.02, kv_budget, NOW)
+    assert chosen == alg1(ready, limits, model, default, 0.02, kv_budget, NOW, network)
     by_id = {c.session_id: c for c in ready}
     batch = [by_id[s] for s in chosen]
     assert chosen and len(set(chosen)) == len(chosen) <= limits.max_sessions
@@ -269,7 +285,7 @@ def test_1000_candidates_match_alg1_and_are_valid(seed: int, limits: BatchLimits
     end = NOW + model.predict([Shape(c.new_tokens, c.cached) for c in batch])
     for c in batch:
         alone = NOW + model.predict([Shape(c.new_tokens, c.cached)])
-        assert end <= round_deadline(c, default) or alone > round_deadline(c, default)
+        assert end <= round_deadline(c, default, network) or alone > round_deadline(c, default, network)
 
 
 # --- FCFS and the factory ------------------------------------------------------------------------
@@ -289,9 +305,10 @@ def test_make_batcher() -> None:
     assert POLICIES == ("fcfs", "wisp")
     assert isinstance(make_batcher("fcfs"), FcfsBatcher)
     assert isinstance(make_batcher("fcfs", LinearTime(), 4.0), FcfsBatcher)
-    batcher = make_batcher("wisp", LinearTime(), 4.0, delta_s=0.05, kv_budget_tokens=100)
+    batcher = make_batcher("wisp", LinearTime(), 4.0, delta_s=0.05, kv_budget_tokens=100, network_s=0.06)
     assert isinstance(batcher, WispBatcher) and batcher.name == "wisp"
     assert (batcher.default_slo_tokens_per_s, batcher.delta_s, batcher.kv_budget_tokens) == (4.0, 0.05, 100)
+    assert batcher.network_s == 0.06
 
 
 @pytest.mark.parametrize(("call", "match"), [
@@ -300,6 +317,7 @@ def test_make_batcher() -> None:
     (lambda: WispBatcher(LinearTime(), 0.0), "default_slo_tokens_per_s"),
     (lambda: WispBatcher(LinearTime(), delta_s=-1.0), "delta_s"),
     (lambda: WispBatcher(LinearTime(), kv_budget_tokens=-1), "kv_budget_tokens"),
+    (lambda: WispBatcher(LinearTime(), network_s=-0.1), "network_s"),
 ])
 def test_bad_configuration_is_refused(call: Callable[[], object], match: str) -> None:
     with pytest.raises(ValueError, match=match):

@@ -19,6 +19,10 @@ with G_i = ``generated``, N̂_v,i = ``expected_tokens`` (eq. 5: the drafts expec
 accepted plus the target's own token) and A_i = ``arrived_at``. d_i is exactly the latest
 completion time at which the request still meets its SLO once this round commits its expected
 tokens: C_i ≤ d_i ⇔ ``slo_met(A_i, G_i + N̂_v,i, s_c, C_i)``. Best-effort requests have d_i = +∞.
+What the server's clock cannot see is eq. 6's T_network on the user's side: the time from the
+user's request to the session's arrival here (the queue, the edge) and from a commit here to
+the user's screen. ``network_s`` (T_net) takes it off every deadline, d_i = A_i + (G_i +
+N̂_v,i)/s_c − T_net, so that a request scheduled just in time here is in time for its user.
 The clock starts at A_i, so queueing and prefill before the first token count against the SLO;
 a caller that wants them excluded passes the first token's time as ``arrived_at``. A candidate
 with an SLO needs a real ``arrived_at`` (the default 0.0 makes it look long overdue).
@@ -90,12 +94,12 @@ def slo_met(arrived_at: float, generated: float, slo_tokens_per_s: float | None,
     return generated >= slo_tokens_per_s * (now - arrived_at)
 
 
-def round_deadline(cand: Candidate, default_slo_tokens_per_s: float | None) -> float:
-    """d_i = A_i + (G_i + N̂_v,i)/s_c (module docstring; wisp.txt eq. 6, 12); +∞ for best effort."""
+def round_deadline(cand: Candidate, default_slo_tokens_per_s: float | None, network_s: float = 0.0) -> float:
+    """d_i = A_i + (G_i + N̂_v,i)/s_c − T_net (module docstring; wisp.txt eq. 6, 12); +∞ for best effort."""
     slo = cand.slo_tokens_per_s if cand.slo_tokens_per_s is not None else default_slo_tokens_per_s
     if slo is None or slo <= 0:
         return math.inf
-    return cand.arrived_at + (cand.generated + cand.expected_tokens) / slo
+    return cand.arrived_at + (cand.generated + cand.expected_tokens) / slo - network_s
 
 
 _PROBE = (256.0, 256.0 * 4096.0, 4096.0)  # a typical batch (ΣL_new, Σ L_total·L_new, ΣL_cached) to probe at
@@ -143,8 +147,9 @@ class WispBatcher:
     ``model`` predicts verification time from summed features (the step-time estimator),
     ``default_slo_tokens_per_s`` is the target for candidates without their own (``None`` = best
     effort), ``delta_s`` is the guard time δ of eq. 17, ``clock`` gives dispatch time t_k on the
-    candidates' clock, and ``kv_budget_tokens`` bounds Σ ``kv_tokens`` (M of eq. 14; ``None`` = no
-    bound). After each ``select``, ``last_critical`` holds how many candidates were critical and
+    candidates' clock, ``kv_budget_tokens`` bounds Σ ``kv_tokens`` (M of eq. 14; ``None`` = no
+    bound) and ``network_s`` is T_net, the user's side of eq. 6's T_network, taken off every
+    deadline. After each ``select``, ``last_critical`` holds how many candidates were critical and
     ``last_stop`` why growth ended ("sessions", "tokens", "kv", "deadline"; ``None``: all admitted).
     """
 
@@ -152,11 +157,13 @@ class WispBatcher:
 
     def __init__(self, model: SumsTimeModel, default_slo_tokens_per_s: float | None = None,
                  delta_s: float = DEFAULT_DELTA_S, clock: Callable[[], float] = time.perf_counter,
-                 kv_budget_tokens: int | None = None) -> None:
+                 kv_budget_tokens: int | None = None, network_s: float = 0.0) -> None:
         if default_slo_tokens_per_s is not None and not default_slo_tokens_per_s > 0:
             raise ValueError(f"default_slo_tokens_per_s must be > 0 or None, got {default_slo_tokens_per_s}")
         if not delta_s >= 0:
             raise ValueError(f"delta_s must be >= 0, got {delta_s}")
+        if not network_s >= 0:
+            raise ValueError(f"network_s must be >= 0, got {network_s}")
         if kv_budget_tokens is not None and kv_budget_tokens < 0:
             raise ValueError(f"kv_budget_tokens must be >= 0 or None, got {kv_budget_tokens}")
         self.model = model
@@ -164,6 +171,7 @@ class WispBatcher:
         self.delta_s = delta_s
         self.clock = clock
         self.kv_budget_tokens = kv_budget_tokens
+        self.network_s = network_s
         self.last_critical = 0
         self.last_stop: str | None = None
 
@@ -187,7 +195,7 @@ class WispBatcher:
         """Alg. 1 lines 10–17: critical candidates by EDF, then the rest by decreasing utility; only
         the first ``k`` (no batch can use more), as (key, ready_since, index, d_i, v̂_i)."""
         a, b, c, const = _coefficients(self.model)
-        default, inf, start_by = self.default_slo_tokens_per_s, math.inf, now + self.delta_s
+        default, inf, start_by, net = self.default_slo_tokens_per_s, math.inf, now + self.delta_s, self.network_s
         crit: list[_Ranked] = []
         rest: list[_Ranked] = []
         for i, cand in enumerate(ready):
@@ -197,7 +205,7 @@ class WispBatcher:
             if slo is None:
                 slo = default
             # d_i, as round_deadline (inlined: this loop runs for every pending candidate)
-            d = cand.arrived_at + (cand.generated + gain) / slo if slo is not None and slo > 0 else inf
+            d = cand.arrived_at + (cand.generated + gain) / slo - net if slo is not None and slo > 0 else inf
             if d - v <= start_by:  # now ≥ LST_i = d_i − v̂_i − δ (eq. 17); never when d = +∞
                 crit.append((d, cand.ready_since, i, d, v))
             else:
