@@ -105,8 +105,9 @@ def main(argv: list[str] | None = None) -> int:
                         "the scarce resource, as WISP assumes), or its draft model (the one edge core then paces "
                         "every session, whatever the verifier's order)")
     p.add_argument("--wisp-network-ms", type=float, default=60.0,
-                   help="WISP's T_network (the verifier's --wisp-network-ms): the part of a request's time its "
-                        "server cannot see; about the TTFT p90 of this machine at light load")
+                   help="WISP's T_network (the verifier's --wisp-network-ms): the clients' hop and each token's "
+                        "delivery, which the verifier cannot see, plus a margin (0: WISP schedules just in time for "
+                        "the verifier and late for the clients)")
     p.add_argument("--estimator-file", default=str(DEFAULT_PROFILE) if DEFAULT_PROFILE.exists() else "",
                    help=f"step-time coefficients (make profile-verifier; default {DEFAULT_PROFILE} when present)")
     add_workload_flags(p, repeats=1, max_tokens=64)

@@ -15,8 +15,8 @@ Every part starts real pinned fleets (the verifier on the server CPU, the rest o
 * **wisp** (WISP §5): FCFS and WISP batching at each load of ``--wisp-loads``, with the fleets of
   ``bench slo`` (an n-gram drafter, so that the verifier is the bottleneck), requests spread over
   4 SLO classes (``--slo-classes``, tokens/s): the share of requests that missed their class as
-  their clients saw them (the verifier's own count beside), and the most sessions served at
-  ≤ 5 % violations.
+  their clients saw them (the verifier's own count beside, in the JSON), and the most sessions
+  served at ≤ 5 % violations.
 * **trim** (AdaSpec §6): fixed k for each of ``--trim-ks``, AdaSpec's trim of the longest
   (drafters send confidences), and AdaSpec whole (its drafter controller stops early, the
   verifier trims) at each load of ``--trim-loads``.
@@ -143,7 +143,8 @@ def _serve_once(models: Any, bf: BenchFleet, load: int, max_tokens: int,
 def _summary(runs: list[dict[str, float]]) -> dict[str, Any]:
     counted = sum(r["slo_counted"] for r in runs)
     missed = sum(r["violated"] * r["slo_counted"] for r in runs if r["slo_counted"])
-    at_verifier = sum(r["violated_at_verifier"] * r["slo_counted"] for r in runs if r["slo_counted"])
+    by_verifier = sum(r.get("verifier_counted", 0.0) for r in runs)
+    at_verifier = sum(r["violated_at_verifier"] * r["verifier_counted"] for r in runs if r.get("verifier_counted"))
     def total(key: str) -> float:
         return sum(r.get(key, 0.0) for r in runs)
     rounds = total("budget_rounds")  # speculating rounds the verifier handed a budget
@@ -152,7 +153,7 @@ def _summary(runs: list[dict[str, float]]) -> dict[str, Any]:
     return {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
             "tokens_per_s_runs": [r["tokens_per_s"] for r in runs],
             "violated": missed / counted if counted else float("nan"),
-            "violated_at_verifier": at_verifier / counted if counted else float("nan"), "slo_counted": counted,
+            "violated_at_verifier": at_verifier / by_verifier if by_verifier else float("nan"), "slo_counted": counted,
             **budgets}
 
 
@@ -175,7 +176,8 @@ def _slo_counts(outs: list[Outcome], d: Snapshot) -> dict[str, float]:
     classed = [o for o in outs if o.slo_tokens_per_s is not None]
     return {"violated": sum(not o.slo_met for o in classed) / len(classed) if classed else float("nan"),
             "slo_counted": float(len(classed)),
-            "violated_at_verifier": violated / (attained + violated) if attained + violated else float("nan")}
+            "violated_at_verifier": violated / (attained + violated) if attained + violated else float("nan"),
+            "verifier_counted": attained + violated}
 
 
 def smartspec_part(models: Any, args: argparse.Namespace, edge: Edge, logs: Path) -> dict[str, Any]:

@@ -96,6 +96,7 @@ class Policies:
     threshold: float = 0.4  # the threshold controller's confidence threshold
     default_slo_tokens_per_s: float | None = None  # WISP's target for requests without an SLO class
     wisp_delta_s: float = 0.02  # WISP's guard time δ
+    wisp_network_s: float = 0.0  # WISP's T_net (the verifier's --wisp-network-ms)
     goodspeed_eta: float = 0.1  # tracker smoothing of α̂ (eq. 3)
     goodspeed_beta: float = 0.5  # tracker smoothing of X (eq. 4)
 

@@ -56,7 +56,7 @@ class Session:
     slo: float | None
     arrived_at: float  # at the client: latency, TTFT and the SLO clock start here
     controller: DraftController | None
-    opened_at: float = 0.0  # at the verifier (the real Request.arrived_at, WISP's deadline clock)
+    opened_at: float = 0.0  # at the verifier (a real request's arrived_at is moved back to its take: arrived_at)
     prefilled: bool = False  # whether its drafter has run its prompt through the draft model
     generated: int = 0
     cached: int = 0  # KV rows the verifier holds for it

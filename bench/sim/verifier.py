@@ -47,7 +47,8 @@ class SimVerifier:
         self.tracker = GoodputTracker(p.goodspeed_eta, p.goodspeed_beta)
         self.allocator = make_allocator(p.allocation, AllocationSettings(
             p.draft_len, p.capacity, p.allocation_max_len, spec.seed), cost)
-        self.batcher = make_batcher(p.batching, cost, p.default_slo_tokens_per_s, delta_s=p.wisp_delta_s)
+        self.batcher = make_batcher(p.batching, cost, p.default_slo_tokens_per_s, delta_s=p.wisp_delta_s,
+                                    network_s=p.wisp_network_s)
         if isinstance(self.batcher, WispBatcher):
             self.batcher.clock = clock  # deadlines and latest starts on the simulated clock
         self.limits = BatchLimits(v.max_sessions, v.max_tokens)
@@ -101,7 +102,7 @@ class SimVerifier:
         expected = expected_tokens(est.alpha, n) if est is not None else 1.0
         to_prefill = s.context_len - 1 - s.cached
         self.ready[s.sid] = (s, Candidate(s.sid, to_prefill + 1 + n, s.context_len, now, cached=s.cached,
-                                          arrived_at=s.opened_at, generated=s.generated, slo_tokens_per_s=s.slo,
+                                          arrived_at=s.arrived_at, generated=s.generated, slo_tokens_per_s=s.slo,
                                           expected_tokens=expected))
 
     # --- a step ------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ client's stream goes on where it paused, with no token repeated or skipped.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from shared.protocol import OpenSession, ResumeState, TokenEvent
@@ -28,13 +29,15 @@ class Relayed:
     released_chars: int = 0
     drafted: int = 0
     accepted: int = 0
+    taken_at: float = field(default_factory=time.monotonic)  # when this coordinator took the request
 
     def reopen(self) -> OpenSession:
         state = ResumeState(generated_ids=list(self.generated), released_chars=self.released_chars,
                             drafted_tokens=self.drafted, accepted_tokens=self.accepted)
         o = self.opened
         return OpenSession(request_id=o.request_id, prompt_ids=o.prompt_ids, params=o.params, origin=o.origin,
-                           speculative=False, slo_tokens_per_s=o.slo_tokens_per_s, resume=state)
+                           speculative=False, slo_tokens_per_s=o.slo_tokens_per_s, resume=state,
+                           waited_s=max(0.0, time.monotonic() - self.taken_at))  # its SLO clock runs on
 
 
 class ResumeLedger:

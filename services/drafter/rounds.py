@@ -20,6 +20,8 @@ import contextlib
 import time
 from collections.abc import Callable
 
+import msgspec
+
 from services.drafter.batcher import DraftBatcher
 from services.drafter.link import LINK_LOST, Inbound, LinkDown, VerifierLink
 from services.drafter.lookahead import BranchOdds, Presend
@@ -116,11 +118,10 @@ class SessionRunner:
     async def _open(self, session: DraftSession, inbox: asyncio.Queue[Inbound]) -> SessionOpened | None:
         req = session.delivery.request
         frame = OpenSession(request_id=req.request_id, prompt_ids=list(req.prompt_ids), params=req.params,
-                            origin=req.origin, speculative=True, slo_tokens_per_s=req.slo_tokens_per_s,
-                            waited_s=max(0.0, time.time() - req.created_at))
+                            origin=req.origin, speculative=True, slo_tokens_per_s=req.slo_tokens_per_s)
         delay = BUSY_RETRY_FIRST_S
-        while True:
-            await self.link.send(frame)
+        while True:  # each attempt says how long the request has waited by now (busy retries included)
+            await self.link.send(msgspec.structs.replace(frame, waited_s=max(0.0, time.time() - req.created_at)))
             reply = await self._reply_to_open(inbox)
             if isinstance(reply, SessionOpened):
                 session.bonus_key, session.race_key = reply.bonus_key, reply.race_key

@@ -67,9 +67,11 @@ class VerifierConfig:
     slo_tokens_per_s: float = opt(0.0, "SLO class (tokens/s) of requests that name none (extension field "
                                        "slo_tokens_per_s); 0: best effort")
     wisp_delta_ms: float = opt(20.0, "batching=wisp: guard time δ subtracted from each latest start time")
-    wisp_network_ms: float = opt(0.0, "batching=wisp: T_network of eq. 6, the user's side of a request's time that "
-                                      "this server cannot see (queue and edge before its session opens here, "
-                                      "delivery after each commit), taken off every deadline")
+    wisp_network_ms: float = opt(0.0, "batching=wisp: T_network of eq. 6, the part of a request's time that this "
+                                      "server cannot see, taken off every deadline: the client's hop to its "
+                                      "coordinator and each token's delivery back, plus a safety margin (the "
+                                      "queue and the edge before the session opens here count already: "
+                                      "OpenSession.waited_s)")
     trim: str = opt("none", "draft trim: none, adaspec (drop the least likely tail drafts while that raises the "
                             "batch's estimated tokens per second; needs drafters that send confidences)")
     tpot_slo_ms: float = opt(0.0, "trim=adaspec: refuse batch shapes whose predicted step exceeds this (0: off)")

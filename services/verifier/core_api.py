@@ -36,7 +36,9 @@ class AddRequest:
     grammar: Grammar | None = None  # structured output: the request's grammar state
     #: tokens already committed after the prompt (a request re-opened after its verifier was lost)
     generated: list[int] = field(default_factory=list)
-    waited_s: float = 0.0  # how long the request waited before it reached us (its SLO clock started then)
+    #: how long the request waited before it reached us: its ``arrived_at`` (the SLO clock, and the
+    #: order of prefill and of prefix sharing, oldest first) is moved back by it
+    waited_s: float = 0.0
 
 
 @dataclass(frozen=True)

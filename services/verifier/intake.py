@@ -115,7 +115,7 @@ class Intake:
         try:
             self.core.submit(AddRequest(rid, list(msg.prompt_ids), msg.params, speculative,
                                         self.names(conn_id) if speculative else "", msg.slo_tokens_per_s,
-                                        grammar, generated, min(msg.waited_s, MAX_WAITED_S)))
+                                        grammar, generated, waited_s=min(msg.waited_s, MAX_WAITED_S)))
         except CoreBusy as exc:
             self.routes.close(rid)
             return self.output.error(conn_id, "busy", str(exc), rid)

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from bench.client import Outcome
+from bench.edge import Edge
 from bench.fairness import parse_drafters, settle_round
-from bench.fleets import Run, bodies
+from bench.fleets import Run, bodies, fleet_spec
 from bench.run_stats import (
     client_slo_by_class,
     cpu_split,
@@ -36,6 +37,7 @@ from bench.sim.validate import (
     verifier_loop_s,
 )
 from bench.slo import capacity, violations
+from bench.slo import scenarios as slo_scenarios
 from bench.traces import TRACES, rate_profile, trace_arrivals
 from services.verifier.batching.estimator import StepTimeEstimator
 from shared.fleet import FleetSpec, plan
@@ -346,3 +348,15 @@ def test_edge_drafters_reach_redis_through_the_edge_address() -> None:
     assert drafter[drafter.index("--queue-url") + 1] == "redis://10.77.0.1:5555/0"
     coordinator = dict(plan(spec))["coordinator"]
     assert coordinator[coordinator.index("--redis-url") + 1] == "redis://127.0.0.1:6379/0"
+
+
+def test_slo_fleets_differ_only_in_their_batching_and_take_every_session() -> None:
+    fcfs, wisp = slo_scenarios(Path("models/draft-small"), 4, "p.json", "ngram", 128, 60.0)
+    assert (fcfs.name, wisp.name) == ("fcfs", "wisp")
+    assert fcfs.verifier_flags == ("--batching", "fcfs", "--estimator-file", "p.json")
+    assert wisp.verifier_flags == ("--batching", "wisp", "--estimator-file", "p.json", "--wisp-network-ms", "60")
+    assert fcfs.drafter_flags == wisp.drafter_flags == ("--proposer", "ngram", "--max-sessions", "128")
+    spec, _ = fleet_spec(Path("models/target"), wisp, Edge(server_cpus="", edge_cpus=""))
+    flags = spec.drafter_flags
+    last = max(i for i, f in enumerate(flags) if f == "--max-sessions")
+    assert flags[last + 1] == "128"  # after the harness's own default: the last one wins

@@ -67,6 +67,7 @@ def test_slo_counts_are_the_clients_with_the_verifiers_change_over_a_run_beside(
     after = vp.Snapshot({key("attained"): 11.0, key("violated"): 3.0})
     outs = [vp.Outcome(8, 1.0, 0, 0, slo_tokens_per_s=4.0), vp.Outcome(8, 3.0, 0, 0, slo_tokens_per_s=4.0),
             vp.Outcome(8, 3.0, 0, 0)]  # met, missed (8 < 12), no class
-    assert vp._slo_counts(outs, after - before) == {"violated": 0.5, "slo_counted": 2.0, "violated_at_verifier": 0.25}
+    assert vp._slo_counts(outs, after - before) == {"violated": 0.5, "slo_counted": 2.0, "violated_at_verifier": 0.25,
+                                                    "verifier_counted": 8.0}
     idle = vp._slo_counts([], before - before)
     assert idle["slo_counted"] == 0 and math.isnan(idle["violated"]) and math.isnan(idle["violated_at_verifier"])

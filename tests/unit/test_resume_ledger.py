@@ -45,3 +45,13 @@ def test_finished_or_forgotten_requests_are_not_reopened() -> None:
     assert "done" not in ledger and len(ledger) == 1
     ledger.clear()
     assert ledger.reopen() == []
+
+
+def test_a_reopened_request_keeps_its_slo_clock() -> None:
+    """The re-open says how long ago this coordinator took the request (OpenSession.waited_s), so
+    the restarted verifier counts its SLO from then, not from the re-open."""
+    ledger = ResumeLedger()
+    ledger.track(opened("a"))
+    ledger._entries["a"].taken_at -= 12.0  # taken 12 s ago
+    (frame,) = ledger.reopen()
+    assert 12.0 <= frame.waited_s < 14.0

@@ -19,10 +19,12 @@ with G_i = ``generated``, N̂_v,i = ``expected_tokens`` (eq. 5: the drafts expec
 accepted plus the target's own token) and A_i = ``arrived_at``. d_i is exactly the latest
 completion time at which the request still meets its SLO once this round commits its expected
 tokens: C_i ≤ d_i ⇔ ``slo_met(A_i, G_i + N̂_v,i, s_c, C_i)``. Best-effort requests have d_i = +∞.
-What the server's clock cannot see is eq. 6's T_network on the user's side: the time from the
-user's request to the session's arrival here (the queue, the edge) and from a commit here to
-the user's screen. ``network_s`` (T_net) takes it off every deadline, d_i = A_i + (G_i +
-N̂_v,i)/s_c − T_net, so that a request scheduled just in time here is in time for its user.
+The verifier counts A_i from when the request's coordinator took it (``OpenSession.waited_s``
+moves it back by the queue and the edge). What its clock cannot see is the rest of eq. 6's
+T_network on the user's side: the client's hop to the coordinator and each commit's way back
+to the user's screen. ``network_s`` (T_net, with any safety margin) takes it off every
+deadline, d_i = A_i + (G_i + N̂_v,i)/s_c − T_net, so a request scheduled just in time here is
+in time for its user.
 The clock starts at A_i, so queueing and prefill before the first token count against the SLO;
 a caller that wants them excluded passes the first token's time as ``arrived_at``. A candidate
 with an SLO needs a real ``arrived_at`` (the default 0.0 makes it look long overdue).
