@@ -42,8 +42,10 @@ from bench.edge import Edge, add_edge_flags, edge_from
 from bench.fairness import Sample, settle_round, tracing_utility
 from bench.fleets import PROMPTS, BenchFleet, Scenario, bench_fleet, bodies, given_args
 from bench.profile import largest, smallest
+from bench.run_stats import client_slo_by_class
 from bench.scrape import Snapshot
 from bench.slo import scenarios as slo_scenarios
+from bench.slo import violations
 from shared.up import resolve_models
 
 PARTS = ("allocation", "smartspec", "wisp", "trim")
@@ -173,9 +175,9 @@ def _slo_counts(outs: list[Outcome], d: Snapshot) -> dict[str, float]:
         return sum(v for k, v in d.items()
                    if k[0] == "specfleet_verifier_slo_requests_total" and ("outcome", outcome) in k[1])
     attained, violated = total("attained"), total("violated")
-    classed = [o for o in outs if o.slo_tokens_per_s is not None]
-    return {"violated": sum(not o.slo_met for o in classed) / len(classed) if classed else float("nan"),
-            "slo_counted": float(len(classed)),
+    per_class = client_slo_by_class(outs)
+    return {"violated": violations({"slo_client": per_class, "slo": {}}),
+            "slo_counted": sum(c["requests"] for c in per_class.values()),
             "violated_at_verifier": violated / (attained + violated) if attained + violated else float("nan"),
             "verifier_counted": attained + violated}
 

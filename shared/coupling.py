@@ -33,8 +33,7 @@ import secrets
 
 import torch
 
-from shared.race import exponential_
-from shared.sampling import hashed_generator
+from shared.race import keyed_exponentials
 
 
 def new_bonus_key() -> int:
@@ -44,7 +43,7 @@ def new_bonus_key() -> int:
 
 def race_noise(key: int, round_: int, vocab: int) -> torch.Tensor:
     """The Exp(1) variates of one round (float64, one per vocabulary entry)."""
-    return exponential_(torch.rand(vocab, generator=hashed_generator(f"{key}:{round_}"), dtype=torch.float64))
+    return keyed_exponentials(f"{key}:{round_}", vocab)
 
 
 def race_winner(probs: torch.Tensor, noise: torch.Tensor) -> int:

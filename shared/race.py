@@ -58,24 +58,21 @@ def race_key(seed: int | None) -> int:
 def noise(key: int, position: int, vocab: int) -> torch.Tensor:
     """``E_n`` for position ``n`` of the request keyed ``key``: Exp(1) variates, float64, one per
     vocabulary entry (a smaller vocabulary gets a prefix of the same variates)."""
-    return exponential_(_uniforms(key, position, vocab))
+    return keyed_exponentials(f"race:{key}:{position}", vocab)
 
 
-def _uniforms(key: int, position: int, vocab: int) -> torch.Tensor:
-    return torch.rand(vocab, generator=hashed_generator(f"race:{key}:{position}"), dtype=torch.float64)
-
-
-def exponential_(uniform: torch.Tensor) -> torch.Tensor:
-    """Exp(1) variates from uniforms on [0, 1), in place: -log(1 - u), never exactly 0 (a draw of
-    exactly 0 would make 0 / 0 for a token p excludes)."""
+def keyed_exponentials(label: str, vocab: int) -> torch.Tensor:
+    """``vocab`` Exp(1) variates, float64, from the generator keyed by ``label``: -log(1 - u) of
+    its uniforms, never exactly 0 (a draw of exactly 0 would make 0 / 0 for a token p excludes)."""
+    uniform = torch.rand(vocab, generator=hashed_generator(label), dtype=torch.float64)
     return uniform.neg_().log1p_().neg_().clamp_(min=_TINY)
 
 
 def ratios(probs: torch.Tensor, key: int, positions: Sequence[int]) -> torch.Tensor:
     """``p / E`` for each row of ``probs [R, V]`` (row i at ``positions[i]``), float64 on the CPU;
     tokens that p excludes score 0. The winner of row i is its argmax."""
-    uniforms = torch.stack([_uniforms(key, n, probs.shape[-1]) for n in positions])
-    return probs.detach().to("cpu", torch.float64) / exponential_(uniforms)
+    variates = torch.stack([noise(key, n, probs.shape[-1]) for n in positions])
+    return probs.detach().to("cpu", torch.float64) / variates
 
 
 def winners(probs: torch.Tensor, key: int, positions: Sequence[int]) -> list[int]:

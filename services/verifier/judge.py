@@ -58,9 +58,7 @@ def judge(batch: Sequence[tuple[Request, list[int]]], raw: torch.Tensor) -> list
         argmax = logits.argmax(-1).tolist()
         for i in greedy:
             drafts = batch[i][1]
-            rows = argmax[starts[i] : starts[i] + len(drafts) + 1]
-            n, extra = verify_greedy(drafts, rows)
-            out[i] = Verdict(n, [*drafts[:n], extra], float(sum(d == a for d, a in zip(drafts, rows, strict=False))))
+            out[i] = _against(drafts, argmax[starts[i] : starts[i] + len(drafts) + 1])
     for judged, raced in ((_judge_raced, True), (_judge_sampled, False)):
         some = [i for i, (req, _) in enumerate(batch) if not req.greedy and (req.race_key is not None) == raced]
         if some:
@@ -120,10 +118,17 @@ def _judge_raced(batch: Sequence[tuple[Request, list[int]]], starts: list[int],
     for (req, drafts), start in zip(batch, local, strict=True):
         assert req.race_key is not None
         first = len(req.committed)
-        won = winners(p[start : start + len(drafts) + 1], req.race_key, range(first, first + len(drafts) + 1))
-        n, extra = verify_greedy(drafts, won)
-        out.append(Verdict(n, [*drafts[:n], extra], float(sum(d == w for d, w in zip(drafts, won, strict=False)))))
+        out.append(_against(drafts, winners(p[start : start + len(drafts) + 1], req.race_key,
+                                            range(first, first + len(drafts) + 1))))
     return out
+
+
+def _against(drafts: list[int], targets: list[int]) -> Verdict:
+    """A round judged against the target's own token at each row (its argmax, or its race's
+    winner): drafts accepted while they equal it, then the target's token; each draft's
+    acceptance probability is 1 where it equals the target's token, else 0."""
+    n, extra = verify_greedy(drafts, targets)
+    return Verdict(n, [*drafts[:n], extra], float(sum(d == t for d, t in zip(drafts, targets, strict=False))))
 
 
 def _judge_sampled(batch: Sequence[tuple[Request, list[int]]], starts: list[int],
