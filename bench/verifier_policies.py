@@ -188,6 +188,10 @@ def smartspec_part(models: Any, args: argparse.Namespace, edge: Edge, logs: Path
                                       for k in args.smartspec_ks),
            Scenario("smartspec", drafters=1, draft=draft, draft_len=args.draft_len,
                     verifier_flags=("--allocation", "smartspec", *_estimator_flags(args)))]
+    if args.smartspec_forward_only:
+        scs.append(Scenario("smartspec forward-only", drafters=1, draft=draft, draft_len=args.draft_len,
+                            verifier_flags=("--allocation", "smartspec", "--smartspec-overhead", "false",
+                                            *_estimator_flags(args))))
     return serve_loads(models, scs, args.loads, edge, logs, args.max_tokens, args.repeats)
 
 
@@ -345,6 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smartspec-ks", default="2,4,6",
                    help="smartspec: the fixed k baselines (SmartSpec chooses from 0 to the verifier's "
                         "--smartspec-max-len, 8)")
+    p.add_argument("--smartspec-forward-only", action="store_true",
+                   help="smartspec: also run SmartSpec with the paper's forward-only batch time "
+                        "(--smartspec-overhead false), beside the default that adds the verifier's busy time")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per request (smartspec, wisp, trim)")
     p.add_argument("--loads", default="1,4,16,64", help="smartspec: concurrent requests")
     p.add_argument("--repeats", type=int, default=3,

@@ -10,7 +10,8 @@ policies (never copies of them):
   session, ``expected_tokens(α̂, drafts)`` from the tracker, then the real ``batcher.select``
   under :class:`BatchLimits`; WISP's clock is the simulated clock;
 * a step (``_step``/``_next_budgets``/``_publish_round``): its time from the cost model plus
-  fixed overheads; each round accepts its drafts' accepted prefix and commits it plus one token
+  fixed overheads, which feed the overhead line SmartSpec prices rounds with, as the core's
+  measured busy time between forwards does; each round accepts its drafts' accepted prefix and commits it plus one token
   (up to max_tokens); the rounds of unfinished speculative sessions go to ``tracker.observe``,
   then ``allocator.assign`` gives next budgets (capped, ``tracker.set_budget``), finished
   sessions are forgotten, and verdicts leave for the drafters (RTT/2 away).
@@ -34,7 +35,7 @@ from bench.sim.tokens import accepted_prefix
 from services.verifier.allocation import AllocationSettings, GoodputTracker, RoundStats, make_allocator
 from services.verifier.allocation.goodspeed import expected_tokens
 from services.verifier.batching import BatchLimits, Candidate, WispBatcher, make_batcher
-from services.verifier.batching.estimator import SegmentShape
+from services.verifier.batching.estimator import RecentLine, SegmentShape
 
 
 class SimVerifier:
@@ -45,8 +46,9 @@ class SimVerifier:
         p, v = spec.policies, spec.verifier
         self.speculative, self.cost, self.events, self.rec, self.v = spec.speculative, cost, events, rec, v
         self.tracker = GoodputTracker(p.goodspeed_eta, p.goodspeed_beta)
+        self.overhead = RecentLine(window=512, refit_every=32)  # as the core: busy time between forwards
         self.allocator = make_allocator(p.allocation, AllocationSettings(
-            p.draft_len, p.capacity, p.allocation_max_len, spec.seed), cost)
+            p.draft_len, p.capacity, p.allocation_max_len, spec.seed), cost, self.overhead)
         self.batcher = make_batcher(p.batching, cost, p.default_slo_tokens_per_s, delta_s=p.wisp_delta_s,
                                     network_s=p.wisp_network_s)
         if isinstance(self.batcher, WispBatcher):
@@ -117,7 +119,9 @@ class SimVerifier:
         select_s = time.perf_counter() - started
         picked = [self.ready.pop(sid) for sid in chosen]
         shapes = [SegmentShape(new=c.new_tokens, cached=c.cached) for _, c in picked]
-        seconds = self.cost.predict(shapes) + self.v.step_overhead_s + self.v.round_overhead_s * len(picked)
+        overhead = self.v.step_overhead_s + self.v.round_overhead_s * len(picked)
+        self.overhead.observe(len(picked), overhead)
+        seconds = self.cost.predict(shapes) + overhead
         self.busy = True
         self.events.push(now + seconds, Kind.STEP_END, Step(tuple(s for s, _ in picked), seconds, select_s))
 

@@ -61,6 +61,9 @@ class VerifierConfig:
     goodspeed_eta: float = opt(0.1, "GoodSpeed's η: smoothing of each session's acceptance estimate α̂ (eq. 3)")
     goodspeed_beta: float = opt(0.5, "GoodSpeed's β: smoothing of each session's goodput X (eq. 4)")
     smartspec_max_len: int = opt(8, "SmartSpec's V: the longest proposal length it considers")
+    smartspec_overhead: bool = opt(True, "SmartSpec prices a round with the verifier's measured busy time between "
+                                         "forwards (per step and per session) as well as the forward; false: the "
+                                         "paper's forward-only batch time")
     allocation_seed: int = opt(-1, "allocation=random: seed of the random splits (-1: unseeded)")
     batching: str = opt("fcfs", "batch selection: fcfs (oldest ready first), wisp (SLO-aware: requests past their "
                                 "latest start first by deadline, then by utility density, within deadlines)")

@@ -107,6 +107,7 @@ class TorchCore:
         self._task: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None  # inline mode: set by submit()
         self._last_step_start = self._last_forward_end = 0.0
+        self._last_forward_cpu, self._last_sessions = 0.0, 0  # process CPU seconds at it; its step's sessions
         self._expiry_checked = 0.0
 
     # --- the VerifierCore interface (event loop thread) -------------------------------------
@@ -363,13 +364,13 @@ class TorchCore:
     # --- one step --------------------------------------------------------------------------
 
     def _step(self, step: Step, scheduled: float) -> None:
-        t0 = time.perf_counter()
+        t0, proc0 = time.perf_counter(), time.process_time()
         for req, _ in step.verify:
             self.metrics.queue_wait.observe(t0 - req.ready_since)
         cpu0 = time.thread_time()
         try:
             logits = self.runner.forward(step.segments)
-            t1, cpu1 = time.perf_counter(), time.thread_time()
+            t1, cpu1, proc1 = time.perf_counter(), time.thread_time(), time.process_time()
             self.metrics.observe_estimate(self.estimator.predict(step.shapes), t1 - t0)
             self.estimator.observe(step.shapes, t1 - t0)
             judged = [*step.verify, *((req, []) for req in step.fill)]
@@ -395,6 +396,11 @@ class TorchCore:
         self.metrics.observe_step(step, scheduled, t0, t1, time.perf_counter(), self._last_step_start, cpu1 - cpu0)
         if self._last_forward_end:
             self.scheduler.observe_gap(t0 - self._last_forward_end)
+            # the CPU the verifier's process spent from the last forward's end to this one's start
+            # (idle waits for drafts cost none), at most the wall time: its work per step
+            busy = min(t0 - self._last_forward_end, proc0 - self._last_forward_cpu)
+            self.estimator.overhead.observe(self._last_sessions, busy)
+        self._last_forward_cpu, self._last_sessions = proc1, len(step.segments)
         # with no session left, the time to the next step is idleness between requests, not a gap
         self._last_step_start, self._last_forward_end = t0, (t1 if self.requests else 0.0)
 

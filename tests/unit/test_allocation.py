@@ -25,7 +25,7 @@ from services.verifier.allocation.smartspec import (
     best_length,
     goodputs,
 )
-from services.verifier.batching.estimator import SegmentShape, StepTimeEstimator
+from services.verifier.batching.estimator import RecentLine, SegmentShape, StepTimeEstimator
 
 
 def rs(sid: str, drafted: int = 4, accepted: int = 2, prob: float | None = None, drafter: str | None = "d",
@@ -251,6 +251,23 @@ def test_smartspec_counts_only_the_wait_other_sessions_do_not_fill() -> None:
     k_alone, _ = best_length(0.6, 1, 100, 8, Linear(5e-3, 0.1e-3), wait)
     k_busy, _ = best_length(0.6, 40, 100, 8, Linear(5e-3, 0.1e-3), wait)
     assert k_alone == 0 < k_busy
+
+
+def test_smartspec_prices_the_verifiers_work_outside_the_forward() -> None:
+    """64 sessions on a forward of 1 ms + 0.5 ms per fed token: priced by the forward alone,
+    drafts cost more than they return (k = 0, as in the table above). With 0.5 ms + 0.4 ms per
+    session of the verifier's work between forwards, which a round pays once per session whatever
+    k is, a round of 1 + α + ... tokens costs less per token than plain decoding's one."""
+    model, overhead = Linear(1e-3, 0.5e-3), RecentLine(refit_every=1)
+    for n in (1, 32, 64):
+        overhead.observe(n, 0.5e-3 + 0.4e-3 * n)
+    k_forward, _ = best_length(0.7, 64, 200, 8, model, DraftWaitModel())
+    k, goodput = best_length(0.7, 64, 200, 8, model, DraftWaitModel(), overhead=overhead)
+    assert k_forward == 0 < k
+    assert goodput == pytest.approx(max(64 * expected_tokens(0.7, j) / (
+        model.predict([SegmentShape(1 + j, 200)] * 64) + 0.5e-3 + 0.4e-3 * 64) for j in range(9)))
+    assert goodputs(0.7, 64, 200, 8, model, DraftWaitModel(), RecentLine()) == goodputs(
+        0.7, 64, 200, 8, model, DraftWaitModel())  # nothing measured yet: the forward alone
 
 
 def test_smartspec_changes_its_length_only_for_a_clear_gain() -> None:

@@ -14,6 +14,7 @@ from services.verifier.batching.estimator import (
     DEFAULT_COEF,
     MIN_SECONDS,
     FitReport,
+    RecentLine,
     Sample,
     SegmentShape,
     StepTimeEstimator,
@@ -194,6 +195,33 @@ def test_fit_keeps_coefficients_non_negative() -> None:
 
 
 # --- the offline profiler ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("points", "e0", "e1"), [
+    ([(1, 0.0012), (32, 0.0074), (64, 0.0138)], 0.001, 0.0002),  # an exact line: recovered
+    ([(16, 0.004), (16, 0.006)], 0.005, 0.0),  # one x only: flat through the mean
+    ([(1, 0.009), (64, 0.003)], 0.006, 0.0),  # a cost does not fall with x: slope 0, the mean
+    ([(10, 0.001), (20, 0.003)], 0.0, 0.0002),  # an intercept below 0 clamped to 0, the slope kept
+])
+def test_recent_line_fits_a_non_negative_cost(points: list[tuple[int, float]], e0: float, e1: float) -> None:
+    line = RecentLine(refit_every=1)
+    for x, y in points:
+        line.observe(x, y)
+    assert (line.e0, line.e1) == (pytest.approx(e0), pytest.approx(e1, abs=1e-12))
+    assert line.predict(8) == pytest.approx(e0 + 8 * e1)
+
+
+def test_recent_line_keeps_only_its_window_and_ignores_bad_points() -> None:
+    line = RecentLine(window=4, refit_every=1)
+    for x in range(1, 9):
+        line.observe(x, 1.0 + x)  # slope 1 ...
+    for x in range(1, 5):
+        line.observe(x, 0.5 * x)  # ... then only the last four points, slope 0.5
+    for bad in (-1.0, float("nan"), float("inf")):
+        line.observe(3, bad)
+    assert (line.e0, line.e1) == (pytest.approx(0.0, abs=1e-12), pytest.approx(0.5))
+    with pytest.raises(ValueError, match="window"):
+        RecentLine(window=1)
 
 
 def test_profiler_plans_valid_shapes() -> None:

@@ -364,6 +364,24 @@ def test_the_gap_between_forwards_is_measured_while_sessions_run_not_across_idle
     assert h.core.scheduler.gap_s < before + GAP_ALPHA * IDLE_S / 10
 
 
+def test_the_verifiers_busy_time_between_forwards_is_measured_by_sessions_without_idle_waits(
+        target: LoadedModel) -> None:
+    """SmartSpec's overhead line (estimator.overhead): the CPU the verifier spends from one
+    forward's end to the next one's start, against the sessions of the step that just ended. A
+    wait with sessions live (for a draft, say) is in the trim's gap but costs no CPU."""
+    h = Harness(target)
+    for i in range(3):
+        h.core.submit(AddRequest(f"r{i}", prompt(i, 5), GREEDY, speculative=False))
+    h.turn(4)
+    points = list(h.core.estimator.overhead.points)
+    assert len(points) == 3 and all(x == 3 and 0.0 < y < IDLE_S / 10 for x, y in points)
+    time.sleep(IDLE_S)  # the sessions still run: a wait inside their period
+    h.turn(1)
+    x, busy = h.core.estimator.overhead.points[-1]
+    assert x == 3 and 0.0 < busy < IDLE_S / 10
+    assert h.core.scheduler.gap_s > GAP_ALPHA * IDLE_S * 0.9  # the wall-clock gap did see it
+
+
 def test_a_request_s_slo_clock_starts_when_its_coordinator_took_it(target: LoadedModel) -> None:
     """OpenSession.waited_s (v8): the time a request spent in the queue and at the edge counts
     against its SLO class, so a request that waited 30 s misses a 1 token/s class that the same

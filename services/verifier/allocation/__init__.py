@@ -10,7 +10,7 @@ from services.verifier.allocation.goodspeed import GoodSpeedAllocator
 from services.verifier.allocation.random_split import RandomAllocator
 from services.verifier.allocation.smartspec import SmartSpecAllocator
 from services.verifier.allocation.tracker import GoodputTracker
-from services.verifier.batching.estimator import StepTimeModel
+from services.verifier.batching.estimator import RecentLine, StepTimeModel
 
 POLICIES = ("fixed", "random", "goodspeed", "smartspec")
 
@@ -23,7 +23,9 @@ class AllocationSettings:
     seed: int | None = None  # Random-S
 
 
-def make_allocator(name: str, settings: AllocationSettings, model: StepTimeModel | None = None) -> Allocator:
+def make_allocator(name: str, settings: AllocationSettings, model: StepTimeModel | None = None,
+                   overhead: RecentLine | None = None) -> Allocator:
+    """``model`` and ``overhead`` (the verifier's busy time between forwards) price SmartSpec's rounds."""
     s = settings
     if name == "fixed":
         return FixedAllocator(s.draft_len, s.capacity)
@@ -34,7 +36,7 @@ def make_allocator(name: str, settings: AllocationSettings, model: StepTimeModel
     if name == "smartspec":
         if model is None:
             raise ValueError("the smartspec allocation needs a verification-time estimator")
-        return SmartSpecAllocator(model, s.draft_len, s.max_len)
+        return SmartSpecAllocator(model, s.draft_len, s.max_len, overhead=overhead)
     raise ValueError(f"unknown allocation policy {name!r}; choose one of {', '.join(POLICIES)}")
 
 

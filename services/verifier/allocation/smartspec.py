@@ -44,7 +44,7 @@ from collections.abc import Sequence
 from services.verifier.allocation.base import RoundStats
 from services.verifier.allocation.goodspeed import expected_tokens
 from services.verifier.allocation.tracker import GoodputTracker
-from services.verifier.batching.estimator import SegmentShape, StepTimeModel
+from services.verifier.batching.estimator import RecentLine, SegmentShape, StepTimeModel
 from shared.calibration import judged
 
 EDGE_WINDOW = 256  # recent rounds the draft-wait line is fitted on
@@ -61,41 +61,23 @@ PROBE_STEPS = 4
 SWITCH_MARGIN = 0.2
 
 
-class DraftWaitModel:
+class DraftWaitModel(RecentLine):
     """Least-squares line through the seconds the verifier waited for a draft of length k, over
-    the last ``window`` rounds (refitted every ``refit_every`` of them)."""
+    the last ``window`` rounds (refitted every ``refit_every`` of them); no draft, no wait."""
 
     def __init__(self, window: int = EDGE_WINDOW, refit_every: int = 16) -> None:
-        self.points: deque[tuple[int, float]] = deque(maxlen=window)
-        self.refit_every, self._since = refit_every, 0
-        self.e0, self.e1 = 0.0, 0.0
+        super().__init__(window, refit_every)
 
-    def observe(self, k: int, seconds: float) -> None:
-        if k <= 0 or seconds <= 0:
-            return
-        self.points.append((k, seconds))
-        self._since += 1
-        if self._since >= self.refit_every or len(self.points) < self.refit_every:
-            self._since = 0
-            self._refit()
+    def observe(self, x: float, y: float) -> None:
+        if x > 0 and y > 0:
+            super().observe(x, y)
 
-    def _refit(self) -> None:
-        """Ordinary least squares over the points (the same line as through each length's mean
-        wait weighted by its count)."""
-        n = len(self.points)
-        mean_k = sum(k for k, _ in self.points) / n
-        mean_t = sum(t for _, t in self.points) / n
-        var = sum((k - mean_k) ** 2 for k, _ in self.points)
-        cov = sum((k - mean_k) * (t - mean_t) for k, t in self.points)
-        self.e1 = max(0.0, cov / var) if var > 0 else 0.0
-        self.e0 = max(0.0, mean_t - self.e1 * mean_k)
-
-    def predict(self, k: int) -> float:
-        return 0.0 if k <= 0 else self.e0 + self.e1 * k
+    def predict(self, x: float) -> float:
+        return 0.0 if x <= 0 else super().predict(x)
 
 
 def goodputs(alpha: float, sessions: int, context: int, max_len: int, model: StepTimeModel,
-             wait: DraftWaitModel) -> list[float]:
+             wait: DraftWaitModel, overhead: RecentLine | None = None) -> list[float]:
     """Eq. 3's goodput of ``sessions`` alike live sessions (``context`` tokens each) at each k in
     0…max_len: their expected tokens over the time in which each completes a round.
 
@@ -103,22 +85,30 @@ def goodputs(alpha: float, sessions: int, context: int, max_len: int, model: Ste
     draft wait plus its own verification, whichever is longer: while one session's draft is made
     at the edge the verifier verifies the others', so the wait only costs the verifier when it
     has nothing else to do (one session: the paper's T_target + T_draft). Eq. 19 is affine in its
-    sums, so n alike segments cost T(1) plus n - 1 times the second one's extra cost."""
+    sums, so n alike segments cost T(1) plus n - 1 times the second one's extra cost.
+
+    ``overhead`` (the core's measured busy time between forwards, a line in the step's sessions)
+    adds the verifier's work outside the forward to each: a round pays it once per session
+    whatever k is, so it is what makes a round of several tokens cheaper per token than plain
+    decoding's round of one when the verifier is busy."""
+    extra_all = overhead.predict(sessions) if overhead else 0.0
+    extra_one = overhead.predict(1) if overhead else 0.0
     out = []
     for k in range(max_len + 1):
         one = SegmentShape(new=1 + k, cached=context)
         first = model.predict([one])
-        everyone = first + (sessions - 1) * (model.predict([one, one]) - first)
-        seconds = max(everyone, wait.predict(k) + first)
+        everyone = first + (sessions - 1) * (model.predict([one, one]) - first) + extra_all
+        seconds = max(everyone, wait.predict(k) + first + extra_one)
         out.append(sessions * expected_tokens(alpha, k) / max(seconds, 1e-9))
     return out
 
 
 def best_length(alpha: float, sessions: int, context: int, max_len: int, model: StepTimeModel,
-                wait: DraftWaitModel, current: int | None = None, margin: float = 0.0) -> tuple[int, float]:
+                wait: DraftWaitModel, current: int | None = None, margin: float = 0.0,
+                overhead: RecentLine | None = None) -> tuple[int, float]:
     """(k, goodput) maximising eq. 3's goodput over k in 0…max_len; with ``current``, it stays
     unless the best k predicts ``margin`` (a fraction) more goodput than it."""
-    g = goodputs(alpha, sessions, context, max_len, model, wait)
+    g = goodputs(alpha, sessions, context, max_len, model, wait, overhead)
     best = max(range(len(g)), key=g.__getitem__)
     if current is not None and 0 <= current < len(g) and g[best] <= g[current] * (1 + margin):
         return current, g[current]
@@ -129,10 +119,11 @@ class SmartSpecAllocator:
     name = "smartspec"
 
     def __init__(self, model: StepTimeModel, draft_len: int, max_len: int = 8, window: int = 16,
-                 alpha0: float = 0.5) -> None:
+                 alpha0: float = 0.5, overhead: RecentLine | None = None) -> None:
         if draft_len < 0 or max_len < 0 or window < 1:
             raise ValueError("draft_len and max_len must be >= 0 and window >= 1")
         self.model, self.max_len, self.alpha0 = model, max_len, alpha0
+        self.overhead = overhead  # the verifier's busy time between forwards (None: not priced)
         self.last_k = min(draft_len, max_len)
         self.explore_k = max(1, self.last_k) if max_len > 0 else 0  # what warm-up rounds and probes draft
         self._off_steps = 0
@@ -154,8 +145,11 @@ class SmartSpecAllocator:
 
     def beliefs(self) -> dict[str, float]:
         """What the choice rests on: the acceptance estimate and the draft-wait line."""
-        return {"alpha": round(self.alpha(), 4), "draft_wait_e0_s": round(self.wait.e0, 6),
-                "draft_wait_e1_s": round(self.wait.e1, 6)}
+        out = {"alpha": round(self.alpha(), 4), "draft_wait_e0_s": round(self.wait.e0, 6),
+               "draft_wait_e1_s": round(self.wait.e1, 6)}
+        if self.overhead is not None:
+            out |= {"overhead_e0_s": round(self.overhead.e0, 6), "overhead_e1_s": round(self.overhead.e1, 7)}
+        return out
 
     def assign(self, rounds: Sequence[RoundStats], tracker: GoodputTracker) -> dict[str, int]:
         accepted = tested = 0
@@ -176,7 +170,7 @@ class SmartSpecAllocator:
         ctx = sum(r.context_len for r in rounds) // len(rounds)
         sessions = max(len(rounds), tracker.speculative())
         k, self.last_goodput = best_length(self.alpha(), sessions, ctx, self.max_len, self.model, self.wait,
-                                           self._chosen, SWITCH_MARGIN)
+                                           self._chosen, SWITCH_MARGIN, self.overhead)
         self._chosen = k
         self._off_steps = self._off_steps + 1 if k == 0 else 0
         if len(self._tests) < self.window or self._off_steps % PROBE_EVERY >= PROBE_EVERY - PROBE_STEPS:

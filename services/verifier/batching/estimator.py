@@ -150,8 +150,46 @@ def evaluate(model: StepTimeModel, samples: Sequence[Sample]) -> FitReport:
     return FitReport(r2=r2, mape=mape, n=len(samples))
 
 
+class RecentLine:
+    """Least-squares line ``y = e0 + e1·x`` through the last ``window`` points, refitted every
+    ``refit_every`` of them (and at each of the first ``refit_every``). Both coefficients are
+    costs, kept non-negative; while every point has the same x the line is flat (e1 = 0)."""
+
+    def __init__(self, window: int = 256, refit_every: int = 16) -> None:
+        if window < 2 or refit_every < 1:
+            raise ValueError(f"need window >= 2 and refit_every >= 1, got {window} and {refit_every}")
+        self.points: deque[tuple[float, float]] = deque(maxlen=window)
+        self.refit_every, self._since = refit_every, 0
+        self.e0, self.e1 = 0.0, 0.0
+
+    def observe(self, x: float, y: float) -> None:
+        if not (math.isfinite(x) and math.isfinite(y)) or y < 0:
+            return
+        self.points.append((x, y))
+        self._since += 1
+        if self._since >= self.refit_every or len(self.points) < self.refit_every:
+            self._since = 0
+            self._refit()
+
+    def _refit(self) -> None:
+        n = len(self.points)
+        mean_x = sum(x for x, _ in self.points) / n
+        mean_y = sum(y for _, y in self.points) / n
+        var = sum((x - mean_x) ** 2 for x, _ in self.points)
+        cov = sum((x - mean_x) * (y - mean_y) for x, y in self.points)
+        self.e1 = max(0.0, cov / var) if var > 0 else 0.0
+        self.e0 = max(0.0, mean_y - self.e1 * mean_x)
+
+    def predict(self, x: float) -> float:
+        return self.e0 + self.e1 * x
+
+
 class StepTimeEstimator:
-    """Eq. 19 with its coefficients, refined online from measured steps (a :class:`StepTimeModel`)."""
+    """Eq. 19 with its coefficients, refined online from measured steps (a :class:`StepTimeModel`).
+
+    ``overhead`` is the verifier's busy time outside the forward, per step, as a line in the
+    step's sessions (judging, committing, publishing, reading the next drafts, scheduling): fed by
+    the engine core, it is what a policy adds to eq. 19 to price a step's whole period."""
 
     def __init__(self, coef: Coef = DEFAULT_COEF, window: int = 512, refit_every: int = 64) -> None:
         if window < MIN_DISTINCT or refit_every < 1:
@@ -162,6 +200,7 @@ class StepTimeEstimator:
         self._refit_every = refit_every
         self._since_refit = 0
         self.report: FitReport | None = None  # the profile's held-out report, when loaded from a file
+        self.overhead = RecentLine(window=512, refit_every=32)  # busy seconds between forwards, by sessions
 
     def _set(self, coef: Sequence[float]) -> None:
         a, b, c, d = (float(v) for v in coef)
