@@ -142,6 +142,7 @@ def measured_costs(run: Run) -> dict[str, Any]:
             "queue_wait_ms": v.mean(f"{V}_queue_wait_seconds") * 1e3,
             "publish_ms": v.mean(f"{V}_publish_seconds") * 1e3,
             "batch_sessions": v.mean(f"{V}_batch_sessions"),
+            "batch_tokens": v.mean(f"{V}_batch_tokens"),
             "draft_ms_per_token": busy / drafted * 1e3 if drafted else 0.0,
             "drafted_per_round": drafted / rounds if rounds else 0.0,
             "by_drafter": {name: drafter_costs(s) for name, s in sorted(run.metrics.items())
@@ -152,14 +153,16 @@ def measured_costs(run: Run) -> dict[str, Any]:
 def cpu_split(run: Run) -> dict[str, float]:
     """Where the run's CPU went, in seconds over its measured window (``wall_s``): each service's
     process CPU and the load client's; the verifier's steps (``verifier_steps_s``: the wall time
-    of its steps, each on its one core, so its CPU beyond them is its event loop's) and session
-    rounds; the draft models' busy time (lookaheads included, and apart)."""
+    of its steps, each on its one core, so its CPU beyond them is its event loop's), session
+    rounds and tokens filled (each a session-step of its own); the draft models' busy time
+    (lookaheads included, and apart)."""
     v = run.metrics.get("verifier", Snapshot())
     out = {f"{name}_s": snap.value("process_cpu_seconds_total") for name, snap in sorted(run.metrics.items())}
     drafters = drafter_snapshots(run)
     return {**out, "client_s": run.client_cpu_s, "wall_s": sum(run.walls),
             "verifier_steps_s": v.value(f"{V}_step_seconds_sum", phase="total"),
             "verifier_rounds": v.value(f"{V}_rounds_total"),
+            "verifier_filled": v.value(f"{V}_filled_tokens_total"),
             "draft_busy_s": sum(s.value(f"{D}_model_busy_seconds_total") for s in drafters),
             "lookahead_busy_s": sum(s.value(f"{D}_lookahead_busy_seconds_total") for s in drafters)}
 

@@ -85,7 +85,7 @@ class Simulation:
         handlers: dict[Kind, Callable[[Any], None]] = {
             Kind.ARRIVE: self._arrive, Kind.OPEN: self._open, Kind.VERDICT: self._verdict,
             Kind.DRAFT_DONE: self._draft_done, Kind.DRAFT_IN: self._draft_in, Kind.STEP_END: self._step_end,
-            Kind.LOOKAHEAD_STEP: self._lookahead_step}
+            Kind.LOOKAHEAD_STEP: self._lookahead_step, Kind.WAKE: lambda _: None}
         while self.events and not self._done():
             at = self.events.next_time()
             assert at is not None
@@ -304,8 +304,9 @@ class Simulation:
         self.events.push(s.sent_at + s.edge.half_rtt, Kind.DRAFT_IN, s)
 
     def _draft_in(self, s: Session) -> None:
-        s.draft_wait_s = self.now - s.waiting_since
-        self.verifier.mark_ready(s, self.now)
+        if s.waiting_draft:
+            s.draft_wait_s = self.now - s.waiting_since
+            self.verifier.take_draft(s, self.now)
 
     def _step_end(self, step: Step) -> None:
         self.verifier.end_step(step, self.now)

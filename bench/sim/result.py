@@ -57,6 +57,7 @@ class Recorder:
     max_budget_sum: int = 0
     lookaheads: int = 0  # pipelined drafts started, per session
     lookaheads_used: int = 0  # of them, those that became the next round's draft
+    filled: int = 0  # tokens decoded by fill steps (while the sessions' drafts travelled)
     select_s: list[float] = field(default_factory=list)
     assign_s: list[float] = field(default_factory=list)
     admit_s: list[float] = field(default_factory=list)
@@ -80,6 +81,11 @@ class Recorder:
         self.step_seconds += seconds
         self.select_s.append(select_s)
         self.assign_s.append(assign_s)
+
+    def fill(self, drafter: int) -> None:
+        """One token decoded for a session of ``drafter`` while its draft travelled."""
+        self.filled += 1
+        self.committed[drafter] += 1
 
     def round(self, drafter: int, drafted: int, accepted: int, committed: int, asked: int) -> None:
         self.rounds += 1
@@ -128,6 +134,7 @@ class SimResult:
     asked: int  # draft tokens the rounds asked their proposers for (≥ drafted: a proposer may run out)
     lookaheads: int  # pipelined drafts started, per session
     lookaheads_used: int  # of them, those that became the next round's draft
+    filled: int  # tokens decoded by fill steps, while the sessions' drafts travelled (in ``committed``)
     #: per drafter: the mean time from a draft leaving to the drafter starting on that session's next
     #: round (the real drafter's verify_wait + worker_wait: the verifier, both links, and waiting for
     #: its own draft model); None: no such round
@@ -179,7 +186,8 @@ def summarise(rec: Recorder, sim_s: float, tracker_u: float, wall_s: float, **la
         jain=jain(per), sum_log_x=sum_log(per), tracker_sum_log_x=tracker_u,
         slo_attainment=slo_attainment(rec.requests), max_budget_sum=rec.max_budget_sum,
         drafted_rounds=rec.drafted_rounds, asked=rec.asked, lookaheads=rec.lookaheads,
-        lookaheads_used=rec.lookaheads_used, verdict_wait_s=tuple(t / n if n else None for t, n in rec.waits),
+        lookaheads_used=rec.lookaheads_used, filled=rec.filled,
+        verdict_wait_s=tuple(t / n if n else None for t, n in rec.waits),
         sched_ms_mean=_ms(sched), sched_ms_p99=_ms(sched, 99), select_ms_mean=_ms(rec.select_s),
         assign_ms_mean=_ms(rec.assign_s), admit_ms_mean=_ms(rec.admit_s), admit_ms_p99=_ms(rec.admit_s, 99),
         sched_share=sum(sched) / rec.step_seconds if rec.step_seconds > 0 else 0.0, wall_s=wall_s, **labels)

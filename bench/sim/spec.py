@@ -116,6 +116,10 @@ class VerifierSpec:
     max_tokens: int = 8192  # BatchLimits.max_tokens
     step_overhead_s: float = 5e-4  # per step: event loop, scheduling bookkeeping
     round_overhead_s: float = 5e-5  # per session verified in a step: judging, (de)serialising its messages
+    #: decode sessions whose drafts travel when a step has nothing to verify, as the real verifier
+    #: does by default (``--fill``); off by default here: with it the simulator fills more than the
+    #: real verifier does and misses the real runs (bench/commentary/sim-validation.md)
+    fill: bool = False
 
 
 @dataclass(frozen=True)

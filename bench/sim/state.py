@@ -22,6 +22,7 @@ class Kind(IntEnum):
     DRAFT_IN = 4  # a draft reaches the verifier [Session]
     STEP_END = 5  # the verifier's forward pass finished [Step]
     LOOKAHEAD_STEP = 6  # one token of each running lookahead drafted [(Edge, tuple of (Session, Lookahead))]
+    WAKE = 7  # the verifier looks again whether it may fill (a waiting session's draft turned late) [None]
 
 
 class Events:
@@ -67,6 +68,10 @@ class Session:
     sent_at: float = 0.0  # when the drafter sent this round's draft
     awaiting: bool = False  # its draft (maybe empty) was sent; its drafter has not started its next round
     waiting_since: float = 0.0  # when the verifier began waiting for this round's draft
+    waiting_draft: bool = False  # the verifier waits for this round's draft (it may fill meanwhile)
+    filled: int = 0  # tokens the verifier decoded for it while this round's draft travelled
+    matched: int = 0  # of this round's drafts, the leading ones the fill had committed already
+    sent: int = 0  # drafts its drafter sent for this round (before the fill settled some)
     draft_wait_s: float = 0.0
     first_token_at: float | None = None  # first output token back at the client
     finished: bool = False
@@ -75,6 +80,19 @@ class Session:
     @property
     def context_len(self) -> int:
         return self.prompt_len + self.generated
+
+    # what the verifier's fill policy reads (services.verifier.fill.Waiting)
+    @property
+    def fillable(self) -> bool:
+        return self.waiting_draft and not self.finished
+
+    @property
+    def drafter(self) -> str:
+        return self.edge.name
+
+    @property
+    def draft_budget(self) -> int:
+        return self.budget
 
     @property
     def remaining(self) -> int:
@@ -139,3 +157,4 @@ class Step:
     sessions: tuple[Session, ...]
     seconds: float
     select_s: float
+    fill: bool = False  # a fill step: one target-only token for each, while their drafts travel

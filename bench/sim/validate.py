@@ -23,7 +23,11 @@ profile says, simulates it, and compares goodput (committed tokens/s) and mean r
   proposer drafted fewer tokens than its rounds asked for (the n-gram drafter, when its match runs
   out) also gets the proposal rate that explains the shortfall (``acceptance_of``);
 * the workload: the same sessions, requests, output lengths, arrival times (the same seeded
-  trace) and RTTs; a closed-loop run's requests come from one pool, as from the real queue.
+  trace) and RTTs; a closed-loop run's requests come from one pool, as from the real queue;
+* the step scale uses the run's mean tokens per session-step where it recorded them (the real
+  verifier's fill steps, one token each, among them), and the loop's CPU is spread over verified
+  rounds and filled tokens; the simulated verifier fills too with ``--fill`` (the real one does
+  by default; with it the simulator fills more than the real runs did, so it is off).
 
 Older results files lack some of these (the CPU split, lookahead time, link time); their rows
 are simulated without them.
@@ -208,9 +212,10 @@ def link_s(costs: dict[str, Any], verify_wait_ms: float, drafter_held_ms: float 
 
 
 def verifier_loop_s(cpu: dict[str, float]) -> float:
-    """The verifier's CPU seconds per verified session-round outside its steps (its event loop:
-    reading drafts, sending verdicts and tokens), from a run's CPU split (0 without one)."""
-    rounds = cpu.get("verifier_rounds", 0.0)
+    """The verifier's CPU seconds per session-step outside its steps (its event loop: reading
+    drafts, sending verdicts and tokens), from a run's CPU split (0 without one): over its verified
+    rounds and the tokens it filled while drafts travelled (each streamed on its own)."""
+    rounds = cpu.get("verifier_rounds", 0.0) + cpu.get("verifier_filled", 0.0)
     if rounds <= 0:
         return 0.0
     return max(0.0, cpu.get("verifier_s", 0.0) - cpu.get("verifier_steps_s", 0.0)) / rounds
@@ -248,13 +253,17 @@ def measured_waits(row: dict[str, Any]) -> list[float] | None:
 
 def step_scale(row: dict[str, Any], coef: Coef) -> float:
     """The run's measured mean forward over the profile's estimate of it at the run's mean batch
-    (its sessions per step, each feeding 1 + its mean draft length at a mid-request context): the
+    (its sessions per step, each feeding the run's mean tokens per session, or else 1 + its mean
+    draft length, at a mid-request context): the
     real verifier refits its estimator online to the forwards it measures; this does it once."""
     c = row["costs"]
     sessions, forward_s = c.get("batch_sessions") or 0.0, c.get("forward_ms", 0.0) / 1e3
     if sessions <= 0 or forward_s <= 0:
         return 1.0
-    new = 1.0 + (c["drafted_per_round"] if row["scenario"] not in TARGET_ONLY else 0.0)
+    if c.get("batch_tokens"):  # the tokens its steps fed: fill steps (one each) among them
+        new = c["batch_tokens"] / sessions
+    else:
+        new = 1.0 + (c["drafted_per_round"] if row["scenario"] not in TARGET_ONLY else 0.0)
     context = PROMPT_LEN + int(row.get("max_tokens", 128)) / 2
     predicted = StepTimeEstimator(coef).predict_sums(sessions * new, sessions * (context + new) * new,
                                                      sessions * context)
@@ -262,7 +271,7 @@ def step_scale(row: dict[str, Any], coef: Coef) -> float:
 
 
 def spec_of(source: str, row: dict[str, Any], meta: dict[str, Any], coef: Coef, repeat: int = 0,
-            forward_rows: float = DRAFT_FORWARD_ROWS) -> SimSpec | None:
+            forward_rows: float = DRAFT_FORWARD_ROWS, fill: bool = False) -> SimSpec | None:
     """The simulation of ``row`` (None: a scenario the simulator does not model)."""
     pol = policies_of(source, row, meta)
     if pol is None:
@@ -272,17 +281,17 @@ def spec_of(source: str, row: dict[str, Any], meta: dict[str, Any], coef: Coef, 
     closed = not row.get("arrival_rate", 0) > 0
     loop = verifier_loop_s(c.get("cpu", {}))
     drafters = drafters_of(source, row, meta, repeat, pol.controller == "fixed", forward_rows)
-    return SimSpec(drafters, pol, VerifierSpec(32, 2048, overhead, loop),
+    return SimSpec(drafters, pol, VerifierSpec(32, 2048, overhead, loop, fill),
                    CostSpec("cpu", coef, scale=step_scale(row, coef)), speculative=row["scenario"] not in TARGET_ONLY,
                    rounds=None, duration_s=3600.0, shared_requests=int(row.get("requests", 30)) if closed else 0)
 
 
 def compare(source: str, row: dict[str, Any], meta: dict[str, Any], coef: Coef,
-            forward_rows: float = DRAFT_FORWARD_ROWS) -> dict[str, Any]:
+            forward_rows: float = DRAFT_FORWARD_ROWS, fill: bool = False) -> dict[str, Any]:
     out = {"source": source, "scenario": row["scenario"], "point": row["point"],
            "real_tok_s": row["goodput_tok_s"], "real_latency_s": row["latency_s_mean"]}
     repeats = max(1, len(row.get("tokens_per_s_runs", [])))
-    specs = [spec_of(source, row, meta, coef, i, forward_rows) for i in range(repeats)]
+    specs = [spec_of(source, row, meta, coef, i, forward_rows, fill) for i in range(repeats)]
     first = specs[0]
     if first is None:
         return {**out, "skipped": "not modelled (the simulator's verifier keeps every session's KV cache)"}
@@ -337,6 +346,9 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
              f"Draft model: a forward's fixed cost is {meta.get('draft_forward_rows', 0):g} rows' worth "
              "(`--draft-forward-rows`), split from each drafter's measured cost at its round batches' mean "
              "sessions.", "",
+             "Verifier: " + ("fills while drafts travel, with the real fill policy (`--fill`)." if meta.get("fill")
+                             else "simulated without filling, which the real runs' verifiers did (`--fill` "
+                                  "simulates it)."), "",
              "| source | scenario | point | real tok/s | sim tok/s | error | real latency s | sim latency s | error | "
              "α | RTT ms | step scale | within |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -360,6 +372,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-forward-rows", type=float, default=DRAFT_FORWARD_ROWS,
                    help="a draft-model forward's fixed cost in rows' worth (`python -m bench.costs --draft-batches`); "
                         "0: a batch's draft cost is proportional to its rows")
+    p.add_argument("--fill", action="store_true",
+                   help="simulate the verifier filling while drafts travel, as the real runs' verifiers did "
+                        "(off: the simulator then fills more than they did)")
     p.add_argument("--out", default="bench/results")
     args = p.parse_args(argv)
     coef = load_cpu_coef(args.estimator_file)
@@ -371,11 +386,13 @@ def main(argv: list[str] | None = None) -> int:
             continue
         data = json.loads(path.read_text())
         used.append(f"{path} ({data['meta']['when']})")
-        rows += [compare(source, row, data["meta"], coef, args.draft_forward_rows) for row in data["rows"]]
+        rows += [compare(source, row, data["meta"], coef, args.draft_forward_rows, args.fill)
+                 for row in data["rows"]]
     if not rows:
         p.error(f"no real results to compare with in {args.results}")
     meta = {"command": "python -m bench sim-validate " + " ".join(argv or []), "sources": used,
-            "when": time.strftime("%Y-%m-%d %H:%M"), "coef": coef, "draft_forward_rows": args.draft_forward_rows}
+            "when": time.strftime("%Y-%m-%d %H:%M"), "coef": coef, "draft_forward_rows": args.draft_forward_rows,
+            "fill": args.fill}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     write_results(out, "sim-validation", {"meta": meta, "rows": rows}, markdown(rows, meta))

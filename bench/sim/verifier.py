@@ -14,7 +14,14 @@ policies (never copies of them):
   measured busy time between forwards does; each round accepts its drafts' accepted prefix and commits it plus one token
   (up to max_tokens); the rounds of unfinished speculative sessions go to ``tracker.observe``,
   then ``allocator.assign`` gives next budgets (capped, ``tracker.set_budget``), finished
-  sessions are forgotten, and verdicts leave for the drafters (RTT/2 away).
+  sessions are forgotten, and verdicts leave for the drafters (RTT/2 away);
+* filling (``Scheduler._add_fill``, ``TorchCore._fill``, ``Request.take_draft``): with nothing
+  ready to verify, the real :class:`FillPolicy` picks waiting sessions to decode one token each
+  (their uncached tokens fed, as a first round's prompt), and when none may go now the verifier
+  looks again once a waiting draft turns late. A draft that arrives during its session's fill
+  step is taken when the step ends; its leading drafts are matched against the fill (a draft
+  token equals the target's exactly when it is accepted), the rest verified after it, and a draft
+  that left the fill verifies nothing. A session the fill finishes ends its round there.
 
 Simplifications: the whole prompt is fed in the session's first round (no chunked prefill, no
 separate prefill steps); the KV cache and the session count are unbounded (no admission queue);
@@ -36,6 +43,7 @@ from services.verifier.allocation import AllocationSettings, GoodputTracker, Rou
 from services.verifier.allocation.goodspeed import expected_tokens
 from services.verifier.batching import BatchLimits, Candidate, WispBatcher, make_batcher
 from services.verifier.batching.estimator import RecentLine, SegmentShape
+from services.verifier.fill import FillPolicy
 
 
 class SimVerifier:
@@ -56,6 +64,11 @@ class SimVerifier:
         self.limits = BatchLimits(v.max_sessions, v.max_tokens)
         self.max_draft = p.max_draft_tokens
         self.ready: dict[str, tuple[Session, Candidate]] = {}
+        self.filler = FillPolicy() if v.fill and spec.speculative else None  # the real fill policy
+        self.waiting: dict[str, Session] = {}  # sessions whose round waits for its draft
+        self.filling: set[str] = set()  # sessions of the fill step in flight
+        self.held: list[Session] = []  # their drafts, which arrived during it: taken when it ends
+        self.wake_at: float | None = None
         self.busy = False
         self.budget_sum = 0  # Σ budgets held in the tracker, kept incrementally
 
@@ -92,10 +105,34 @@ class SimVerifier:
         self._set_budget(s.sid, s.budget)
         self._note_budgets()
         if s.budget > 0:
-            s.waiting_since = now
+            self._await_draft(s, now)
             self.events.push(now + s.edge.half_rtt, Kind.VERDICT, Verdict(s, 0, 0, False, s.budget))
         else:
             self.mark_ready(s, now)
+
+    def _await_draft(self, s: Session, now: float) -> None:
+        s.waiting_since, s.waiting_draft, s.filled, s.matched, s.sent = now, True, 0, 0, 0
+        self.waiting[s.sid] = s
+
+    def take_draft(self, s: Session, now: float) -> None:
+        """The round's draft reached the verifier (``Request.take_draft``): the leading drafts the
+        fill already committed are matched (a draft token equals the target's exactly when it is
+        accepted), the rest are verified after the fill, and a draft that left the fill verifies
+        nothing. A draft arriving during a fill step of its session waits for that step's end, as
+        the real verifier reads its commands between steps."""
+        if s.finished or not s.waiting_draft:
+            return
+        if s.sid in self.filling:
+            self.held.append(s)
+            return
+        if self.filler is not None:
+            self.filler.observe(s.drafter, s.draft_wait_s)
+        s.sent, s.waiting_draft = len(s.drafts), False
+        self.waiting.pop(s.sid, None)
+        if s.filled:
+            s.matched = min(accepted_prefix([ok for _, ok in s.drafts[: s.filled]]), s.filled)
+            s.drafts = s.drafts[s.filled :] if s.matched == s.filled else []
+        self.mark_ready(s, now)
 
     def mark_ready(self, s: Session, now: float) -> None:
         """Its draft arrived, or its round is target-only: a candidate for the next steps."""
@@ -110,8 +147,12 @@ class SimVerifier:
     # --- a step ------------------------------------------------------------------------------
 
     def try_start(self, now: float) -> None:
-        """When idle with ready sessions: select a batch and start its forward pass."""
-        if self.busy or not self.ready:
+        """When idle with ready sessions: select a batch and start its forward pass; with none, a
+        fill step if the fill policy finds one (``Scheduler._add_fill``)."""
+        if self.busy:
+            return
+        if not self.ready:
+            self._try_fill(now)
             return
         candidates = [c for _, c in self.ready.values()]
         started = time.perf_counter()
@@ -119,15 +160,42 @@ class SimVerifier:
         select_s = time.perf_counter() - started
         picked = [self.ready.pop(sid) for sid in chosen]
         shapes = [SegmentShape(new=c.new_tokens, cached=c.cached) for _, c in picked]
-        overhead = self.v.step_overhead_s + self.v.round_overhead_s * len(picked)
-        self.overhead.observe(len(picked), overhead)
+        self._start(tuple(s for s, _ in picked), shapes, now, select_s)
+
+    def _try_fill(self, now: float) -> None:
+        """One token for each waiting session the real fill policy picks; when it picks none, look
+        again once a waiting session's draft turns late (``Scheduler.fill_wait_s``)."""
+        if self.filler is None or not self.waiting:
+            return
+        waiting = list(self.waiting.values())
+        started = time.perf_counter()
+        chosen = self.filler.choose(waiting, self.cost, now, min(self.limits.max_sessions, self.limits.max_tokens))
+        select_s = time.perf_counter() - started
+        if not chosen:
+            later = self.filler.next_change(waiting, now)
+            if later is not None and (self.wake_at is None or self.wake_at <= now or now + later < self.wake_at):
+                self.wake_at = now + later
+                self.events.push(self.wake_at, Kind.WAKE, None)
+            return
+        shapes = [SegmentShape(new=s.context_len - s.cached, cached=s.cached) for s in chosen]
+        self.filling = {s.sid for s in chosen}
+        self._start(tuple(chosen), shapes, now, select_s, fill=True)
+
+    def _start(self, sessions: tuple[Session, ...], shapes: list[SegmentShape], now: float, select_s: float,
+               fill: bool = False) -> None:
+        overhead = self.v.step_overhead_s + self.v.round_overhead_s * len(sessions)
+        self.overhead.observe(len(sessions), overhead)
         seconds = self.cost.predict(shapes) + overhead
         self.busy = True
-        self.events.push(now + seconds, Kind.STEP_END, Step(tuple(s for s, _ in picked), seconds, select_s))
+        self.events.push(now + seconds, Kind.STEP_END, Step(sessions, seconds, select_s, fill))
 
     def end_step(self, step: Step, now: float) -> None:
-        """The forward pass finished: judge, commit, allocate and send the verdicts."""
+        """The forward pass finished: judge, commit, allocate and send the verdicts (a fill step:
+        commit one token each, then take the drafts that arrived meanwhile)."""
         self.busy = False
+        if step.fill:
+            self._end_fill(step, now)
+            return
         judged = [self._judge(s) for s in step.sessions]
         rounds = [RoundStats(s.sid, s.edge.name, drafted, accepted, s.context_len, prob, s.draft_wait_s)
                   for s, drafted, accepted, prob in judged if self.speculative and not s.finished]
@@ -143,15 +211,44 @@ class SimVerifier:
         for s, drafted, accepted, _ in judged:
             self._publish(s, drafted, accepted, budgets.get(s.sid, 0), now)
 
+    def _end_fill(self, step: Step, now: float) -> None:
+        self.rec.step(len(step.sessions), step.seconds, step.select_s, 0.0)
+        self.filling = set()
+        for s in step.sessions:
+            if s.finished:
+                continue
+            s.cached = s.context_len  # the step fed its uncached tokens and decoded one more
+            s.generated += 1
+            s.filled += 1
+            s.finished = s.generated >= s.max_tokens
+            self.rec.fill(s.edge.index)
+            if s.first_token_at is None:  # streamed to the client at once (``Filled``)
+                s.first_token_at = now + s.edge.half_rtt
+            if s.finished:  # the round ends here: its draft is moot (``TorchCore._fill``)
+                s.waiting_draft = False
+                self.waiting.pop(s.sid, None)
+                self.rec.round(s.edge.index, 0, 0, 0, 0)
+                self._publish(s, 0, 0, 0, now)
+        held, self.held = self.held, []
+        for s in held:
+            self.take_draft(s, now)
+
     def _judge(self, s: Session) -> tuple[Session, int, int, float]:
-        """Accept the longest accepted prefix, commit it plus the target's own token."""
-        drafted = len(s.drafts)
+        """Accept the longest accepted prefix, commit it plus the target's own token; with a fill,
+        the round as a whole (``Request.round_outcome``): matched drafts count as accepted ones,
+        a draft that left the fill as one rejected draft after them."""
+        verified = len(s.drafts)
         accepted = accepted_prefix([ok for _, ok in s.drafts])
         prob = sum(a for a, _ in s.drafts)  # Σ min(1, p/q) over every draft (GoodSpeed eq. 3)
         committed = min(accepted + 1, s.remaining)
         s.cached = s.context_len + accepted  # KV rolled back past the rejected drafts
         s.generated += committed
         s.finished = s.generated >= s.max_tokens
+        drafted = verified
+        if s.filled and s.matched < s.filled:  # the draft left the fill (or ran out inside it)
+            drafted, accepted, prob = min(s.sent, s.matched + 1), s.matched, float(s.matched)
+        elif s.filled:
+            drafted, accepted, prob = s.matched + verified, s.matched + accepted, s.matched + prob
         self.rec.round(s.edge.index, drafted, accepted, committed, s.asked)
         return s, drafted, accepted, prob
 
@@ -166,6 +263,7 @@ class SimVerifier:
         if s.finished:
             self._forget(s.sid)
         elif budget > 0:
-            s.waiting_since = now
+            self._await_draft(s, now)
         else:
+            s.filled = 0
             self.mark_ready(s, now)

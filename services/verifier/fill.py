@@ -36,15 +36,37 @@ waited for fill steps), and 0.81x and 0.76x at 10 and 40 ms (against 0.38x and 0
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol, TypeVar
 
 from services.verifier.batching.estimator import SegmentShape, StepTimeModel
-from services.verifier.requests import Request, Status
 from shared.calibration import ewma
 
 #: weight of a new draft wait in a drafter's moving average
 WAIT_ALPHA = 0.1
 #: drafters remembered, those heard from least recently forgotten first
 MAX_DRAFTERS = 4096
+
+
+class Waiting(Protocol):
+    """What the fill reads of a session (``requests.Request``; the simulator's sessions too)."""
+
+    @property
+    def waiting_draft(self) -> bool: ...  # its drafter owns the next move
+    @property
+    def fillable(self) -> bool: ...  # a step may decode it now
+    @property
+    def filled(self) -> int: ...  # tokens decoded for it while this round's draft travels
+    @property
+    def waiting_since(self) -> float: ...
+    @property
+    def drafter(self) -> str: ...
+    @property
+    def draft_budget(self) -> int: ...
+    @property
+    def cached(self) -> int: ...
+
+
+W = TypeVar("W", bound=Waiting)
 
 
 class FillPolicy:
@@ -63,11 +85,11 @@ class FillPolicy:
         while len(self.waits) > MAX_DRAFTERS:
             del self.waits[next(iter(self.waits))]
 
-    def expected(self, req: Request, now: float) -> float | None:
+    def expected(self, req: Waiting, now: float) -> float | None:
         """The earliest ``req``'s draft is expected (perf_counter seconds); None when it is not
         (unknown, late, or it could add nothing to the fill)."""
         typical = self.waits.get(req.drafter)
-        if typical is None or len(req.fill) >= req.draft_budget:
+        if typical is None or req.filled >= req.draft_budget:
             return None
         mean, dev = typical
         due = req.waiting_since + max(0.0, mean - 2 * dev)
@@ -75,18 +97,17 @@ class FillPolicy:
             return due
         return now if now - req.waiting_since < 2 * mean else None
 
-    def next_change(self, active: Sequence[Request], now: float) -> float | None:
+    def next_change(self, active: Sequence[Waiting], now: float) -> float | None:
         """Seconds until the next waiting session turns late (then it no longer holds fills back)."""
-        lates = [r.waiting_since + 2 * typical[0] - now for r in active if r.status is Status.WAITING_DRAFT
+        lates = [r.waiting_since + 2 * typical[0] - now for r in active if r.waiting_draft
                  and (typical := self.waits.get(r.drafter)) is not None and r.waiting_since + 2 * typical[0] > now]
         return min(lates, default=None)
 
-    def choose(self, active: Sequence[Request], estimator: StepTimeModel, now: float, limit: int) -> list[Request]:
+    def choose(self, active: Sequence[W], estimator: StepTimeModel, now: float, limit: int) -> list[W]:
         """The fillable sessions of ``active`` to decode in a step starting ``now``, at most ``limit``."""
-        dues = [due for r in active if r.status is Status.WAITING_DRAFT
-                and (due := self.expected(r, now)) is not None]
+        dues = [due for r in active if r.waiting_draft and (due := self.expected(r, now)) is not None]
         first = min(dues, default=float("inf"))
-        chosen: list[Request] = []
+        chosen: list[W] = []
         shapes: list[SegmentShape] = []
         for req in sorted((r for r in active if r.fillable), key=lambda r: r.waiting_since)[:limit]:
             shape = SegmentShape(new=1, cached=req.cached)

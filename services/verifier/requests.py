@@ -131,6 +131,14 @@ class Request:
         return self.greedy or self.race_key is not None
 
     @property
+    def waiting_draft(self) -> bool:
+        return self.status is Status.WAITING_DRAFT
+
+    @property
+    def filled(self) -> int:
+        return len(self.fill)
+
+    @property
     def fillable(self) -> bool:
         """Whether a step may decode this session while its draft is on its way: a deterministic
         session (a token from its own stream would depend on when it was decoded), with its

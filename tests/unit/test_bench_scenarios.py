@@ -71,14 +71,15 @@ def test_per_drafter_goodput_counts_each_round_and_its_accepted_drafts_over_the_
 def test_cpu_split_gives_each_service_and_the_client_over_the_window() -> None:
     cpu, h = "process_cpu_seconds_total", "specfleet_verifier_step_seconds_sum"
     run = Run("s", 2, [1.0], [], {"verifier": Snapshot({(cpu, ()): 4.0, (h, (("phase", "total"),)): 3.0,
-                                                        ("specfleet_verifier_rounds_total", ()): 100.0}),
+                                                        ("specfleet_verifier_rounds_total", ()): 100.0,
+                                                        ("specfleet_verifier_filled_tokens_total", ()): 30.0}),
                                    "coordinator": snap(process_cpu_seconds_total=0.5),
                                    "drafter-1": snap(process_cpu_seconds_total=2.0, specfleet_drafter_rounds_total=40,
                                                      specfleet_drafter_model_busy_seconds_total=1.5)},
               walls=[2.0, 3.0], client_cpu_s=0.25)
     assert cpu_split(run) == {"coordinator_s": 0.5, "drafter-1_s": 2.0, "verifier_s": 4.0, "client_s": 0.25,
-                              "wall_s": 5.0, "verifier_steps_s": 3.0, "verifier_rounds": 100.0, "draft_busy_s": 1.5,
-                              "lookahead_busy_s": 0.0}
+                              "wall_s": 5.0, "verifier_steps_s": 3.0, "verifier_rounds": 100.0,
+                              "verifier_filled": 30.0, "draft_busy_s": 1.5, "lookahead_busy_s": 0.0}
 
 
 def test_slo_attainment_is_per_class() -> None:
@@ -189,6 +190,10 @@ def test_step_scale_matches_the_measured_forward_at_the_runs_mean_batch() -> Non
                                                      sessions * context)
     assert scale * predicted == pytest.approx(0.012)
     assert step_scale(real_row(batch_sessions=0.0), COEF) == 1.0
+    # a run that recorded its steps' tokens (fill steps among them, one token each): those, per session
+    filled = step_scale(real_row(batch_tokens=3.0), COEF)
+    at = StepTimeEstimator(COEF).predict_sums(3.0, sessions * (context + 1.5) * 1.5, sessions * context)
+    assert filled * at == pytest.approx(0.012)
 
 
 def test_drafter_params_are_per_drafter_when_the_run_recorded_them() -> None:
@@ -327,10 +332,16 @@ def test_verifier_loop_s_is_its_cpu_outside_steps_per_round() -> None:
     assert verifier_loop_s({}) == 0.0
     assert verifier_loop_s({"verifier_s": 5.0, "verifier_steps_s": 4.0, "verifier_rounds": 500}) == pytest.approx(2e-3)
     assert verifier_loop_s({"verifier_s": 3.9, "verifier_steps_s": 4.0, "verifier_rounds": 500}) == 0.0
+    # each token filled while a draft travelled was streamed on its own, a session-step like a round
+    assert verifier_loop_s({"verifier_s": 5.0, "verifier_steps_s": 4.0, "verifier_rounds": 200,
+                            "verifier_filled": 300}) == pytest.approx(2e-3)
     meta = {"drafters": [["small", 0], ["ngram", 40]], "capacity": 8}
     spec = spec_of("fairness", real_row(cpu={"verifier_s": 5.0, "verifier_steps_s": 4.0, "verifier_rounds": 500}),
                    meta, COEF)
     assert spec is not None and spec.verifier.round_overhead_s == pytest.approx(2e-3)
+    assert not spec.verifier.fill  # the validated simulation; --fill simulates the real verifiers' filling
+    filled = spec_of("fairness", real_row(), meta, COEF, fill=True)
+    assert filled is not None and filled.verifier.fill
 
 
 def test_a_closed_loop_row_draws_from_one_pool() -> None:
