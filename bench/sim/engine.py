@@ -161,6 +161,8 @@ class Simulation:
         if ahead is not None and (v.finished or v.budget <= 0 or not ahead.hit):
             self._drop(s)
         if v.finished:
+            if s in s.edge.queue:  # the fill finished it while it waited for its draft model
+                s.edge.queue.remove(s)
             self._complete(s)
         elif ahead is not None and s.ahead is ahead:  # it came true
             self._next_round(s)
@@ -296,7 +298,9 @@ class Simulation:
             self._send(s, edge.send_s)
 
     def _send(self, s: Session, after: float = 0.0) -> None:
-        """The draft leaves ``after`` seconds from now."""
+        """The draft leaves ``after`` seconds from now (not once its request finished: by a fill)."""
+        if s.finished:
+            return
         s.sent_at, s.awaiting = self.now + after, True
         s.edge.in_flight.append(s)
         self._look_ahead(s)

@@ -84,7 +84,9 @@ class Session:
     # what the verifier's fill policy reads (services.verifier.fill.Waiting)
     @property
     def fillable(self) -> bool:
-        return self.waiting_draft and not self.finished
+        """Waiting for a draft with its context cached but the last token (a real request's
+        ``to_prefill == 0``): the simulator feeds a prompt with the first round, never in a fill."""
+        return self.waiting_draft and not self.finished and self.cached == self.context_len - 1
 
     @property
     def drafter(self) -> str:

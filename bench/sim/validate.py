@@ -260,7 +260,7 @@ def step_scale(row: dict[str, Any], coef: Coef) -> float:
     sessions, forward_s = c.get("batch_sessions") or 0.0, c.get("forward_ms", 0.0) / 1e3
     if sessions <= 0 or forward_s <= 0:
         return 1.0
-    if c.get("batch_tokens"):  # the tokens its steps fed: fill steps (one each) among them
+    if c.get("batch_tokens"):  # the tokens its steps fed: fill steps (one each) and prefill among them
         new = c["batch_tokens"] / sessions
     else:
         new = 1.0 + (c["drafted_per_round"] if row["scenario"] not in TARGET_ONLY else 0.0)
@@ -347,8 +347,8 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
              "(`--draft-forward-rows`), split from each drafter's measured cost at its round batches' mean "
              "sessions.", "",
              "Verifier: " + ("fills while drafts travel, with the real fill policy (`--fill`)." if meta.get("fill")
-                             else "simulated without filling, which the real runs' verifiers did (`--fill` "
-                                  "simulates it)."), "",
+                             else "simulated without filling; the real runs' verifiers filled (`--fill` "
+                                  "simulates that)."), "",
              "| source | scenario | point | real tok/s | sim tok/s | error | real latency s | sim latency s | error | "
              "α | RTT ms | step scale | within |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

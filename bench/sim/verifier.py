@@ -10,27 +10,30 @@ policies (never copies of them):
   session, ``expected_tokens(α̂, drafts)`` from the tracker, then the real ``batcher.select``
   under :class:`BatchLimits`; WISP's clock is the simulated clock;
 * a step (``_step``/``_next_budgets``/``_publish_round``): its time from the cost model plus
-  fixed overheads, which feed the overhead line SmartSpec prices rounds with, as the core's
-  measured busy time between forwards does; each round accepts its drafts' accepted prefix and commits it plus one token
-  (up to max_tokens); the rounds of unfinished speculative sessions go to ``tracker.observe``,
-  then ``allocator.assign`` gives next budgets (capped, ``tracker.set_budget``), finished
-  sessions are forgotten, and verdicts leave for the drafters (RTT/2 away);
-* filling (``Scheduler._add_fill``, ``TorchCore._fill``, ``Request.take_draft``): with nothing
-  ready to verify, the real :class:`FillPolicy` picks waiting sessions to decode one token each
-  (their uncached tokens fed, as a first round's prompt), and when none may go now the verifier
-  looks again once a waiting draft turns late. A draft that arrives during its session's fill
-  step is taken when the step ends; its leading drafts are matched against the fill (a draft
-  token equals the target's exactly when it is accepted), the rest verified after it, and a draft
-  that left the fill verifies nothing. A session the fill finishes ends its round there.
+  fixed overheads, which feed the overhead line SmartSpec prices rounds with (as the core's
+  measured busy time between forwards does); each round accepts its drafts' accepted prefix and
+  commits it plus one token (up to max_tokens); the rounds of unfinished speculative sessions
+  go to ``tracker.observe``, then ``allocator.assign`` gives next budgets (capped,
+  ``tracker.set_budget``), finished sessions are forgotten, and verdicts leave for the drafters
+  (RTT/2 away);
+* filling (``VerifierSpec.fill``; ``Scheduler._add_fill``, ``TorchCore._fill``,
+  ``Request.take_draft``): with nothing ready to verify, the real :class:`FillPolicy` picks
+  waiting sessions past their first round to decode one token each, and when none may go now the
+  verifier looks again once a waiting draft turns late. A draft that arrives during its
+  session's fill step is taken when the step ends; its leading drafts are matched against the
+  fill (a draft token equals the target's exactly when it is accepted) and settled or verified by
+  the real ``settled_drafts`` and ``filled_outcome``. A session the fill finishes ends its round
+  there. Every session is taken as deterministic (greedy or raced), which filling needs.
 
 Simplifications: the whole prompt is fed in the session's first round (no chunked prefill, no
-separate prefill steps); the KV cache and the session count are unbounded (no admission queue);
+separate prefill steps, so no fill before it); the KV cache and the session count are unbounded (no admission queue);
 a candidate is built once, when its session becomes ready (the real scheduler rebuilds it every
 step from the same values: nothing it reads changes while the session waits).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 
@@ -42,8 +45,9 @@ from bench.sim.tokens import accepted_prefix
 from services.verifier.allocation import AllocationSettings, GoodputTracker, RoundStats, make_allocator
 from services.verifier.allocation.goodspeed import expected_tokens
 from services.verifier.batching import BatchLimits, Candidate, WispBatcher, make_batcher
-from services.verifier.batching.estimator import RecentLine, SegmentShape
+from services.verifier.batching.estimator import SegmentShape, overhead_line
 from services.verifier.fill import FillPolicy
+from services.verifier.requests import filled_outcome, settled_drafts
 
 
 class SimVerifier:
@@ -54,7 +58,7 @@ class SimVerifier:
         p, v = spec.policies, spec.verifier
         self.speculative, self.cost, self.events, self.rec, self.v = spec.speculative, cost, events, rec, v
         self.tracker = GoodputTracker(p.goodspeed_eta, p.goodspeed_beta)
-        self.overhead = RecentLine(window=512, refit_every=32)  # as the core: busy time between forwards
+        self.overhead = overhead_line()  # as the core's: busy time between forwards
         self.allocator = make_allocator(p.allocation, AllocationSettings(
             p.draft_len, p.capacity, p.allocation_max_len, spec.seed), cost, self.overhead)
         self.batcher = make_batcher(p.batching, cost, p.default_slo_tokens_per_s, delta_s=p.wisp_delta_s,
@@ -129,9 +133,12 @@ class SimVerifier:
             self.filler.observe(s.drafter, s.draft_wait_s)
         s.sent, s.waiting_draft = len(s.drafts), False
         self.waiting.pop(s.sid, None)
-        if s.filled:
-            s.matched = min(accepted_prefix([ok for _, ok in s.drafts[: s.filled]]), s.filled)
-            s.drafts = s.drafts[s.filled :] if s.matched == s.filled else []
+        s.matched = accepted_prefix([ok for _, ok in s.drafts[: s.filled]])
+        s.drafts = s.drafts[settled_drafts(s.sent, s.filled, s.matched) :]
+        if s.matched < s.filled and s.ahead is not None:
+            # the round ends past the draft: its lookahead guessed a text that did not come (the
+            # real drafter keeps one only if it also predicted the fill beyond its draft)
+            s.ahead.hit = False
         self.mark_ready(s, now)
 
     def mark_ready(self, s: Session, now: float) -> None:
@@ -173,9 +180,11 @@ class SimVerifier:
         select_s = time.perf_counter() - started
         if not chosen:
             later = self.filler.next_change(waiting, now)
-            if later is not None and (self.wake_at is None or self.wake_at <= now or now + later < self.wake_at):
-                self.wake_at = now + later
-                self.events.push(self.wake_at, Kind.WAKE, None)
+            # just past the turn: at it, rounding may still count the draft as due
+            wake = math.nextafter(now + later, math.inf) if later is not None else None
+            if wake is not None and (self.wake_at is None or self.wake_at <= now or wake < self.wake_at):
+                self.wake_at = wake
+                self.events.push(wake, Kind.WAKE, None)
             return
         shapes = [SegmentShape(new=s.context_len - s.cached, cached=s.cached) for s in chosen]
         self.filling = {s.sid for s in chosen}
@@ -244,11 +253,7 @@ class SimVerifier:
         s.cached = s.context_len + accepted  # KV rolled back past the rejected drafts
         s.generated += committed
         s.finished = s.generated >= s.max_tokens
-        drafted = verified
-        if s.filled and s.matched < s.filled:  # the draft left the fill (or ran out inside it)
-            drafted, accepted, prob = min(s.sent, s.matched + 1), s.matched, float(s.matched)
-        elif s.filled:
-            drafted, accepted, prob = s.matched + verified, s.matched + accepted, s.matched + prob
+        drafted, accepted, prob = filled_outcome(s.filled, s.matched, s.sent, verified, accepted, prob)
         self.rec.round(s.edge.index, drafted, accepted, committed, s.asked)
         return s, drafted, accepted, prob
 

@@ -397,7 +397,8 @@ class TorchCore:
         if self._last_forward_end:
             self.scheduler.observe_gap(t0 - self._last_forward_end)
             # the CPU the verifier's process spent from the last forward's end to this one's start
-            # (idle waits for drafts cost none), at most the wall time: its work per step
+            # (idle waits for drafts cost none), at most the wall time: its work per step. All its
+            # threads count (thread mode's event loop too, and a /status or /metrics scrape)
             busy = min(t0 - self._last_forward_end, proc0 - self._last_forward_cpu)
             self.estimator.overhead.observe(self._last_sessions, busy)
         self._last_forward_cpu, self._last_sessions = proc1, len(step.segments)

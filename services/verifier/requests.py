@@ -153,12 +153,8 @@ class Request:
         return self.draft_ids[: max(0, room)]
 
     def round_outcome(self, verified: int, accepted: int, accept_prob: float) -> tuple[int, int, float]:
-        """(drafted, accepted, Σ acceptance probability) of the round as a whole, after
-        ``verified`` drafts were judged past the fill and ``accepted`` of them kept: the fill's
-        matches count as accepted drafts (probability 1), and a mismatch as one rejected draft."""
-        if self.matched < len(self.fill):  # the draft left the fill (or ran out inside it)
-            return min(self.sent, self.matched + 1), self.matched, float(self.matched)
-        return self.matched + verified, self.matched + accepted, self.matched + accept_prob
+        """(drafted, accepted, Σ acceptance probability) of the round as a whole (:func:`filled_outcome`)."""
+        return filled_outcome(len(self.fill), self.matched, self.sent, verified, accepted, accept_prob)
 
     # --- transitions -----------------------------------------------------------------------
 
@@ -178,7 +174,7 @@ class Request:
         draft = ids[: max(0, self.draft_budget)]
         self.sent = len(draft)
         self.matched = matched(draft, self.fill)
-        m = self.matched if self.matched == len(self.fill) else len(draft)  # drafts before m are settled
+        m = settled_drafts(len(draft), len(self.fill), self.matched)
         self.draft_ids = draft[m:]
         self.draft_q = q[m : len(draft)] if q is not None else None
         self.draft_conf = confidence[m : len(draft)] if confidence is not None else None
@@ -248,3 +244,20 @@ class Request:
         if self.status is not Status.FINISHED:
             self.status = Status.FINISHED
             self.finish_reason = reason
+
+
+def settled_drafts(sent: int, filled: int, matched: int) -> int:
+    """How many leading drafts of a round the fill settled: the ``matched`` ones when the draft
+    agreed with all ``filled`` tokens (the rest are verified after the fill), all ``sent`` when it
+    left the fill or ran out inside it (nothing is verified). No fill: none."""
+    return matched if matched == filled else sent
+
+
+def filled_outcome(filled: int, matched: int, sent: int, verified: int, accepted: int,
+                   accept_prob: float) -> tuple[int, int, float]:
+    """(drafted, accepted, Σ acceptance probability) of a round as a whole, after ``verified``
+    drafts were judged past a fill of ``filled`` tokens and ``accepted`` of them kept: the fill's
+    ``matched`` drafts count as accepted ones (probability 1), a mismatch as one rejected draft."""
+    if matched < filled:  # the draft left the fill (or ran out inside it)
+        return min(sent, matched + 1), matched, float(matched)
+    return matched + verified, matched + accepted, matched + accept_prob

@@ -23,13 +23,21 @@ def test_smartspec_part_runs_one_fixed_k_fleet_per_length(monkeypatch: pytest.Mo
     monkeypatch.setattr(vp, "serve_loads", serve)
     monkeypatch.setattr(vp, "smallest", lambda drafts: drafts[0])
     args = argparse.Namespace(smartspec_ks=[2, 4, 6], draft_len=3, loads=[1, 16], max_tokens=8, repeats=1,
-                              estimator_file="")
+                              estimator_file="", smartspec_forward_only=False)
     vp.smartspec_part(SimpleNamespace(drafts=[tmp_path]), args, SimpleNamespace(), tmp_path)
     scs = seen["scenarios"]
     assert [sc.name for sc in scs] == ["target-only", "fixed k=2", "fixed k=4", "fixed k=6", "smartspec"]
     assert [sc.draft_len for sc in scs[1:4]] == [2, 4, 6] and scs[0].drafters == 0
     assert scs[-1].draft_len == 3 and "smartspec" in scs[-1].verifier_flags
+    assert "--smartspec-overhead" not in scs[-1].verifier_flags
     assert seen["loads"] == [1, 16]
+    # the paper's forward-only model beside it, on request
+    vp.smartspec_part(SimpleNamespace(drafts=[tmp_path]), argparse.Namespace(**{**vars(args),
+                      "smartspec_forward_only": True}), SimpleNamespace(), tmp_path)
+    extra = seen["scenarios"][-1]
+    assert extra.name == "smartspec forward-only"
+    flags = list(extra.verifier_flags)
+    assert flags[flags.index("--smartspec-overhead") + 1] == "false" and "smartspec" in flags
 
 
 @pytest.mark.parametrize("text", ["4,4", "", "0,2", "2,x"])

@@ -234,7 +234,8 @@ def fill_run(alpha: float, fill: bool, rtt_s: float = 0.2, requests: int = 3) ->
 @pytest.mark.parametrize("alpha", [0.0, 0.5, 1.0])
 def test_filling_commits_every_token_once_and_keeps_the_verifier_busy_over_a_slow_link(alpha: float) -> None:
     """With a 200 ms round trip the verifier decodes on while each draft travels (the real fill
-    policy decides); no token is lost or committed twice, and the requests end sooner."""
+    policy decides); the requests commit exactly their tokens (a fill past a request's end, or
+    counted twice, would show), and they end sooner."""
     filled, plain = fill_run(alpha, True), fill_run(alpha, False)
     assert filled.requests_done == plain.requests_done == 3
     assert filled.committed == plain.committed == 3 * 40
@@ -243,16 +244,38 @@ def test_filling_commits_every_token_once_and_keeps_the_verifier_busy_over_a_slo
     assert filled.latency_s < plain.latency_s / 2
 
 
+@pytest.mark.parametrize(("oks", "verified", "drafted", "accepted"), [
+    ((True, True, False), 1, 3, 2),  # agreed with both filled tokens: the third is verified
+    ((True, False, True), 0, 2, 1),  # left the fill at its second token: nothing verified
+    ((True,), 0, 1, 1),  # ran out inside the fill
+])
+def test_the_simulated_verifier_settles_a_filled_rounds_draft_as_the_real_one_does(
+        oks: tuple[bool, ...], verified: int, drafted: int, accepted: int) -> None:
+    """Two tokens filled, then the draft arrives (the same cases as the real verifier's table in
+    test_verifier_fill)."""
+    sim = Simulation(SimSpec(drafters=(DrafterSpec("d", max_tokens=50),), cost=H100, rounds=1,
+                             verifier=VerifierSpec(fill=True)))
+    s = Session("x", sim.edges[0], 16, 50, None, 0.0, None, generated=2, cached=17, waiting_draft=True,
+                filled=2, drafts=[(0.9, ok) for ok in oks])
+    sim.verifier.take_draft(s, 0.0)
+    assert len(s.drafts) == verified and "x" in sim.verifier.ready
+    _, d, a, _ = sim.verifier._judge(s)
+    assert (d, a) == (drafted, accepted)
+    assert s.generated == 2 + (accepted - s.matched) + 1 and s.cached == s.context_len - 1
+
+
 @pytest.mark.parametrize(("alpha", "all_accepted"), [(1.0, True), (0.0, False)])
 def test_a_filled_rounds_draft_is_matched_against_the_fill(alpha: float, all_accepted: bool) -> None:
     """A perfect draft agrees with every filled token (they count as accepted drafts); a hopeless
-    one leaves the fill at its first token, one rejected draft and nothing verified after it."""
+    one leaves the fill at its first token, one rejected draft and nothing verified after it
+    (three requests, 200 ms RTT: every round after a request's first is filled)."""
     r = fill_run(alpha, True)
     assert r.drafted > 0
     if all_accepted:
         assert r.accepted == r.drafted
     else:
-        assert r.accepted == 0 and r.drafted <= r.rounds
+        # a first round is not filled and drafts its whole budget (4); each later one leaves the fill at once
+        assert r.accepted == 0 and r.drafted <= (r.rounds - 3) + 3 * 4
 
 
 def test_goodput_grows_with_alpha() -> None:

@@ -15,7 +15,7 @@ import pytest
 
 from services.verifier.core_api import AddDraft, AddRequest, Filled, OutOfTurn, Rounded
 from services.verifier.fill import FillPolicy
-from services.verifier.requests import Request, Status
+from services.verifier.requests import Request, Status, filled_outcome, settled_drafts
 from shared.models import LoadedModel, load_model
 from shared.protocol import SamplingParams
 from tests.conftest import greedy_reference
@@ -247,3 +247,18 @@ def test_a_session_finishing_in_a_fill_counts_its_tokens_once(target: LoadedMode
     h.turn(params.max_tokens)
     get = h.core.metrics.registry.get_sample_value
     assert get("specfleet_verifier_generated_tokens_total") == get("specfleet_verifier_filled_tokens_total") == 3
+
+
+@pytest.mark.parametrize(("sent", "filled", "matched", "verified", "accepted", "settled", "outcome"), [
+    (4, 0, 0, 4, 2, 0, (4, 2, 2.0)),  # no fill: every draft verified
+    (3, 2, 2, 1, 0, 2, (3, 2, 2.0)),  # agreed with both filled tokens: the third verified, rejected
+    (3, 2, 1, 0, 0, 3, (2, 1, 1.0)),  # left the fill at its second token: one rejected draft, nothing verified
+    (1, 2, 1, 0, 0, 1, (1, 1, 1.0)),  # ran out inside the fill, every draft agreeing with it
+    (4, 1, 0, 0, 0, 4, (1, 0, 0.0)),  # left it at once
+])
+def test_a_filled_rounds_drafts_are_settled_by_the_fill_and_the_round_counted_whole(
+        sent: int, filled: int, matched: int, verified: int, accepted: int, settled: int,
+        outcome: tuple[int, int, float]) -> None:
+    """The arithmetic ``Request.take_draft`` and ``round_outcome`` use, and the simulator with them."""
+    assert settled_drafts(sent, filled, matched) == settled
+    assert filled_outcome(filled, matched, sent, verified, accepted, float(accepted)) == outcome

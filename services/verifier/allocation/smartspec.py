@@ -2,8 +2,9 @@
 
 Goodput is the expected tokens the sessions generate over the time a round of theirs takes:
 
-    goodput(k) = N·l(α, k) / max(T_target(all N sessions, k), T_draft(k) + T_target(one session, k))
+    goodput(k) = N·l(α, k) / max(T_target(all N sessions, k) + h(N), T_draft(k) + T_target(one session, k) + h(1))
     l(α, k)    = (1 − α^(k+1)) / (1 − α)                     (eq. 8, the bonus token included)
+    h(n)       = e0 + e1·n, the verifier's measured busy time between forwards (off: the paper's 0)
 
 (the paper's T_target + T_draft for one session, and its batch of every running request; the
 bullets below say why the max).
@@ -88,9 +89,10 @@ def goodputs(alpha: float, sessions: int, context: int, max_len: int, model: Ste
     sums, so n alike segments cost T(1) plus n - 1 times the second one's extra cost.
 
     ``overhead`` (the core's measured busy time between forwards, a line in the step's sessions)
-    adds the verifier's work outside the forward to each: a round pays it once per session
-    whatever k is, so it is what makes a round of several tokens cheaper per token than plain
-    decoding's round of one when the verifier is busy."""
+    adds the verifier's work outside the forward to each: a round pays it once per session, so it
+    is what makes a round of several tokens cheaper per token than plain decoding's round of one
+    when the verifier is busy. Assumed the same whatever k is (judging and reading a longer draft
+    cost a little more), and for one session it may overlap the draft wait's own share of it."""
     extra_all = overhead.predict(sessions) if overhead else 0.0
     extra_one = overhead.predict(1) if overhead else 0.0
     out = []

@@ -184,6 +184,11 @@ class RecentLine:
         return self.e0 + self.e1 * x
 
 
+def overhead_line() -> RecentLine:
+    """The line of the verifier's busy seconds between forwards against a step's sessions."""
+    return RecentLine(window=512, refit_every=32)
+
+
 class StepTimeEstimator:
     """Eq. 19 with its coefficients, refined online from measured steps (a :class:`StepTimeModel`).
 
@@ -200,7 +205,7 @@ class StepTimeEstimator:
         self._refit_every = refit_every
         self._since_refit = 0
         self.report: FitReport | None = None  # the profile's held-out report, when loaded from a file
-        self.overhead = RecentLine(window=512, refit_every=32)  # busy seconds between forwards, by sessions
+        self.overhead = overhead_line()  # busy seconds between forwards, by sessions
 
     def _set(self, coef: Sequence[float]) -> None:
         a, b, c, d = (float(v) for v in coef)
