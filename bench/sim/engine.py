@@ -308,9 +308,7 @@ class Simulation:
         self.events.push(s.sent_at + s.edge.half_rtt, Kind.DRAFT_IN, s)
 
     def _draft_in(self, s: Session) -> None:
-        if s.waiting_draft:
-            s.draft_wait_s = self.now - s.waiting_since
-            self.verifier.take_draft(s, self.now)
+        self.verifier.take_draft(s, self.now)
 
     def _step_end(self, step: Step) -> None:
         self.verifier.end_step(step, self.now)

@@ -26,8 +26,8 @@ policies (never copies of them):
   there. Every session is taken as deterministic (greedy or raced), which filling needs.
 
 Simplifications: the whole prompt is fed in the session's first round (no chunked prefill, no
-separate prefill steps, so no fill before it); the KV cache and the session count are unbounded (no admission queue);
-a candidate is built once, when its session becomes ready (the real scheduler rebuilds it every
+separate prefill steps, so no fill before it); the KV cache and the session count are unbounded
+(no admission queue); a candidate is built once, when its session becomes ready (the real scheduler rebuilds it every
 step from the same values: nothing it reads changes while the session waits).
 """
 
@@ -123,12 +123,14 @@ class SimVerifier:
         fill already committed are matched (a draft token equals the target's exactly when it is
         accepted), the rest are verified after the fill, and a draft that left the fill verifies
         nothing. A draft arriving during a fill step of its session waits for that step's end, as
-        the real verifier reads its commands between steps."""
-        if s.finished or not s.waiting_draft:
+        the real verifier reads its commands between steps (its wait, as the real one's, counts
+        to when it is taken); one for a request the fill finished is dropped."""
+        if not s.waiting_draft:
             return
         if s.sid in self.filling:
             self.held.append(s)
             return
+        s.draft_wait_s = now - s.waiting_since
         if self.filler is not None:
             self.filler.observe(s.drafter, s.draft_wait_s)
         s.sent, s.waiting_draft = len(s.drafts), False
@@ -186,7 +188,7 @@ class SimVerifier:
                 self.wake_at = wake
                 self.events.push(wake, Kind.WAKE, None)
             return
-        shapes = [SegmentShape(new=s.context_len - s.cached, cached=s.cached) for s in chosen]
+        shapes = [SegmentShape(new=1, cached=s.cached) for s in chosen]  # fillable: all but the last token cached
         self.filling = {s.sid for s in chosen}
         self._start(tuple(chosen), shapes, now, select_s, fill=True)
 
@@ -224,9 +226,7 @@ class SimVerifier:
         self.rec.step(len(step.sessions), step.seconds, step.select_s, 0.0)
         self.filling = set()
         for s in step.sessions:
-            if s.finished:
-                continue
-            s.cached = s.context_len  # the step fed its uncached tokens and decoded one more
+            s.cached += 1  # the step fed its last token and decoded one more
             s.generated += 1
             s.filled += 1
             s.finished = s.generated >= s.max_tokens
