@@ -2,7 +2,8 @@
 
 Four pinned fleets serve the same greedy workload (the edge emulated by pinning, as in
 ``bench.serving``): target-only and speculative (1 drafter, the smallest draft) on each of
-``--backend torch`` and ``--backend vllm``. Reported per scenario and concurrency: tokens/s
+``--backend torch`` and ``--backend vllm``, and vLLM speculative once more with drafters that send
+no conditional drafts (``--conditional-drafts false``). Reported per scenario and concurrency: tokens/s
 (median of the repeats), its ratio to the same backend's target-only serving, acceptance, and
 forward passes per committed token (engine steps over generated tokens, read from each
 verifier's /metrics: specfleet's step counter, vLLM's ``iteration_tokens_total`` count).
@@ -32,6 +33,9 @@ def scenarios(draft: Path, k: int) -> list[Scenario]:
         flags = ("--backend", backend, "--max-draft-tokens", str(max(k, 1)))
         out += [Scenario(f"{backend} target-only", verifier_flags=flags),
                 Scenario(f"{backend} speculative", drafters=1, draft=str(draft), draft_len=k, verifier_flags=flags)]
+    # vLLM outruns the edge on a CPU: most rounds that get a draft in time get a conditional one
+    out.append(Scenario("vllm speculative, no conditional drafts", drafters=1, draft=str(draft), draft_len=k,
+                        verifier_flags=out[-1].verifier_flags, drafter_flags=("--conditional-drafts", "false")))
     return out
 
 

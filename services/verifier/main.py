@@ -160,7 +160,7 @@ def _hub(cfg: VerifierConfig, loaded: LoadedModel) -> tuple[Hub, Output, Verifie
     try:
         credentials = Credentials(cfg.auth_token, cfg.credentials_file)
         hub = Hub(loaded.name, loaded.fingerprint, loaded.max_model_len, cfg.max_draft_tokens, credentials, routes,
-                  metrics, cfg.drafter_trust, conditional_drafts=cfg.backend == "torch")  # TorchCore takes them
+                  metrics, cfg.drafter_trust, conditional_drafts=True)
     except (CredentialsError, ValueError) as exc:
         raise ModelLoadError(str(exc)) from None
     return hub, Output(hub, routes, metrics), metrics

@@ -15,6 +15,7 @@ from services.verifier.vllm_engine.plugin import InboxProposer, align, expand_ba
 from services.verifier.vllm_engine.rounds import LiveSession
 from shared.acceptance import matched
 from shared.models import ModelLoadError
+from shared.protocol import MAX_CONDITIONAL_DRAFTS
 
 # --- align: what the proposer still proposes after the request moved on ------------------------
 
@@ -152,6 +153,63 @@ def test_a_live_draft_survives_tokens_it_guessed() -> None:
     s.pending += [8, 1]
     assert s.live_draft() is None and s.due()
     assert s.resolve(now=1.0).accepted == 2
+
+
+# --- conditional drafts (Draft.after) ---------------------------------------------------------
+
+
+def after_round_zero(committed: list[int], budget: int = 3) -> LiveSession:
+    """A session whose round 0 committed ``committed``; round 1 is current."""
+    s = session(budget=budget)
+    s.pending = list(committed)
+    s.resolve(now=1.0)
+    return s
+
+
+@pytest.mark.parametrize(("round_", "after", "have_draft", "want"), [
+    (2, (9,), False, "held"),  # for the next round: kept until this one ends
+    (1, (5, 6), False, "taken"),  # its round began committing exactly its after: it is that round's draft
+    (1, (5, 7), False, "dropped"),  # the round it assumed came out otherwise
+    (1, (5, 6), True, "dropped"),  # the round has its draft already
+    (0, (), False, "dropped"),  # a round long gone
+    (3, (9,), False, "dropped"),  # too far ahead
+])
+def test_a_conditional_draft_on_arrival(round_: int, after: tuple[int, ...], have_draft: bool, want: str) -> None:
+    s = after_round_zero([5, 6])
+    if have_draft:
+        assert s.take_draft(1, [1], now=1.5)
+    assert s.offer(round_, after, [1, 2, 3, 4], now=2.0) == want
+    assert (s.upcoming == [(after, [1, 2, 3, 4])]) is (want == "held")
+    if want == "taken":
+        assert s.draft == [1, 2, 3] and s.draft_wait_s == pytest.approx(1.0)  # clipped; waited since round 1 began
+
+
+@pytest.mark.parametrize(("committed", "budget", "speculative", "taken", "dropped", "draft"), [
+    ([5, 6], 3, True, True, 1, [7, 8, 9]),  # the draft after (5, 6) begins round 1, clipped to its budget
+    ([5, 6], 1, True, True, 1, [7]),
+    ([5, 9], 3, True, False, 2, None),  # neither came true
+    ([5, 6], 0, True, False, 2, None),  # no budget: no draft
+    ([5, 6], 3, False, False, 2, None),  # target-only from now on
+])
+def test_the_next_round_begins_with_the_draft_that_came_true(
+        committed: list[int], budget: int, speculative: bool, taken: bool, dropped: int,
+        draft: list[int] | None) -> None:
+    s = session()
+    assert s.offer(1, (5, 6), [7, 8, 9, 10], now=0.5) == "held"
+    assert s.offer(1, (5, 7), [1, 1], now=0.6) == "held"
+    s.pending = list(committed)
+    s.resolve(now=1.0)
+    s.budget, s.speculative = budget, speculative
+    assert s.promote() == (taken, dropped)
+    assert s.draft == draft and s.upcoming == []
+    if taken:
+        assert s.draft_wait_s == 0.0 and s.live_draft() == draft and not s.due()
+
+
+def test_a_session_holds_only_so_many_conditional_drafts() -> None:
+    s = session()
+    fates = [s.offer(1, (i,), [i], now=0.0) for i in range(MAX_CONDITIONAL_DRAFTS + 1)]
+    assert fates == ["held"] * MAX_CONDITIONAL_DRAFTS + ["dropped"]
 
 
 # --- configuration errors are caught before vLLM starts ----------------------------------------

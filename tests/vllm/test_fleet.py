@@ -1,7 +1,7 @@
 """The whole fleet with ``--backend vllm``: coordinator, real drafters, vLLM verifying.
 
-* greedy output is token-identical to target-only transformers greedy (24 concurrent requests),
-  and vLLM did take the drafters' drafts;
+* greedy output is token-identical to target-only transformers greedy (24 concurrent requests);
+* one stream's drafts reach vLLM (conditional drafts among them) and are accepted;
 * vLLM's own metrics are served beside specfleet's;
 * a client that goes away cancels its vLLM request;
 * a field the vLLM backend does not serve (logprobs) is a 400 naming it;
@@ -21,8 +21,9 @@ import httpx
 import pytest
 
 from shared.models import LoadedModel, load_model
+from tests.conftest import greedy_reference
 from tests.e2e.stack import Stack, StackSpec, run_stack
-from tests.e2e.test_full_stack import CONCURRENCY, check_greedy
+from tests.e2e.test_full_stack import CONCURRENCY, check_greedy, prompt_ids
 from tests.vllm.conftest import VLLM_WARNINGS
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, *VLLM_WARNINGS]
@@ -55,12 +56,29 @@ def wait_for(check: Callable[[], bool], timeout_s: float = 20.0) -> bool:
 
 
 def test_greedy_identical_through_the_fleet(vllm_fleet: Stack, target: LoadedModel) -> None:
-    check_greedy(vllm_fleet, target)
-    coordinator = httpx.get(vllm_fleet.base_url + "/metrics").text
-    assert metric(coordinator, "specfleet_coordinator_accepted_tokens_total") > 0, "vLLM never accepted a draft"
+    check_greedy(vllm_fleet, target)  # 24 streams: whether their drafts land in time is up to the CPU
     verifier = httpx.get(vllm_fleet.verifier_url + "/metrics").text
     assert "vllm:num_requests_running" in verifier and "specfleet_verifier_rounds_total" in verifier
     assert httpx.get(vllm_fleet.verifier_url + "/status").json()["backend"] == "vllm"
+
+
+def test_one_stream_takes_its_drafts(vllm_fleet: Stack, target: LoadedModel) -> None:
+    """vLLM never waits for a draft, so whether one lands in time is up to how the two cores are
+    shared; a stream alone lands some in nearly every request, conditional drafts among them
+    (a lookahead that came true begins its round before the Verdict is out). Up to 12 requests,
+    each token-identical to the target's greedy text, until both have happened."""
+    body = {"model": "target", "prompt": "def parse(", "max_tokens": 64, "temperature": 0, "ignore_eos": True}
+    ref = greedy_reference(target.model, prompt_ids(target, {"kind": "completion", **body}), 64, set())
+    seen = []
+    for _ in range(12):
+        resp = httpx.post(vllm_fleet.base_url + "/v1/completions", json=body, timeout=60).json()
+        assert resp["choices"][0]["text"] == target.tokenizer.decode(ref, skip_special_tokens=True)
+        seen.append(resp["specfleet"])
+        taken = metric(httpx.get(vllm_fleet.verifier_url + "/metrics").text,
+                       'specfleet_verifier_conditional_drafts_total{outcome="taken"}')
+        if taken > 0 and any(s["accepted_tokens"] > 0 for s in seen):
+            return
+    pytest.fail(f"vLLM took no draft, or no conditional one ({taken:.0f} taken), in 12 requests: {seen}")
 
 
 def test_client_disconnect_cancels_the_vllm_request(vllm_fleet: Stack, target: LoadedModel) -> None:

@@ -3,7 +3,8 @@ specfleet's drafters propose. Implements the same :class:`VerifierCore` as the t
 
     AddRequest -> one long-lived vLLM request (AsyncLLM.generate, DELTA outputs)
     AddDraft   -> the session's round takes it; a live draft goes to vLLM's worker
-                  (one collective_rpc per batch of drafts, at most one in flight)
+                  (one collective_rpc per batch of drafts, at most one in flight); a
+                  conditional one (``after``) waits for the round after the one it assumes
     each vLLM output -> pending tokens; a round that is over becomes a Rounded result
     Finish     -> abort the vLLM request
 
@@ -142,9 +143,21 @@ class VllmCore:
 
     def _draft(self, cmd: AddDraft) -> None:
         session = self.sessions.get(cmd.request_id)
-        if session is None or not session.take_draft(cmd.round, cmd.token_ids, cmd.received_at):
+        if session is None:
+            return
+        if cmd.after is not None:
+            offered = session.offer(cmd.round, cmd.after, cmd.token_ids, cmd.received_at)
+            if offered != "held":
+                self.metrics.conditional.labels(offered).inc()
+            if offered != "taken":
+                return
+        elif not session.take_draft(cmd.round, cmd.token_ids, cmd.received_at):
             return  # a round vLLM already ended without it: the drafter has (or will get) that Verdict
         self.metrics.draft_wait.observe(session.draft_wait_s)
+        self._propose(session)
+
+    def _propose(self, session: LiveSession) -> None:
+        """Hand the round's draft to vLLM's worker, or end the round when it can do no more."""
         live = session.live_draft()
         if live is not None:
             self._outbox.append((session.request_id, session.base_len, live))
@@ -156,7 +169,7 @@ class VllmCore:
         session = self.sessions.get(rid)
         if session is None:
             return
-        session.speculative, session.draft, session.drafter = False, None, ""
+        session.speculative, session.draft, session.drafter, session.upcoming = False, None, "", []
         self.tracker.detach(rid)
         self._forget.append(rid)
         if session.due():
@@ -169,7 +182,7 @@ class VllmCore:
         self.tracker.open(session.request_id, cmd.drafter or None)
         session.speculative, session.drafter = True, cmd.drafter
         session.budget = self._initial_budget(session.request_id)
-        session.draft, session.draft_at = None, time.perf_counter()
+        session.draft, session.draft_at, session.upcoming = None, time.perf_counter(), []
         self._results.append(Attached(session.request_id, list(session.published), session.round, session.budget))
 
     def _finish(self, rid: str) -> None:
@@ -254,6 +267,19 @@ class VllmCore:
         self._results.append(Rounded(session.request_id, done.round, done.drafted, done.accepted, done.tokens,
                                      finished, reason, budget, error=error))
         self.metrics.count_round(done.drafted, done.accepted, len(done.tokens))
+        if not finished:
+            self._take_upcoming(session)
+
+    def _take_upcoming(self, session: LiveSession) -> None:
+        """The new round begins with the conditional draft whose ``after`` the round just ended
+        committed, if one came (the drafter reads the same from the Verdict and drafts no other)."""
+        taken, dropped = session.promote()
+        if dropped:
+            self.metrics.conditional.labels("dropped").inc(dropped)
+        if taken:
+            self.metrics.conditional.labels("taken").inc()
+            self.metrics.draft_wait.observe(0.0)
+            self._propose(session)
 
     def _next_budget(self, session: LiveSession, done: Resolved) -> int:
         stats = RoundStats(session.request_id, session.drafter or None, done.drafted, done.accepted,

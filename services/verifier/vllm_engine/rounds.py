@@ -14,13 +14,24 @@ Verdict carries every pending token) as soon as the draft can do no more:
 
 So a Verdict may commit tokens the drafter never drafted, and ``accepted`` counts the draft's
 tokens that match what was committed, wherever they came from.
+
+A drafter's lookahead may come before the Verdict it assumes, as the next round's *conditional*
+draft (``Draft.after``). The session holds it, and the round that follows a round committing
+exactly its ``after`` begins with it, at once: with vLLM outrunning the edge (a small target on a
+CPU decodes a round's budget before a draft has made the round trip) that is often the only draft
+that can still be proposed in time.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from shared.acceptance import matched
+from shared.protocol import MAX_CONDITIONAL_DRAFTS
+
+#: what became of a conditional draft on arrival
+Offered = Literal["held", "taken", "dropped"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +58,9 @@ class LiveSession:
     draft: list[int] | None = None  # the current round's draft (None: not arrived)
     draft_at: float = 0.0  # when the current round began waiting for its draft
     draft_wait_s: float = 0.0
+    last: tuple[int, ...] = ()  # the tokens the previous round committed
+    #: conditional drafts for the next round: (the tokens this round must commit, the draft)
+    upcoming: list[tuple[tuple[int, ...], list[int]]] = field(default_factory=list)
 
     @property
     def base_len(self) -> int:
@@ -60,6 +74,26 @@ class LiveSession:
         self.draft = ids[: max(0, self.budget)]
         self.draft_wait_s = max(0.0, now - self.draft_at)
         return True
+
+    def offer(self, round_: int, after: tuple[int, ...], ids: list[int], now: float) -> Offered:
+        """A conditional draft: held when it is for the next round; taken when its round already
+        began after committing exactly ``after`` and has no draft yet; otherwise dropped."""
+        if round_ == self.round + 1 and self.speculative and len(self.upcoming) < MAX_CONDITIONAL_DRAFTS:
+            self.upcoming.append((after, ids))
+            return "held"
+        if round_ == self.round and after == self.last and self.take_draft(round_, ids, now):
+            return "taken"
+        return "dropped"
+
+    def promote(self) -> tuple[bool, int]:
+        """Begin the round that just began with the held draft whose ``after`` the last round
+        committed, clipped to the new budget. Returns whether one was taken and how many were dropped."""
+        held, self.upcoming = self.upcoming, []
+        came_true = next((ids for after, ids in held if after == self.last), None)
+        if came_true is None or not self.speculative or self.budget <= 0:
+            return False, len(held)
+        self.draft, self.draft_wait_s = came_true[: self.budget], 0.0
+        return True, len(held) - 1
 
     def live_draft(self) -> list[int] | None:
         """The draft, when some of it may still be proposed after the pending tokens."""
@@ -78,10 +112,12 @@ class LiveSession:
         return self.live_draft() is None
 
     def resolve(self, now: float) -> Resolved:
-        """End the round: every pending token is published; the next round begins."""
+        """End the round: every pending token is published; the next round begins (with a held
+        conditional draft once its budget is set: :meth:`promote`)."""
         draft = self.draft or []
         done = Resolved(self.round, len(self.published), len(draft), matched(draft, self.pending), list(self.pending))
         self.published.extend(self.pending)
+        self.last = tuple(self.pending)
         self.pending = []
         self.draft = None
         self.draft_at = now
