@@ -241,6 +241,17 @@ def test_smartspec_counts_the_wait_for_drafts() -> None:
     assert k_slow == 0 < k_fast
 
 
+def test_the_draft_wait_is_the_mean_over_rounds_hits_included() -> None:
+    """Half the rounds of length 4 found their (conditional) draft there already: the mean wait
+    is half the misses' 4 ms; a round without a draft says nothing about the wait."""
+    wait = DraftWaitModel(refit_every=1)
+    for _ in range(8):
+        wait.observe(4, 0.004)
+        wait.observe(4, 0.0)
+        wait.observe(0, 0.5)
+    assert wait.predict(4) == pytest.approx(0.002) and wait.predict(0) == 0.0
+
+
 def test_smartspec_counts_only_the_wait_other_sessions_do_not_fill() -> None:
     """An edge that takes 5 ms + 1 ms per drafted token: one session alone would leave the
     verifier idle through that wait, and speculation does not pay; with 40 sessions the verifier

@@ -25,7 +25,8 @@ PROBE_EVERY steps draft anyway, so that the estimates it decided on stay measure
   coefficients are profiled offline and refined online by least squares.
 * T_draft is SmartSpec's eq. 4 term. Here drafts are made at the edge, so it is the time the
   verifier waits for a draft of k tokens (drafting plus both network legs), fitted online as
-  e0 + e1·k through the mean wait at each length; a round whose session drafted nothing in its
+  e0 + e1·k through the mean wait at each length (0 for a draft that was in before its round
+  began: a conditional draft that came true); a round whose session drafted nothing in its
   previous round is left out: a first round (its draft also paid the drafter's prefill) and the
   first drafted round after a pause (the drafter caught up on the tokens decoded without it).
   While every measured round has the same length the line is flat (e1 = 0): the per-token
@@ -64,13 +65,17 @@ SWITCH_MARGIN = 0.2
 
 class DraftWaitModel(RecentLine):
     """Least-squares line through the seconds the verifier waited for a draft of length k, over
-    the last ``window`` rounds (refitted every ``refit_every`` of them); no draft, no wait."""
+    the last ``window`` rounds (refitted every ``refit_every`` of them); no draft, no wait.
+
+    A round whose draft was there before it began (a conditional draft that came true) waited 0 s
+    and counts as such: the line is the mean wait of a round, and leaving those out would price
+    every round as one whose lookahead missed."""
 
     def __init__(self, window: int = EDGE_WINDOW, refit_every: int = 16) -> None:
         super().__init__(window, refit_every)
 
     def observe(self, x: float, y: float) -> None:
-        if x > 0 and y > 0:
+        if x > 0 and y >= 0:
             super().observe(x, y)
 
     def predict(self, x: float) -> float:
