@@ -374,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
                         "0: a batch's draft cost is proportional to its rows")
     p.add_argument("--fill", action="store_true",
                    help="simulate the verifier filling while drafts travel, as the real runs' verifiers did "
-                        "(off: the simulator then fills more than they did)")
+                        "(off by default: with it the simulator fills more than they did and misses by more)")
     p.add_argument("--out", default="bench/results")
     args = p.parse_args(argv)
     coef = load_cpu_coef(args.estimator_file)
