@@ -1,6 +1,6 @@
 """The two verifier backends side by side (``python -m bench backends``): torch and vLLM, one run.
 
-Four pinned fleets serve the same greedy workload (the edge emulated by pinning, as in
+Five pinned fleets serve the same greedy workload (the edge emulated by pinning, as in
 ``bench.serving``): target-only and speculative (1 drafter, the smallest draft) on each of
 ``--backend torch`` and ``--backend vllm``, and vLLM speculative once more with drafters that send
 no conditional drafts (``--conditional-drafts false``). Reported per scenario and concurrency: tokens/s
@@ -33,7 +33,7 @@ def scenarios(draft: Path, k: int) -> list[Scenario]:
         flags = ("--backend", backend, "--max-draft-tokens", str(max(k, 1)))
         out += [Scenario(f"{backend} target-only", verifier_flags=flags),
                 Scenario(f"{backend} speculative", drafters=1, draft=str(draft), draft_len=k, verifier_flags=flags)]
-    # vLLM outruns the edge on a CPU: most rounds that get a draft in time get a conditional one
+    # vLLM outruns the edge on a CPU: how much do conditional drafts (sent before the Verdict) help it?
     out.append(Scenario("vllm speculative, no conditional drafts", drafters=1, draft=str(draft), draft_len=k,
                         verifier_flags=out[-1].verifier_flags, drafter_flags=("--conditional-drafts", "false")))
     return out

@@ -17,9 +17,9 @@ tokens that match what was committed, wherever they came from.
 
 A drafter's lookahead may come before the Verdict it assumes, as the next round's *conditional*
 draft (``Draft.after``). The session holds it, and the round that follows a round committing
-exactly its ``after`` begins with it, at once: with vLLM outrunning the edge (a small target on a
-CPU decodes a round's budget before a draft has made the round trip) that is often the only draft
-that can still be proposed in time.
+exactly its ``after`` begins with it, at once. Where vLLM outruns the edge (a small target on a
+CPU decodes a round's budget in about the time a fresh draft takes to make the round trip), it
+is a draft that need not make that trip.
 """
 
 from __future__ import annotations
