@@ -170,9 +170,10 @@ def cpu_split(run: Run) -> dict[str, float]:
 def drafter_costs(snap: Snapshot) -> dict[str, float]:
     """One drafter's draft-model milliseconds per drafted token of its rounds; drafted, accepted
     and asked-for tokens per round (a model-free proposer drafts fewer than asked); its rounds;
-    draft-model busy seconds (lookaheads included, and apart); its lookaheads (and how many were
-    used); the mean sessions its round batches drafted together (lookahead batches apart); and its
-    rounds' mean hand-off and send and wait for the verdict (its process CPU is in ``cpu_split``)."""
+    draft-model busy seconds (lookaheads included, and apart); its lookaheads (how many were used,
+    and of those how many the verifier held already as a conditional draft); the mean sessions its
+    round batches drafted together (lookahead batches apart); and its rounds' mean hand-off and
+    send and wait for the verdict (its process CPU is in ``cpu_split``)."""
     rounds, drafted = snap.value(f"{D}_rounds_total"), snap.value(f"{D}_drafted_tokens_total")
     return {"draft_ms_per_token": round_busy(snap) / drafted * 1e3 if drafted else 0.0,
             "drafted_per_round": drafted / rounds if rounds else 0.0,
@@ -182,6 +183,7 @@ def drafter_costs(snap: Snapshot) -> dict[str, float]:
             "lookahead_busy_s": snap.value(f"{D}_lookahead_busy_seconds_total"),
             "lookaheads": sum(snap.value(f"{D}_lookaheads_total", outcome=o) for o in ("used", "missed", "dropped")),
             "lookaheads_used": snap.value(f"{D}_lookaheads_total", outcome="used"),
+            "presented": snap.value(f"{D}_presented_lookaheads_total"),
             "batch_sessions": snap.mean(f"{D}_draft_batch_sessions", kind="round"),
             "send_ms": snap.mean(f"{D}_round_phase_seconds", phase="send") * 1e3,
             "verify_wait_ms": snap.mean(f"{D}_round_phase_seconds", phase="verify_wait") * 1e3}

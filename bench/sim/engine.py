@@ -13,7 +13,11 @@ of it leaves ``send_s`` after the batch ends, reaching the verifier RTT/2 later.
 drafting (``lookahead.py``): a session that sends a draft while its drafter serves at most
 ``pipeline_sessions`` sessions drafts its next round ahead, as if this one is accepted whole,
 one token per batch and only while no round is ready. A verdict that makes it true takes it as
-the next draft, sent once it is done; any other drops it. When the verdict comes back,
+the next draft, sent once it is done; any other drops it. Conditional drafts
+(``DrafterSpec.conditional``): a lookahead done before its verdict came leaves at once, and the
+verifier verifies it as soon as the round it assumes ends as assumed (or when it arrives, if later);
+the drafter, hearing that verdict, starts the next round with it (sending nothing) and looks ahead
+past it, as the real one does (``Lookahead.presented``). When the verdict comes back,
 ``end_round(drafted, accepted, draft_s, verify_s)`` feeds the controller, as the real drafter
 does. The controller's decisions are taken when the draft starts (the simulator draws the whole
 draft at once), so feedback from other sessions' verdicts during a draft is seen from the next one.
@@ -51,7 +55,8 @@ from services.verifier.batching import slo_met
 
 def _edge(index: int, d: DrafterSpec, threshold: float) -> Edge:
     return Edge(index, d.name, d.alpha, d.token_s, d.round_s, d.prefill_token_s, d.send_s, d.rtt_s / 2, d.max_batch,
-                d.pipeline_sessions, d.lookahead_token_s, d.proposal_rate, ControlSettings(threshold), d.forward_s)
+                d.pipeline_sessions, d.lookahead_token_s, d.proposal_rate, ControlSettings(threshold), d.forward_s,
+                d.conditional)
 
 
 class Simulation:
@@ -85,7 +90,8 @@ class Simulation:
         handlers: dict[Kind, Callable[[Any], None]] = {
             Kind.ARRIVE: self._arrive, Kind.OPEN: self._open, Kind.VERDICT: self._verdict,
             Kind.DRAFT_DONE: self._draft_done, Kind.DRAFT_IN: self._draft_in, Kind.STEP_END: self._step_end,
-            Kind.LOOKAHEAD_STEP: self._lookahead_step, Kind.WAKE: lambda _: None}
+            Kind.LOOKAHEAD_STEP: self._lookahead_step, Kind.WAKE: lambda _: None,
+            Kind.CONDITIONAL_IN: self._conditional_in}
         while self.events and not self._done():
             at = self.events.next_time()
             assert at is not None
@@ -149,6 +155,7 @@ class Simulation:
 
     def _verdict(self, v: Verdict) -> None:
         s = v.session
+        s.drafter_round = v.round + 1
         if s in s.edge.in_flight:
             s.edge.in_flight.remove(s)
         if v.drafted > 0 and s.controller is not None:
@@ -166,6 +173,9 @@ class Simulation:
             self._complete(s)
         elif ahead is not None and s.ahead is ahead:  # it came true
             self._next_round(s)
+            if ahead.sent:
+                self._presented(s, ahead, v.budget)
+                return
             ahead.wanted = True
             if not ahead.left:
                 self._take(s)
@@ -186,15 +196,17 @@ class Simulation:
 
     # --- pipelined drafting ------------------------------------------------------------------
 
-    def _look_ahead(self, s: Session) -> None:
-        """``s`` just sent a draft: while its drafter serves few enough sessions, it drafts the next
-        round ahead, which comes true when every draft is accepted and the first lookahead token
-        guesses the verifier's bonus token (the drafter's α)."""
+    def _look_ahead(self, s: Session, drafts: list[tuple[float, bool]], asked: int) -> None:
+        """``s`` just sent ``drafts`` (its round asked for ``asked``): while its drafter serves few
+        enough sessions, it drafts the next round ahead, which comes true when every draft is
+        accepted (and no fill left them) and the first lookahead token guesses the verifier's bonus
+        token (the drafter's α)."""
         edge = s.edge
-        if not s.drafts or not 0 < edge.live <= edge.pipeline_sessions:
+        if not drafts or not 0 < edge.live <= edge.pipeline_sessions:
             return
-        whole = all(ok for _, ok in s.drafts)  # asked as many as this round did, not only those it drafted
-        s.ahead = Lookahead(whole and self.rng.random() < edge.alpha, s.asked, s.asked + 1)
+        whole = all(ok for _, ok in drafts) and s.fill_broke != s.drafter_round
+        # it asks as many as this round did, not only those it drafted
+        s.ahead = Lookahead(whole and self.rng.random() < edge.alpha, asked, asked + 1, s.drafter_round)
         edge.looking.append(s)
         self.rec.lookaheads += 1
 
@@ -218,6 +230,32 @@ class Simulation:
                 edge.looking.remove(s)
                 if ahead.wanted:
                     self._take(s)
+                elif edge.conditional:
+                    self._presend(s, ahead)
+
+    def _presend(self, s: Session, ahead: Lookahead) -> None:
+        """``s``'s lookahead is done before its verdict came: it leaves after the hand-off as the next
+        round's conditional draft (its drafts drawn now, unscreened: the controller sees a draft the
+        verifier already holds only as its length)."""
+        ahead.drafts = self._propose(s, ahead.tokens, screen=False)[0]
+        if not ahead.drafts:  # its proposer had nothing past the guess: nothing to send (nor when it comes true)
+            return
+        ahead.sent = True
+        self.rec.conditional_sent += 1
+        self.events.push(self.now + s.edge.send_s + s.edge.half_rtt, Kind.CONDITIONAL_IN, (s, ahead))
+
+    def _presented(self, s: Session, ahead: Lookahead, budget: int) -> None:
+        """The verdict made ``s``'s conditional draft true: the verifier verifies it without it
+        (``Lookahead.presented`` in the real drafter), which starts the round, asks its controller
+        for a length as for any round (and ignores it), and looks ahead past that draft."""
+        s.ahead = None
+        self.rec.lookaheads_used += 1
+        asked = self._round_len(s, ahead.tokens, budget)
+        s.draft_s = 0.0
+        s.sent_at, s.awaiting = self.now, True
+        s.edge.in_flight.append(s)
+        self._look_ahead(s, ahead.draft(budget), asked)
+        self.ready.append(s.edge)
 
     def _drop(self, s: Session) -> None:
         if s.ahead is not None and s in s.edge.looking:
@@ -228,8 +266,12 @@ class Simulation:
         """The verdict came true for ``s``'s lookahead: its next draft leaves after the hand-off (the
         controller screens it as a fresh one; the model's work is done)."""
         assert s.ahead is not None
-        tokens, s.ahead = s.ahead.tokens, None
-        self._draw(s, self._round_len(s, tokens))  # the proposer may run out here, once
+        ahead, s.ahead = s.ahead, None
+        k = self._round_len(s, ahead.tokens, s.budget)
+        if ahead.drafts is not None:  # drawn when it was done (its proposer had nothing past the guess)
+            s.drafts, s.asked = ahead.drafts[:k], k
+        else:
+            self._draw(s, k)  # the proposer may run out here, once
         self.rec.lookaheads_used += 1
         s.draft_s = 0.0
         self._send(s, s.edge.send_s)
@@ -255,16 +297,16 @@ class Simulation:
             self.rec.verdict_wait(s.edge.index, self.now - s.sent_at)
             s.awaiting = False
 
-    def _round_len(self, s: Session, cap: int) -> int:
-        """The draft length the controller picks within ``s``'s budget, ``cap`` and what the request
-        can still use (at most ``max_tokens − generated − 1``)."""
-        useful = max(0, min(s.budget, cap, self.spec.policies.max_draft_tokens, s.remaining - 1))
+    def _round_len(self, s: Session, cap: int, budget: int) -> int:
+        """The draft length the controller picks within the round's ``budget``, ``cap`` and what the
+        request can still use (at most ``max_tokens − generated − 1``)."""
+        useful = max(0, min(budget, cap, self.spec.policies.max_draft_tokens, s.remaining - 1))
         return max(0, min(useful, s.controller.begin_round(useful))) if s.controller is not None else 0
 
     def _draft(self, edge: Edge, s: Session) -> tuple[float, int]:
         """Draw ``s``'s draft for this round; returns its share of the batch's draft-model time
         (beyond the forwards' fixed cost) and the tokens it computed."""
-        computed = self._draw(s, self._round_len(s, s.budget))
+        computed = self._draw(s, self._round_len(s, s.budget, s.budget))
         if not computed:
             return 0.0, 0
         seconds = edge.round_s + edge.token_s * computed
@@ -275,21 +317,29 @@ class Simulation:
 
     def _draw(self, s: Session, k: int) -> int:
         """Draft up to ``k`` synthetic tokens into ``s.drafts``; returns how many were computed."""
-        ctl, kappa, alpha, rate = s.controller, self.spec.alpha_concentration, s.edge.alpha, s.edge.proposal_rate
+        s.drafts, computed = self._propose(s, k)
+        s.asked = k
+        return computed
+
+    def _propose(self, s: Session, k: int, screen: bool = True) -> tuple[list[tuple[float, bool]], int]:
+        """Up to ``k`` synthetic drafts of ``s``'s drafter, (accept prob, accepted) each, screened by
+        ``s``'s controller unless not ``screen`` (a conditional draft), and how many were computed."""
+        ctl = s.controller if screen else None
+        kappa, alpha, rate = self.spec.alpha_concentration, s.edge.alpha, s.edge.proposal_rate
         watch = ctl is not None and ctl.wants_features
-        s.drafts, s.asked = [], k
+        drafts: list[tuple[float, bool]] = []
         for i in range(k):
             if rate < 1.0 and self.rng.random() >= rate:  # the proposer has nothing more to propose
-                return i
+                return drafts, i
             a = acceptance_prob(self.rng, alpha, kappa)
             ok = self.rng.random() < a
             decision = ctl.on_step(features(a, i, k)) if watch and ctl is not None else StepDecision.CONTINUE
             if decision is StepDecision.DISCARD:
-                return i + 1
-            s.drafts.append((a, ok))
+                return drafts, i + 1
+            drafts.append((a, ok))
             if decision is StepDecision.STOP:
-                return i + 1
-        return k
+                return drafts, i + 1
+        return drafts, k
 
     def _draft_done(self, done: tuple[Edge, tuple[Session, ...]]) -> None:
         edge, batch = done
@@ -303,9 +353,12 @@ class Simulation:
             return
         s.sent_at, s.awaiting = self.now + after, True
         s.edge.in_flight.append(s)
-        self._look_ahead(s)
+        self._look_ahead(s, s.drafts, s.asked)
         self.ready.append(s.edge)
         self.events.push(s.sent_at + s.edge.half_rtt, Kind.DRAFT_IN, s)
+
+    def _conditional_in(self, sent: tuple[Session, Lookahead]) -> None:
+        self.verifier.take_conditional(sent[0], sent[1], self.now)
 
     def _draft_in(self, s: Session) -> None:
         self.verifier.take_draft(s, self.now)

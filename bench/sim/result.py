@@ -57,6 +57,8 @@ class Recorder:
     max_budget_sum: int = 0
     lookaheads: int = 0  # pipelined drafts started, per session
     lookaheads_used: int = 0  # of them, those that became the next round's draft
+    conditional_sent: int = 0  # lookaheads sent to the verifier before their verdict
+    conditional_taken: int = 0  # of them, those the verifier verified (their verdict came true)
     filled: int = 0  # tokens decoded by fill steps (while the sessions' drafts travelled)
     select_s: list[float] = field(default_factory=list)
     assign_s: list[float] = field(default_factory=list)
@@ -134,6 +136,8 @@ class SimResult:
     asked: int  # draft tokens the rounds asked their proposers for (≥ drafted: a proposer may run out)
     lookaheads: int  # pipelined drafts started, per session
     lookaheads_used: int  # of them, those that became the next round's draft
+    conditional_sent: int  # lookaheads sent to the verifier as conditional drafts, before their verdict
+    conditional_taken: int  # of them, those the verifier verified (their verdict came true)
     filled: int  # tokens decoded by fill steps, while the sessions' drafts travelled (in ``committed``)
     #: per drafter: the mean time from a draft leaving to the drafter starting on that session's next
     #: round (the real drafter's verify_wait + worker_wait: the verifier, both links, and waiting for
@@ -186,7 +190,8 @@ def summarise(rec: Recorder, sim_s: float, tracker_u: float, wall_s: float, **la
         jain=jain(per), sum_log_x=sum_log(per), tracker_sum_log_x=tracker_u,
         slo_attainment=slo_attainment(rec.requests), max_budget_sum=rec.max_budget_sum,
         drafted_rounds=rec.drafted_rounds, asked=rec.asked, lookaheads=rec.lookaheads,
-        lookaheads_used=rec.lookaheads_used, filled=rec.filled,
+        lookaheads_used=rec.lookaheads_used, conditional_sent=rec.conditional_sent,
+        conditional_taken=rec.conditional_taken, filled=rec.filled,
         verdict_wait_s=tuple(t / n if n else None for t, n in rec.waits),
         sched_ms_mean=_ms(sched), sched_ms_p99=_ms(sched, 99), select_ms_mean=_ms(rec.select_s),
         assign_ms_mean=_ms(rec.assign_s), admit_ms_mean=_ms(rec.admit_s), admit_ms_p99=_ms(rec.admit_s, 99),

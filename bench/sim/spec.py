@@ -56,6 +56,11 @@ class DrafterSpec:
     #: accepted, one token per batch and only when no round is ready; 0: off. Alternative
     #: lookaheads (--lookahead-branches) are not modelled.
     pipeline_sessions: int = 0
+    #: a lookahead drafted before the verdict it assumes goes to the verifier at once, as the next
+    #: round's conditional draft (``Draft.after``), which the verifier verifies as soon as that verdict
+    #: comes true, with no round trip to the drafter (the real drafter does this whenever the
+    #: verifier offers it, as both backends do); False: it waits at the drafter for its verdict
+    conditional: bool = True
     lookahead_token_s: float = 0.0  # draft-model seconds per lookahead token (0: a forward's share)
     #: the chance its proposer has each next draft token, having had the one before (a model-free
     #: drafter proposes only as far as its match goes); a round asked for k drafts j or more with

@@ -23,6 +23,7 @@ class Kind(IntEnum):
     STEP_END = 5  # the verifier's forward pass finished [Step]
     LOOKAHEAD_STEP = 6  # one token of each running lookahead drafted [(Edge, tuple of (Session, Lookahead))]
     WAKE = 7  # the verifier looks again whether it may fill (a waiting session's draft turned late) [None]
+    CONDITIONAL_IN = 8  # a lookahead sent before the verdict it assumes reaches the verifier [(Session, Lookahead)]
 
 
 class Events:
@@ -76,6 +77,10 @@ class Session:
     first_token_at: float | None = None  # first output token back at the client
     finished: bool = False
     ahead: Lookahead | None = None  # its draft of the next round, drafted while this one is verified
+    round: int = 0  # the verifier's: the round it works on (each verdict it sends ends one)
+    drafter_round: int = 0  # the drafter's: the round of the draft it sent last (the verdict it awaits)
+    upcoming: Lookahead | None = None  # a conditional draft the verifier holds for the next round
+    fill_broke: int = -1  # the last round whose fill left its draft (its lookahead cannot come true)
 
     @property
     def context_len(self) -> int:
@@ -107,12 +112,22 @@ class Lookahead:
     the verifier's bonus token, then ``tokens`` drafts, drafted one token per batch of the draft
     model, after any ready round. Whether the verdict will make it the next draft is known when
     it starts: the simulator has drawn the round's outcomes (every draft accepted, and the guess
-    right)."""
+    right). Done before its verdict came, it goes to the verifier as a conditional draft
+    (``DrafterSpec.conditional``), which takes it when the round it assumes ends as it assumed."""
 
     hit: bool
     tokens: int  # draft tokens it asks its proposer for, for the next round (as many as this round asked)
     left: int  # tokens still to draft (the guess included)
+    round: int = 0  # the round whose verdict it assumes (it drafts round + 1)
     wanted: bool = False  # the verdict came and takes it, once done
+    #: done before its verdict came: its drafts (accept prob, accepted), drawn then; sent to the
+    #: verifier as a conditional draft (``sent``) unless empty, and cut to the next round's budget there
+    drafts: list[tuple[float, bool]] | None = None
+    sent: bool = False
+
+    def draft(self, budget: int) -> list[tuple[float, bool]]:
+        """What the verifier verifies of a conditional draft in a round of ``budget``."""
+        return (self.drafts or [])[: max(0, budget)]
 
 
 @dataclass(slots=True, eq=False)
@@ -133,6 +148,7 @@ class Edge:
     proposal_rate: float  # the chance its proposer has each next draft token (DrafterSpec.proposal_rate)
     settings: ControlSettings  # one per drafter: the controllers of its sessions share its state
     forward_s: float = 0.0  # draft-model fixed seconds per forward of a batch (DrafterSpec.forward_s)
+    conditional: bool = False  # a lookahead done before its verdict goes out as a conditional draft
     queue: deque[Session] = field(default_factory=deque)
     in_flight: list[Session] = field(default_factory=list)  # drafts sent, verdict not yet back
     looking: list[Session] = field(default_factory=list)  # sessions whose lookahead is being drafted
@@ -150,6 +166,7 @@ class Verdict:
     accepted: int
     finished: bool
     budget: int
+    round: int = -1  # the round it ends (-1: the admission, before round 0)
 
 
 @dataclass(frozen=True, slots=True)

@@ -303,7 +303,9 @@ def compare(source: str, row: dict[str, Any], meta: dict[str, Any], coef: Coef,
                alphas=[d.alpha for d in first.drafters], step_scale=first.cost.scale,
                rtts_ms=[d.rtt_s * 1e3 for d in first.drafters] if first.speculative else [],
                sim_lookahead_use=sum(r.lookaheads_used for r in sims) / max(1, sum(r.drafted_rounds for r in sims)),
-               real_lookahead_use=lookahead_use(row), sim_verdict_wait_ms=verdict_waits_ms(sims),
+               real_lookahead_use=lookahead_use(row),
+               sim_conditional_use=sum(r.conditional_taken for r in sims) / max(1, sum(r.drafted_rounds for r in sims)),
+               real_conditional_use=lookahead_use(row, "presented"), sim_verdict_wait_ms=verdict_waits_ms(sims),
                real_verdict_wait_ms=[w * 1e3 for w in measured_waits(row) or []])
     out["tok_s_error"] = tok_s / row["goodput_tok_s"] - 1
     out["latency_error"] = latency / row["latency_s_mean"] - 1 if row["latency_s_mean"] else math.nan
@@ -320,13 +322,14 @@ def verdict_waits_ms(sims: list[SimResult]) -> list[float | None]:
     return out
 
 
-def lookahead_use(row: dict[str, Any]) -> float | None:
-    """The share of the real run's drafted rounds whose draft was a lookahead (None: not recorded)."""
+def lookahead_use(row: dict[str, Any], key: str = "lookaheads_used") -> float | None:
+    """The share of the real run's drafted rounds whose draft was a lookahead (``presented``: one
+    the verifier held already, a conditional draft; None: not recorded)."""
     own = row["costs"].get("by_drafter", {}).values()
     rounds = sum(d.get("rounds", 0.0) for d in own)
-    if not rounds or not all("lookaheads_used" in d for d in own):
+    if not rounds or not all(key in d for d in own):
         return None
-    return sum(d["lookaheads_used"] for d in own) / rounds
+    return sum(d[key] for d in own) / rounds
 
 
 def per_drafter(values: list[float], digits: int) -> str:

@@ -23,7 +23,11 @@ policies (never copies of them):
   session's fill step is taken when the step ends; its leading drafts are matched against the
   fill (a draft token equals the target's exactly when it is accepted) and settled or verified by
   the real ``settled_drafts`` and ``filled_outcome``. A session the fill finishes ends its round
-  there. Every session is taken as deterministic (greedy or raced), which filling needs.
+  there. Every session is taken as deterministic (greedy or raced), which filling needs;
+* conditional drafts (``take_conditional``; ``TorchCore._conditional`` and ``_take_upcoming``):
+  one that arrives before the round it assumes ends is held and taken when that round ends as it
+  assumed, one that arrives later is taken if the session still waits for that round's draft; its
+  wait does not feed the fill policy, as the real one's does not.
 
 Simplifications: the whole prompt is fed in the session's first round (no chunked prefill, no
 separate prefill steps, so no fill before it); the KV cache and the session count are unbounded
@@ -40,7 +44,7 @@ from collections.abc import Callable
 from bench.sim.costs import CostModel
 from bench.sim.result import Recorder
 from bench.sim.spec import SimSpec
-from bench.sim.state import Events, Kind, Session, Step, Verdict
+from bench.sim.state import Events, Kind, Lookahead, Session, Step, Verdict
 from bench.sim.tokens import accepted_prefix
 from services.verifier.allocation import AllocationSettings, GoodputTracker, RoundStats, make_allocator
 from services.verifier.allocation.goodspeed import expected_tokens
@@ -71,7 +75,8 @@ class SimVerifier:
         self.filler = FillPolicy() if v.fill and spec.speculative else None  # the real fill policy
         self.waiting: dict[str, Session] = {}  # sessions whose round waits for its draft
         self.filling: set[str] = set()  # sessions of the fill step in flight
-        self.held: list[Session] = []  # their drafts, which arrived during it: taken when it ends
+        #: their drafts, which arrived during it: taken when it ends (a conditional one with its lookahead)
+        self.held: list[tuple[Session, Lookahead | None]] = []
         self.wake_at: float | None = None
         self.busy = False
         self.budget_sum = 0  # Σ budgets held in the tracker, kept incrementally
@@ -118,29 +123,48 @@ class SimVerifier:
         s.waiting_since, s.waiting_draft, s.filled, s.matched, s.sent = now, True, 0, 0, 0
         self.waiting[s.sid] = s
 
-    def take_draft(self, s: Session, now: float) -> None:
+    def take_conditional(self, s: Session, ahead: Lookahead, now: float) -> None:
+        """A lookahead sent before the verdict it assumes (``TorchCore._conditional``): held for the
+        end of that round when it is still to come, taken at once when that verdict already went
+        out with a budget and came true, otherwise dropped."""
+        if s.finished:
+            return
+        if ahead.round == s.round:
+            s.upcoming = ahead  # the real verifier holds up to 8; the simulated drafter sends one
+        elif ahead.round + 1 == s.round and ahead.hit:
+            self.take_draft(s, now, ahead)
+
+    def take_draft(self, s: Session, now: float, conditional: Lookahead | None = None) -> None:
         """The round's draft reached the verifier (``Request.take_draft``): the leading drafts the
         fill already committed are matched (a draft token equals the target's exactly when it is
         accepted), the rest are verified after the fill, and a draft that left the fill verifies
         nothing. A draft arriving during a fill step of its session waits for that step's end, as
         the real verifier reads its commands between steps (its wait, as the real one's, counts
-        to when it is taken); one for a request the fill finished is dropped."""
+        to when it is taken); one for a request the fill finished is dropped. A ``conditional``
+        draft (a lookahead that came true) is cut to the round's budget, and its wait is not one the
+        fill policy learns from (nor the real one's)."""
         if not s.waiting_draft:
             return
         if s.sid in self.filling:
-            self.held.append(s)
+            self.held.append((s, conditional))
             return
         s.draft_wait_s = now - s.waiting_since
-        if self.filler is not None:
+        if conditional is not None:
+            s.drafts = conditional.draft(s.budget)
+            s.asked = min(s.budget, conditional.tokens)  # what it asked its proposer for, within the budget
+            self.rec.conditional_taken += 1
+        elif self.filler is not None:
             self.filler.observe(s.drafter, s.draft_wait_s)
         s.sent, s.waiting_draft = len(s.drafts), False
         self.waiting.pop(s.sid, None)
         s.matched = accepted_prefix([ok for _, ok in s.drafts[: s.filled]])
         s.drafts = s.drafts[settled_drafts(s.sent, s.filled, s.matched) :]
-        if s.matched < s.filled and s.ahead is not None:
+        if s.matched < s.filled:
             # the round ends past the draft: its lookahead guessed a text that did not come (the
             # real drafter keeps one only if it also predicted the fill beyond its draft)
-            s.ahead.hit = False
+            s.fill_broke = s.round
+            if s.ahead is not None and s.ahead.round == s.round:
+                s.ahead.hit = False
         self.mark_ready(s, now)
 
     def mark_ready(self, s: Session, now: float) -> None:
@@ -239,8 +263,8 @@ class SimVerifier:
                 self.rec.round(s.edge.index, 0, 0, 0, 0)
                 self._publish(s, 0, 0, 0, now)
         held, self.held = self.held, []
-        for s in held:
-            self.take_draft(s, now)
+        for s, conditional in held:
+            self.take_draft(s, now, conditional)
 
     def _judge(self, s: Session) -> tuple[Session, int, int, float]:
         """Accept the longest accepted prefix, commit it plus the target's own token; with a fill,
@@ -263,12 +287,16 @@ class SimVerifier:
         if s.first_token_at is None:
             s.first_token_at = arrive
         if s.finished or drafted > 0 or budget > 0:  # the drafter hears of it (a target-only round: only at the end)
-            self.events.push(arrive, Kind.VERDICT, Verdict(s, drafted, accepted, s.finished, budget))
+            self.events.push(arrive, Kind.VERDICT, Verdict(s, drafted, accepted, s.finished, budget, s.round))
         s.budget, s.drafts, s.asked = budget, [], 0
+        s.round += 1
+        upcoming, s.upcoming = s.upcoming, None
         if s.finished:
             self._forget(s.sid)
         elif budget > 0:
             self._await_draft(s, now)
+            if upcoming is not None and upcoming.hit:  # the round ended as its conditional draft assumed
+                self.take_draft(s, now, upcoming)
         else:
             s.filled = 0
             self.mark_ready(s, now)

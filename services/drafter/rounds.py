@@ -177,7 +177,9 @@ class SessionRunner:
             return
         drafted = len(proposal.token_ids)
         # what the proposer was asked for: nothing once drafting failed; a draft from a lookahead, what that asked
-        asked = 0 if session.drafting_disabled else k if ready is None else min(drafted, session.lookahead.asked)
+        # within the round's length (a proposer that ran out drafted fewer: the shortfall counts as a fresh one's)
+        asked = 0 if session.drafting_disabled else k if ready is None else \
+            min(session.budget if presented else k, session.lookahead.asked)
         pause = PAUSE_ROUNDS if budget > 0 and k == 0 and not session.drafting_disabled else 0
         ahead = self._pipelines(session, proposal)
         # then the verifier races for its bonus token (a presented Draft said so when it was sent)

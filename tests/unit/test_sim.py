@@ -187,10 +187,49 @@ def test_a_lookahead_that_came_true_waits_for_its_verdict_as_a_drafted_round_doe
     assert on.verdict_wait_s == pytest.approx(off.verdict_wait_s)
 
 
-def pipelined(alpha: float, pipeline_sessions: int, concurrency: int = 1, rtt_s: float = 0.01) -> SimResult:
+def pipelined(alpha: float, pipeline_sessions: int, concurrency: int = 1, rtt_s: float = 0.01,
+              conditional: bool = False, lookahead_token_s: float = 0.0, fill: bool = False) -> SimResult:
     d = DrafterSpec("d0", alpha=alpha, token_s=2e-3, round_s=5e-4, rtt_s=rtt_s, max_tokens=50, prompt_len=16,
-                    concurrency=concurrency, requests=4, pipeline_sessions=pipeline_sessions)
-    return simulate(SimSpec(drafters=(d,), cost=H100, rounds=None, duration_s=600.0))
+                    concurrency=concurrency, requests=4, pipeline_sessions=pipeline_sessions, conditional=conditional,
+                    lookahead_token_s=lookahead_token_s)
+    return simulate(SimSpec(drafters=(d,), cost=H100, rounds=None, duration_s=600.0, verifier=VerifierSpec(fill=fill)))
+
+
+def test_conditional_drafts_save_a_round_trip_per_round_when_every_draft_is_accepted() -> None:
+    """α = 1, one session over 40 ms: each lookahead is done long before its verdict and goes to
+    the verifier, which verifies it as soon as the round it assumes ends. Every round but a
+    request's first is one of them; a round then takes less than the round trip, which every round
+    needs without them (the drafter hears the verdict of one round while the next is verified, and
+    looks ahead past it at once)."""
+    off, on = pipelined(1.0, 1, rtt_s=0.04), pipelined(1.0, 1, rtt_s=0.04, conditional=True)
+    assert on.committed == off.committed == 4 * 50 and on.requests_done == 4
+    presented = on.rounds - on.requests_done
+    assert on.conditional_taken == on.lookaheads_used == presented > 0 and off.conditional_sent == 0
+    assert on.conditional_sent >= on.conditional_taken
+    assert off.latency_s is not None and on.latency_s is not None
+    assert on.latency_s * on.requests_done / on.rounds < 0.04 < off.latency_s * off.requests_done / off.rounds
+
+
+def test_conditional_drafts_that_never_come_true_are_dropped() -> None:
+    off, on = pipelined(0.0, 1, rtt_s=0.04), pipelined(0.0, 1, rtt_s=0.04, conditional=True)
+    assert on.committed == off.committed and on.accepted == off.accepted == 0
+    assert on.conditional_sent > 0 and on.conditional_taken == on.lookaheads_used == 0
+
+
+def test_a_conditional_draft_after_its_verdict_left_is_taken_on_arrival() -> None:
+    """A lookahead of 5 × 7 ms is done 35 ms after its round's draft left: after the verifier sent
+    the verdict (about 20 ms), before the drafter heard it (about 40 ms). The verifier, waiting for
+    the next round's draft, takes it when it comes, 15 ms before a fresh one would have left."""
+    off, on = (pipelined(1.0, 1, rtt_s=0.04, conditional=c, lookahead_token_s=7e-3) for c in (False, True))
+    assert on.committed == off.committed and on.conditional_taken == on.rounds - on.requests_done
+    assert off.latency_s is not None and on.latency_s is not None and on.latency_s < off.latency_s
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.5, 1.0])
+def test_conditional_drafts_and_filling_commit_every_token_once(alpha: float) -> None:
+    r = pipelined(alpha, 1, rtt_s=0.04, conditional=True, fill=True)
+    assert r.requests_done == 4 and r.committed == 4 * 50
+    assert r.filled > 0 or alpha == 1.0  # at α = 1 every round past the first has its draft at once
 
 
 def test_pipelined_drafting_hides_the_draft_time_when_every_draft_is_accepted() -> None:
