@@ -56,7 +56,7 @@ from services.verifier.batching import slo_met
 def _edge(index: int, d: DrafterSpec, threshold: float) -> Edge:
     return Edge(index, d.name, d.alpha, d.token_s, d.round_s, d.prefill_token_s, d.send_s, d.rtt_s / 2, d.max_batch,
                 d.pipeline_sessions, d.lookahead_token_s, d.proposal_rate, ControlSettings(threshold), d.forward_s,
-                d.conditional)
+                d.conditional, d.jitter_s)
 
 
 class Simulation:
@@ -67,7 +67,7 @@ class Simulation:
         self.events = Events()
         self.rng = random.Random(spec.seed)
         self.rec = Recorder(len(spec.drafters))
-        self.verifier = SimVerifier(spec, spec.cost.build(), self.events, self.rec, lambda: self.now)
+        self.verifier = SimVerifier(spec, spec.cost.build(), self.events, self.rec, lambda: self.now, self.rng)
         self.edges = [_edge(i, d, spec.policies.threshold) for i, d in enumerate(spec.drafters)]
         self.ready: list[Edge] = []  # drafters that may start a batch at the end of this instant
         self.target_rounds = spec.rounds * len(spec.drafters) if spec.rounds is not None else None
@@ -242,7 +242,7 @@ class Simulation:
             return
         ahead.sent = True
         self.rec.conditional_sent += 1
-        self.events.push(self.now + s.edge.send_s + s.edge.half_rtt, Kind.CONDITIONAL_IN, (s, ahead))
+        self.events.push(s.edge.carry(self.now + s.edge.send_s, True, self.rng), Kind.CONDITIONAL_IN, (s, ahead))
 
     def _presented(self, s: Session, ahead: Lookahead, budget: int) -> None:
         """The verdict made ``s``'s conditional draft true: the verifier verifies it without it
@@ -279,6 +279,7 @@ class Simulation:
     def _start_batch(self, edge: Edge) -> None:
         """Draft every ready session of ``edge`` (up to its ``max_batch``) as one batch."""
         batch = [edge.queue.popleft() for _ in range(min(len(edge.queue), edge.max_batch))]
+        self.rec.draft_batch(edge.index, len(batch))
         for s in batch:
             self._next_round(s)
         drafts = [self._draft(edge, s) for s in batch]
@@ -355,7 +356,7 @@ class Simulation:
         s.edge.in_flight.append(s)
         self._look_ahead(s, s.drafts, s.asked)
         self.ready.append(s.edge)
-        self.events.push(s.sent_at + s.edge.half_rtt, Kind.DRAFT_IN, s)
+        self.events.push(s.edge.carry(s.sent_at, True, self.rng), Kind.DRAFT_IN, s)
 
     def _conditional_in(self, sent: tuple[Session, Lookahead]) -> None:
         self.verifier.take_conditional(sent[0], sent[1], self.now)

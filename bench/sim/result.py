@@ -66,10 +66,16 @@ class Recorder:
     requests: list[RequestRecord] = field(default_factory=list)
     committed: list[int] = field(default_factory=list)  # per drafter
     waits: list[list[float]] = field(default_factory=list)  # per drafter: Σ and count of verdict waits
+    batches: list[list[int]] = field(default_factory=list)  # per drafter: round batches and their sessions
 
     def __post_init__(self) -> None:
         self.committed = [0] * self.n_drafters
         self.waits = [[0.0, 0.0] for _ in range(self.n_drafters)]
+        self.batches = [[0, 0] for _ in range(self.n_drafters)]
+
+    def draft_batch(self, drafter: int, sessions: int) -> None:
+        self.batches[drafter][0] += 1
+        self.batches[drafter][1] += sessions
 
     def verdict_wait(self, drafter: int, seconds: float) -> None:
         """A session's draft left ``seconds`` ago and its drafter starts on the session's next round
@@ -143,6 +149,8 @@ class SimResult:
     #: round (the real drafter's verify_wait + worker_wait: the verifier, both links, and waiting for
     #: its own draft model); None: no such round
     verdict_wait_s: tuple[float | None, ...]
+    #: per drafter: the mean sessions its round batches drafted together (None: no batch)
+    draft_batch_sessions: tuple[float | None, ...]
     sched_ms_mean: float  # wall clock in batcher.select + allocator.assign per step
     sched_ms_p99: float
     select_ms_mean: float
@@ -156,6 +164,7 @@ class SimResult:
         out = asdict(self)
         out["per_drafter_tok_s"] = list(self.per_drafter_tok_s)
         out["verdict_wait_s"] = list(self.verdict_wait_s)
+        out["draft_batch_sessions"] = list(self.draft_batch_sessions)
         return out
 
     def deterministic(self) -> dict[str, Any]:
@@ -193,6 +202,7 @@ def summarise(rec: Recorder, sim_s: float, tracker_u: float, wall_s: float, **la
         lookaheads_used=rec.lookaheads_used, conditional_sent=rec.conditional_sent,
         conditional_taken=rec.conditional_taken, filled=rec.filled,
         verdict_wait_s=tuple(t / n if n else None for t, n in rec.waits),
+        draft_batch_sessions=tuple(s / n if n else None for n, s in rec.batches),
         sched_ms_mean=_ms(sched), sched_ms_p99=_ms(sched, 99), select_ms_mean=_ms(rec.select_s),
         assign_ms_mean=_ms(rec.assign_s), admit_ms_mean=_ms(rec.admit_s), admit_ms_p99=_ms(rec.admit_s, 99),
         sched_share=sum(sched) / rec.step_seconds if rec.step_seconds > 0 else 0.0, wall_s=wall_s, **labels)

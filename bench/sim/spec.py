@@ -49,6 +49,9 @@ class DrafterSpec:
     prefill_token_s: float = 5e-5  # draft model seconds per prompt token, first round of a request
     send_s: float = 0.0  # from a batch's end to each of its drafts leaving (the drafter's hand-off)
     rtt_s: float = 0.02  # round-trip time to the verifier
+    #: a uniform extra delay in [0, jitter_s] on each draft and verdict, one way (a message never
+    #: overtakes the one before it in its direction: one connection)
+    jitter_s: float = 0.0
     max_batch: int = 64  # the most sessions drafted together (the real drafter: its session limit)
     #: pipelined drafting (the real drafter's --pipeline-sessions): a session that sends a draft
     #: while its drafter serves at most this many sessions drafts its next round ahead (a guess of
@@ -78,7 +81,7 @@ class DrafterSpec:
             raise ValueError(f"{self.name}: alpha and proposal_rate must be in [0, 1], got {self.alpha} and "
                              f"{self.proposal_rate}")
         if min(self.token_s, self.forward_s, self.round_s, self.prefill_token_s, self.send_s, self.lookahead_token_s,
-               self.rtt_s) < 0:
+               self.rtt_s, self.jitter_s) < 0:
             raise ValueError(f"{self.name}: costs and RTT must be >= 0")
         if min(self.concurrency, self.max_batch, self.prompt_len, self.max_tokens) < 1 or min(
                 self.requests, self.pipeline_sessions) < 0:

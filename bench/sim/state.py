@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import random
 from collections import deque
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -149,12 +150,29 @@ class Edge:
     settings: ControlSettings  # one per drafter: the controllers of its sessions share its state
     forward_s: float = 0.0  # draft-model fixed seconds per forward of a batch (DrafterSpec.forward_s)
     conditional: bool = False  # a lookahead done before its verdict goes out as a conditional draft
+    jitter_s: float = 0.0  # uniform extra one-way delay of each draft and verdict (DrafterSpec.jitter_s)
+    last_up: float = 0.0  # when its last draft arrives at the verifier (a later one never overtakes it)
+    last_down: float = 0.0  # when its last verdict arrives here
     queue: deque[Session] = field(default_factory=deque)
     in_flight: list[Session] = field(default_factory=list)  # drafts sent, verdict not yet back
     looking: list[Session] = field(default_factory=list)  # sessions whose lookahead is being drafted
     busy: bool = False
     requests: int = 0  # requests started
     live: int = 0  # requests started and not finished
+
+    def carry(self, leaves: float, up: bool, rng: random.Random) -> float:
+        """When a message between this drafter and the verifier that leaves at ``leaves`` arrives
+        (``up``: a draft, else a verdict): half the RTT later, plus a uniform jitter in [0,
+        ``jitter_s``], never before the one before it in its direction (one connection, as
+        through the delay proxy)."""
+        if not self.jitter_s:
+            return leaves + self.half_rtt
+        at = leaves + self.half_rtt + rng.uniform(0.0, self.jitter_s)
+        if up:
+            at = self.last_up = max(self.last_up, at)
+        else:
+            at = self.last_down = max(self.last_down, at)
+        return at
 
 
 @dataclass(frozen=True, slots=True)

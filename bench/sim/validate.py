@@ -271,8 +271,9 @@ def step_scale(row: dict[str, Any], coef: Coef) -> float:
 
 
 def spec_of(source: str, row: dict[str, Any], meta: dict[str, Any], coef: Coef, repeat: int = 0,
-            forward_rows: float = DRAFT_FORWARD_ROWS, fill: bool = False) -> SimSpec | None:
-    """The simulation of ``row`` (None: a scenario the simulator does not model)."""
+            forward_rows: float = DRAFT_FORWARD_ROWS, fill: bool = False, jitter_s: float = 0.0) -> SimSpec | None:
+    """The simulation of ``row`` (None: a scenario the simulator does not model); ``jitter_s``: every
+    drafter's link jitter (``DrafterSpec.jitter_s``)."""
     pol = policies_of(source, row, meta)
     if pol is None:
         return None
@@ -280,18 +281,20 @@ def spec_of(source: str, row: dict[str, Any], meta: dict[str, Any], coef: Coef, 
     overhead = max(0.0, c["step_ms"] - c["forward_ms"]) / 1e3
     closed = not row.get("arrival_rate", 0) > 0
     loop = verifier_loop_s(c.get("cpu", {}))
-    drafters = drafters_of(source, row, meta, repeat, pol.controller == "fixed", forward_rows)
+    # the jitter spreads the measured round trip, whose mean it keeps: each leg is on average J/2 longer
+    drafters = tuple(replace(d, jitter_s=jitter_s, rtt_s=max(0.0, d.rtt_s - jitter_s)) for d in
+                     drafters_of(source, row, meta, repeat, pol.controller == "fixed", forward_rows))
     return SimSpec(drafters, pol, VerifierSpec(32, 2048, overhead, loop, fill),
                    CostSpec("cpu", coef, scale=step_scale(row, coef)), speculative=row["scenario"] not in TARGET_ONLY,
                    rounds=None, duration_s=3600.0, shared_requests=int(row.get("requests", 30)) if closed else 0)
 
 
 def compare(source: str, row: dict[str, Any], meta: dict[str, Any], coef: Coef,
-            forward_rows: float = DRAFT_FORWARD_ROWS, fill: bool = False) -> dict[str, Any]:
+            forward_rows: float = DRAFT_FORWARD_ROWS, fill: bool = False, jitter_s: float = 0.0) -> dict[str, Any]:
     out = {"source": source, "scenario": row["scenario"], "point": row["point"],
            "real_tok_s": row["goodput_tok_s"], "real_latency_s": row["latency_s_mean"]}
     repeats = max(1, len(row.get("tokens_per_s_runs", [])))
-    specs = [spec_of(source, row, meta, coef, i, forward_rows, fill) for i in range(repeats)]
+    specs = [spec_of(source, row, meta, coef, i, forward_rows, fill, jitter_s) for i in range(repeats)]
     first = specs[0]
     if first is None:
         return {**out, "skipped": "not modelled (the simulator's verifier keeps every session's KV cache)"}
@@ -306,7 +309,10 @@ def compare(source: str, row: dict[str, Any], meta: dict[str, Any], coef: Coef,
                real_lookahead_use=lookahead_use(row),
                sim_conditional_use=sum(r.conditional_taken for r in sims) / max(1, sum(r.drafted_rounds for r in sims)),
                real_conditional_use=lookahead_use(row, "presented"), sim_verdict_wait_ms=verdict_waits_ms(sims),
-               real_verdict_wait_ms=[w * 1e3 for w in measured_waits(row) or []])
+               real_verdict_wait_ms=[w * 1e3 for w in measured_waits(row) or []],
+               sim_draft_batch=per_drafter_mean([r.draft_batch_sessions for r in sims]),
+               real_draft_batch=[d.get("batch_sessions") for _, d in sorted(row["costs"].get("by_drafter", {}).items())]
+               )
     out["tok_s_error"] = tok_s / row["goodput_tok_s"] - 1
     out["latency_error"] = latency / row["latency_s_mean"] - 1 if row["latency_s_mean"] else math.nan
     out["within"] = abs(out["tok_s_error"]) <= TOLERANCE and abs(out["latency_error"]) <= TOLERANCE
@@ -315,10 +321,15 @@ def compare(source: str, row: dict[str, Any], meta: dict[str, Any], coef: Coef,
 
 def verdict_waits_ms(sims: list[SimResult]) -> list[float | None]:
     """Each simulated drafter's mean verdict wait (``SimResult.verdict_wait_s``) over the repeats."""
+    return [None if w is None else w * 1e3 for w in per_drafter_mean([r.verdict_wait_s for r in sims])]
+
+
+def per_drafter_mean(runs: list[tuple[float | None, ...]]) -> list[float | None]:
+    """Each drafter's mean of a per-drafter value over the repeats, skipping those without one."""
     out: list[float | None] = []
-    for i in range(sims[0].n_drafters):
-        waits = [w for r in sims if (w := r.verdict_wait_s[i]) is not None]
-        out.append(statistics.fmean(waits) * 1e3 if waits else None)
+    for i in range(len(runs[0])):
+        values = [v for run in runs if (v := run[i]) is not None]
+        out.append(statistics.fmean(values) if values else None)
     return out
 
 
@@ -378,6 +389,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fill", action="store_true",
                    help="simulate the verifier filling while drafts travel, as the real runs' verifiers did "
                         "(off by default: with it the simulator fills more than they did and misses by more)")
+    p.add_argument("--jitter-ms", type=float, default=0.0,
+                   help="a uniform extra delay in [0, this] on each simulated draft and verdict, one way (the real "
+                        "runs' links had none configured; their event loops spread frames by an unmeasured amount)")
     p.add_argument("--out", default="bench/results")
     args = p.parse_args(argv)
     coef = load_cpu_coef(args.estimator_file)
@@ -389,13 +403,13 @@ def main(argv: list[str] | None = None) -> int:
             continue
         data = json.loads(path.read_text())
         used.append(f"{path} ({data['meta']['when']})")
-        rows += [compare(source, row, data["meta"], coef, args.draft_forward_rows, args.fill)
+        rows += [compare(source, row, data["meta"], coef, args.draft_forward_rows, args.fill, args.jitter_ms / 1e3)
                  for row in data["rows"]]
     if not rows:
         p.error(f"no real results to compare with in {args.results}")
     meta = {"command": "python -m bench sim-validate " + " ".join(argv or []), "sources": used,
             "when": time.strftime("%Y-%m-%d %H:%M"), "coef": coef, "draft_forward_rows": args.draft_forward_rows,
-            "fill": args.fill}
+            "fill": args.fill, "jitter_ms": args.jitter_ms}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     write_results(out, "sim-validation", {"meta": meta, "rows": rows}, markdown(rows, meta))

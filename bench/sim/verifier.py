@@ -38,6 +38,7 @@ step from the same values: nothing it reads changes while the session waits).
 from __future__ import annotations
 
 import math
+import random
 import time
 from collections.abc import Callable
 
@@ -58,9 +59,10 @@ class SimVerifier:
     """The verifier's loop over simulated time (one forward pass at a time)."""
 
     def __init__(self, spec: SimSpec, cost: CostModel, events: Events, rec: Recorder,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], rng: random.Random) -> None:
         p, v = spec.policies, spec.verifier
         self.speculative, self.cost, self.events, self.rec, self.v = spec.speculative, cost, events, rec, v
+        self.rng = rng  # the links' jitter (``Edge.carry``)
         self.tracker = GoodputTracker(p.goodspeed_eta, p.goodspeed_beta)
         self.overhead = overhead_line()  # as the core's: busy time between forwards
         self.allocator = make_allocator(p.allocation, AllocationSettings(
@@ -115,7 +117,7 @@ class SimVerifier:
         self._note_budgets()
         if s.budget > 0:
             self._await_draft(s, now)
-            self.events.push(now + s.edge.half_rtt, Kind.VERDICT, Verdict(s, 0, 0, False, s.budget))
+            self.events.push(s.edge.carry(now, False, self.rng), Kind.VERDICT, Verdict(s, 0, 0, False, s.budget))
         else:
             self.mark_ready(s, now)
 
@@ -283,7 +285,7 @@ class SimVerifier:
 
     def _publish(self, s: Session, drafted: int, accepted: int, budget: int, now: float) -> None:
         budget = 0 if s.finished or not self.speculative else min(budget, self.max_draft)
-        arrive = now + s.edge.half_rtt
+        arrive = s.edge.carry(now, False, self.rng)
         if s.first_token_at is None:
             s.first_token_at = arrive
         if s.finished or drafted > 0 or budget > 0:  # the drafter hears of it (a target-only round: only at the end)

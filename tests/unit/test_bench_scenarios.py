@@ -350,6 +350,10 @@ def test_a_closed_loop_row_draws_from_one_pool() -> None:
     assert spec is not None and spec.shared_requests == 10
     assert [d.rtt_s for d in spec.drafters] == [0.0, 0.04] and spec.cost.scale == pytest.approx(step_scale(
         real_row(), COEF))
+    # a jitter of J keeps each measured round trip's mean: J/2 each way on average, so J less fixed
+    jittered = spec_of("fairness", real_row(), meta, COEF, jitter_s=0.002)
+    assert jittered is not None and [(d.rtt_s, d.jitter_s) for d in jittered.drafters] == [
+        (0.0, 0.002), (pytest.approx(0.038), 0.002)]
 
 
 def test_edge_drafters_reach_redis_through_the_edge_address() -> None:

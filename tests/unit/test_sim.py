@@ -520,3 +520,28 @@ def test_cli_end_to_end(tmp_path: Path) -> None:
 
 def test_cli_rejects_bad_values(tmp_path: Path) -> None:
     assert main(["--drafters", "2", "--alphas", "2.0", "--out", str(tmp_path)]) == 2
+
+
+# --- link jitter -------------------------------------------------------------------------------
+
+
+def test_a_jittered_link_delays_each_message_within_its_range_and_never_reorders_a_direction() -> None:
+    rng = random.Random(1)
+    sim = Simulation(SimSpec(drafters=(DrafterSpec("d", rtt_s=0.02, jitter_s=0.005),), cost=H100))
+    edge = sim.edges[0]
+    for up in (True, False):
+        arrivals = [edge.carry(i * 1e-3, up, rng) for i in range(200)]
+        assert arrivals == sorted(arrivals)  # one connection each way: no overtaking
+        delays = [at - i * 1e-3 for i, at in enumerate(arrivals)]
+        assert min(delays) >= 0.01 and max(delays) <= 0.015 + 1e-3  # half the RTT + [0, 5 ms] (+ the one before)
+    plain = Simulation(SimSpec(drafters=(DrafterSpec("d", rtt_s=0.02),), cost=H100)).edges[0]
+    assert [plain.carry(t, True, rng) for t in (0.0, 0.5)] == [0.01, 0.51]
+
+
+@pytest.mark.parametrize("fill", [False, True])
+def test_a_jittered_fleet_commits_every_token_once(fill: bool) -> None:
+    d = DrafterSpec("d", alpha=0.7, rtt_s=0.04, jitter_s=0.01, max_tokens=40, prompt_len=16, concurrency=4,
+                    requests=12, pipeline_sessions=4)
+    r = simulate(SimSpec(drafters=(d,), cost=H100, rounds=None, duration_s=3600.0, verifier=VerifierSpec(fill=fill)))
+    assert r.requests_done == 12 and r.committed == 12 * 40
+    assert r.draft_batch_sessions[0] is not None and 1.0 <= r.draft_batch_sessions[0] <= 4.0
