@@ -7,7 +7,10 @@ measures them one after another), so a drift of the machine's speed hits all thr
 * **specfleet**: drafters at the edge, GoodSpeed's allocation over the sessions;
 * **centralized**: target-only serving, continuously batched (no drafters);
 * **SLED-like**: drafters at the edge, FCFS, fixed k, and a verifier that recomputes each
-  session's whole context every round (``--recompute-context``: no KV reuse across rounds).
+  session's whole context every round (``--recompute-context``: no KV reuse across rounds);
+* with ``--no-fill-too``, also **specfleet no fill**: specfleet with the verifier's filling off
+  (``--fill false``): what filling while drafts travel buys at the run's RTT, and the fleet the
+  simulator's default verifier (which does not fill) is compared with (``bench.sim.validate``).
 
 Reported: committed tokens/s and the ratio to centralized serving, verifier passes per
 committed token, and the rest of ``bench.run_stats``. Writes ``<out>/capacity.{json,md,png}``.
@@ -23,12 +26,17 @@ from bench.fleets import Scenario, add_workload_flags, prepare, run_meta, write_
 from bench.profile import smallest
 from bench.sweep import cell, closed, in_turn_unless_networked, sweep
 
+NO_FILL = "specfleet no fill"
 
-def scenarios(draft: Path, drafters: int, draft_len: int) -> list[Scenario]:
+
+def scenarios(draft: Path, drafters: int, draft_len: int, no_fill_too: bool = False) -> list[Scenario]:
     def edge(name: str, *flags: str) -> Scenario:
         return Scenario(name, drafters=drafters, draft=str(draft), draft_len=draft_len, verifier_flags=flags)
-    return [Scenario("centralized"), edge("specfleet", "--allocation", "goodspeed"),
-            edge("SLED-like", "--batching", "fcfs", "--recompute-context", "true")]
+    out = [Scenario("centralized"), edge("specfleet", "--allocation", "goodspeed"),
+           edge("SLED-like", "--batching", "fcfs", "--recompute-context", "true")]
+    if no_fill_too:
+        out.append(edge(NO_FILL, "--allocation", "goodspeed", "--fill", "false"))
+    return out
 
 
 def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
@@ -65,10 +73,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench capacity", description=__doc__.splitlines()[0])
     p.add_argument("--drafters", type=int, default=2, help="drafters of the specfleet and SLED-like setups")
     p.add_argument("--draft-len", type=int, default=4)
+    p.add_argument("--no-fill-too", action="store_true",
+                   help=f"also run specfleet with the verifier's filling off ('{NO_FILL}')")
     add_workload_flags(p, repeats=1, max_tokens=64, concurrency=(4, 16, 64))
     args = p.parse_args(argv)
     edge, models, out = prepare(args)
-    rows = sweep(models.target, scenarios(smallest(models.drafts), args.drafters, args.draft_len),
+    rows = sweep(models.target, scenarios(smallest(models.drafts), args.drafters, args.draft_len, args.no_fill_too),
                  closed(args.concurrency), args, edge, "bench capacity", interleave=in_turn_unless_networked(edge))
     meta = run_meta("capacity", argv, edge)
     plot(rows, out / "capacity.png")

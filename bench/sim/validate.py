@@ -47,6 +47,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from bench.capacity import NO_FILL
 from bench.fleets import write_results
 from bench.sim.costs import DEFAULT_PROFILE, CostSpec, load_cpu_coef
 from bench.sim.engine import simulate
@@ -91,7 +92,7 @@ def policies_of(source: str, row: dict[str, Any], meta: dict[str, Any]) -> Polic
         return Policies(allocation=name, draft_len=max(1, capacity // len(meta["drafters"])), capacity=capacity)
     if name in TARGET_ONLY or name.startswith("fixed k="):
         return Policies(draft_len=int(name.split("=")[1]) if "=" in name else k)
-    if name == "specfleet":
+    if name in ("specfleet", NO_FILL):
         return Policies(allocation="goodspeed", draft_len=k)
     if name == "smartspec":
         return Policies(allocation="smartspec", draft_len=k, smartspec_max_len=k)
@@ -284,6 +285,7 @@ def spec_of(source: str, row: dict[str, Any], meta: dict[str, Any], coef: Coef, 
     # the jitter spreads the measured round trip, whose mean it keeps: each leg is on average J/2 longer
     drafters = tuple(replace(d, jitter_s=jitter_s, rtt_s=max(0.0, d.rtt_s - jitter_s)) for d in
                      drafters_of(source, row, meta, repeat, pol.controller == "fixed", forward_rows))
+    fill = fill and row["scenario"] != NO_FILL  # that fleet's verifier did not fill
     return SimSpec(drafters, pol, VerifierSpec(32, 2048, overhead, loop, fill),
                    CostSpec("cpu", coef, scale=step_scale(row, coef)), speculative=row["scenario"] not in TARGET_ONLY,
                    rounds=None, duration_s=3600.0, shared_requests=int(row.get("requests", 30)) if closed else 0)
@@ -388,7 +390,8 @@ def main(argv: list[str] | None = None) -> int:
                         "0: a batch's draft cost is proportional to its rows")
     p.add_argument("--fill", action="store_true",
                    help="simulate the verifier filling while drafts travel, as the real runs' verifiers did "
-                        "(off by default: with it the simulator fills more than they did and misses by more)")
+                        "(off by default: with it the simulator fills more than they did and misses by more; "
+                        f"never for '{NO_FILL}' rows, whose verifier did not fill)")
     p.add_argument("--jitter-ms", type=float, default=0.0,
                    help="a uniform extra delay in [0, this] on each simulated draft and verdict, one way (the real "
                         "runs' links had none configured; their event loops spread frames by an unmeasured amount)")

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.capacity import NO_FILL
+from bench.capacity import scenarios as capacity_scenarios
 from bench.client import Outcome
 from bench.edge import Edge
 from bench.fairness import parse_drafters, settle_round
@@ -354,6 +356,18 @@ def test_a_closed_loop_row_draws_from_one_pool() -> None:
     jittered = spec_of("fairness", real_row(), meta, COEF, jitter_s=0.002)
     assert jittered is not None and [(d.rtt_s, d.jitter_s) for d in jittered.drafters] == [
         (0.0, 0.002), (pytest.approx(0.038), 0.002)]
+
+
+def test_the_no_fill_fleet_is_simulated_without_filling_whatever_the_flag() -> None:
+    """``bench capacity --no-fill-too`` adds specfleet with the verifier's filling off; the
+    validation simulates it as specfleet, never filling, and fills the others only with --fill."""
+    fleets = {s.name: s for s in capacity_scenarios(Path("models/draft-small"), 2, 4, no_fill_too=True)}
+    assert fleets[NO_FILL].verifier_flags == ("--allocation", "goodspeed", "--fill", "false")
+    assert NO_FILL not in {s.name for s in capacity_scenarios(Path("models/draft-small"), 2, 4)}
+    for name, filled in (("specfleet", True), (NO_FILL, False)):
+        row = {**real_row(), "scenario": name, "point": "@2"}
+        spec = spec_of("capacity", row, {}, COEF, fill=True)
+        assert spec is not None and spec.policies.allocation == "goodspeed" and spec.verifier.fill is filled
 
 
 def test_edge_drafters_reach_redis_through_the_edge_address() -> None:
