@@ -147,7 +147,21 @@ def measured_costs(run: Run) -> dict[str, Any]:
             "drafted_per_round": drafted / rounds if rounds else 0.0,
             "by_drafter": {name: drafter_costs(s) for name, s in sorted(run.metrics.items())
                            if name.startswith("drafter")},
+            "fill_waits": fill_waits(v),
             "cpu": cpu_split(run)}
+
+
+def fill_waits(v: Snapshot) -> dict[str, dict[str, float]]:
+    """Per drafter (the verifier's name for it), the plain drafts' waits the fill policy learned
+    from: how many, their mean and their mean deviation from the typical wait before each (ms)."""
+    out: dict[str, dict[str, float]] = {}
+    for name, labels in v:
+        if name == f"{V}_fill_wait_seconds_count" and (n := v[(name, labels)]) > 0:
+            drafter = dict(labels)["drafter"]
+            off_s = v.value(f"{V}_fill_wait_deviation_seconds_total", drafter=drafter)
+            out[drafter] = {"n": n, "mean_ms": v.mean(f"{V}_fill_wait_seconds", drafter=drafter) * 1e3,
+                            "deviation_ms": off_s / n * 1e3}
+    return dict(sorted(out.items()))
 
 
 def cpu_split(run: Run) -> dict[str, float]:

@@ -67,11 +67,21 @@ class Recorder:
     committed: list[int] = field(default_factory=list)  # per drafter
     waits: list[list[float]] = field(default_factory=list)  # per drafter: Σ and count of verdict waits
     batches: list[list[int]] = field(default_factory=list)  # per drafter: round batches and their sessions
+    #: per drafter: plain draft waits the fill policy learned from, their Σ, and Σ of their
+    #: deviations from the typical wait before each
+    fill_waits: list[list[float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.committed = [0] * self.n_drafters
         self.waits = [[0.0, 0.0] for _ in range(self.n_drafters)]
         self.batches = [[0, 0] for _ in range(self.n_drafters)]
+        self.fill_waits = [[0.0, 0.0, 0.0] for _ in range(self.n_drafters)]
+
+    def fill_wait(self, drafter: int, wait_s: float, off_s: float | None) -> None:
+        row = self.fill_waits[drafter]
+        row[0] += 1
+        row[1] += wait_s
+        row[2] += off_s or 0.0
 
     def draft_batch(self, drafter: int, sessions: int) -> None:
         self.batches[drafter][0] += 1
@@ -151,6 +161,10 @@ class SimResult:
     verdict_wait_s: tuple[float | None, ...]
     #: per drafter: the mean sessions its round batches drafted together (None: no batch)
     draft_batch_sessions: tuple[float | None, ...]
+    #: per drafter: the mean plain draft wait the fill policy learned from, and the mean deviation
+    #: from the typical wait before each (its spread; the real verifier's ``fill_wait`` metrics)
+    fill_wait_s: tuple[float | None, ...]
+    fill_wait_deviation_s: tuple[float | None, ...]
     sched_ms_mean: float  # wall clock in batcher.select + allocator.assign per step
     sched_ms_p99: float
     select_ms_mean: float
@@ -165,6 +179,8 @@ class SimResult:
         out["per_drafter_tok_s"] = list(self.per_drafter_tok_s)
         out["verdict_wait_s"] = list(self.verdict_wait_s)
         out["draft_batch_sessions"] = list(self.draft_batch_sessions)
+        out["fill_wait_s"] = list(self.fill_wait_s)
+        out["fill_wait_deviation_s"] = list(self.fill_wait_deviation_s)
         return out
 
     def deterministic(self) -> dict[str, Any]:
@@ -203,6 +219,8 @@ def summarise(rec: Recorder, sim_s: float, tracker_u: float, wall_s: float, **la
         conditional_taken=rec.conditional_taken, filled=rec.filled,
         verdict_wait_s=tuple(t / n if n else None for t, n in rec.waits),
         draft_batch_sessions=tuple(s / n if n else None for n, s in rec.batches),
+        fill_wait_s=tuple(s / n if n else None for n, s, _ in rec.fill_waits),
+        fill_wait_deviation_s=tuple(d / n if n else None for n, _, d in rec.fill_waits),
         sched_ms_mean=_ms(sched), sched_ms_p99=_ms(sched, 99), select_ms_mean=_ms(rec.select_s),
         assign_ms_mean=_ms(rec.assign_s), admit_ms_mean=_ms(rec.admit_s), admit_ms_p99=_ms(rec.admit_s, 99),
         sched_share=sum(sched) / rec.step_seconds if rec.step_seconds > 0 else 0.0, wall_s=wall_s, **labels)

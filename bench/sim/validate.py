@@ -313,6 +313,10 @@ def compare(source: str, row: dict[str, Any], meta: dict[str, Any], coef: Coef,
                real_conditional_use=lookahead_use(row, "presented"), sim_verdict_wait_ms=verdict_waits_ms(sims),
                real_verdict_wait_ms=[w * 1e3 for w in measured_waits(row) or []],
                sim_draft_batch=per_drafter_mean([r.draft_batch_sessions for r in sims]),
+               sim_fill_wait_deviation_ms=[None if v is None else v * 1e3
+                                           for v in per_drafter_mean([r.fill_wait_deviation_s for r in sims])],
+               real_fill_wait_deviation_ms=[row["costs"].get("fill_waits", {}).get(name, {}).get("deviation_ms")
+                                            for name in sorted(row["costs"].get("by_drafter", {}))],
                real_draft_batch=[d.get("batch_sessions") for _, d in sorted(row["costs"].get("by_drafter", {}).items())]
                )
     out["tok_s_error"] = tok_s / row["goodput_tok_s"] - 1

@@ -156,7 +156,7 @@ class SimVerifier:
             s.asked = min(s.budget, conditional.tokens)  # what it asked its proposer for, within the budget
             self.rec.conditional_taken += 1
         elif self.filler is not None:
-            self.filler.observe(s.drafter, s.draft_wait_s)
+            self.rec.fill_wait(s.edge.index, s.draft_wait_s, self.filler.observe(s.drafter, s.draft_wait_s))
         s.sent, s.waiting_draft = len(s.drafts), False
         self.waiting.pop(s.sid, None)
         s.matched = accepted_prefix([ok for _, ok in s.drafts[: s.filled]])

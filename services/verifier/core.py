@@ -304,7 +304,8 @@ class TorchCore:
         req.draft_wait_s = max(0.0, cmd.received_at - req.waiting_since)
         self.metrics.draft_wait.observe(req.draft_wait_s)
         if cmd.after is None and self.scheduler.filler is not None:  # a conditional one was there before
-            self.scheduler.filler.observe(req.drafter, req.draft_wait_s)
+            off = self.scheduler.filler.observe(req.drafter, req.draft_wait_s)
+            self.metrics.observe_fill_wait(req.drafter, req.draft_wait_s, off)
         req.take_draft(cmd.token_ids, cmd.q, cmd.confidence)
 
     def _attach(self, cmd: Attach) -> None:

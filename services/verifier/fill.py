@@ -74,16 +74,20 @@ class FillPolicy:
         #: drafter -> (typical seconds from Verdict out to Draft in, typical deviation from that)
         self.waits: dict[str, tuple[float, float]] = {}
 
-    def observe(self, drafter: str, wait_s: float) -> None:
-        """A plain draft arrived ``wait_s`` after its round began waiting for it."""
+    def observe(self, drafter: str, wait_s: float) -> float | None:
+        """A plain draft arrived ``wait_s`` after its round began waiting for it. Returns how far
+        that is from the drafter's typical wait so far (None: its first), what the deviation learns."""
         old = self.waits.pop(drafter, None)
+        off = None
         if old is None:
             self.waits[drafter] = (wait_s, 0.0)
         else:
             mean, dev = old
-            self.waits[drafter] = (ewma(mean, wait_s, WAIT_ALPHA), ewma(dev, abs(wait_s - mean), WAIT_ALPHA))
+            off = abs(wait_s - mean)
+            self.waits[drafter] = (ewma(mean, wait_s, WAIT_ALPHA), ewma(dev, off, WAIT_ALPHA))
         while len(self.waits) > MAX_DRAFTERS:
             del self.waits[next(iter(self.waits))]
+        return off
 
     def expected(self, req: Waiting, now: float) -> float | None:
         """The earliest ``req``'s draft is expected (perf_counter seconds); None when it is not

@@ -18,6 +18,9 @@ by SmartSpec or a drafter's pause) and how many rounds changed it;
 ``utility`` is Σ log X over live sessions; per SLO class the finished requests that attained
 or violated it; the time of each allocation and batch decision; and the step-time
 estimator's error on each step before that step refines it (held-out by construction).
+``fill_wait`` and ``fill_wait_deviation``: per drafter, the plain drafts' waits the fill policy
+learns from and how far each was from the drafter's typical wait (their spread decides how close
+to an expected draft the verifier dares to fill).
 
 With ``--backend vllm``, vLLM's own metrics (``vllm:*``: its scheduler, KV cache usage,
 speculative acceptance) are served beside these; the step histograms then stay empty, since
@@ -79,6 +82,11 @@ class VerifierMetrics:
                                    ["outcome"], registry=r)
         self.filled = Counter(f"{_P}_filled_tokens", "Tokens decoded target-only for sessions whose drafts were on "
                                                      "their way, by steps with nothing to verify (fill)", registry=r)
+        self.fill_wait = Histogram(f"{_P}_fill_wait_seconds", "Plain drafts' waits the fill policy learns from, "
+                                                              "per drafter", ["drafter"], buckets=_TIME, registry=r)
+        self.fill_wait_deviation = Counter(f"{_P}_fill_wait_deviation_seconds", "Σ |a plain draft's wait − its "
+                                           "drafter's typical wait before it| (the fill policy's deviation)",
+                                           ["drafter"], registry=r)
         self.kv_budget = Gauge(f"{_P}_kv_budget_bytes", "KV arena size", registry=r)
         self.kv_reserved = Gauge(f"{_P}_kv_reserved_bytes", "KV bytes reserved by admitted sessions", registry=r)
         self.kv_cached = Gauge(f"{_P}_kv_cached_tokens", "Tokens whose keys/values are cached", registry=r)
@@ -158,6 +166,12 @@ class VerifierMetrics:
             self.drafter_alpha.labels(name).set(s.alpha)
             self.drafter_goodput.labels(name).set(s.goodput)
             self.drafter_budget.labels(name).set(s.budget)
+
+    def observe_fill_wait(self, drafter: str, wait_s: float, off_s: float | None) -> None:
+        """A plain draft's wait, and how far it was from its drafter's typical one (None: its first)."""
+        self.fill_wait.labels(drafter).observe(wait_s)
+        if off_s is not None:
+            self.fill_wait_deviation.labels(drafter).inc(off_s)
 
     def count_drafter(self, drafter: str, accepted: int) -> None:
         if drafter:

@@ -19,6 +19,7 @@ from bench.run_stats import (
     client_slo_by_class,
     cpu_split,
     drafter_costs,
+    fill_waits,
     jain,
     per_drafter_goodput,
     round_breakdown,
@@ -344,6 +345,17 @@ def test_verifier_loop_s_is_its_cpu_outside_steps_per_round() -> None:
     assert not spec.verifier.fill  # the validated simulation; --fill simulates the real verifiers' filling
     filled = spec_of("fairness", real_row(), meta, COEF, fill=True)
     assert filled is not None and filled.verifier.fill
+
+
+def test_fill_waits_are_per_drafter_means_of_the_verifiers_metrics() -> None:
+    v, one = "specfleet_verifier_fill_wait", (("drafter", "drafter-1"),)
+    snap = Snapshot({(f"{v}_seconds_count", one): 4.0, (f"{v}_seconds_sum", one): 0.2,
+                     (f"{v}_seconds_bucket", (*one, ("le", "0.1"))): 4.0,
+                     (f"{v}_deviation_seconds_total", one): 0.02,
+                     (f"{v}_seconds_count", (("drafter", "drafter-2"),)): 0.0})
+    assert fill_waits(snap) == {"drafter-1": {"n": 4.0, "mean_ms": pytest.approx(50.0),
+                                              "deviation_ms": pytest.approx(5.0)}}
+    assert fill_waits(Snapshot()) == {}
 
 
 def test_a_closed_loop_row_draws_from_one_pool() -> None:

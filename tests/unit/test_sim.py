@@ -229,6 +229,11 @@ def test_a_conditional_draft_after_its_verdict_left_is_taken_on_arrival() -> Non
 def test_conditional_drafts_and_filling_commit_every_token_once(alpha: float) -> None:
     r = pipelined(alpha, 1, rtt_s=0.04, conditional=True, fill=True)
     assert r.requests_done == 4 and r.committed == 4 * 50
+    # the fill policy learns from plain drafts only: each simulated draft travels exactly 40 ms, so
+    # their waits barely spread
+    [wait], [off] = r.fill_wait_s, r.fill_wait_deviation_s
+    if alpha < 1.0:  # at α = 1 a round past the first always takes a conditional draft
+        assert wait is not None and wait >= 0.04 and off is not None and off < 0.01
     assert r.filled > 0 or alpha == 1.0  # at α = 1 every round past the first has its draft at once
 
 

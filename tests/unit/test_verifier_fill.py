@@ -168,9 +168,8 @@ def test_a_draft_is_expected_as_early_as_its_waits_spread() -> None:
 
 def test_the_typical_wait_is_a_moving_average_per_drafter() -> None:
     policy = FillPolicy()
-    policy.observe("a", 1.0)
-    policy.observe("a", 2.0)
-    policy.observe("b", 5.0)
+    # each wait comes back as how far it was from the typical one before it (its metric); None at first
+    assert [policy.observe("a", 1.0), policy.observe("a", 2.0), policy.observe("b", 5.0)] == [None, 1.0, None]
     assert policy.waits == {"a": (pytest.approx(1.1), pytest.approx(0.1)), "b": (5.0, 0.0)}
     assert policy.next_change([waiting("a", 0.0), waiting("b", 0.0)], 1.0) == pytest.approx(1.2)  # a turns late
 
