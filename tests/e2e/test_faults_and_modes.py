@@ -50,6 +50,20 @@ async def session_opened(drafter: Child, work: asyncio.Task[list[tuple]], timeou
         await asyncio.sleep(0.01)
 
 
+def wait_logged(children: list[Child], text: str, timeout_s: float = 60.0) -> None:
+    """Wait until every child's log holds ``text`` (e.g. each drafter connected to the verifier:
+    the coordinator is ready as soon as one is, and a drafter that connects late may find every
+    request claimed by the others)."""
+    deadline = time.monotonic() + timeout_s
+    for child in children:
+        while text not in child.log_path.read_text(errors="replace"):
+            if not child.alive:
+                raise AssertionError(death_report(child))
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{child.name} never logged {text!r}; its log ends:\n{tail(child.log_path)}")
+            time.sleep(0.05)
+
+
 def test_target_only_serving_without_drafters(tiny_models: dict[str, Path], tmp_path: Path) -> None:
     target = load_model(tiny_models["target"])
     spec = StackSpec(drafts=[], extra_coordinator=["--speculation", "off"])
@@ -67,6 +81,8 @@ def test_killed_drafter_loses_no_request(tiny_models: dict[str, Path], tmp_path:
                      drafter_log_level="info")
     with run_stack(tiny_models["target"], spec, tmp_path) as stack:
         victim = next(c for c in stack.supervisor.children if c.name == "drafter-1")
+        wait_logged([c for c in stack.supervisor.children if c.name.startswith("drafter")],
+                    "connected to the verifier")
 
         async def run() -> list[tuple]:
             work = asyncio.create_task(stream_many(stack, sent))
