@@ -285,10 +285,11 @@ class SimVerifier:
 
     def _publish(self, s: Session, drafted: int, accepted: int, budget: int, now: float) -> None:
         budget = 0 if s.finished or not self.speculative else min(budget, self.max_draft)
-        arrive = s.edge.carry(now, False, self.rng)
+        heard = s.finished or drafted > 0 or budget > 0  # the drafter hears (a target-only round: only at the end)
+        arrive = s.edge.carry(now, False, self.rng) if heard else now + s.edge.half_rtt  # else: to the client only
         if s.first_token_at is None:
             s.first_token_at = arrive
-        if s.finished or drafted > 0 or budget > 0:  # the drafter hears of it (a target-only round: only at the end)
+        if heard:
             self.events.push(arrive, Kind.VERDICT, Verdict(s, drafted, accepted, s.finished, budget, s.round))
         s.budget, s.drafts, s.asked = budget, [], 0
         s.round += 1

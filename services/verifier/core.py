@@ -301,11 +301,10 @@ class TorchCore:
         req.pause_left = cmd.pause_rounds
         req.guess_bonus = (cmd.guess_bonus and not req.greedy and req.race_key is None  # shared.coupling
                            and req.params.seed is None)
-        req.draft_wait_s = max(0.0, cmd.received_at - req.waiting_since)
-        self.metrics.draft_wait.observe(req.draft_wait_s)
+        wait = req.draft_wait_s = max(0.0, cmd.received_at - req.waiting_since)
+        self.metrics.draft_wait.observe(wait)
         if cmd.after is None and self.scheduler.filler is not None:  # a conditional one was there before
-            off = self.scheduler.filler.observe(req.drafter, req.draft_wait_s)
-            self.metrics.observe_fill_wait(req.drafter, req.draft_wait_s, off)
+            self.metrics.observe_fill_wait(req.drafter, wait, self.scheduler.filler.observe(req.drafter, wait))
         req.take_draft(cmd.token_ids, cmd.q, cmd.confidence)
 
     def _attach(self, cmd: Attach) -> None:
