@@ -195,6 +195,8 @@ def drafter_costs(snap: Snapshot) -> dict[str, float]:
             "asked_per_round": snap.value(f"{D}_asked_tokens_total") / rounds if rounds else 0.0,
             "rounds": rounds, "model_busy_s": snap.value(f"{D}_model_busy_seconds_total"),
             "lookahead_busy_s": snap.value(f"{D}_lookahead_busy_seconds_total"),
+            "model_cpu_s": snap.value(f"{D}_model_cpu_seconds_total"),
+            "lookahead_cpu_s": snap.value(f"{D}_lookahead_cpu_seconds_total"),
             "lookaheads": sum(snap.value(f"{D}_lookaheads_total", outcome=o) for o in ("used", "missed", "dropped")),
             "lookaheads_used": snap.value(f"{D}_lookaheads_total", outcome="used"),
             "presented": snap.value(f"{D}_presented_lookaheads_total"),

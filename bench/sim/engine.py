@@ -43,6 +43,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from bench.sim.edge_cpu import SharedCores
 from bench.sim.result import Recorder, RequestRecord, SimResult, summarise
 from bench.sim.spec import DrafterSpec, SimSpec
 from bench.sim.state import Edge, Events, Kind, Lookahead, Session, Step, Verdict
@@ -81,17 +82,19 @@ class Simulation:
             for at in starts:
                 self.events.push(at, Kind.ARRIVE, edge)
         self.started = spec.shared_requests - pool  # requests started from the shared pool
+        self.cores = SharedCores(spec.edge_cores, spec.edge_background, self.events) if spec.edge_cores else None
+        self.handlers: dict[Kind, Callable[[Any], None]] = {
+            Kind.ARRIVE: self._arrive, Kind.OPEN: self._open, Kind.VERDICT: self._verdict,
+            Kind.DRAFT_DONE: self._draft_done, Kind.DRAFT_IN: self._draft_in, Kind.STEP_END: self._step_end,
+            Kind.LOOKAHEAD_STEP: self._lookahead_step, Kind.WAKE: lambda _: None,
+            Kind.CONDITIONAL_IN: self._conditional_in, Kind.EDGE_CPU: self._edge_cpu}
 
     # --- the loop ----------------------------------------------------------------------------
 
     def run(self, progress: bool = False) -> SimResult:
         wall = time.perf_counter()
         bar = _Progress(self, progress)
-        handlers: dict[Kind, Callable[[Any], None]] = {
-            Kind.ARRIVE: self._arrive, Kind.OPEN: self._open, Kind.VERDICT: self._verdict,
-            Kind.DRAFT_DONE: self._draft_done, Kind.DRAFT_IN: self._draft_in, Kind.STEP_END: self._step_end,
-            Kind.LOOKAHEAD_STEP: self._lookahead_step, Kind.WAKE: lambda _: None,
-            Kind.CONDITIONAL_IN: self._conditional_in}
+        handlers = self.handlers
         while self.events and not self._done():
             at = self.events.next_time()
             assert at is not None
@@ -107,6 +110,18 @@ class Simulation:
             self.verifier.try_start(self.now)
         bar.close()
         return self._result(time.perf_counter() - wall)
+
+    def _compute(self, seconds: float, kind: Kind, payload: Any) -> None:
+        """A drafter computes for ``seconds`` (CPU seconds on shared cores, if any), then ``kind``."""
+        if self.cores is None:
+            self.events.push(self.now + seconds, kind, payload)
+        else:
+            self.cores.start(self.now, seconds, kind, payload)
+
+    def _edge_cpu(self, version: int) -> None:
+        assert self.cores is not None
+        for kind, payload in self.cores.finish(version, self.now):
+            self.handlers[kind](payload)
 
     def _done(self) -> bool:
         return self.target_rounds is not None and self.rec.rounds >= self.target_rounds
@@ -215,8 +230,7 @@ class Simulation:
         edge.busy = True
         n = len(batch)  # one token of each: measured per lookahead, or one forward over n rows
         seconds = edge.lookahead_token_s * n if edge.lookahead_token_s else edge.forward_s + edge.token_s * n
-        self.events.push(self.now + seconds, Kind.LOOKAHEAD_STEP,
-                         (edge, tuple((s, s.ahead) for s in batch if s.ahead is not None)))
+        self._compute(seconds, Kind.LOOKAHEAD_STEP, (edge, tuple((s, s.ahead) for s in batch if s.ahead is not None)))
 
     def _lookahead_step(self, done: tuple[Edge, tuple[tuple[Session, Lookahead], ...]]) -> None:
         edge, batch = done
@@ -285,10 +299,8 @@ class Simulation:
         drafts = [self._draft(edge, s) for s in batch]
         # the batch runs one forward per draft position while any of its sessions still drafts
         seconds = sum(t for t, _ in drafts) + edge.forward_s * max(n for _, n in drafts)
-        for s in batch:
-            s.draft_s = seconds
         edge.busy = True
-        self.events.push(self.now + seconds, Kind.DRAFT_DONE, (edge, tuple(batch)))
+        self._compute(seconds, Kind.DRAFT_DONE, (edge, tuple(batch), self.now))
 
     def _next_round(self, s: Session) -> None:
         """The drafter starts on ``s``'s next round: after the verdict on a draft it sent (an empty one
@@ -342,10 +354,11 @@ class Simulation:
                 return drafts, i + 1
         return drafts, k
 
-    def _draft_done(self, done: tuple[Edge, tuple[Session, ...]]) -> None:
-        edge, batch = done
+    def _draft_done(self, done: tuple[Edge, tuple[Session, ...], float]) -> None:
+        edge, batch, began = done
         edge.busy = False
         for s in batch:
+            s.draft_s = self.now - began
             self._send(s, edge.send_s)
 
     def _send(self, s: Session, after: float = 0.0) -> None:

@@ -153,6 +153,14 @@ class SimSpec:
     #: this many requests in all from one pool, a drafter starting the next one the moment one of
     #: its own finishes (so faster drafters serve more); 0: each drafter serves its own ``requests``
     shared_requests: int = 0
+    #: drafters sharing this many CPU cores, as on this machine's pinned edge core (0: each drafter
+    #: on a device of its own, as at real edge sites). Then the drafters' draft-model costs are CPU
+    #: seconds, and their batches and lookahead steps share the cores equally while they run
+    #: together (``edge_cpu.py``)
+    edge_cores: float = 0.0
+    #: with ``edge_cores``: the cores' other work (coordinator, clients, proxies, the drafters' event
+    #: loops) as this many always-running jobs' worth, i.e. its CPU seconds per second
+    edge_background: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.drafters:
@@ -165,6 +173,8 @@ class SimSpec:
             raise ValueError("bound the run: set rounds or duration_s")
         if self.alpha_concentration <= 0:
             raise ValueError("alpha_concentration must be > 0")
+        if self.edge_cores < 0 or self.edge_background < 0:
+            raise ValueError("edge_cores and edge_background must be >= 0")
         names = [d.name for d in self.drafters]
         if len(set(names)) != len(names):
             raise ValueError("drafter names must be unique")

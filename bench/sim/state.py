@@ -25,6 +25,7 @@ class Kind(IntEnum):
     LOOKAHEAD_STEP = 6  # one token of each running lookahead drafted [(Edge, tuple of (Session, Lookahead))]
     WAKE = 7  # the verifier looks again whether it may fill (a waiting session's draft turned late) [None]
     CONDITIONAL_IN = 8  # a lookahead sent before the verdict it assumes reaches the verifier [(Session, Lookahead)]
+    EDGE_CPU = 9  # the next job on the drafters' shared cores may end (edge_cpu.py) [version]
 
 
 class Events:

@@ -111,6 +111,22 @@ class DrafterCosts(NamedTuple):
     lookahead_token_s: float = 0.0  # draft-model seconds per lookahead token (0: not recorded)
     proposal_rate: float = 1.0  # the chance its proposer has each next draft token (DrafterSpec's)
     forward_s: float = 0.0  # draft-model fixed seconds per forward of a batch (DrafterSpec's)
+    cpu_share: float = 1.0  # its draft model's CPU seconds per busy second (1: not recorded)
+
+
+class Knobs(NamedTuple):
+    """How the validation builds its simulations (the CLI's switches)."""
+
+    forward_rows: float = DRAFT_FORWARD_ROWS  # a draft-model forward's fixed cost in rows' worth
+    fill: bool = False  # the simulated verifier fills while drafts travel
+    jitter_s: float = 0.0  # every drafter's link jitter (DrafterSpec.jitter_s)
+    #: the drafters share this many cores, as the real runs' pinned edge core (SimSpec.edge_cores):
+    #: their costs become CPU seconds (the measured ones times ``cpu_share``) and the cores' other
+    #: work the runs' edge CPU beyond the draft models (``edge_background``); 0: each its own
+    edge_cores: float = 0.0
+
+
+DEFAULTS = Knobs()
 
 
 def acceptance_of(d: dict[str, Any], whole_drafts: bool) -> tuple[float, float]:
@@ -157,10 +173,11 @@ def drafter_params(row: dict[str, Any], n: int, whole_drafts: bool = False,
         send_s = d["send_ms"] / 1e3 if "send_ms" in d else pooled.send_s
         ahead_s = lookahead_token_s(d)
         row_s, forward_s = split_draft_cost(d["draft_ms_per_token"] / 1e3, d.get("batch_sessions", 0.0), forward_rows)
+        busy, cpu_s = d.get("model_busy_s", 0.0), d.get("model_cpu_s", 0.0)
         return DrafterCosts(alpha, row_s, send_s,
-                            link(d["verify_wait_ms"], d.get("model_busy_s", 0.0), d.get("lookahead_busy_s", 0.0),
+                            link(d["verify_wait_ms"], busy, d.get("lookahead_busy_s", 0.0),
                                  ahead_s) if "verify_wait_ms" in d else pooled.link_s,
-                            ahead_s, rate, forward_s)
+                            ahead_s, rate, forward_s, min(1.0, cpu_s / busy) if busy > 0 and cpu_s > 0 else 1.0)
     return [of(d) if d["drafted_per_round"] > 0 else pooled for d in own]
 
 
@@ -223,10 +240,11 @@ def verifier_loop_s(cpu: dict[str, float]) -> float:
 
 
 def drafters_of(source: str, row: dict[str, Any], meta: dict[str, Any], repeat: int = 0,
-                whole_drafts: bool = False, forward_rows: float = DRAFT_FORWARD_ROWS) -> tuple[DrafterSpec, ...]:
+                whole_drafts: bool = False, knobs: Knobs = DEFAULTS) -> tuple[DrafterSpec, ...]:
     """The clients and drafters of the row: its sessions, requests, arrivals (those of its
-    ``repeat``-th repeat: the real run seeds repeat i with seed + i), RTTs and costs. A drafter's
-    RTT is its configured one, or the measured link time of its rounds when that is longer."""
+    ``repeat``-th repeat: the real run seeds repeat i with seed + i), RTTs and costs (in CPU
+    seconds with ``knobs.edge_cores``). A drafter's RTT is its configured one, or the measured
+    link time of its rounds when that is longer; with a jitter J, J less (the jitter keeps its mean)."""
     n = max(1, len(row["goodput_by_drafter"]))
     requests = int(row.get("requests", 30))
     rtts = [float(rtt) / 1e3 for _, rtt in meta["drafters"]] if source == "fairness" else [0.0] * n
@@ -236,11 +254,27 @@ def drafters_of(source: str, row: dict[str, Any], meta: dict[str, Any], repeat: 
                                   int(row.get("seed", 0)) + repeat)
     base = DrafterSpec("d", round_s=0.0, prompt_len=PROMPT_LEN, max_tokens=int(row.get("max_tokens", 128)),
                        pipeline_sessions=PIPELINE_SESSIONS)
-    return tuple(replace(base, name=f"d{i}", alpha=d.alpha, token_s=d.token_s, forward_s=d.forward_s, send_s=d.send_s,
-                         lookahead_token_s=d.lookahead_token_s, proposal_rate=d.proposal_rate,
-                         rtt_s=max(rtts[i], d.link_s), concurrency=max(1, row["concurrency"] // n),
-                         requests=requests // n, arrivals=tuple(arrivals[i::n]))
-                 for i, d in enumerate(drafter_params(row, n, whole_drafts, forward_rows)))
+    specs = []
+    for i, d in enumerate(drafter_params(row, n, whole_drafts, knobs.forward_rows)):
+        cpu = d.cpu_share if knobs.edge_cores else 1.0
+        specs.append(replace(base, name=f"d{i}", alpha=d.alpha, token_s=d.token_s * cpu, forward_s=d.forward_s * cpu,
+                             prefill_token_s=base.prefill_token_s * cpu, send_s=d.send_s,
+                             lookahead_token_s=d.lookahead_token_s * cpu, proposal_rate=d.proposal_rate,
+                             rtt_s=max(0.0, max(rtts[i], d.link_s) - knobs.jitter_s), jitter_s=knobs.jitter_s,
+                             concurrency=max(1, row["concurrency"] // n), requests=requests // n,
+                             arrivals=tuple(arrivals[i::n])))
+    return tuple(specs)
+
+
+def edge_background(row: dict[str, Any]) -> float:
+    """The run's edge CPU beyond its draft models (coordinator, load client and proxies, the
+    drafters' event loops) per second of its window: the always-running jobs' worth that shares
+    the edge core with the draft models (``SimSpec.edge_background``); 0 when not recorded."""
+    cpu, own = row["costs"].get("cpu", {}), list(row["costs"].get("by_drafter", {}).values())
+    if not cpu.get("wall_s") or not own or not all("model_cpu_s" in d for d in own):
+        return 0.0
+    edge = sum(v for k, v in cpu.items() if k in ("coordinator_s", "client_s") or k.startswith("drafter"))
+    return max(0.0, edge - sum(d["model_cpu_s"] for d in own)) / cpu["wall_s"]
 
 
 def measured_waits(row: dict[str, Any]) -> list[float] | None:
@@ -272,9 +306,8 @@ def step_scale(row: dict[str, Any], coef: Coef) -> float:
 
 
 def spec_of(source: str, row: dict[str, Any], meta: dict[str, Any], coef: Coef, repeat: int = 0,
-            forward_rows: float = DRAFT_FORWARD_ROWS, fill: bool = False, jitter_s: float = 0.0) -> SimSpec | None:
-    """The simulation of ``row`` (None: a scenario the simulator does not model); ``jitter_s``: every
-    drafter's link jitter (``DrafterSpec.jitter_s``)."""
+            knobs: Knobs = DEFAULTS) -> SimSpec | None:
+    """The simulation of ``row`` (None: a scenario the simulator does not model)."""
     pol = policies_of(source, row, meta)
     if pol is None:
         return None
@@ -282,21 +315,20 @@ def spec_of(source: str, row: dict[str, Any], meta: dict[str, Any], coef: Coef, 
     overhead = max(0.0, c["step_ms"] - c["forward_ms"]) / 1e3
     closed = not row.get("arrival_rate", 0) > 0
     loop = verifier_loop_s(c.get("cpu", {}))
-    # the jitter spreads the measured round trip, whose mean it keeps: each leg is on average J/2 longer
-    drafters = tuple(replace(d, jitter_s=jitter_s, rtt_s=max(0.0, d.rtt_s - jitter_s)) for d in
-                     drafters_of(source, row, meta, repeat, pol.controller == "fixed", forward_rows))
-    fill = fill and row["scenario"] != NO_FILL  # that fleet's verifier did not fill
+    drafters = drafters_of(source, row, meta, repeat, pol.controller == "fixed", knobs)
+    fill = knobs.fill and row["scenario"] != NO_FILL  # that fleet's verifier did not fill
     return SimSpec(drafters, pol, VerifierSpec(32, 2048, overhead, loop, fill),
                    CostSpec("cpu", coef, scale=step_scale(row, coef)), speculative=row["scenario"] not in TARGET_ONLY,
-                   rounds=None, duration_s=3600.0, shared_requests=int(row.get("requests", 30)) if closed else 0)
+                   rounds=None, duration_s=3600.0, shared_requests=int(row.get("requests", 30)) if closed else 0,
+                   edge_cores=knobs.edge_cores, edge_background=edge_background(row) if knobs.edge_cores else 0.0)
 
 
 def compare(source: str, row: dict[str, Any], meta: dict[str, Any], coef: Coef,
-            forward_rows: float = DRAFT_FORWARD_ROWS, fill: bool = False, jitter_s: float = 0.0) -> dict[str, Any]:
+            knobs: Knobs = DEFAULTS) -> dict[str, Any]:
     out = {"source": source, "scenario": row["scenario"], "point": row["point"],
            "real_tok_s": row["goodput_tok_s"], "real_latency_s": row["latency_s_mean"]}
     repeats = max(1, len(row.get("tokens_per_s_runs", [])))
-    specs = [spec_of(source, row, meta, coef, i, forward_rows, fill, jitter_s) for i in range(repeats)]
+    specs = [spec_of(source, row, meta, coef, i, knobs) for i in range(repeats)]
     first = specs[0]
     if first is None:
         return {**out, "skipped": "not modelled (the simulator's verifier keeps every session's KV cache)"}
@@ -399,8 +431,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jitter-ms", type=float, default=0.0,
                    help="a uniform extra delay in [0, this] on each simulated draft and verdict, one way (the real "
                         "runs' links had none configured; their event loops spread frames by an unmeasured amount)")
+    p.add_argument("--edge-cores", type=float, default=0.0,
+                   help="simulate the drafters sharing this many CPU cores, as the real runs' pinned edge core (1), "
+                        "with their draft models' measured CPU seconds (runs since 2026-11-27 04:00); 0: each "
+                        "drafter computes on its own")
     p.add_argument("--out", default="bench/results")
     args = p.parse_args(argv)
+    knobs = Knobs(args.draft_forward_rows, args.fill, args.jitter_ms / 1e3, args.edge_cores)
     coef = load_cpu_coef(args.estimator_file)
     rows, used = [], []
     for source in args.sources.split(","):
@@ -410,13 +447,12 @@ def main(argv: list[str] | None = None) -> int:
             continue
         data = json.loads(path.read_text())
         used.append(f"{path} ({data['meta']['when']})")
-        rows += [compare(source, row, data["meta"], coef, args.draft_forward_rows, args.fill, args.jitter_ms / 1e3)
-                 for row in data["rows"]]
+        rows += [compare(source, row, data["meta"], coef, knobs) for row in data["rows"]]
     if not rows:
         p.error(f"no real results to compare with in {args.results}")
     meta = {"command": "python -m bench sim-validate " + " ".join(argv or []), "sources": used,
             "when": time.strftime("%Y-%m-%d %H:%M"), "coef": coef, "draft_forward_rows": args.draft_forward_rows,
-            "fill": args.fill, "jitter_ms": args.jitter_ms}
+            "fill": args.fill, "jitter_ms": args.jitter_ms, "edge_cores": args.edge_cores}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     write_results(out, "sim-validation", {"meta": meta, "rows": rows}, markdown(rows, meta))

@@ -86,7 +86,8 @@ class DraftBatcher:
             self.metrics.job_wait.observe(began - queued)
         self.metrics.batch_size.labels("lookahead" if batch[0][0].assume else "round").observe(len(batch))
         try:
-            proposals, started, ended = await self.worker.run(_timed, self.proposer.propose, [j for j, _, _ in batch])
+            proposals, started, ended, cpu = await self.worker.run(_timed, self.proposer.propose,
+                                                                   [j for j, _, _ in batch])
         except Exception as exc:  # every session of the batch goes on without drafts (rounds.py)
             log.exception("batched drafting failed", sessions=len(batch))
             for _, _, fut in batch:
@@ -94,8 +95,10 @@ class DraftBatcher:
                     fut.set_exception(exc)
             return
         self.metrics.draft_busy.inc(ended - started)
+        self.metrics.draft_cpu.inc(cpu)
         if batch[0][0].assume:  # a batch is all rounds or all lookaheads (_next_batch)
             self.metrics.lookahead_busy.inc(ended - started)
+            self.metrics.lookahead_cpu.inc(cpu)
         else:
             self.capacity.observe_batch(ended - started, len(batch))
         for (_, _, fut), proposal in zip(batch, proposals, strict=True):
@@ -103,8 +106,9 @@ class DraftBatcher:
                 fut.set_result((proposal, started, ended))
 
 
-def _timed(fn: Callable[..., list[Proposal]], *args: Any) -> tuple[list[Proposal], float, float]:
-    """Run ``fn`` (on the compute worker) and say when it started and ended."""
-    started = time.perf_counter()
+def _timed(fn: Callable[..., list[Proposal]], *args: Any) -> tuple[list[Proposal], float, float, float]:
+    """Run ``fn`` (on the compute worker) and say when it started and ended, and the CPU seconds
+    its thread spent on it (less than the wall time when other work shares the core)."""
+    started, cpu = time.perf_counter(), time.thread_time()
     result = fn(*args)
-    return result, started, time.perf_counter()
+    return result, started, time.perf_counter(), time.thread_time() - cpu

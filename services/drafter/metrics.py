@@ -53,6 +53,10 @@ class DrafterMetrics:
         self.draft_busy = Counter(f"{_P}_model_busy_seconds", "Time the draft model spent drafting", registry=r)
         self.lookahead_busy = Counter(f"{_P}_lookahead_busy_seconds", "Time the draft model spent drafting "
                                       "lookaheads (pipelined drafting; also in model_busy)", registry=r)
+        self.draft_cpu = Counter(f"{_P}_model_cpu_seconds", "CPU time of the draft model's batches (its compute "
+                                 "thread's; below model_busy when other processes share its core)", registry=r)
+        self.lookahead_cpu = Counter(f"{_P}_lookahead_cpu_seconds", "CPU time of the draft model's lookahead "
+                                     "batches (also in model_cpu)", registry=r)
         self.draft_idle = Counter(f"{_P}_model_idle_seconds", "Time the draft model waited for a ready session "
                                   "(StarSD's T_idle)", registry=r)
         self.job_wait = Histogram(f"{_P}_job_wait_seconds", "A ready session's wait for the draft model (StarSD's "

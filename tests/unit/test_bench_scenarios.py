@@ -28,9 +28,11 @@ from bench.run_stats import (
 )
 from bench.scrape import Snapshot
 from bench.sim.validate import (
+    Knobs,
     acceptance_of,
     alpha_for,
     drafter_params,
+    edge_background,
     link_s,
     measured_waits,
     policies_of,
@@ -343,7 +345,7 @@ def test_verifier_loop_s_is_its_cpu_outside_steps_per_round() -> None:
                    meta, COEF)
     assert spec is not None and spec.verifier.round_overhead_s == pytest.approx(2e-3)
     assert not spec.verifier.fill  # the validated simulation; --fill simulates the real verifiers' filling
-    filled = spec_of("fairness", real_row(), meta, COEF, fill=True)
+    filled = spec_of("fairness", real_row(), meta, COEF, knobs=Knobs(fill=True))
     assert filled is not None and filled.verifier.fill
 
 
@@ -365,7 +367,7 @@ def test_a_closed_loop_row_draws_from_one_pool() -> None:
     assert [d.rtt_s for d in spec.drafters] == [0.0, 0.04] and spec.cost.scale == pytest.approx(step_scale(
         real_row(), COEF))
     # a jitter of J keeps each measured round trip's mean: J/2 each way on average, so J less fixed
-    jittered = spec_of("fairness", real_row(), meta, COEF, jitter_s=0.002)
+    jittered = spec_of("fairness", real_row(), meta, COEF, knobs=Knobs(jitter_s=0.002))
     assert jittered is not None and [(d.rtt_s, d.jitter_s) for d in jittered.drafters] == [
         (0.0, 0.002), (pytest.approx(0.038), 0.002)]
 
@@ -378,7 +380,7 @@ def test_the_no_fill_fleet_is_simulated_without_filling_whatever_the_flag() -> N
     assert NO_FILL not in {s.name for s in capacity_scenarios(Path("models/draft-small"), 2, 4)}
     for name, filled in (("specfleet", True), (NO_FILL, False)):
         row = {**real_row(), "scenario": name, "point": "@2"}
-        spec = spec_of("capacity", row, {}, COEF, fill=True)
+        spec = spec_of("capacity", row, {}, COEF, knobs=Knobs(fill=True))
         assert spec is not None and spec.policies.allocation == "goodspeed" and spec.verifier.fill is filled
 
 
@@ -401,3 +403,23 @@ def test_slo_fleets_differ_only_in_their_batching_and_take_every_session() -> No
     flags = spec.drafter_flags
     last = max(i for i, f in enumerate(flags) if f == "--max-sessions")
     assert flags[last + 1] == "128"  # after the harness's own default: the last one wins
+
+
+def test_on_shared_edge_cores_a_drafters_costs_are_its_draft_models_cpu_seconds() -> None:
+    """``--edge-cores``: each drafter's measured costs times its model's CPU over busy seconds, and
+    the edge's other CPU (coordinator, client, drafters beyond their models) as background."""
+    own = {name: {"draft_ms_per_token": 2.0, "drafted_per_round": 4.0, "accepted_per_round": 2.0,
+                  "model_busy_s": 4.0, "model_cpu_s": cpu_s}
+           for name, cpu_s in (("drafter-1", 2.0), ("drafter-2", 4.0))}
+    cpu = {"wall_s": 10.0, "coordinator_s": 1.0, "client_s": 0.5, "drafter-1_s": 3.0, "drafter-2_s": 5.0,
+           "verifier_s": 9.0}
+    row = real_row(by_drafter=own, cpu=cpu)
+    assert edge_background(row) == pytest.approx((1.0 + 0.5 + 3.0 + 5.0 - 6.0) / 10.0)
+    meta = {"drafters": [["small", 0], ["small", 0]], "capacity": 8}
+    alone = spec_of("fairness", row, meta, COEF)
+    shared = spec_of("fairness", row, meta, COEF, knobs=Knobs(edge_cores=1))
+    assert alone is not None and shared is not None and alone.edge_cores == 0 and shared.edge_cores == 1
+    assert shared.edge_background == pytest.approx(0.35) and alone.edge_background == 0
+    assert [s.token_s / a.token_s for a, s in zip(alone.drafters, shared.drafters, strict=True)] == pytest.approx(
+        [0.5, 1.0])
+    assert edge_background(real_row(cpu=cpu)) == 0  # not recorded per drafter: no split

@@ -110,6 +110,10 @@ async def test_a_lookahead_job_drafts_what_the_next_round_drafts_if_the_guess_co
         after = p.metrics.registry.get_sample_value("specfleet_drafter_model_busy_seconds_total") or 0.0
         ahead = p.metrics.registry.get_sample_value("specfleet_drafter_lookahead_busy_seconds_total") or 0.0
         assert ahead > 0 and ahead == pytest.approx(after - busy)
+        # and their CPU seconds likewise, measured on the computing thread: never more than busy
+        cpu = p.metrics.registry.get_sample_value("specfleet_drafter_model_cpu_seconds_total") or 0.0
+        ahead_cpu = p.metrics.registry.get_sample_value("specfleet_drafter_lookahead_cpu_seconds_total") or 0.0
+        assert 0 < ahead_cpu < cpu <= after * 1.05 + 1e-3
         # the verifier accepts every draft and adds the lookahead's first token: the next round,
         # drafted normally after that commit, is the rest of the lookahead
         p.commit([*sent, look.token_ids[0]], len(sent))

@@ -114,11 +114,12 @@ def test_a_drafter_drafts_its_ready_sessions_as_one_batch(max_batch: int, batche
         started.append(sim.now)
         start(edge)
 
-    def record_end(batch: tuple[Edge, tuple[Session, ...]]) -> None:
+    def record_end(batch: tuple[Edge, tuple[Session, ...], float]) -> None:
         done.append((sim.now, tuple(s.sid for s in batch[1])))
         end(batch)
         assert all(s.sent_at == pytest.approx(sim.now + 5e-4) for s in batch[1])
-    sim._start_batch, sim._draft_done = record_start, record_end  # type: ignore[method-assign, assignment]
+    sim._start_batch = record_start  # type: ignore[method-assign]
+    sim.handlers[Kind.DRAFT_DONE] = record_end
     sim.run()
     assert [sids for _, sids in done[: len(batches)]] == batches
     per_session = 2e-3 + 4 * 1e-3  # round_s + draft_len·token_s
@@ -135,7 +136,7 @@ def test_a_batch_pays_one_forward_per_position_of_its_longest_draft() -> None:
     edge = sim.edges[0]
     edge.queue.extend(Session(f"s{i}", edge, 16, 30, None, 0.0, None) for i in range(3))
     sim._start_batch(edge)
-    at, (_, batch) = draft_done(sim)
+    at, (_, batch, _) = draft_done(sim)
     assert len(batch) == 3 and at == pytest.approx(4 * 3e-3 + 6e-3)
 
 
@@ -158,7 +159,7 @@ def test_a_lookahead_step_is_one_forward_over_its_rows_unless_its_cost_was_measu
     raise AssertionError("no lookahead step was scheduled")
 
 
-def draft_done(sim: Simulation) -> tuple[float, tuple[Edge, tuple[Session, ...]]]:
+def draft_done(sim: Simulation) -> tuple[float, tuple[Edge, tuple[Session, ...], float]]:
     """The pending DRAFT_DONE event: when, and its payload."""
     while sim.events:
         at, kind, payload = sim.events.pop()
