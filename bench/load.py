@@ -83,8 +83,8 @@ def plot(rows: list[dict[str, Any]], rates: list[float], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench load", description=__doc__.splitlines()[0])
     p.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[2.0, 6.0, 12.0, 24.0, 36.0],
-                   help="mean arrival rates, requests/s (on this machine 24 and 36 keep the verifier's core about 90 %% "
-                        "busy without speculation: the high-load end)")
+                   help="mean arrival rates, requests/s (on this machine 24 and 36 keep the verifier's core "
+                        "about 90 %% busy without speculation: the high-load end)")
     p.add_argument("--ks", type=lambda s: [int(x) for x in s.split(",")], default=[1, 3, 5])
     p.add_argument("--estimator-file", default=str(DEFAULT_PROFILE) if DEFAULT_PROFILE.exists() else "",
                    help=f"step-time coefficients (make profile-verifier; default {DEFAULT_PROFILE} when present)")
