@@ -181,13 +181,14 @@ def cpu_split(run: Run) -> dict[str, float]:
             "lookahead_busy_s": sum(s.value(f"{D}_lookahead_busy_seconds_total") for s in drafters)}
 
 
-def drafter_costs(snap: Snapshot) -> dict[str, float]:
+def drafter_costs(snap: Snapshot) -> dict[str, Any]:
     """One drafter's draft-model milliseconds per drafted token of its rounds; drafted, accepted
     and asked-for tokens per round (a model-free proposer drafts fewer than asked); its rounds;
-    draft-model busy seconds (lookaheads included, and apart); its lookaheads (how many were used,
-    and of those how many the verifier held already as a conditional draft); the mean sessions its
-    round batches drafted together (lookahead batches apart); and its rounds' mean hand-off and
-    send and wait for the verdict (its process CPU is in ``cpu_split``)."""
+    draft-model busy seconds and their CPU seconds (lookaheads included, and apart); its lookaheads
+    (how many were used, and of those how many the verifier held already as a conditional draft);
+    the mean sessions its round batches drafted together (lookahead batches apart); its rounds'
+    mean hand-off and send and wait for the verdict; and how its rounds' draft, send and
+    verify_wait phases spread (``phase_buckets_ms``; its process CPU is in ``cpu_split``)."""
     rounds, drafted = snap.value(f"{D}_rounds_total"), snap.value(f"{D}_drafted_tokens_total")
     return {"draft_ms_per_token": round_busy(snap) / drafted * 1e3 if drafted else 0.0,
             "drafted_per_round": drafted / rounds if rounds else 0.0,
@@ -202,7 +203,22 @@ def drafter_costs(snap: Snapshot) -> dict[str, float]:
             "presented": snap.value(f"{D}_presented_lookaheads_total"),
             "batch_sessions": snap.mean(f"{D}_draft_batch_sessions", kind="round"),
             "send_ms": snap.mean(f"{D}_round_phase_seconds", phase="send") * 1e3,
-            "verify_wait_ms": snap.mean(f"{D}_round_phase_seconds", phase="verify_wait") * 1e3}
+            "verify_wait_ms": snap.mean(f"{D}_round_phase_seconds", phase="verify_wait") * 1e3,
+            "phase_buckets_ms": {phase: buckets(snap, f"{D}_round_phase_seconds", phase=phase)
+                                 for phase in ("draft", "send", "verify_wait")}}
+
+
+def buckets(snap: Snapshot, histogram: str, **labels: str) -> list[list[float]]:
+    """A histogram's observations per bucket: ``[upper bound in ms, count]`` in increasing order
+    (not cumulative; the last bound may be inf), for the simulator's spreads (``bench.sim.spread``)."""
+    want = set(labels.items())
+    cumulative = sorted((float(dict(key)["le"]), v) for (name, key), v in snap.items()
+                        if name == f"{histogram}_bucket" and want <= set(key))
+    out, before = [], 0.0
+    for le, total in cumulative:
+        out.append([le * 1e3, total - before])
+        before = total
+    return out
 
 
 def round_busy(snap: Snapshot) -> float:

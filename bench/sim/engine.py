@@ -57,7 +57,7 @@ from services.verifier.batching import slo_met
 def _edge(index: int, d: DrafterSpec, threshold: float) -> Edge:
     return Edge(index, d.name, d.alpha, d.token_s, d.round_s, d.prefill_token_s, d.send_s, d.rtt_s / 2, d.max_batch,
                 d.pipeline_sessions, d.lookahead_token_s, d.proposal_rate, ControlSettings(threshold), d.forward_s,
-                d.conditional, d.jitter_s)
+                d.conditional, d.jitter_s, d.draft_spread, d.send_spread)
 
 
 class Simulation:
@@ -256,7 +256,8 @@ class Simulation:
             return
         ahead.sent = True
         self.rec.conditional_sent += 1
-        self.events.push(s.edge.carry(self.now + s.edge.send_s, True, self.rng), Kind.CONDITIONAL_IN, (s, ahead))
+        self.events.push(s.edge.carry(self.now + s.edge.send_after(self.rng), True, self.rng), Kind.CONDITIONAL_IN,
+                         (s, ahead))
 
     def _presented(self, s: Session, ahead: Lookahead, budget: int) -> None:
         """The verdict made ``s``'s conditional draft true: the verifier verifies it without it
@@ -288,7 +289,7 @@ class Simulation:
             self._draw(s, k)  # the proposer may run out here, once
         self.rec.lookaheads_used += 1
         s.draft_s = 0.0
-        self._send(s, s.edge.send_s)
+        self._send(s, s.edge.send_after(self.rng))
 
     def _start_batch(self, edge: Edge) -> None:
         """Draft every ready session of ``edge`` (up to its ``max_batch``) as one batch."""
@@ -298,7 +299,7 @@ class Simulation:
             self._next_round(s)
         drafts = [self._draft(edge, s) for s in batch]
         # the batch runs one forward per draft position while any of its sessions still drafts
-        seconds = sum(t for t, _ in drafts) + edge.forward_s * max(n for _, n in drafts)
+        seconds = (sum(t for t, _ in drafts) + edge.forward_s * max(n for _, n in drafts)) * edge.batch_factor(self.rng)
         edge.busy = True
         self._compute(seconds, Kind.DRAFT_DONE, (edge, tuple(batch), self.now))
 
@@ -359,7 +360,7 @@ class Simulation:
         edge.busy = False
         for s in batch:
             s.draft_s = self.now - began
-            self._send(s, edge.send_s)
+            self._send(s, edge.send_after(self.rng))
 
     def _send(self, s: Session, after: float = 0.0) -> None:
         """The draft leaves ``after`` seconds from now (not once its request finished: by a fill)."""

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from bench.sim.costs import CostSpec
+from bench.sim.spread import Spread
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,10 @@ class DrafterSpec:
     #: a uniform extra delay in [0, jitter_s] on each draft and verdict, one way (a message never
     #: overtakes the one before it in its direction: one connection)
     jitter_s: float = 0.0
+    #: measured spreads (``spread.py``): each round batch's draft-model time and each draft's
+    #: hand-off (``send_s``) times a factor of mean 1 drawn from them; None: always the mean
+    draft_spread: Spread | None = None
+    send_spread: Spread | None = None
     max_batch: int = 64  # the most sessions drafted together (the real drafter: its session limit)
     #: pipelined drafting (the real drafter's --pipeline-sessions): a session that sends a draft
     #: while its drafter serves at most this many sessions drafts its next round ahead (a guess of

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
+from bench.sim.spread import Spread
 from services.drafter.control import ControlSettings, DraftController
 
 
@@ -152,6 +153,8 @@ class Edge:
     forward_s: float = 0.0  # draft-model fixed seconds per forward of a batch (DrafterSpec.forward_s)
     conditional: bool = False  # a lookahead done before its verdict goes out as a conditional draft
     jitter_s: float = 0.0  # uniform extra one-way delay of each draft and verdict (DrafterSpec.jitter_s)
+    draft_spread: Spread | None = None  # of its round batches' draft-model time (DrafterSpec.draft_spread)
+    send_spread: Spread | None = None  # of its drafts' hand-off (DrafterSpec.send_spread)
     last_up: float = 0.0  # when its last draft arrives at the verifier (a later one never overtakes it)
     last_down: float = 0.0  # when its last verdict arrives here
     queue: deque[Session] = field(default_factory=deque)
@@ -165,15 +168,23 @@ class Edge:
         """When a message between this drafter and the verifier that leaves at ``leaves`` arrives
         (``up``: a draft, else a verdict): half the RTT later, plus a uniform jitter in [0,
         ``jitter_s``], never before the one before it in its direction (one connection, as
-        through the delay proxy)."""
-        if not self.jitter_s:
+        through the delay proxy; so is a draft whose hand-off took longer than the next one's)."""
+        if not self.jitter_s and self.send_spread is None:
             return leaves + self.half_rtt
-        at = leaves + self.half_rtt + rng.uniform(0.0, self.jitter_s)
+        at = leaves + self.half_rtt + (rng.uniform(0.0, self.jitter_s) if self.jitter_s else 0.0)
         if up:
             at = self.last_up = max(self.last_up, at)
         else:
             at = self.last_down = max(self.last_down, at)
         return at
+
+    def send_after(self, rng: random.Random) -> float:
+        """This draft's hand-off: ``send_s``, times a draw of ``send_spread`` if any."""
+        return self.send_s * self.send_spread.factor(rng) if self.send_spread is not None else self.send_s
+
+    def batch_factor(self, rng: random.Random) -> float:
+        """A round batch's draft-model time over its mean: a draw of ``draft_spread``, else 1."""
+        return self.draft_spread.factor(rng) if self.draft_spread is not None else 1.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -53,6 +53,7 @@ from bench.sim.costs import DEFAULT_PROFILE, CostSpec, load_cpu_coef
 from bench.sim.engine import simulate
 from bench.sim.result import SimResult
 from bench.sim.spec import DrafterSpec, Policies, SimSpec, VerifierSpec
+from bench.sim.spread import Spread
 from bench.traces import trace_arrivals
 from services.verifier.batching.estimator import Coef, StepTimeEstimator
 
@@ -65,6 +66,7 @@ PIPELINE_SESSIONS = 2  # the real drafters' default --pipeline-sessions, which t
 #: `python -m bench.costs --model models/draft-small --draft-batches 1,2,4,8,16 --prompt-len 12`
 #: (2026-11-26: 4.36 and 4.84 in two runs; their mean)
 DRAFT_FORWARD_ROWS = 4.6
+DRAFTED_MS = 0.05  # a round's draft phase above this drafted (the drafters' first histogram bucket)
 
 
 def alpha_for(accepted_per_round: float, drafted_per_round: float) -> float:
@@ -112,6 +114,8 @@ class DrafterCosts(NamedTuple):
     proposal_rate: float = 1.0  # the chance its proposer has each next draft token (DrafterSpec's)
     forward_s: float = 0.0  # draft-model fixed seconds per forward of a batch (DrafterSpec's)
     cpu_share: float = 1.0  # its draft model's CPU seconds per busy second (1: not recorded)
+    draft_spread: Spread | None = None  # its rounds' measured draft phases, those that drafted (None: not recorded)
+    send_spread: Spread | None = None  # its rounds' measured send phases
 
 
 class Knobs(NamedTuple):
@@ -124,6 +128,9 @@ class Knobs(NamedTuple):
     #: their costs become CPU seconds (the measured ones times ``cpu_share``) and the cores' other
     #: work the runs' edge CPU beyond the draft models (``edge_background``); 0: each its own
     edge_cores: float = 0.0
+    #: each drafter's round batches and hand-offs spread as its rounds' measured draft and send
+    #: phases did (DrafterSpec.draft_spread, send_spread; runs since 2026-11-27 04:15)
+    spread: bool = False
 
 
 DEFAULTS = Knobs()
@@ -174,10 +181,14 @@ def drafter_params(row: dict[str, Any], n: int, whole_drafts: bool = False,
         ahead_s = lookahead_token_s(d)
         row_s, forward_s = split_draft_cost(d["draft_ms_per_token"] / 1e3, d.get("batch_sessions", 0.0), forward_rows)
         busy, cpu_s = d.get("model_busy_s", 0.0), d.get("model_cpu_s", 0.0)
+        phases = d.get("phase_buckets_ms", {})
         return DrafterCosts(alpha, row_s, send_s,
                             link(d["verify_wait_ms"], busy, d.get("lookahead_busy_s", 0.0),
                                  ahead_s) if "verify_wait_ms" in d else pooled.link_s,
-                            ahead_s, rate, forward_s, min(1.0, cpu_s / busy) if busy > 0 and cpu_s > 0 else 1.0)
+                            ahead_s, rate, forward_s, min(1.0, cpu_s / busy) if busy > 0 and cpu_s > 0 else 1.0,
+                            # a round that drafted nothing (its lookahead was ready) has a draft phase of 0
+                            Spread.of_buckets(phases.get("draft", []), above=DRAFTED_MS),
+                            Spread.of_buckets(phases.get("send", [])))
     return [of(d) if d["drafted_per_round"] > 0 else pooled for d in own]
 
 
@@ -262,7 +273,8 @@ def drafters_of(source: str, row: dict[str, Any], meta: dict[str, Any], repeat: 
                              lookahead_token_s=d.lookahead_token_s * cpu, proposal_rate=d.proposal_rate,
                              rtt_s=max(0.0, max(rtts[i], d.link_s) - knobs.jitter_s), jitter_s=knobs.jitter_s,
                              concurrency=max(1, row["concurrency"] // n), requests=requests // n,
-                             arrivals=tuple(arrivals[i::n])))
+                             arrivals=tuple(arrivals[i::n]), draft_spread=d.draft_spread if knobs.spread else None,
+                             send_spread=d.send_spread if knobs.spread else None))
     return tuple(specs)
 
 
@@ -435,9 +447,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="simulate the drafters sharing this many CPU cores, as the real runs' pinned edge core (1), "
                         "with their draft models' measured CPU seconds (runs since 2026-11-27 04:00); 0: each "
                         "drafter computes on its own")
+    p.add_argument("--spread", action="store_true",
+                   help="each simulated drafter's batches and hand-offs spread as its real rounds' draft and send "
+                        "phases did (their histograms, runs since 2026-11-27 04:15), around the same means")
     p.add_argument("--out", default="bench/results")
     args = p.parse_args(argv)
-    knobs = Knobs(args.draft_forward_rows, args.fill, args.jitter_ms / 1e3, args.edge_cores)
+    knobs = Knobs(args.draft_forward_rows, args.fill, args.jitter_ms / 1e3, args.edge_cores, args.spread)
     coef = load_cpu_coef(args.estimator_file)
     rows, used = [], []
     for source in args.sources.split(","):
@@ -452,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"no real results to compare with in {args.results}")
     meta = {"command": "python -m bench sim-validate " + " ".join(argv or []), "sources": used,
             "when": time.strftime("%Y-%m-%d %H:%M"), "coef": coef, "draft_forward_rows": args.draft_forward_rows,
-            "fill": args.fill, "jitter_ms": args.jitter_ms, "edge_cores": args.edge_cores}
+            "fill": args.fill, "jitter_ms": args.jitter_ms, "edge_cores": args.edge_cores, "spread": args.spread}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     write_results(out, "sim-validation", {"meta": meta, "rows": rows}, markdown(rows, meta))
