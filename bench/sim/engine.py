@@ -22,6 +22,11 @@ past it, as the real one does (``Lookahead.presented``). When the verdict comes 
 does. The controller's decisions are taken when the draft starts (the simulator draws the whole
 draft at once), so feedback from other sessions' verdicts during a draft is seen from the next one.
 
+Shared edge cores (``SimSpec.edge_cores``): batches and lookahead steps are jobs on the drafters'
+shared cores instead (``edge_cpu.py``), ending when their CPU work is done. Measured spreads
+(``DrafterSpec.draft_spread``, ``send_spread``): a round batch's time and a draft's hand-off are
+their mean times a draw of mean 1 from the real drafter's histogram (``spread.py``).
+
 Requests: a request starts at its drafter (client), its open message reaches the verifier RTT/2
 later; its last tokens come back RTT/2 after its last step. Closed loop: the next request starts
 the moment one finishes (no think time), at the same drafter; with ``shared_requests`` the

@@ -29,8 +29,16 @@ profile says, simulates it, and compares goodput (committed tokens/s) and mean r
   rounds and filled tokens; the simulated verifier fills too with ``--fill`` (the real one does
   by default; with it the simulator fills more than the real runs did, so it is off).
 
-Older results files lack some of these (the CPU split, lookahead time, link time); their rows
-are simulated without them.
+Two switches model this machine's shared edge core (both off by default):
+
+* ``--spread``: each drafter's round batches and hand-offs take their mean times a draw from its
+  rounds' measured draft and send phases (``spread.py``; the real ones range over several times
+  their mean), so that its drafts arrive as unevenly as the real ones;
+* ``--edge-cores C``: the drafters share C cores (processor sharing, ``edge_cpu.py``), their
+  batches priced in their draft models' measured CPU seconds.
+
+Older results files lack some of these (the CPU split, lookahead time, link time, the phases'
+histograms, the draft models' CPU time); their rows are simulated without them.
 
 Rows the simulator does not model are listed as skipped (the SLED-like baseline recomputes the
 whole context, which the simulator's verifier does not). Writes ``<out>/sim-validation.{json,md}``.
@@ -413,6 +421,10 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
              "Verifier: " + ("fills while drafts travel, with the real fill policy (`--fill`)." if meta.get("fill")
                              else "simulated without filling; the real runs' verifiers filled (`--fill` "
                                   "simulates that)."), "",
+             "Drafters: " + ("batches and hand-offs spread as the real rounds' draft and send phases did "
+                             "(`--spread`)" if meta.get("spread") else "batches and hand-offs take their mean times")
+             + (f"; sharing {meta['edge_cores']:g} edge core(s) (`--edge-cores`)." if meta.get("edge_cores")
+                else "; each on a core of its own."), "",
              "| source | scenario | point | real tok/s | sim tok/s | error | real latency s | sim latency s | error | "
              "α | RTT ms | step scale | within |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
