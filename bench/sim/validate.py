@@ -457,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
                         "runs' links had none configured; their event loops spread frames by an unmeasured amount)")
     p.add_argument("--edge-cores", type=float, default=0.0,
                    help="simulate the drafters sharing this many CPU cores, as the real runs' pinned edge core (1), "
-                        "with their draft models' measured CPU seconds (runs since 2026-11-27 04:00); 0: each "
+                        "with their draft models' measured CPU seconds (runs since 2026-11-27 03:45); 0: each "
                         "drafter computes on its own")
     p.add_argument("--spread", action="store_true",
                    help="each simulated drafter's batches and hand-offs spread as its real rounds' draft and send "
