@@ -9,13 +9,16 @@ batch takes longer while another drafter computes: the waits the verifier sees f
 spread as their computations overlap or not. With ``edge_cores`` 0 the simulator gives every
 drafter a device of its own (each batch takes its work in wall time), as at real edge sites.
 
-The set of running jobs changes only when one starts or ends; at each change the remaining work
-of every job is brought up to date and the next ending is scheduled as an ``EDGE_CPU`` event
-that carries a version, so that an ending scheduled before the change is ignored.
+All running jobs advance at the same rate, so the cores keep one virtual clock: the CPU seconds
+each running job has received so far. A job ends when that clock reaches its start reading plus
+its work; the running jobs sit in a heap by that end reading. The next ending is scheduled as an
+``EDGE_CPU`` event that carries a version, so that an ending scheduled before a job started (and
+slowed the others) is ignored.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from typing import Any
 
@@ -32,12 +35,12 @@ class SharedCores:
         if cores <= 0 or background < 0:
             raise ValueError(f"shared cores need cores > 0 and background >= 0, got {cores} and {background}")
         self.cores, self.background, self.events = cores, background, events
-        self.jobs: dict[int, tuple[float, Kind, Any]] = {}  # id -> (work left, event kind at its end, payload)
-        self.since = 0.0  # when the work left was last brought up to date
+        #: (virtual clock when it ends, start order, event kind at its end, payload) per running job
+        self.jobs: list[tuple[float, int, Kind, Any]] = []
+        self.virtual = 0.0  # CPU seconds each running job has received (see the module docstring)
+        self.since = 0.0  # when ``virtual`` was last brought up to date
         self.version = 0  # of the scheduled EDGE_CPU event; an older one is stale
-        self._ids = itertools.count()
-        self.busy_s = 0.0  # wall seconds with any job running
-        self.work_s = 0.0  # CPU seconds of finished jobs
+        self._order = itertools.count()
 
     def rate(self) -> float:
         """CPU seconds per second each running job gets."""
@@ -46,7 +49,7 @@ class SharedCores:
     def start(self, now: float, work: float, kind: Kind, payload: Any) -> None:
         """A job of ``work`` CPU seconds starts; ``kind`` with ``payload`` is handled when it ends."""
         self._advance(now)
-        self.jobs[next(self._ids)] = (max(0.0, work), kind, payload)
+        heapq.heappush(self.jobs, (self.virtual + max(0.0, work), next(self._order), kind, payload))
         self._schedule(now)
 
     def finish(self, version: int, now: float) -> list[tuple[Kind, Any]]:
@@ -54,24 +57,21 @@ class SharedCores:
         if version != self.version:
             return []
         self._advance(now)
-        ended = [i for i, (left, _, _) in self.jobs.items() if left <= DONE_EPS]
-        done = [self.jobs.pop(i)[1:] for i in ended]
+        done = []
+        while self.jobs and self.jobs[0][0] <= self.virtual + DONE_EPS:
+            done.append(heapq.heappop(self.jobs))
         self._schedule(now)
-        return done
+        return [(kind, payload) for _, _, kind, payload in sorted(done, key=lambda job: job[1])]
 
     def _advance(self, now: float) -> None:
-        elapsed = now - self.since
-        if self.jobs and elapsed > 0:
-            step = elapsed * self.rate()
-            self.jobs = {i: (left - step, kind, p) for i, (left, kind, p) in self.jobs.items()}
-            self.busy_s += elapsed
-            self.work_s += step * len(self.jobs)
+        if self.jobs and now > self.since:
+            self.virtual += (now - self.since) * self.rate()
         self.since = now
 
     def _schedule(self, now: float) -> None:
         self.version += 1
         if self.jobs:
-            left = min(left for left, _, _ in self.jobs.values())
+            left = self.jobs[0][0] - self.virtual
             self.events.push(now + max(0.0, left) / self.rate(), Kind.EDGE_CPU, self.version)
 
 

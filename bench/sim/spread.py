@@ -10,10 +10,12 @@ simulator keeps each cost's calibrated mean and takes its shape from the run.
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 
 @dataclass(frozen=True)
@@ -28,17 +30,22 @@ class Spread:
         if self.mean <= 0:
             raise ValueError("a spread's mean must be > 0")
 
-    @property
+    @cached_property
     def weight(self) -> float:
         return sum(w for _, _, w in self.bins)
 
-    @property
+    @cached_property
     def mean(self) -> float:
         return sum((lo + hi) / 2 * w for lo, hi, w in self.bins) / self.weight
 
+    @cached_property
+    def _cumulative(self) -> list[float]:
+        """The bins' running counts (``random.choices``'s cum_weights), computed once."""
+        return list(itertools.accumulate(w for _, _, w in self.bins))
+
     def factor(self, rng: random.Random) -> float:
         """One draw over the mean: on average 1."""
-        lo, hi, _ = rng.choices(self.bins, weights=[w for _, _, w in self.bins])[0]
+        lo, hi, _ = rng.choices(self.bins, cum_weights=self._cumulative)[0]
         return rng.uniform(lo, hi) / self.mean
 
     @classmethod

@@ -38,16 +38,23 @@ async def session_opened(drafter: Child, work: asyncio.Task[list[tuple]], timeou
     requests all ended first (their error, if any, is raised), the drafter died, or the time ran
     out."""
     deadline = time.monotonic() + timeout_s
-    while "session opened" not in drafter.log_path.read_text(errors="replace"):
+    while not logged(drafter, "session opened", deadline, f"opened no session within {timeout_s:.0f} s"):
         if work.done():
             work.result()  # raises the requests' error, if they failed
             raise AssertionError(f"every request finished before {drafter.name} opened a session")
-        if not drafter.alive:
-            raise AssertionError(death_report(drafter))
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{drafter.name} opened no session within {timeout_s:.0f} s; its log ends:\n"
-                                 f"{tail(drafter.log_path)}")
         await asyncio.sleep(0.01)
+
+
+def logged(child: Child, text: str, deadline: float, missing: str) -> bool:
+    """Whether ``child``'s log holds ``text`` yet; fails with the reason once the child died, or
+    with ``missing`` and its log's end once ``deadline`` (monotonic) passed."""
+    if text in child.log_path.read_text(errors="replace"):
+        return True
+    if not child.alive:
+        raise AssertionError(death_report(child))
+    if time.monotonic() > deadline:
+        raise AssertionError(f"{child.name} {missing}; its log ends:\n{tail(child.log_path)}")
+    return False
 
 
 def wait_logged(children: list[Child], text: str, timeout_s: float = 60.0) -> None:
@@ -56,11 +63,7 @@ def wait_logged(children: list[Child], text: str, timeout_s: float = 60.0) -> No
     request claimed by the others)."""
     deadline = time.monotonic() + timeout_s
     for child in children:
-        while text not in child.log_path.read_text(errors="replace"):
-            if not child.alive:
-                raise AssertionError(death_report(child))
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{child.name} never logged {text!r}; its log ends:\n{tail(child.log_path)}")
+        while not logged(child, text, deadline, f"never logged {text!r}"):
             time.sleep(0.05)
 
 
