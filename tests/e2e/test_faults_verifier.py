@@ -195,9 +195,11 @@ def test_verifier_killed_at_random_points_loses_no_request(tiny_models: dict[str
     target = load_model(tiny_models["target"])
     rng = random.Random(12)
     total = N_REQUESTS * MAX_TOKENS
-    # Progress counts SSE chunks, and a chunk may carry several tokens, so the streams may end at
-    # little more than half of ``total``: every kill must fall before that.
-    thresholds = sorted(rng.sample(range(total // 10, total // 2), KILLS))
+    # Progress counts SSE chunks, and a chunk may carry several tokens; and how many requests go
+    # over WebSockets (counted in tokens) depends on which workers are faster. So the streams may
+    # end well short of ``total`` (1,205 of 1,600 in one run; once, under load, the requests ended
+    # before a third kill at 701): every kill falls in the first third.
+    thresholds = sorted(rng.sample(range(total // 10, total // 3), KILLS))
     spec = StackSpec(drafts=[tiny_models["draft-L2"], tiny_models["draft-L2"]], draft_mode="greedy", draft_len=3,
                      max_sessions=8, extra_drafter=["--reconnect-s", "0.5"])
     with run_stack(tiny_models["target"], spec, tmp_path) as fleet:
