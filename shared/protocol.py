@@ -342,6 +342,10 @@ class FleetStatus(_Msg, tag="fleet_status", frozen=True):
     drafters: list[str]
     sessions: int
     target_model: str
+    #: the share of new requests the verifier's draft-length policy wants drafted for: 1 normally;
+    #: 0 while SmartSpec finds plain decoding the better goodput at the current load (its k = 0),
+    #: and a coordinator in ``--speculation auto`` opens the others target-only
+    draft_share: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 1.0
 
 
 # --- queue link (drafter <-> coordinator, in-process queue mode) ----------------------------

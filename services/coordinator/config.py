@@ -22,7 +22,9 @@ class CoordinatorConfig:
     speculation: str = opt(
         "auto",
         "on: every request goes through the queue to a drafter; off: the verifier decodes target-only "
-        "(centralized serving, no drafters needed); auto: like on while a drafter is connected, else off",
+        "(centralized serving, no drafters needed); auto: like on while a drafter is connected and the verifier's "
+        "draft-length policy wants drafts (--allocation smartspec turns them off while plain decoding is faster "
+        "at the current load), else off",
     )
     queue_fallback_s: float = opt(
         5.0,

@@ -174,7 +174,8 @@ class Submission:
             log.info("request cancelled", request_id=self.request_id, client_gone=self._aborted)
 
 
-#: on: always through drafters; off: always target-only; auto: drafters when any is connected
+#: on: always through drafters; off: always target-only; auto: drafters when any is connected and
+#: the verifier's policy wants drafts
 SPECULATION_MODES = ("on", "off", "auto")
 
 
@@ -194,6 +195,7 @@ class Generator:
         self._node_id = node_id
         self._timeout_s = timeout_s
         self._metrics = metrics
+        self._credit = 0.0  # the draft share accumulated over requests; a request goes to a drafter at 1
 
     async def submit(self, req: GenerationRequest, slot: Slot | None = None) -> Submission:
         """Queue ``req``: 503 when no verifier is connected to serve it (Retry-After: it is
@@ -211,10 +213,12 @@ class Generator:
         sub = Submission(rid, len(req.prompt_ids), self._link.subscribe(rid, reopen), self._link, self._metrics,
                          self._timeout_s, slot=slot, retry_after_s=self.admission.retry_after_s)
         try:
-            if self.speculative_now():
+            speculative = self.to_drafter()
+            if speculative:
                 await self._enqueue(req, rid)
             else:
                 self._open_target_only(req, rid)
+            self._metrics.routed.labels("drafter" if speculative else "target_only").inc()
         except BaseException:
             sub.close()  # releases the slot
             raise
@@ -245,9 +249,20 @@ class Generator:
             raise service_unavailable(f"cannot queue the request: {reason}") from None
         log.debug("request queued", request_id=rid, prompt_tokens=len(req.prompt_ids), kind=req.kind)
 
-    def speculative_now(self) -> bool:
-        """Whether the next request goes to a drafter (via the queue) or target-only to the verifier."""
-        return self.speculation == "on" or (self.speculation == "auto" and bool(self._link.drafters))
+    def to_drafter(self) -> bool:
+        """Whether the next request goes to a drafter (via the queue) or target-only to the verifier.
+        With ``auto``: while a drafter is connected, the share of requests the verifier's
+        draft-length policy wants drafted for (all, unless SmartSpec finds plain decoding the better
+        goodput; a share below 1 is spread evenly: every 1/share-th request)."""
+        if self.speculation != "auto":
+            return self.speculation == "on"
+        if not self._link.drafters:
+            return False
+        self._credit = min(1.0, self._credit + self._link.draft_share)
+        if self._credit < 1.0:
+            return False
+        self._credit -= 1.0
+        return True
 
 
 @dataclass

@@ -61,6 +61,9 @@ class CoordinatorMetrics:
                                      registry=r)
         self.queue_fallback = Counter(f"{_PREFIX}_queue_fallback", "Queued requests served target-only because "
                                       "no drafter was connected (--queue-fallback-s)", registry=r)
+        self.routed = Counter(f"{_PREFIX}_routed", "New requests by where they went: 'drafter' (queued for one) or "
+                              "'target_only' (opened on the verifier: --speculation off, or auto with no drafter "
+                              "or with the verifier's policy wanting no drafts)", ["path"], registry=r)
         self.queue_depth = Gauge(f"{_PREFIX}_queue_depth", "Requests waiting for a drafter", registry=r)
         self.drafters = Gauge(f"{_PREFIX}_connected_drafters", "Drafters in the verifier's latest FleetStatus",
                               registry=r)

@@ -91,6 +91,7 @@ class VerifierLink:
         self._handshake_timeout = handshake_timeout_s
         self.welcome: Welcome | None = None
         self.drafters: list[str] = []
+        self.draft_share = 1.0  # of new requests, the verifier's policy wants drafted for (FleetStatus)
         self.sessions = 0
         self.last_error = "not connected yet"
         self._routing = routing or Routing()
@@ -282,6 +283,7 @@ class VerifierLink:
                 self._routing.relayed(msg)
         elif isinstance(msg, FleetStatus):
             self.drafters = list(msg.drafters)
+            self.draft_share = msg.draft_share
             self.sessions = msg.sessions
         elif isinstance(msg, ErrorFrame):
             self._on_error_frame(msg, arrived)
@@ -310,6 +312,7 @@ class VerifierLink:
         was_up = self._up.is_set()
         self._up.clear()
         self.drafters = []
+        self.draft_share = 1.0
         self.sessions = 0
         self.last_error = reason
         if was_up:

@@ -59,6 +59,11 @@ class VerifierPool:
         return sorted({d for link in self.links for d in link.drafters})
 
     @property
+    def draft_share(self) -> float:
+        """The largest share of new requests a replica with drafters wants drafted for."""
+        return max((link.draft_share for link in self.links if link.drafters), default=1.0)
+
+    @property
     def sessions(self) -> int:
         return sum(link.sessions for link in self.links)
 

@@ -32,7 +32,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from services.verifier.allocation import Allocator, GoodputTracker, RoundStats
+from services.verifier.allocation import Allocator, GoodputTracker, RoundStats, draft_share
 from services.verifier.batching.estimator import StepTimeEstimator
 from services.verifier.batching.wisp import slo_met
 from services.verifier.core_api import (
@@ -53,6 +53,7 @@ from services.verifier.core_api import (
     Refused,
     Result,
     Rounded,
+    read_racing,
 )
 from services.verifier.judge import Verdict, judge, races
 from services.verifier.metrics import VerifierMetrics
@@ -143,15 +144,13 @@ class TorchCore:
             await asyncio.to_thread(self._thread.join, 30)
 
     def status(self) -> dict[str, object]:
-        """The policies and their live estimates, for ``GET /status`` (read from the event loop
-        while the core may change them: a copy that raced a change is simply taken again)."""
-        for _ in range(5):
-            try:
-                return {**policy_status(self.allocator, self.scheduler, self.tracker, self.estimator),
-                        "sampling": "race" if self.limits.race else "stream"}
-            except RuntimeError:  # a dict changed size while copied
-                continue
-        return {"error": "the engine core was too busy to read; retry"}
+        """The policies and their live estimates, for ``GET /status``."""
+        return read_racing(lambda: {**policy_status(self.allocator, self.scheduler, self.tracker, self.estimator),
+                                    "sampling": "race" if self.limits.race else "stream"},
+                           {"error": "the engine core was too busy to read; retry"})
+
+    def draft_share(self) -> float:
+        return read_racing(lambda: draft_share(self.allocator, self.tracker), 1.0)
 
     def kv_stats(self) -> KVStats:
         kv = self.runner.kv

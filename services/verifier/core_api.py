@@ -16,11 +16,26 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from services.verifier.grammar import Grammar
 from shared.draft_q import CheckedQ
 from shared.protocol import FinishReason, SamplingParams, TokenLogprob
+
+T = TypeVar("T")
+
+
+def read_racing(read: Callable[[], T], fallback: T, tries: int = 5) -> T:
+    """``read()`` run on the event loop over state the core's thread may be changing: a read that
+    raced a change (a dict or deque changed size under it) is taken again, and after ``tries``
+    such reads the answer is ``fallback``."""
+    for _ in range(tries):
+        try:
+            return read()
+        except RuntimeError:
+            continue
+    return fallback
+
 
 # --- commands (event loop -> core) ---------------------------------------------------------
 
@@ -191,6 +206,10 @@ class VerifierCore(Protocol):
 
     def status(self) -> dict[str, object]:
         """The policies and their live estimates (``GET /status``)."""
+
+    def draft_share(self) -> float:
+        """The share of new requests that should go to drafters now (the draft-length policy's
+        view, read from the event loop for the FleetStatus; see ``allocation.base.draft_share``)."""
 
 
 class CoreBusy(RuntimeError):

@@ -61,6 +61,7 @@ log = get_logger("verifier.server")
 PATH_ROLES = {"/v1/drafter": "drafter", "/v1/frontend": "frontend"}
 HELLO_TIMEOUT_S = 10.0
 FLEET_STATUS_EVERY_S = 5.0
+DRAFT_SHARE_CHECK_S = 0.25
 _conn_ids = itertools.count(1)
 #: frames a peer may fall behind before it is disconnected as too slow
 OUTBOX_FRAMES = 8192
@@ -106,6 +107,7 @@ class Hub:
         self.routes = routes
         self.metrics = metrics
         self.intake: Intake | None = None
+        self.last_share = 1.0  # ``draft_share`` of the last FleetStatus broadcast
 
     # --- sending -------------------------------------------------------------------------
 
@@ -133,10 +135,14 @@ class Hub:
 
     def fleet_status(self) -> FleetStatus:
         drafters = sorted(p.node_id for p in self.peers.values() if p.role == "drafter")
-        return FleetStatus(drafters=drafters, sessions=len(self.routes), target_model=self.welcome.target_model)
+        share = self.intake.core.draft_share() if self.intake is not None else 1.0
+        return FleetStatus(drafters=drafters, sessions=len(self.routes), target_model=self.welcome.target_model,
+                           draft_share=share)
 
     def broadcast_fleet(self) -> None:
-        frame = encode(self.fleet_status())
+        status = self.fleet_status()
+        self.last_share = status.draft_share
+        frame = encode(status)
         for peer in self.peers.values():
             if peer.role == "frontend":
                 peer.put(frame)
@@ -298,7 +304,14 @@ async def _close_revoked(peer: Peer) -> None:
 
 
 async def fleet_status_loop(hub: Hub) -> None:
-    """Frontends also get a periodic FleetStatus, so their view never goes stale."""
+    """Frontends also get a periodic FleetStatus, so their view never goes stale, and one as soon
+    as the share of new requests the draft-length policy wants drafted for changes (SmartSpec
+    turning speculation off or on; checked every DRAFT_SHARE_CHECK_S)."""
+    last = time.monotonic()
     while True:
-        await asyncio.sleep(FLEET_STATUS_EVERY_S)
-        hub.broadcast_fleet()
+        await asyncio.sleep(DRAFT_SHARE_CHECK_S)
+        now = time.monotonic()
+        flipped = hub.intake is not None and hub.intake.core.draft_share() != hub.last_share
+        if flipped or now - last >= FLEET_STATUS_EVERY_S:
+            hub.broadcast_fleet()
+            last = now

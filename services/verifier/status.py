@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from services.verifier.allocation import Allocator, GoodputTracker
+from services.verifier.allocation import Allocator, GoodputTracker, draft_share
 from services.verifier.batching.estimator import FEATURES, StepTimeEstimator
 from services.verifier.scheduler import Scheduler
 
@@ -23,6 +23,7 @@ def policy_status(allocator: Allocator, scheduler: Scheduler, tracker: GoodputTr
         "committed_by_drafter": dict(sorted(tracker.committed_by_drafter.items())),
         "estimator": {"fitted": estimator.fitted, "coef": dict(zip(FEATURES, estimator.coef, strict=True))},
         "last_batch_decision_s": scheduler.last_decision_s,
+        "draft_share": draft_share(allocator, tracker),  # of new requests, wanted drafted for (FleetStatus)
     }
     if scheduler.trim.name != "none":  # the trim's acceptance by confidence bin, per drafter, and its gap
         out["trim_calibration"] = {name: [round(r, 4) for r in cal.rate]

@@ -119,10 +119,11 @@ class FakeVerifier:
         for ws in list(self.frontends.values()):
             await ws.close()
 
-    async def send_status(self, drafters: list[str]) -> None:
+    async def send_status(self, drafters: list[str], draft_share: float = 1.0) -> None:
         self.drafters = drafters
         for ws in list(self.frontends.values()):
-            await ws.send(encode(FleetStatus(drafters=drafters, sessions=0, target_model="target")))
+            await ws.send(encode(FleetStatus(drafters=drafters, sessions=0, target_model="target",
+                                             draft_share=draft_share)))
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.create_task(coro)

@@ -20,7 +20,7 @@ from services.coordinator.verifier_link import VerifierLink
 from shared.protocol import PROTOCOL_VERSION, TokenEvent
 from shared.queue import open_queue
 from tests.conftest import free_port
-from tests.integration.coordinator_fakes import FakeVerifier, expected_text
+from tests.integration.coordinator_fakes import FakeVerifier, InProcess, expected_text, in_process
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +111,33 @@ async def test_drop_fails_in_flight_requests_and_reconnects(info: ModelInfo) -> 
         assert failed.finished and failed.finish_reason == "cancelled" and "lost the link" in failed.error
         await until(lambda: len(fake.hellos) == 2 and link.connected)
         assert link.drafters == ["fake-drafter"]
+
+
+@pytest.mark.asyncio
+async def test_auto_drafts_for_the_share_of_new_requests_the_verifier_asks_for(info: ModelInfo) -> None:
+    """``--speculation auto``: every request through the queue while the verifier's policy wants
+    drafts; with a share of 1/4 (SmartSpec's probes while k = 0 is best), every fourth one, and the
+    others straight to the verifier, target-only; all of them again once the share is back to 1."""
+    async def routes(h: InProcess, n: int) -> list[str]:
+        out = []
+        for i in range(n):
+            seen = len(h.fake.seen)
+            resp = await h.http.post("/v1/completions", json={"prompt": f"p{i}", "max_tokens": 4})
+            assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == expected_text(4), resp.text
+            out.append("q" if len(h.fake.seen) > seen else "t")  # queued for a drafter, else target-only
+        return out
+
+    async with in_process(info) as h:
+        assert await routes(h, 2) == ["q", "q"]
+        await h.fake.send_status(["fake-drafter"], draft_share=0.25)
+        await until(lambda: h.state.link.draft_share == 0.25)
+        assert await routes(h, 8) == ["t", "t", "t", "q"] * 2
+        assert not any(o.speculative for o in h.fake.opened) and len(h.fake.opened) == 6
+        await h.fake.send_status(["fake-drafter"], draft_share=1.0)
+        await until(lambda: h.state.link.draft_share == 1.0)
+        assert await routes(h, 2) == ["q", "q"]
+        text = (await h.http.get("/metrics")).text
+        assert 'specfleet_coordinator_routed_total{path="target_only"} 6.0' in text
 
 
 @pytest.mark.asyncio

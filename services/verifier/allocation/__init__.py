@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.verifier.allocation.base import Allocator, RoundStats
+from services.verifier.allocation.base import Allocator, RoundStats, draft_share
 from services.verifier.allocation.fixed import FixedAllocator
 from services.verifier.allocation.goodspeed import GoodSpeedAllocator
 from services.verifier.allocation.random_split import RandomAllocator
@@ -41,4 +41,4 @@ def make_allocator(name: str, settings: AllocationSettings, model: StepTimeModel
 
 
 __all__ = ["POLICIES", "AllocationSettings", "Allocator", "FixedAllocator", "GoodSpeedAllocator", "GoodputTracker",
-           "RandomAllocator", "RoundStats", "SmartSpecAllocator", "make_allocator"]
+           "RandomAllocator", "RoundStats", "SmartSpecAllocator", "draft_share", "make_allocator"]

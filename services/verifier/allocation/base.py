@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from services.verifier.allocation.tracker import GoodputTracker
@@ -42,6 +42,20 @@ class Allocator(Protocol):
 
     def assign(self, rounds: Sequence[RoundStats], tracker: GoodputTracker) -> dict[str, int]:
         """Budgets for the next round of each session in ``rounds`` (already observed by ``tracker``)."""
+
+
+@runtime_checkable
+class SwitchesOff(Protocol):
+    """An allocator that can find speculation not worth it for anyone (SmartSpec's k = 0)."""
+
+    def draft_share(self, tracker: GoodputTracker) -> float:
+        """The share of requests arriving now that should be given to a drafter at all (in [0, 1]).
+        Called from the event loop while the engine core may be changing the estimates: reads only."""
+
+
+def draft_share(allocator: Allocator, tracker: GoodputTracker) -> float:
+    """The allocator's :meth:`SwitchesOff.draft_share`; 1 for one that never switches speculation off."""
+    return allocator.draft_share(tracker) if isinstance(allocator, SwitchesOff) else 1.0
 
 
 def hand_out(targets: dict[str, int], rounds: Sequence[RoundStats], free: int) -> dict[str, int]:

@@ -12,7 +12,8 @@ bullets below say why the max).
 After every verified step the policy tries every proposal length k in 0…V and gives the best
 one to the sessions just verified; k = 0 is plain decoding, so speculation switches itself off
 when extra tokens cost more than they return. While it is off, PROBE_STEPS of every
-PROBE_EVERY steps draft anyway, so that the estimates it decided on stay measured.
+PROBE_EVERY steps draft anyway, so that the acceptance estimate stays measured; the draft
+waits it decided on expire instead (WAIT_HORIZON_S), and speculation is tried again.
 
 * α is the per-token acceptance rate of eq. 8 (the chance that a draft is accepted once every
   draft before it was), estimated over the last ``window`` verified steps of all sessions:
@@ -34,14 +35,23 @@ PROBE_EVERY steps draft anyway, so that the estimates it decided on stay measure
   paper's colocated drafter, an edge drafter does not take the verifier's time: while one
   session's draft is made, the verifier verifies the others' (see :func:`goodputs`).
 * The paper's batch holds every running request. Here a step holds only the sessions whose
-  drafts are in, so the length is chosen for all live speculating sessions, and it changes only
-  for a predicted gain of SWITCH_MARGIN or more.
+  drafts are in, so the length is chosen for all live sessions (target-only ones share the
+  steps too), and it changes only for a predicted gain of SWITCH_MARGIN or more.
+* In the paper a request switched to k = 0 costs nothing more than plain decoding. Here it
+  still came through the queue and a drafter on the edge, which adds to its first token, and
+  its drafter still follows every round. So while k = 0 is best for a request arriving now, the
+  verifier's FleetStatus asks for drafts for none of the new requests
+  (:meth:`SmartSpecAllocator.draft_share`), and a coordinator in ``--speculation auto`` opens
+  them target-only. Draft waits expire after WAIT_HORIZON_S, so speculation is tried again at
+  that pace, and a burst's long waits do not keep it off.
 """
 
 from __future__ import annotations
 
+import math
+import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from services.verifier.allocation.base import RoundStats
 from services.verifier.allocation.goodspeed import expected_tokens
@@ -51,9 +61,9 @@ from shared.calibration import judged
 
 EDGE_WINDOW = 256  # recent rounds the draft-wait line is fitted on
 #: while speculation is off, every this many-th batch drafts anyway (``draft_len`` tokens), so
-#: that the acceptance and draft-wait estimates it was switched off on keep being measured; a
-#: probe lasts PROBE_STEPS batches, as a drafter's first round after a pause also catches its
-#: cache up on the tokens decoded without it, and that wait is not a draft's usual one
+#: that the acceptance estimate it was switched off on keeps being measured; a probe lasts
+#: PROBE_STEPS batches. Its draft waits are not counted: a drafter that drafts only now and then
+#: waits longer than one that speculates (it catches its cache up, and nothing is drafted ahead)
 PROBE_EVERY = 32
 PROBE_STEPS = 4
 #: the chosen length changes only for this much more predicted goodput: a drafter pays for every
@@ -61,22 +71,57 @@ PROBE_STEPS = 4
 #: otherwise flip it from step to step (at 16 requests, 5 runs: 1.08x target-only with 5 %,
 #: 1.14x with 20 %)
 SWITCH_MARGIN = 0.2
+#: draft waits older than this are forgotten (``DraftWaitModel``): at 6 requests/s one burst
+#: raised the line from 6.6 to 13.9 ms, which switched speculation off, and with no drafted
+#: round since, nothing would have lowered it again. Once they are gone, speculation is tried
+#: again; a shorter horizon tries more often, which costs at high load
+WAIT_HORIZON_S = 2.0
 
 
 class DraftWaitModel(RecentLine):
     """Least-squares line through the seconds the verifier waited for a draft of length k, over
-    the last ``window`` rounds (refitted every ``refit_every`` of them); no draft, no wait.
+    the last ``window`` rounds of the last ``horizon_s`` seconds (refitted every ``refit_every``
+    rounds, and as old ones expire); no draft, no wait.
 
     A round whose draft was there before it began (a conditional draft that came true) waited 0 s
     and counts as such: the line is the mean wait of a round, and leaving those out would price
-    every round as one whose lookahead missed."""
+    every round as one whose lookahead missed.
 
-    def __init__(self, window: int = EDGE_WINDOW, refit_every: int = 16) -> None:
+    The wait is the edge's, and it moves with the edge's load: a burst that kept a drafter busy
+    says nothing about the wait a minute later. So waits expire after ``horizon_s``, and with
+    none measured since, :meth:`stale` says so and no wait is assumed, which lets speculation
+    resume and measure it again."""
+
+    def __init__(self, window: int = EDGE_WINDOW, refit_every: int = 16, horizon_s: float = WAIT_HORIZON_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(window, refit_every)
+        self.horizon_s, self.clock = horizon_s, clock
+        self._times: deque[float] = deque(maxlen=window)  # when each of ``points`` was measured
 
     def observe(self, x: float, y: float) -> None:
-        if x > 0 and y >= 0:
+        if x > 0 and y >= 0 and math.isfinite(x) and math.isfinite(y):
+            self._times.append(self.clock())
             super().observe(x, y)
+
+    def expire(self) -> None:
+        """Drop the waits measured more than ``horizon_s`` ago (the engine core's thread only)."""
+        cutoff = self.clock() - self.horizon_s
+        dropped = False
+        while self._times and self._times[0] < cutoff:
+            self._times.popleft()
+            self.points.popleft()
+            dropped = True
+        if dropped and self.points:
+            self._refit()
+        elif dropped:
+            self.e0 = self.e1 = 0.0
+
+    def stale(self) -> bool:
+        """No wait measured in the last ``horizon_s`` (a read: safe from the event loop)."""
+        try:
+            return self._times[-1] < self.clock() - self.horizon_s
+        except IndexError:  # none at all
+            return True
 
     def predict(self, x: float) -> float:
         return 0.0 if x <= 0 else super().predict(x)
@@ -135,6 +180,8 @@ class SmartSpecAllocator:
         self.explore_k = max(1, self.last_k) if max_len > 0 else 0  # what warm-up rounds and probes draft
         self._off_steps = 0
         self._chosen: int | None = None  # the length the estimates last chose (probes aside)
+        self._admitting: int | None = None  # the length :meth:`draft_share` last found for a new request
+        self._context = 0  # the mean context of the last verified batch
         self._drafted: dict[str, int] = {}  # drafts in each live session's previous verified round
         self.last_goodput = 0.0
         self.wait = DraftWaitModel()
@@ -161,11 +208,15 @@ class SmartSpecAllocator:
     def assign(self, rounds: Sequence[RoundStats], tracker: GoodputTracker) -> dict[str, int]:
         accepted = tested = 0
         for r in rounds:
-            if self._drafted.get(r.session_id, 0) > 0:  # not a first round, nor the first after a pause
+            # not a first round, nor the first after a pause, nor a probe's: a probe's drafter
+            # drafts only now and then, and waited longer (at 6 requests/s: 9 ms, against 5-7 ms
+            # while speculating), which would keep speculation off
+            if self._drafted.get(r.session_id, 0) > 0 and self._chosen != 0:
                 self.wait.observe(r.drafted, r.draft_wait_s)
             self._drafted[r.session_id] = r.drafted
             accepted += r.accepted
             tested += judged(r.drafted, r.accepted)
+        self.wait.expire()
         if tested > 0:
             self._tests.append((accepted, tested))
         if len(self._drafted) > 2 * len(tracker.sessions) + 64:
@@ -173,14 +224,29 @@ class SmartSpecAllocator:
         if not rounds:
             return {}
         # the paper's batch holds every running request; here a step holds the sessions whose
-        # drafts are in, so plan for all live speculating sessions, at this batch's mean context
-        ctx = sum(r.context_len for r in rounds) // len(rounds)
-        sessions = max(len(rounds), tracker.speculative())
-        k, self.last_goodput = best_length(self.alpha(), sessions, ctx, self.max_len, self.model, self.wait,
-                                           self._chosen, SWITCH_MARGIN, self.overhead)
+        # drafts are in, so plan for all live sessions, at this batch's mean context
+        self._context = sum(r.context_len for r in rounds) // len(rounds)
+        sessions = max(len(rounds), len(tracker.sessions))
+        k, self.last_goodput = best_length(self.alpha(), sessions, self._context, self.max_len, self.model,
+                                           self.wait, self._chosen, SWITCH_MARGIN, self.overhead)
         self._chosen = k
         self._off_steps = self._off_steps + 1 if k == 0 else 0
         if len(self._tests) < self.window or self._off_steps % PROBE_EVERY >= PROBE_EVERY - PROBE_STEPS:
             k = self.explore_k  # too little evidence yet, or a probe of a switched-off speculation
         self.last_k = k
         return {r.session_id: k for r in rounds}
+
+    def draft_share(self, tracker: GoodputTracker) -> float:
+        """The share of requests arriving now that should get a drafter: all while the best length
+        for every live session, the new one included, is above 0 (with the same margin against
+        flipping), else none. Unlike ``assign`` this needs no speculating round: with new
+        requests target-only it turns back on as the load falls, or once the draft waits it
+        decided on have expired (``WAIT_HORIZON_S``: then no wait is assumed, and the requests
+        sent to drafters measure it again). All while the evidence is too thin to tell."""
+        if self.max_len == 0 or len(self._tests) < self.window:
+            return 1.0 if self.max_len > 0 else 0.0
+        wait = DraftWaitModel() if self.wait.stale() else self.wait
+        k, _ = best_length(self.alpha(), len(tracker.sessions) + 1, self._context, self.max_len, self.model,
+                           wait, self._admitting, SWITCH_MARGIN, self.overhead)
+        self._admitting = k
+        return 1.0 if k > 0 else 0.0

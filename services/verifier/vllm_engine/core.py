@@ -27,7 +27,7 @@ from typing import Any
 
 import msgspec
 
-from services.verifier.allocation import Allocator, GoodputTracker, RoundStats
+from services.verifier.allocation import Allocator, GoodputTracker, RoundStats, draft_share
 from services.verifier.core_api import (
     AddDraft,
     AddRequest,
@@ -43,6 +43,7 @@ from services.verifier.core_api import (
     Refused,
     Result,
     Rounded,
+    read_racing,
 )
 from services.verifier.metrics import VerifierMetrics
 from services.verifier.vllm_engine.engine import vllm_sampling, vllm_unsupported
@@ -112,6 +113,9 @@ class VllmCore:
 
     def kv_stats(self) -> KVStats:
         return KVStats(budget_bytes=0, reserved_bytes=0, cached_tokens=0, sessions=len(self.sessions))
+
+    def draft_share(self) -> float:
+        return read_racing(lambda: draft_share(self.allocator, self.tracker), 1.0)
 
     def status(self) -> dict[str, object]:
         return {"backend": "vllm", "allocation": self.allocator.name, "batching": "vllm (its own scheduler)",

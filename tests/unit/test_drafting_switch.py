@@ -1,0 +1,145 @@
+"""Whether new requests get a drafter: SmartSpec's answer for a request arriving now, the answer
+of the policies that never switch speculation off, and the verifier's FleetStatus that carries
+it to the coordinators as soon as it flips."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from services.verifier import server
+from services.verifier.allocation import AllocationSettings, GoodputTracker, RoundStats, draft_share, make_allocator
+from services.verifier.allocation.smartspec import WAIT_HORIZON_S, DraftWaitModel
+from services.verifier.core_api import read_racing
+from services.verifier.metrics import VerifierMetrics
+from services.verifier.server import Hub, Peer, fleet_status_loop
+from services.verifier.sessions import Routes
+from shared.protocol import FleetStatus, decode
+from tests.unit.test_allocation import Linear, rs
+
+#: saturated: at 64 live sessions every fed token costs, and plain decoding is the better goodput;
+#: at 1 the step's fixed cost dominates and drafts pay (α = 2/3 from drafting 4, accepting 2)
+SATURATED = Linear(1e-3, 0.5e-3)
+
+
+def tracker_with(sessions: int) -> GoodputTracker:
+    t = GoodputTracker()
+    t.open("spec", "d")
+    for i in range(sessions - 1):
+        t.open(f"plain{i}", None)  # target-only sessions share the verifier's steps too
+    return t
+
+
+def warmed(sessions: int) -> tuple[Any, GoodputTracker, list[int]]:
+    alloc = make_allocator("smartspec", AllocationSettings(draft_len=4, max_len=8), SATURATED)
+    t = tracker_with(sessions)
+    ks = [alloc.assign([rs("spec", 4, 2, context=200)], t)["spec"] for _ in range(16)]
+    return alloc, t, ks
+
+
+@pytest.mark.parametrize(("sessions", "want"), [(1, 1.0), (2, 1.0), (64, 0.0)])
+def test_smartspec_drafts_for_new_requests_only_where_it_pays(sessions: int, want: float) -> None:
+    alloc, t, ks = warmed(sessions)
+    assert alloc.draft_share(t) == want
+    assert (ks[-1] > 0) is (want == 1.0)  # the sessions verified now get the same verdict, target-only ones counted
+
+
+def test_smartspec_turns_drafting_back_on_as_the_load_falls_without_any_round() -> None:
+    alloc, t, _ = warmed(64)
+    assert alloc.draft_share(t) < 1.0
+    for i in range(63):
+        t.forget(f"plain{i}")
+    t.forget("spec")
+    assert alloc.draft_share(t) == 1.0  # nothing speculates any more, and still it sees the verifier idle
+
+
+def test_smartspec_drafts_until_it_has_evidence_and_never_with_max_len_0() -> None:
+    fresh = make_allocator("smartspec", AllocationSettings(draft_len=4, max_len=8), SATURATED)
+    assert draft_share(fresh, tracker_with(64)) == 1.0  # too few rounds to decide anything yet
+    off = make_allocator("smartspec", AllocationSettings(draft_len=0, max_len=0), SATURATED)
+    assert draft_share(off, tracker_with(1)) == 0.0
+
+
+@pytest.mark.parametrize("policy", ["fixed", "random", "goodspeed"])
+def test_the_other_policies_always_want_drafts(policy: str) -> None:
+    alloc = make_allocator(policy, AllocationSettings(draft_len=4))
+    t = tracker_with(64)
+    alloc.assign([RoundStats("spec", "d", 4, 0, 200)], t)
+    assert draft_share(alloc, t) == 1.0
+
+
+def test_a_read_that_races_the_core_is_taken_again_then_falls_back() -> None:
+    calls: list[int] = []
+
+    def racing() -> bool:
+        calls.append(1)
+        if len(calls) < 3:
+            raise RuntimeError("deque mutated during iteration")
+        return False
+
+    assert read_racing(racing, True) is False and len(calls) == 3
+    calls.clear()
+    assert read_racing(racing, True, tries=2) is True and len(calls) == 2
+
+
+@pytest.mark.asyncio
+async def test_the_verifier_broadcasts_as_soon_as_the_draft_share_changes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(server, "DRAFT_SHARE_CHECK_S", 0.01)
+    monkeypatch.setattr(server, "FLEET_STATUS_EVERY_S", 60.0)
+    hub = Hub("target", "fp", 512, 8, "", Routes(4), VerifierMetrics())
+    core = SimpleNamespace(draft_share=lambda: 1.0)
+    hub.intake = SimpleNamespace(core=core)  # type: ignore[assignment]
+    frontend = Peer("frontend-1", "frontend", "coordinator", "", None)  # type: ignore[arg-type]
+    hub.peers[frontend.conn_id] = frontend
+
+    def sent() -> list[float]:
+        frames = []
+        while not frontend.outbox.empty():
+            frame = frontend.outbox.get_nowait()
+            assert frame is not None
+            frames.append(frame)
+        return [msg.draft_share for msg in map(decode, frames) if isinstance(msg, FleetStatus)]
+
+    loop = asyncio.create_task(fleet_status_loop(hub))
+    try:
+        await asyncio.sleep(0.1)
+        assert sent() == []  # nothing changed, and the periodic status is a minute away
+        core.draft_share = lambda: 0.0
+        await asyncio.sleep(0.1)
+        assert sent() == [0.0]
+        core.draft_share = lambda: 1.0
+        await asyncio.sleep(0.1)
+        assert sent() == [1.0]
+    finally:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_draft_waits_expire_so_a_burst_does_not_keep_speculation_off() -> None:
+    """A burst's long waits switch speculation off for a lone new request; once they are older
+    than the horizon and nothing newer was measured, drafting is on again, and the core's next
+    assign drops them from the line."""
+    clock = Clock()
+    alloc = make_allocator("smartspec", AllocationSettings(draft_len=4, max_len=8), Linear(4e-3, 0.1e-3))
+    alloc.wait = DraftWaitModel(clock=clock)  # type: ignore[attr-defined]
+    t = tracker_with(1)
+    for _ in range(16):
+        alloc.assign([rs("spec", 4, 3, context=200, wait=0.040)], t)  # 40 ms for every draft
+    assert alloc.draft_share(t) == 0.0 and not alloc.wait.stale()
+    clock.now = WAIT_HORIZON_S + 0.1
+    assert alloc.wait.stale() and alloc.draft_share(t) == 1.0
+    assert alloc.wait.e0 > 0.03  # still fitted: only the core's thread changes the line
+    alloc.assign([rs("spec", 0, 0, context=200)], t)  # a round without a draft measures nothing
+    assert alloc.wait.points == deque() and alloc.wait.e0 == alloc.wait.e1 == 0.0
