@@ -76,6 +76,9 @@ def parser() -> argparse.ArgumentParser:
     a("--estimator-file", default=str(DEFAULT_PROFILE), help="the cpu model's profiled coefficients "
                                                              "(make profile-verifier); missing: generic ones")
     a("--target-only", action="store_true", help="also run each point without speculation")
+    a("--speculation-auto", action="store_true", help="new requests get a drafter only for the share the "
+                                                      "allocator asks for (the coordinator's --speculation auto: "
+                                                      "SmartSpec's switch-off); the others go target-only")
     a("--seed", type=int, default=0, help="seed of the synthetic tokens and Random-S")
     a("--out", default="bench/results", help="directory for the results files")
     a("--stem", default="sim", help="results file names: <stem>.json, <stem>.md, <stem>.png")
@@ -100,7 +103,7 @@ def build_spec(args: argparse.Namespace, n: int, cost: CostSpec, speculative: bo
                         args.max_draft_tokens)
     verifier = VerifierSpec(args.max_batch_sessions, args.max_batch_tokens, args.step_overhead_ms / 1e3,
                             args.round_overhead_ms / 1e3)
-    return SimSpec(fleet(args, n), policies, verifier, cost, speculative, args.rounds,
+    return SimSpec(fleet(args, n), policies, verifier, cost, speculative, args.speculation_auto, args.rounds,
                    args.duration_s if args.duration_s > 0 else None, args.alpha_concentration, args.seed)
 
 

@@ -56,6 +56,7 @@ from bench.sim.tokens import acceptance_prob, features
 from bench.sim.verifier import SimVerifier
 from services.drafter.control import ControlSettings, StepDecision, make_controller
 from services.drafter.control.wisp import WispController
+from services.verifier.allocation import draft_share
 from services.verifier.batching import slo_met
 
 
@@ -87,6 +88,7 @@ class Simulation:
             for at in starts:
                 self.events.push(at, Kind.ARRIVE, edge)
         self.started = spec.shared_requests - pool  # requests started from the shared pool
+        self.credit = 0.0  # the draft share accumulated over new requests (``auto``)
         self.cores = SharedCores(spec.edge_cores, spec.edge_background, self.events) if spec.edge_cores else None
         self.handlers: dict[Kind, Callable[[Any], None]] = {
             Kind.ARRIVE: self._arrive, Kind.OPEN: self._open, Kind.VERDICT: self._verdict,
@@ -146,12 +148,23 @@ class Simulation:
 
     def _arrive(self, edge: Edge) -> None:
         d = self.spec.drafters[edge.index]
-        controller = make_controller(self.spec.policies.controller, edge.settings) if self.spec.speculative else None
+        speculative = self._to_drafter()
+        controller = make_controller(self.spec.policies.controller, edge.settings) if speculative else None
         s = Session(f"{edge.name}-r{edge.requests}", edge, d.prompt_len, d.max_tokens, d.slo_tokens_per_s, self.now,
-                    controller)
+                    controller, speculative)
         edge.requests += 1
         edge.live += 1
         self.events.push(self.now + edge.half_rtt, Kind.OPEN, s)
+
+    def _to_drafter(self) -> bool:
+        """The coordinator's choice for a new request (``Generator.to_drafter``)."""
+        if not self.spec.speculative or not self.spec.auto:
+            return self.spec.speculative
+        self.credit = min(1.0, self.credit + draft_share(self.verifier.allocator, self.verifier.tracker))
+        if self.credit < 1.0:
+            return False
+        self.credit -= 1.0
+        return True
 
     def _open(self, s: Session) -> None:
         self.verifier.admit(s, self.now)
@@ -161,7 +174,8 @@ class Simulation:
         first = s.first_token_at if s.first_token_at is not None else self.now
         tpot = (self.now - first) / (s.generated - 1) if s.generated > 1 else None
         self.rec.requests.append(RequestRecord(s.edge.index, self.now - s.arrived_at, first - s.arrived_at, tpot,
-                                               s.slo, slo_met(s.arrived_at, s.generated, s.slo, self.now)))
+                                               s.slo, slo_met(s.arrived_at, s.generated, s.slo, self.now),
+                                               s.speculative))
         s.edge.live -= 1
         d = self.spec.drafters[s.edge.index]
         if self.spec.shared_requests:

@@ -39,6 +39,7 @@ class RequestRecord:
     tpot_s: float | None  # (last − first token) / (tokens − 1)
     slo_tokens_per_s: float | None
     slo_met: bool
+    speculative: bool = True  # it had a drafter (False: opened target-only)
 
 
 @dataclass
@@ -138,6 +139,7 @@ class SimResult:
     ttft_s: float | None
     tpot_s: float | None
     acceptance_rate: float | None  # accepted / drafted
+    drafted_share: float | None  # finished requests that had a drafter, over all finished
     mean_accepted: float | None  # accepted drafts per round that had drafts
     rounds_per_token: float | None  # verifier passes (session-rounds) per committed token; 1 target-only
     steps_per_token: float | None  # forward passes per committed token
@@ -208,6 +210,7 @@ def summarise(rec: Recorder, sim_s: float, tracker_u: float, wall_s: float, **la
         requests_done=len(rec.requests), goodput_tok_s=total / span, per_drafter_tok_s=per,
         latency_s=_mean([r.latency_s for r in rec.requests]), ttft_s=_mean([r.ttft_s for r in rec.requests]),
         tpot_s=_mean(tpots), acceptance_rate=rec.accepted / rec.drafted if rec.drafted else None,
+        drafted_share=_mean([float(r.speculative) for r in rec.requests]),
         mean_accepted=rec.accepted / rec.drafted_rounds if rec.drafted_rounds else None,
         rounds_per_token=rec.rounds / total if total else None, steps_per_token=rec.steps / total if total else None,
         mean_batch=rec.batch_sessions / rec.steps if rec.steps else None,

@@ -150,6 +150,9 @@ class SimSpec:
     verifier: VerifierSpec = field(default_factory=VerifierSpec)
     cost: CostSpec = field(default_factory=CostSpec)
     speculative: bool = True
+    #: the coordinator's ``--speculation auto``: each new request gets a drafter with the share
+    #: the allocator asks for (``draft_share``: SmartSpec's switch-off), the others go target-only
+    auto: bool = False
     rounds: int | None = 16
     duration_s: float | None = None
     alpha_concentration: float = 4.0

@@ -61,6 +61,7 @@ class Session:
     slo: float | None
     arrived_at: float  # at the client: latency, TTFT and the SLO clock start here
     controller: DraftController | None
+    speculative: bool = True  # False: opened target-only (no drafter ever hears of it)
     opened_at: float = 0.0  # at the verifier (a real request's arrived_at is moved back to its take: arrived_at)
     prefilled: bool = False  # whether its drafter has run its prompt through the draft model
     generated: int = 0

@@ -339,6 +339,7 @@ def spec_of(source: str, row: dict[str, Any], meta: dict[str, Any], coef: Coef, 
     fill = knobs.fill and row["scenario"] != NO_FILL  # that fleet's verifier did not fill
     return SimSpec(drafters, pol, VerifierSpec(32, 2048, overhead, loop, fill),
                    CostSpec("cpu", coef, scale=step_scale(row, coef)), speculative=row["scenario"] not in TARGET_ONLY,
+                   auto=row.get("speculation") == "auto",
                    rounds=None, duration_s=3600.0, shared_requests=int(row.get("requests", 30)) if closed else 0,
                    edge_cores=knobs.edge_cores, edge_background=edge_background(row) if knobs.edge_cores else 0.0)
 

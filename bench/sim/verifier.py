@@ -8,7 +8,7 @@ policies (never copies of them):
   of 0 makes the session ready at once (target-only round), otherwise it waits for its draft;
 * batch selection (``Scheduler._add_verify``/``_candidate``): a :class:`Candidate` per ready
   session, ``expected_tokens(α̂, drafts)`` from the tracker, then the real ``batcher.select``
-  under :class:`BatchLimits`; WISP's clock is the simulated clock;
+  under :class:`BatchLimits`; WISP's clock, and SmartSpec's, is the simulated clock;
 * a step (``_step``/``_next_budgets``/``_publish_round``): its time from the cost model plus
   fixed overheads, which feed the overhead line SmartSpec prices rounds with (as the core's
   measured busy time between forwards does); each round accepts its drafts' accepted prefix and
@@ -47,7 +47,13 @@ from bench.sim.result import Recorder
 from bench.sim.spec import SimSpec
 from bench.sim.state import Events, Kind, Lookahead, Session, Step, Verdict
 from bench.sim.tokens import accepted_prefix
-from services.verifier.allocation import AllocationSettings, GoodputTracker, RoundStats, make_allocator
+from services.verifier.allocation import (
+    AllocationSettings,
+    GoodputTracker,
+    RoundStats,
+    SmartSpecAllocator,
+    make_allocator,
+)
 from services.verifier.allocation.goodspeed import expected_tokens
 from services.verifier.batching import BatchLimits, Candidate, WispBatcher, make_batcher
 from services.verifier.batching.estimator import SegmentShape, overhead_line
@@ -71,6 +77,8 @@ class SimVerifier:
                                     network_s=p.wisp_network_s)
         if isinstance(self.batcher, WispBatcher):
             self.batcher.clock = clock  # deadlines and latest starts on the simulated clock
+        if isinstance(self.allocator, SmartSpecAllocator):
+            self.allocator.wait.clock = clock  # its draft waits expire in simulated time
         self.limits = BatchLimits(v.max_sessions, v.max_tokens)
         self.max_draft = p.max_draft_tokens
         self.ready: dict[str, tuple[Session, Candidate]] = {}
@@ -105,7 +113,9 @@ class SimVerifier:
     def admit(self, s: Session, now: float) -> None:
         """The session's open message arrived: register it and hand out its first budget."""
         s.opened_at = now
-        if not self.speculative:
+        if not s.speculative:
+            if self.speculative:  # opened target-only beside speculating ones: it shares their steps
+                self.tracker.open(s.sid, None)
             self.mark_ready(s, now)
             return
         self.tracker.open(s.sid, s.edge.name)
@@ -235,7 +245,7 @@ class SimVerifier:
             return
         judged = [self._judge(s) for s in step.sessions]
         rounds = [RoundStats(s.sid, s.edge.name, drafted, accepted, s.context_len, prob, s.draft_wait_s)
-                  for s, drafted, accepted, prob in judged if self.speculative and not s.finished]
+                  for s, drafted, accepted, prob in judged if s.speculative and not s.finished]
         for r in rounds:
             self.tracker.observe(r)
         started = time.perf_counter()
@@ -284,7 +294,7 @@ class SimVerifier:
         return s, drafted, accepted, prob
 
     def _publish(self, s: Session, drafted: int, accepted: int, budget: int, now: float) -> None:
-        budget = 0 if s.finished or not self.speculative else min(budget, self.max_draft)
+        budget = 0 if s.finished or not s.speculative else min(budget, self.max_draft)
         heard = s.finished or drafted > 0 or budget > 0  # the drafter hears (a target-only round: only at the end)
         arrive = s.edge.carry(now, False, self.rng) if heard else now + s.edge.half_rtt  # else: to the client only
         if s.first_token_at is None:
