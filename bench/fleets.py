@@ -91,6 +91,7 @@ class Scenario:
     per_drafter_flags: tuple[tuple[str, ...], ...] = ()  # drafter i also gets entry i
     rtt_ms: float | None = None  # the drafters' RTT for this scenario (None: the run's --rtt-ms)
     drafter_rtts: tuple[float, ...] = ()  # drafter i reaches the verifier at RTT entry i (its own delay proxy)
+    speculation: str = ""  # the coordinator's --speculation (empty: on with drafters, else off)
 
 
 @dataclass
@@ -146,7 +147,8 @@ def fleet_spec(target: Path, sc: Scenario, edge: Edge) -> tuple[FleetSpec, dict[
         coordinator_port=free_port(),
         verifier_port=free_port(), drafter_metrics_ports=ports, server_cpus=edge.server_cpus, edge_cpus=edge.edge_cpus,
         verifier_flags=[*quiet, "--draft-len", str(sc.draft_len), *sc.verifier_flags],
-        coordinator_flags=[*quiet, "--speculation", "on" if sc.drafters else "off", "--max-in-flight", "0"],
+        coordinator_flags=[*quiet, "--speculation", sc.speculation or ("on" if sc.drafters else "off"),
+                           "--max-in-flight", "0"],
         drafter_flags=[*quiet, "--max-sessions", "64", *sc.drafter_flags],
         per_drafter_flags=[list(f) for f in sc.per_drafter_flags],
     )

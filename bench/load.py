@@ -5,7 +5,8 @@ pattern with ``--trace``), one real pinned fleet per setup serves the same reque
 fleet up at once, each repeat measuring the setups in turn; one after another over an emulated
 edge network, whose namespace is the process's): no
 speculation (target-only), fixed k for each k of ``--ks``, SmartSpec (the verifier picks the
-length, 0 turning speculation off, from its step-time estimator) and AdaSpec (the drafter's
+length, 0 turning speculation off, from its step-time estimator; its coordinator runs
+``--speculation auto``, which then opens new requests target-only) and AdaSpec (the drafter's
 efficiency-based stop within a budget of the largest k). Reported: mean request latency and
 the speedup over no speculation at the same rate (its mean latency over the setup's), TTFT
 and TPOT percentiles, and the rest of ``bench.run_stats``. The claim under test: at high load
@@ -29,7 +30,7 @@ def scenarios(draft: Path, ks: list[int], estimator: str) -> list[Scenario]:
     top = max(ks)
     return [Scenario("no speculation"),
             *[Scenario(f"fixed k={k}", drafters=1, draft=str(draft), draft_len=k) for k in ks],
-            Scenario("smartspec", drafters=1, draft=str(draft), draft_len=top,
+            Scenario("smartspec", drafters=1, draft=str(draft), draft_len=top, speculation="auto",
                      verifier_flags=("--allocation", "smartspec", "--smartspec-max-len", str(top), *est)),
             Scenario("adaspec", drafters=1, draft=str(draft), draft_len=top, drafter_flags=("--controller", "adaspec"))]
 
@@ -52,12 +53,19 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], rates: list[float
             r = cell(rows, name, f"{x:g} req/s")
             cells.append(f"{r['latency_s_mean']:.2f} ({r['speedup']:.2f}x)" if r else "")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    lines += ["", "| setup | rate | tokens/s | TTFT p50 / p90 ms | TPOT p50 / p90 ms | acceptance | passes/token |",
-              "|---|---|---|---|---|---|---|"]
+    lines += ["", "| setup | rate | tokens/s | TTFT p50 / p90 ms | TPOT p50 / p90 ms | acceptance | passes/token "
+              "| drafted for |", "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['scenario']} | {r['point']} | {r['goodput_tok_s']:.1f} | {r['ttft_ms']['p50']:.0f} / "
               f"{r['ttft_ms']['p90']:.0f} | {r['tpot_ms']['p50']:.1f} / {r['tpot_ms']['p90']:.1f} | "
-              f"{r['acceptance']:.3f} | {r['passes_per_token']:.3f} |" for r in rows]
+              f"{r['acceptance']:.3f} | {r['passes_per_token']:.3f} | {share(r.get('drafted_share'))} |" for r in rows]
+    lines += ["", "drafted for: the share of requests the coordinator queued for a drafter; SmartSpec runs it in "
+              "`--speculation auto`, which opens new requests target-only while the verifier finds plain decoding "
+              "the better goodput."]
     return lines
+
+
+def share(x: float | None) -> str:
+    return "" if x is None or x != x else f"{x:.0%}"
 
 
 def plot(rows: list[dict[str, Any]], rates: list[float], path: Path) -> None:

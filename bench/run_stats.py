@@ -25,7 +25,7 @@ from bench.scrape import Snapshot
 if TYPE_CHECKING:
     from bench.fleets import Run
 
-V, D = "specfleet_verifier", "specfleet_drafter"
+V, D, C = "specfleet_verifier", "specfleet_drafter", "specfleet_coordinator"
 PHASES = ("worker_wait", "draft", "send", "verify_wait", "round")
 
 
@@ -107,7 +107,16 @@ def summary(run: Run) -> dict[str, Any]:
                         "allocation": v.mean(f"{V}_allocation_seconds") * 1e3},
         "round_ms": round_breakdown(run),
         "costs": measured_costs(run),
+        "drafted_share": drafted_share(run.metrics.get("coordinator", Snapshot())),
     }
+
+
+def drafted_share(coordinator: Snapshot) -> float:
+    """The share of requests the coordinator queued for a drafter (the rest went target-only:
+    ``--speculation auto`` while the verifier's policy wanted no drafts); NaN before any."""
+    drafter = coordinator.value(f"{C}_routed_total", path="drafter")
+    total = drafter + coordinator.value(f"{C}_routed_total", path="target_only")
+    return drafter / total if total else float("nan")
 
 
 def client_slo_by_class(outcomes: Sequence[Outcome]) -> dict[str, dict[str, float]]:

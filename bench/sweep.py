@@ -102,6 +102,7 @@ def _row(sc: Scenario, pt: Point, run: Run, args: argparse.Namespace) -> dict[st
     return {"scenario": sc.name, "point": pt.label, "concurrency": pt.concurrency, "arrival_rate": pt.arrival_rate,
             "requests": pt.requests, "trace": args.trace, "seed": args.seed, "max_tokens": args.max_tokens,
             "drafters": sc.drafters, "draft_len": sc.draft_len, "network": run.network,
+            "speculation": sc.speculation or ("on" if sc.drafters else "off"),
             "tokens_per_s_runs": run.rates, **summary(run)}
 
 
