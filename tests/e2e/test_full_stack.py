@@ -207,6 +207,21 @@ def test_greedy_identical_under_every_verifier_policy(name: str, tiny_models: di
     assert "specfleet_verifier_drafter_alpha{" in metrics
 
 
+def test_smartspec_switched_off_sends_every_request_target_only(tiny_models: dict[str, Path], target: LoadedModel,
+                                                               tmp_path: Path) -> None:
+    """SmartSpec with no length to choose but 0 wants no drafts: its FleetStatus says so, and the
+    coordinator (``--speculation auto``, the default) opens every request on the verifier itself,
+    with a drafter connected and idle."""
+    spec = StackSpec(drafts=[tiny_models["draft-L2"]], max_sessions=CONCURRENCY,
+                     extra_verifier=["--allocation", "smartspec", "--smartspec-max-len", "0"])
+    with run_stack(tiny_models["target"], spec, tmp_path) as stack:
+        assert httpx.get(stack.verifier_url + "/status").json()["draft_share"] == 0.0
+        check_greedy(stack, target)
+        metrics = httpx.get(stack.base_url + "/metrics").text
+    assert f'specfleet_coordinator_routed_total{{path="target_only"}} {len(greedy_bodies(None))}.0' in metrics
+    assert 'specfleet_coordinator_routed_total{path="drafter"}' not in metrics
+
+
 @pytest.mark.redis
 def test_greedy_identical_three_drafters_redis(three_drafters: Stack, target: LoadedModel) -> None:
     check_greedy(three_drafters, target)
