@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from services.coordinator.verifier_pool import VerifierPool
 from services.verifier import server
 from services.verifier.allocation import AllocationSettings, GoodputTracker, RoundStats, draft_share, make_allocator
 from services.verifier.allocation.smartspec import WAIT_HORIZON_S, DraftWaitModel
@@ -143,3 +144,16 @@ def test_draft_waits_expire_so_a_burst_does_not_keep_speculation_off() -> None:
     assert alloc.wait.e0 > 0.03  # still fitted: only the core's thread changes the line
     alloc.assign([rs("spec", 0, 0, context=200)], t)  # a round without a draft measures nothing
     assert alloc.wait.points == deque() and alloc.wait.e0 == alloc.wait.e1 == 0.0
+
+
+@pytest.mark.parametrize(("drafters", "shares", "want"), [
+    ((["d1"], ["d2"]), (0.0, 1.0), 1.0),  # one replica with drafters still wants drafts
+    ((["d1"], []), (0.0, 1.0), 0.0),  # the replica that wants them has no drafter to give them to
+    (([], []), (0.0, 0.0), 1.0),  # no drafter anywhere: auto sends target-only for that reason alone
+])
+def test_a_pool_of_replicas_drafts_for_the_largest_share_among_those_with_drafters(
+        drafters: tuple[list[str], list[str]], shares: tuple[float, float], want: float) -> None:
+    pool = VerifierPool(["ws://127.0.0.1:9/a", "ws://127.0.0.1:9/b"], "c")
+    for link, names, share in zip(pool.links, drafters, shares, strict=True):
+        link.drafters, link.draft_share = names, share
+    assert pool.draft_share == want
