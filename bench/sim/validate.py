@@ -354,6 +354,7 @@ def compare(source: str, row: dict[str, Any], meta: dict[str, Any], coef: Coef,
     if first is None:
         return {**out, "skipped": "not modelled (the simulator's verifier keeps every session's KV cache)"}
     sims = [simulate(spec) for spec in specs if spec is not None]
+    by_drafter = row["costs"].get("by_drafter", {})
     # as the real row: the median of the repeats' rates, the mean latency over all their requests
     tok_s = statistics.median(r.goodput_tok_s for r in sims)
     latency = sum((r.latency_s or 0.0) * r.requests_done for r in sims) / max(1, sum(r.requests_done for r in sims))
@@ -369,9 +370,10 @@ def compare(source: str, row: dict[str, Any], meta: dict[str, Any], coef: Coef,
                sim_fill_wait_deviation_ms=[None if v is None else v * 1e3
                                            for v in per_drafter_mean([r.fill_wait_deviation_s for r in sims])],
                real_fill_wait_deviation_ms=[row["costs"].get("fill_waits", {}).get(name, {}).get("deviation_ms")
-                                            for name in sorted(row["costs"].get("by_drafter", {}))],
-               real_draft_batch=[d.get("batch_sessions") for _, d in sorted(row["costs"].get("by_drafter", {}).items())]
-               )
+                                            for name in sorted(by_drafter)],
+               real_draft_batch=[d.get("batch_sessions") for _, d in sorted(by_drafter.items())],
+               sim_drafted_share=statistics.fmean(r.drafted_share or 0.0 for r in sims),
+               real_drafted_share=row.get("drafted_share"))
     out["tok_s_error"] = tok_s / row["goodput_tok_s"] - 1
     out["latency_error"] = latency / row["latency_s_mean"] - 1 if row["latency_s_mean"] else math.nan
     out["within"] = abs(out["tok_s_error"]) <= TOLERANCE and abs(out["latency_error"]) <= TOLERANCE
@@ -438,6 +440,11 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
                      f"{r['sim_latency_s']:.2f} | {r['latency_error']:+.0%} | "
                      f"{per_drafter(r.get('alphas') or [r['alpha']], 2)} | {per_drafter(r.get('rtts_ms', []), 1)} | "
                      f"{r.get('step_scale', 1.0):.2f} | {'yes' if r['within'] else 'no'} |")
+    auto = [r for r in done if r.get("real_drafted_share") is not None and r["scenario"] == "smartspec"]
+    if auto:  # its coordinator ran --speculation auto: the requests it queued for a drafter
+        lines += ["", "SmartSpec's requests queued for a drafter (`--speculation auto`), real against simulated: "
+                  + ", ".join(f"{r['point']} {r['real_drafted_share']:.0%}/{r['sim_drafted_share']:.0%}" for r in auto)
+                  + "."]
     return lines
 
 
