@@ -106,15 +106,15 @@ class DraftWaitModel(RecentLine):
     def expire(self) -> None:
         """Drop the waits measured more than ``horizon_s`` ago (the engine core's thread only)."""
         cutoff = self.clock() - self.horizon_s
-        dropped = False
         while self._times and self._times[0] < cutoff:
             self._times.popleft()
             self.points.popleft()
-            dropped = True
-        if dropped and self.points:
-            self._refit()
-        elif dropped:
+            self._since += 1  # a refit every ``refit_every`` changes, as for new points
+        if not self.points:
             self.e0 = self.e1 = 0.0
+        elif self._since >= self.refit_every:
+            self._since = 0
+            self._refit()
 
     def stale(self) -> bool:
         """No wait measured in the last ``horizon_s`` (a read: safe from the event loop)."""
