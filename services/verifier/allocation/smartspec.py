@@ -180,7 +180,6 @@ class SmartSpecAllocator:
         self.explore_k = max(1, self.last_k) if max_len > 0 else 0  # what warm-up rounds and probes draft
         self._off_steps = 0
         self._chosen: int | None = None  # the length the estimates last chose (probes aside)
-        self._admitting: int | None = None  # the length :meth:`draft_share` last found for a new request
         self._context = 0  # the mean context of the last verified batch
         self._drafted: dict[str, int] = {}  # drafts in each live session's previous verified round
         self.last_goodput = 0.0
@@ -238,8 +237,10 @@ class SmartSpecAllocator:
 
     def draft_share(self, tracker: GoodputTracker) -> float:
         """The share of requests arriving now that should get a drafter: all while the best length
-        for every live session, the new one included, is above 0 (with the same margin against
-        flipping), else none. Unlike ``assign`` this needs no speculating round: with new
+        for every live session, the new one included, is above 0, else none. Without the margin
+        ``assign`` keeps against flipping: a request not yet started loses no lookahead, and at 48
+        requests/s the margin kept 91 % of them on the drafter at 28-38 ms draft waits (0.92x
+        no speculation). Unlike ``assign`` this needs no speculating round: with new
         requests target-only it turns back on as the load falls, or once the draft waits it
         decided on have expired (``WAIT_HORIZON_S``: then no wait is assumed, and the requests
         sent to drafters measure it again). All while the evidence is too thin to tell."""
@@ -247,6 +248,5 @@ class SmartSpecAllocator:
             return 1.0 if self.max_len > 0 else 0.0
         wait = DraftWaitModel() if self.wait.stale() else self.wait
         k, _ = best_length(self.alpha(), len(tracker.sessions) + 1, self._context, self.max_len, self.model,
-                           wait, self._admitting, SWITCH_MARGIN, self.overhead)
-        self._admitting = k
+                           wait, overhead=self.overhead)
         return 1.0 if k > 0 else 0.0
