@@ -54,6 +54,7 @@ from bench.sim.spec import DrafterSpec, SimSpec
 from bench.sim.state import Edge, Events, Kind, Lookahead, Session, Step, Verdict
 from bench.sim.tokens import acceptance_prob, features
 from bench.sim.verifier import SimVerifier
+from services.coordinator.share import EvenShare
 from services.drafter.control import ControlSettings, StepDecision, make_controller
 from services.drafter.control.wisp import WispController
 from services.verifier.allocation import draft_share
@@ -88,7 +89,7 @@ class Simulation:
             for at in starts:
                 self.events.push(at, Kind.ARRIVE, edge)
         self.started = spec.shared_requests - pool  # requests started from the shared pool
-        self.credit = 0.0  # the draft share accumulated over new requests (``auto``)
+        self.drafted = EvenShare()  # new requests routed to drafters (``auto``), as the coordinator does
         self.cores = SharedCores(spec.edge_cores, spec.edge_background, self.events) if spec.edge_cores else None
         self.handlers: dict[Kind, Callable[[Any], None]] = {
             Kind.ARRIVE: self._arrive, Kind.OPEN: self._open, Kind.VERDICT: self._verdict,
@@ -160,11 +161,7 @@ class Simulation:
         """The coordinator's choice for a new request (``Generator.to_drafter``)."""
         if not self.spec.speculative or not self.spec.auto:
             return self.spec.speculative
-        self.credit = min(1.0, self.credit + draft_share(self.verifier.allocator, self.verifier.tracker))
-        if self.credit < 1.0:
-            return False
-        self.credit -= 1.0
-        return True
+        return self.drafted.take(draft_share(self.verifier.allocator, self.verifier.tracker))
 
     def _open(self, s: Session) -> None:
         self.verifier.admit(s, self.now)

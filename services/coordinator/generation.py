@@ -30,6 +30,7 @@ from services.coordinator.errors import (
 from services.coordinator.metrics import CoordinatorMetrics
 from services.coordinator.openai_api import GenerationRequest
 from services.coordinator.routing import Inbound
+from services.coordinator.share import EvenShare
 from services.coordinator.verifier_link import VerifierLink
 from services.coordinator.verifier_pool import VerifierPool
 from shared.log import get_logger
@@ -195,7 +196,7 @@ class Generator:
         self._node_id = node_id
         self._timeout_s = timeout_s
         self._metrics = metrics
-        self._credit = 0.0  # the draft share accumulated over requests; a request goes to a drafter at 1
+        self._drafted = EvenShare()  # of new requests, the share the verifier wants drafted for
 
     async def submit(self, req: GenerationRequest, slot: Slot | None = None) -> Submission:
         """Queue ``req``: 503 when no verifier is connected to serve it (Retry-After: it is
@@ -256,13 +257,7 @@ class Generator:
         goodput; a share below 1 is spread evenly: every 1/share-th request)."""
         if self.speculation != "auto":
             return self.speculation == "on"
-        if not self._link.drafters:
-            return False
-        self._credit = min(1.0, self._credit + self._link.draft_share)
-        if self._credit < 1.0:
-            return False
-        self._credit -= 1.0
-        return True
+        return bool(self._link.drafters) and self._drafted.take(self._link.draft_share)
 
 
 @dataclass

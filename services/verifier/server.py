@@ -139,8 +139,8 @@ class Hub:
         return FleetStatus(drafters=drafters, sessions=len(self.routes), target_model=self.welcome.target_model,
                            draft_share=share)
 
-    def broadcast_fleet(self) -> None:
-        status = self.fleet_status()
+    def broadcast_fleet(self, status: FleetStatus | None = None) -> None:
+        status = status or self.fleet_status()
         self.last_share = status.draft_share
         frame = encode(status)
         for peer in self.peers.values():
@@ -310,8 +310,7 @@ async def fleet_status_loop(hub: Hub) -> None:
     last = time.monotonic()
     while True:
         await asyncio.sleep(DRAFT_SHARE_CHECK_S)
-        now = time.monotonic()
-        flipped = hub.intake is not None and hub.intake.core.draft_share() != hub.last_share
-        if flipped or now - last >= FLEET_STATUS_EVERY_S:
-            hub.broadcast_fleet()
+        now, status = time.monotonic(), hub.fleet_status()
+        if status.draft_share != hub.last_share or now - last >= FLEET_STATUS_EVERY_S:
+            hub.broadcast_fleet(status)
             last = now

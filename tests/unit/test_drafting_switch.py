@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from services.coordinator.share import EvenShare
 from services.coordinator.verifier_pool import VerifierPool
 from services.verifier import server
 from services.verifier.allocation import AllocationSettings, GoodputTracker, RoundStats, draft_share, make_allocator
@@ -157,3 +158,15 @@ def test_a_pool_of_replicas_drafts_for_the_largest_share_among_those_with_drafte
     for link, names, share in zip(pool.links, drafters, shares, strict=True):
         link.drafters, link.draft_share = names, share
     assert pool.draft_share == want
+
+
+@pytest.mark.parametrize(("shares", "want"), [
+    ([1.0] * 3, [True] * 3),
+    ([0.0] * 3, [False] * 3),
+    ([0.25] * 8, [False, False, False, True] * 2),
+    ([0.0] * 5 + [1.0, 1.0], [False] * 5 + [True, True]),  # no burst after a spell at 0
+    ([0.5, 0.5, 0.0, 0.5, 0.5], [False, True, False, False, True]),
+])
+def test_an_even_share_takes_every_one_over_share_th_request(shares: list[float], want: list[bool]) -> None:
+    share = EvenShare()
+    assert [share.take(s) for s in shares] == want

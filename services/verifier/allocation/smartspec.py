@@ -127,6 +127,9 @@ class DraftWaitModel(RecentLine):
         return 0.0 if x <= 0 else super().predict(x)
 
 
+NO_WAIT = DraftWaitModel()  # what a stale line is taken as (never observed: always 0)
+
+
 def goodputs(alpha: float, sessions: int, context: int, max_len: int, model: StepTimeModel,
              wait: DraftWaitModel, overhead: RecentLine | None = None) -> list[float]:
     """Eq. 3's goodput of ``sessions`` alike live sessions (``context`` tokens each) at each k in
@@ -246,7 +249,7 @@ class SmartSpecAllocator:
         sent to drafters measure it again). All while the evidence is too thin to tell."""
         if self.max_len == 0 or len(self._tests) < self.window:
             return 1.0 if self.max_len > 0 else 0.0
-        wait = DraftWaitModel() if self.wait.stale() else self.wait
+        wait = NO_WAIT if self.wait.stale() else self.wait
         k, _ = best_length(self.alpha(), len(tracker.sessions) + 1, self._context, self.max_len, self.model,
                            wait, overhead=self.overhead)
         return 1.0 if k > 0 else 0.0
