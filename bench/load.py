@@ -1,7 +1,8 @@
 """``python -m bench load``: speculation policies as the arrival rate grows (SmartSpec Fig. 11 shape).
 
 At each mean arrival rate of ``--rates`` (requests/s, open loop: seeded Poisson, or a bursty
-pattern with ``--trace``), one real pinned fleet per setup serves the same requests (every
+pattern with ``--trace``; each repeat's arrivals spanning at least ``--seconds``, so that the
+high rates reach a steady queue), one real pinned fleet per setup serves the same requests (every
 fleet up at once, each repeat measuring the setups in turn; one after another over an emulated
 edge network, whose namespace is the process's): no
 speculation (target-only), fixed k for each k of ``--ks``, SmartSpec (the verifier picks the
@@ -16,6 +17,7 @@ speculation (SmartSpec, AdaSpec) never loses to no speculation. Writes ``<out>/l
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +66,11 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], rates: list[float
     return lines
 
 
+def requests_at(rate: float, least: int, seconds: float) -> int:
+    """A repeat's requests at ``rate`` requests/s: ``least``, or enough for ``seconds`` of arrivals."""
+    return max(least, math.ceil(rate * seconds))
+
+
 def share(x: float | None) -> str:
     return "" if x is None or x != x else f"{x:.0%}"
 
@@ -96,10 +103,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ks", type=lambda s: [int(x) for x in s.split(",")], default=[1, 3, 5])
     p.add_argument("--estimator-file", default=str(DEFAULT_PROFILE) if DEFAULT_PROFILE.exists() else "",
                    help=f"step-time coefficients (make profile-verifier; default {DEFAULT_PROFILE} when present)")
+    p.add_argument("--seconds", type=float, default=4.0,
+                   help="each repeat's arrivals span at least this long: at each rate, the larger of --requests "
+                        "and rate x seconds requests (so that the high rates reach a steady queue)")
     add_workload_flags(p, repeats=3, requests=32, max_tokens=64)
     args = p.parse_args(argv)
     edge, models, out = prepare(args)
-    points = [Point(f"{x:g} req/s", 0, args.requests, x) for x in args.rates]
+    points = [Point(f"{x:g} req/s", 0, requests_at(x, args.requests, args.seconds), x) for x in args.rates]
     rows = sweep(models.target, scenarios(smallest(models.drafts), args.ks, args.estimator_file), points, args, edge,
                  "bench load", interleave=in_turn_unless_networked(edge))
     speedups(rows)

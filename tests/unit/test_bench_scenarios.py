@@ -15,6 +15,7 @@ from bench.client import Outcome
 from bench.edge import Edge
 from bench.fairness import parse_drafters, settle_round
 from bench.fleets import Run, bodies, fleet_spec
+from bench.load import requests_at
 from bench.run_stats import (
     client_slo_by_class,
     cpu_split,
@@ -137,6 +138,13 @@ def test_bursty_traces_are_burstier_than_poisson() -> None:
     assert spread("periodic") > 2 * spread("poisson")
     with pytest.raises(ValueError, match="unknown trace"):
         trace_arrivals("sawtooth", 1.0, 3)
+
+
+@pytest.mark.parametrize(("rate", "least", "seconds", "expected"),
+                         [(2.0, 32, 4.0, 32), (12.0, 32, 4.0, 48), (36.0, 32, 4.0, 144), (0.5, 8, 0.0, 8), (7.5, 1, 2.0, 15)])
+def test_a_load_repeat_spans_its_seconds_of_arrivals_or_its_least_requests(rate: float, least: int, seconds: float,
+                                                                             expected: int) -> None:
+    assert requests_at(rate, least, seconds) == expected
 
 
 def test_requests_carry_their_slo_class_in_turn() -> None:
