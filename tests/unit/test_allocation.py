@@ -16,12 +16,12 @@ from services.verifier.allocation import (
     RoundStats,
     make_allocator,
 )
+from services.verifier.allocation.draft_wait import DraftWaitModel
 from services.verifier.allocation.goodspeed import expected_tokens, greedy_lengths, length_at, solve
 from services.verifier.allocation.smartspec import (
     PROBE_EVERY,
     PROBE_STEPS,
     SWITCH_MARGIN,
-    DraftWaitModel,
     best_length,
     goodputs,
 )

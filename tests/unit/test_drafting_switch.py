@@ -15,7 +15,7 @@ from services.coordinator.share import EvenShare
 from services.coordinator.verifier_pool import VerifierPool
 from services.verifier import server
 from services.verifier.allocation import AllocationSettings, GoodputTracker, RoundStats, draft_share, make_allocator
-from services.verifier.allocation.smartspec import WAIT_HORIZON_S, DraftWaitModel
+from services.verifier.allocation.draft_wait import WAIT_HORIZON_S, DraftWaitModel
 from services.verifier.core_api import read_racing
 from services.verifier.metrics import VerifierMetrics
 from services.verifier.server import Hub, Peer, fleet_status_loop

@@ -25,15 +25,15 @@ waits it decided on expire instead (WAIT_HORIZON_S), and speculation is tried ag
 * T_target comes from the shared verification-time estimator (``batching/estimator.py``), whose
   coefficients are profiled offline and refined online by least squares.
 * T_draft is SmartSpec's eq. 4 term. Here drafts are made at the edge, so it is the time the
-  verifier waits for a draft of k tokens (drafting plus both network legs), fitted online as
-  e0 + e1·k through the mean wait at each length (0 for a draft that was in before its round
-  began: a conditional draft that came true); a round whose session drafted nothing in its
-  previous round is left out: a first round (its draft also paid the drafter's prefill) and the
-  first drafted round after a pause (the drafter caught up on the tokens decoded without it).
-  While every measured round has the same length the line is flat (e1 = 0): the per-token
-  drafting cost shows once lengths differ. With k = 0 no draft is awaited and it is 0. Unlike the
-  paper's colocated drafter, an edge drafter does not take the verifier's time: while one
-  session's draft is made, the verifier verifies the others' (see :func:`goodputs`).
+  verifier waits for a draft of k tokens (drafting plus both network legs plus the edge's other
+  work), fitted online as e0 + e1·k with a level per load band (``draft_wait.py``; 0 for a
+  draft that was in before its round began: a conditional draft that came true); a round whose
+  session drafted nothing in its previous round is left out: a first round (its draft also paid
+  the drafter's prefill) and the first drafted round after a pause (the drafter caught up on the
+  tokens decoded without it). While every measured round has the same length the slope is 0:
+  the per-token drafting cost shows once lengths differ. With k = 0 no draft is awaited and it
+  is 0. Unlike the paper's colocated drafter, an edge drafter does not take the verifier's time:
+  while one session's draft is made, the verifier verifies the others' (see :func:`goodputs`).
 * The paper's batch holds every running request. Here a step holds only the sessions whose
   drafts are in, so the length is chosen for all live sessions (target-only ones share the
   steps too), and it changes only for a predicted gain of SWITCH_MARGIN or more.
@@ -48,18 +48,16 @@ waits it decided on expire instead (WAIT_HORIZON_S), and speculation is tried ag
 
 from __future__ import annotations
 
-import math
-import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from services.verifier.allocation.base import RoundStats
+from services.verifier.allocation.draft_wait import NO_WAIT, DraftWaitModel
 from services.verifier.allocation.goodspeed import expected_tokens
 from services.verifier.allocation.tracker import GoodputTracker
 from services.verifier.batching.estimator import RecentLine, SegmentShape, StepTimeModel
 from shared.calibration import judged
 
-EDGE_WINDOW = 256  # recent rounds the draft-wait line is fitted on
 #: while speculation is off, every this many-th batch drafts anyway (``draft_len`` tokens), so
 #: that the acceptance estimate it was switched off on keeps being measured; a probe lasts
 #: PROBE_STEPS batches. Its draft waits are not counted: a drafter that drafts only now and then
@@ -71,63 +69,8 @@ PROBE_STEPS = 4
 #: otherwise flip it from step to step (at 16 requests, 5 runs: 1.08x target-only with 5 %,
 #: 1.14x with 20 %)
 SWITCH_MARGIN = 0.2
-#: draft waits older than this are forgotten (``DraftWaitModel``): at 6 requests/s one burst
-#: raised the line from 6.6 to 13.9 ms, which switched speculation off, and with no drafted
-#: round since, nothing would have lowered it again. Once they are gone, speculation is tried
-#: again; a shorter horizon tries more often, which costs at high load
-WAIT_HORIZON_S = 2.0
 
 
-class DraftWaitModel(RecentLine):
-    """Least-squares line through the seconds the verifier waited for a draft of length k, over
-    the last ``window`` rounds of the last ``horizon_s`` seconds (refitted every ``refit_every``
-    rounds, and as old ones expire); no draft, no wait.
-
-    A round whose draft was there before it began (a conditional draft that came true) waited 0 s
-    and counts as such: the line is the mean wait of a round, and leaving those out would price
-    every round as one whose lookahead missed.
-
-    The wait is the edge's, and it moves with the edge's load: a burst that kept a drafter busy
-    says nothing about the wait a minute later. So waits expire after ``horizon_s``, and with
-    none measured since, :meth:`stale` says so and no wait is assumed, which lets speculation
-    resume and measure it again."""
-
-    def __init__(self, window: int = EDGE_WINDOW, refit_every: int = 16, horizon_s: float = WAIT_HORIZON_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        super().__init__(window, refit_every)
-        self.horizon_s, self.clock = horizon_s, clock
-        self._times: deque[float] = deque(maxlen=window)  # when each of ``points`` was measured
-
-    def observe(self, x: float, y: float) -> None:
-        if x > 0 and y >= 0 and math.isfinite(x) and math.isfinite(y):
-            self._times.append(self.clock())
-            super().observe(x, y)
-
-    def expire(self) -> None:
-        """Drop the waits measured more than ``horizon_s`` ago (the engine core's thread only)."""
-        cutoff = self.clock() - self.horizon_s
-        while self._times and self._times[0] < cutoff:
-            self._times.popleft()
-            self.points.popleft()
-            self._since += 1  # a refit every ``refit_every`` changes, as for new points
-        if not self.points:
-            self.e0 = self.e1 = 0.0
-        elif self._since >= self.refit_every:
-            self._since = 0
-            self._refit()
-
-    def stale(self) -> bool:
-        """No wait measured in the last ``horizon_s`` (a read: safe from the event loop)."""
-        try:
-            return self._times[-1] < self.clock() - self.horizon_s
-        except IndexError:  # none at all
-            return True
-
-    def predict(self, x: float) -> float:
-        return 0.0 if x <= 0 else super().predict(x)
-
-
-NO_WAIT = DraftWaitModel()  # what a stale line is taken as (never observed: always 0)
 
 
 def goodputs(alpha: float, sessions: int, context: int, max_len: int, model: StepTimeModel,
@@ -153,7 +96,7 @@ def goodputs(alpha: float, sessions: int, context: int, max_len: int, model: Ste
         one = SegmentShape(new=1 + k, cached=context)
         first = model.predict([one])
         everyone = first + (sessions - 1) * (model.predict([one, one]) - first) + extra_all
-        seconds = max(everyone, wait.predict(k) + first + extra_one)
+        seconds = max(everyone, wait.predict(k, sessions) + first + extra_one)
         out.append(sessions * expected_tokens(alpha, k) / max(seconds, 1e-9))
     return out
 
@@ -200,21 +143,24 @@ class SmartSpecAllocator:
         return sum(a for a, _ in self._tests) / tested if tested else self.alpha0
 
     def beliefs(self) -> dict[str, float]:
-        """What the choice rests on: the acceptance estimate and the draft-wait line."""
+        """What the choice rests on: the acceptance estimate and the draft waits (the line over every
+        load, and the level of each load band: ``draft_wait_band3_s`` for 4-7 live sessions)."""
         out = {"alpha": round(self.alpha(), 4), "draft_wait_e0_s": round(self.wait.e0, 6),
                "draft_wait_e1_s": round(self.wait.e1, 6)}
+        out |= {f"draft_wait_band{b}_s": round(v, 6) for b, v in sorted(self.wait.levels.items())}
         if self.overhead is not None:
             out |= {"overhead_e0_s": round(self.overhead.e0, 6), "overhead_e1_s": round(self.overhead.e1, 7)}
         return out
 
     def assign(self, rounds: Sequence[RoundStats], tracker: GoodputTracker) -> dict[str, int]:
         accepted = tested = 0
+        live = max(len(rounds), len(tracker.sessions))
         for r in rounds:
             # not a first round, nor the first after a pause, nor a probe's: a probe's drafter
             # drafts only now and then, and waited longer (at 6 requests/s: 9 ms, against 5-7 ms
             # while speculating), which would keep speculation off
             if self._drafted.get(r.session_id, 0) > 0 and self._chosen != 0:
-                self.wait.observe(r.drafted, r.draft_wait_s)
+                self.wait.observe(r.drafted, r.draft_wait_s, live)
             self._drafted[r.session_id] = r.drafted
             accepted += r.accepted
             tested += judged(r.drafted, r.accepted)
@@ -228,8 +174,7 @@ class SmartSpecAllocator:
         # the paper's batch holds every running request; here a step holds the sessions whose
         # drafts are in, so plan for all live sessions, at this batch's mean context
         self._context = sum(r.context_len for r in rounds) // len(rounds)
-        sessions = max(len(rounds), len(tracker.sessions))
-        k, self.last_goodput = best_length(self.alpha(), sessions, self._context, self.max_len, self.model,
+        k, self.last_goodput = best_length(self.alpha(), live, self._context, self.max_len, self.model,
                                            self.wait, self._chosen, SWITCH_MARGIN, self.overhead)
         self._chosen = k
         self._off_steps = self._off_steps + 1 if k == 0 else 0
