@@ -19,6 +19,7 @@ from services.verifier.allocation import (
 from services.verifier.allocation.draft_wait import DraftWaitModel
 from services.verifier.allocation.goodspeed import expected_tokens, greedy_lengths, length_at, solve
 from services.verifier.allocation.smartspec import (
+    ALPHA_TESTS,
     PROBE_EVERY,
     PROBE_STEPS,
     SWITCH_MARGIN,
@@ -341,6 +342,24 @@ def test_smartspec_alpha_counts_drafts_up_to_the_first_rejection(rounds: list[tu
     assert alloc.alpha() == pytest.approx(want)  # type: ignore[attr-defined]
 
 
+@pytest.mark.parametrize(("old", "new", "drafts", "want"), [
+    (10, 10, 8, (10 * 8 + 10 * 4) / (10 * 8 + 10 * 5)),  # 130 tests: every step counts
+    (100, 205, 8, 4 / 5),  # the new steps hold 1025 >= ALPHA_TESTS tests: the old ones drop out
+    (100, 100, 8, (66 * 8 + 100 * 4) / (66 * 8 + 100 * 5)),  # 500 new tests: the newest 66 old steps top them up
+    (3, 1, 2 * ALPHA_TESTS, ALPHA_TESTS / (ALPHA_TESTS + 1)),  # one step over the limit: that step alone
+])
+def test_smartspec_alpha_spans_the_newest_alpha_tests_tested_drafts(old: int, new: int, drafts: int,
+                                                                   want: float) -> None:
+    """α over the newest whole steps that hold ALPHA_TESTS tested drafts, whatever the batch: at
+    low load a window of 16 steps held too few drafts to steady it. ``old`` steps accept every
+    draft (``drafts`` tests each), then ``new`` ones half (half + 1 tests: the first rejection)."""
+    alloc = make_allocator("smartspec", AllocationSettings(draft_len=4, max_len=8), StepTimeEstimator())
+    t = GoodputTracker()
+    for i in range(old + new):
+        alloc.assign([rs("a", drafts, drafts if i < old else drafts // 2)], t)
+    assert alloc.alpha() == pytest.approx(want)  # type: ignore[attr-defined]
+
+
 def test_smartspec_gives_every_session_of_a_batch_the_same_length() -> None:
     est = StepTimeEstimator(coef=(0.1e-3, 0.0, 0.0, 8e-3))
     alloc = make_allocator("smartspec", AllocationSettings(draft_len=1, max_len=8), est)
@@ -363,8 +382,8 @@ def test_smartspec_keeps_its_length_within_the_switching_margin() -> None:
     for _ in range(16):
         k = alloc.assign([rs("a", 9, 9)], t)["a"]  # α = 1 in the warm-up: the longest length
     assert k == 8
-    for _ in range(16):
-        k = alloc.assign([rs("a", 8, 7)], t)["a"]  # α ≈ 0.9: the best length drops a little
+    for _ in range(ALPHA_TESTS // 8 + 1):  # α over the newest ALPHA_TESTS tests: these alone
+        k = alloc.assign([rs("a", 8, 7)], t)["a"]  # α = 0.875: the best length drops a little
     g = goodputs(alloc.alpha(), 1, 100, 8, est, alloc.wait)  # type: ignore[attr-defined]
     assert max(range(9), key=g.__getitem__) == 6 and g[8] * (1 + SWITCH_MARGIN) >= g[6] > g[8]
     assert k == 8

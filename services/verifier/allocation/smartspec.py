@@ -16,12 +16,14 @@ PROBE_EVERY steps draft anyway, so that the acceptance estimate stays measured; 
 waits it decided on expire instead (WAIT_HORIZON_S), and speculation is tried again.
 
 * α is the per-token acceptance rate of eq. 8 (the chance that a draft is accepted once every
-  draft before it was), estimated over the last ``window`` verified steps of all sessions:
-  SmartSpec's "global token acceptance rate" (§4.4, Alg. 2 lines 13-14), the granularity the
-  paper ships. A round tests its drafts in order until the first rejection, so it shows
-  ``accepted`` successes and one failure when it stopped short; α = Σ successes / Σ tests.
-  (Accepted over drafted would be biased low: with α = 0.8 and k = 4 it is 0.59.) When
-  speculation is off no step adds to it, so it keeps the rate speculation last had.
+  draft before it was), estimated over the recent drafted steps of all sessions, as many as
+  hold ALPHA_TESTS tested drafts: SmartSpec's "global token acceptance rate" (§4.4, Alg. 2
+  lines 13-14), the granularity the paper ships. A round tests its drafts in order until the
+  first rejection, so it shows ``accepted`` successes and one failure when it stopped short;
+  α = Σ successes / Σ tests. (Accepted over drafted would be biased low: with α = 0.8 and k = 4
+  it is 0.59.) A window of 16 steps instead held 5-10 drafts a step at low load, and its α
+  swung from 0.43 to 1.0 within seconds at 6 requests/s, each low swing switching speculation
+  off. When speculation is off no step adds to it, so it keeps the rate speculation last had.
 * T_target comes from the shared verification-time estimator (``batching/estimator.py``), whose
   coefficients are profiled offline and refined online by least squares.
 * T_draft is SmartSpec's eq. 4 term. Here drafts are made at the edge, so it is the time the
@@ -69,6 +71,7 @@ PROBE_STEPS = 4
 #: otherwise flip it from step to step (at 16 requests, 5 runs: 1.08x target-only with 5 %,
 #: 1.14x with 20 %)
 SWITCH_MARGIN = 0.2
+ALPHA_TESTS = 1024  # the tested drafts α is estimated over (whole steps, the newest kept)
 
 
 
@@ -130,7 +133,9 @@ class SmartSpecAllocator:
         self._drafted: dict[str, int] = {}  # drafts in each live session's previous verified round
         self.last_goodput = 0.0
         self.wait = DraftWaitModel()
-        self._tests: deque[tuple[int, int]] = deque(maxlen=window)  # (accepted, tested) of recent drafted steps
+        self._tests: deque[tuple[int, int]] = deque()  # (accepted, tested) of recent drafted steps
+        self._accepted = self._tested = 0  # their sums
+        self._steps = 0  # drafted steps seen: ``window`` of them are the evidence to decide on
         self.window = window
 
     def initial(self, session_id: str, tracker: GoodputTracker) -> int:
@@ -139,8 +144,7 @@ class SmartSpecAllocator:
 
     def alpha(self) -> float:
         """Accepted over tested drafts in the recent steps (``alpha0`` before any)."""
-        tested = sum(t for _, t in self._tests)
-        return sum(a for a, _ in self._tests) / tested if tested else self.alpha0
+        return self._accepted / self._tested if self._tested else self.alpha0
 
     def beliefs(self) -> dict[str, float]:
         """What the choice rests on: the acceptance estimate and the draft waits (the line over every
@@ -166,7 +170,7 @@ class SmartSpecAllocator:
             tested += judged(r.drafted, r.accepted)
         self.wait.expire()
         if tested > 0:
-            self._tests.append((accepted, tested))
+            self._count_tests(accepted, tested)
         if len(self._drafted) > 2 * len(tracker.sessions) + 64:
             self._drafted = {sid: d for sid, d in self._drafted.items() if sid in tracker.sessions}
         if not rounds:
@@ -178,10 +182,18 @@ class SmartSpecAllocator:
                                            self.wait, self._chosen, SWITCH_MARGIN, self.overhead)
         self._chosen = k
         self._off_steps = self._off_steps + 1 if k == 0 else 0
-        if len(self._tests) < self.window or self._off_steps % PROBE_EVERY >= PROBE_EVERY - PROBE_STEPS:
+        if self._steps < self.window or self._off_steps % PROBE_EVERY >= PROBE_EVERY - PROBE_STEPS:
             k = self.explore_k  # too little evidence yet, or a probe of a switched-off speculation
         self.last_k = k
         return {r.session_id: k for r in rounds}
+
+    def _count_tests(self, accepted: int, tested: int) -> None:
+        """Add a drafted step's tests, dropping the oldest steps beyond ALPHA_TESTS tested drafts."""
+        self._tests.append((accepted, tested))
+        self._accepted, self._tested, self._steps = self._accepted + accepted, self._tested + tested, self._steps + 1
+        while len(self._tests) > 1 and self._tested - self._tests[0][1] >= ALPHA_TESTS:
+            a, t = self._tests.popleft()
+            self._accepted, self._tested = self._accepted - a, self._tested - t
 
     def draft_share(self, tracker: GoodputTracker) -> float:
         """The share of requests arriving now that should get a drafter: all while the best length
@@ -192,7 +204,7 @@ class SmartSpecAllocator:
         requests target-only it turns back on as the load falls, or once the draft waits it
         decided on have expired (``WAIT_HORIZON_S``: then no wait is assumed, and the requests
         sent to drafters measure it again). All while the evidence is too thin to tell."""
-        if self.max_len == 0 or len(self._tests) < self.window:
+        if self.max_len == 0 or self._steps < self.window:
             return 1.0 if self.max_len > 0 else 0.0
         wait = NO_WAIT if self.wait.stale() else self.wait
         k, _ = best_length(self.alpha(), len(tracker.sessions) + 1, self._context, self.max_len, self.model,
