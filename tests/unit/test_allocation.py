@@ -346,6 +346,8 @@ def test_smartspec_alpha_counts_drafts_up_to_the_first_rejection(rounds: list[tu
     (10, 10, 8, (10 * 8 + 10 * 4) / (10 * 8 + 10 * 5)),  # 130 tests: every step counts
     (100, 205, 8, 4 / 5),  # the new steps hold 1025 >= ALPHA_TESTS tests: the old ones drop out
     (100, 100, 8, (66 * 8 + 100 * 4) / (66 * 8 + 100 * 5)),  # 500 new tests: the newest 66 old steps top them up
+    (100, 128, 14, 7 / 8),  # new steps of 8 tests each hold exactly ALPHA_TESTS: the old ones drop out
+    (100, 127, 14, (127 * 7 + 14) / (127 * 8 + 14)),  # 8 tests short: the newest old step tops them up
     (3, 1, 2 * ALPHA_TESTS, ALPHA_TESTS / (ALPHA_TESTS + 1)),  # one step over the limit: that step alone
 ])
 def test_smartspec_alpha_spans_the_newest_alpha_tests_tested_drafts(old: int, new: int, drafts: int,

@@ -140,8 +140,8 @@ def test_bursty_traces_are_burstier_than_poisson() -> None:
         trace_arrivals("sawtooth", 1.0, 3)
 
 
-@pytest.mark.parametrize(("rate", "least", "seconds", "expected"),
-                         [(2.0, 32, 4.0, 32), (12.0, 32, 4.0, 48), (36.0, 32, 4.0, 144), (0.5, 8, 0.0, 8), (7.5, 1, 2.0, 15)])
+@pytest.mark.parametrize(("rate", "least", "seconds", "expected"), [
+    (2.0, 32, 4.0, 32), (12.0, 32, 4.0, 48), (36.0, 32, 4.0, 144), (0.5, 8, 0.0, 8), (7.5, 1, 2.0, 15)])
 def test_a_load_repeat_spans_its_seconds_of_arrivals_or_its_least_requests(rate: float, least: int, seconds: float,
                                                                              expected: int) -> None:
     assert requests_at(rate, least, seconds) == expected

@@ -132,7 +132,7 @@ class Clock:
 def test_draft_waits_expire_so_a_burst_does_not_keep_speculation_off() -> None:
     """A burst's long waits switch speculation off for a lone new request; once they are older
     than the horizon and nothing newer was measured, drafting is on again, and the core's next
-    assign drops them from the line."""
+    assign drops them (``test_draft_wait`` expires the load bands' levels)."""
     clock = Clock()
     alloc = make_allocator("smartspec", AllocationSettings(draft_len=4, max_len=8), Linear(4e-3, 0.1e-3))
     alloc.wait = DraftWaitModel(clock=clock)  # type: ignore[attr-defined]

@@ -13,7 +13,7 @@ After every verified step the policy tries every proposal length k in 0…V and 
 one to the sessions just verified; k = 0 is plain decoding, so speculation switches itself off
 when extra tokens cost more than they return. While it is off, PROBE_STEPS of every
 PROBE_EVERY steps draft anyway, so that the acceptance estimate stays measured; the draft
-waits it decided on expire instead (WAIT_HORIZON_S), and speculation is tried again.
+waits it decided on expire instead (``draft_wait.WAIT_HORIZON_S``), and speculation is tried again.
 
 * α is the per-token acceptance rate of eq. 8 (the chance that a draft is accepted once every
   draft before it was), estimated over the recent drafted steps of all sessions, as many as
@@ -28,7 +28,7 @@ waits it decided on expire instead (WAIT_HORIZON_S), and speculation is tried ag
   coefficients are profiled offline and refined online by least squares.
 * T_draft is SmartSpec's eq. 4 term. Here drafts are made at the edge, so it is the time the
   verifier waits for a draft of k tokens (drafting plus both network legs plus the edge's other
-  work), fitted online as e0 + e1·k with a level per load band (``draft_wait.py``; 0 for a
+  work), fitted online as a level per load band plus a slope in k (``draft_wait.py``; 0 for a
   draft that was in before its round began: a conditional draft that came true); a round whose
   session drafted nothing in its previous round is left out: a first round (its draft also paid
   the drafter's prefill) and the first drafted round after a pause (the drafter caught up on the
@@ -44,7 +44,7 @@ waits it decided on expire instead (WAIT_HORIZON_S), and speculation is tried ag
   its drafter still follows every round. So while k = 0 is best for a request arriving now, the
   verifier's FleetStatus asks for drafts for none of the new requests
   (:meth:`SmartSpecAllocator.draft_share`), and a coordinator in ``--speculation auto`` opens
-  them target-only. Draft waits expire after WAIT_HORIZON_S, so speculation is tried again at
+  them target-only. Draft waits expire after ``draft_wait.WAIT_HORIZON_S``, so speculation is tried again at
   that pace, and a burst's long waits do not keep it off.
 """
 
@@ -67,13 +67,11 @@ from shared.calibration import judged
 PROBE_EVERY = 32
 PROBE_STEPS = 4
 #: the chosen length changes only for this much more predicted goodput: a drafter pays for every
-#: change (a lookahead drafted for the old length is lost), and the noisy draft-wait line would
+#: change (a lookahead drafted for the old length is lost), and the noisy draft waits would
 #: otherwise flip it from step to step (at 16 requests, 5 runs: 1.08x target-only with 5 %,
 #: 1.14x with 20 %)
 SWITCH_MARGIN = 0.2
 ALPHA_TESTS = 1024  # the tested drafts α is estimated over (whole steps, the newest kept)
-
-
 
 
 def goodputs(alpha: float, sessions: int, context: int, max_len: int, model: StepTimeModel,
@@ -134,7 +132,7 @@ class SmartSpecAllocator:
         self.last_goodput = 0.0
         self.wait = DraftWaitModel()
         self._tests: deque[tuple[int, int]] = deque()  # (accepted, tested) of recent drafted steps
-        self._accepted = self._tested = 0  # their sums
+        self._sums = (0, 0)  # their (accepted, tested), replaced whole: the event loop reads it
         self._steps = 0  # drafted steps seen: ``window`` of them are the evidence to decide on
         self.window = window
 
@@ -144,14 +142,17 @@ class SmartSpecAllocator:
 
     def alpha(self) -> float:
         """Accepted over tested drafts in the recent steps (``alpha0`` before any)."""
-        return self._accepted / self._tested if self._tested else self.alpha0
+        accepted, tested = self._sums
+        return accepted / tested if tested else self.alpha0
 
     def beliefs(self) -> dict[str, float]:
         """What the choice rests on: the acceptance estimate and the draft waits (the line over every
-        load, and the level of each load band: ``draft_wait_band3_s`` for 4-7 live sessions)."""
+        load, and each load band's level under one slope: ``draft_wait_band3_s`` for 4-7 live sessions)."""
         out = {"alpha": round(self.alpha(), 4), "draft_wait_e0_s": round(self.wait.e0, 6),
                "draft_wait_e1_s": round(self.wait.e1, 6)}
-        out |= {f"draft_wait_band{b}_s": round(v, 6) for b, v in sorted(self.wait.levels.items())}
+        slope, levels = self.wait.fit
+        out |= {"draft_wait_band_slope_s": round(slope, 6)}
+        out |= {f"draft_wait_band{b}_s": round(v, 6) for b, v in sorted(levels.items())}
         if self.overhead is not None:
             out |= {"overhead_e0_s": round(self.overhead.e0, 6), "overhead_e1_s": round(self.overhead.e1, 7)}
         return out
@@ -190,10 +191,12 @@ class SmartSpecAllocator:
     def _count_tests(self, accepted: int, tested: int) -> None:
         """Add a drafted step's tests, dropping the oldest steps beyond ALPHA_TESTS tested drafts."""
         self._tests.append((accepted, tested))
-        self._accepted, self._tested, self._steps = self._accepted + accepted, self._tested + tested, self._steps + 1
-        while len(self._tests) > 1 and self._tested - self._tests[0][1] >= ALPHA_TESTS:
+        self._steps += 1
+        a_sum, t_sum = self._sums[0] + accepted, self._sums[1] + tested
+        while len(self._tests) > 1 and t_sum - self._tests[0][1] >= ALPHA_TESTS:
             a, t = self._tests.popleft()
-            self._accepted, self._tested = self._accepted - a, self._tested - t
+            a_sum, t_sum = a_sum - a, t_sum - t
+        self._sums = (a_sum, t_sum)
 
     def draft_share(self, tracker: GoodputTracker) -> float:
         """The share of requests arriving now that should get a drafter: all while the best length
@@ -202,7 +205,7 @@ class SmartSpecAllocator:
         requests/s the margin kept 91 % of them on the drafter at 28-38 ms draft waits (0.92x
         no speculation). Unlike ``assign`` this needs no speculating round: with new
         requests target-only it turns back on as the load falls, or once the draft waits it
-        decided on have expired (``WAIT_HORIZON_S``: then no wait is assumed, and the requests
+        decided on have expired (``draft_wait.WAIT_HORIZON_S``: then no wait is assumed, and the requests
         sent to drafters measure it again). All while the evidence is too thin to tell."""
         if self.max_len == 0 or self._steps < self.window:
             return 1.0 if self.max_len > 0 else 0.0
