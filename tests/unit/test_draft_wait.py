@@ -10,6 +10,7 @@ from services.verifier.allocation import GoodputTracker, RoundStats, SmartSpecAl
 from services.verifier.allocation.draft_wait import BAND_MIN, BAND_WINDOW, DraftWaitModel, band
 from services.verifier.allocation.smartspec import best_length
 from services.verifier.batching.estimator import SegmentShape
+from tests.unit.test_drafting_switch import Clock
 
 
 class Linear:
@@ -70,14 +71,6 @@ def test_a_long_burst_does_not_push_the_light_loads_rounds_out() -> None:
     assert wait.predict(5, 1) == pytest.approx(0.006)
     wait = waits([(5, 0.030, 40)] * (BAND_WINDOW + 10))
     assert len(wait._bands[6]) == BAND_WINDOW
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_a_bands_rounds_expire_with_the_line() -> None:
