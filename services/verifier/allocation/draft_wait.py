@@ -116,10 +116,11 @@ class DraftWaitModel(RecentLine):
 
     def _refit(self) -> None:
         super()._refit()
+        # a band's deque is never empty: observe appends to it, and expire drops it once emptied
         means = {b: (len(r), sum(k for _, k, _ in r) / len(r), sum(y for _, _, y in r) / len(r))
-                 for b, r in self._bands.items() if r}
-        sxx = sum((k - means[b][1]) ** 2 for b, r in self._bands.items() if r for _, k, _ in r)
-        sxy = sum((k - means[b][1]) * (y - means[b][2]) for b, r in self._bands.items() if r for _, k, y in r)
+                 for b, r in self._bands.items()}
+        sxx = sum((k - means[b][1]) ** 2 for b, r in self._bands.items() for _, k, _ in r)
+        sxy = sum((k - means[b][1]) * (y - means[b][2]) for b, r in self._bands.items() for _, k, y in r)
         slope = max(0.0, sxy / sxx) if sxx > 0 else 0.0
         self.fit = (slope, {b: max(0.0, my - slope * mk) for b, (n, mk, my) in means.items() if n >= BAND_MIN})
 
