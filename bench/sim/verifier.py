@@ -72,7 +72,8 @@ class SimVerifier:
         self.tracker = GoodputTracker(p.goodspeed_eta, p.goodspeed_beta)
         self.overhead = overhead_line()  # as the core's: busy time between forwards
         self.allocator = make_allocator(p.allocation, AllocationSettings(
-            p.draft_len, p.capacity, p.allocation_max_len, spec.seed), cost, self.overhead)
+            p.draft_len, p.capacity, p.allocation_max_len, spec.seed, BatchLimits(v.max_sessions, v.max_tokens)),
+            cost, self.overhead)
         self.batcher = make_batcher(p.batching, cost, p.default_slo_tokens_per_s, delta_s=p.wisp_delta_s,
                                     network_s=p.wisp_network_s)
         if isinstance(self.batcher, WispBatcher):

@@ -77,7 +77,8 @@ def make_allocator_for(cfg: VerifierConfig, estimator: StepTimeEstimator) -> All
     return make_allocator(cfg.allocation, AllocationSettings(
         cfg.draft_len, cfg.draft_capacity, min(cfg.max_draft_tokens, cfg.smartspec_max_len)
         if cfg.allocation == "smartspec" else cfg.max_draft_tokens,
-        cfg.allocation_seed if cfg.allocation_seed >= 0 else None), estimator,
+        cfg.allocation_seed if cfg.allocation_seed >= 0 else None,
+        BatchLimits(cfg.max_batch_sessions, cfg.max_batch_tokens)), estimator,
         estimator.overhead if cfg.smartspec_overhead else None)
 
 

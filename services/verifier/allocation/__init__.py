@@ -10,6 +10,7 @@ from services.verifier.allocation.goodspeed import GoodSpeedAllocator
 from services.verifier.allocation.random_split import RandomAllocator
 from services.verifier.allocation.smartspec import SmartSpecAllocator
 from services.verifier.allocation.tracker import GoodputTracker
+from services.verifier.batching.base import BatchLimits
 from services.verifier.batching.estimator import RecentLine, StepTimeModel
 
 POLICIES = ("fixed", "random", "goodspeed", "smartspec")
@@ -21,6 +22,7 @@ class AllocationSettings:
     capacity: int = 0  # GoodSpeed's C: draft tokens per round over all sessions; 0: draft_len per session
     max_len: int = 16  # no session gets more (SmartSpec's V)
     seed: int | None = None  # Random-S
+    limits: BatchLimits | None = None  # the verifier's batch limits, which SmartSpec prices (None: unlimited)
 
 
 def make_allocator(name: str, settings: AllocationSettings, model: StepTimeModel | None = None,
@@ -36,7 +38,7 @@ def make_allocator(name: str, settings: AllocationSettings, model: StepTimeModel
     if name == "smartspec":
         if model is None:
             raise ValueError("the smartspec allocation needs a verification-time estimator")
-        return SmartSpecAllocator(model, s.draft_len, s.max_len, overhead=overhead)
+        return SmartSpecAllocator(model, s.draft_len, s.max_len, overhead=overhead, limits=s.limits)
     raise ValueError(f"unknown allocation policy {name!r}; choose one of {', '.join(POLICIES)}")
 
 

@@ -2,9 +2,11 @@
 
 Goodput is the expected tokens the sessions generate over the time a round of theirs takes:
 
-    goodput(k) = N·l(α, k) / max(T_target(all N sessions, k) + h(N), T_draft(k) + T_target(one session, k) + h(1))
+    goodput(k) = N·l(α, k) / max(Σ_forwards [T_target(its m sessions, k) + h(m)],
+                                 T_draft(k) + T_target(one session, k) + h(1))
     l(α, k)    = (1 − α^(k+1)) / (1 − α)                     (eq. 8, the bonus token included)
     h(n)       = e0 + e1·n, the verifier's measured busy time between forwards (off: the paper's 0)
+    forwards   = ⌈N / B_k⌉ of B_k = min(max_batch_sessions, ⌊max_batch_tokens / (1 + k)⌋) sessions (the last: the rest)
 
 (the paper's T_target + T_draft for one session, and its batch of every running request; the
 bullets below say why the max).
@@ -38,7 +40,10 @@ waits it decided on expire instead (``draft_wait.WAIT_HORIZON_S``), and speculat
   while one session's draft is made, the verifier verifies the others' (see :func:`goodputs`).
 * The paper's batch holds every running request. Here a step holds only the sessions whose
   drafts are in, so the length is chosen for all live sessions (target-only ones share the
-  steps too), and it changes only for a predicted gain of SWITCH_MARGIN or more.
+  steps too), and it changes only for a predicted gain of SWITCH_MARGIN or more. Past the
+  verifier's batch limits (``--max-batch-sessions``, ``--max-batch-tokens``) they take several
+  forwards, each with its fixed cost and busy time, which plain decoding's rounds of one token
+  amortise worst (:func:`verify_all`).
 * In the paper a request switched to k = 0 costs nothing more than plain decoding. Here it
   still came through the queue and a drafter on the edge, which adds to its first token, and
   its drafter still follows every round. So while k = 0 is best for a request arriving now, the
@@ -57,6 +62,7 @@ from services.verifier.allocation.base import RoundStats
 from services.verifier.allocation.draft_wait import NO_WAIT, DraftWaitModel
 from services.verifier.allocation.goodspeed import expected_tokens
 from services.verifier.allocation.tracker import GoodputTracker
+from services.verifier.batching.base import BatchLimits
 from services.verifier.batching.estimator import RecentLine, SegmentShape, StepTimeModel
 from shared.calibration import judged
 
@@ -75,39 +81,55 @@ ALPHA_TESTS = 1024  # the tested drafts α is estimated over (whole steps, the n
 
 
 def goodputs(alpha: float, sessions: int, context: int, max_len: int, model: StepTimeModel,
-             wait: DraftWaitModel, overhead: RecentLine | None = None) -> list[float]:
+             wait: DraftWaitModel, overhead: RecentLine | None = None,
+             limits: BatchLimits | None = None) -> list[float]:
     """Eq. 3's goodput of ``sessions`` alike live sessions (``context`` tokens each) at each k in
     0…max_len: their expected tokens over the time in which each completes a round.
 
-    A round is the verifier's work for all of them, T_target(all, k), or one session's loop, its
-    draft wait plus its own verification, whichever is longer: while one session's draft is made
-    at the edge the verifier verifies the others', so the wait only costs the verifier when it
-    has nothing else to do (one session: the paper's T_target + T_draft). Eq. 19 is affine in its
-    sums, so n alike segments cost T(1) plus n - 1 times the second one's extra cost.
+    A round is the verifier's work for all of them (:func:`verify_all`), or one session's loop,
+    its draft wait plus its own verification, whichever is longer: while one session's draft is
+    made at the edge the verifier verifies the others', so the wait only costs the verifier when
+    it has nothing else to do (one session: the paper's T_target + T_draft).
 
     ``overhead`` (the core's measured busy time between forwards, a line in the step's sessions)
-    adds the verifier's work outside the forward to each: a round pays it once per session, so it
-    is what makes a round of several tokens cheaper per token than plain decoding's round of one
-    when the verifier is busy. Assumed the same whatever k is (judging and reading a longer draft
-    cost a little more), and for one session it may overlap the draft wait's own share of it."""
-    extra_all = overhead.predict(sessions) if overhead else 0.0
+    adds the verifier's work outside the forward to each step: it is what makes a round of several
+    tokens cheaper per token than plain decoding's round of one when the verifier is busy. Assumed
+    the same whatever k is (judging and reading a longer draft cost a little more), and for one
+    session it may overlap the draft wait's own share of it. ``limits`` (the verifier's batch
+    limits) split more sessions than one forward takes over several forwards, each paying its fixed
+    cost (none: the paper's one batch of every running request)."""
     extra_one = overhead.predict(1) if overhead else 0.0
     out = []
     for k in range(max_len + 1):
         one = SegmentShape(new=1 + k, cached=context)
-        first = model.predict([one])
-        everyone = first + (sessions - 1) * (model.predict([one, one]) - first) + extra_all
-        seconds = max(everyone, wait.predict(k, sessions) + first + extra_one)
+        per_step = sessions if limits is None else min(limits.max_sessions, limits.max_tokens // (1 + k))
+        everyone = verify_all(model, one, sessions, max(1, per_step), overhead)
+        seconds = max(everyone, wait.predict(k, sessions) + model.predict([one]) + extra_one)
         out.append(sessions * expected_tokens(alpha, k) / max(seconds, 1e-9))
     return out
 
 
+def verify_all(model: StepTimeModel, one: SegmentShape, sessions: int, per_step: int,
+               overhead: RecentLine | None = None) -> float:
+    """The verifier's time for a round of ``sessions`` alike segments ``one``, in forwards of at
+    most ``per_step`` of them, each with the busy time between forwards (``overhead``). Eq. 19 is
+    affine in its sums, so m alike segments cost T(1) plus m - 1 times the second one's extra."""
+    first = model.predict([one])
+    second = model.predict([one, one]) - first
+
+    def step(m: int) -> float:
+        return first + (m - 1) * second + (overhead.predict(m) if overhead else 0.0)
+
+    full, rest = divmod(sessions, per_step)
+    return full * step(per_step) + (step(rest) if rest else 0.0)
+
+
 def best_length(alpha: float, sessions: int, context: int, max_len: int, model: StepTimeModel,
                 wait: DraftWaitModel, current: int | None = None, margin: float = 0.0,
-                overhead: RecentLine | None = None) -> tuple[int, float]:
+                overhead: RecentLine | None = None, limits: BatchLimits | None = None) -> tuple[int, float]:
     """(k, goodput) maximising eq. 3's goodput over k in 0…max_len; with ``current``, it stays
     unless the best k predicts ``margin`` (a fraction) more goodput than it."""
-    g = goodputs(alpha, sessions, context, max_len, model, wait, overhead)
+    g = goodputs(alpha, sessions, context, max_len, model, wait, overhead, limits)
     best = max(range(len(g)), key=g.__getitem__)
     if current is not None and 0 <= current < len(g) and g[best] <= g[current] * (1 + margin):
         return current, g[current]
@@ -118,11 +140,13 @@ class SmartSpecAllocator:
     name = "smartspec"
 
     def __init__(self, model: StepTimeModel, draft_len: int, max_len: int = 8, window: int = 16,
-                 alpha0: float = 0.5, overhead: RecentLine | None = None) -> None:
+                 alpha0: float = 0.5, overhead: RecentLine | None = None,
+                 limits: BatchLimits | None = None) -> None:
         if draft_len < 0 or max_len < 0 or window < 1:
             raise ValueError("draft_len and max_len must be >= 0 and window >= 1")
         self.model, self.max_len, self.alpha0 = model, max_len, alpha0
         self.overhead = overhead  # the verifier's busy time between forwards (None: not priced)
+        self.limits = limits  # the verifier's batch limits (None: one forward takes every session)
         self.last_k = min(draft_len, max_len)
         self.explore_k = max(1, self.last_k) if max_len > 0 else 0  # what warm-up rounds and probes draft
         self._off_steps = 0
@@ -180,7 +204,7 @@ class SmartSpecAllocator:
         # drafts are in, so plan for all live sessions, at this batch's mean context
         self._context = sum(r.context_len for r in rounds) // len(rounds)
         k, self.last_goodput = best_length(self.alpha(), live, self._context, self.max_len, self.model,
-                                           self.wait, self._chosen, SWITCH_MARGIN, self.overhead)
+                                           self.wait, self._chosen, SWITCH_MARGIN, self.overhead, self.limits)
         self._chosen = k
         self._off_steps = self._off_steps + 1 if k == 0 else 0
         if self._steps < self.window or self._off_steps % PROBE_EVERY >= PROBE_EVERY - PROBE_STEPS:
@@ -211,5 +235,5 @@ class SmartSpecAllocator:
             return 1.0 if self.max_len > 0 else 0.0
         wait = NO_WAIT if self.wait.stale() else self.wait
         k, _ = best_length(self.alpha(), len(tracker.sessions) + 1, self._context, self.max_len, self.model,
-                           wait, overhead=self.overhead)
+                           wait, overhead=self.overhead, limits=self.limits)
         return 1.0 if k > 0 else 0.0
