@@ -14,7 +14,14 @@ import pytest
 from services.coordinator.share import EvenShare
 from services.coordinator.verifier_pool import VerifierPool
 from services.verifier import server
-from services.verifier.allocation import AllocationSettings, GoodputTracker, RoundStats, draft_share, make_allocator
+from services.verifier.allocation import (
+    AllocationSettings,
+    GoodputTracker,
+    RoundStats,
+    SmartSpecAllocator,
+    draft_share,
+    make_allocator,
+)
 from services.verifier.allocation.draft_wait import WAIT_HORIZON_S, DraftWaitModel
 from services.verifier.core_api import read_racing
 from services.verifier.metrics import VerifierMetrics
@@ -28,6 +35,14 @@ from tests.unit.test_allocation import Linear, rs
 SATURATED = Linear(1e-3, 0.5e-3)
 
 
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def tracker_with(sessions: int) -> GoodputTracker:
     t = GoodputTracker()
     t.open("spec", "d")
@@ -36,8 +51,10 @@ def tracker_with(sessions: int) -> GoodputTracker:
     return t
 
 
-def warmed(sessions: int) -> tuple[Any, GoodputTracker, list[int]]:
+def warmed(sessions: int, clock: Clock | None = None) -> tuple[Any, GoodputTracker, list[int]]:
     alloc = make_allocator("smartspec", AllocationSettings(draft_len=4, max_len=8), SATURATED)
+    if clock is not None:
+        alloc.wait = DraftWaitModel(clock=clock)  # type: ignore[attr-defined]
     t = tracker_with(sessions)
     ks = [alloc.assign([rs("spec", 4, 2, context=200)], t)["spec"] for _ in range(16)]
     return alloc, t, ks
@@ -50,13 +67,48 @@ def test_smartspec_drafts_for_new_requests_only_where_it_pays(sessions: int, wan
     assert (ks[-1] > 0) is (want == 1.0)  # the sessions verified now get the same verdict, target-only ones counted
 
 
-def test_smartspec_turns_drafting_back_on_as_the_load_falls_without_any_round() -> None:
-    alloc, t, _ = warmed(64)
-    assert alloc.draft_share(t) < 1.0
+def test_smartspec_turns_drafting_back_on_once_the_load_has_fallen_without_any_round() -> None:
+    """A new request lives through the load of the recent past: drafting for it comes back once
+    the peak of live sessions is older than the horizon, with no round since to say so."""
+    clock = Clock()
+    alloc, t, _ = warmed(64, clock)
     for i in range(63):
         t.forget(f"plain{i}")
     t.forget("spec")
-    assert alloc.draft_share(t) == 1.0  # nothing speculates any more, and still it sees the verifier idle
+    assert alloc.peak() == 64 and alloc.draft_share(t) == 0.0  # the burst just ended
+    clock.now = WAIT_HORIZON_S + 0.1
+    assert alloc.peak() == 0 and alloc.draft_share(t) == 1.0  # nothing speculates, and it sees the verifier idle
+
+
+@pytest.mark.parametrize(("steps", "want"), [
+    ([(0.0, 5)], 5),
+    ([(0.0, 5), (0.5, 9), (1.0, 3)], 9),  # the most of any step in the horizon
+    ([(0.0, 40), (1.0, 3), (2.5, 4)], 4),  # the burst's 40 is older than the horizon (2 s) at 2.5 s
+    ([(0.0, 40), (0.5, 20), (1.0, 3), (2.2, 2)], 20),  # the 40 expired, the 20 not yet
+])
+def test_the_live_peak_is_the_most_live_sessions_of_a_step_within_the_horizon(
+        steps: list[tuple[float, int]], want: int) -> None:
+    clock = Clock()
+    alloc = make_allocator("smartspec", AllocationSettings(draft_len=4, max_len=8), SATURATED)
+    assert isinstance(alloc, SmartSpecAllocator)
+    alloc.wait = DraftWaitModel(clock=clock)
+    for when, live in steps:
+        clock.now = when
+        alloc.assign([rs("spec", 4, 2, context=200)], tracker_with(live))
+    assert alloc.peak() == want
+
+
+def test_a_new_request_is_priced_at_the_recent_peak_not_the_lull() -> None:
+    """In a lull one session is live, and priced alone a new request would get a drafter (drafts
+    pay only at light load on SATURATED); with 64 live 1 s ago it will likely share the verifier's
+    steps with many, where they do not: target-only, until that peak is older than the horizon."""
+    clock = Clock()
+    alloc, _, _ = warmed(64, clock)
+    clock.now = 1.0
+    lull = tracker_with(1)
+    assert alloc.draft_share(lull) == 0.0
+    clock.now = 1.0 + WAIT_HORIZON_S
+    assert alloc.draft_share(lull) == 1.0
 
 
 def test_smartspec_drafts_until_it_has_evidence_and_never_with_max_len_0() -> None:
@@ -119,14 +171,6 @@ async def test_the_verifier_broadcasts_as_soon_as_the_draft_share_changes(monkey
     finally:
         loop.cancel()
         await asyncio.gather(loop, return_exceptions=True)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_draft_waits_expire_so_a_burst_does_not_keep_speculation_off() -> None:

@@ -59,7 +59,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from services.verifier.allocation.base import RoundStats
-from services.verifier.allocation.draft_wait import NO_WAIT, DraftWaitModel
+from services.verifier.allocation.draft_wait import NO_WAIT, WAIT_HORIZON_S, DraftWaitModel
 from services.verifier.allocation.goodspeed import expected_tokens
 from services.verifier.allocation.tracker import GoodputTracker
 from services.verifier.batching.base import BatchLimits
@@ -159,6 +159,11 @@ class SmartSpecAllocator:
         self._sums = (0, 0)  # their (accepted, tested), replaced whole: the event loop reads it
         self._steps = 0  # drafted steps seen: ``window`` of them are the evidence to decide on
         self.window = window
+        #: (when, live sessions) of recent steps, each live count above every later one's, so the
+        #: first not older than WAIT_HORIZON_S is the peak since; ``loads`` is a copy of it, replaced
+        #: whole for the event loop's reads (:meth:`peak`)
+        self._loads: deque[tuple[float, int]] = deque()
+        self.loads: tuple[tuple[float, int], ...] = ()
 
     def initial(self, session_id: str, tracker: GoodputTracker) -> int:
         self._drafted.pop(session_id, None)  # opened or resumed: its next draft is a first one
@@ -177,6 +182,7 @@ class SmartSpecAllocator:
         slope, levels = self.wait.fit
         out |= {"draft_wait_band_slope_s": round(slope, 6)}
         out |= {f"draft_wait_band{b}_s": round(v, 6) for b, v in sorted(levels.items())}
+        out["live_peak"] = float(self.peak())  # the most live sessions of a step in the last WAIT_HORIZON_S
         if self.overhead is not None:
             out |= {"overhead_e0_s": round(self.overhead.e0, 6), "overhead_e1_s": round(self.overhead.e1, 7)}
         return out
@@ -184,6 +190,7 @@ class SmartSpecAllocator:
     def assign(self, rounds: Sequence[RoundStats], tracker: GoodputTracker) -> dict[str, int]:
         accepted = tested = 0
         live = max(len(rounds), len(tracker.sessions))
+        self._note_load(live)
         for r in rounds:
             # not a first round, nor the first after a pause, nor a probe's: a probe's drafter
             # drafts only now and then, and waited longer (at 6 requests/s: 9 ms, against 5-7 ms
@@ -212,6 +219,21 @@ class SmartSpecAllocator:
         self.last_k = k
         return {r.session_id: k for r in rounds}
 
+    def peak(self) -> int:
+        """The most live sessions of any step in the last WAIT_HORIZON_S (a read: safe from the event loop)."""
+        cutoff = self.wait.clock() - WAIT_HORIZON_S
+        return next((live for when, live in self.loads if when >= cutoff), 0)
+
+    def _note_load(self, live: int) -> None:
+        """Add a step's live sessions to ``loads`` (the engine core's thread only)."""
+        now = self.wait.clock()
+        while self._loads and self._loads[-1][1] <= live:
+            self._loads.pop()
+        self._loads.append((now, live))
+        while self._loads[0][0] < now - WAIT_HORIZON_S:
+            self._loads.popleft()
+        self.loads = tuple(self._loads)
+
     def _count_tests(self, accepted: int, tested: int) -> None:
         """Add a drafted step's tests, dropping the oldest steps beyond ALPHA_TESTS tested drafts."""
         self._tests.append((accepted, tested))
@@ -224,7 +246,13 @@ class SmartSpecAllocator:
 
     def draft_share(self, tracker: GoodputTracker) -> float:
         """The share of requests arriving now that should get a drafter: all while the best length
-        for every live session, the new one included, is above 0, else none. Without the margin
+        for every live session, the new one included, is above 0, else none. Unlike ``assign``'s
+        step by step choice this one lasts: a request opened target-only stays so to its end, 1-2 s
+        at 48 requests/s. So the live sessions are the most any step had in the last
+        WAIT_HORIZON_S, the load it will likely live through: priced at the sessions live when it
+        arrived, the first of a burst's (16-31 at 48 requests/s, at 36-40 ms draft waits) found
+        plain decoding as good, and 18 % of a run's requests were opened target-only (TPOT p90
+        34.5 ms against fixed k = 5's 21.1; 1.39x no speculation against its 1.78x). Without the margin
         ``assign`` keeps against flipping: a request not yet started loses no lookahead, and at 48
         requests/s the margin kept 91 % of them on the drafter at 28-38 ms draft waits (0.92x
         no speculation). Unlike ``assign`` this needs no speculating round: with new
@@ -234,6 +262,7 @@ class SmartSpecAllocator:
         if self.max_len == 0 or self._steps < self.window:
             return 1.0 if self.max_len > 0 else 0.0
         wait = NO_WAIT if self.wait.stale() else self.wait
-        k, _ = best_length(self.alpha(), len(tracker.sessions) + 1, self._context, self.max_len, self.model,
+        live = max(len(tracker.sessions) + 1, self.peak())
+        k, _ = best_length(self.alpha(), live, self._context, self.max_len, self.model,
                            wait, overhead=self.overhead, limits=self.limits)
         return 1.0 if k > 0 else 0.0
