@@ -71,16 +71,15 @@ class SimVerifier:
         self.rng = rng  # the links' jitter (``Edge.carry``)
         self.tracker = GoodputTracker(p.goodspeed_eta, p.goodspeed_beta)
         self.overhead = overhead_line()  # as the core's: busy time between forwards
+        self.limits = BatchLimits(v.max_sessions, v.max_tokens)
         self.allocator = make_allocator(p.allocation, AllocationSettings(
-            p.draft_len, p.capacity, p.allocation_max_len, spec.seed, BatchLimits(v.max_sessions, v.max_tokens)),
-            cost, self.overhead)
+            p.draft_len, p.capacity, p.allocation_max_len, spec.seed, self.limits), cost, self.overhead)
         self.batcher = make_batcher(p.batching, cost, p.default_slo_tokens_per_s, delta_s=p.wisp_delta_s,
                                     network_s=p.wisp_network_s)
         if isinstance(self.batcher, WispBatcher):
             self.batcher.clock = clock  # deadlines and latest starts on the simulated clock
         if isinstance(self.allocator, SmartSpecAllocator):
             self.allocator.wait.clock = clock  # its draft waits expire in simulated time
-        self.limits = BatchLimits(v.max_sessions, v.max_tokens)
         self.max_draft = p.max_draft_tokens
         self.ready: dict[str, tuple[Session, Candidate]] = {}
         self.filler = FillPolicy() if v.fill and spec.speculative else None  # the real fill policy

@@ -24,7 +24,7 @@ class CoordinatorConfig:
         "on: every request goes through the queue to a drafter; off: the verifier decodes target-only "
         "(centralized serving, no drafters needed); auto: like on while a drafter is connected and the verifier's "
         "draft-length policy wants drafts (--allocation smartspec turns them off while plain decoding is faster "
-        "at the current load), else off",
+        "at the recent load), else off",
     )
     queue_fallback_s: float = opt(
         5.0,

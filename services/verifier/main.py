@@ -73,12 +73,20 @@ BACKENDS = ("torch", "vllm")
 SAMPLINGS = ("race", "stream")  # --sampling (backend=vllm samples its own way: stream)
 
 
+def batch_limits(cfg: VerifierConfig) -> BatchLimits:
+    """What one forward pass takes (the scheduler's limits, which SmartSpec prices too). With
+    ``--backend vllm`` SmartSpec's split into forwards is an approximation: vLLM keeps sessions
+    beyond its max_num_seqs waiting rather than taking turns, and its token budget is at least
+    the model's context length."""
+    return BatchLimits(cfg.max_batch_sessions, cfg.max_batch_tokens)
+
+
 def make_allocator_for(cfg: VerifierConfig, estimator: StepTimeEstimator) -> Allocator:
     return make_allocator(cfg.allocation, AllocationSettings(
         cfg.draft_len, cfg.draft_capacity, min(cfg.max_draft_tokens, cfg.smartspec_max_len)
         if cfg.allocation == "smartspec" else cfg.max_draft_tokens,
         cfg.allocation_seed if cfg.allocation_seed >= 0 else None,
-        BatchLimits(cfg.max_batch_sessions, cfg.max_batch_tokens)), estimator,
+        batch_limits(cfg)), estimator,
         estimator.overhead if cfg.smartspec_overhead else None)
 
 
@@ -112,7 +120,7 @@ def build(cfg: VerifierConfig, loop: asyncio.AbstractEventLoop) -> tuple[Hub, Ve
         allocator = make_allocator_for(cfg, estimator)
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from None
-    scheduler = Scheduler(batcher, BatchLimits(cfg.max_batch_sessions, cfg.max_batch_tokens), cfg.prefill_chunk,
+    scheduler = Scheduler(batcher, batch_limits(cfg), cfg.prefill_chunk,
                           estimator, trim, tracker, fill=cfg.fill)
     threaded = core_threaded(cfg.core_mode)
 

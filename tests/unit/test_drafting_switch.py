@@ -85,6 +85,8 @@ def test_smartspec_turns_drafting_back_on_once_the_load_has_fallen_without_any_r
     ([(0.0, 5), (0.5, 9), (1.0, 3)], 9),  # the most of any step in the horizon
     ([(0.0, 40), (1.0, 3), (2.5, 4)], 4),  # the burst's 40 is older than the horizon (2 s) at 2.5 s
     ([(0.0, 40), (0.5, 20), (1.0, 3), (2.2, 2)], 20),  # the 40 expired, the 20 not yet
+    ([(0.0, 9), (0.5, 9), (2.2, 1)], 9),  # of equal peaks the newer counts: 9 until 2.5 s
+    ([(0.0, 9), (2.0, 1)], 9),  # exactly the horizon old: still in
 ])
 def test_the_live_peak_is_the_most_live_sessions_of_a_step_within_the_horizon(
         steps: list[tuple[float, int]], want: int) -> None:

@@ -5,25 +5,19 @@ forwards, which shorter drafts amortise worse."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import pytest
 
+from bench.sim import CostSpec, DrafterSpec, Policies, SimSpec
+from bench.sim.engine import Simulation
 from services.verifier.allocation import AllocationSettings, SmartSpecAllocator, make_allocator
 from services.verifier.allocation.draft_wait import DraftWaitModel
 from services.verifier.allocation.smartspec import best_length, goodputs, verify_all
 from services.verifier.batching.base import BatchLimits
-from services.verifier.batching.estimator import RecentLine, SegmentShape
-
-
-class Linear:
-    """A forward of ``fixed`` plus ``per_token`` for every fed token."""
-
-    def __init__(self, fixed: float, per_token: float) -> None:
-        self.fixed, self.per_token = fixed, per_token
-
-    def predict(self, shapes: Sequence[SegmentShape]) -> float:
-        return self.fixed + self.per_token * sum(s.new for s in shapes)
+from services.verifier.batching.estimator import RecentLine, SegmentShape, StepTimeEstimator
+from services.verifier.config import VerifierConfig
+from services.verifier.main import make_allocator_for
+from tests.unit.test_allocation import Linear
 
 
 def busy_line(e0: float, e1: float) -> RecentLine:
@@ -74,6 +68,26 @@ def test_the_token_limit_splits_long_drafts_sooner() -> None:
     g = goodputs(0.5, 32, 100, 3, model, DraftWaitModel(), limits=limits)
     assert g[0] == pytest.approx(32 / (8e-3 + 32 * 0.2e-3))
     assert g[3] == pytest.approx(32 * (1 - 0.5 ** 4) / 0.5 / (2 * 8e-3 + 32 * 4 * 0.2e-3))
+
+
+def test_a_draft_longer_than_the_token_limit_takes_a_forward_of_its_own() -> None:
+    """4 tokens a forward and 1 + 4 to feed each: the batcher admits one session over the budget
+    (it always takes the first), so 8 sessions take 8 forwards."""
+    model = Linear(8e-3, 0.2e-3)
+    g = goodputs(0.5, 8, 100, 4, model, DraftWaitModel(), limits=BatchLimits(32, 4))
+    assert g[4] == pytest.approx(8 * (1 - 0.5 ** 5) / 0.5 / (8 * 8e-3 + 8 * 5 * 0.2e-3))
+    assert g[1] == pytest.approx(8 * 1.5 / (4 * 8e-3 + 8 * 2 * 0.2e-3))  # 1 + 1 tokens: 2 a forward
+
+
+def test_the_verifier_and_the_simulator_give_smartspec_their_batch_limits() -> None:
+    cfg = VerifierConfig(allocation="smartspec", max_batch_sessions=7, max_batch_tokens=99)
+    alloc = make_allocator_for(cfg, StepTimeEstimator())
+    assert isinstance(alloc, SmartSpecAllocator) and alloc.limits == BatchLimits(7, 99)
+    d = DrafterSpec("d0", token_s=1e-3, round_s=2e-3, prefill_token_s=0.0, send_s=5e-4, concurrency=1)
+    sim = Simulation(SimSpec(drafters=(d,), policies=Policies(allocation="smartspec"), cost=CostSpec("h100"), rounds=1))
+    simulated = sim.verifier.allocator
+    assert isinstance(simulated, SmartSpecAllocator)
+    assert simulated.limits == BatchLimits(sim.spec.verifier.max_sessions, sim.spec.verifier.max_tokens)
 
 
 def test_the_allocation_settings_carry_the_verifiers_limits_to_smartspec() -> None:

@@ -6,7 +6,7 @@ Goodput is the expected tokens the sessions generate over the time a round of th
                                  T_draft(k) + T_target(one session, k) + h(1))
     l(α, k)    = (1 − α^(k+1)) / (1 − α)                     (eq. 8, the bonus token included)
     h(n)       = e0 + e1·n, the verifier's measured busy time between forwards (off: the paper's 0)
-    forwards   = ⌈N / B_k⌉ of B_k = min(max_batch_sessions, ⌊max_batch_tokens / (1 + k)⌋) sessions (the last: the rest)
+    forwards   = ⌈N / B_k⌉ of B_k = max(1, min(max_batch_sessions, ⌊max_batch_tokens / (1 + k)⌋)) sessions
 
 (the paper's T_target + T_draft for one session, and its batch of every running request; the
 bullets below say why the max).
@@ -46,7 +46,8 @@ waits it decided on expire instead (``draft_wait.WAIT_HORIZON_S``), and speculat
   amortise worst (:func:`verify_all`).
 * In the paper a request switched to k = 0 costs nothing more than plain decoding. Here it
   still came through the queue and a drafter on the edge, which adds to its first token, and
-  its drafter still follows every round. So while k = 0 is best for a request arriving now, the
+  its drafter still follows every round. So while k = 0 is best for a request arriving now (priced
+  at the most live sessions of a step in the last WAIT_HORIZON_S: the load it will live through), the
   verifier's FleetStatus asks for drafts for none of the new requests
   (:meth:`SmartSpecAllocator.draft_share`), and a coordinator in ``--speculation auto`` opens
   them target-only. Draft waits expire after ``draft_wait.WAIT_HORIZON_S``, so speculation is tried again at
@@ -59,7 +60,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from services.verifier.allocation.base import RoundStats
-from services.verifier.allocation.draft_wait import NO_WAIT, WAIT_HORIZON_S, DraftWaitModel
+from services.verifier.allocation.draft_wait import NO_WAIT, DraftWaitModel
 from services.verifier.allocation.goodspeed import expected_tokens
 from services.verifier.allocation.tracker import GoodputTracker
 from services.verifier.batching.base import BatchLimits
@@ -103,7 +104,7 @@ def goodputs(alpha: float, sessions: int, context: int, max_len: int, model: Ste
     for k in range(max_len + 1):
         one = SegmentShape(new=1 + k, cached=context)
         per_step = sessions if limits is None else min(limits.max_sessions, limits.max_tokens // (1 + k))
-        everyone = verify_all(model, one, sessions, max(1, per_step), overhead)
+        everyone = verify_all(model, one, sessions, per_step, overhead)
         seconds = max(everyone, wait.predict(k, sessions) + model.predict([one]) + extra_one)
         out.append(sessions * expected_tokens(alpha, k) / max(seconds, 1e-9))
     return out
@@ -112,8 +113,10 @@ def goodputs(alpha: float, sessions: int, context: int, max_len: int, model: Ste
 def verify_all(model: StepTimeModel, one: SegmentShape, sessions: int, per_step: int,
                overhead: RecentLine | None = None) -> float:
     """The verifier's time for a round of ``sessions`` alike segments ``one``, in forwards of at
-    most ``per_step`` of them, each with the busy time between forwards (``overhead``). Eq. 19 is
-    affine in its sums, so m alike segments cost T(1) plus m - 1 times the second one's extra."""
+    most ``per_step`` of them (at least one: the batcher takes a first segment over the token
+    limit too), each with the busy time between forwards (``overhead``). Eq. 19 is affine in its
+    sums, so m alike segments cost T(1) plus m - 1 times the second one's extra."""
+    per_step = max(1, per_step)
     first = model.predict([one])
     second = model.predict([one, one]) - first
 
@@ -220,8 +223,11 @@ class SmartSpecAllocator:
         return {r.session_id: k for r in rounds}
 
     def peak(self) -> int:
-        """The most live sessions of any step in the last WAIT_HORIZON_S (a read: safe from the event loop)."""
-        cutoff = self.wait.clock() - WAIT_HORIZON_S
+        """The most live sessions of a step with a speculating round in the last WAIT_HORIZON_S
+        (the draft waits' horizon and clock; a read: safe from the event loop). Steps of
+        target-only rounds alone do not call ``assign``: once every live session is target-only,
+        the peak expires and the sessions live now count."""
+        cutoff = self.wait.clock() - self.wait.horizon_s
         return next((live for when, live in self.loads if when >= cutoff), 0)
 
     def _note_load(self, live: int) -> None:
@@ -230,7 +236,7 @@ class SmartSpecAllocator:
         while self._loads and self._loads[-1][1] <= live:
             self._loads.pop()
         self._loads.append((now, live))
-        while self._loads[0][0] < now - WAIT_HORIZON_S:
+        while self._loads[0][0] < now - self.wait.horizon_s:
             self._loads.popleft()
         self.loads = tuple(self._loads)
 
@@ -246,7 +252,7 @@ class SmartSpecAllocator:
 
     def draft_share(self, tracker: GoodputTracker) -> float:
         """The share of requests arriving now that should get a drafter: all while the best length
-        for every live session, the new one included, is above 0, else none. Unlike ``assign``'s
+        for the live sessions (below) is above 0, else none. Unlike ``assign``'s
         step by step choice this one lasts: a request opened target-only stays so to its end, 1-2 s
         at 48 requests/s. So the live sessions are the most any step had in the last
         WAIT_HORIZON_S, the load it will likely live through: priced at the sessions live when it
@@ -255,10 +261,10 @@ class SmartSpecAllocator:
         34.5 ms against fixed k = 5's 21.1; 1.39x no speculation against its 1.78x). Without the margin
         ``assign`` keeps against flipping: a request not yet started loses no lookahead, and at 48
         requests/s the margin kept 91 % of them on the drafter at 28-38 ms draft waits (0.92x
-        no speculation). Unlike ``assign`` this needs no speculating round: with new
-        requests target-only it turns back on as the load falls, or once the draft waits it
-        decided on have expired (``draft_wait.WAIT_HORIZON_S``: then no wait is assumed, and the requests
-        sent to drafters measure it again). All while the evidence is too thin to tell."""
+        no speculation). Unlike ``assign`` this needs no speculating round: with new requests
+        target-only it turns back on once the load has been lower for WAIT_HORIZON_S, or once
+        the draft waits it decided on have expired (then no wait is assumed, and the requests sent
+        to drafters measure it again). All while the evidence is too thin to tell."""
         if self.max_len == 0 or self._steps < self.window:
             return 1.0 if self.max_len > 0 else 0.0
         wait = NO_WAIT if self.wait.stale() else self.wait
