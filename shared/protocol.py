@@ -344,7 +344,7 @@ class FleetStatus(_Msg, tag="fleet_status", frozen=True):
     target_model: str
     #: the share of new requests the verifier's draft-length policy wants drafted for: 1 normally;
     #: 0 while SmartSpec finds plain decoding the better goodput at the load a new request will
-    #: live through (its k = 0 at the mean live sessions of a step in the last 2 s, or those now),
+    #: live through (its k = 0 at the most live sessions of a step in the last 2 s),
     #: and a coordinator in ``--speculation auto`` opens the others target-only
     draft_share: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 1.0
 

@@ -69,28 +69,27 @@ def test_smartspec_drafts_for_new_requests_only_where_it_pays(sessions: int, wan
 
 def test_smartspec_turns_drafting_back_on_once_the_load_has_fallen_without_any_round() -> None:
     """A new request lives through the load of the recent past: drafting for it comes back once
-    the steps of the burst are older than the horizon, with no round since to say so."""
+    the peak of live sessions is older than the horizon, with no round since to say so."""
     clock = Clock()
     alloc, t, _ = warmed(64, clock)
     for i in range(63):
         t.forget(f"plain{i}")
     t.forget("spec")
-    assert alloc.typical_load() == 64 and alloc.draft_share(t) == 0.0  # the burst just ended
+    assert alloc.peak() == 64 and alloc.draft_share(t) == 0.0  # the burst just ended
     clock.now = WAIT_HORIZON_S + 0.1
-    assert alloc.typical_load() == 0 and alloc.draft_share(t) == 1.0  # nothing speculates: it sees the verifier idle
+    assert alloc.peak() == 0 and alloc.draft_share(t) == 1.0  # nothing speculates, and it sees the verifier idle
 
 
-@pytest.mark.parametrize(("steps", "read_at", "want"), [
-    ([(0.0, 5)], 0.0, 5.0),
-    ([(0.0, 5), (0.5, 9), (1.0, 4)], 1.0, 6.0),  # the mean step in the horizon
-    ([(0.0, 40), (1.0, 4), (2.5, 4)], 2.5, 4.0),  # the burst's 40 is older than the horizon (2 s)
-    ([(0.0, 40), (0.5, 20), (1.0, 3), (2.2, 1)], 2.2, 8.0),  # the 40 expired, the 20 not yet
-    ([(0.0, 9), (2.0, 3)], 2.0, 6.0),  # exactly the horizon old: still in
-    ([(0.0, 9), (1.0, 3)], 3.0, 6.0),  # as of the last step, 2 s ago
-    ([(0.0, 9), (1.0, 3)], 3.1, 0.0),  # no step for longer than the horizon: nothing recent
+@pytest.mark.parametrize(("steps", "want"), [
+    ([(0.0, 5)], 5),
+    ([(0.0, 5), (0.5, 9), (1.0, 3)], 9),  # the most of any step in the horizon
+    ([(0.0, 40), (1.0, 3), (2.5, 4)], 4),  # the burst's 40 is older than the horizon (2 s) at 2.5 s
+    ([(0.0, 40), (0.5, 20), (1.0, 3), (2.2, 2)], 20),  # the 40 expired, the 20 not yet
+    ([(0.0, 9), (0.5, 9), (2.2, 1)], 9),  # of equal peaks the newer counts: 9 until 2.5 s
+    ([(0.0, 9), (2.0, 1)], 9),  # exactly the horizon old: still in
 ])
-def test_the_recent_load_is_the_mean_live_sessions_of_the_steps_within_the_horizon(
-        steps: list[tuple[float, int]], read_at: float, want: float) -> None:
+def test_the_live_peak_is_the_most_live_sessions_of_a_step_within_the_horizon(
+        steps: list[tuple[float, int]], want: int) -> None:
     clock = Clock()
     alloc = make_allocator("smartspec", AllocationSettings(draft_len=4, max_len=8), SATURATED)
     assert isinstance(alloc, SmartSpecAllocator)
@@ -98,15 +97,13 @@ def test_the_recent_load_is_the_mean_live_sessions_of_the_steps_within_the_horiz
     for when, live in steps:
         clock.now = when
         alloc.assign([rs("spec", 4, 2, context=200)], tracker_with(live))
-    clock.now = read_at
-    assert alloc.typical_load() == pytest.approx(want)
+    assert alloc.peak() == want
 
 
-def test_a_new_request_is_priced_at_the_recent_load_not_the_lull() -> None:
+def test_a_new_request_is_priced_at_the_recent_peak_not_the_lull() -> None:
     """In a lull one session is live, and priced alone a new request would get a drafter (drafts
-    pay only at light load on SATURATED); with 64 live in every step of the last second it will
-    likely share the verifier's steps with many, where they do not: target-only, until those
-    steps are older than the horizon."""
+    pay only at light load on SATURATED); with 64 live 1 s ago it will likely share the verifier's
+    steps with many, where they do not: target-only, until that peak is older than the horizon."""
     clock = Clock()
     alloc, _, _ = warmed(64, clock)
     clock.now = 1.0

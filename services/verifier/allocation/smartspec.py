@@ -47,8 +47,7 @@ waits it decided on expire instead (``draft_wait.WAIT_HORIZON_S``), and speculat
 * In the paper a request switched to k = 0 costs nothing more than plain decoding. Here it
   still came through the queue and a drafter on the edge, which adds to its first token, and
   its drafter still follows every round. So while k = 0 is best for a request arriving now (priced
-  at the mean live sessions of a step in the last WAIT_HORIZON_S, the load it will likely live
-  through, or those live now if more), the
+  at the most live sessions of a step in the last WAIT_HORIZON_S: the load it will live through), the
   verifier's FleetStatus asks for drafts for none of the new requests
   (:meth:`SmartSpecAllocator.draft_share`), and a coordinator in ``--speculation auto`` opens
   them target-only. Draft waits expire after ``draft_wait.WAIT_HORIZON_S``, so speculation is tried again at
@@ -57,7 +56,6 @@ waits it decided on expire instead (``draft_wait.WAIT_HORIZON_S``), and speculat
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from collections.abc import Sequence
 
@@ -164,11 +162,11 @@ class SmartSpecAllocator:
         self._sums = (0, 0)  # their (accepted, tested), replaced whole: the event loop reads it
         self._steps = 0  # drafted steps seen: ``window`` of them are the evidence to decide on
         self.window = window
-        #: (when, live sessions) of the steps in the last WAIT_HORIZON_S, and the sum of the latter;
-        #: ``recent_load`` is (when the last was, their mean), replaced whole for the event loop
+        #: (when, live sessions) of recent steps, each live count above every later one's, so the
+        #: first not older than WAIT_HORIZON_S is the peak since; ``loads`` is a copy of it, replaced
+        #: whole for the event loop's reads (:meth:`peak`)
         self._loads: deque[tuple[float, int]] = deque()
-        self._load_sum = 0
-        self.recent_load = (-math.inf, 0.0)
+        self.loads: tuple[tuple[float, int], ...] = ()
 
     def initial(self, session_id: str, tracker: GoodputTracker) -> int:
         self._drafted.pop(session_id, None)  # opened or resumed: its next draft is a first one
@@ -187,7 +185,7 @@ class SmartSpecAllocator:
         slope, levels = self.wait.fit
         out |= {"draft_wait_band_slope_s": round(slope, 6)}
         out |= {f"draft_wait_band{b}_s": round(v, 6) for b, v in sorted(levels.items())}
-        out["live_recent"] = round(self.typical_load(), 2)  # a step's mean live sessions in the last WAIT_HORIZON_S
+        out["live_peak"] = float(self.peak())  # the most live sessions of a step in the last WAIT_HORIZON_S
         if self.overhead is not None:
             out |= {"overhead_e0_s": round(self.overhead.e0, 6), "overhead_e1_s": round(self.overhead.e1, 7)}
         return out
@@ -224,22 +222,23 @@ class SmartSpecAllocator:
         self.last_k = k
         return {r.session_id: k for r in rounds}
 
-    def typical_load(self) -> float:
-        """The mean live sessions of the steps with a speculating round in the last WAIT_HORIZON_S,
-        as of the last of them (the draft waits' horizon and clock; a read: safe from the event
-        loop); 0 when that was longer ago. Steps of target-only rounds alone do not call
-        ``assign``: once every live session is target-only, it expires and the sessions live now count."""
-        when, mean = self.recent_load
-        return mean if when >= self.wait.clock() - self.wait.horizon_s else 0.0
+    def peak(self) -> int:
+        """The most live sessions of a step with a speculating round in the last WAIT_HORIZON_S
+        (the draft waits' horizon and clock; a read: safe from the event loop). Steps of
+        target-only rounds alone do not call ``assign``: once every live session is target-only,
+        the peak expires and the sessions live now count."""
+        cutoff = self.wait.clock() - self.wait.horizon_s
+        return next((live for when, live in self.loads if when >= cutoff), 0)
 
     def _note_load(self, live: int) -> None:
-        """Add a step's live sessions to ``recent_load`` (the engine core's thread only)."""
+        """Add a step's live sessions to ``loads`` (the engine core's thread only)."""
         now = self.wait.clock()
+        while self._loads and self._loads[-1][1] <= live:
+            self._loads.pop()
         self._loads.append((now, live))
-        self._load_sum += live
         while self._loads[0][0] < now - self.wait.horizon_s:
-            self._load_sum -= self._loads.popleft()[1]
-        self.recent_load = (now, self._load_sum / len(self._loads))
+            self._loads.popleft()
+        self.loads = tuple(self._loads)
 
     def _count_tests(self, accepted: int, tested: int) -> None:
         """Add a drafted step's tests, dropping the oldest steps beyond ALPHA_TESTS tested drafts."""
@@ -253,16 +252,13 @@ class SmartSpecAllocator:
 
     def draft_share(self, tracker: GoodputTracker) -> float:
         """The share of requests arriving now that should get a drafter: all while the best length
-        for the live sessions (below) is above 0, else none. Unlike ``assign``'s step by step
-        choice this one lasts: a request opened target-only stays so to its end, 1-2 s at 48
-        requests/s. So the live sessions are those of the mean step in the last WAIT_HORIZON_S, the
-        load it will likely live through, or those live now, the new one included, if more.
-        Priced at those live when it arrived, a burst's first steps (16-31 live at 48 requests/s,
-        at 36-40 ms draft waits) found plain decoding as good, and 18 % of a run's requests were
-        opened target-only (TPOT p90 34.5 ms against fixed k = 5's 21.1; 1.39x no speculation
-        against its 1.78x). The most live sessions of any recent step, tried first, priced 12-24
-        requests/s at their bursts' waits, and in its one full run drafted for 91 % and 80 % there
-        (2026-11-27 14:19; 99 % and 100 % at 13:46 without it). Without the margin
+        for the live sessions (below) is above 0, else none. Unlike ``assign``'s
+        step by step choice this one lasts: a request opened target-only stays so to its end, 1-2 s
+        at 48 requests/s. So the live sessions are the most any step had in the last
+        WAIT_HORIZON_S, the load it will likely live through: priced at the sessions live when it
+        arrived, the first of a burst's (16-31 at 48 requests/s, at 36-40 ms draft waits) found
+        plain decoding as good, and 18 % of a run's requests were opened target-only (TPOT p90
+        34.5 ms against fixed k = 5's 21.1; 1.39x no speculation against its 1.78x). Without the margin
         ``assign`` keeps against flipping: a request not yet started loses no lookahead, and at 48
         requests/s the margin kept 91 % of them on the drafter at 28-38 ms draft waits (0.92x
         no speculation). Unlike ``assign`` this needs no speculating round: with new requests
@@ -272,7 +268,7 @@ class SmartSpecAllocator:
         if self.max_len == 0 or self._steps < self.window:
             return 1.0 if self.max_len > 0 else 0.0
         wait = NO_WAIT if self.wait.stale() else self.wait
-        live = max(len(tracker.sessions) + 1, round(self.typical_load()))
+        live = max(len(tracker.sessions) + 1, self.peak())
         k, _ = best_length(self.alpha(), live, self._context, self.max_len, self.model,
                            wait, overhead=self.overhead, limits=self.limits)
         return 1.0 if k > 0 else 0.0
