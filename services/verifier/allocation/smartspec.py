@@ -259,8 +259,9 @@ class SmartSpecAllocator:
         arrived, the first of a burst's (16-31 at 48 requests/s, at 36-40 ms draft waits) found
         plain decoding as good, and 18 % of a run's requests were opened target-only (TPOT p90
         34.5 ms against fixed k = 5's 21.1; 1.39x no speculation against its 1.78x). The mean
-        step's live sessions instead, tried too, fell among a burst's 16-31 at 48 and 64
-        requests/s, and drafted for 75 % and 73 % (1.14x and 1.64x, 14:43). Without the margin
+        step's live sessions instead, tried too, likely fell among those 16-31 as bursts filled
+        and drained the verifier (not measured), and drafted for 75 % and 73 % at 48 and 64
+        requests/s (1.14x and 1.64x, 14:43). Without the margin
         ``assign`` keeps against flipping: a request not yet started loses no lookahead, and at 48
         requests/s the margin kept 91 % of them on the drafter at 28-38 ms draft waits (0.92x
         no speculation). Unlike ``assign`` this needs no speculating round: with new requests
