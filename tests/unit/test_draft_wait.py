@@ -9,16 +9,8 @@ import pytest
 from services.verifier.allocation import GoodputTracker, RoundStats, SmartSpecAllocator
 from services.verifier.allocation.draft_wait import BAND_MIN, BAND_WINDOW, DraftWaitModel, band
 from services.verifier.allocation.smartspec import best_length
-from services.verifier.batching.estimator import SegmentShape
+from tests.unit.test_allocation import Linear
 from tests.unit.test_drafting_switch import Clock
-
-
-class Linear:
-    def __init__(self, fixed: float, per_token: float) -> None:
-        self.fixed, self.per_token = fixed, per_token
-
-    def predict(self, shapes: Sequence[SegmentShape]) -> float:
-        return self.fixed + self.per_token * sum(s.new for s in shapes)
 
 
 @pytest.mark.parametrize(("sessions", "want"), [(0, 0), (1, 1), (2, 2), (3, 2), (4, 3), (7, 3), (8, 4), (40, 6),
