@@ -34,7 +34,12 @@ tokens equal the branch's ``after`` and it grants a budget (``Lookahead.presente
 
 A lookahead is drafted without the session's controller (it is not a round), but with the
 step features the controller reads; the round that takes it lets the controller screen it token
-by token, so a policy stops a ready draft where it would have stopped a fresh one.
+by token, so a policy stops a ready draft where it would have stopped a fresh one. A conditional
+Draft goes out before that round begins, while the round in flight still owns the controller's
+round state: it is cut where the controller would stop it now (``DraftController.keeps``, which
+changes no state; with the estimates of one verdict earlier), and not sent if the controller
+would draft nothing. The round that finds it presented shows the controller its tokens all the
+same, so that the controller learns from its verdict.
 
 Deterministic requests pipeline: greedy ones (argmax drafts) and raced ones (under race
 sampling, ``shared.race``: each draft token is the winner of the verifier's keyed race over the
@@ -55,7 +60,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from services.drafter.batcher import DraftBatcher
-from services.drafter.control.base import DraftController, StepDecision, StepFeatures
+from services.drafter.control.base import DraftController, StepFeatures, keep_until_stop
 from services.drafter.metrics import DrafterMetrics
 from services.drafter.proposers.base import DraftJob, Proposal
 from shared.calibration import ewma
@@ -81,6 +86,7 @@ class _Branch:
     prefix: tuple[int, ...]  # the round's tokens it assumes: the accepted drafts, then ``guessed``
     task: asyncio.Task[tuple[Proposal, float, float]] = field(init=False)
     presented: tuple[int, ...] | None = None  # ``after`` of the conditional Draft sent from it
+    sent: int = 0  # that Draft's tokens: the branch's draft, cut where the session's controller would stop it
     guess_bonus: bool = False  # that Draft's guess_bonus
 
     def next_draft(self, proposal: Proposal) -> tuple[tuple[int, ...], Proposal] | None:
@@ -104,15 +110,18 @@ class Lookahead:
         #: true), with this guess_bonus
         self.presented = False
         self.presented_guess = False
+        self._sent = 0  # tokens of the presented draft the verifier holds, at most
+        self._screen: DraftController | None = None  # the session's controller, for conditional Drafts
 
     def start(self, batcher: DraftBatcher, job: DraftJob, alternatives: Sequence[tuple[int, int]] = (),
-              presend: Presend | None = None) -> None:
+              presend: Presend | None = None, screen: DraftController | None = None) -> None:
         """Draft ``job`` (its ``assume`` is the Draft just sent) while the verdict is awaited, and
         for each ``(j, token)`` of ``alternatives`` the outcome "draft j rejected, ``token``
         committed instead", in a spare draft cache (``DraftJob.branch``). With ``presend``, each
-        branch is sent as a conditional Draft as soon as it is drafted, if the verdict has not come."""
+        branch is sent as a conditional Draft as soon as it is drafted, if the verdict has not come,
+        cut where ``screen`` (the session's controller) would stop it, and not at all if at once."""
         self.cancel()
-        self._open = True
+        self._open, self._screen = True, screen
         self._spawn(_Branch(len(job.assume), (), job.k, job.assume), batcher, job, presend)
         for n, (j, token) in enumerate(alternatives, start=1):  # k - 1: the correction is assumed, not drafted
             alt = replace(job, k=job.k - 1, assume=(*job.assume[:j], token), guess=None, branch=n)
@@ -129,22 +138,40 @@ class Lookahead:
         if presend is None or not self._open:  # no verifier to hold it, or its verdict is being settled
             return drafted
         nxt = branch.next_draft(drafted[0])
-        if nxt is not None:  # decided and written in one turn of the loop, before settle
-            branch.presented = nxt[0]
-            branch.guess_bonus = await presend(*nxt)
+        if nxt is None:
+            return drafted
+        after, draft = nxt[0], _rest(nxt[1], 0, self._kept(nxt[1]))
+        if draft.token_ids:  # decided and written in one turn of the loop, before settle
+            branch.presented, branch.sent = after, len(draft.token_ids)
+            branch.guess_bonus = await presend(after, draft)
         return drafted
+
+    def _kept(self, draft: Proposal) -> int:
+        """How much of a branch's draft goes out: what the session's controller would keep of it
+        were its round to begin now (nothing when it reads features the draft lacks)."""
+        n, screen = len(draft.token_ids), self._screen
+        if screen is None or not screen.wants_features:
+            return n
+        return screen.keeps(_positioned(draft.steps, n), n) if len(draft.steps) >= n else 0
 
     def take(self, k: int, controller: DraftController | None = None) -> Proposal | None:
         """The next round's draft, if the last lookahead came true: at most ``k`` tokens, and
         screened by the session's controller as if it had watched them being drafted (not one
-        the verifier already holds: ``presented``, which ``take`` clears)."""
+        the verifier already holds: ``presented``, which ``take`` clears, is the part that was sent, and
+        the controller sees its tokens go by, as it would have seen them drafted, to learn from the verdict)."""
         ready, self._ready = self._ready, None
         presented, self.presented = self.presented, False
         if ready is None or k <= 0:
             return None
-        n = min(k, len(ready.token_ids))
-        if not presented and controller is not None and controller.wants_features and len(ready.steps) >= n:
-            n = _screen(controller, ready.steps[:n], k)
+        n = min(k, len(ready.token_ids), self._sent if presented else k)
+        if controller is None or not controller.wants_features or len(ready.steps) < n:
+            return _rest(ready, 0, n)
+        steps = _positioned(ready.steps, k)[:n]
+        if presented:
+            for step in steps:
+                controller.on_step(step)  # recorded for its end_round; the verifier holds these tokens anyway
+        else:
+            n = keep_until_stop(controller.on_step, steps, n)
         return _rest(ready, 0, n)
 
     async def settle(self, verdict: Verdict, drafted: int, metrics: DrafterMetrics) -> None:
@@ -178,7 +205,7 @@ class Lookahead:
         # the verifier took the branch's conditional Draft exactly when this holds (services.verifier.core)
         self.presented = (self._ready is not None and match.presented == tuple(verdict.token_ids)
                           and verdict.draft_budget > 0)
-        self.presented_guess = match.guess_bonus
+        self.presented_guess, self._sent = match.guess_bonus, match.sent
         if self.presented:
             metrics.presented.inc()
 
@@ -228,15 +255,9 @@ class BranchOdds:
         return ups[:n]
 
 
-def _screen(controller: DraftController, steps: list[StepFeatures], budget: int) -> int:
-    """How many of a ready lookahead's tokens the controller keeps (its round has begun)."""
-    for i, step in enumerate(steps):
-        decision = controller.on_step(replace(step, position=i, budget=budget))
-        if decision is StepDecision.DISCARD:
-            return i
-        if decision is StepDecision.STOP:
-            return i + 1
-    return len(steps)
+def _positioned(steps: Sequence[StepFeatures], budget: int) -> list[StepFeatures]:
+    """A ready draft's step features as a round beginning with it would have seen them."""
+    return [replace(step, position=i, budget=budget) for i, step in enumerate(steps)]
 
 
 def _rest(proposal: Proposal, cut: int, k: int | None = None) -> Proposal:

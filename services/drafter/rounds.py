@@ -169,7 +169,7 @@ class SessionRunner:
         began = time.perf_counter()
         # a conditional Draft that came true is at the verifier already, cut to its budget there
         presented, guessed = session.lookahead.presented, session.lookahead.presented_guess
-        ready = session.lookahead.take(session.budget if presented else k, None if presented else session.controller)
+        ready = session.lookahead.take(session.budget if presented else k, session.controller)
         proposal, started, ended = (ready, began, began) if ready is not None else await self._draft(session, k)
         early = None if presented else _drain_final(inbox)  # cancelled while we drafted? then do not send a dead draft
         if early is not None:
@@ -262,13 +262,13 @@ class SessionRunner:
                                       else 0)
         # the verifier holds at most MAX_CONDITIONAL_DRAFTS; beyond, every branch waits for its verdict
         presend = self._presender(session) if 1 + len(alternatives) <= MAX_CONDITIONAL_DRAFTS else None
-        session.lookahead.start(self.batcher, job, alternatives, presend)
+        session.lookahead.start(self.batcher, job, alternatives, presend, screen=session.controller)
 
     def _presender(self, session: DraftSession) -> Presend | None:
         """How a lookahead branch goes out as the next round's conditional Draft, before the verdict
-        of the round in flight (lookahead.py); None when this verifier does not take them, or when
-        the session's controller would screen a ready draft first (it must see the round begin)."""
-        if not self.conditional or session.controller.wants_features:
+        of the round in flight (lookahead.py); None when this verifier does not take them. The
+        lookahead first cuts a branch where the session's controller would stop it (``DraftController.keeps``)."""
+        if not self.conditional:
             return None
         rid, round_ = session.request_id, session.round
 

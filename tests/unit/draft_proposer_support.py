@@ -3,13 +3,14 @@ own KV arena, and plain-transformers references."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from services.drafter.control.base import DraftController, StepDecision, StepFeatures
+from services.drafter.control.base import DraftController, StepDecision, StepFeatures, keep_until_stop
 from services.drafter.metrics import DrafterMetrics
 from services.drafter.proposers.base import DraftJob, Proposal
 from services.drafter.proposers.draft_model import DraftModelProposer
@@ -89,6 +90,12 @@ class StopAt:
 
     def on_step(self, step: StepFeatures) -> StepDecision:
         self.seen.append(step)
+        return self._decide(step)
+
+    def keeps(self, steps: Sequence[StepFeatures], budget: int) -> int:
+        return keep_until_stop(self._decide, steps, budget)
+
+    def _decide(self, step: StepFeatures) -> StepDecision:
         return self.decision if step.position == self.position else StepDecision.CONTINUE
 
     def end_round(self, drafted: int, accepted: int) -> None:

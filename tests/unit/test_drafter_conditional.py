@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.drafter.control.base import DraftController, StepDecision
 from services.drafter.lookahead import Lookahead
 from services.drafter.proposers.base import DraftJob, Proposal
 from shared.models import LoadedModel, load_model
 from shared.protocol import Verdict
-from tests.unit.draft_proposer_support import PROMPT, K, gen, verdict
+from tests.unit.draft_proposer_support import PROMPT, K, StopAt, gen, verdict
 from tests.unit.test_drafter_pipeline import GREEDY, Pipeline, reference_greedy, running
 
 torch.set_num_threads(1)
@@ -42,17 +43,17 @@ async def sent_once(sent: Sent, timeout_s: float = 10.0) -> None:
 
 
 def start(p: Pipeline, lookahead: Lookahead, sent: list[int], presend: Sent,
-          alternatives: list[tuple[int, int]] | None = None) -> None:
-    job = DraftJob("s", K + 1, GREEDY, gen(0), None, tuple(sent), len(p.committed))
-    lookahead.start(p.batcher, job, alternatives or [], presend)
+          alternatives: list[tuple[int, int]] | None = None, screen: DraftController | None = None) -> None:
+    job = DraftJob("s", K + 1, GREEDY, gen(0), None, tuple(sent), len(p.committed), features=screen is not None)
+    lookahead.start(p.batcher, job, alternatives or [], presend, screen)
 
 
-async def drafted_ahead(p: Pipeline, lookahead: Lookahead, presend: Sent,
-                        draft: LoadedModel) -> tuple[list[int], list[int]]:
+async def drafted_ahead(p: Pipeline, lookahead: Lookahead, presend: Sent, draft: LoadedModel,
+                        screen: DraftController | None = None) -> tuple[list[int], list[int]]:
     """Round 0's draft, and the all-accepted lookahead after it, once that was sent: (sent, the
     draft model's greedy continuation after sent)."""
     sent = await p.round()
-    start(p, lookahead, sent, presend)
+    start(p, lookahead, sent, presend, screen=screen)
     await sent_once(presend)
     return sent, reference_greedy(draft, PROMPT + sent, K + 1)
 
@@ -126,3 +127,34 @@ async def test_an_alternative_branch_is_sent_with_the_outcome_it_assumes(draft: 
         assert lookahead.presented
         ready = lookahead.take(K)
         assert ready is not None and ready.token_ids == alt
+
+
+@pytest.mark.asyncio
+async def test_a_conditional_draft_is_cut_where_the_controller_would_stop_and_shown_to_it(draft: LoadedModel) -> None:
+    """The round in flight owns the controller: the cut is its pure screen (``keeps``), which sees
+    nothing; the round that takes the presented draft shows it the tokens the verifier holds."""
+    p, lookahead, presend, controller = Pipeline(draft), Lookahead(), Sent(), StopAt(1, StepDecision.STOP)
+    async with running(p.batcher):
+        sent, expected = await drafted_ahead(p, lookahead, presend, draft, screen=controller)
+        assert presend.drafts == [((*sent, expected[0]), expected[1:3])] and controller.seen == []
+        tokens = [*sent, expected[0]]
+        p.commit(tokens, len(sent))
+        await lookahead.settle(verdict(tokens, len(sent)), len(sent), p.metrics)
+        assert lookahead.presented
+        ready = lookahead.take(K, controller)
+        assert ready is not None and ready.token_ids == expected[1:3]  # what the verifier holds
+        assert [(s.position, s.token_id) for s in controller.seen] == [(0, expected[1]), (1, expected[2])]
+
+
+@pytest.mark.asyncio
+async def test_a_draft_the_controller_would_not_keep_is_not_sent(draft: LoadedModel) -> None:
+    p, lookahead, presend, controller = Pipeline(draft), Lookahead(), Sent(), StopAt(0, StepDecision.DISCARD)
+    async with running(p.batcher):
+        sent = await p.round()
+        start(p, lookahead, sent, presend, screen=controller)
+        tokens = [*sent, reference_greedy(draft, PROMPT + sent, 1)[0]]
+        async with asyncio.timeout(10):
+            await lookahead._branches[0].task  # drafted before the verdict: sent, were it kept
+        p.commit(tokens, len(sent))
+        await lookahead.settle(verdict(tokens, len(sent)), len(sent), p.metrics)
+        assert presend.drafts == [] and not lookahead.presented

@@ -49,12 +49,14 @@ class _Recorder:
         self.jobs: list[DraftJob] = []
         self.alternatives: list[list[tuple[int, int]]] = []
         self.presends: list[object] = []
+        self.screens: list[object] = []
 
     def start(self, batcher: object, job: DraftJob, alternatives: Sequence[tuple[int, int]] = (),
-              presend: object = None) -> None:
+              presend: object = None, screen: object = None) -> None:
         self.jobs.append(job)
         self.alternatives.append(list(alternatives))
         self.presends.append(presend)
+        self.screens.append(screen)
 
 
 @pytest.mark.parametrize(("features", "spread"), [(False, False), (True, False), (True, True)],
@@ -75,6 +77,7 @@ def test_a_lookahead_computes_the_features_its_controller_will_screen_it_with(fe
     runner._look_ahead(session, Proposal(token_ids=[7, 8]), 2, guess=False)
     (job,) = recorder.jobs
     assert job.controller is None and (job.features, job.spread) == (features, spread)
+    assert recorder.screens == [controller]  # a conditional Draft is cut where the controller would stop it
     assert job.assume == (7, 8) and job.k == 3
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from services.drafter.control import ControlSettings, make_controller
-from services.drafter.control.base import StepDecision, StepFeatures
+from services.drafter.control.base import StepDecision, StepFeatures, keep_until_stop
 from services.drafter.control.rejection_predictor import (
     FEATURES,
     RejectionMLP,
@@ -24,7 +24,6 @@ from services.drafter.control.rejection_predictor import (
 )
 from services.drafter.control.threshold import ThresholdController
 from services.drafter.control.wisp import WispController, WispState
-from services.drafter.lookahead import _screen
 from services.drafter.wisp_train import main as wisp_train
 
 
@@ -157,6 +156,18 @@ def test_wisp_drafts_the_budget_until_it_has_a_predictor_then_stops_at_the_first
     assert decisions == [StepDecision.CONTINUE, StepDecision.CONTINUE, StepDecision.STOP]
 
 
+@pytest.mark.parametrize(("trained", "confidences", "budget", "kept"), [
+    (False, (0.9, 0.1, 0.9), 6, 3), (True, (0.9, 0.8, 0.3, 0.9), 6, 3), (True, (0.9, 0.8, 0.3), 2, 2),
+    (True, (0.1,), 6, 1)])
+def test_wisp_keeps_what_its_round_would_and_records_nothing(trained: bool, confidences: tuple[float, ...],
+                                                             budget: int, kept: int) -> None:
+    state = WispState(train_after=0)
+    state.model = _confidence_model() if trained else None
+    controller = WispController(state)
+    assert controller.keeps([_step(c, i) for i, c in enumerate(confidences)], budget) == kept
+    assert controller._rows == [] and len(state._rows) == 0
+
+
 def test_wisp_records_labelled_rounds_and_trains_in_the_background(tmp_path: Path) -> None:
     samples = tmp_path / "samples.csv"
     state = WispState(train_after=600, samples_path=samples)
@@ -193,7 +204,8 @@ def test_wisp_learns_nothing_from_a_round_it_did_not_watch() -> None:
 def test_a_ready_lookahead_is_screened_by_the_sessions_controller(confidences: tuple[float, ...], kept: int) -> None:
     controller = ThresholdController(0.4)
     controller.begin_round(6)
-    assert _screen(controller, [_step(c) for c in confidences], 6) == kept
+    assert keep_until_stop(controller.on_step, [_step(c) for c in confidences], 6) == kept
+    assert controller.keeps([_step(c) for c in confidences], 6) == kept
 
 
 def test_feature_row_order_matches_the_header() -> None:

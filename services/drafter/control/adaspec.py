@@ -108,6 +108,13 @@ class AdaSpecState:
     declined: int = 0  # rounds in a row (over all sessions) that drafting was judged not worth it
 
 
+def worth_one_more(alphas: list[float], shared: AdaSpecState) -> bool:
+    """Predict the next token's acceptance from history; execute only if E/T would rise."""
+    cal, clock = shared.calibration, shared.clock
+    guess = cal.accept(cal.predicted_confidence(len(alphas)))
+    return efficiency([*alphas, guess], clock) > efficiency(alphas, clock)
+
+
 def efficiency(alphas: list[float], clock: RoundClock) -> float:
     """E(j) / T(j) for the drafts so far (j = len(alphas))."""
     expected, chain = 1.0, 1.0
@@ -149,11 +156,23 @@ class AdaSpecController:
             return StepDecision.CONTINUE
         return StepDecision.CONTINUE if self._worth_one_more() else StepDecision.STOP
 
+    def keeps(self, steps: Sequence[StepFeatures], budget: int) -> int:
+        """begin_round then on_step over ``steps``, on a copy of the round state (a declined round's
+        probe aside: a conditional Draft is never a probe)."""
+        n = min(len(steps), max(0, budget))
+        if n == 0 or self.shared.clock.draft_token_s == 0:
+            return n
+        if not worth_one_more([], self.shared):
+            return 0
+        alphas: list[float] = []
+        for step in steps[:n - 1]:  # the budget's last token is kept without asking
+            alphas.append(self.shared.calibration.accept(step.token_prob))
+            if not worth_one_more(alphas, self.shared):
+                return len(alphas)
+        return n
+
     def _worth_one_more(self) -> bool:
-        """Predict the next token's acceptance from history; execute only if E/T would rise."""
-        cal, clock = self.shared.calibration, self.shared.clock
-        guess = cal.accept(cal.predicted_confidence(len(self._alphas)))
-        return efficiency([*self._alphas, guess], clock) > efficiency(self._alphas, clock)
+        return worth_one_more(self._alphas, self.shared)
 
     def end_round(self, drafted: int, accepted: int, draft_s: float = 0.0, verify_s: float = 0.0) -> None:
         self.shared.calibration.observe(self._confs[:drafted], accepted)

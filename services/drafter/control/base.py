@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -72,7 +73,25 @@ class DraftController(Protocol):
     def on_step(self, step: StepFeatures) -> StepDecision:
         """Decide about the token just drafted."""
 
+    def keeps(self, steps: Sequence[StepFeatures], budget: int) -> int:
+        """How many of a ready draft's first tokens a round beginning now would keep (``steps``: their
+        features, positions from 0), as ``begin_round`` and ``on_step`` would decide, without changing
+        any state: it screens a lookahead sent before the verdict of the round in flight, which
+        still owns the controller's round state (``lookahead.py``, conditional drafts)."""
+
     def end_round(self, drafted: int, accepted: int, draft_s: float = 0.0, verify_s: float = 0.0) -> None:
         """Feedback: of ``drafted`` tokens sent, the target accepted the first ``accepted``; drafting
         took ``draft_s`` (0 when the draft was ready from a lookahead) and the verdict came
         ``verify_s`` after the Draft was sent."""
+
+
+def keep_until_stop(decide: Callable[[StepFeatures], StepDecision], steps: Sequence[StepFeatures], budget: int) -> int:
+    """How many of ``steps`` (at most ``budget``) a round keeps when ``decide`` judges each token in
+    turn: up to and including the first it stops at, or up to the first it discards."""
+    for i, step in enumerate(steps[:max(0, budget)]):
+        decision = decide(step)
+        if decision is StepDecision.DISCARD:
+            return i
+        if decision is StepDecision.STOP:
+            return i + 1
+    return min(len(steps), max(0, budget))

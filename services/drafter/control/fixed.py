@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from services.drafter.control.base import StepDecision, StepFeatures
 
 
@@ -17,6 +19,9 @@ class FixedController:
 
     def on_step(self, step: StepFeatures) -> StepDecision:
         return StepDecision.CONTINUE
+
+    def keeps(self, steps: Sequence[StepFeatures], budget: int) -> int:
+        return max(0, min(len(steps), budget))
 
     def end_round(self, drafted: int, accepted: int, draft_s: float = 0.0, verify_s: float = 0.0) -> None:
         return None

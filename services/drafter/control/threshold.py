@@ -7,7 +7,9 @@ token is kept and drafting stops for this round, as transformers' assisted gener
 
 from __future__ import annotations
 
-from services.drafter.control.base import StepDecision, StepFeatures
+from collections.abc import Sequence
+
+from services.drafter.control.base import StepDecision, StepFeatures, keep_until_stop
 
 DEFAULT_THRESHOLD = 0.4
 
@@ -27,6 +29,9 @@ class ThresholdController:
 
     def on_step(self, step: StepFeatures) -> StepDecision:
         return StepDecision.STOP if step.top1_prob < self.threshold else StepDecision.CONTINUE
+
+    def keeps(self, steps: Sequence[StepFeatures], budget: int) -> int:
+        return keep_until_stop(self.on_step, steps, budget)  # stateless: on_step is the screen
 
     def end_round(self, drafted: int, accepted: int, draft_s: float = 0.0, verify_s: float = 0.0) -> None:
         return None

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
 import numpy as np
 
-from services.drafter.control.base import StepDecision, StepFeatures
+from services.drafter.control.base import StepDecision, StepFeatures, keep_until_stop
 from services.drafter.control.rejection_predictor import (
     FEATURES,
     RejectionMLP,
@@ -128,6 +129,11 @@ class WispController:
         self._rows.append(row)
         model = self.shared.model  # swapped whole by the training thread
         return StepDecision.STOP if model is not None and model.predicts_rejection(row) else StepDecision.CONTINUE
+
+    def keeps(self, steps: Sequence[StepFeatures], budget: int) -> int:
+        model = self.shared.model
+        return keep_until_stop(lambda step: StepDecision.STOP if model is not None and
+                               model.predicts_rejection(feature_row(step)) else StepDecision.CONTINUE, steps, budget)
 
     def end_round(self, drafted: int, accepted: int, draft_s: float = 0.0, verify_s: float = 0.0) -> None:
         if len(self._rows) >= drafted:  # features of every sent token (none for a draft made elsewhere)
