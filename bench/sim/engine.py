@@ -14,7 +14,8 @@ drafting (``lookahead.py``): a session that sends a draft while its drafter serv
 ``pipeline_sessions`` sessions drafts its next round ahead, as if this one is accepted whole,
 one token per batch and only while no round is ready. A verdict that makes it true takes it as
 the next draft, sent once it is done; any other drops it. Conditional drafts
-(``DrafterSpec.conditional``): a lookahead done before its verdict came leaves at once, and the
+(``DrafterSpec.conditional``): a lookahead done before its verdict came leaves at once (cut where
+the session's controller would stop it, ``DraftController.keeps``), and the
 verifier verifies it as soon as the round it assumes ends as assumed (or when it arrives, if later);
 the drafter, hearing that verdict, starts the next round with it (sending nothing) and looks ahead
 past it, as the real one does (``Lookahead.presented``). When the verdict comes back,
@@ -265,9 +266,13 @@ class Simulation:
 
     def _presend(self, s: Session, ahead: Lookahead) -> None:
         """``s``'s lookahead is done before its verdict came: it leaves after the hand-off as the next
-        round's conditional draft (its drafts drawn now, unscreened: the controller sees a draft the
-        verifier already holds only as its length)."""
-        ahead.drafts = self._propose(s, ahead.tokens, screen=False)[0]
+        round's conditional draft: its drafts drawn now, cut where the controller would stop them, as
+        the real drafter does (``DraftController.keeps``, which changes no state)."""
+        drafts = self._propose(s, ahead.tokens, screen=False)[0]
+        ctl = s.controller
+        if ctl is not None and ctl.wants_features:
+            drafts = drafts[:ctl.keeps([features(a, i, len(drafts)) for i, (a, _) in enumerate(drafts)], len(drafts))]
+        ahead.drafts = drafts
         if not ahead.drafts:  # its proposer had nothing past the guess: nothing to send (nor when it comes true)
             return
         ahead.sent = True
@@ -278,10 +283,14 @@ class Simulation:
     def _presented(self, s: Session, ahead: Lookahead, budget: int) -> None:
         """The verdict made ``s``'s conditional draft true: the verifier verifies it without it
         (``Lookahead.presented`` in the real drafter), which starts the round, asks its controller
-        for a length as for any round (and ignores it), and looks ahead past that draft."""
+        for a length as for any round (and ignores it), shows it the drafts the verifier holds (so
+        that it learns from their verdict), and looks ahead past that draft."""
         s.ahead = None
         self.rec.lookaheads_used += 1
         asked = self._round_len(s, ahead.tokens, budget)
+        if s.controller is not None and s.controller.wants_features:
+            for i, (a, _) in enumerate(ahead.draft(budget)):
+                s.controller.on_step(features(a, i, budget))
         s.draft_s = 0.0
         s.sent_at, s.awaiting = self.now, True
         s.edge.in_flight.append(s)
@@ -313,7 +322,7 @@ class Simulation:
         self.rec.draft_batch(edge.index, len(batch))
         for s in batch:
             self._next_round(s)
-        drafts = [self._draft(edge, s) for s in batch]
+        drafts = [self._draft(edge, s, len(batch)) for s in batch]
         # the batch runs one forward per draft position while any of its sessions still drafts
         seconds = (sum(t for t, _ in drafts) + edge.forward_s * max(n for _, n in drafts)) * edge.batch_factor(self.rng)
         edge.busy = True
@@ -333,10 +342,10 @@ class Simulation:
         useful = max(0, min(budget, cap, self.spec.policies.max_draft_tokens, s.remaining - 1))
         return max(0, min(useful, s.controller.begin_round(useful))) if s.controller is not None else 0
 
-    def _draft(self, edge: Edge, s: Session) -> tuple[float, int]:
-        """Draw ``s``'s draft for this round; returns its share of the batch's draft-model time
-        (beyond the forwards' fixed cost) and the tokens it computed."""
-        computed = self._draw(s, self._round_len(s, s.budget, s.budget))
+    def _draft(self, edge: Edge, s: Session, rows: int) -> tuple[float, int]:
+        """Draw ``s``'s draft for this round in a batch of ``rows`` sessions; returns its share of the
+        batch's draft-model time (beyond the forwards' fixed cost) and the tokens it computed."""
+        computed = self._draw(s, self._round_len(s, s.budget, s.budget), rows)
         if not computed:
             return 0.0, 0
         seconds = edge.round_s + edge.token_s * computed
@@ -345,15 +354,17 @@ class Simulation:
             s.prefilled = True
         return seconds, computed
 
-    def _draw(self, s: Session, k: int) -> int:
+    def _draw(self, s: Session, k: int, rows: int = 1) -> int:
         """Draft up to ``k`` synthetic tokens into ``s.drafts``; returns how many were computed."""
-        s.drafts, computed = self._propose(s, k)
+        s.drafts, computed = self._propose(s, k, rows=rows)
         s.asked = k
         return computed
 
-    def _propose(self, s: Session, k: int, screen: bool = True) -> tuple[list[tuple[float, bool]], int]:
+    def _propose(self, s: Session, k: int, screen: bool = True, rows: int = 1) -> tuple[list[tuple[float, bool]], int]:
         """Up to ``k`` synthetic drafts of ``s``'s drafter, (accept prob, accepted) each, screened by
-        ``s``'s controller unless not ``screen`` (a conditional draft), and how many were computed."""
+        ``s``'s controller unless not ``screen`` (a conditional draft), and how many were computed.
+        Its features say that each step drafted for ``rows`` sessions: the batch's, while in the real
+        drafter a step drafts for the sessions still drafting at that position."""
         ctl = s.controller if screen else None
         kappa, alpha, rate = self.spec.alpha_concentration, s.edge.alpha, s.edge.proposal_rate
         watch = ctl is not None and ctl.wants_features
@@ -363,7 +374,7 @@ class Simulation:
                 return drafts, i
             a = acceptance_prob(self.rng, alpha, kappa)
             ok = self.rng.random() < a
-            decision = ctl.on_step(features(a, i, k)) if watch and ctl is not None else StepDecision.CONTINUE
+            decision = ctl.on_step(features(a, i, k, rows)) if watch and ctl is not None else StepDecision.CONTINUE
             if decision is StepDecision.DISCARD:
                 return drafts, i + 1
             drafts.append((a, ok))

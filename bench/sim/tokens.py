@@ -41,8 +41,9 @@ def acceptance_prob(rng: random.Random, alpha: float, concentration: float) -> f
     return rng.betavariate(concentration * alpha, concentration * (1.0 - alpha))
 
 
-def features(a: float, position: int, budget: int) -> StepFeatures:
-    """The step features of a drafted token whose acceptance probability (and draft confidence) is ``a``."""
+def features(a: float, position: int, budget: int, rows: int = 1) -> StepFeatures:
+    """The step features of a drafted token whose acceptance probability (and draft confidence) is
+    ``a``, drafted in a step for ``rows`` sessions."""
     c = min(1.0 - _EPS, max(_EPS, a))
     top2 = min(c, (1.0 - c) / 2.0)
     tail = (1.0 - c - top2) / TAIL
@@ -52,7 +53,7 @@ def features(a: float, position: int, budget: int) -> StepFeatures:
     mean = (logs[0] + logs[1] + TAIL * logs[2]) / n
     var = ((logs[0] - mean) ** 2 + (logs[1] - mean) ** 2 + TAIL * (logs[2] - mean) ** 2) / n
     return StepFeatures(position=position, budget=budget, token_id=0, token_prob=c, top1_prob=c, top2_prob=top2,
-                        entropy=entropy, logit_std=math.sqrt(var))
+                        entropy=entropy, logit_std=math.sqrt(var), rows=rows)
 
 
 def accepted_prefix(accepted: Sequence[bool]) -> int:

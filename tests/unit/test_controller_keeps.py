@@ -16,9 +16,9 @@ from services.drafter.control.fixed import FixedController
 from services.drafter.control.threshold import ThresholdController
 
 
-def steps(*probs: float) -> list[StepFeatures]:
+def steps(*probs: float, rows: int = 1) -> list[StepFeatures]:
     return [StepFeatures(position=i, budget=len(probs), token_id=1, token_prob=p, top1_prob=p, top2_prob=0.0,
-                         entropy=0.1, logit_std=1.0) for i, p in enumerate(probs)]
+                         entropy=0.1, logit_std=1.0, rows=rows) for i, p in enumerate(probs)]
 
 
 def a_round(controller: DraftController, drafted: list[StepFeatures], budget: int) -> int:
@@ -54,26 +54,29 @@ def clock(draft_token_s: float, z0: float, z1: float) -> RoundClock:
 CONFIDENT = [([0.95] * 6, 6)]
 UNSURE = [([0.15] * 6, 0)]
 FADING = [([0.95, 0.15, 0.15, 0.15], 1)]
+HALF = [([0.95, 0.45], 1), ([0.95, 0.45], 2)]  # the second token accepted about half the time
 
 
-@pytest.mark.parametrize(("make", "probs", "budget", "kept"), [
-    (FixedController, (0.9, 0.1, 0.9), 3, 3),
-    (FixedController, (0.9, 0.1, 0.9), 2, 2),
-    (ThresholdController, (0.9, 0.3, 0.9), 3, 2),  # keeps the unsure token, then stops
-    (ThresholdController, (0.9, 0.8, 0.9), 3, 3),
-    (ThresholdController, (0.2,), 1, 1),
-    (lambda: adaspec(CONFIDENT, clock(0.0002, 0.01, 0.0)), (0.95,) * 6, 6, 6),
-    (lambda: adaspec(CONFIDENT, clock(0.0002, 0.01, 0.0)), (0.95,) * 6, 4, 4),
-    (lambda: adaspec(UNSURE, clock(0.002, 0.005, 0.001)), (0.15,) * 6, 6, 0),  # its round would decline
-    (lambda: adaspec(FADING, clock(0.002, 0.004, 0.0005)), (0.95, 0.15, 0.15, 0.15), 4, 1),
-    (lambda: make_controller("adaspec", ControlSettings()), (0.01, 0.01), 2, 2),  # unmeasured: the budget
-    (FixedController, (), 4, 0),
+@pytest.mark.parametrize(("make", "probs", "budget", "kept", "rows"), [
+    (FixedController, (0.9, 0.1, 0.9), 3, 3, 1),
+    (FixedController, (0.9, 0.1, 0.9), 2, 2, 1),
+    (ThresholdController, (0.9, 0.3, 0.9), 3, 2, 1),  # keeps the unsure token, then stops
+    (ThresholdController, (0.9, 0.8, 0.9), 3, 3, 1),
+    (ThresholdController, (0.2,), 1, 1, 1),
+    (lambda: adaspec(CONFIDENT, clock(0.0002, 0.01, 0.0)), (0.95,) * 6, 6, 6, 1),
+    (lambda: adaspec(CONFIDENT, clock(0.0002, 0.01, 0.0)), (0.95,) * 6, 4, 4, 1),
+    (lambda: adaspec(UNSURE, clock(0.002, 0.005, 0.001)), (0.15,) * 6, 6, 0, 1),  # its round would decline
+    (lambda: adaspec(FADING, clock(0.002, 0.004, 0.0005)), (0.95, 0.15, 0.15, 0.15), 4, 1, 1),
+    (lambda: make_controller("adaspec", ControlSettings()), (0.01, 0.01), 2, 2, 1),  # unmeasured: the budget
+    (FixedController, (), 4, 0, 1),
+    (lambda: adaspec(HALF, clock(0.004, 0.006, 0.0)), (0.95, 0.45, 0.45), 3, 1, 1),  # alone: one token
+    (lambda: adaspec(HALF, clock(0.004, 0.006, 0.0)), (0.95, 0.45, 0.45), 3, 3, 10),  # a tenth of a step each
 ])
-def test_keeps_agrees_with_a_round(make: object, probs: tuple[float, ...], budget: int, kept: int) -> None:
+def test_keeps_agrees_with_a_round(make: object, probs: tuple[float, ...], budget: int, kept: int, rows: int) -> None:
     controller: DraftController = make()  # type: ignore[operator]
-    screened = controller.keeps(steps(*probs), budget)
+    screened = controller.keeps(steps(*probs, rows=rows), budget)
     assert screened == kept
-    assert a_round(copy.deepcopy(controller), steps(*probs), budget) == kept
+    assert a_round(copy.deepcopy(controller), steps(*probs, rows=rows), budget) == kept
 
 
 def test_keeps_changes_no_state() -> None:

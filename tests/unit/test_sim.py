@@ -132,7 +132,7 @@ def test_a_batch_pays_one_forward_per_position_of_its_longest_draft() -> None:
     d = DrafterSpec("d0", token_s=1e-3, round_s=0.0, forward_s=3e-3, concurrency=3)
     sim = Simulation(SimSpec(drafters=(d,), cost=H100, rounds=1))
     own = iter([(4e-3, 4), (0.0, 0), (2e-3, 2)])
-    sim._draft = lambda edge, s: next(own)  # type: ignore[method-assign]
+    sim._draft = lambda edge, s, rows: next(own)  # type: ignore[method-assign]
     edge = sim.edges[0]
     edge.queue.extend(Session(f"s{i}", edge, 16, 30, None, 0.0, None) for i in range(3))
     sim._start_batch(edge)

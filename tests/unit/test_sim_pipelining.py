@@ -8,6 +8,9 @@ import pytest
 
 from bench.sim import CostSpec, DrafterSpec, SimResult, SimSpec, VerifierSpec, simulate
 from bench.sim.engine import Simulation
+from bench.sim.state import Lookahead, Session
+from services.drafter.control.base import StepDecision
+from tests.unit.draft_proposer_support import StopAt
 
 H100 = CostSpec("h100")
 
@@ -42,6 +45,22 @@ def test_conditional_drafts_save_a_round_trip_per_round_when_every_draft_is_acce
     assert on.conditional_sent >= on.conditional_taken
     assert off.latency_s is not None and on.latency_s is not None
     assert on.latency_s * on.requests_done / on.rounds < 0.04 < off.latency_s * off.requests_done / off.rounds
+
+
+def test_a_conditional_draft_is_cut_where_the_controller_would_stop_it_and_shown_to_it_when_held() -> None:
+    """As the real drafter does: the cut is the controller's pure screen (``keeps``: the threshold
+    rule stops after the unsure second token); the round that finds the draft held shows the
+    controller the drafts the verifier verifies."""
+    sim = Simulation(SimSpec(drafters=(DrafterSpec("d0", conditional=True),), cost=H100, rounds=1))
+    controller = StopAt(1, StepDecision.STOP)
+    s = Session("s0", sim.edges[0], 16, 30, None, 0.0, controller)
+    drawn = [(0.9, True), (0.3, True), (0.9, True), (0.9, True)]
+    sim._propose = lambda s, k, screen=True, rows=1: (drawn[:k], k)  # type: ignore[method-assign]
+    ahead = Lookahead(True, 4, 0)
+    sim._presend(s, ahead)
+    assert ahead.sent and ahead.drafts == drawn[:2] and controller.seen == []
+    sim._presented(s, ahead, 4)
+    assert [step.position for step in controller.seen] == [0, 1]
 
 
 def test_conditional_drafts_that_never_come_true_are_dropped() -> None:

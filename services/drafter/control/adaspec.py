@@ -15,6 +15,15 @@ confidence is predicted as the historical mean at that position; after the step,
 confidence replaces the prediction. The clock and the calibration are shared by all sessions
 of one drafter; each session's controller keeps only its round.
 
+The paper controls the length of a batch's drafts (§5.1, "at the batch level"). Here each
+session decides its own, and the drafter drafts the sessions ready together in one forward per
+position (``batcher.py``), returning every draft when the longest is done. So a session's next
+token costs it the step only when it drafts alone: in a batch of n, while the others draft on,
+its share t_draft / n (``worth_one_more``; ``StepFeatures.rows``). Charging every session the
+whole step stopped drafts that cost nothing to lengthen: at 24 requests/s in ``bench load``
+(2026-11-27 14:55) AdaSpec drafted about 4 tokens a round against fixed k = 5's 5, and its rounds
+took no less time.
+
 When no draft is worth it, the round drafts nothing and the drafter asks the verifier to run
 the next rounds without waiting for it (``Draft.pause_rounds``, ``rounds.PAUSE_ROUNDS``); every
 ``PROBE_EVERY``-th such decision drafts one token instead, so that the calibration keeps
@@ -108,21 +117,37 @@ class AdaSpecState:
     declined: int = 0  # rounds in a row (over all sessions) that drafting was judged not worth it
 
 
-def worth_one_more(alphas: list[float], shared: AdaSpecState) -> bool:
-    """Predict the next token's acceptance from history; execute only if E/T would rise."""
+def worth_one_more(alphas: list[float], shared: AdaSpecState, rows: int = 1) -> bool:
+    """Predict the next token's acceptance from history; execute only if E/T would rise.
+
+    One more token lengthens the round by the verification's slope z1 and by a draft step, all
+    of it when the session drafts alone (``rows`` 1: T(j + 1)). A batched drafter drafts for
+    ``rows`` sessions in one forward, and each session's round returns with its batch, so the
+    session's own stop saves the step only when every other session stops too: while they draft
+    on, its next token costs about its share of the step."""
     cal, clock = shared.calibration, shared.clock
     guess = cal.accept(cal.predicted_confidence(len(alphas)))
-    return efficiency([*alphas, guess], clock) > efficiency(alphas, clock)
+    now = clock.round_time(len(alphas))
+    later = now + clock.draft_token_s / max(1, rows) + clock.line()[1]
+    return _ratio(expected_tokens([*alphas, guess]), later) > _ratio(expected_tokens(alphas), now)
 
 
-def efficiency(alphas: list[float], clock: RoundClock) -> float:
-    """E(j) / T(j) for the drafts so far (j = len(alphas))."""
+def expected_tokens(alphas: list[float]) -> float:
+    """E(j): the round's expected committed tokens, 1 + the sum of the acceptance chain's products."""
     expected, chain = 1.0, 1.0
     for a in alphas:
         chain *= a
         expected += chain
-    t = clock.round_time(len(alphas))
-    return expected / t if t > 0 else float("inf")
+    return expected
+
+
+def efficiency(alphas: list[float], clock: RoundClock) -> float:
+    """E(j) / T(j) for the drafts so far (j = len(alphas))."""
+    return _ratio(expected_tokens(alphas), clock.round_time(len(alphas)))
+
+
+def _ratio(tokens: float, seconds: float) -> float:
+    return tokens / seconds if seconds > 0 else float("inf")
 
 
 class AdaSpecController:
@@ -140,7 +165,7 @@ class AdaSpecController:
         self._alphas, self._confs, self._budget = [], [], budget
         if budget <= 0 or self.shared.clock.draft_token_s == 0:  # nothing measured yet: draft the budget
             return max(0, budget)
-        if self._worth_one_more():
+        if worth_one_more(self._alphas, self.shared):  # before the batch forms: as if alone
             self.shared.declined = 0
             return budget
         self.shared.declined += 1
@@ -154,7 +179,7 @@ class AdaSpecController:
         self._alphas.append(self.shared.calibration.accept(step.token_prob))
         if len(self._alphas) >= self._budget or self.shared.clock.draft_token_s == 0:
             return StepDecision.CONTINUE
-        return StepDecision.CONTINUE if self._worth_one_more() else StepDecision.STOP
+        return StepDecision.CONTINUE if worth_one_more(self._alphas, self.shared, step.rows) else StepDecision.STOP
 
     def keeps(self, steps: Sequence[StepFeatures], budget: int) -> int:
         """begin_round then on_step over ``steps``, on a copy of the round state (a declined round's
@@ -167,12 +192,9 @@ class AdaSpecController:
         alphas: list[float] = []
         for step in steps[:n - 1]:  # the budget's last token is kept without asking
             alphas.append(self.shared.calibration.accept(step.token_prob))
-            if not worth_one_more(alphas, self.shared):
+            if not worth_one_more(alphas, self.shared, step.rows):
                 return len(alphas)
         return n
-
-    def _worth_one_more(self) -> bool:
-        return worth_one_more(self._alphas, self.shared)
 
     def end_round(self, drafted: int, accepted: int, draft_s: float = 0.0, verify_s: float = 0.0) -> None:
         self.shared.calibration.observe(self._confs[:drafted], accepted)

@@ -44,6 +44,7 @@ class StepFeatures:
     top2_prob: float
     entropy: float = math.nan  # nats; NaN unless the controller ``wants_spread``
     logit_std: float = math.nan  # spread of the raw logits over the vocabulary; NaN likewise
+    rows: int = 1  # sessions the draft model's forward drafted a token for in this step, this one included
 
     @property
     def margin(self) -> float:

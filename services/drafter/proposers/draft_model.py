@@ -297,5 +297,5 @@ def _step_features(live: Sequence[_Drafting], picks: Sequence[_Pick]) -> list[St
         d, p = live[i], probs[n]
         out[i] = StepFeatures(position=len(d.tokens), budget=d.k, token_id=picks[i].token, token_prob=p[0],
                               top1_prob=p[1], top2_prob=p[2] if len(p) > 2 else 0.0, entropy=entropy[n],
-                              logit_std=logit_std[n])
+                              logit_std=logit_std[n], rows=len(live))
     return out
