@@ -77,13 +77,17 @@ def _reference_features(logits: torch.Tensor, token: int) -> tuple[float, float,
     return (float(probs[token]), top[0], top[1], float(torch.special.entr(probs).sum()), float(logits.float().std()))
 
 
-def test_step_features_of_a_batch_are_each_rows_own(draft: LoadedModel) -> None:
+@pytest.mark.parametrize("with_penalised", [True, False], ids=["a row penalised", "the step's top two"])
+def test_step_features_of_a_batch_are_each_rows_own(draft: LoadedModel, with_penalised: bool) -> None:
     """Features come from one batched computation over the rows that want them; each row's equal
     a plain softmax of that session's own (penalised, where it has penalties) logits, and a
-    controller that does not read the spread gets NaN there."""
+    controller that does not read the spread gets NaN there. Without a penalised row they reuse
+    the step's top two logits, picking the rows that want them out of the step's."""
     proposer = make(draft)
     prompts = {"plain": PROMPT, "penalised": PROMPT[::-1], "spread": [3, *PROMPT], "none": PROMPT[2:],
                "ahead": PROMPT[1:]}
+    if not with_penalised:
+        del prompts["penalised"]
     penalised = SamplingParams(temperature=0.0, max_tokens=64, frequency_penalty=1.5, logit_bias={7: -100.0})
     params = {"plain": GREEDY, "penalised": penalised, "spread": WARM, "none": GREEDY, "ahead": GREEDY}
     watches = {"plain": _Watch(False), "penalised": _Watch(True), "spread": _Watch(True), "none": None, "ahead": None}
@@ -94,7 +98,7 @@ def test_step_features_of_a_batch_are_each_rows_own(draft: LoadedModel) -> None:
                      features=sid == "ahead", spread=sid == "ahead") for i, sid in enumerate(prompts)]
     out = dict(zip(prompts, proposer.propose(jobs), strict=True))
     assert out["none"].steps == [] and len(out["none"].token_ids) == 3
-    for sid in ("plain", "penalised", "spread", "ahead"):
+    for sid in (sid for sid in ("plain", "penalised", "spread", "ahead") if sid in prompts):
         steps, tokens = out[sid].steps, out[sid].token_ids
         assert len(steps) == len(tokens) == 3
         for pos, (token, step) in enumerate(zip(tokens, steps, strict=True)):
@@ -103,7 +107,7 @@ def test_step_features_of_a_batch_are_each_rows_own(draft: LoadedModel) -> None:
             if sid == "penalised":
                 logits = apply_penalties(logits[None], penalised, prompts[sid], tokens[:pos])[0]
             prob, top1, top2, entropy, std = _reference_features(logits, token)
-            assert (step.position, step.budget, step.token_id) == (pos, 3, token)
+            assert (step.position, step.budget, step.token_id, step.rows) == (pos, 3, token, len(prompts))
             probs = (step.token_prob, step.top1_prob, step.top2_prob)
             assert probs == pytest.approx((prob, top1, top2), rel=RUNNER_RTOL)
             if sid != "plain":  # its controller does not read the spread

@@ -56,6 +56,7 @@ class RoundClock:
     _y: float = 0.0
     _xx: float = 0.0
     _xy: float = 0.0
+    _line: tuple[float, float] | None = field(default=None, repr=False, compare=False)  # line(), until observe
 
     def observe(self, drafted: int, draft_s: float, return_s: float) -> None:
         """``draft_s`` is the round's drafting compute: 0 when a lookahead had the draft ready
@@ -71,9 +72,16 @@ class RoundClock:
         x, decay = float(drafted), 1 - ALPHA
         self._w, self._x, self._y = decay * self._w + 1, decay * self._x + x, decay * self._y + return_s
         self._xx, self._xy = decay * self._xx + x * x, decay * self._xy + x * return_s
+        self._line = None
 
     def line(self) -> tuple[float, float]:
-        """(z0, z1) of the return time; a flat line until the draft lengths vary."""
+        """(z0, z1) of the return time; a flat line until the draft lengths vary. Kept until the
+        next observation: every drafted token of every session asks for it."""
+        if self._line is None:
+            self._line = self._fit()
+        return self._line
+
+    def _fit(self) -> tuple[float, float]:
         if self._w == 0:
             return 0.0, 0.0
         mean_x, mean_y = self._x / self._w, self._y / self._w
