@@ -190,8 +190,9 @@ class AdaSpecController:
         return StepDecision.CONTINUE if worth_one_more(self._alphas, self.shared, step.rows) else StepDecision.STOP
 
     def keeps(self, steps: Sequence[StepFeatures], budget: int) -> int:
-        """begin_round then on_step over ``steps``, on a copy of the round state (a declined round's
-        probe aside: a conditional Draft is never a probe)."""
+        """What begin_round then on_step over ``steps`` would keep, worked out in locals (the round
+        state is the round in flight's); a declined round's probe aside: a conditional Draft is
+        never a probe."""
         n = min(len(steps), max(0, budget))
         if n == 0 or self.shared.clock.draft_token_s == 0:
             return n
