@@ -127,13 +127,14 @@ class WispController:
     def on_step(self, step: StepFeatures) -> StepDecision:
         row = feature_row(step)
         self._rows.append(row)
-        model = self.shared.model  # swapped whole by the training thread
-        return StepDecision.STOP if model is not None and model.predicts_rejection(row) else StepDecision.CONTINUE
+        return self._decide(row)
 
     def keeps(self, steps: Sequence[StepFeatures], budget: int) -> int:
-        model = self.shared.model
-        return keep_until_stop(lambda step: StepDecision.STOP if model is not None and
-                               model.predicts_rejection(feature_row(step)) else StepDecision.CONTINUE, steps, budget)
+        return keep_until_stop(lambda step: self._decide(feature_row(step)), steps, budget)
+
+    def _decide(self, row: list[float]) -> StepDecision:
+        model = self.shared.model  # swapped whole by the training thread
+        return StepDecision.STOP if model is not None and model.predicts_rejection(row) else StepDecision.CONTINUE
 
     def end_round(self, drafted: int, accepted: int, draft_s: float = 0.0, verify_s: float = 0.0) -> None:
         if len(self._rows) >= drafted:  # features of every sent token (none for a draft made elsewhere)
