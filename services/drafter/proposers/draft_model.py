@@ -177,8 +177,8 @@ class DraftModelProposer:
                 logits = self.runner.forward([Segment(d.cache.slot, d.feed, len(d.feed) - 1) for d in live])
                 assert logits is not None
                 top = logits.topk(min(2, logits.shape[-1]), -1)  # every greedy row in one op
-                picks = [self._pick(d, logits[row], ids) for row, (d, ids) in enumerate(zip(live, top.indices.tolist(),
-                                                                                            strict=True))]
+                top2 = top.indices.tolist()
+                picks = [self._pick(d, logits[row], top2[row]) for row, d in enumerate(live)]
                 for d, pick, step in zip(live, picks, _step_features(live, picks, logits, top.values), strict=True):
                     d.cache.cached.extend(d.feed)
                     self._take(d, pick, step)
