@@ -137,14 +137,15 @@ def client_slo_by_class(outcomes: Sequence[Outcome]) -> dict[str, dict[str, floa
 def measured_costs(run: Run) -> dict[str, Any]:
     """What the simulator's cost models are fitted from (``bench.sim.validate``): the verifier's
     mean forward, step period, queue wait (draft in to its step) and publishing (step results
-    to frames), sessions per step, the draft model's time per drafted token
-    of its rounds (lookaheads apart) and rounds' drafts (over every drafter, and per drafter in
-    ``by_drafter``), and where the CPU went (``cpu``)."""
+    to frames), sessions and tokens per step, the prompt tokens it computed and those it copied
+    from another request's shared prefix, the draft model's time per token its rounds drafted
+    themselves (not taken from a lookahead; lookaheads apart) and rounds' drafts (over every
+    drafter, and per drafter in ``by_drafter``), and where the CPU went (``cpu``)."""
     v = run.metrics.get("verifier", Snapshot())
     snaps = drafter_snapshots(run)
     rounds = sum(s.value(f"{D}_rounds_total") for s in snaps)
     drafted = sum(s.value(f"{D}_drafted_tokens_total") for s in snaps)
-    busy = sum(round_busy(s) for s in snaps)
+    busy, round_tokens = sum(round_busy(s) for s in snaps), sum(round_drafted(s) for s in snaps)
     return {"forward_ms": v.mean(f"{V}_step_seconds", phase="forward") * 1e3,
             "step_ms": v.mean(f"{V}_step_seconds", phase="total") * 1e3,
             "step_period_ms": v.mean(f"{V}_step_period_seconds") * 1e3,
@@ -152,7 +153,9 @@ def measured_costs(run: Run) -> dict[str, Any]:
             "publish_ms": v.mean(f"{V}_publish_seconds") * 1e3,
             "batch_sessions": v.mean(f"{V}_batch_sessions"),
             "batch_tokens": v.mean(f"{V}_batch_tokens"),
-            "draft_ms_per_token": busy / drafted * 1e3 if drafted else 0.0,
+            "prefill_tokens": v.value(f"{V}_prefill_tokens_total"),
+            "shared_prefix_tokens": v.value(f"{V}_shared_prefix_tokens_total"),
+            "draft_ms_per_token": busy / round_tokens * 1e3 if round_tokens else 0.0,
             "drafted_per_round": drafted / rounds if rounds else 0.0,
             "by_drafter": {name: drafter_costs(s) for name, s in sorted(run.metrics.items())
                            if name.startswith("drafter")},
@@ -191,16 +194,19 @@ def cpu_split(run: Run) -> dict[str, float]:
 
 
 def drafter_costs(snap: Snapshot) -> dict[str, Any]:
-    """One drafter's draft-model milliseconds per drafted token of its rounds; drafted, accepted
-    and asked-for tokens per round (a model-free proposer drafts fewer than asked); its rounds;
-    draft-model busy seconds and their CPU seconds (lookaheads included, and apart); its lookaheads
+    """One drafter's draft-model milliseconds per token its rounds drafted themselves (not taken
+    from a lookahead); drafted (and of them so drafted), accepted and asked-for tokens per round
+    (a model-free proposer drafts fewer than asked); its rounds; draft-model busy seconds and
+    their CPU seconds (lookaheads included, and apart); its lookaheads
     (how many were used, and of those how many the verifier held already as a conditional draft);
     the mean sessions its round batches drafted together (lookahead batches apart); its rounds'
     mean hand-off and send and wait for the verdict; and how its rounds' draft, send and
     verify_wait phases spread (``phase_buckets_ms``; its process CPU is in ``cpu_split``)."""
     rounds, drafted = snap.value(f"{D}_rounds_total"), snap.value(f"{D}_drafted_tokens_total")
-    return {"draft_ms_per_token": round_busy(snap) / drafted * 1e3 if drafted else 0.0,
+    round_tokens = round_drafted(snap)
+    return {"draft_ms_per_token": round_busy(snap) / round_tokens * 1e3 if round_tokens else 0.0,
             "drafted_per_round": drafted / rounds if rounds else 0.0,
+            "round_drafted_per_round": round_tokens / rounds if rounds else 0.0,
             "accepted_per_round": snap.value(f"{D}_accepted_tokens_total") / rounds if rounds else 0.0,
             "asked_per_round": snap.value(f"{D}_asked_tokens_total") / rounds if rounds else 0.0,
             "rounds": rounds, "model_busy_s": snap.value(f"{D}_model_busy_seconds_total"),
@@ -228,6 +234,27 @@ def buckets(snap: Snapshot, histogram: str, **labels: str) -> list[list[float]]:
         out.append([le * 1e3, total - before])
         before = total
     return out
+
+
+def round_drafted(snap: Snapshot) -> float:
+    """The draft tokens a drafter's rounds sent that its draft model drafted in them, not taken from
+    a lookahead: what its round busy time (:func:`round_busy`) drafted. Runs before the drafters
+    counted them: all the tokens its rounds sent (which overstates them when lookaheads were used)."""
+    name = f"{D}_round_drafted_tokens_total"
+    return snap.value(name) if (name, ()) in snap else snap.value(f"{D}_drafted_tokens_total")
+
+
+def round_draft_ms_per_token(d: dict[str, Any]) -> float:
+    """A drafter's draft-model ms per token its rounds drafted (``drafter_costs``). A results file
+    from before the drafters counted those tokens (no ``round_drafted_per_round``) divided by every
+    token its rounds sent, when a round that took its lookahead drafted none: that one is scaled by
+    its rounds over those that took none, taking a used lookahead's draft as long as a round's (so
+    the fairness run of 2026-11-27 18:55, where 272 of drafter-1's 539 rounds took a lookahead,
+    gave 1.25 ms where its drafting rounds took about 2.5 ms a token)."""
+    rounds, used = d.get("rounds", 0.0), d.get("lookaheads_used", 0.0)
+    if "round_drafted_per_round" in d or not rounds > used:
+        return float(d["draft_ms_per_token"])
+    return float(d["draft_ms_per_token"]) * rounds / (rounds - used)
 
 
 def round_busy(snap: Snapshot) -> float:

@@ -11,7 +11,8 @@ profile says, simulates it, and compares goodput (committed tokens/s) and mean r
   ``forward`` phase) as a fixed per-step overhead, and its CPU outside its steps (its event
   loop) per session verified;
 * each drafter's costs (per drafter where the run recorded them, else the run's pooled
-  values): its draft-model seconds per drafted token of its rounds (lookaheads apart), split into
+  values): its draft-model seconds per token its rounds drafted themselves (not those that took
+  a lookahead; lookaheads apart: ``round_draft_ms_per_token``), split into
   a forward's fixed cost and a cost per row at the sessions its batches held
   (``split_draft_cost``: a batch of many sessions costs less per session than one of few), its
   hand-off and send per round (a delay after its batch), its draft-model time per lookahead
@@ -23,7 +24,8 @@ profile says, simulates it, and compares goodput (committed tokens/s) and mean r
   proposer drafted fewer tokens than its rounds asked for (the n-gram drafter, when its match runs
   out) also gets the proposal rate that explains the shortfall (``acceptance_of``);
 * the workload: the same sessions, requests, output lengths, arrival times (the same seeded
-  trace) and RTTs; a closed-loop run's requests come from one pool, as from the real queue;
+  trace) and RTTs, and the prompts' length the verifier prefilled (``prompt_len_of``); a
+  closed-loop run's requests come from one pool, as from the real queue;
 * the step scale uses the run's mean tokens per session-step where it recorded them (the real
   verifier's fill steps, one token each, among them), and the loop's CPU is spread over verified
   rounds and filled tokens; the simulated verifier fills too with ``--fill`` (the real one does
@@ -57,17 +59,19 @@ from typing import Any, NamedTuple
 
 from bench.capacity import NO_FILL
 from bench.fleets import write_results
+from bench.run_stats import round_draft_ms_per_token
 from bench.sim.costs import DEFAULT_PROFILE, CostSpec, load_cpu_coef
 from bench.sim.engine import simulate
 from bench.sim.result import SimResult
 from bench.sim.spec import DrafterSpec, Policies, SimSpec, VerifierSpec
 from bench.sim.spread import Spread
+from bench.sim.validation_table import markdown
 from bench.traces import trace_arrivals
 from services.verifier.batching.estimator import Coef, StepTimeEstimator
 
 SOURCES = ("capacity", "load", "fairness")
 TOLERANCE = 0.15
-PROMPT_LEN = 12  # the benchmark prompts' typical length in target tokens
+PROMPT_LEN = 12  # a prompt's length in target tokens for an older results file (``prompt_len_of``)
 TARGET_ONLY = ("centralized", "no speculation", "target-only")
 PIPELINE_SESSIONS = 2  # the real drafters' default --pipeline-sessions, which the benchmarks keep
 #: a draft-model forward's fixed cost in rows' worth: draft-small's greedy batches on the edge core,
@@ -187,7 +191,8 @@ def drafter_params(row: dict[str, Any], n: int, whole_drafts: bool = False,
         alpha, rate = acceptance_of(d, whole_drafts)
         send_s = d["send_ms"] / 1e3 if "send_ms" in d else pooled.send_s
         ahead_s = lookahead_token_s(d)
-        row_s, forward_s = split_draft_cost(d["draft_ms_per_token"] / 1e3, d.get("batch_sessions", 0.0), forward_rows)
+        token_s = round_draft_ms_per_token(d) / 1e3
+        row_s, forward_s = split_draft_cost(token_s, d.get("batch_sessions", 0.0), forward_rows)
         busy, cpu_s = d.get("model_busy_s", 0.0), d.get("model_cpu_s", 0.0)
         phases = d.get("phase_buckets_ms", {})
         return DrafterCosts(alpha, row_s, send_s,
@@ -271,8 +276,8 @@ def drafters_of(source: str, row: dict[str, Any], meta: dict[str, Any], repeat: 
     if row.get("arrival_rate", 0) > 0:
         arrivals = trace_arrivals(row.get("trace", "poisson"), row["arrival_rate"], requests,
                                   int(row.get("seed", 0)) + repeat)
-    base = DrafterSpec("d", round_s=0.0, prompt_len=PROMPT_LEN, max_tokens=int(row.get("max_tokens", 128)),
-                       pipeline_sessions=PIPELINE_SESSIONS)
+    base = DrafterSpec("d", round_s=0.0, prompt_len=meta.get("prompt_len", PROMPT_LEN),
+                       max_tokens=int(row.get("max_tokens", 128)), pipeline_sessions=PIPELINE_SESSIONS)
     specs = []
     for i, d in enumerate(drafter_params(row, n, whole_drafts, knobs.forward_rows)):
         cpu = d.cpu_share if knobs.edge_cores else 1.0
@@ -306,7 +311,7 @@ def measured_waits(row: dict[str, Any]) -> list[float] | None:
     return [(d["verify_wait_ms"] + row.get("round_ms", {}).get("worker_wait", 0.0)) / 1e3 for d in own]
 
 
-def step_scale(row: dict[str, Any], coef: Coef) -> float:
+def step_scale(row: dict[str, Any], coef: Coef, prompt_len: int = PROMPT_LEN) -> float:
     """The run's measured mean forward over the profile's estimate of it at the run's mean batch
     (its sessions per step, each feeding the run's mean tokens per session, or else 1 + its mean
     draft length, at a mid-request context): the
@@ -319,10 +324,26 @@ def step_scale(row: dict[str, Any], coef: Coef) -> float:
         new = c["batch_tokens"] / sessions
     else:
         new = 1.0 + (c["drafted_per_round"] if row["scenario"] not in TARGET_ONLY else 0.0)
-    context = PROMPT_LEN + int(row.get("max_tokens", 128)) / 2
+    context = prompt_len + int(row.get("max_tokens", 128)) / 2
     predicted = StepTimeEstimator(coef).predict_sums(sessions * new, sessions * (context + new) * new,
                                                      sessions * context)
     return forward_s / predicted
+
+
+def prompt_len_of(rows: list[dict[str, Any]]) -> int:
+    """A results file's prompts' mean length in target tokens, which all its rows share: what the
+    verifier prefilled per request (``costs.prefill_tokens``, runs since 2026-11-27 22:20), plus the
+    last prompt token, which a request's first round feeds. Read from its first speculative row
+    that counted them: a target-only request feeds its whole prompt in its first round, uncounted,
+    and a SLED-like verifier prefills every round. Prompt tokens copied from another request's
+    shared prefix are left out, as the simulated verifier does not share (none were in these runs).
+    ``PROMPT_LEN`` for an older file."""
+    for row in rows:
+        requests = sum(c.get("requests", 0.0) for c in row.get("slo", {}).values())
+        prefill = row.get("costs", {}).get("prefill_tokens", 0.0)
+        if prefill > 0 and requests > 0 and row["scenario"] not in (*TARGET_ONLY, "SLED-like"):
+            return max(1, round(prefill / requests) + 1)
+    return PROMPT_LEN
 
 
 def spec_of(source: str, row: dict[str, Any], meta: dict[str, Any], coef: Coef, repeat: int = 0,
@@ -337,8 +358,9 @@ def spec_of(source: str, row: dict[str, Any], meta: dict[str, Any], coef: Coef, 
     loop = verifier_loop_s(c.get("cpu", {}))
     drafters = drafters_of(source, row, meta, repeat, pol.controller == "fixed", knobs)
     fill = knobs.fill and row["scenario"] != NO_FILL  # that fleet's verifier did not fill
+    scale = step_scale(row, coef, meta.get("prompt_len", PROMPT_LEN))
     return SimSpec(drafters, pol, VerifierSpec(32, 2048, overhead, loop, fill),
-                   CostSpec("cpu", coef, scale=step_scale(row, coef)), speculative=row["scenario"] not in TARGET_ONLY,
+                   CostSpec("cpu", coef, scale=scale), speculative=row["scenario"] not in TARGET_ONLY,
                    auto=row.get("speculation") == "auto",
                    rounds=None, duration_s=3600.0, shared_requests=int(row.get("requests", 30)) if closed else 0,
                    edge_cores=knobs.edge_cores, edge_background=edge_background(row) if knobs.edge_cores else 0.0)
@@ -404,50 +426,6 @@ def lookahead_use(row: dict[str, Any], key: str = "lookaheads_used") -> float | 
     return sum(d[key] for d in own) / rounds
 
 
-def per_drafter(values: list[float], digits: int) -> str:
-    """One value per drafter when they differ, else one."""
-    if not values:
-        return ""
-    return "/".join(f"{v:.{digits}f}" for v in values) if len(set(values)) > 1 else f"{values[0]:.{digits}f}"
-
-
-def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
-    done = [r for r in rows if "skipped" not in r]
-    ok = sum(1 for r in done if r["within"])
-    lines = [f"Command: `{meta['command']}` ({meta['when']}); real runs from {', '.join(meta['sources'])}.", "",
-             f"{ok} of {len(done)} rows within {TOLERANCE:.0%} on both goodput and mean latency.", "",
-             "RTT ms: each simulated drafter's round trip to the verifier, its configured RTT or, when longer, "
-             "its rounds' measured link time (network and event loops).", "",
-             f"Draft model: a forward's fixed cost is {meta.get('draft_forward_rows', 0):g} rows' worth "
-             "(`--draft-forward-rows`), split from each drafter's measured cost at its round batches' mean "
-             "sessions.", "",
-             "Verifier: " + ("fills while drafts travel, with the real fill policy (`--fill`)." if meta.get("fill")
-                             else "simulated without filling; the real runs' verifiers filled (`--fill` "
-                                  "simulates that)."), "",
-             "Drafters: " + ("batches and hand-offs spread as the real rounds' draft and send phases did "
-                             "(`--spread`)" if meta.get("spread") else "batches and hand-offs take their mean times")
-             + (f"; sharing {meta['edge_cores']:g} edge core(s) (`--edge-cores`)." if meta.get("edge_cores")
-                else "; each on a core of its own."), "",
-             "| source | scenario | point | real tok/s | sim tok/s | error | real latency s | sim latency s | error | "
-             "α | RTT ms | step scale | within |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if "skipped" in r:
-            lines.append(f"| {r['source']} | {r['scenario']} | {r['point']} | {r['real_tok_s']:.1f} | | | "
-                         f"{r['real_latency_s']:.2f} | | | | | | skipped: {r['skipped']} |")
-            continue
-        lines.append(f"| {r['source']} | {r['scenario']} | {r['point']} | {r['real_tok_s']:.1f} | "
-                     f"{r['sim_tok_s']:.1f} | {r['tok_s_error']:+.0%} | {r['real_latency_s']:.2f} | "
-                     f"{r['sim_latency_s']:.2f} | {r['latency_error']:+.0%} | "
-                     f"{per_drafter(r.get('alphas') or [r['alpha']], 2)} | {per_drafter(r.get('rtts_ms', []), 1)} | "
-                     f"{r.get('step_scale', 1.0):.2f} | {'yes' if r['within'] else 'no'} |")
-    auto = [r for r in done if r.get("real_drafted_share") is not None and r["scenario"] == "smartspec"]
-    if auto:  # its coordinator ran --speculation auto: the requests it queued for a drafter
-        lines += ["", "SmartSpec's requests queued for a drafter (`--speculation auto`), real against simulated: "
-                  + ", ".join(f"{r['point']} {r['real_drafted_share']:.0%}/{r['sim_drafted_share']:.0%}" for r in auto)
-                  + "."]
-    return lines
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench sim-validate", description=__doc__.splitlines()[0])
     p.add_argument("--results", default="bench/results", help="folder of the real runs' JSON files")
@@ -482,7 +460,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         data = json.loads(path.read_text())
         used.append(f"{path} ({data['meta']['when']})")
-        rows += [compare(source, row, data["meta"], coef, knobs) for row in data["rows"]]
+        file_meta = {**data["meta"], "prompt_len": prompt_len_of(data["rows"])}
+        rows += [compare(source, row, file_meta, coef, knobs) for row in data["rows"]]
     if not rows:
         p.error(f"no real results to compare with in {args.results}")
     meta = {"command": "python -m bench sim-validate " + " ".join(argv or []), "sources": used,
@@ -490,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
             "fill": args.fill, "jitter_ms": args.jitter_ms, "edge_cores": args.edge_cores, "spread": args.spread}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    write_results(out, "sim-validation", {"meta": meta, "rows": rows}, markdown(rows, meta))
+    write_results(out, "sim-validation", {"meta": meta, "rows": rows}, markdown(rows, meta, TOLERANCE))
     return 0
 
 

@@ -28,6 +28,9 @@ class DrafterMetrics:
                                "verify_wait, round", ["phase"], buckets=_TIME, registry=r)
         self.rounds = Counter(f"{_P}_rounds", "Rounds played", registry=r)
         self.drafted = Counter(f"{_P}_drafted_tokens", "Draft tokens sent", registry=r)
+        self.round_drafted = Counter(f"{_P}_round_drafted_tokens", "Draft tokens sent by rounds the draft model "
+                                     "drafted then (not taken from a lookahead): what its round busy time, "
+                                     "model_busy less lookahead_busy, drafted", registry=r)
         self.asked = Counter(f"{_P}_asked_tokens", "Draft tokens the rounds asked their proposer for (the "
                              "budget, cut to what the request can still use, to what the controller wanted and, "
                              "in a round drafted ahead, to what its lookahead asked for); a model-free proposer "
@@ -66,7 +69,7 @@ class DrafterMetrics:
                                     buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64), registry=r)
 
     def observe_round(self, worker_wait: float, draft: float, send: float, verify_wait: float, asked: int,
-                      drafted: int, accepted: int) -> None:
+                      drafted: int, accepted: int, from_lookahead: bool = False) -> None:
         self.phase.labels("worker_wait").observe(worker_wait)
         self.phase.labels("draft").observe(draft)
         self.phase.labels("send").observe(send)
@@ -75,6 +78,8 @@ class DrafterMetrics:
         self.rounds.inc()
         self.asked.inc(asked)
         self.drafted.inc(drafted)
+        if not from_lookahead:
+            self.round_drafted.inc(drafted)
         self.accepted.inc(accepted)
 
     def serve(self, host: str, port: int) -> int:

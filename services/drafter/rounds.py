@@ -196,7 +196,8 @@ class SessionRunner:
         if isinstance(reply, Verdict):
             self._observe_capacity(verdict_at - sent, len(reply.token_ids))
             self.metrics.observe_round(started - began, ended - started, sent - ended, verdict_at - sent,
-                                       asked=asked, drafted=drafted, accepted=min(reply.accepted, drafted))
+                                       asked=asked, drafted=drafted, accepted=min(reply.accepted, drafted),
+                                       from_lookahead=ready is not None)
         if isinstance(reply, ErrorFrame):
             session.lookahead.cancel()
             await self._abandon(session, reply)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import statistics
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,11 +25,13 @@ from bench.run_stats import (
     jain,
     per_drafter_goodput,
     round_breakdown,
+    round_draft_ms_per_token,
     slo_by_class,
     sum_log,
 )
 from bench.scrape import Snapshot
 from bench.sim.validate import (
+    PROMPT_LEN,
     Knobs,
     acceptance_of,
     alpha_for,
@@ -37,6 +40,7 @@ from bench.sim.validate import (
     link_s,
     measured_waits,
     policies_of,
+    prompt_len_of,
     spec_of,
     split_draft_cost,
     step_scale,
@@ -209,6 +213,25 @@ def test_step_scale_matches_the_measured_forward_at_the_runs_mean_batch() -> Non
     assert filled * at == pytest.approx(0.012)
 
 
+def counted_prompts(scenario: str, prefill: float, requests: float = 128.0) -> dict[str, object]:
+    return {**real_row(prefill_tokens=prefill), "scenario": scenario, "slo": {"none": {"requests": requests}}}
+
+
+@pytest.mark.parametrize(("rows", "want"), [
+    # the verifier prefilled 6.3 tokens a request; the first round feeds the prompt's last
+    ([counted_prompts("centralized", 0.0), counted_prompts("specfleet", 808.0)], 7),
+    ([counted_prompts("SLED-like", 13600.0), counted_prompts("fixed", 300.0, 30)], 11),  # SLED prefills every round
+    ([counted_prompts("centralized", 0.0)], PROMPT_LEN),  # target-only: its prompts fed uncounted
+    ([real_row()], PROMPT_LEN),  # an older file: not recorded
+])
+def test_a_files_prompt_length_is_what_its_verifier_prefilled_per_request(rows: list[dict[str, Any]],
+                                                                          want: int) -> None:
+    assert prompt_len_of(rows) == want
+    spec = spec_of("fairness", rows[-1], {"drafters": [["small", 0]] * 2, "prompt_len": want}, COEF)
+    assert spec is not None and {d.prompt_len for d in spec.drafters} == {want}
+    assert spec.cost.scale == pytest.approx(step_scale(rows[-1], COEF, want))
+
+
 def test_drafter_params_are_per_drafter_when_the_run_recorded_them() -> None:
     pooled = drafter_params(real_row(), 2)
     assert pooled[0] == pooled[1] and pooled[0][1] == pytest.approx(5e-3)
@@ -251,6 +274,32 @@ def test_a_drafters_batch_sessions_are_its_round_batches_mean() -> None:
                   (f"{name}_sum", (("kind", "lookahead"),)): 3.0, (f"{name}_count", (("kind", "lookahead"),)): 3.0})
     assert drafter_costs(s)["batch_sessions"] == 3.0  # 12 sessions in 4 round batches; lookaheads apart
     assert drafter_costs(Snapshot())["batch_sessions"] == 0.0  # none recorded: the validation does not split
+
+
+def test_a_drafters_cost_per_token_is_over_the_tokens_its_rounds_drafted_then() -> None:
+    d = "specfleet_drafter"
+    s = Snapshot({(f"{d}_model_busy_seconds_total", ()): 3.0, (f"{d}_lookahead_busy_seconds_total", ()): 1.0,
+                  (f"{d}_rounds_total", ()): 10.0, (f"{d}_drafted_tokens_total", ()): 40.0,
+                  (f"{d}_round_drafted_tokens_total", ()): 20.0})
+    costs = drafter_costs(s)
+    # 2 s of round batches drafted 20 tokens; the other 20 were sent from lookaheads (their 1 s apart)
+    assert (costs["draft_ms_per_token"], costs["round_drafted_per_round"]) == (100.0, 2.0)
+    del s[(f"{d}_round_drafted_tokens_total", ())]  # a drafter from before the counter: every token sent
+    assert drafter_costs(s)["draft_ms_per_token"] == 50.0
+
+
+@pytest.mark.parametrize(("costs", "want_ms"), [
+    ({"rounds": 540.0, "lookaheads_used": 270.0}, 2.5),  # an older file: half its rounds drafted nothing
+    ({"rounds": 540.0, "lookaheads_used": 270.0, "round_drafted_per_round": 2.0}, 1.25),  # counted apart already
+    ({}, 1.25),  # lookaheads not recorded
+    ({"rounds": 10.0, "lookaheads_used": 10.0}, 1.25),  # no round drafted: nothing to scale by
+])
+def test_an_older_files_round_cost_per_token_leaves_out_the_rounds_that_took_a_lookahead(
+        costs: dict[str, float], want_ms: float) -> None:
+    d = {"draft_ms_per_token": 1.25, "drafted_per_round": 4.0, "accepted_per_round": 2.0, **costs}
+    assert round_draft_ms_per_token(d) == pytest.approx(want_ms)
+    [p] = drafter_params(real_row(by_drafter={"drafter-1": d}), 1)
+    assert p.token_s == pytest.approx(want_ms / 1e3)  # batches not recorded: all of it per row
 
 
 def test_measured_waits_are_each_drafters_verify_wait_and_the_runs_worker_wait() -> None:

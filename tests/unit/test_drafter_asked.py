@@ -1,5 +1,6 @@
 """A drafter counts the draft tokens each round asked its proposer for beside those it sent: a
-model-free proposer sends fewer when its match runs out (what the simulator's validation reads)."""
+model-free proposer sends fewer when its match runs out; and apart, those of rounds it drafted then,
+not from a lookahead (what the simulator's validation reads)."""
 
 from __future__ import annotations
 
@@ -75,7 +76,7 @@ async def test_rounds_count_the_tokens_asked_for_and_those_the_ngram_found() -> 
     assert sent == [[7, 8, 5], []]
     get = runner.metrics.registry.get_sample_value
     assert get("specfleet_drafter_asked_tokens_total") == 6.0
-    assert get("specfleet_drafter_drafted_tokens_total") == 3.0
+    assert get("specfleet_drafter_drafted_tokens_total") == get("specfleet_drafter_round_drafted_tokens_total") == 3.0
     assert get("specfleet_drafter_rounds_total") == 2.0
 
 
@@ -91,6 +92,8 @@ async def test_a_round_drafted_ahead_asked_for_what_its_lookahead_was_asked_for(
     get = runner.metrics.registry.get_sample_value
     assert get("specfleet_drafter_lookaheads_total", {"outcome": "used"}) == 1.0
     assert get("specfleet_drafter_asked_tokens_total") == get("specfleet_drafter_drafted_tokens_total") == 6.0
+    # the draft model's round time drafted only the first round's: the second's came from the lookahead
+    assert get("specfleet_drafter_round_drafted_tokens_total") == 3.0
 
 
 @pytest.mark.asyncio
