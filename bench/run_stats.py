@@ -137,7 +137,7 @@ def client_slo_by_class(outcomes: Sequence[Outcome]) -> dict[str, dict[str, floa
 def measured_costs(run: Run) -> dict[str, Any]:
     """What the simulator's cost models are fitted from (``bench.sim.validate``): the verifier's
     mean forward, step period, queue wait (draft in to its step) and publishing (step results
-    to frames), sessions and tokens per step, the prompt tokens it computed and those it copied
+    to frames), sessions (and their spread) and tokens per step, the prompt tokens it computed and those it copied
     from another request's shared prefix, the draft model's time per token its rounds drafted
     themselves (not taken from a lookahead; lookaheads apart) and rounds' drafts (over every
     drafter, and per drafter in ``by_drafter``), and where the CPU went (``cpu``)."""
@@ -153,6 +153,7 @@ def measured_costs(run: Run) -> dict[str, Any]:
             "publish_ms": v.mean(f"{V}_publish_seconds") * 1e3,
             "batch_sessions": v.mean(f"{V}_batch_sessions"),
             "batch_tokens": v.mean(f"{V}_batch_tokens"),
+            "batch_sessions_buckets": buckets(v, f"{V}_batch_sessions", unit=1.0),
             "prefill_tokens": v.value(f"{V}_prefill_tokens_total"),
             "shared_prefix_tokens": v.value(f"{V}_shared_prefix_tokens_total"),
             "draft_ms_per_token": busy / round_tokens * 1e3 if round_tokens else 0.0,
@@ -223,15 +224,16 @@ def drafter_costs(snap: Snapshot) -> dict[str, Any]:
                                  for phase in ("draft", "send", "verify_wait")}}
 
 
-def buckets(snap: Snapshot, histogram: str, **labels: str) -> list[list[float]]:
-    """A histogram's observations per bucket: ``[upper bound in ms, count]`` in increasing order
-    (not cumulative; the last bound may be inf), for the simulator's spreads (``bench.sim.spread``)."""
+def buckets(snap: Snapshot, histogram: str, unit: float = 1e3, **labels: str) -> list[list[float]]:
+    """A histogram's observations per bucket: ``[upper bound × unit, count]`` in increasing order
+    (not cumulative; the last bound may be inf), by default seconds as ms, for the simulator's
+    spreads (``bench.sim.spread``)."""
     want = set(labels.items())
     cumulative = sorted((float(dict(key)["le"]), v) for (name, key), v in snap.items()
                         if name == f"{histogram}_bucket" and want <= set(key))
     out, before = [], 0.0
     for le, total in cumulative:
-        out.append([le * 1e3, total - before])
+        out.append([le * unit, total - before])
         before = total
     return out
 

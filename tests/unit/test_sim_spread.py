@@ -53,6 +53,7 @@ def test_the_benchmarks_record_a_histograms_buckets_one_by_one() -> None:
                      for le, n in (("0.001", 2.0), ("0.002", 5.0), ("+Inf", 6.0))})
     snap[(f"{H}_bucket", (("le", "0.001"), ("phase", "draft")))] = 7.0
     assert buckets(snap, H, phase="send") == [[1.0, 2.0], [2.0, 3.0], [math.inf, 1.0]]
+    assert buckets(snap, H, unit=1.0, phase="send") == [[0.001, 2.0], [0.002, 3.0], [math.inf, 1.0]]  # a count
 
 
 def fleet(spread: Spread | None, fill: bool = True) -> SimSpec:
