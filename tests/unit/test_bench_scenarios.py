@@ -221,6 +221,8 @@ def counted_prompts(scenario: str, prefill: float, requests: float = 128.0) -> d
     # the verifier prefilled 6.3 tokens a request; the first round feeds the prompt's last
     ([counted_prompts("centralized", 0.0), counted_prompts("specfleet", 808.0)], 7),
     ([counted_prompts("SLED-like", 13600.0), counted_prompts("fixed", 300.0, 30)], 11),  # SLED prefills every round
+    # a first round that came before its prompt was cached fed the rest itself: the fullest count
+    ([counted_prompts("goodspeed", 230.0, 30), counted_prompts("fixed", 329.0, 30)], 12),
     ([counted_prompts("centralized", 0.0)], PROMPT_LEN),  # target-only: its prompts fed uncounted
     ([real_row()], PROMPT_LEN),  # an older file: not recorded
 ])
