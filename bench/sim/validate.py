@@ -143,6 +143,9 @@ class Knobs(NamedTuple):
     #: each drafter's round batches and hand-offs spread as its rounds' measured draft and send
     #: phases did (DrafterSpec.draft_spread, send_spread; runs since 2026-11-27 04:15)
     spread: bool = False
+    #: simulations per real repeat, with seeds 0, 1, …: a short row's simulated rate depends on its
+    #: draws (the 8 requests of the 40 ms capacity run at 4 sessions: 230–276 tokens/s over 6 seeds)
+    seeds: int = 1
 
 
 DEFAULTS = Knobs()
@@ -379,9 +382,9 @@ def compare(source: str, row: dict[str, Any], meta: dict[str, Any], coef: Coef,
     first = specs[0]
     if first is None:
         return {**out, "skipped": "not modelled (the simulator's verifier keeps every session's KV cache)"}
-    sims = [simulate(spec) for spec in specs if spec is not None]
+    sims = [simulate(replace(spec, seed=seed)) for spec in specs if spec is not None for seed in range(knobs.seeds)]
     by_drafter = row["costs"].get("by_drafter", {})
-    # as the real row: the median of the repeats' rates, the mean latency over all their requests
+    # as the real row: the median of the repeats' (and seeds') rates, the mean latency over all their requests
     tok_s = statistics.median(r.goodput_tok_s for r in sims)
     latency = sum((r.latency_s or 0.0) * r.requests_done for r in sims) / max(1, sum(r.requests_done for r in sims))
     out.update(sim_tok_s=tok_s, sim_latency_s=latency, alpha=first.drafters[0].alpha, repeats=repeats,
@@ -453,9 +456,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--spread", action="store_true",
                    help="each simulated drafter's batches and hand-offs spread as its real rounds' draft and send "
                         "phases did (their histograms, runs since 2026-11-27 04:15), around the same means")
+    p.add_argument("--seeds", type=int, default=5,
+                   help="simulations per real repeat, with seeds 0 to this − 1; a row takes their median rate and "
+                        "the mean latency over all their requests")
     p.add_argument("--out", default="bench/results")
     args = p.parse_args(argv)
-    knobs = Knobs(args.draft_forward_rows, args.fill, args.jitter_ms / 1e3, args.edge_cores, args.spread)
+    if args.seeds < 1:
+        p.error(f"--seeds must be at least 1, got {args.seeds}")
+    knobs = Knobs(args.draft_forward_rows, args.fill, args.jitter_ms / 1e3, args.edge_cores, args.spread, args.seeds)
     coef = load_cpu_coef(args.estimator_file)
     rows, used = [], []
     for source in args.sources.split(","):
@@ -471,7 +479,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"no real results to compare with in {args.results}")
     meta = {"command": "python -m bench sim-validate " + " ".join(argv or []), "sources": used,
             "when": time.strftime("%Y-%m-%d %H:%M"), "coef": coef, "draft_forward_rows": args.draft_forward_rows,
-            "fill": args.fill, "jitter_ms": args.jitter_ms, "edge_cores": args.edge_cores, "spread": args.spread}
+            "fill": args.fill, "jitter_ms": args.jitter_ms, "edge_cores": args.edge_cores, "spread": args.spread,
+            "seeds": args.seeds}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     write_results(out, "sim-validation", {"meta": meta, "rows": rows}, markdown(rows, meta, TOLERANCE))
