@@ -137,10 +137,11 @@ def client_slo_by_class(outcomes: Sequence[Outcome]) -> dict[str, dict[str, floa
 def measured_costs(run: Run) -> dict[str, Any]:
     """What the simulator's cost models are fitted from (``bench.sim.validate``): the verifier's
     mean forward, step period, queue wait (draft in to its step) and publishing (step results
-    to frames), sessions (and their spread) and tokens per step, the prompt tokens it computed and those it copied
-    from another request's shared prefix, the draft model's time per token its rounds drafted
-    themselves (not taken from a lookahead; lookaheads apart) and rounds' drafts (over every
-    drafter, and per drafter in ``by_drafter``), and where the CPU went (``cpu``)."""
+    to frames), sessions (and their spread) and tokens per step, the prompt tokens it computed
+    and those it copied from another request's shared prefix, the draft model's time per token
+    its rounds drafted themselves (not taken from a lookahead; lookaheads apart) and rounds'
+    drafts (over every drafter, and per drafter in ``by_drafter``), and where the CPU went
+    (``cpu``)."""
     v = run.metrics.get("verifier", Snapshot())
     snaps = drafter_snapshots(run)
     rounds = sum(s.value(f"{D}_rounds_total") for s in snaps)

@@ -384,7 +384,7 @@ def compare(source: str, row: dict[str, Any], meta: dict[str, Any], coef: Coef,
         return {**out, "skipped": "not modelled (the simulator's verifier keeps every session's KV cache)"}
     sims = [simulate(replace(spec, seed=seed)) for spec in specs if spec is not None for seed in range(knobs.seeds)]
     by_drafter = row["costs"].get("by_drafter", {})
-    # as the real row: the median of the repeats' (and seeds') rates, the mean latency over all their requests
+    # as the real row: the median rate over the repeats (and seeds), the mean latency over all their requests
     tok_s = statistics.median(r.goodput_tok_s for r in sims)
     latency = sum((r.latency_s or 0.0) * r.requests_done for r in sims) / max(1, sum(r.requests_done for r in sims))
     out.update(sim_tok_s=tok_s, sim_latency_s=latency, alpha=first.drafters[0].alpha, repeats=repeats,

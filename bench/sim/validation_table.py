@@ -18,7 +18,7 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any], tolerance: float)
     ok = sum(1 for r in done if r["within"])
     lines = [f"Command: `{meta['command']}` ({meta['when']}); real runs from {', '.join(meta['sources'])}.", "",
              f"{ok} of {len(done)} rows within {tolerance:.0%} on both goodput and mean latency.", "",
-             f"Each row: the median rate over the real run's repeats, each simulated with "
+             "Each row: the median rate over the real run's repeats, each simulated with "
              f"{meta.get('seeds', 1)} seed(s) (`--seeds`), and the mean latency over all their requests.", "",
              "RTT ms: each simulated drafter's round trip to the verifier, its configured RTT or, when longer, "
              "its rounds' measured link time (network and event loops).", "",
