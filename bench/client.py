@@ -29,14 +29,15 @@ class Outcome:
     ttft_s: float = 0.0  # request sent -> first token frame
     tpot_s: float = 0.0  # mean time per output token after the first
     slo_tokens_per_s: float | None = None  # the request's SLO class (its ``slo_tokens_per_s``), if it had one
+    sent_s: float = 0.0  # when it was sent, seconds from the start of its run (its sockets connect inside it)
 
     @classmethod
     def of(cls, tokens: int, started: float, first: float, ended: float, extra: dict[str, Any],
-           slo_tokens_per_s: float | None = None) -> Outcome:
+           slo_tokens_per_s: float | None = None, origin: float | None = None) -> Outcome:
         ttft = (first or ended) - started
         tpot = (ended - first) / (tokens - 1) if first and tokens > 1 else 0.0
         return cls(tokens, ended - started, int(extra.get("drafted_tokens", 0)), int(extra.get("accepted_tokens", 0)),
-                   ttft, tpot, slo_tokens_per_s)
+                   ttft, tpot, slo_tokens_per_s, started - origin if origin is not None else 0.0)
 
     @property
     def slo_met(self) -> bool:
@@ -45,7 +46,8 @@ class Outcome:
         return self.slo_tokens_per_s is None or self.tokens >= self.slo_tokens_per_s * self.latency_s
 
 
-async def _one(ws: Any, body: dict[str, Any]) -> Outcome:
+async def _one(ws: Any, body: dict[str, Any], origin: float | None = None) -> Outcome:
+    """Send ``body`` and read its stream to the end; ``origin``: the run's start (``perf_counter``)."""
     started = time.perf_counter()
     first = 0.0
     await ws.send(json.dumps(body))
@@ -58,7 +60,7 @@ async def _one(ws: Any, body: dict[str, Any]) -> Outcome:
             tokens += len(frame["token_ids"])
         elif frame["type"] == "done":
             return Outcome.of(tokens, started, first, time.perf_counter(), frame.get("specfleet", {}),
-                              body.get("slo_tokens_per_s"))
+                              body.get("slo_tokens_per_s"), origin)
         else:
             raise RuntimeError(f"request failed: {frame}")
 
@@ -67,13 +69,13 @@ async def run_load(ws_url: str, bodies: list[dict[str, Any]], concurrency: int) 
     """Send every body over ``concurrency`` sockets; returns (wall seconds, outcomes)."""
     todo = list(reversed(bodies))
     outcomes: list[Outcome] = []
+    started = time.perf_counter()
 
     async def worker() -> None:
         async with websockets.connect(ws_url, max_size=None) as ws:
             while todo:
-                outcomes.append(await _one(ws, todo.pop()))
+                outcomes.append(await _one(ws, todo.pop(), started))
 
-    started = time.perf_counter()
     await asyncio.gather(*[worker() for _ in range(concurrency)])
     return time.perf_counter() - started, outcomes
 
@@ -99,7 +101,7 @@ async def run_arrivals(ws_url: str, bodies: list[dict[str, Any]],
     async def one(body: dict[str, Any], at: float) -> Outcome:
         await asyncio.sleep(max(0.0, started + at - time.perf_counter()))
         async with websockets.connect(ws_url, max_size=None) as ws:
-            return await _one(ws, body)
+            return await _one(ws, body, started)
 
     outcomes = await asyncio.gather(*(one(b, at) for b, at in zip(bodies, arrivals, strict=True)))
     return time.perf_counter() - started, list(outcomes)

@@ -106,6 +106,9 @@ class Run:
     network: str = "loopback"
     walls: list[float] = field(default_factory=list)  # seconds of each repeat
     client_cpu_s: float = 0.0  # the load client's CPU seconds (this process) over the repeats
+    #: closed loop: when each socket sent its first request, per repeat (seconds from its start,
+    #: in order): connecting them takes the client and the coordinator a while
+    first_sends: list[list[float]] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
@@ -210,6 +213,7 @@ def measure(bf: BenchFleet, sc: Scenario, concurrency: int, repeats: int, reques
     rates: list[float] = []
     walls: list[float] = []
     outcomes: list[Outcome] = []
+    first_sends: list[list[float]] = []
     cpu = time.process_time()
     for i in range(repeats):
         reqs = bodies(requests, max_tokens, model, temperature, prompts, slo_classes)
@@ -221,8 +225,11 @@ def measure(bf: BenchFleet, sc: Scenario, concurrency: int, repeats: int, reques
         rates.append(sum(o.tokens for o in outs) / wall)
         walls.append(wall)
         outcomes += outs
+        if arrival_rate <= 0:  # a socket's next request starts after its first ends, long after the others' first
+            first_sends.append(sorted(o.sent_s for o in outs)[:concurrency])
     cpu = time.process_time() - cpu
-    return Run(sc.name, concurrency, rates, outcomes, diff_all(bf.scrape(), before), bf.network, walls, cpu)
+    return Run(sc.name, concurrency, rates, outcomes, diff_all(bf.scrape(), before), bf.network, walls, cpu,
+               first_sends)
 
 
 def prime(bf: BenchFleet, model: str, temperature: float = 0.0) -> None:
@@ -240,7 +247,7 @@ def combined(runs: Sequence[Run]) -> Run:
     metrics = {name: merged([r.metrics[name] for r in runs if name in r.metrics]) for name in names}
     return Run(first.scenario, first.concurrency, [x for r in runs for x in r.rates],
                [o for r in runs for o in r.outcomes], metrics, first.network, [w for r in runs for w in r.walls],
-               sum(r.client_cpu_s for r in runs))
+               sum(r.client_cpu_s for r in runs), [x for r in runs for x in r.first_sends])
 
 
 def in_turn(target: Path, scs: Sequence[Scenario], edge: Edge, logs: Path, levels: Sequence[L], repeats: int,

@@ -108,6 +108,7 @@ def summary(run: Run) -> dict[str, Any]:
         "round_ms": round_breakdown(run),
         "costs": measured_costs(run),
         "drafted_share": drafted_share(run.metrics.get("coordinator", Snapshot())),
+        "first_sends_ms_runs": [[round(t * 1e3, 2) for t in sends] for sends in run.first_sends],
     }
 
 

@@ -2,26 +2,27 @@
 
 Drafters (mirroring ``services/drafter/rounds.py`` and ``batcher.py``): a verdict (or the
 admission) with budget b > 0 makes the session ready on its drafter's one draft model. When the
-model is free it takes every ready session (up to ``max_batch``, oldest first) as one batch,
-as the real batcher does. For each, the drafter caps b at what the request can still use
+model is free it takes every ready session (up to ``max_batch``, oldest first) as one batch, as
+the real batcher does. For each, the drafter caps b at what the request can still use
 (``useful_draft_len``: at most ``max_tokens − generated − 1``), asks the real controller
 (``begin_round``), and drafts token by token: each synthetic token (``tokens.py``) is shown to
 ``on_step`` when the controller wants features, which may stop early (STOP keeps the token,
 DISCARD drops it; its compute is spent). The batch takes a forward's fixed cost per draft
 position (its longest draft's) plus its sessions' draft costs (``DrafterSpec``), and every draft
-of it leaves ``send_s`` after the batch ends, reaching the verifier RTT/2 later. Pipelined
-drafting (``lookahead.py``): a session that sends a draft while its drafter serves at most
-``pipeline_sessions`` sessions drafts its next round ahead, as if this one is accepted whole,
-one token per batch and only while no round is ready. A verdict that makes it true takes it as
-the next draft, sent once it is done; any other drops it. Conditional drafts
-(``DrafterSpec.conditional``): a lookahead done before its verdict came leaves at once (cut where
-the session's controller would stop it, ``DraftController.keeps``), and the
-verifier verifies it as soon as the round it assumes ends as assumed (or when it arrives, if later);
-the drafter, hearing that verdict, starts the next round with it (sending nothing) and looks ahead
-past it, as the real one does (``Lookahead.presented``). When the verdict comes back,
-``end_round(drafted, accepted, draft_s, verify_s)`` feeds the controller, as the real drafter
-does. The controller's decisions are taken when the draft starts (the simulator draws the whole
-draft at once), so feedback from other sessions' verdicts during a draft is seen from the next one.
+of it leaves after its hand-off (``send_s``; with ``send_rows``, one after another), reaching
+the verifier RTT/2 later. Pipelined drafting (``lookahead.py``): a session that sends a draft
+while its drafter serves at most ``pipeline_sessions`` sessions drafts its next round ahead, as
+if this one is accepted whole, one token per batch and only while no round is ready. A verdict
+that makes it true takes it as the next draft, sent once it is done; any other drops it.
+Conditional drafts (``DrafterSpec.conditional``): a lookahead done before its verdict came
+leaves at once (cut where the session's controller would stop it, ``DraftController.keeps``),
+and the verifier verifies it as soon as the round it assumes ends as assumed (or when it
+arrives, if later); the drafter, hearing that verdict, starts the next round with it (sending
+nothing) and looks ahead past it, as the real one does (``Lookahead.presented``). When the
+verdict comes back, ``end_round(drafted, accepted, draft_s, verify_s)`` feeds the controller, as
+the real drafter does. The controller's decisions are taken when the draft starts (the simulator
+draws the whole draft at once), so feedback from other sessions' verdicts during a draft is seen
+from the next one.
 
 Shared edge cores (``SimSpec.edge_cores``): batches and lookahead steps are jobs on the drafters'
 shared cores instead (``edge_cpu.py``), ending when their CPU work is done. Measured spreads
@@ -29,9 +30,10 @@ shared cores instead (``edge_cpu.py``), ending when their CPU work is done. Meas
 their mean times a draw of mean 1 from the real drafter's histogram (``spread.py``).
 
 Requests: a request starts at its drafter (client), its open message reaches the verifier RTT/2
-later; its last tokens come back RTT/2 after its last step. Closed loop: the next request starts
-the moment one finishes (no think time), at the same drafter; with ``shared_requests`` the
-drafters draw from one pool, as the real ones do from the request queue. Latency, TTFT, TPOT
+later; its last tokens come back RTT/2 after its last step. Closed loop: the first requests start
+at their drafter's ``starts`` (all at 0 without), and the next request the moment one finishes
+(no think time), at the same drafter; with ``shared_requests`` the drafters draw from one pool,
+as the real ones do from the request queue. Latency, TTFT, TPOT
 and SLO attainment (the real ``slo_met``) are measured at the client, from its arrival there to
 its tokens' return.
 
@@ -65,7 +67,7 @@ from services.verifier.batching import slo_met
 def _edge(index: int, d: DrafterSpec, threshold: float) -> Edge:
     return Edge(index, d.name, d.alpha, d.token_s, d.round_s, d.prefill_token_s, d.send_s, d.rtt_s / 2, d.max_batch,
                 d.pipeline_sessions, d.lookahead_token_s, d.proposal_rate, ControlSettings(threshold), d.forward_s,
-                d.conditional, d.jitter_s, d.draft_spread, d.send_spread)
+                d.conditional, d.jitter_s, d.draft_spread, d.send_spread, d.send_rows)
 
 
 class Simulation:
@@ -86,14 +88,15 @@ class Simulation:
             if spec.shared_requests:
                 closed = min(d.concurrency, pool)
                 pool -= closed
-            starts = sorted(d.arrivals) if d.arrivals else [0.0] * closed
+            starts = sorted(d.arrivals) if d.arrivals else _first_starts(d.starts, closed)
+            edge.scheduled = len(starts)
             for at in starts:
                 self.events.push(at, Kind.ARRIVE, edge)
         self.started = spec.shared_requests - pool  # requests started from the shared pool
         self.drafted = EvenShare()  # new requests routed to drafters (``auto``), as the coordinator does
         self.cores = SharedCores(spec.edge_cores, spec.edge_background, self.events) if spec.edge_cores else None
         self.handlers: dict[Kind, Callable[[Any], None]] = {
-            Kind.ARRIVE: self._arrive, Kind.OPEN: self._open, Kind.VERDICT: self._verdict,
+            Kind.ARRIVE: self._arrive_due, Kind.OPEN: self._open, Kind.VERDICT: self._verdict,
             Kind.DRAFT_DONE: self._draft_done, Kind.DRAFT_IN: self._draft_in, Kind.STEP_END: self._step_end,
             Kind.LOOKAHEAD_STEP: self._lookahead_step, Kind.WAKE: lambda _: None,
             Kind.CONDITIONAL_IN: self._conditional_in, Kind.EDGE_CPU: self._edge_cpu}
@@ -148,6 +151,10 @@ class Simulation:
 
     # --- requests ----------------------------------------------------------------------------
 
+    def _arrive_due(self, edge: Edge) -> None:
+        edge.scheduled -= 1
+        self._arrive(edge)
+
     def _arrive(self, edge: Edge) -> None:
         d = self.spec.drafters[edge.index]
         speculative = self._to_drafter()
@@ -180,7 +187,7 @@ class Simulation:
             if self.started < self.spec.shared_requests:
                 self.started += 1
                 self._arrive(s.edge)
-        elif not d.arrivals and (not d.requests or s.edge.requests < d.requests):
+        elif not d.arrivals and (not d.requests or s.edge.requests + s.edge.scheduled < d.requests):
             self._arrive(s.edge)
 
     # --- drafters ----------------------------------------------------------------------------
@@ -385,9 +392,9 @@ class Simulation:
     def _draft_done(self, done: tuple[Edge, tuple[Session, ...], float]) -> None:
         edge, batch, began = done
         edge.busy = False
-        for s in batch:
+        for i, s in enumerate(batch):
             s.draft_s = self.now - began
-            self._send(s, edge.send_after(self.rng))
+            self._send(s, edge.batch_send_after(i, self.rng))
 
     def _send(self, s: Session, after: float = 0.0) -> None:
         """The draft leaves ``after`` seconds from now (not once its request finished: by a fill)."""
@@ -407,6 +414,13 @@ class Simulation:
 
     def _step_end(self, step: Step) -> None:
         self.verifier.end_step(step, self.now)
+
+
+def _first_starts(starts: tuple[float, ...], n: int) -> list[float]:
+    """When a closed loop's ``n`` first requests start: ``starts`` in order, the last of them for any
+    beyond (all at 0 without any)."""
+    ordered = sorted(starts)[:n]
+    return ordered + [ordered[-1] if ordered else 0.0] * (n - len(ordered))
 
 
 class _Progress:

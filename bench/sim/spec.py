@@ -37,7 +37,9 @@ class DrafterSpec:
     Requests: closed loop with ``concurrency`` sessions at once (a finished request is followed
     at once by the next one, no think time; ``requests`` > 0 ends the loop after that many)
     unless ``arrivals`` lists request arrival times (seconds; open loop, each arrival one request).
-    Every request has ``prompt_len`` prompt
+    A closed loop's first requests start at ``starts`` (seconds, one per session; all at 0 when
+    empty): the real client connects its sockets inside the run, and sends each first request
+    once its socket is up, so they reach the queue over tens of milliseconds. Every request has ``prompt_len`` prompt
     tokens, asks for ``max_tokens`` output tokens and carries the SLO class ``slo_tokens_per_s``
     (None: best effort).
     """
@@ -57,6 +59,11 @@ class DrafterSpec:
     #: hand-off (``send_s``) times a factor of mean 1 drawn from them; None: always the mean
     draft_spread: Spread | None = None
     send_spread: Spread | None = None
+    #: a round batch's drafts leave one after another, as the real drafter's session tasks send
+    #: them in turn: the i-th (from 0) after i + 1 hand-offs of 2·send_s/(send_rows + 1), so that at
+    #: batches of ``send_rows`` sessions (the real ones' mean) they leave ``send_s`` after the batch
+    #: on average; 0: every draft of a batch leaves ``send_s`` after it
+    send_rows: float = 0.0
     max_batch: int = 64  # the most sessions drafted together (the real drafter: its session limit)
     #: pipelined drafting (the real drafter's --pipeline-sessions): a session that sends a draft
     #: while its drafter serves at most this many sessions drafts its next round ahead (a guess of
@@ -77,6 +84,7 @@ class DrafterSpec:
     concurrency: int = 1
     requests: int = 0  # closed loop: stop after this many requests in all (0: never)
     arrivals: tuple[float, ...] = ()
+    starts: tuple[float, ...] = ()  # closed loop: when its first requests start (see above)
     prompt_len: int = 64
     max_tokens: int = 32
     slo_tokens_per_s: float | None = None
@@ -86,7 +94,7 @@ class DrafterSpec:
             raise ValueError(f"{self.name}: alpha and proposal_rate must be in [0, 1], got {self.alpha} and "
                              f"{self.proposal_rate}")
         if min(self.token_s, self.forward_s, self.round_s, self.prefill_token_s, self.send_s, self.lookahead_token_s,
-               self.rtt_s, self.jitter_s) < 0:
+               self.rtt_s, self.jitter_s, self.send_rows, *self.starts) < 0:
             raise ValueError(f"{self.name}: costs and RTT must be >= 0")
         if min(self.concurrency, self.max_batch, self.prompt_len, self.max_tokens) < 1 or min(
                 self.requests, self.pipeline_sessions) < 0:

@@ -156,6 +156,7 @@ class Edge:
     jitter_s: float = 0.0  # uniform extra one-way delay of each draft and verdict (DrafterSpec.jitter_s)
     draft_spread: Spread | None = None  # of its round batches' draft-model time (DrafterSpec.draft_spread)
     send_spread: Spread | None = None  # of its drafts' hand-off (DrafterSpec.send_spread)
+    send_rows: float = 0.0  # a round batch's drafts leave one after another (DrafterSpec.send_rows)
     last_up: float = 0.0  # when its last draft arrives at the verifier (a later one never overtakes it)
     last_down: float = 0.0  # when its last verdict arrives here
     queue: deque[Session] = field(default_factory=deque)
@@ -163,6 +164,7 @@ class Edge:
     looking: list[Session] = field(default_factory=list)  # sessions whose lookahead is being drafted
     busy: bool = False
     requests: int = 0  # requests started
+    scheduled: int = 0  # requests due to start (their ARRIVE events pending)
     live: int = 0  # requests started and not finished
 
     def carry(self, leaves: float, up: bool, rng: random.Random) -> float:
@@ -182,6 +184,13 @@ class Edge:
     def send_after(self, rng: random.Random) -> float:
         """This draft's hand-off: ``send_s``, times a draw of ``send_spread`` if any."""
         return self.send_s * self.send_spread.factor(rng) if self.send_spread is not None else self.send_s
+
+    def batch_send_after(self, i: int, rng: random.Random) -> float:
+        """The hand-off of the ``i``-th draft (from 0) of a round batch: with ``send_rows``, one after
+        another, ``i + 1`` hand-offs of 2·send_s/(send_rows + 1) each (so at batches of ``send_rows``
+        sessions their mean is ``send_s``, as measured); else ``send_after``."""
+        share = 2.0 * (i + 1) / (self.send_rows + 1.0) if self.send_rows > 0 else 1.0
+        return self.send_after(rng) * share
 
     def batch_factor(self, rng: random.Random) -> float:
         """A round batch's draft-model time over its mean: a draw of ``draft_spread``, else 1."""

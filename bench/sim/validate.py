@@ -25,7 +25,10 @@ profile says, simulates it, and compares goodput (committed tokens/s) and mean r
   out) also gets the proposal rate that explains the shortfall (``acceptance_of``);
 * the workload: the same sessions, requests, output lengths, arrival times (the same seeded
   trace) and RTTs, and the prompts' length the verifier prefilled (``prompt_len_of``); a
-  closed-loop run's requests come from one pool, as from the real queue;
+  closed-loop run's requests come from one pool, as from the real queue, the first ones when the
+  real client sent them (its sockets connect inside the run; ``first_sends_s``);
+* a drafter's round batch hands its drafts off one after another, as the real session tasks send
+  them in turn (``DrafterSpec.send_rows``, at the drafter's measured mean batch);
 * the step scale uses the run's mean tokens per session-step where it recorded them (the real
   verifier's fill steps, one token each, among them), and the loop's CPU is spread over verified
   rounds and filled tokens; the simulated verifier fills too with ``--fill`` (the real one does
@@ -66,13 +69,12 @@ from bench.sim.result import SimResult
 from bench.sim.spec import DrafterSpec, Policies, SimSpec, VerifierSpec
 from bench.sim.spread import Spread
 from bench.sim.validation_table import markdown
+from bench.sim.workload import PROMPT_LEN, TARGET_ONLY, first_sends_s, prompt_len_of
 from bench.traces import trace_arrivals
 from services.verifier.batching.estimator import Coef, StepTimeEstimator
 
 SOURCES = ("capacity", "load", "fairness")
 TOLERANCE = 0.15
-PROMPT_LEN = 12  # a prompt's length in target tokens for an older results file (``prompt_len_of``)
-TARGET_ONLY = ("centralized", "no speculation", "target-only")
 PIPELINE_SESSIONS = 2  # the real drafters' default --pipeline-sessions, which the benchmarks keep
 #: a draft-model forward's fixed cost in rows' worth: draft-small's greedy batches on the edge core,
 #: `python -m bench.costs --model models/draft-small --draft-batches 1,2,4,8,16 --prompt-len 12`
@@ -128,6 +130,7 @@ class DrafterCosts(NamedTuple):
     cpu_share: float = 1.0  # its draft model's CPU seconds per busy second (1: not recorded)
     draft_spread: Spread | None = None  # its rounds' measured draft phases, those that drafted (None: not recorded)
     send_spread: Spread | None = None  # its rounds' measured send phases
+    send_rows: float = 0.0  # the mean sessions of its round batches, whose drafts leave in turn (0: not recorded)
 
 
 class Knobs(NamedTuple):
@@ -204,7 +207,7 @@ def drafter_params(row: dict[str, Any], n: int, whole_drafts: bool = False,
                             ahead_s, rate, forward_s, min(1.0, cpu_s / busy) if busy > 0 and cpu_s > 0 else 1.0,
                             # a round that drafted nothing (its lookahead was ready) has a draft phase of 0
                             Spread.of_buckets(phases.get("draft", []), above=DRAFTED_MS),
-                            Spread.of_buckets(phases.get("send", [])))
+                            Spread.of_buckets(phases.get("send", [])), d.get("batch_sessions", 0.0))
     return [of(d) if d["drafted_per_round"] > 0 else pooled for d in own]
 
 
@@ -279,6 +282,7 @@ def drafters_of(source: str, row: dict[str, Any], meta: dict[str, Any], repeat: 
     if row.get("arrival_rate", 0) > 0:
         arrivals = trace_arrivals(row.get("trace", "poisson"), row["arrival_rate"], requests,
                                   int(row.get("seed", 0)) + repeat)
+    sends = first_sends_s(row, repeat)
     base = DrafterSpec("d", round_s=0.0, prompt_len=meta.get("prompt_len", PROMPT_LEN),
                        max_tokens=int(row.get("max_tokens", 128)), pipeline_sessions=PIPELINE_SESSIONS)
     specs = []
@@ -289,7 +293,8 @@ def drafters_of(source: str, row: dict[str, Any], meta: dict[str, Any], repeat: 
                              lookahead_token_s=d.lookahead_token_s * cpu, proposal_rate=d.proposal_rate,
                              rtt_s=max(0.0, max(rtts[i], d.link_s) - knobs.jitter_s), jitter_s=knobs.jitter_s,
                              concurrency=max(1, row["concurrency"] // n), requests=requests // n,
-                             arrivals=tuple(arrivals[i::n]), draft_spread=d.draft_spread if knobs.spread else None,
+                             arrivals=tuple(arrivals[i::n]), starts=tuple(sends[i::n]), send_rows=d.send_rows,
+                             draft_spread=d.draft_spread if knobs.spread else None,
                              send_spread=d.send_spread if knobs.spread else None))
     return tuple(specs)
 
@@ -331,26 +336,6 @@ def step_scale(row: dict[str, Any], coef: Coef, prompt_len: int = PROMPT_LEN) ->
     predicted = StepTimeEstimator(coef).predict_sums(sessions * new, sessions * (context + new) * new,
                                                      sessions * context)
     return forward_s / predicted
-
-
-def prompt_len_of(rows: list[dict[str, Any]]) -> int:
-    """A results file's prompts' mean length in target tokens, which all its rows share: what the
-    verifier prefilled per request (``costs.prefill_tokens``, runs since 2026-11-27 21:50), plus the
-    last prompt token, which a request's first round feeds; the most over its speculative rows.
-    The count is short of the prompts by what first rounds fed themselves: a round whose draft
-    comes before its prompt is cached feeds the rest with its drafts (in the fairness run of 21:54,
-    11.0, 8.2 and 7.7 tokens a request under its three policies, on the same prompts). A
-    target-only request feeds its whole prompt in its first round, uncounted; a SLED-like verifier
-    prefills every round. Prompt tokens copied from another request's shared prefix are left out,
-    as the simulated verifier does not share (none were in these runs). ``PROMPT_LEN`` for an
-    older file."""
-    counts = []
-    for row in rows:
-        requests = sum(c.get("requests", 0.0) for c in row.get("slo", {}).values())
-        prefill = row.get("costs", {}).get("prefill_tokens", 0.0)
-        if prefill > 0 and requests > 0 and row["scenario"] not in (*TARGET_ONLY, "SLED-like"):
-            counts.append(prefill / requests)
-    return max(1, round(max(counts)) + 1) if counts else PROMPT_LEN
 
 
 def spec_of(source: str, row: dict[str, Any], meta: dict[str, Any], coef: Coef, repeat: int = 0,

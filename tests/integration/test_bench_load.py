@@ -33,8 +33,13 @@ async def test_closed_and_open_loop_loads_count_tokens_and_latencies() -> None:
         assert wall > 0
         assert len(outs) == 6 and all(o.tokens == 3 and o.drafted == 3 for o in outs)
         assert all(o.ttft_s >= 0.01 and o.tpot_s >= 0.009 for o in outs)
+        # each socket sends its next request once its last ended (3 frames 10 ms apart): the third
+        # send comes after a first request's end
+        sends = sorted(o.sent_s for o in outs)
+        assert 0 <= sends[0] <= sends[1] < sends[2] and sends[2] >= 0.03 and sends[-1] < wall
         started = time.perf_counter()
         _wall, outs = await run_arrivals(url, bodies, [0.0, 0.0, 0.05, 0.05, 0.1, 0.2])
         assert len(outs) == 6 and time.perf_counter() - started >= 0.2  # the last one arrived at 0.2 s
+        assert max(o.sent_s for o in outs) >= 0.2  # sent at its arrival, after its socket connected
         with pytest.raises(ValueError, match="arrival times"):
             await run_arrivals(url, bodies, [0.0])

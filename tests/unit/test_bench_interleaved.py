@@ -27,16 +27,18 @@ def snap(**samples: float) -> Snapshot:
 
 def test_combined_keeps_every_repeat_and_sums_each_services_metrics() -> None:
     a = Run("s", 4, [100.0], [], {"verifier": snap(steps=10, cpu=1.0), "drafter-1": snap(rounds=3)}, walls=[2.0],
-            client_cpu_s=0.25)
+            client_cpu_s=0.25, first_sends=[[0.0, 0.1]])
     b = Run("s", 4, [300.0], [], {"verifier": snap(steps=5, cpu=0.5), "drafter-1": snap(rounds=4)}, walls=[1.0],
             client_cpu_s=0.5)
-    c = Run("s", 4, [200.0], [], {"verifier": snap(steps=1), "drafter-1": snap(rounds=1)}, walls=[1.5])
+    c = Run("s", 4, [200.0], [], {"verifier": snap(steps=1), "drafter-1": snap(rounds=1)}, walls=[1.5],
+            first_sends=[[0.2, 0.3]])
     run = combined([a, b, c])
     assert (run.scenario, run.concurrency, run.rates, run.walls) == ("s", 4, [100.0, 300.0, 200.0], [2.0, 1.0, 1.5])
     assert run.tokens_per_s == 200.0
     assert run.metrics["verifier"].value("steps") == 16 and run.metrics["verifier"].value("cpu") == 1.5
     assert run.metrics["drafter-1"].value("rounds") == 8
     assert run.client_cpu_s == 0.75
+    assert run.first_sends == [[0.0, 0.1], [0.2, 0.3]]  # each repeat's, in order (b recorded none)
 
 
 @pytest.mark.parametrize(("base", "spec", "ratios", "median"), [
