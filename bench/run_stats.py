@@ -10,7 +10,10 @@ From the client's outcomes and the services' /metrics deltas of one :class:`benc
   arrival at the verifier) and the client's (``slo_client``: from sending the request to its last token);
 * fairness across drafters: Σ log x_i and Jain's index (Σx)² / (n·Σx²) of the per-drafter goodputs;
 * the scheduler's decision time per step (batch selection and trim, and the allocation);
-* the round breakdown: the drafters' mean seconds per phase of a round.
+* the round breakdown: the drafters' mean seconds per phase of a round;
+* for the simulator's validation: the costs the services measured (``measured_costs``), and a
+  closed loop's first sends per repeat (``first_sends_ms_runs``: its sockets connect inside the
+  run, so its first requests leave over tens of milliseconds).
 """
 
 from __future__ import annotations
