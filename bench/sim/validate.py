@@ -38,7 +38,8 @@ Two switches model this machine's shared edge core (both off by default):
 
 * ``--spread``: each drafter's round batches and hand-offs take their mean times a draw from its
   rounds' measured draft and send phases (``spread.py``; the real ones range over several times
-  their mean), so that its drafts arrive as unevenly as the real ones;
+  their mean), so that its drafts arrive as unevenly as the real ones (the send phases' spread
+  includes a batch's drafts leaving in turn, so they are drawn in place of ``send_rows``);
 * ``--edge-cores C``: the drafters share C cores (processor sharing, ``edge_cpu.py``), their
   batches priced in their draft models' measured CPU seconds.
 
@@ -293,7 +294,8 @@ def drafters_of(source: str, row: dict[str, Any], meta: dict[str, Any], repeat: 
                              lookahead_token_s=d.lookahead_token_s * cpu, proposal_rate=d.proposal_rate,
                              rtt_s=max(0.0, max(rtts[i], d.link_s) - knobs.jitter_s), jitter_s=knobs.jitter_s,
                              concurrency=max(1, row["concurrency"] // n), requests=requests // n,
-                             arrivals=tuple(arrivals[i::n]), starts=tuple(sends[i::n]), send_rows=d.send_rows,
+                             arrivals=tuple(arrivals[i::n]), starts=tuple(sends[i::n]),
+                             send_rows=0.0 if knobs.spread else d.send_rows,  # the measured spread has it
                              draft_spread=d.draft_spread if knobs.spread else None,
                              send_spread=d.send_spread if knobs.spread else None))
     return tuple(specs)

@@ -16,7 +16,7 @@ from bench.run_stats import summary
 from bench.scrape import Snapshot
 from bench.sim import CostSpec, DrafterSpec, SimSpec, simulate
 from bench.sim.engine import Simulation, _first_starts
-from bench.sim.validate import drafters_of
+from bench.sim.validate import Knobs, drafters_of
 from bench.sim.workload import first_sends_s
 from tests.unit.test_bench_scenarios import real_row
 
@@ -92,3 +92,14 @@ def test_the_runs_record_when_each_repeat_sent_its_first_requests() -> None:
     run = Run("s", 2, [1.0, 1.0], [], {"verifier": Snapshot()}, walls=[1.0, 1.0],
               first_sends=[[0.01234, 0.2], [0.0, 0.05]])
     assert summary(run)["first_sends_ms_runs"] == [[12.34, 200.0], [0.0, 50.0]]
+
+
+@pytest.mark.parametrize(("knobs", "want"), [(Knobs(), 6.0), (Knobs(spread=True), 0.0)])
+def test_a_drafter_hands_off_in_turn_at_its_measured_batches_unless_spread(knobs: Knobs, want: float) -> None:
+    """Drawn from the measured send phases (``--spread``), the hand-offs already spread as a batch's
+    drafts leaving in turn did."""
+    own = {"draft_ms_per_token": 1.0, "drafted_per_round": 4.0, "accepted_per_round": 2.0, "send_ms": 0.5,
+           "batch_sessions": 6.0, "phase_buckets_ms": {"send": [[1.0, 3], [2.0, 1]]}}
+    row = {**real_row(), "scenario": "specfleet"}
+    row["costs"] = {**row["costs"], "by_drafter": {"drafter-1": own, "drafter-2": own}}
+    assert [d.send_rows for d in drafters_of("capacity", row, {}, knobs=knobs)] == [want, want]
