@@ -30,12 +30,11 @@ shared cores instead (``edge_cpu.py``), ending when their CPU work is done. Meas
 their mean times a draw of mean 1 from the real drafter's histogram (``spread.py``).
 
 Requests: a request starts at its drafter (client), its open message reaches the verifier RTT/2
-later; its last tokens come back RTT/2 after its last step. Closed loop: the first requests start
-at their drafter's ``starts`` (all at 0 without), and the next request the moment one finishes
-(no think time), at the same drafter; with ``shared_requests`` the drafters draw from one pool,
-as the real ones do from the request queue. Latency, TTFT, TPOT
-and SLO attainment (the real ``slo_met``) are measured at the client, from its arrival there to
-its tokens' return.
+later; its last tokens come back RTT/2 after its last step. Closed loop: the first requests
+start at their drafter's ``starts`` (all at 0 without), and the next request the moment one
+finishes (no think time), at the same drafter; with ``shared_requests`` the drafters draw from
+one pool, as the real ones do from the request queue. Latency, TTFT, TPOT and SLO attainment
+(the real ``slo_met``) are measured at the client, from its arrival there to its tokens' return.
 
 Events at the same instant are all handled before the verifier picks a batch and before an
 idle drafter takes its next batch, as the real verifier drains its command queue before

@@ -34,14 +34,14 @@ class DrafterSpec:
     which does not hold the draft model up).
     A message takes ``rtt_s / 2`` each way between the drafter and the verifier.
 
-    Requests: closed loop with ``concurrency`` sessions at once (a finished request is followed
-    at once by the next one, no think time; ``requests`` > 0 ends the loop after that many)
-    unless ``arrivals`` lists request arrival times (seconds; open loop, each arrival one request).
-    A closed loop's first requests start at ``starts`` (seconds, one per session; all at 0 when
-    empty): the real client connects its sockets inside the run, and sends each first request
-    once its socket is up, so they reach the queue over tens of milliseconds. Every request has ``prompt_len`` prompt
-    tokens, asks for ``max_tokens`` output tokens and carries the SLO class ``slo_tokens_per_s``
-    (None: best effort).
+    Requests: closed loop with ``concurrency`` sessions at once (a finished request is followed at
+    once by the next one, no think time; ``requests`` > 0 ends the loop after that many) unless
+    ``arrivals`` lists request arrival times (seconds; open loop, each arrival one request). A
+    closed loop's first requests start at ``starts`` (seconds, one per session; all at 0 when
+    empty): the real client connects its sockets inside the run, and sends each first request once
+    its socket is up, so they reach the queue over tens to hundreds of milliseconds. Every request
+    has ``prompt_len`` prompt tokens, asks for ``max_tokens`` output tokens and carries the SLO
+    class ``slo_tokens_per_s`` (None: best effort).
     """
 
     name: str
