@@ -117,6 +117,7 @@ bench: install
 	$(BIN)/python -m bench sim --drafters 100,1000,10000 --cost cpu,h100 --target-only
 	$(BIN)/python -m bench sim --drafters 10,100,1000,3000 --cost cpu,h100 --allocation goodspeed --stem sim-goodspeed
 	$(BIN)/python -m bench sim-validate
+	$(BIN)/python -m bench sim-rtt
 	@$(MAKE) --no-print-directory bench-report
 
 bench-report: install

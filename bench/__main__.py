@@ -1,5 +1,6 @@
 """``python -m bench <command>``: profile, serving, context, qwire, policies (make bench), costs,
-verifier-policies, backends, rtt, single, fairness, slo, load, capacity, sim, report."""
+verifier-policies, backends, rtt, single, fairness, slo, load, capacity, sim, sim-validate, sim-rtt,
+report."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ COMMANDS = {"profile": "bench.profile", "serving": "bench.serving", "context": "
             "verifier-policies": "bench.verifier_policies", "backends": "bench.backends", "rtt": "bench.rtt",
             "single": "bench.single", "fairness": "bench.fairness", "slo": "bench.slo", "load": "bench.load",
             "capacity": "bench.capacity", "report": "bench.report",
-            "sim": "bench.sim", "sim-validate": "bench.sim.validate"}
+            "sim": "bench.sim", "sim-validate": "bench.sim.validate", "sim-rtt": "bench.sim.rtt_sweep"}
 
 
 def main() -> int:

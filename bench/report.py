@@ -54,6 +54,8 @@ SECTIONS = (
             "--stem sim-goodspeed",
             ("sim-goodspeed.png",)),
     Section("sim-validation", "The simulator against the real runs", "python -m bench sim-validate"),
+    Section("sim-rtt", "Simulated: what the round trip changes about how to draft", "python -m bench sim-rtt",
+            ("sim-rtt.png",)),
 )
 
 
