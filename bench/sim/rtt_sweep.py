@@ -173,17 +173,18 @@ def plot(rows: list[dict[str, Any]], costs: list[str], path: Path) -> None:
 
     fig, axes = plt.subplots(len(costs), 2, figsize=(11, 3.8 * len(costs)), squeeze=False)
     for (left, right), c in zip(axes, costs, strict=True):
-        for rtt in sorted({r["rtt_ms"] for r in rows}):
+        for n, rtt in enumerate(sorted({r["rtt_ms"] for r in rows})):
+            color = f"C{n}"  # one colour per RTT, solid with pipelining and dashed without
             for piped, style in ((True, "-"), (False, "--")):
                 rs = sorted((r for r in rows if r["cost"] == c and r["rtt_ms"] == rtt and r["pipelined"] == piped
                              and r["sessions"] == 1), key=lambda r: r["k"])
-                left.plot([r["k"] for r in rs], [r["goodput_tok_s"] for r in rs], style, marker="o",
+                left.plot([r["k"] for r in rs], [r["goodput_tok_s"] for r in rs], style, marker="o", color=color,
                           label=f"{rtt:g} ms{'' if piped else ', no pipelining'}")
             rs = sorted((r for r in rows if r["cost"] == c and r["rtt_ms"] == rtt and r["pipelined"]
                          and r["k"] == SESSIONS_K), key=lambda r: r["sessions"])
             if rs and rs[0]["sessions"] == 1:
                 right.plot([r["sessions"] for r in rs], [r["per_session_tok_s"] / rs[0]["per_session_tok_s"]
-                                                         for r in rs], marker="o", label=f"{rtt:g} ms")
+                                                         for r in rs], marker="o", color=color, label=f"{rtt:g} ms")
         right.axhline(KEEP, color="grey", linewidth=0.8)
         left.set(xlabel="draft length k", ylabel="goodput (tokens / simulated s)", title=f"{c}: draft length")
         right.set(xscale="log", xlabel="sessions per drafter", ylabel="per-session rate / one session's",
