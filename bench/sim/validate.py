@@ -70,7 +70,7 @@ from bench.sim.result import SimResult
 from bench.sim.spec import DrafterSpec, Policies, SimSpec, VerifierSpec
 from bench.sim.spread import Spread
 from bench.sim.validation_table import markdown
-from bench.sim.workload import PROMPT_LEN, TARGET_ONLY, first_sends_s, prompt_len_of
+from bench.sim.workload import PROMPT_LEN, TARGET_ONLY, configured_rtt_ms, first_sends_s, prompt_len_of
 from bench.traces import trace_arrivals
 from services.verifier.batching.estimator import Coef, StepTimeEstimator
 
@@ -274,11 +274,13 @@ def drafters_of(source: str, row: dict[str, Any], meta: dict[str, Any], repeat: 
                 whole_drafts: bool = False, knobs: Knobs = DEFAULTS) -> tuple[DrafterSpec, ...]:
     """The clients and drafters of the row: its sessions, requests, arrivals (those of its
     ``repeat``-th repeat: the real run seeds repeat i with seed + i), RTTs and costs (in CPU
-    seconds with ``knobs.edge_cores``). A drafter's RTT is its configured one, or the measured
-    link time of its rounds when that is longer; with a jitter J, J less (the jitter keeps its mean)."""
+    seconds with ``knobs.edge_cores``). A drafter's RTT is its configured one (its own in a fairness
+    run, else the edge network's, ``configured_rtt_ms``), or the measured link time of its rounds
+    when that is longer; with a jitter J, J less (the jitter keeps its mean)."""
     n = max(1, len(row["goodput_by_drafter"]))
     requests = int(row.get("requests", 30))
-    rtts = [float(rtt) / 1e3 for _, rtt in meta["drafters"]] if source == "fairness" else [0.0] * n
+    rtts = [float(rtt) / 1e3 for _, rtt in meta["drafters"]] if source == "fairness" else \
+        [configured_rtt_ms(row) / 1e3] * n
     arrivals: list[float] = []
     if row.get("arrival_rate", 0) > 0:
         arrivals = trace_arrivals(row.get("trace", "poisson"), row["arrival_rate"], requests,

@@ -1,8 +1,10 @@
 """What a real run's rows say of its workload beyond their own fields, for the validation
-(``validate.py``): how long its prompts were, and when a closed loop's first requests started."""
+(``validate.py``): how long its prompts were, when a closed loop's first requests started, and
+the round trip its edge network added."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 PROMPT_LEN = 12  # a prompt's length in target tokens for an older results file (``prompt_len_of``)
@@ -34,3 +36,12 @@ def first_sends_s(row: dict[str, Any], repeat: int) -> list[float]:
     ``first_sends_ms_runs``, runs since 2026-11-28; empty before). Drafter i takes every n-th."""
     runs = row.get("first_sends_ms_runs") or []
     return [t / 1e3 for t in runs[min(repeat, len(runs) - 1)]] if runs else []
+
+
+def configured_rtt_ms(row: dict[str, Any]) -> float:
+    """The round trip the row's edge network added to every drafter (its ``network``, e.g. "edge
+    network: netns, RTT +40 ms"); 0 on loopback. The fairness runs' drafters add their own too
+    (the file's ``meta.drafters``)."""
+    found = re.search(r"RTT \+([0-9.]+) ms", str(row.get("network", "")))
+    return float(found.group(1)) if found else 0.0
+
