@@ -17,35 +17,22 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from bench.sim.costs import COST_MODELS, DEFAULT_PROFILE, CostSpec, load_cpu_coef
+from bench.sim.costs import COST_MODELS, DEFAULT_PROFILE, CostSpec, load_cpu_coef, parse_cost_models
 from bench.sim.engine import simulate
 from bench.sim.report import write
 from bench.sim.result import SimResult
-from bench.sim.spec import DrafterSpec, Policies, SimSpec, VerifierSpec, parse_alphas, parse_values
+from bench.sim.spec import DrafterSpec, Policies, SimSpec, VerifierSpec, number_list, parse_alphas, parse_values
 from services.drafter.control import CONTROLLERS
 from services.verifier.allocation import POLICIES as ALLOCATIONS
 from services.verifier.batching import POLICIES as BATCHINGS
-
-
-def _ints(text: str) -> list[int]:
-    values = [int(v) for v in text.split(",") if v.strip()]
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of positive integers, got {text!r}")
-    return values
-
-
-def _costs(text: str) -> list[str]:
-    names = [v.strip() for v in text.split(",") if v.strip()]
-    if not names or any(n not in COST_MODELS for n in names):
-        raise argparse.ArgumentTypeError(f"cost models are {', '.join(COST_MODELS)}; got {text!r}")
-    return names
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench sim", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
-    a("--drafters", type=_ints, default=[100, 1000, 10000], help="fleet sizes N to sweep, comma-separated")
+    a("--drafters", type=lambda t: number_list(t, int, 1), default=[100, 1000, 10000],
+      help="fleet sizes N to sweep, comma-separated")
     a("--allocation", choices=ALLOCATIONS, default="fixed", help="draft-length allocation policy (the verifier's)")
     a("--batching", choices=BATCHINGS, default="fcfs", help="batch selection policy (the verifier's)")
     a("--controller", choices=sorted(CONTROLLERS), default="fixed", help="drafting controller (the drafters')")
@@ -72,7 +59,7 @@ def parser() -> argparse.ArgumentParser:
     a("--round-overhead-ms", type=float, default=0.05, help="verifier's cost per session-round in a step, ms")
     a("--rounds", type=int, default=16, help="stop after this many verified rounds per drafter on average")
     a("--duration-s", type=float, default=0.0, help="also stop at this simulated time (0: no limit)")
-    a("--cost", type=_costs, default=list(COST_MODELS), help="verifier cost models: cpu, h100 or cpu,h100")
+    a("--cost", type=parse_cost_models, default=list(COST_MODELS), help="verifier cost models: cpu, h100 or cpu,h100")
     a("--estimator-file", default=str(DEFAULT_PROFILE), help="the cpu model's profiled coefficients "
                                                              "(make profile-verifier); missing: generic ones")
     a("--target-only", action="store_true", help="also run each point without speculation")

@@ -18,6 +18,7 @@ The drafters' and the network's costs are parameters of each drafter (``spec.Dra
 
 from __future__ import annotations
 
+import argparse
 import math
 import warnings
 from collections.abc import Sequence
@@ -30,6 +31,14 @@ from services.verifier.batching.estimator import DEFAULT_COEF, Coef, SegmentShap
 #: where ``make profile-verifier`` leaves this machine's coefficients
 DEFAULT_PROFILE = Path(".specfleet/verifier-profile.json")
 COST_MODELS = ("cpu", "h100")
+
+
+def parse_cost_models(text: str) -> list[str]:
+    """``cpu``, ``h100`` or ``cpu,h100`` as a list (an argparse type: anything else is a usage error)."""
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    if not names or any(n not in COST_MODELS for n in names):
+        raise argparse.ArgumentTypeError(f"cost models are {', '.join(COST_MODELS)}; got {text!r}")
+    return names
 
 
 class CostModel(Protocol):

@@ -34,9 +34,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from bench.sim.costs import COST_MODELS, DEFAULT_PROFILE, CostSpec, load_cpu_coef
+from bench.sim.costs import COST_MODELS, DEFAULT_PROFILE, CostSpec, load_cpu_coef, parse_cost_models
 from bench.sim.engine import simulate
-from bench.sim.spec import DrafterSpec, Policies, SimSpec, VerifierSpec
+from bench.sim.spec import DrafterSpec, Policies, SimSpec, VerifierSpec, number_list
 
 KEEP = 0.9  # a drafter "keeps up" with s sessions while each runs at this share of one session's rate
 SESSIONS_K = 4  # the draft length of the sessions-per-drafter sweep
@@ -200,24 +200,15 @@ def plot(rows: list[dict[str, Any]], costs: list[str], path: Path) -> None:
 # --- the command ----------------------------------------------------------------------------
 
 
-def _numbers(kind: type, text: str) -> list[Any]:
-    try:
-        values = [kind(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) < 0:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of numbers >= 0, got {text!r}")
-    return values
-
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench sim-rtt", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
-    a("--cost", default="cpu,h100", help="verifier cost models, comma-separated: " + ", ".join(COST_MODELS))
-    a("--rtt-ms", type=lambda t: _numbers(float, t), default=[0.0, 10.0, 40.0], help="round trips, ms")
-    a("--draft-lens", type=lambda t: _numbers(int, t), default=[1, 2, 4, 8], help="draft lengths k")
-    a("--sessions", type=lambda t: _numbers(int, t), default=[1, 2, 4, 8, 16], help="sessions per drafter "
+    a("--cost", type=parse_cost_models, default=list(COST_MODELS), help="verifier cost models: cpu, h100 or "
+                                                                        "cpu,h100")
+    a("--rtt-ms", type=lambda t: number_list(t, float, 0), default=[0.0, 10.0, 40.0], help="round trips, ms")
+    a("--draft-lens", type=lambda t: number_list(t, int, 1), default=[1, 2, 4, 8], help="draft lengths k")
+    a("--sessions", type=lambda t: number_list(t, int, 1), default=[1, 2, 4, 8, 16], help="sessions per drafter "
                                                                                    "(the first should be 1)")
     a("--drafters", type=int, default=4, help="drafters in the fleet")
     a("--alpha", type=float, default=0.8, help="every drafter's per-token acceptance rate (draft-small's "
@@ -231,9 +222,6 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _check(args: argparse.Namespace) -> str | None:
-    costs = [c.strip() for c in args.cost.split(",") if c.strip()]
-    if not costs or any(c not in COST_MODELS for c in costs):
-        return f"--cost takes {', '.join(COST_MODELS)}; got {args.cost!r}"
     if min(args.drafters, args.rounds, args.seeds, *args.draft_lens, *args.sessions) < 1 or not 0 <= args.alpha <= 1:
         return "--drafters, --rounds, --seeds, --draft-lens and --sessions must be >= 1, --alpha in [0, 1]"
     return None
@@ -248,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     started = time.perf_counter()
-    costs = [c.strip() for c in args.cost.split(",") if c.strip()]
+    costs: list[str] = args.cost
     coef = load_cpu_coef(args.estimator_file) if "cpu" in costs else None
     models = {c: CostSpec(c, coef) if c == "cpu" and coef is not None else CostSpec(c) for c in costs}
     todo = points(costs, args.rtt_ms, args.draft_lens, args.sessions)

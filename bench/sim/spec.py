@@ -7,8 +7,10 @@ RTTs, the profiled estimator) to check the simulator against that run.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import argparse
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from bench.sim.costs import CostSpec
 from bench.sim.spread import Spread
@@ -210,6 +212,17 @@ def parse_values(text: str, n: int, spread: tuple[float, float]) -> list[float]:
     if not values:
         raise ValueError(f"no values in {text!r}")
     return [values[i % len(values)] for i in range(n)]
+
+
+def number_list(text: str, kind: Callable[[str], Any], least: float) -> list[Any]:
+    """A CLI list such as ``1,2,4`` (an argparse type): each value a ``kind`` of at least ``least``."""
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < least:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of numbers >= {least:g}, got {text!r}")
+    return values
 
 
 def parse_alphas(text: str, n: int) -> list[float]:

@@ -3,6 +3,7 @@ drafter, on the simulator: its readings, its fleets and one small sweep end to e
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 import pytest
 
 from bench.sim import CostSpec
+from bench.sim.spec import number_list
 from bench.sim.rtt_sweep import (
     KEEP,
     SESSIONS_K,
@@ -79,6 +81,24 @@ def test_a_small_sweep_writes_its_page(tmp_path: Path) -> None:
 
 
 def test_nonsense_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["--cost", "tpu"]) == 2
-    assert "--cost takes" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as usage:  # argparse's usage error
+        main(["--cost", "tpu"])
+    assert usage.value.code == 2 and "cost models are cpu, h100" in capsys.readouterr().err
     assert main(["--seeds", "0"]) == 2
+    assert "--seeds" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("text", "kind", "least", "want"), [
+    ("0,10,40", float, 0, [0.0, 10.0, 40.0]),
+    ("1, 4,", int, 1, [1, 4]),
+    ("0", int, 1, None),  # below the least
+    ("2.5", int, 1, None),  # not an int
+    ("", float, 0, None),
+])
+def test_the_sweeps_lists_are_numbers_of_their_kind(text: str, kind: type, least: float,
+                                                     want: list[float] | None) -> None:
+    if want is None:
+        with pytest.raises(argparse.ArgumentTypeError, match="comma-separated"):
+            number_list(text, kind, least)
+    else:
+        assert number_list(text, kind, least) == want
