@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 
 from bench.sim import CostSpec
-from bench.sim.spec import number_list
 from bench.sim.rtt_sweep import (
     KEEP,
     SESSIONS_K,
@@ -23,6 +22,7 @@ from bench.sim.rtt_sweep import (
     sessions_kept,
     spec_of,
 )
+from bench.sim.spec import number_list
 
 
 def row(k: int, goodput: float, pipelined: bool = False, sessions: int = 1, rtt: float = 10.0) -> dict[str, Any]:
