@@ -100,8 +100,7 @@ def run_point(args: argparse.Namespace, n: int, cost: CostSpec) -> list[SimResul
     spec = build_spec(args, n, cost)
     results = [simulate(spec, progress)]
     if args.target_only:
-        baseline = replace(spec, speculative=False, rounds=None, duration_s=results[0].sim_s)
-        results.append(simulate(baseline, progress))
+        results.append(simulate(spec.target_only(results[0].sim_s), progress))
     return results
 
 

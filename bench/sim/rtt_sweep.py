@@ -75,7 +75,7 @@ def run(p: Point, cost: CostSpec, args: argparse.Namespace) -> dict[str, Any]:
     seeded = [replace(spec_of(p, cost, args.drafters, args.alpha, args.rounds), seed=seed)
               for seed in range(args.seeds)]
     sims = [simulate(spec) for spec in seeded]
-    bases = [simulate(replace(spec, speculative=False, rounds=None, duration_s=r.sim_s))
+    bases = [simulate(spec.target_only(r.sim_s))
              for spec, r in zip(seeded, sims, strict=True)]
     goodput = statistics.median(r.goodput_tok_s for r in sims)
     base = statistics.median(r.goodput_tok_s for r in bases)

@@ -197,6 +197,11 @@ class SimSpec:
         if len(set(names)) != len(names):
             raise ValueError("drafter names must be unique")
 
+    def target_only(self, duration_s: float) -> SimSpec:
+        """The same fleet and seed served without speculation for ``duration_s`` simulated seconds
+        (a speculative run's time, for its speed-up)."""
+        return replace(self, speculative=False, rounds=None, duration_s=duration_s)
+
 
 def parse_values(text: str, n: int, spread: tuple[float, float]) -> list[float]:
     """n per-drafter values from a CLI value: ``0.7`` (all the same), ``0.5,0.9`` (cycled),

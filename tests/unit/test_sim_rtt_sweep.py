@@ -102,3 +102,10 @@ def test_the_sweeps_lists_are_numbers_of_their_kind(text: str, kind: type, least
             number_list(text, kind, least)
     else:
         assert number_list(text, kind, least) == want
+
+
+def test_the_baseline_is_the_same_fleet_without_speculation_over_the_same_time() -> None:
+    spec = spec_of(Point("h100", 10.0, 4, True, 2), CostSpec("h100"), drafters=2, alpha=0.8, rounds=10)
+    base = spec.target_only(1.5)
+    assert (base.speculative, base.rounds, base.duration_s) == (False, None, 1.5)
+    assert base.drafters == spec.drafters and base.seed == spec.seed and spec.speculative
