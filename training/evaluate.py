@@ -1,141 +1,151 @@
-"""Measure the exported family (the fp16 weights that ship) and write MEASUREMENTS.json + model cards.
+"""Measure the exported drafts against the target; write MEASUREMENTS.json and the model cards.
 
-It loads models the way the services do (``shared.models.load_model``), so the recorded numbers
-describe exactly what is committed under ``models/``. Held-out text is re-encoded with the
-target's tokenizer from the corpus, so ``make demo-models-eval`` works without training state.
+Models are loaded the way the services load them (``shared.models.load_model``, dtype ``auto``),
+so the numbers describe what is committed under ``models/``. On the held-out prompts' greedy
+answers of the target (prompts never trained on):
+
+- greedy agreement: how often the draft's argmax is the target's next token, teacher-forced;
+- Σ min(p, q) at T = 1: the probability that lossless speculative sampling accepts one drafted
+  token, averaged over the same positions;
+- mean accepted per round at k = 4: an exact replay of greedy speculative rounds;
+- step cost: one decode step at batch 1 (context of a held-out prompt) through specfleet's
+  model runner, on one thread, median of interleaved runs, as a fraction of the target's.
 """
 
 from __future__ import annotations
 
 import json
 import platform
+import statistics
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
 from shared.models import LoadedModel, load_model
-from training.batches import eval_windows
-from training.cards import write_cards
-from training.config import Settings
-from training.corpus import DOMAINS, build_corpus, read_corpus
-from training.export import dir_bytes, parameter_count
-from training.measure import decode_costs, heldout_loss, pair_stats, spec_round_stats
+from shared.runner import ModelRunner, Segment
+from shared.runner.runner import kv_shape
+from training.teacher_logits import Sequence
 
-PROMPT_TOKENS = 64
-COST_TOKENS, COST_RUNS, COST_THREADS = 128, 7, (1, 2)
 ROUND_K = 4
+COST_STEPS, COST_RUNS = 32, 9
 
 
-def family_dirs(out_dir: Path) -> list[Path]:
-    """target first, then every draft* directory, sorted."""
-    target = out_dir / "target"
-    if not (target / "config.json").exists():
-        raise FileNotFoundError(f"{target} has no model; run `make demo-models` first")
-    return [target, *sorted(p for p in out_dir.glob("draft*") if (p / "config.json").exists())]
+def greedy_round_lengths(matches: list[bool], k: int) -> list[int]:
+    """Accepted drafted tokens in each round of greedy speculative decoding with k drafts.
+
+    matches[i] says whether the draft's argmax equals the target's token i, with both fed the
+    target's greedy sequence before i. While the draft agrees its own proposals *are* that
+    sequence, so a round starting at s accepts the run of matches from s (capped at k), the
+    target then emits one token (its correction or the bonus), and the next round starts after it.
+    """
+    lengths, s = [], 0
+    while s < len(matches):
+        accepted = 0
+        while accepted < k and s + accepted < len(matches) and matches[s + accepted]:
+            accepted += 1
+        lengths.append(accepted)
+        s += accepted + 1
+    return lengths
 
 
-def heldout_streams(settings: Settings, tokenizer: Any) -> dict[str, np.ndarray]:
-    corpus = settings.state_dir / "corpus.jsonl"
-    if not corpus.exists():
-        build_corpus(corpus, settings.heldout_percent)
-    eos = int(tokenizer.eos_token_id)
-    streams = {}
-    for domain in DOMAINS:
-        ids: list[int] = []
-        for row in read_corpus(corpus, split="heldout", domain=domain):
-            ids.extend(tokenizer(row["text"], add_special_tokens=False)["input_ids"])
-            ids.append(eos)
-        streams[domain] = np.asarray(ids, dtype=np.int64)
-    return streams
+@torch.inference_mode()
+def answer_logits(model: Any, seq: Sequence) -> torch.Tensor:
+    """Logits ``[len(answer), V]`` (float32) at the positions predicting each answer token."""
+    ids = torch.tensor([seq.ids[:-1]])
+    first = len(seq.prompt) - 1
+    return model(input_ids=ids, use_cache=False).logits[0, first:].float()
 
 
-def _model_entry(lm: LoadedModel, windows: dict[str, torch.Tensor], path: Path) -> dict[str, Any]:
-    cfg = lm.model.config
-    return {
-        "parameters": parameter_count(lm.model),
-        "weight_bytes": sum(p.stat().st_size for p in path.glob("*.safetensors")),
-        "dir_bytes": dir_bytes(path),
-        "shape": {"hidden": cfg.hidden_size, "layers": cfg.num_hidden_layers, "heads": cfg.num_attention_heads,
-                  "kv_heads": cfg.num_key_value_heads, "intermediate": cfg.intermediate_size,
-                  "max_positions": cfg.max_position_embeddings},
-        "heldout_loss": {d: round(heldout_loss(lm.model, w), 4) for d, w in windows.items()},
-    }
+@torch.inference_mode()
+def pair_stats(target: Any, draft: Any, held: list[Sequence]) -> dict[str, float]:
+    """Greedy agreement, Σ min(p, q) at T = 1 and greedy rounds of ``draft`` against ``target``."""
+    agree = accept = 0.0
+    count, lengths = 0, []
+    for seq in tqdm(held, desc="agreement", leave=False):
+        p = torch.softmax(answer_logits(target, seq), -1)
+        q = torch.softmax(answer_logits(draft, seq), -1)
+        answer = torch.tensor(seq.answer)
+        matches = q.argmax(-1) == answer
+        agree += float(matches.sum())
+        accept += float(torch.minimum(p, q).sum())
+        count += len(seq.answer)
+        lengths += greedy_round_lengths(matches.tolist(), ROUND_K)
+    return {"greedy_agreement": round(agree / count, 4), "accept_t1": round(accept / count, 4),
+            "mean_accepted_k4": round(sum(lengths) / len(lengths), 3), "positions": count}
 
 
-def _pair_entry(target: LoadedModel, draft: LoadedModel, windows: dict[str, torch.Tensor],
-                prompts: dict[str, torch.Tensor], new_tokens: int) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for domain, w in windows.items():
-        stats = asdict(pair_stats(target.model, draft.model, w))
-        stats["rounds"] = spec_round_stats(target.model, draft.model, prompts[domain], new_tokens, ROUND_K)
-        out[domain] = {k: round(v, 4) if isinstance(v, float) else v for k, v in stats.items()}
-    return out
+@torch.inference_mode()
+def step_costs(models: dict[str, LoadedModel], prompt: list[int]) -> dict[str, float]:
+    """Median ms of one batch-1 decode step of each model after ``prompt``, runs interleaved."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    samples: dict[str, list[float]] = {name: [] for name in models}
+    try:
+        runners = {n: ModelRunner(lm, (len(prompt) + COST_STEPS + 8) * 2 * kv_shape(lm.model).bytes_per_token, "auto", self_check=False)
+                   for n, lm in models.items()}
+        for _ in range(COST_RUNS):
+            for name, runner in runners.items():
+                samples[name].append(_decode_ms(runner, prompt))
+        return {name: round(statistics.median(v), 3) for name, v in samples.items()}
+    finally:
+        torch.set_num_threads(before)
 
 
-def _add_costs(entries: dict[str, Any], models: dict[str, LoadedModel], prompt: torch.Tensor) -> None:
-    """ms/token of every model at each thread count, and c = draft / target for each draft."""
-    nets = {name: lm.model for name, lm in models.items()}
-    for threads in tqdm(COST_THREADS, desc="decode cost"):
-        costs = decode_costs(nets, prompt, COST_TOKENS, COST_RUNS, threads)
-        for name, ms in costs.items():
-            entries[name].setdefault("ms_per_token", {})[str(threads)] = round(ms, 3)
-            if name != "target":
-                entries[name].setdefault("c", {})[str(threads)] = round(ms / costs["target"], 3)
+def _decode_ms(runner: ModelRunner, prompt: list[int]) -> float:
+    slot = runner.kv.allocate(len(prompt) + COST_STEPS + 1)
+    assert slot is not None
+    try:
+        logits = runner.forward([Segment(slot, prompt, len(prompt) - 1)])
+        assert logits is not None
+        token, t0 = int(logits[-1].argmax()), time.perf_counter()
+        for _ in range(COST_STEPS):
+            logits = runner.forward([Segment(slot, [token], 0)])
+            assert logits is not None
+            token = int(logits[-1].argmax())
+        return (time.perf_counter() - t0) * 1000 / COST_STEPS
+    finally:
+        runner.kv.free(slot)
 
 
-def evaluate(settings: Settings) -> dict[str, Any]:
-    """Measure every model under settings.out_dir; write MEASUREMENTS.json and the model cards."""
+def evaluate_drafts(target_dir: Path, draft_dirs: list[Path], held: list[Sequence]) -> dict[str, Any]:
+    """Every measurement of every draft; the caller writes it down."""
     started = time.monotonic()
-    dirs = family_dirs(settings.out_dir)
-    models = {p.name: load_model(p) for p in tqdm(dirs, desc="load models")}
-    target = models["target"]
-    mismatched = [n for n, m in models.items() if m.fingerprint != target.fingerprint]
-    if mismatched:
-        raise ValueError(f"{mismatched} do not share the target's tokenizer; retrain with `make demo-models`")
-    streams = heldout_streams(settings, target.tokenizer)
-    windows = {d: eval_windows(s, settings.eval_windows, settings.seq_len) for d, s in streams.items()}
-    prompts = {d: eval_windows(s, settings.spec_prompts, PROMPT_TOKENS - 1) for d, s in streams.items()}
-    entries: dict[str, Any] = {}
-    for name, lm in tqdm(models.items(), desc="measure"):
-        entries[name] = _model_entry(lm, windows, settings.out_dir / name)
-        if name != "target":
-            entries[name]["vs_target"] = _pair_entry(target, lm, windows, prompts, settings.spec_new_tokens)
-    _add_costs(entries, models, prompts["code"][:1, :8])
-    report = _assemble(settings, target, entries, streams)
-    report["eval_seconds"] = round(time.monotonic() - started, 1)
-    (settings.out_dir / "MEASUREMENTS.json").write_text(json.dumps(report, indent=2) + "\n")
-    write_cards(settings.out_dir, report)
-    return report
-
-
-def _assemble(settings: Settings, target: LoadedModel, entries: dict[str, Any], streams: dict[str, np.ndarray]
-              ) -> dict[str, Any]:
-    training_path = settings.out_dir / "TRAINING.json"
-    training = json.loads(training_path.read_text()) if training_path.exists() else {}
-    for name, entry in entries.items():
-        entry["training"] = training.get("models", {}).get(name, {})
-    corpus = training.get("corpus", {"heldout_percent": settings.heldout_percent, "tokens": {}})
-    corpus["heldout_eval_tokens"] = {d: int(s.size) for d, s in streams.items()}
+    target = load_model(target_dir)
+    drafts = {p.name: load_model(p) for p in draft_dirs}
+    wrong = [n for n, d in drafts.items() if d.fingerprint != target.fingerprint]
+    if wrong:
+        raise ValueError(f"{wrong} do not share the target's tokenizer; retrain them with `make demo-models`")
+    costs = step_costs({"target": target, **drafts}, held[0].prompt)
+    models: dict[str, Any] = {}
+    for name, lm in drafts.items():
+        path = next(p for p in draft_dirs if p.name == name)
+        models[name] = {
+            **pair_stats(target.model, lm.model, held),
+            "step_ms": costs[name], "step_ratio": round(costs[name] / costs["target"], 4),
+            "parameters": sum(p.numel() for p in {id(p): p for p in lm.model.parameters()}.values()),
+            "weight_bytes": sum(f.stat().st_size for f in path.glob("*.safetensors")),
+        }
     return {
+        "target": {"name": target.name, "dtype": str(next(target.model.parameters()).dtype).removeprefix("torch."),
+                   "step_ms": costs["target"]},
+        "heldout": {"prompts": len(held), "positions": sum(len(s.answer) for s in held)},
+        "machine": platform.processor() or platform.machine(),
         "method": {
-            "greedy_agreement": "teacher-forced on held-out windows: draft argmax == target argmax",
-            "acceptance_t1": "mean over positions of sum_x min(p(x), q(x)) = 1 - TV(p, q)",
-            "rounds": f"exact greedy speculative rounds, k={ROUND_K}, on the target's greedy continuations "
-                      f"({settings.spec_new_tokens} tokens) of {PROMPT_TOKENS}-token held-out prompts",
-            "cost": f"batch 1, KV cache, {COST_TOKENS} greedy tokens after an 8-token prompt, "
-                    f"median of {COST_RUNS} runs, fp32 on CPU ({platform.processor() or platform.machine()})",
+            "greedy_agreement": "teacher-forced on the target's greedy answers to held-out prompts",
+            "accept_t1": "mean over the same positions of sum_x min(p(x), q(x)) at temperature 1",
+            "mean_accepted_k4": f"exact greedy speculative rounds with k={ROUND_K} on those answers",
+            "step": f"one batch-1 decode step through specfleet's model runner, 1 thread, dtype auto, median of "
+                    f"{COST_RUNS} interleaved runs of {COST_STEPS} steps",
         },
-        "windows": {"count_per_domain": settings.eval_windows, "seq_len": settings.seq_len},
-        "cost": {"tokens": COST_TOKENS, "runs": COST_RUNS, "threads": list(COST_THREADS)},
-        "tokenizer": {"vocab_size": len(target.tokenizer), "fingerprint": target.fingerprint},
-        "corpus": corpus,
-        "training": {k: training.get(k) for k in ("seed", "torch_threads", "data_prep_seconds",
-                                                  "train_minutes_total")},
-        "total_bytes": sum(dir_bytes(settings.out_dir / n) for n in entries),
-        "models": entries,
+        "models": models,
+        "eval_seconds": round(time.monotonic() - started, 1),
     }
+
+
+def write_measurements(report: dict[str, Any], out_dir: Path) -> Path:
+    path = out_dir / "MEASUREMENTS.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    return path

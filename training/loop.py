@@ -13,14 +13,20 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 from tqdm import tqdm
 
-from training.batches import WindowSampler
 from training.config import Stage
 
-LossFn = Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
+LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
+
+
+class Batches(Protocol):
+    tokens: int  # answer tokens in one pass over the data
+
+    def batch(self, step: int, batch_tokens: int) -> Any: ...
 
 
 @dataclass
@@ -46,7 +52,7 @@ def run_stage(
     name: str,
     model: torch.nn.Module,
     loss_fn: LossFn,
-    sampler: WindowSampler,
+    sampler: Batches,
     stage: Stage,
     ckpt_dir: Path,
     checkpoint_every: int = 100,
@@ -71,7 +77,7 @@ def run_stage(
         if stage.max_minutes and time.monotonic() - started > stage.max_minutes * 60:
             stopped_early = True
             break
-        loss = _one_step(model, opt, loss_fn, sampler.batch(step, stage.batch), lr_at(step, stage))
+        loss = _one_step(model, opt, loss_fn, sampler.batch(step, stage.batch_tokens), lr_at(step, stage))
         ema = loss if math.isnan(ema) else 0.95 * ema + 0.05 * loss
         step += 1
         bar.update(1)
@@ -82,15 +88,13 @@ def run_stage(
     seconds = time.monotonic() - started
     _save(state_path, model, opt, step, seconds, ema)
     result = StageResult(name, step, stage.steps, round(seconds, 1), round(ema, 4), stopped_early,
-                         step * stage.batch * sampler.seq_len)
+                         step * stage.batch_tokens)
     done_path.write_text(json.dumps(asdict(result), indent=2))
     model.eval()
     return result
 
 
-def _one_step(
-    model: torch.nn.Module, opt: torch.optim.Optimizer, loss_fn: LossFn, batch: torch.Tensor, lr: float
-) -> float:
+def _one_step(model: torch.nn.Module, opt: torch.optim.Optimizer, loss_fn: LossFn, batch: Any, lr: float) -> float:
     for group in opt.param_groups:
         group["lr"] = lr
     loss = loss_fn(model, batch)

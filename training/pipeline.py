@@ -1,7 +1,9 @@
-"""The whole pipeline as resumable stages: each one skips itself when its output already exists.
+"""The draft pipeline as resumable stages; each skips itself when its output already exists.
 
-corpus -> tokenizer -> token streams -> target pretraining -> draft distillation -> export ->
-evaluation. Interrupting at any point and re-running continues from the last checkpoint.
+target (fetched) -> prompts -> teacher answers (committed token ids) -> teacher top-k
+distributions -> draft distillation -> export -> evaluation. Interrupting at any point and
+re-running continues from the last checkpoint; with the committed answers present, a fresh
+clone starts at the teacher's distributions.
 """
 
 from __future__ import annotations
@@ -15,88 +17,97 @@ from typing import Any
 import torch
 
 from shared.log import get_logger
-from training.batches import WindowSampler
+from shared.model_import import KNOWN_MODELS, fetch_model
+from shared.models import LoadedModel, load_model
+from training.cards import write_cards
 from training.config import Settings
-from training.corpus import build_corpus
-from training.distill import distill_draft
-from training.evaluate import evaluate
+from training.data import committed_path, load_answers, sequences, write_committed
+from training.distill import AnswerBatches, distill_draft
+from training.evaluate import evaluate_drafts, write_measurements
 from training.export import export_model, parameter_count
-from training.tokenizer import encode_corpus, load_tokens, train_tokenizer
-from training.train import pretrain_target
+from training.prompts import build_prompts, split_prompts
+from training.teacher import TeacherPlan, generate_answers
+from training.teacher_logits import Sequence, teacher_topk
 
 log = get_logger("training")
 
 
-def _timed_json(path: Path, make: Any) -> Any:
-    """Run make() once and cache its JSON-able result (with its wall time) at path."""
-    if path.exists():
-        return json.loads(path.read_text())["result"]
-    t0 = time.monotonic()
-    result = make()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"result": result, "seconds": round(time.monotonic() - t0, 1)}, indent=2))
-    return result
+def target_dir(settings: Settings) -> Path:
+    """A known model's name is fetched (and converted) on first use; anything else is a directory."""
+    if settings.target in KNOWN_MODELS:
+        return fetch_model(settings.target, settings.fetch_dir)
+    path = Path(settings.target)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"target {settings.target} is neither a known model "
+                                f"({', '.join(KNOWN_MODELS)}) nor a model directory")
+    return path
 
 
-def load_state_tokenizer(path: Path) -> Any:
-    from transformers import PreTrainedTokenizerFast
-
-    return PreTrainedTokenizerFast.from_pretrained(str(path))
-
-
-def prepare_data(settings: Settings) -> tuple[Any, dict[str, int], WindowSampler]:
-    """Corpus, tokenizer and token streams (each cached); returns the tokenizer, sizes and sampler."""
-    state = settings.state_dir
-    corpus = state / "corpus.jsonl"
-    counts = _timed_json(state / "corpus.json", lambda: build_corpus(corpus, settings.heldout_percent))
-    log.info("corpus ready", documents=counts)
-    tok_dir = state / "tokenizer"
-    _timed_json(state / "tokenizer.json", lambda: len(train_tokenizer(corpus, tok_dir, settings.vocab_size,
-                                                                      settings.tokenizer_bytes)))
-    tokenizer = load_state_tokenizer(tok_dir)
-    sizes = _timed_json(state / "tokens.json", lambda: encode_corpus(corpus, tokenizer, state / "tokens"))
-    log.info("tokens ready", tokens=sizes, vocab=len(tokenizer))
-    sampler = WindowSampler(load_tokens(state / "tokens", "train", "code"),
-                            load_tokens(state / "tokens", "train", "docs"),
-                            settings.seq_len, settings.docs_weight, settings.seed)
-    return tokenizer, sizes, sampler
+def teacher_answers(settings: Settings, target: LoadedModel, split: str) -> list[dict[str, Any]]:
+    """The committed answers of ``split``, generating (and then committing) them if there are none."""
+    name = Path(target.path).name
+    committed = committed_path(settings.data_dir, name, split)
+    if not committed.exists():
+        prompts = split_prompts(build_prompts(settings.seed, settings.heldout_percent), split)
+        plan = settings.teacher
+        if split == "heldout":  # greedy answers to a fixed number of held-out prompts
+            prompts = prompts[: settings.heldout_prompts]
+            plan = TeacherPlan(plan.max_new_tokens, plan.batch, 0, plan.temperature, 10**12)
+        out = settings.state_dir / "teacher" / f"{split}.jsonl"
+        log.info("teacher answers", split=split, **generate_answers(target, prompts, out, plan))
+        write_committed(load_answers(settings.data_dir, settings.state_dir, name, split), committed)
+    return load_answers(settings.data_dir, settings.state_dir, name, split)
 
 
-def distill_only(settings: Settings, name: str) -> None:
-    """Distil one draft (training the target first if needed): lets drafts train in parallel processes."""
-    if name not in settings.drafts:
-        raise ValueError(f"unknown draft {name!r}; choose from {sorted(settings.drafts)}")
+def prepare(settings: Settings) -> tuple[LoadedModel, list[Sequence], list[Sequence]]:
+    """The target and its answers as training and held-out sequences."""
+    target = load_model(target_dir(settings))
+    prompts = build_prompts(settings.seed, settings.heldout_percent)
+    train = sequences(teacher_answers(settings, target, "train"), prompts, target.tokenizer)
+    held = sequences(teacher_answers(settings, target, "heldout"), prompts, target.tokenizer)
+    overlap = {s.id for s in train} & {s.id for s in held}
+    if overlap:
+        raise ValueError(f"{len(overlap)} held-out prompts are in the training answers")
+    return target, train, held
+
+
+def run_all(settings: Settings, only: str = "") -> dict[str, Any]:
+    """Distil (or resume) every draft (or just ``only``), export them to settings.out_dir, then measure."""
     torch.manual_seed(settings.seed)
-    tokenizer, _, sampler = prepare_data(settings)
-    target, _ = pretrain_target(settings, tokenizer, sampler, settings.state_dir / "target")
-    _, result = distill_draft(name, settings, tokenizer, target, sampler, settings.state_dir / name)
-    log.info("draft distilled", **asdict(result))
-
-
-def run_all(settings: Settings) -> dict[str, Any]:
-    """Train (or resume) everything, export to settings.out_dir, then measure."""
-    torch.manual_seed(settings.seed)
-    tokenizer, sizes, sampler = prepare_data(settings)
-    target, target_result = pretrain_target(settings, tokenizer, sampler, settings.state_dir / "target")
-    log.info("target trained", **asdict(target_result))
-    trained: dict[str, tuple[Any, Any]] = {"target": (target, target_result)}
-    for name in settings.drafts:
-        draft, result = distill_draft(name, settings, tokenizer, target, sampler, settings.state_dir / name)
+    target, train, held = prepare(settings)
+    started = time.monotonic()
+    topk = teacher_topk(target, train, settings.state_dir / "topk", settings.topk)
+    topk_s = time.monotonic() - started
+    batches = AnswerBatches(train, topk, settings.seed, int(target.tokenizer.pad_token_id or 0))
+    names = [only] if only else list(settings.drafts)
+    summary: dict[str, Any] = {"seed": settings.seed, "torch_threads": torch.get_num_threads(),
+                               "teacher_logits_seconds": round(topk_s, 1), "answers": len(train),
+                               "answer_tokens": batches.tokens, "models": {}}
+    for name in names:
+        draft, result = distill_draft(name, settings, target.tokenizer, target.model, batches,
+                                      settings.state_dir / name)
         log.info("draft distilled", **asdict(result))
-        trained[name] = (draft, result)
-    prep = sum(json.loads((settings.state_dir / f"{n}.json").read_text())["seconds"]
-               for n in ("corpus", "tokenizer", "tokens"))
-    summary: dict[str, Any] = {
-        "seed": settings.seed,
-        "torch_threads": torch.get_num_threads(),
-        "data_prep_seconds": round(prep, 1),
-        "train_minutes_total": round((prep + sum(r.seconds for _, r in trained.values())) / 60, 1),
-        "corpus": {"heldout_percent": settings.heldout_percent, "tokens": sizes, "seq_len": settings.seq_len,
-                   "docs_weight": settings.docs_weight},
-        "models": {},
-    }
-    for name, (model, result) in trained.items():
-        export_model(model, tokenizer, settings.out_dir / name)
-        summary["models"][name] = {"parameters": parameter_count(model), "stage": asdict(result)}
-    (settings.out_dir / "TRAINING.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return evaluate(settings)
+        export_model(draft, target.tokenizer, settings.out_dir / name)
+        summary["models"][name] = {"parameters": parameter_count(draft), "stage": asdict(result),
+                                   "shape": asdict(settings.drafts[name])}
+    path = settings.out_dir / "TRAINING.json"
+    previous = json.loads(path.read_text()) if path.exists() else {}
+    summary["models"] = {**previous.get("models", {}), **summary["models"]}
+    path.write_text(json.dumps(summary, indent=2) + "\n")
+    return evaluate(settings, target, held)
+
+
+def evaluate(settings: Settings, target: LoadedModel | None = None, held: list[Sequence] | None = None
+             ) -> dict[str, Any]:
+    """Measure the drafts in settings.out_dir; write MEASUREMENTS.json and the model cards."""
+    if target is None or held is None:
+        target, _, held = prepare(settings)
+    drafts = sorted(p for p in settings.out_dir.glob("draft*") if (p / "config.json").exists())
+    if not drafts:
+        raise FileNotFoundError(f"no draft models in {settings.out_dir}; run `make demo-models` first")
+    report = evaluate_drafts(Path(target.path), drafts, held)
+    path = settings.out_dir / "TRAINING.json"
+    report["training"] = json.loads(path.read_text()) if path.exists() else {}
+    write_measurements(report, settings.out_dir)
+    write_cards(settings.out_dir, report)
+    return report

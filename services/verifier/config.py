@@ -20,7 +20,11 @@ class VerifierConfig:
                                         "for its KV cache); 0: 0.2 on CPU, 0.9 on CUDA")
     tensor_parallel_size: int = opt(1, "backend=vllm: GPUs the target is split over (vLLM tensor parallelism)")
     device: str = opt("cpu", "torch device: cpu, cuda, cuda:1, ...")
-    dtype: str = opt("auto", "auto (float32 on CPU, bfloat16 on CUDA), float32, float16, bfloat16")
+    dtype: str = opt("auto", "auto (bfloat16 on CUDA and on CPUs with native bfloat16, AVX512-BF16 or AMX; float32 "
+                             "on other CPUs), float32, float16, bfloat16")
+    batch_invariant: bool = opt(True, "compute every position's logits bitwise the same whatever the step's shape "
+                                      "(blocked attention, matmuls over enough rows), so speculation never changes "
+                                      "the text, in any dtype; proven at start-up (backend=torch, lean runner)")
     max_model_len: int = opt(0, "context limit in tokens; 0 takes the model's max_position_embeddings")
     auth_token: str = opt("", "bearer token peers must present; empty disables auth (loopback only!). With "
                               "--credentials-file it admits frontends (coordinators) only")

@@ -146,7 +146,8 @@ class TorchCore:
     def status(self) -> dict[str, object]:
         """The policies and their live estimates, for ``GET /status``."""
         return read_racing(lambda: {**policy_status(self.allocator, self.scheduler, self.tracker, self.estimator),
-                                    "sampling": "race" if self.limits.race else "stream"},
+                                    "sampling": "race" if self.limits.race else "stream",
+                                    **self.runner.describe()},
                            {"error": "the engine core was too busy to read; retry"})
 
     def draft_share(self) -> float:

@@ -107,7 +107,7 @@ def build(cfg: VerifierConfig, loop: asyncio.AbstractEventLoop) -> tuple[Hub, Ve
         torch.set_num_threads(cfg.torch_threads)
     loaded = load_model(cfg.model, cfg.device, cfg.dtype, cfg.max_model_len)
     try:
-        runner = ModelRunner(loaded, kv_budget_bytes(cfg), cfg.runner)
+        runner = ModelRunner(loaded, kv_budget_bytes(cfg), cfg.runner, batch_invariant=cfg.batch_invariant)
     except KVError as exc:
         raise ModelLoadError(f"cannot set up the KV cache: {exc}") from None
     hub, output, metrics = _hub(cfg, loaded)

@@ -55,11 +55,15 @@ class KVShape:
 
 
 class KVArena:
-    def __init__(self, shape: KVShape, budget_bytes: int, device: torch.device | str = "cpu") -> None:
-        tokens = budget_bytes // shape.bytes_per_token
+    """``block`` > 1: every slot is a whole number of blocks of that many rows, zeroed when it is
+    allocated (batch-invariant attention reads whole blocks; see :mod:`shared.runner.invariant`)."""
+
+    def __init__(self, shape: KVShape, budget_bytes: int, device: torch.device | str = "cpu", block: int = 1) -> None:
+        tokens = budget_bytes // shape.bytes_per_token // block * block
         if tokens < 1:
             raise KVError(f"a KV budget of {budget_bytes} bytes holds no token ({shape.bytes_per_token} bytes each)")
         self.shape = shape
+        self.block = block
         self.tokens = int(tokens)
         # torch.empty: on CPU the pages are only committed as sessions write them.
         self.data = torch.empty((shape.layers, 2, shape.kv_heads, self.tokens, shape.head_dim),
@@ -73,6 +77,7 @@ class KVArena:
         """Reserve ``tokens`` contiguous rows, or None when no free range is large enough now."""
         if tokens < 1:
             raise KVError(f"a slot needs at least one token, asked for {tokens}")
+        tokens = -(-tokens // self.block) * self.block
         if tokens > self.tokens:
             raise KVError(f"a session needing {tokens} tokens of KV cache can never fit: the arena holds "
                           f"{self.tokens} tokens ({self.budget_bytes / 2**30:.2f} GiB). Raise --kv-cache-gb "
@@ -85,6 +90,8 @@ class KVArena:
                     self._free[i] = (start + tokens, size - tokens)
                 slot = KVSlot(start, tokens)
                 self._slots.add(slot)
+                if self.block > 1:
+                    self.data[:, :, :, start : start + tokens].zero_()
                 return slot
         return None
 
@@ -134,7 +141,7 @@ class KVArena:
         return max((size for _, size in self._free), default=0)
 
     def fits(self, tokens: int) -> bool:
-        return tokens <= self.largest_free
+        return -(-tokens // self.block) * self.block <= self.largest_free
 
     @property
     def sessions(self) -> int:

@@ -18,9 +18,10 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
+from shared.runner.invariant import block_attention, linear
 from shared.runner.step import StepPlan, paged_attention, write_kv
 
-SUPPORTED_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+SUPPORTED_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "specfleet_llama"})
 STATIC_ROPE = frozenset({"default", "linear", "llama3", "yarn"})
 
 
@@ -86,10 +87,15 @@ class _Layer:
 
 
 class LeanDecoder:
-    """Forward of a supported decoder over a :class:`StepPlan`, writing keys/values to the arena."""
+    """Forward of a supported decoder over a :class:`StepPlan`, writing keys/values to the arena.
 
-    def __init__(self, model: Any) -> None:
+    ``row_multiple`` > 0 makes it batch-invariant (:mod:`shared.runner.invariant`): row-wise blocked
+    attention, and every matmul over a multiple of that many rows."""
+
+    def __init__(self, model: Any, row_multiple: int = 0) -> None:
         cfg = model.config
+        self.row_multiple = row_multiple
+
         self.heads = cfg.num_attention_heads
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
@@ -99,6 +105,11 @@ class LeanDecoder:
         self.scale = self.head_dim**-0.5
         base = model.model
         self.embed = base.embed_tokens.weight
+        #: a factorised embedding and head (shared.factorised): rank -> hidden after the table, and
+        #: hidden -> rank before it; None for a plain one
+        up, down = getattr(base.embed_tokens, "up", None), getattr(model.lm_head, "down", None)
+        self.embed_up = up.weight if up is not None else None
+        self.head_down = down.weight if down is not None else None
         self.final_norm = base.norm.weight
         self.lm_head = model.lm_head
         self.rotary = base.rotary_emb
@@ -122,6 +133,8 @@ class LeanDecoder:
     def hidden(self, plan: StepPlan, arena: torch.Tensor) -> torch.Tensor:
         """Run every layer; returns the final hidden states ``[T, hidden]`` (before the last norm)."""
         x = F.embedding(plan.input_ids, self.embed)
+        if self.embed_up is not None:
+            x = self._linear(x, self.embed_up, None)
         cos, sin = self.rotary(x, plan.positions.unsqueeze(0))
         cos, sin = cos[0].unsqueeze(1), (sin[0] * self.rot_sign).unsqueeze(1)  # [T, 1, D]
         for index, layer in enumerate(self.layers):
@@ -130,12 +143,22 @@ class LeanDecoder:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         h = F.rms_norm(hidden, (hidden.shape[-1],), self.final_norm, self.eps)
-        return self.lm_head(h).float()
+        if self.head_down is not None:
+            h = self._linear(h, self.head_down, None)
+        return self._linear(h, self.lm_head.weight, getattr(self.lm_head, "bias", None)).float()
+
+    def _attend(self, q: torch.Tensor, kv: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+        if self.row_multiple:
+            return block_attention(q, kv, plan, self.kv_heads, self.scale)
+        return paged_attention(q, kv, plan, self.kv_heads, self.scale)
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return linear(x, weight, bias, self.row_multiple) if self.row_multiple > 1 else F.linear(x, weight, bias)
 
     def _block(self, x: torch.Tensor, w: _Layer, cos: torch.Tensor, sin: torch.Tensor, plan: StepPlan,
                kv: torch.Tensor) -> torch.Tensor:
         tokens, heads, kv_heads, dim = x.shape[0], self.heads, self.kv_heads, self.head_dim
-        qkv = F.linear(F.rms_norm(x, (x.shape[-1],), w.norm_in, self.eps), w.qkv_w, w.qkv_b)
+        qkv = self._linear(F.rms_norm(x, (x.shape[-1],), w.norm_in, self.eps), w.qkv_w, w.qkv_b)
         qkv = qkv.view(tokens, heads + 2 * kv_heads, dim)
         q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
         if w.q_norm is not None and w.k_norm is not None:
@@ -146,8 +169,8 @@ class LeanDecoder:
             qk = qkv[:, : heads + kv_heads]
         qk = qk * cos + qk.roll(dim // 2, -1) * sin  # rotary on queries and keys at once
         write_kv(kv, plan, qk[:, heads:], v)
-        attn = paged_attention(qk[:, :heads], kv, plan, kv_heads, self.scale)
-        x = x + F.linear(attn, w.o_w, w.o_b)
-        gate_up = F.linear(F.rms_norm(x, (x.shape[-1],), w.norm_post, self.eps), w.gate_up_w, w.gate_up_b)
-        return x + F.linear(self.act(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :], w.down_w,
-                            w.down_b)
+        attn = self._attend(qk[:, :heads], kv, plan)
+        x = x + self._linear(attn, w.o_w, w.o_b)
+        gate_up = self._linear(F.rms_norm(x, (x.shape[-1],), w.norm_post, self.eps), w.gate_up_w, w.gate_up_b)
+        return x + self._linear(self.act(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :],
+                                w.down_w, w.down_b)

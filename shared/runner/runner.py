@@ -24,6 +24,7 @@ from shared.log import get_logger
 from shared.models import LoadedModel, ModelLoadError
 from shared.runner import lean
 from shared.runner.hf import HFDecoder
+from shared.runner.invariant import BLOCK, probe_row_multiple
 from shared.runner.kv import KVArena, KVShape
 from shared.runner.step import Segment, StepPlan, commit_step, plan_step
 
@@ -47,8 +48,25 @@ def kv_shape(model: object) -> KVShape:
                    dtype=next(model.parameters()).dtype)  # type: ignore[attr-defined]
 
 
+def linear_shapes(model: object) -> list[tuple[int, int]]:
+    """(in, out) of every matmul a lean forward runs, the LM head last."""
+    cfg = model.config  # type: ignore[attr-defined]
+    shape = kv_shape(model)
+    heads = cfg.num_attention_heads
+    hidden, inter = cfg.hidden_size, cfg.intermediate_size
+    qkv = (heads + 2 * shape.kv_heads) * shape.head_dim
+    body = [(hidden, qkv), (heads * shape.head_dim, hidden), (hidden, 2 * inter), (inter, hidden)]
+    rank = getattr(cfg, "embed_rank", 0)  # a factorised embedding and head (shared.factorised)
+    head = [(rank, hidden), (hidden, rank), (rank, cfg.vocab_size)] if rank else [(hidden, cfg.vocab_size)]
+    return body + head
+
+
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, kv_budget_bytes: int, kind: str = "auto", self_check: bool = True) -> None:
+    """``batch_invariant``: every position's logits are bitwise independent of the step's shape
+    (:mod:`shared.runner.invariant`), proven on the model at start-up; the verifier's default."""
+
+    def __init__(self, loaded: LoadedModel, kv_budget_bytes: int, kind: str = "auto", self_check: bool = True,
+                 batch_invariant: bool = False) -> None:
         if kind not in RUNNER_KINDS:
             raise ModelLoadError(f"runner must be one of {', '.join(RUNNER_KINDS)}, got {kind!r}")
         model = loaded.model
@@ -61,14 +79,35 @@ class ModelRunner:
         if kind == "lean" and why_not:
             raise ModelLoadError(f"--runner lean cannot run {loaded.name}: {why_not}; use --runner hf")
         self.kind = "lean" if kind == "lean" or (kind == "auto" and not why_not) else "hf"
-        self.decoder: Decoder = lean.LeanDecoder(model) if self.kind == "lean" else HFDecoder(model)
-        self.kv = KVArena(self.shape, kv_budget_bytes, self.device)
+        self.row_multiple = self._invariant_rows(loaded, why_not) if batch_invariant else 0
+        self.batch_invariant = batch_invariant
+        self.decoder: Decoder = lean.LeanDecoder(model, self.row_multiple) if self.kind == "lean" else HFDecoder(model)
+        self.kv = KVArena(self.shape, kv_budget_bytes, self.device, block=BLOCK if batch_invariant else 1)
         self._reference = model
         log.info("model runner ready", model=loaded.name, runner=self.kind, lean_unavailable=why_not or None,
-                 kv_tokens=self.kv.tokens, kv_gib=round(self.kv.budget_bytes / 2**30, 3),
-                 kv_bytes_per_token=self.shape.bytes_per_token)
+                 dtype=str(self.shape.dtype).removeprefix("torch."), batch_invariant=batch_invariant,
+                 row_multiple=self.row_multiple or None, kv_tokens=self.kv.tokens,
+                 kv_gib=round(self.kv.budget_bytes / 2**30, 3), kv_bytes_per_token=self.shape.bytes_per_token)
         if self_check:
             self.check_against_reference()
+        if batch_invariant:
+            self.check_invariance()
+
+    def _invariant_rows(self, loaded: LoadedModel, why_not: str) -> int:
+        if self.kind != "lean":
+            raise ModelLoadError(f"batch invariance needs the lean runner, which cannot run {loaded.name}: "
+                                 f"{why_not or '--runner hf was asked for'}; pass --batch-invariant false")
+        rows = probe_row_multiple(linear_shapes(loaded.model), self.shape.dtype, self.device)
+        if not rows:
+            raise ModelLoadError(f"this machine's {self.shape.dtype} matmuls give a row different results at every "
+                                 "batch size probed, so speculation could change the text; try --dtype float32 "
+                                 "or bfloat16, or pass --batch-invariant false")
+        return rows
+
+    def describe(self) -> dict[str, object]:
+        """What ``/status`` shows of the model's numerics."""
+        return {"dtype": str(self.shape.dtype).removeprefix("torch."), "runner": self.kind,
+                "batch_invariant": self.batch_invariant, "invariant_row_multiple": self.row_multiple}
 
     @torch.inference_mode()
     def forward(self, segments: Sequence[Segment]) -> torch.Tensor | None:
@@ -82,6 +121,36 @@ class ModelRunner:
         if plan.logit_rows is not None:
             hidden = hidden.index_select(0, plan.logit_rows)
         return self.decoder.logits(hidden)
+
+    @torch.inference_mode()
+    def check_invariance(self, tokens: int = 40) -> None:
+        """Score one sequence twice: one token per step alone, then in steps of 1-8 tokens beside
+        another session's rows. Raises ModelLoadError unless every logit is bitwise the same."""
+        gen = torch.Generator().manual_seed(1)
+        ids = torch.randint(0, self.vocab_size, (tokens,), generator=gen).tolist()
+        other = torch.randint(0, self.vocab_size, (tokens,), generator=gen).tolist()
+        slots = [self.kv.allocate(tokens) for _ in range(3)]
+        try:
+            if any(s is None for s in slots):
+                raise ModelLoadError(f"the KV cache ({self.kv.tokens} tokens) is too small for the {tokens}-token "
+                                     "invariance check; raise --kv-cache-gb")
+            a, b, c = slots  # type: ignore[misc]
+            one = [self.forward([Segment(a, [t], 0)]) for t in ids]
+            wide, fed, widths = [], 0, (3, 1, 5, 8, 2, 6, 4, 7)
+            while fed < tokens:
+                n = min(widths[len(wide) % len(widths)], tokens - fed)
+                rows = self.forward([Segment(c, other[fed : fed + n], 0), Segment(b, ids[fed : fed + n], 0)])
+                assert rows is not None
+                wide.append(rows[n:])
+                fed += n
+        finally:
+            for slot in slots:
+                if slot is not None:
+                    self.kv.free(slot)
+        if not torch.equal(torch.cat([r for r in one if r is not None]), torch.cat(wide)):
+            raise ModelLoadError(f"the batch-invariance self-check failed for {self.shape.dtype} on this machine: a "
+                                 "position's logits changed with the step's shape; pass --batch-invariant false "
+                                 "(speculation may then change greedy text in rare near-ties)")
 
     @torch.inference_mode()
     def check_against_reference(self, tokens: int = 12) -> float:

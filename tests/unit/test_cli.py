@@ -57,11 +57,32 @@ def _model(path: Path) -> Path:
     return path
 
 
-def test_resolve_prefers_models_target_and_its_draft_siblings(tmp_path: Path) -> None:
-    target = _model(tmp_path / "models" / "target")
-    d2, d1 = _model(tmp_path / "models" / "draft-b"), _model(tmp_path / "models" / "draft-a")
+def _fetched(state: Path) -> Path:
+    """What fetch-model leaves behind for the default target (so nothing is downloaded here)."""
+    from shared.model_import import KNOWN_MODELS, SOURCE_FILE, default_model_dir
+
+    out = _model(default_model_dir(state))
+    (out / SOURCE_FILE).write_text(json.dumps({"gguf_sha256": KNOWN_MODELS["smollm2-135m-instruct"].sha256}))
+    return out
+
+
+def test_resolve_defaults_to_the_fetched_model_and_the_committed_drafts(tmp_path: Path) -> None:
+    target = _fetched(tmp_path / ".specfleet")
+    small, large = _model(tmp_path / "models" / "draft-small"), _model(tmp_path / "models" / "draft-large")
     (tmp_path / "models" / "draft-empty").mkdir()  # no config.json: not a model
-    assert resolve_models("", "", tmp_path, tmp_path / ".specfleet") == Models(target, [d1, d2])
+    assert resolve_models("", "", tmp_path, tmp_path / ".specfleet") == Models(target, [large, small])
+
+
+def test_resolve_without_drafts_leaves_prompt_lookup(tmp_path: Path) -> None:
+    target = _fetched(tmp_path / ".specfleet")
+    assert resolve_models("", "", tmp_path, tmp_path / ".specfleet") == Models(target, [])
+
+
+def test_resolve_an_explicit_target_takes_its_draft_siblings(tmp_path: Path) -> None:
+    target = _model(tmp_path / "family" / "target")
+    d2, d1 = _model(tmp_path / "family" / "draft-b"), _model(tmp_path / "family" / "draft-a")
+    _model(tmp_path / "models" / "draft-large")  # the default target's drafts: not for this one
+    assert resolve_models(str(target), "", tmp_path, tmp_path / ".specfleet") == Models(target, [d1, d2])
 
 
 def test_resolve_explicit_flags(tmp_path: Path) -> None:
@@ -69,14 +90,20 @@ def test_resolve_explicit_flags(tmp_path: Path) -> None:
     assert resolve_models(str(target), f" {draft} ,", tmp_path, tmp_path) == Models(target, [draft])
 
 
-@pytest.mark.parametrize(
-    ("target", "drafts", "fragment"),
-    [("missing", "", "not a model directory"), ("t", "", "no draft models found"), ("t", "nope", "not a model")],
-)
+@pytest.mark.parametrize(("target", "drafts", "fragment"),
+                         [("missing", "", "not a model directory"), ("t", "nope", "not a model")])
 def test_resolve_refusals(tmp_path: Path, target: str, drafts: str, fragment: str) -> None:
     _model(tmp_path / "t")
     with pytest.raises(UpError, match=fragment):
         resolve_models(str(tmp_path / target), str(tmp_path / drafts) if drafts else "", tmp_path, tmp_path)
+
+
+def test_plan_without_drafts_runs_prompt_lookup_drafters() -> None:
+    args = build_parser().parse_args([])
+    children = dict(plan(args, Models(Path("/m/target"), []), Ports(coordinator=8000, verifier=8100)))
+    for i in (1, 2):
+        argv = children[f"drafter-{i}"]
+        assert _flag(argv, "--model") == "/m/target" and _flag(argv, "--proposer") == "ngram"
 
 
 def _plan(*flags: str) -> dict[str, list[str]]:
