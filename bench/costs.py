@@ -1,6 +1,6 @@
 """Raw model costs, measured with nothing around the model (run pinned by the benchmarks).
 
-    python -m bench.costs --model models/target --decode 128 --shapes 1x128x1,1x128x5,16x128x5
+    python -m bench.costs --model .specfleet/models/smollm2-135m-instruct --decode 128 --shapes 1x128x1,1x128x5,16x128x5
 
 prints one JSON object:
 

