@@ -1,6 +1,6 @@
 """``python -m bench <command>``: profile, serving, context, qwire, policies (make bench), costs,
 verifier-policies, backends, rtt, single, fairness, slo, load, capacity, sim, sim-validate, sim-rtt,
-report."""
+invariance, report."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ COMMANDS = {"profile": "bench.profile", "serving": "bench.serving", "context": "
             "qwire": "bench.qwire", "policies": "bench.policies", "costs": "bench.costs",
             "verifier-policies": "bench.verifier_policies", "backends": "bench.backends", "rtt": "bench.rtt",
             "single": "bench.single", "fairness": "bench.fairness", "slo": "bench.slo", "load": "bench.load",
-            "capacity": "bench.capacity", "report": "bench.report",
+            "capacity": "bench.capacity", "report": "bench.report", "invariance": "bench.invariance",
             "sim": "bench.sim", "sim-validate": "bench.sim.validate", "sim-rtt": "bench.sim.rtt_sweep"}
 
 

@@ -56,7 +56,7 @@ class FactorisedHead(nn.Module):
 
 class FactorisedLlamaForCausalLM(LlamaForCausalLM):
     config_class = FactorisedLlamaConfig
-    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}  # noqa: RUF012 (transformers' form)
 
     def __init__(self, config: FactorisedLlamaConfig) -> None:
         super().__init__(config)

@@ -48,7 +48,7 @@ class Settings:
     target: str = "smollm2-135m-instruct"
     heldout_percent: int = 8
     heldout_prompts: int = 120  # held-out prompts answered greedily for the evaluation
-    teacher: TeacherPlan = TeacherPlan()
+    teacher: TeacherPlan = field(default_factory=TeacherPlan)
     topk: int = 32  # teacher log-probabilities kept per position
     drafts: dict[str, Shape] = field(
         default_factory=lambda: {

@@ -49,9 +49,10 @@ def build_draft(shape: Shape, tokenizer: Any, target: Any, seed: int) -> Factori
 
 
 def svd_table(embedding: torch.Tensor, rank: int) -> torch.Tensor:
-    """``U_r · sqrt(S_r)``, scaled to unit RMS: the rank-r factor of ``embedding`` (vocab × hidden)."""
+    """``U_r · S_r``, scaled to unit RMS: the best rank-r map of ``embedding`` (vocab × hidden) that
+    keeps its tokens' inner products (``E ≈ U_r S_r V_rᵀ``)."""
     u, s, _ = torch.linalg.svd(embedding, full_matrices=False)
-    table = u[:, :rank] * s[:rank].sqrt()
+    table = u[:, :rank] * s[:rank]
     return table / table.pow(2).mean().sqrt()
 
 

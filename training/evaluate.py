@@ -84,8 +84,8 @@ def step_costs(models: dict[str, LoadedModel], prompt: list[int]) -> dict[str, f
     torch.set_num_threads(1)
     samples: dict[str, list[float]] = {name: [] for name in models}
     try:
-        runners = {n: ModelRunner(lm, (len(prompt) + COST_STEPS + 8) * 2 * kv_shape(lm.model).bytes_per_token, "auto", self_check=False)
-                   for n, lm in models.items()}
+        runners = {n: ModelRunner(lm, (len(prompt) + COST_STEPS + 8) * 2 * kv_shape(lm.model).bytes_per_token,
+                                  "auto", self_check=False) for n, lm in models.items()}
         for _ in range(COST_RUNS):
             for name, runner in runners.items():
                 samples[name].append(_decode_ms(runner, prompt))

@@ -88,7 +88,7 @@ def generate_answers(loaded: LoadedModel, prompts: list[Prompt], out: Path, plan
     eos = loaded.eos_ids
     bar = tqdm(total=plan.token_budget, initial=min(tokens, plan.token_budget), desc="teacher answers",
                unit="tok", dynamic_ncols=True)
-    started, live = time.monotonic(), []
+    started, live = time.monotonic(), list[_Live]()
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("a") as sink:
         while True:

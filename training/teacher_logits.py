@@ -95,16 +95,15 @@ def _shard(runner: ModelRunner, shard: list[Sequence], k: int, tokens_per_step: 
 
 
 def _batch(runner: ModelRunner, batch: list[Sequence], k: int) -> dict[str, Any]:
-    slots = [runner.kv.allocate(len(s.ids)) for s in batch]
+    slots = [slot for slot in (runner.kv.allocate(len(s.ids)) for s in batch) if slot is not None]
     try:
-        if any(slot is None for slot in slots):
+        if len(slots) < len(batch):
             raise RuntimeError("the teacher's KV arena is too small for one batch of sequences")
         segments = [Segment(slot, s.ids[:-1], len(s.prompt) - 1) for slot, s in zip(slots, batch, strict=True)]
         logits = runner.forward(segments)
     finally:
         for slot in slots:
-            if slot is not None:
-                runner.kv.free(slot)
+            runner.kv.free(slot)
     assert logits is not None
     out, row = {}, 0
     for seq in batch:

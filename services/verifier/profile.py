@@ -1,6 +1,7 @@
 """Offline profile of the verifier's step time (WISP's estimator, wisp.txt §4.4 eq. 19).
 
-    python -m services.verifier.profile --model .specfleet/models/smollm2-135m-instruct --out .specfleet/verifier-profile.json
+    python -m services.verifier.profile --model .specfleet/models/smollm2-135m-instruct \
+        --out .specfleet/verifier-profile.json
 
 Loads the target with specfleet's own model runner, times one ``ModelRunner.forward`` over
 many batch shapes (the median of ``--repeats`` passes over all shapes, each forward after an
@@ -184,7 +185,8 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m services.verifier.profile", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=".specfleet/models/smollm2-135m-instruct", help="the target model directory (specfleet fetch-model makes the default)")
+    p.add_argument("--model", default=".specfleet/models/smollm2-135m-instruct",
+                   help="the target model directory (specfleet fetch-model makes the default)")
     p.add_argument("--out", default=".specfleet/verifier-profile.json", help="the estimator JSON to write")
     p.add_argument(
         "--repeats", type=int, default=0, help="timed passes over all batches, median taken (default 7; 3 quick)"

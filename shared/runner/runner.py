@@ -129,14 +129,15 @@ class ModelRunner:
         gen = torch.Generator().manual_seed(1)
         ids = torch.randint(0, self.vocab_size, (tokens,), generator=gen).tolist()
         other = torch.randint(0, self.vocab_size, (tokens,), generator=gen).tolist()
-        slots = [self.kv.allocate(tokens) for _ in range(3)]
+        slots = [slot for slot in (self.kv.allocate(tokens) for _ in range(3)) if slot is not None]
         try:
-            if any(s is None for s in slots):
+            if len(slots) < 3:
                 raise ModelLoadError(f"the KV cache ({self.kv.tokens} tokens) is too small for the {tokens}-token "
                                      "invariance check; raise --kv-cache-gb")
-            a, b, c = slots  # type: ignore[misc]
+            a, b, c = slots
             one = [self.forward([Segment(a, [t], 0)]) for t in ids]
-            wide, fed, widths = [], 0, (3, 1, 5, 8, 2, 6, 4, 7)
+            wide: list[torch.Tensor] = []
+            fed, widths = 0, (3, 1, 5, 8, 2, 6, 4, 7)
             while fed < tokens:
                 n = min(widths[len(wide) % len(widths)], tokens - fed)
                 rows = self.forward([Segment(c, other[fed : fed + n], 0), Segment(b, ids[fed : fed + n], 0)])
@@ -145,8 +146,7 @@ class ModelRunner:
                 fed += n
         finally:
             for slot in slots:
-                if slot is not None:
-                    self.kv.free(slot)
+                self.kv.free(slot)
         if not torch.equal(torch.cat([r for r in one if r is not None]), torch.cat(wide)):
             raise ModelLoadError(f"the batch-invariance self-check failed for {self.shape.dtype} on this machine: a "
                                  "position's logits changed with the step's shape; pass --batch-invariant false "

