@@ -36,6 +36,7 @@ from tqdm import tqdm
 from services.verifier.batching.estimator import FitReport, Sample, SegmentShape, StepTimeEstimator, evaluate, fit
 from shared.models import LoadedModel, ModelLoadError, load_model
 from shared.runner import ModelRunner, Segment
+from shared.runner.invariant import BLOCK
 from shared.runner.runner import kv_shape
 
 BATCH_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -81,9 +82,10 @@ def _shape(cached: int, new: int, max_len: int) -> SegmentShape:
 
 
 def make_runner(loaded: LoadedModel, batches: Sequence[Sequence[SegmentShape]]) -> ModelRunner:
-    """A runner whose arena holds the largest of ``batches``, every row random keys and values."""
-    rows = max(sum(s.total for s in b) for b in batches) + 64
-    runner = ModelRunner(loaded, rows * kv_shape(loaded.model).bytes_per_token, "auto")
+    """A batch-invariant runner (as the verifier serves) whose arena holds the largest of
+    ``batches`` in whole blocks, every row random keys and values."""
+    rows = max(sum((s.total // BLOCK + 1) * BLOCK for s in b) for b in batches) + BLOCK
+    runner = ModelRunner(loaded, rows * kv_shape(loaded.model).bytes_per_token, "auto", batch_invariant=True)
     runner.kv.data.normal_(generator=torch.Generator(device=runner.device).manual_seed(0))
     return runner
 
@@ -203,8 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--max-batch and --threads must be >= 1, --repeats and --batches >= 0")
     if not (Path(args.model) / "config.json").is_file():
         print(
-            f"error: no model at {args.model} (no config.json there). Train the demo models with "
-            "`make demo-models`, or pass --model DIR for another local Hugging Face model.",
+            f"error: no model at {args.model} (no config.json there). Fetch the default target with "
+            "`specfleet fetch-model`, or pass --model DIR for another local Hugging Face model.",
             file=sys.stderr,
         )
         return 2

@@ -23,7 +23,6 @@ from services.verifier.batching.estimator import (
     fit,
 )
 
-MODELS = Path(__file__).resolve().parents[2] / "models"
 TRUE_COEFS = [
     (80e-6, 0.2e-6, 0.5e-6, 5e-3),  # like the demo target on this CPU
     (20e-6, 2e-9, 50e-9, 1e-3),  # attention and cache reads nearly free
@@ -240,26 +239,5 @@ def test_profiler_explains_a_missing_model(tmp_path: Path, capsys: pytest.Captur
     from services.verifier.profile import main
 
     assert main(["--model", str(tmp_path / "nope"), "--out", str(tmp_path / "p.json")]) == 2
-    assert "make demo-models" in capsys.readouterr().err
+    assert "specfleet fetch-model" in capsys.readouterr().err
     assert not (tmp_path / "p.json").exists()
-
-
-@pytest.mark.skipif(
-    not (MODELS / "target" / "config.json").exists(),
-    reason="models/ has no demo family yet: run `make demo-models` to train it",
-)
-def test_profiler_sweep_on_the_demo_target_fits() -> None:
-    import torch
-
-    from services.verifier.profile import make_runner, measure, plan_batches
-    from shared.models import load_model
-
-    torch.set_num_threads(1)
-    loaded = load_model(MODELS / "target")
-    # a small grid spanning ~20x in step time (so machine noise cannot hide the trend), plus mixed batches
-    grid = [[SegmentShape(new=n, cached=c)] * b for b in (1, 4, 16) for c in (32, 256, 1000) for n in (1, 5, 9)]
-    batches = grid + plan_batches(16, 6, loaded.max_model_len, seed=0)
-    samples = measure(make_runner(loaded, batches), batches, repeats=3, progress=False)
-    assert all(t > 0 for _, t in samples)
-    report = evaluate(StepTimeEstimator(fit(samples)), samples)
-    assert report.r2 > 0.5, report

@@ -107,8 +107,11 @@ def vllm_sampling(params: SamplingParams, eos_ids: set[int] | frozenset[int]) ->
 
 
 def _dtype(name: str, cpu: bool) -> str:
+    """``auto`` as the torch backend picks it: bfloat16 on CUDA and on CPUs with native bfloat16."""
     if name == "auto":
-        return "float32" if cpu else "bfloat16"
+        from shared.models import resolve_dtype
+
+        return str(resolve_dtype(name, "cpu" if cpu else "cuda")).removeprefix("torch.")
     return name
 
 
