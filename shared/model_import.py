@@ -183,6 +183,8 @@ def import_gguf(path: Path, out: Path, dtype: torch.dtype = torch.bfloat16, sour
     info = {**(source or {}), "gguf_file": path.name, "gguf_sha256": sha256_of(path), "architecture": arch,
             "dtype": str(dtype).removeprefix("torch.")}
     (tmp / SOURCE_FILE).write_text(json.dumps(info, indent=2) + "\n")
+    for file in tmp.iterdir():  # safetensors writes 0600: a service running as another user must read it
+        file.chmod(0o644)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out

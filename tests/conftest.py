@@ -45,12 +45,28 @@ def greedy_reference(model: torch.nn.Module, prompt_ids: list[int], max_new: int
     return out
 
 
+def _invariant_runner(loaded: LoadedModel, tokens: int) -> ModelRunner:
+    rows = -(-tokens // 64) * 64 + 3 * 64  # the prompt's slot, plus the three of the invariance self-check
+    return ModelRunner(loaded, rows * kv_shape(loaded.model).bytes_per_token, kind="lean",
+                       self_check=False, batch_invariant=True)
+
+
+@torch.inference_mode()
+def invariant_logits(loaded: LoadedModel, prompt_ids: list[int]) -> torch.Tensor:
+    """The next-token logits after ``prompt_ids`` as a batch-invariant verifier computes them."""
+    runner = _invariant_runner(loaded, len(prompt_ids))
+    slot = runner.kv.allocate(len(prompt_ids))
+    assert slot is not None
+    logits = runner.forward([Segment(slot, prompt_ids, len(prompt_ids) - 1)])
+    assert logits is not None
+    return logits[-1]
+
+
 @torch.inference_mode()
 def invariant_greedy(loaded: LoadedModel, prompt_ids: list[int], max_new: int) -> list[int]:
     """Target-only greedy decoding as a batch-invariant verifier computes it (its logits do not depend
     on the step's shape, so this is the verifier's own target-only text, in the model's dtype)."""
-    runner = ModelRunner(loaded, (len(prompt_ids) + max_new + 64) * kv_shape(loaded.model).bytes_per_token,
-                         kind="lean", self_check=False, batch_invariant=True)
+    runner = _invariant_runner(loaded, len(prompt_ids) + max_new)
     slot = runner.kv.allocate(len(prompt_ids) + max_new)
     assert slot is not None
     logits = runner.forward([Segment(slot, prompt_ids, len(prompt_ids) - 1)])

@@ -58,8 +58,8 @@ class Settings:
     )
     distill: dict[str, Stage] = field(
         default_factory=lambda: {
-            "draft-large": Stage(steps=600, batch_tokens=4096, lr=2e-3, max_minutes=60),
-            "draft-small": Stage(steps=600, batch_tokens=4096, lr=3e-3, max_minutes=40),
+            "draft-large": Stage(steps=250, batch_tokens=4096, lr=2e-3, warmup=20, max_minutes=75),
+            "draft-small": Stage(steps=250, batch_tokens=4096, lr=3e-3, warmup=20, max_minutes=45),
         }
     )
     #: committed teacher answers (token ids): costly to remake, small to store

@@ -60,8 +60,11 @@ def run_stage(
     """Train model in place (resuming from ckpt_dir) and return what was done."""
     done_path, state_path = ckpt_dir / "done.json", ckpt_dir / "state.pt"
     if done_path.exists():
-        model.load_state_dict(torch.load(state_path, weights_only=True)["model"])
-        return StageResult(**json.loads(done_path.read_text()))
+        done = StageResult(**json.loads(done_path.read_text()))
+        if done.steps >= stage.steps and not done.stopped_early:
+            model.load_state_dict(torch.load(state_path, weights_only=True)["model"])
+            return done
+        done_path.unlink()  # a longer budget than last time: continue from the saved state
     opt = torch.optim.AdamW(model.parameters(), lr=stage.lr, betas=(0.9, 0.95), weight_decay=0.1)
     step, elapsed, ema = 0, 0.0, float("nan")
     if state_path.exists():

@@ -35,7 +35,7 @@ class TeacherPlan:
     batch: int = 48  # answers decoded at once
     sample_every: int = 3  # every 3rd prompt is sampled, the rest greedy (0: all greedy)
     temperature: float = 0.8
-    token_budget: int = 600_000  # stop once this many answer tokens exist
+    token_budget: int = 220_000  # stop once this many answer tokens exist
 
 
 def chat_ids(tokenizer: Any, text: str) -> list[int]:

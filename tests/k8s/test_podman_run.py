@@ -7,6 +7,7 @@ podman is required: if it is missing or broken this fails (run scripts/ensure-k8
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import shutil
 import subprocess
@@ -26,9 +27,8 @@ from tests.k8s.manifests import K8S, ROOT, runner
 
 pytestmark = [pytest.mark.k8s, pytest.mark.timeout(1200)]
 
-PROMPTS = ["def parse(", "What is the capital of France?", "The water cycle is", "Name three birds.",
-           "Once upon a time", "How do bees make honey?"]
-MAX_TOKENS = 24
+PROMPTS = ["def parse(", "What is the capital of France?", "The water cycle is", "Name three birds."]
+MAX_TOKENS = 16
 
 
 class Fleet:
@@ -70,7 +70,9 @@ def target() -> LoadedModel:
     return load_model(fetch_model(DEFAULT_MODEL, ROOT / ".specfleet"))  # the model the images bake in
 
 
+@functools.cache
 def reference(target: LoadedModel, prompt: str, chat: bool) -> list[int]:
+    """Target-only greedy ids, computed once per prompt (in this process, beside the pods)."""
     tok = target.tokenizer
     if chat:
         out = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
@@ -122,7 +124,7 @@ def test_rest_greedy_identical(fleet: Fleet, target: LoadedModel) -> None:
 
 
 def test_sse_greedy_identical(fleet: Fleet, target: LoadedModel) -> None:
-    for prompt in PROMPTS[:3]:
+    for prompt in PROMPTS[1::2]:  # the chat ones
         body = {"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": MAX_TOKENS,
                 "temperature": 0, "stream": True}
         pieces: list[str] = []

@@ -27,6 +27,8 @@ from shared.draft_q import Nucleus, check, draft_token, guess_token
 from shared.protocol import SamplingParams, SparseQ
 
 SEEDS = 40_000
+#: the control's shift is large: 5.4 sigma at 10,000 seeds (measured), about 7.7 at this count
+CONTROL_SEEDS = 20_000
 PROMPT = [0]
 PARAMS = SamplingParams(temperature=1.0, max_tokens=8)
 #: P[a] is the target's law of the token after token a; Q[a] the draft model's
@@ -76,17 +78,17 @@ def _generate(seed: int, trust_guess: bool = False) -> list[int]:
     return req.committed[len(PROMPT):][:3]
 
 
-def _worst_sigma(trust_guess: bool) -> tuple[float, torch.Tensor]:
+def _worst_sigma(trust_guess: bool, seeds: int = SEEDS) -> tuple[float, torch.Tensor]:
     counts = torch.zeros(3, V, dtype=torch.float64)
-    for seed in range(SEEDS):
+    for seed in range(seeds):
         for position, token in enumerate(_generate(seed, trust_guess)):
             counts[position, token] += 1
-    freq = counts / SEEDS
+    freq = counts / seeds
     law = torch.zeros(3, V, dtype=torch.float64)
     law[0] = P[PROMPT[-1]]
     law[1] = law[0] @ P
     law[2] = law[1] @ P
-    sigma = (law * (1 - law) / SEEDS).sqrt()
+    sigma = (law * (1 - law) / seeds).sqrt()
     return float(((freq - law).abs() / sigma).max()), freq
 
 
@@ -99,6 +101,6 @@ def test_pipelined_sampled_rounds_give_the_targets_law() -> None:
 @pytest.mark.stat
 def test_the_check_catches_a_verifier_that_trusts_the_guess() -> None:
     """Power control: the drafter's guess follows q, not p, and the same check must see it."""
-    worst, freq = _worst_sigma(trust_guess=True)
+    worst, freq = _worst_sigma(trust_guess=True, seeds=CONTROL_SEEDS)
     assert worst > 3.5, freq.tolist()
     assert math.isfinite(worst)

@@ -33,6 +33,8 @@ from shared.race import top_two
 from shared.sampling import make_generator, probs_from_logits
 
 SEEDS = 40_000
+#: the shared-seed control's shift is large: 5.2 sigma at 10,000 seeds (measured), about 7.4 at this count
+CONTROL_SEEDS = 20_000
 V = 6
 K = 2  # drafts per round
 #: target logits for the round's k + 1 positions, and the draft's logits for its k positions
@@ -51,9 +53,9 @@ def _shared(seed: int) -> tuple[torch.Generator, torch.Generator]:
     return torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
 
 
-def _first_token_counts(streams: Streams) -> torch.Tensor:
+def _first_token_counts(streams: Streams, seeds: int = SEEDS) -> torch.Tensor:
     counts = torch.zeros(V)
-    for seed in range(SEEDS):
+    for seed in range(seeds):
         drafter, verifier = streams(seed)
         drafts, qs = [], []
         for j in range(K):
@@ -64,12 +66,12 @@ def _first_token_counts(streams: Streams) -> torch.Tensor:
         req.gen, req.draft_q = verifier, [check(q, t, V) for q, t in zip(qs, drafts, strict=True)]
         verdict = judge([(req, drafts)], TARGET)[0]
         counts[verdict.tokens[0]] += 1
-    return counts / SEEDS
+    return counts / seeds
 
 
-def _worst_sigma(freq: torch.Tensor) -> float:
+def _worst_sigma(freq: torch.Tensor, seeds: int = SEEDS) -> float:
     p = probs_from_logits(TARGET[0], PARAMS)
-    return max(abs(f - q) / math.sqrt(q * (1 - q) / SEEDS) for f, q in zip(freq.tolist(), p.tolist(), strict=True))
+    return max(abs(f - q) / math.sqrt(q * (1 - q) / seeds) for f, q in zip(freq.tolist(), p.tolist(), strict=True))
 
 
 @pytest.mark.stat
@@ -81,8 +83,8 @@ def test_independent_streams_give_the_targets_law() -> None:
 @pytest.mark.stat
 def test_the_check_catches_one_shared_seed() -> None:
     """Power control: the same check on the old shared-seed scheme must fail."""
-    freq = _first_token_counts(_shared)
-    assert _worst_sigma(freq) > 3.0, freq.tolist()
+    freq = _first_token_counts(_shared, CONTROL_SEEDS)
+    assert _worst_sigma(freq, CONTROL_SEEDS) > 3.0, freq.tolist()
 
 
 # --- race sampling (shared.race) ------------------------------------------------------------------

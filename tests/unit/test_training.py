@@ -132,10 +132,12 @@ def test_distillation_lowers_the_loss_and_resumes_exactly(tiny_models: dict[str,
     parted = build_draft(shape, target.tokenizer, target.model, seed=0)  # type: ignore[attr-defined]
     interrupted = Stage(steps=8, batch_tokens=200, lr=3e-3, warmup=2, max_minutes=1e-9)
     run_stage("part", parted, soft_ce, batches, interrupted, tmp_path / "b", 3)  # stops at once
-    (tmp_path / "b" / "done.json").unlink()
-    run_stage("part", parted, soft_ce, batches, stage, tmp_path / "b", 3)
+    run_stage("part", parted, soft_ce, batches, stage, tmp_path / "b", 3)  # stopped early: continues
     for a, b in zip(whole.state_dict().values(), parted.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b)
+    assert run_stage("whole", whole, soft_ce, batches, stage, tmp_path / "a", 3).steps == 8  # done: skipped
+    longer = Stage(steps=10, batch_tokens=200, lr=3e-3, warmup=2)
+    assert run_stage("whole", whole, soft_ce, batches, longer, tmp_path / "a", 3).steps == 10  # a longer budget
 
 
 def test_lr_warms_up_then_decays_to_a_tenth() -> None:
