@@ -7,7 +7,6 @@ podman is required: if it is missing or broken this fails (run scripts/ensure-k8
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import shutil
 import subprocess
@@ -70,9 +69,18 @@ def target() -> LoadedModel:
     return load_model(fetch_model(DEFAULT_MODEL, ROOT / ".specfleet"))  # the model the images bake in
 
 
-@functools.cache
+_REFERENCES: dict[tuple[str, str, bool], list[int]] = {}
+
+
 def reference(target: LoadedModel, prompt: str, chat: bool) -> list[int]:
     """Target-only greedy ids, computed once per prompt (in this process, beside the pods)."""
+    key = (target.name, prompt, chat)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = _greedy(target, prompt, chat)
+    return _REFERENCES[key]
+
+
+def _greedy(target: LoadedModel, prompt: str, chat: bool) -> list[int]:
     tok = target.tokenizer
     if chat:
         out = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
