@@ -12,16 +12,18 @@ import httpx
 import pytest
 import torch
 
+from services.coordinator.model_info import ModelInfo
 from shared.models import load_model
 from shared.protocol import SamplingParams
 from shared.sampling import probs_from_logits
 from tests.conftest import invariant_logits
+from tests.e2e.greedy_streams import metric_value
 from tests.e2e.lossless_stats import chi_square_p
 from tests.e2e.stack import StackSpec, run_stack
 from tests.e2e.test_full_stack import stream_many
+from tests.real.conftest import ROOT, VERIFIER_FLAGS
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(1800)]
-ROOT = Path(__file__).resolve().parents[2]
 DRAFT_BUDGET_BYTES = 32 * 1000 * 1000
 SAMPLES = 500
 
@@ -58,12 +60,11 @@ def test_sampling_at_t1_through_the_large_draft_is_the_targets_law(smollm2: Path
     """The first verified position, 500 seeded requests: chi-square against the target's p."""
     target = load_model(smollm2)
     messages = [{"role": "user", "content": "Name one colour."}]
-    prompt = target.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    ids = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    ids = ModelInfo.load(str(smollm2)).encode_chat(messages)  # as the coordinator encodes the request
     p1 = probs_from_logits(invariant_logits(target, ids), SamplingParams(temperature=1.0))
     body = {"kind": "chat", "model": target.name, "messages": messages, "max_tokens": 2, "temperature": 1.0,
             "ignore_eos": True}
-    spec = StackSpec(drafts=[committed_drafts[0]], max_sessions=8, extra_verifier=["--torch-threads", "2"])
+    spec = StackSpec(drafts=[committed_drafts[0]], max_sessions=8, extra_verifier=VERIFIER_FLAGS)
     with run_stack(smollm2, spec, tmp_path) as stack:
         for attempt in range(2):  # a correct sampler fails alpha = 0.01 once in 100; twice, 1e-4
             seeds = range(attempt * SAMPLES, (attempt + 1) * SAMPLES)
@@ -72,7 +73,7 @@ def test_sampling_at_t1_through_the_large_draft_is_the_targets_law(smollm2: Path
             if p > 0.01:
                 break
         metrics = httpx.get(stack.base_url + "/metrics").text
-    accepted = [ln for ln in metrics.splitlines() if ln.startswith("specfleet_coordinator_accepted_tokens_total")]
-    assert accepted and float(accepted[0].split()[-1]) > 0, "no draft was accepted: the test would prove nothing"
+    accepted = metric_value(metrics, "specfleet_coordinator_accepted_tokens_total")
+    assert accepted > 0, "no draft was accepted: the test would prove nothing"
     assert p > 0.01, p
     assert torch.isclose(p1.sum(), torch.tensor(1.0), atol=1e-4)

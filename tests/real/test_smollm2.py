@@ -24,14 +24,15 @@ from shared.fleet import Fleet
 from shared.model_import import KNOWN_MODELS, ImportModelError, gguf_architecture, locate_package_file
 from shared.models import load_model
 from shared.runner import ModelRunner
+from tests.e2e.greedy_streams import metric_value
 from tests.e2e.stack import StackSpec, run_stack
+from tests.real.conftest import VERIFIER_FLAGS
 from tests.unit.test_batch_invariance import PATTERNS, mixed_steps, one_token_steps
 from training.prompts import build_prompts, split_prompts
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(1800)]
 PROMPTS = int(os.environ.get("SPECFLEET_REAL_PROMPTS", "4"))
 MAX_TOKENS = int(os.environ.get("SPECFLEET_REAL_TOKENS", "48"))
-VERIFIER = ["--torch-threads", "2"]  # both of CI's cores: the target's forwards are most of this tier's time
 
 
 def test_the_import_records_its_source(smollm2: Path) -> None:
@@ -97,20 +98,20 @@ def _serve(target: Path, spec: StackSpec, log_dir: Path, prompts: list[str]) -> 
     with run_stack(target, spec, log_dir) as fleet:
         answers = {c: _answers(fleet, prompts, c) for c in (1, 4)}
         metrics = httpx.get(fleet.base_url + "/metrics").text
-    accepted = [ln for ln in metrics.splitlines() if ln.startswith("specfleet_coordinator_accepted_tokens_total")]
-    return answers, float(accepted[0].split()[-1]) if accepted else 0.0
+    return answers, metric_value(metrics, "specfleet_coordinator_accepted_tokens_total")
 
 
 def test_speculation_changes_no_token(smollm2: Path, committed_drafts: list[Path], tmp_path: Path) -> None:
     prompts = [p.text for p in split_prompts(build_prompts(), "heldout")[:PROMPTS]]
     if committed_drafts:
-        spec = StackSpec(drafts=committed_drafts[:2], draft_mode="greedy", max_sessions=4, extra_verifier=VERIFIER)
+        spec = StackSpec(drafts=committed_drafts[:2], draft_mode="greedy", max_sessions=4,
+                         extra_verifier=VERIFIER_FLAGS)
     else:
-        spec = StackSpec(drafts=[smollm2], draft_mode="greedy", max_sessions=4, extra_verifier=VERIFIER,
+        spec = StackSpec(drafts=[smollm2], draft_mode="greedy", max_sessions=4, extra_verifier=VERIFIER_FLAGS,
                          extra_drafter=["--proposer", "ngram"])
     speculative, accepted = _serve(smollm2, spec, tmp_path / "spec", prompts)
     assert accepted > 0, "speculation never accepted a draft: the comparison would prove nothing"
-    alone_spec = StackSpec(drafts=[], extra_coordinator=["--speculation", "off"], extra_verifier=VERIFIER)
+    alone_spec = StackSpec(drafts=[], extra_coordinator=["--speculation", "off"], extra_verifier=VERIFIER_FLAGS)
     alone, _ = _serve(smollm2, alone_spec, tmp_path / "alone", prompts)
     reference = alone[1]
     assert all(text for text in reference)
