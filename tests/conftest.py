@@ -33,15 +33,19 @@ def free_port() -> int:
 
 @torch.inference_mode()
 def greedy_reference(model: torch.nn.Module, prompt_ids: list[int], max_new: int, eos_ids: set[int]) -> list[int]:
-    """Target-only greedy decoding, recomputing the whole context each step: the ground truth."""
-    ids = list(prompt_ids)
+    """Target-only greedy decoding by transformers itself, one token a step over its own KV cache
+    (as ``generate`` decodes): the ground truth, independent of specfleet's runner."""
     out: list[int] = []
+    step = torch.tensor([list(prompt_ids)])
+    past = None
     for _ in range(max_new):
-        token = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+        result = model(step, past_key_values=past, use_cache=True)
+        past = result.past_key_values
+        token = int(result.logits[0, -1].argmax())
         out.append(token)
-        ids.append(token)
         if token in eos_ids:
             break
+        step = torch.tensor([[token]])
     return out
 
 
@@ -78,3 +82,18 @@ def invariant_greedy(loaded: LoadedModel, prompt_ids: list[int], max_new: int) -
             break
         logits = runner.forward([Segment(slot, [token], 0)])
     return out
+
+
+#: the tiers in the order a run takes them: the pure ones first, so that ``make test`` can run lint
+#: and the smoke run beside them (scripts/test.sh) before the tiers that start services and time faults
+TIER_ORDER = ("unit", "stat")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    tests = Path(__file__).parent
+
+    def tier(item: pytest.Item) -> int:
+        parts = item.path.relative_to(tests).parts if item.path.is_relative_to(tests) else ()
+        return TIER_ORDER.index(parts[0]) if parts and parts[0] in TIER_ORDER else len(TIER_ORDER)
+
+    items.sort(key=tier)  # stable: each tier keeps its own order

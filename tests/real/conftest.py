@@ -6,6 +6,7 @@ keeps it), so CI converts it once for the smoke run and this tier together.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from shared.model_import import DEFAULT_MODEL, fetch_model
 
 ROOT = Path(__file__).resolve().parents[2]
 #: the fleets of this tier run the verifier on both of CI's cores: the target's forwards are most of its time
-VERIFIER_FLAGS = ["--torch-threads", "2"]
+VERIFIER_FLAGS = ["--torch-threads", "2", "--dtype", os.environ.get("SPECFLEET_REAL_DTYPE", "auto")]
 
 
 @pytest.fixture(scope="session")

@@ -5,18 +5,20 @@ race keyed by (the request's bonus key, the round), and the drafter runs the sam
 own distribution to guess that token and draft on from it. The drafter therefore knows the race's
 variates; a guess that failed is dropped, and its lookahead drew from the drafting stream.
 
-This drives the real in-process code over 40,000 seeds: the drafter's ``draft_token`` and
-``guess_token``, and the verifier's ``judge``, through rounds of 2 then 1 drafts, with the
-lookahead's continuation becoming the next draft when its guess came true, exactly as the session
-runner does. The target and draft are small first-order Markov chains with different laws. Each of
-the first three generated tokens must follow the target's law: with n = 40,000 a token of
-probability 0.2 has sigma 0.2 percentage points, so a 1-point shift is 5 sigma. A control in which
-the verifier trusts the drafter's guess must be caught.
+This drives the real in-process code over 40,000 seeds (shared among the cores by
+tests.stat.seeds): the drafter's ``draft_token`` and ``guess_token``, and the verifier's
+``judge``, through rounds of 2 then 1 drafts, with the lookahead's continuation becoming the next
+draft when its guess came true, exactly as the session runner does. The target and draft are
+small first-order Markov chains with different laws. Each of the first three generated tokens
+must follow the target's law: with n = 40,000 a token of probability 0.2 has sigma 0.2
+percentage points, so a 1-point shift is 5 sigma. A control in which the verifier trusts the
+drafter's guess must be caught.
 """
 
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import pytest
 import torch
@@ -25,6 +27,7 @@ from services.verifier.judge import judge
 from services.verifier.requests import Request
 from shared.draft_q import Nucleus, check, draft_token, guess_token
 from shared.protocol import SamplingParams, SparseQ
+from tests.stat.seeds import over_seeds
 
 SEEDS = 40_000
 #: the control's shift is large: 5.4 sigma at 10,000 seeds (measured), about 7.7 at this count
@@ -78,12 +81,16 @@ def _generate(seed: int, trust_guess: bool = False) -> list[int]:
     return req.committed[len(PROMPT):][:3]
 
 
-def _worst_sigma(trust_guess: bool, seeds: int = SEEDS) -> tuple[float, torch.Tensor]:
+def _counts(trust_guess: bool, seeds: range) -> torch.Tensor:
     counts = torch.zeros(3, V, dtype=torch.float64)
-    for seed in range(seeds):
+    for seed in seeds:
         for position, token in enumerate(_generate(seed, trust_guess)):
             counts[position, token] += 1
-    freq = counts / seeds
+    return counts
+
+
+def _worst_sigma(trust_guess: bool, seeds: int = SEEDS) -> tuple[float, torch.Tensor]:
+    freq = over_seeds(partial(_counts, trust_guess), seeds) / seeds
     law = torch.zeros(3, V, dtype=torch.float64)
     law[0] = P[PROMPT[-1]]
     law[1] = law[0] @ P

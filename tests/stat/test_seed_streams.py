@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 
 import pytest
 import torch
@@ -31,6 +32,7 @@ from shared.draft_q import Nucleus, check, draft_token
 from shared.protocol import SamplingParams
 from shared.race import top_two
 from shared.sampling import make_generator, probs_from_logits
+from tests.stat.seeds import over_seeds
 
 SEEDS = 40_000
 #: the shared-seed control's shift is large: 5.2 sigma at 10,000 seeds (measured), about 7.4 at this count
@@ -54,8 +56,12 @@ def _shared(seed: int) -> tuple[torch.Generator, torch.Generator]:
 
 
 def _first_token_counts(streams: Streams, seeds: int = SEEDS) -> torch.Tensor:
+    return over_seeds(partial(_first_tokens, streams), seeds) / seeds
+
+
+def _first_tokens(streams: Streams, seeds: range) -> torch.Tensor:
     counts = torch.zeros(V)
-    for seed in range(seeds):
+    for seed in seeds:
         drafter, verifier = streams(seed)
         drafts, qs = [], []
         for j in range(K):
@@ -66,7 +72,7 @@ def _first_token_counts(streams: Streams, seeds: int = SEEDS) -> torch.Tensor:
         req.gen, req.draft_q = verifier, [check(q, t, V) for q, t in zip(qs, drafts, strict=True)]
         verdict = judge([(req, drafts)], TARGET)[0]
         counts[verdict.tokens[0]] += 1
-    return counts / seeds
+    return counts
 
 
 def _worst_sigma(freq: torch.Tensor, seeds: int = SEEDS) -> float:
@@ -93,14 +99,18 @@ def test_the_check_catches_one_shared_seed() -> None:
 def _race_first_token_counts() -> torch.Tensor:
     """The first committed token over SEEDS seeded requests under race sampling: the drafter races
     its q (the proposer's pick), the verifier judges against the races over p (``judge``)."""
+    return over_seeds(_race_first_tokens, SEEDS) / SEEDS
+
+
+def _race_first_tokens(seeds: range) -> torch.Tensor:
     counts = torch.zeros(V)
-    for seed in range(SEEDS):
+    for seed in seeds:
         params = SamplingParams(temperature=1.0, max_tokens=8, seed=seed)
         req = Request.create(f"r{seed}", [1], params, True, 64, frozenset(), race=True)
         assert req.race_key is not None
         drafts = [top_two(probs_from_logits(DRAFT[j], params), req.race_key, 1 + j)[0] for j in range(K)]
         counts[judge([(req, drafts)], TARGET)[0].tokens[0]] += 1
-    return counts / SEEDS
+    return counts
 
 
 def _worst_sigma_against(freq: torch.Tensor, law: torch.Tensor) -> float:

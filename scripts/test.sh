@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# `make test`: every test tier, then the smoke run and lint, within CI's time on its two cores.
+#
+# The unit and statistical tiers come first (tests/conftest.py orders them) and the unit tier
+# uses one core, so lint and the smoke run go beside them on the other; the tiers that start
+# services and time faults run after, with the machine to themselves. Each part's output is
+# printed, and the run fails if any part failed.
+#
+#   scripts/test.sh VENV_BIN [pytest flags ...]
+set -uo pipefail
+bin=${1:?usage: scripts/test.sh VENV_BIN [pytest flags ...]}
+shift
+mkdir -p .specfleet/logs
+side_log=.specfleet/logs/test-lint-and-smoke.log
+(
+    set -e
+    echo "== lint (ruff, mypy)"
+    "$bin/ruff" check .
+    "$bin/mypy" shared services training bench
+    echo "== smoke run (make smoke)"
+    make --no-print-directory smoke
+) >"$side_log" 2>&1 &
+side=$!
+"$bin/pytest" -q -m "not slow" --durations=25 "$@"
+tests_rc=$?
+wait "$side"
+side_rc=$?
+cat "$side_log"
+if [ "$side_rc" -ne 0 ]; then
+    echo "make test: lint or the smoke run failed (exit $side_rc); its output is above and in $side_log" >&2
+fi
+if [ "$tests_rc" -ne 0 ]; then
+    echo "make test: pytest failed (exit $tests_rc)" >&2
+    exit "$tests_rc"
+fi
+exit "$side_rc"
