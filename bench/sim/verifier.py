@@ -17,7 +17,7 @@ policies (never copies of them):
   ``tracker.set_budget``), finished sessions are forgotten, and verdicts leave for the drafters
   (RTT/2 away);
 * filling (``VerifierSpec.fill``; ``Scheduler._add_fill``, ``TorchCore._fill``,
-  ``Request.take_draft``): with nothing ready to verify, the real :class:`FillPolicy` picks
+  ``Request.take_draft``): with nothing ready to verify, the real :class:`FillBeforeDrafts` picks
   waiting sessions past their first round to decode one token each, and when none may go now the
   verifier looks again once a waiting draft turns late. A draft that arrives during its
   session's fill step is taken when the step ends; its leading drafts are matched against the
@@ -54,10 +54,10 @@ from services.verifier.allocation import (
     SmartSpecAllocator,
     make_allocator,
 )
-from services.verifier.allocation.goodspeed import expected_tokens
+from services.verifier.allocation.base import expected_tokens
 from services.verifier.batching import BatchLimits, Candidate, WispBatcher, make_batcher
 from services.verifier.batching.estimator import SegmentShape, overhead_line
-from services.verifier.fill import FillPolicy
+from services.verifier.fill import make_fill
 from services.verifier.requests import filled_outcome, settled_drafts
 
 
@@ -82,7 +82,7 @@ class SimVerifier:
             self.allocator.wait.clock = clock  # its draft waits expire in simulated time
         self.max_draft = p.max_draft_tokens
         self.ready: dict[str, tuple[Session, Candidate]] = {}
-        self.filler = FillPolicy() if v.fill and spec.speculative else None  # the real fill policy
+        self.fill = make_fill(v.fill and spec.speculative)  # the real fill policy
         self.waiting: dict[str, Session] = {}  # sessions whose round waits for its draft
         self.filling: set[str] = set()  # sessions of the fill step in flight
         #: their drafts, which arrived during it: taken when it ends (a conditional one with its lookahead)
@@ -165,8 +165,8 @@ class SimVerifier:
             s.drafts = conditional.draft(s.budget)
             s.asked = min(s.budget, conditional.tokens)  # what it asked its proposer for, within the budget
             self.rec.conditional_taken += 1
-        elif self.filler is not None:
-            self.rec.fill_wait(s.edge.index, s.draft_wait_s, self.filler.observe(s.drafter, s.draft_wait_s))
+        else:
+            self.rec.fill_wait(s.edge.index, s.draft_wait_s, self.fill.observe(s.drafter, s.draft_wait_s))
         s.sent, s.waiting_draft = len(s.drafts), False
         self.waiting.pop(s.sid, None)
         s.matched = accepted_prefix([ok for _, ok in s.drafts[: s.filled]])
@@ -210,14 +210,14 @@ class SimVerifier:
     def _try_fill(self, now: float) -> None:
         """One token for each waiting session the real fill policy picks; when it picks none, look
         again once a waiting session's draft turns late (``Scheduler.fill_wait_s``)."""
-        if self.filler is None or not self.waiting:
+        if not self.waiting:
             return
         waiting = list(self.waiting.values())
         started = time.perf_counter()
-        chosen = self.filler.choose(waiting, self.cost, now, min(self.limits.max_sessions, self.limits.max_tokens))
+        chosen = self.fill.choose(waiting, self.cost, now, min(self.limits.max_sessions, self.limits.max_tokens))
         select_s = time.perf_counter() - started
         if not chosen:
-            later = self.filler.next_change(waiting, now)
+            later = self.fill.next_change(waiting, now)
             # just past the turn: at it, rounding may still count the draft as due
             wake = math.nextafter(now + later, math.inf) if later is not None else None
             if wake is not None and (self.wake_at is None or self.wake_at <= now or wake < self.wake_at):

@@ -25,6 +25,9 @@ from services.coordinator.openai_api import Kind, parse_json
 from services.coordinator.responses import Responder
 from services.coordinator.state import CoordinatorState, state_of
 from services.coordinator.stream import SubmissionStream, websocket_session
+from shared.log import get_logger
+
+log = get_logger("coordinator.routes")
 
 router = APIRouter()
 T = TypeVar("T")
@@ -198,7 +201,8 @@ async def metrics(request: Request) -> Response:
     try:
         async with asyncio.timeout(2.0):
             depth = await state.queue.depth()
-    except Exception:  # an unreachable queue must not break the scrape; -1 flags it
+    except Exception as exc:  # an unreachable queue must not break the scrape; -1 flags it
+        log.warning("queue depth unavailable for /metrics; reported as -1", error=repr(exc))
         depth = -1
     data = state.metrics.render(depth, len(state.link.drafters), state.link.connected)
     return Response(data, media_type=CONTENT_TYPE)

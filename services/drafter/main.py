@@ -218,8 +218,10 @@ async def serve(
         await asyncio.to_thread(worker.shutdown)
         controls.wisp.close()
         if own_queue:
-            with contextlib.suppress(Exception):
+            try:
                 await request_queue.close()
+            except Exception as exc:  # shutting down: the queue's connections go with the process anyway
+                log.warning("closing the request queue failed at shutdown", error=repr(exc))
 
 
 async def _serve_until_signalled(cfg: DrafterConfig) -> None:

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from shared.config import opt
+from services.verifier.allocation import POLICIES as ALLOCATIONS
+from services.verifier.batching import POLICIES as BATCHINGS
+from services.verifier.trim import POLICIES as TRIMS
+from shared.config import ConfigError, flag_name, opt
+from shared.runner import RUNNER_KINDS
 
 
 @dataclass
@@ -98,3 +103,51 @@ class VerifierConfig:
                                   "start from a generic CPU guess")
     torch_threads: int = opt(0, "torch intra-op threads; 0 leaves torch's default")
     log_level: str = opt("info", "debug, info, warning, error")
+
+
+BACKENDS = ("torch", "vllm")
+SAMPLINGS = ("race", "stream")  # backend=vllm samples its own way: stream
+CORE_MODES = ("auto", "thread", "inline")
+TRUST_MODES = ("trusted", "untrusted")
+#: the flags that take one of a few words, and those words
+CHOICES: dict[str, tuple[str, ...]] = {
+    "backend": BACKENDS, "sampling": SAMPLINGS, "core_mode": CORE_MODES, "runner": RUNNER_KINDS,
+    "drafter_trust": TRUST_MODES, "allocation": ALLOCATIONS, "batching": BATCHINGS, "trim": TRIMS,
+    "dtype": ("auto", "float32", "float16", "bfloat16"),
+}
+#: the flags that must be above zero
+POSITIVE = ("max_sessions", "max_batch_sessions", "max_batch_tokens", "prefill_chunk", "max_draft_tokens",
+            "ws_ping_interval_s", "ws_ping_timeout_s", "draft_timeout_s", "tensor_parallel_size",
+            "smartspec_max_len")
+#: the flags that must not be below zero
+NON_NEGATIVE = ("port", "vllm_memory_share", "max_model_len", "kv_cache_gb", "max_waiting", "draft_len",
+                "draft_capacity", "resume_grace_s", "slo_tokens_per_s", "wisp_delta_ms", "wisp_network_ms",
+                "tpot_slo_ms", "torch_threads")
+
+
+def validate(cfg: VerifierConfig) -> None:
+    """Every problem with the flags at once, as one ConfigError, before anything is loaded."""
+    problems = [*_word_problems(cfg), *_range_problems(cfg)]
+    if not cfg.model:
+        problems.append("no target model given: pass --model DIR or set SPECFLEET_MODEL")
+    if bool(cfg.tls_cert) != bool(cfg.tls_key):
+        problems.append("--tls-cert and --tls-key go together: give both (wss://) or neither (ws://)")
+    if cfg.backend == "vllm" and (cfg.batching != "fcfs" or cfg.trim != "none" or cfg.recompute_context):
+        problems.append("--batching, --trim and --recompute-context apply to the torch backend only: vLLM's own "
+                        "scheduler forms the batches and keeps the KV cache; leave them at fcfs, none and false "
+                        "with --backend vllm")
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+def _word_problems(cfg: VerifierConfig) -> list[str]:
+    return [f"{flag_name(name)} must be one of {', '.join(allowed)}, got {getattr(cfg, name)!r}"
+            for name, allowed in CHOICES.items() if getattr(cfg, name) not in allowed]
+
+
+def _range_problems(cfg: VerifierConfig) -> list[str]:
+    def value(name: str) -> Any:
+        return getattr(cfg, name)
+
+    return ([f"{flag_name(n)} must be > 0, got {value(n)}" for n in POSITIVE if value(n) <= 0]
+            + [f"{flag_name(n)} must be >= 0, got {value(n)}" for n in NON_NEGATIVE if value(n) < 0])

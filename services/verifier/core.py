@@ -33,8 +33,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from services.verifier.allocation import Allocator, GoodputTracker, RoundStats, draft_share
+from services.verifier.batching.base import slo_met
 from services.verifier.batching.estimator import StepTimeEstimator
-from services.verifier.batching.wisp import slo_met
 from services.verifier.core_api import (
     AddDraft,
     AddRequest,
@@ -303,8 +303,8 @@ class TorchCore:
                            and req.params.seed is None)
         wait = req.draft_wait_s = max(0.0, cmd.received_at - req.waiting_since)
         self.metrics.draft_wait.observe(wait)
-        if cmd.after is None and self.scheduler.filler is not None:  # a conditional one was there before
-            self.metrics.observe_fill_wait(req.drafter, wait, self.scheduler.filler.observe(req.drafter, wait))
+        if cmd.after is None:  # a conditional one was there before the round: it says nothing of the wait
+            self.metrics.observe_fill_wait(req.drafter, wait, self.scheduler.fill.observe(req.drafter, wait))
         req.take_draft(cmd.token_ids, cmd.q, cmd.confidence)
 
     def _attach(self, cmd: Attach) -> None:
@@ -395,7 +395,7 @@ class TorchCore:
             self._publish_round(req, drafted, accepted, k, budgets.get(req.request_id, 0), logprobs)
         self.metrics.observe_step(step, scheduled, t0, t1, time.perf_counter(), self._last_step_start, cpu1 - cpu0)
         if self._last_forward_end:
-            self.scheduler.observe_gap(t0 - self._last_forward_end)
+            self.scheduler.trim.observe_gap(t0 - self._last_forward_end)
             # the CPU the verifier's process spent from the last forward's end to this one's start
             # (idle waits for drafts cost none), at most the wall time: its work per step. All its
             # threads count (thread mode's event loop too, and a /status or /metrics scrape)
@@ -430,7 +430,7 @@ class TorchCore:
         assert req.slot is not None
         keep = 0 if self.limits.recompute_context else req.slot.length - (len(drafts) - accepted)
         req.slot.truncate(keep)  # keep the accepted drafts' keys/values (none: the next round recomputes all)
-        self.scheduler.observe_round(req.drafter, req.draft_conf, len(drafts), accepted)  # the trim's calibration
+        self.scheduler.trim.observe_round(req.drafter, req.draft_conf, len(drafts), accepted)  # the trim's calibration
         return req.commit(tokens)
 
     def _fill(self, req: Request, v: Verdict) -> None:

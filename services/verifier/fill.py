@@ -69,7 +69,50 @@ class Waiting(Protocol):
 W = TypeVar("W", bound=Waiting)
 
 
-class FillPolicy:
+class Fill(Protocol):
+    """What a step with nothing to verify decodes (``Scheduler._add_fill``)."""
+
+    name: str
+
+    def observe(self, drafter: str, wait_s: float) -> float | None:
+        """A plain draft arrived ``wait_s`` after its round began waiting for it; returns how far that
+        is from the drafter's typical wait (None: none known), for the metrics."""
+        ...
+
+    def choose(self, active: Sequence[W], estimator: StepTimeModel, now: float, limit: int) -> list[W]:
+        """The sessions of ``active`` to decode one token each in a step starting ``now``, at most ``limit``."""
+        ...
+
+    def next_change(self, active: Sequence[Waiting], now: float) -> float | None:
+        """Seconds until ``choose`` may choose differently with nothing else changed; None: never."""
+        ...
+
+
+class NeverFill:
+    """The baseline (``--fill false``): a step with nothing to verify waits for a draft."""
+
+    name = "never"
+
+    def observe(self, drafter: str, wait_s: float) -> float | None:
+        return None
+
+    def choose(self, active: Sequence[W], estimator: StepTimeModel, now: float, limit: int) -> list[W]:
+        return []
+
+    def next_change(self, active: Sequence[Waiting], now: float) -> float | None:
+        return None
+
+
+def make_fill(fill: bool) -> Fill:
+    """``--fill``: fill before the drafts come (the default), or never."""
+    return FillBeforeDrafts() if fill else NeverFill()
+
+
+class FillBeforeDrafts:
+    """Fill as long as the step is predicted to end before the next draft is expected (module docstring)."""
+
+    name = "before-drafts"
+
     def __init__(self) -> None:
         #: drafter -> (typical seconds from Verdict out to Draft in, typical deviation from that)
         self.waits: dict[str, tuple[float, float]] = {}

@@ -13,9 +13,10 @@ import torch
 from services.verifier.allocation import AllocationSettings, Allocator, GoodputTracker, make_allocator
 from services.verifier.batching import BatchLimits, make_batcher
 from services.verifier.batching.estimator import StepTimeEstimator
-from services.verifier.config import VerifierConfig
+from services.verifier.config import CORE_MODES, VerifierConfig, validate
 from services.verifier.core import CoreLimits, TorchCore
 from services.verifier.core_api import Result, VerifierCore
+from services.verifier.fill import make_fill
 from services.verifier.intake import Intake
 from services.verifier.metrics import VerifierMetrics
 from services.verifier.output import Output
@@ -36,7 +37,6 @@ AUTO_KV_CPU_SHARE = 0.2
 AUTO_KV_CPU_MAX = 2 * 2**30
 #: ... and on a GPU, this share of the memory still free after the model loaded
 AUTO_KV_GPU_SHARE = 0.8
-CORE_MODES = ("auto", "thread", "inline")
 
 
 def kv_budget_bytes(cfg: VerifierConfig) -> int:
@@ -52,7 +52,7 @@ def kv_budget_bytes(cfg: VerifierConfig) -> int:
 def core_threaded(mode: str) -> bool:
     """thread / inline / auto: a thread of its own unless the process may use a single CPU."""
     if mode not in CORE_MODES:
-        raise ModelLoadError(f"--core-mode must be one of {', '.join(CORE_MODES)}, got {mode!r}")
+        raise ConfigError(f"--core-mode must be one of {', '.join(CORE_MODES)}, got {mode!r}")
     if mode == "auto":
         return len(os.sched_getaffinity(0)) > 1
     return mode == "thread"
@@ -69,8 +69,6 @@ def make_estimator(cfg: VerifierConfig) -> StepTimeEstimator:
                              "write one with `make profile-verifier`") from None
 
 
-BACKENDS = ("torch", "vllm")
-SAMPLINGS = ("race", "stream")  # --sampling (backend=vllm samples its own way: stream)
 
 
 def batch_limits(cfg: VerifierConfig) -> BatchLimits:
@@ -92,15 +90,7 @@ def make_allocator_for(cfg: VerifierConfig, estimator: StepTimeEstimator) -> All
 
 def build(cfg: VerifierConfig, loop: asyncio.AbstractEventLoop) -> tuple[Hub, VerifierCore]:
     """Load the target and wire engine core, policies, output and hub together."""
-    if not cfg.model:
-        raise ModelLoadError("no target model given: pass --model DIR or set SPECFLEET_MODEL")
-    if cfg.backend not in BACKENDS:
-        raise ModelLoadError(f"--backend must be one of {', '.join(BACKENDS)}, got {cfg.backend!r}")
-    if cfg.sampling not in SAMPLINGS:
-        raise ModelLoadError(f"--sampling must be one of {', '.join(SAMPLINGS)}, got {cfg.sampling!r}")
-    if cfg.ws_ping_interval_s <= 0 or cfg.ws_ping_timeout_s <= 0:
-        raise ModelLoadError("--ws-ping-interval-s and --ws-ping-timeout-s must be > 0, got "
-                             f"{cfg.ws_ping_interval_s} and {cfg.ws_ping_timeout_s}")
+    validate(cfg)  # ConfigError, before anything is loaded (main has checked already; callers in code may not)
     if cfg.backend == "vllm":
         return build_vllm(cfg)
     if cfg.torch_threads > 0:
@@ -123,7 +113,7 @@ def build(cfg: VerifierConfig, loop: asyncio.AbstractEventLoop) -> tuple[Hub, Ve
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from None
     scheduler = Scheduler(batcher, batch_limits(cfg), cfg.prefill_chunk,
-                          estimator, trim, tracker, fill=cfg.fill)
+                          estimator, trim, tracker, fill=make_fill(cfg.fill))
     threaded = core_threaded(cfg.core_mode)
 
     def deliver(results: list[Result]) -> None:
@@ -145,10 +135,6 @@ def build_vllm(cfg: VerifierConfig) -> tuple[Hub, VerifierCore]:
     from services.verifier.vllm_engine.core import VllmCore, VllmLimits
     from services.verifier.vllm_engine.engine import EngineSettings, start_engine
 
-    if cfg.batching != "fcfs" or cfg.trim != "none" or cfg.recompute_context:
-        raise ModelLoadError("--batching, --trim and --recompute-context apply to the torch backend only: vLLM's own "
-                             "scheduler forms the batches and keeps the KV cache; leave them at fcfs, none and false "
-                             "with --backend vllm")
     loaded = load_target_info(cfg.model, cfg.max_model_len)
     hub, output, metrics = _hub(cfg, loaded)
     try:
@@ -220,6 +206,7 @@ async def serve(cfg: VerifierConfig, ready: asyncio.Event | None = None) -> None
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(VerifierConfig, argv if argv is not None else sys.argv[1:], prog="specfleet verifier")
+        validate(cfg)
     except ConfigError as exc:
         print(f"specfleet verifier: {exc}", file=sys.stderr)
         return 2

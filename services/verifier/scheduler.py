@@ -6,8 +6,7 @@ Each step has a token budget (``max_tokens``) and a session budget (``max_sessio
    whose prompt is cached, or whose uncached rest fits in one chunk, are offered to the batch
    policy (FCFS, WISP, ...). Each feeds its uncached committed tokens (at least the last
    one) plus its drafts, and gets logits from its last committed token on. The trim policy
-   (AdaSpec) may then drop the least likely tail drafts of the chosen sessions, judged by each
-   drafter's confidences calibrated against its past verdicts (``shared.calibration``).
+   may then drop tail drafts of the chosen sessions that carry confidences (``trim``).
 2. **Fill.** A step with nothing to verify may decode, target-only, deterministic (greedy or raced)
    sessions whose drafts are on their way: one token each, which verifying their drafts would
    have committed anyway (``requests``), as many as end before the next draft is expected
@@ -22,28 +21,17 @@ Each step has a token budget (``max_tokens``) and a session budget (``max_sessio
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from services.verifier.allocation.goodspeed import expected_tokens
+from services.verifier.allocation.base import expected_tokens
 from services.verifier.allocation.tracker import GoodputTracker
 from services.verifier.batching import BatchLimits, BatchPolicy, Candidate
 from services.verifier.batching.estimator import SegmentShape, StepTimeEstimator
-from services.verifier.fill import FillPolicy
+from services.verifier.fill import Fill, FillBeforeDrafts
 from services.verifier.requests import Request, Status
 from services.verifier.trim import TrimItem, TrimPolicy, make_trim
-from shared.calibration import AcceptanceCalibration, ewma
 from shared.runner import Segment
-
-#: every this many trimmed steps, one is verified untrimmed: a draft the trim drops is never judged,
-#: so without these probes a calibration bin whose estimate fell too low could never recover
-PROBE_EVERY = 8
-#: calibrations kept, the drafters heard from least recently dropped first
-MAX_CALIBRATIONS = 256
-#: weight of a new gap between steps in the trim's moving average of it
-GAP_ALPHA = 0.1
-#: a longer gap between steps is idleness between requests, not part of a step's period
-MAX_GAP_S = 0.5
 
 
 @dataclass
@@ -63,7 +51,7 @@ class Step:
 class Scheduler:
     def __init__(self, batcher: BatchPolicy, limits: BatchLimits, prefill_chunk: int,
                  estimator: StepTimeEstimator | None = None, trim: TrimPolicy | None = None,
-                 tracker: GoodputTracker | None = None, fill: bool = True) -> None:
+                 tracker: GoodputTracker | None = None, fill: Fill | None = None) -> None:
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.batcher = batcher
@@ -72,12 +60,9 @@ class Scheduler:
         self.estimator = estimator or StepTimeEstimator()
         self.trim = trim or make_trim("none")
         self.tracker = tracker  # α̂ per session, for the candidates' expected tokens
-        self.filler = FillPolicy() if fill else None  # decode waiting sessions in otherwise idle time
+        self.fill = fill or FillBeforeDrafts()  # decode waiting sessions in otherwise idle time
         self.last_decision_s = 0.0
         self.last_trimmed = 0
-        self.calibrations: dict[str, AcceptanceCalibration] = {}  # per drafter id, for the trim
-        self.gap_s = 0.0  # moving average: one forward's end to the next one's start (the trim's)
-        self._trim_steps = 0
 
     def verifiable(self, req: Request) -> bool:
         return req.status is Status.READY and req.to_prefill <= self.prefill_chunk
@@ -88,7 +73,7 @@ class Scheduler:
                   and (not hold or id(r) not in hold)]
         step = Step()
         self._add_verify(step, [r for r in active if self.verifiable(r)])
-        if self.filler is not None and not step.verify:
+        if not step.verify:
             self._add_fill(step, active)
         chosen = {id(req) for req, _ in step.verify}
         self._add_prefill(step, [r for r in active if r.to_prefill > 0 and id(r) not in chosen])
@@ -115,21 +100,18 @@ class Scheduler:
 
     def fill_wait_s(self, requests: Iterable[Request]) -> float | None:
         """Seconds until a fill step may run (0: now), when no draft comes first; None: none will."""
-        if self.filler is None:
-            return None
         active = [r for r in requests if r.slot is not None and r.status is not Status.FINISHED]
         if not any(r.fillable for r in active):
             return None
         now = time.perf_counter()
-        if self.filler.choose(active, self.estimator, now, 1):
+        if self.fill.choose(active, self.estimator, now, 1):
             return 0.0
-        return self.filler.next_change(active, now)
+        return self.fill.next_change(active, now)
 
     def _add_fill(self, step: Step, active: list[Request]) -> None:
         """One target-only token for each waiting session the fill policy chooses."""
-        assert self.filler is not None
         limit = min(self.limits.max_sessions, self.limits.max_tokens)
-        for req in self.filler.choose(active, self.estimator, time.perf_counter(), limit):
+        for req in self.fill.choose(active, self.estimator, time.perf_counter(), limit):
             assert req.slot is not None
             step.fill.append(req)
             step.segments.append(Segment(req.slot, req.committed[req.cached :], 0))
@@ -150,40 +132,12 @@ class Scheduler:
             d, conf = drafts[req.request_id], req.draft_conf
             fed = len(req.committed) - req.cached
             if d and conf is not None and len(conf) >= len(d):
-                items.append(TrimItem(req.request_id, req.cached, fed, self._calibrated(req.drafter, conf[: len(d)])))
+                items.append(TrimItem(req.request_id, req.cached, fed, conf[: len(d)], req.drafter))
             else:
                 fixed.append(SegmentShape(new=fed + len(d), cached=req.cached))
-        if not items or self.trim.name == "none":
-            self.last_trimmed = 0
-            return {}
-        self._trim_steps += 1
-        if self._trim_steps % PROBE_EVERY == 0:  # a probe: verify every draft, so every draft is judged
-            self.last_trimmed = 0
-            return {}
-        keep = self.trim.keep(items, self.estimator, fixed, self.gap_s)
+        keep = self.trim.decide(items, self.estimator, fixed) if items else {}
         self.last_trimmed = sum(len(i.confidence) - keep.get(i.session_id, len(i.confidence)) for i in items)
         return keep
-
-    def observe_gap(self, gap_s: float) -> None:
-        """The time from the last forward's end to this one's start: the part of a step's period
-        that trimming drafts cannot shorten (``trim.base.rate``)."""
-        if 0.0 <= gap_s < MAX_GAP_S:
-            self.gap_s = gap_s if self.gap_s == 0.0 else ewma(self.gap_s, gap_s, GAP_ALPHA)
-
-    def _calibrated(self, drafter: str, confidence: Sequence[float]) -> list[float]:
-        cal = self.calibrations.get(drafter)
-        return list(confidence) if cal is None else [cal.accept(c) for c in confidence]
-
-    def observe_round(self, drafter: str, confidence: Sequence[float] | None, drafted: int, accepted: int) -> None:
-        """A verified round: its drafter's calibration learns what the confidences of the drafts it
-        sent for verification were worth (only where a trim policy reads them)."""
-        if not confidence or not drafted or self.trim.name == "none":
-            return
-        cal = self.calibrations.pop(drafter, None) or AcceptanceCalibration()
-        self.calibrations[drafter] = cal  # the most recently heard drafters last
-        cal.observe(confidence[:drafted], accepted)
-        while len(self.calibrations) > MAX_CALIBRATIONS:  # drafters that left (a restart takes a new id)
-            del self.calibrations[next(iter(self.calibrations))]
 
     def _add_prefill(self, step: Step, pending: list[Request]) -> None:
         budget = self.limits.max_tokens - step.verify_tokens

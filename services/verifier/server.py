@@ -35,6 +35,7 @@ from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
+from services.verifier.config import TRUST_MODES
 from services.verifier.intake import Intake
 from services.verifier.metrics import VerifierMetrics
 from services.verifier.sessions import Routes
@@ -66,7 +67,6 @@ _conn_ids = itertools.count(1)
 #: frames a peer may fall behind before it is disconnected as too slow
 OUTBOX_FRAMES = 8192
 REVOCATION_CHECK_S = 1.0
-TRUST_MODES = ("trusted", "untrusted")
 
 
 @dataclass

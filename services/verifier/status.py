@@ -15,7 +15,7 @@ def policy_status(allocator: Allocator, scheduler: Scheduler, tracker: GoodputTr
         "allocation": allocator.name,
         "batching": scheduler.batcher.name,
         "trim": scheduler.trim.name,
-        "fill": scheduler.filler is not None,
+        "fill": scheduler.fill.name,
         "sessions": len(tracker.sessions),
         "rounds": tracker.rounds,
         "utility_sum_log_x": round(tracker.sum_log_x(), 6),
@@ -25,10 +25,7 @@ def policy_status(allocator: Allocator, scheduler: Scheduler, tracker: GoodputTr
         "last_batch_decision_s": scheduler.last_decision_s,
         "draft_share": draft_share(allocator, tracker),  # of new requests, wanted drafted for (FleetStatus)
     }
-    if scheduler.trim.name != "none":  # the trim's acceptance by confidence bin, per drafter, and its gap
-        out["trim_calibration"] = {name: [round(r, 4) for r in cal.rate]
-                                   for name, cal in sorted(scheduler.calibrations.items())}
-        out["trim_gap_s"] = round(scheduler.gap_s, 6)
+    out.update(scheduler.trim.status())  # what the trim has learned (AdaSpec: its calibration and gap)
     last_k = getattr(allocator, "last_k", None)
     if last_k is not None:  # SmartSpec: the length it chose last, and that length's predicted goodput
         out["smartspec"] = {"k": last_k, "goodput_tok_s": round(getattr(allocator, "last_goodput", 0.0), 3),

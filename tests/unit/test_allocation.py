@@ -16,8 +16,9 @@ from services.verifier.allocation import (
     RoundStats,
     make_allocator,
 )
+from services.verifier.allocation.base import expected_tokens
 from services.verifier.allocation.draft_wait import DraftWaitModel
-from services.verifier.allocation.goodspeed import expected_tokens, greedy_lengths, length_at, solve
+from services.verifier.allocation.goodspeed import greedy_lengths, length_at, solve
 from services.verifier.allocation.smartspec import (
     ALPHA_TESTS,
     PROBE_EVERY,

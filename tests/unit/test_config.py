@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -10,6 +11,8 @@ import pytest
 from services.coordinator.config import CoordinatorConfig
 from services.drafter.config import DrafterConfig
 from services.verifier.config import VerifierConfig
+from services.verifier.config import validate as validate_verifier
+from services.verifier.main import main as verifier_main
 from shared.config import ConfigError, build_parser, describe, env_name, flag_name, load_config, opt
 
 
@@ -125,3 +128,50 @@ def test_service_configs_load_and_document_every_field(cls: type) -> None:
     assert describe(cfg)["auth_token"] == ""
     help_text = build_parser(cls, "specfleet").format_help()
     assert "SPECFLEET_AUTH_TOKEN" in help_text
+
+
+# --- the verifier's flags: one validation, one ConfigError, before any model is loaded ------------
+
+
+def test_the_verifiers_defaults_with_a_model_are_valid() -> None:
+    validate_verifier(VerifierConfig(model="/some/dir"))
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    ({}, "no target model given: pass --model DIR"),
+    ({"backend": "tensorrt"}, "--backend must be one of torch, vllm, got 'tensorrt'"),
+    ({"sampling": "greedy"}, "--sampling must be one of race, stream"),
+    ({"core_mode": "fast"}, "--core-mode must be one of auto, thread, inline"),
+    ({"allocation": "goodput"}, "--allocation must be one of fixed, random, goodspeed, smartspec"),
+    ({"batching": "edf"}, "--batching must be one of fcfs, wisp"),
+    ({"trim": "tail"}, "--trim must be one of none, adaspec"),
+    ({"dtype": "int8"}, "--dtype must be one of auto, float32, float16, bfloat16"),
+    ({"drafter_trust": "maybe"}, "--drafter-trust must be one of trusted, untrusted"),
+    ({"ws_ping_timeout_s": 0.0}, "--ws-ping-timeout-s must be > 0, got 0.0"),
+    ({"max_batch_tokens": -1}, "--max-batch-tokens must be > 0"),
+    ({"kv_cache_gb": -2.0}, "--kv-cache-gb must be >= 0"),
+    ({"tls_cert": "cert.pem"}, "--tls-cert and --tls-key go together"),
+    ({"backend": "vllm", "trim": "adaspec"}, "--batching, --trim and --recompute-context apply to the torch"),
+])
+def test_each_bad_verifier_flag_is_named(flags: dict[str, object], message: str) -> None:
+    cfg = VerifierConfig(**{"model": "/some/dir", **flags})  # type: ignore[arg-type]
+    if not flags:
+        cfg.model = ""
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate_verifier(cfg)
+
+
+def test_every_problem_is_reported_at_once() -> None:
+    cfg = VerifierConfig(backend="tpu", max_sessions=0, trim="tail")
+    with pytest.raises(ConfigError) as info:
+        validate_verifier(cfg)
+    said = str(info.value)
+    for flag in ("--backend", "--max-sessions", "--trim", "no target model"):
+        assert flag in said, said
+
+
+def test_the_verifier_refuses_a_bad_flag_before_loading_anything(capsys: pytest.CaptureFixture[str]) -> None:
+    assert verifier_main(["--model", "/nowhere", "--batching", "edf"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("specfleet verifier: --batching must be one of fcfs, wisp, got 'edf'"), err
+    assert "/nowhere" not in err  # the model was never looked at

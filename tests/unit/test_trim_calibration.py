@@ -1,4 +1,4 @@
-"""The scheduler's side of AdaSpec's trim: calibrated confidences, probe steps, bounded state."""
+"""AdaSpec's trim in the engine: calibrated confidences, probe steps, bounded state, the gap."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import pytest
 
 from services.verifier.batching import BatchLimits, FcfsBatcher
 from services.verifier.batching.estimator import StepTimeEstimator
-from services.verifier.scheduler import GAP_ALPHA, MAX_CALIBRATIONS, MAX_GAP_S, PROBE_EVERY, Scheduler
-from services.verifier.trim import make_trim
+from services.verifier.scheduler import Scheduler
+from services.verifier.trim import AdaSpecTrim, NoTrim, make_trim
+from services.verifier.trim.adaspec import GAP_ALPHA, MAX_CALIBRATIONS, MAX_GAP_S, PROBE_EVERY
 
 EXPENSIVE = StepTimeEstimator(coef=(5e-3, 0.0, 0.0, 1e-3))  # a fed token costs 5x a step's fixed part
 
@@ -38,7 +39,7 @@ def test_probes_count_only_steps_that_could_be_trimmed() -> None:
 
 
 def test_calibrations_are_kept_for_the_drafters_heard_from_last() -> None:
-    s = scheduler()
+    s = AdaSpecTrim()
     for i in range(MAX_CALIBRATIONS + 5):
         s.observe_round(f"drafter-{i}", [0.9, 0.9], 2, 2)
     s.observe_round("drafter-5", [0.9], 1, 1)  # heard again: now the most recent
@@ -48,13 +49,15 @@ def test_calibrations_are_kept_for_the_drafters_heard_from_last() -> None:
 
 
 def test_no_trim_keeps_no_calibration() -> None:
-    s = Scheduler(FcfsBatcher(), BatchLimits(32, 2048), 256, EXPENSIVE, make_trim("none"))
+    s = NoTrim()
     s.observe_round("edge-1", [0.9], 1, 1)
-    assert s.calibrations == {}
+    s.observe_gap(0.01)
+    assert s.status() == {}
+    assert s.decide([], EXPENSIVE, []) == {}
 
 
 def test_the_gap_between_steps_is_a_moving_average_that_skips_idleness() -> None:
-    s = scheduler()
+    s = AdaSpecTrim()
     s.observe_gap(0.004)
     assert s.gap_s == pytest.approx(0.004)  # the first one as it is
     s.observe_gap(0.014)
@@ -71,5 +74,5 @@ def test_the_trim_reads_the_gap() -> None:
     s = scheduler()
     drafts = {"a": [5, 6, 7]}
     assert s._trim([request("a", [0.6, 0.6, 0.6])], drafts) == {"a": 0}
-    s.observe_gap(0.4)
+    s.trim.observe_gap(0.4)
     assert s._trim([request("a", [0.6, 0.6, 0.6])], drafts) == {"a": 3}

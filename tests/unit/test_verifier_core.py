@@ -30,8 +30,9 @@ from services.verifier.core_api import (
 )
 from services.verifier.metrics import VerifierMetrics
 from services.verifier.requests import Status
-from services.verifier.scheduler import GAP_ALPHA, MAX_GAP_S, PROBE_EVERY, Scheduler
-from services.verifier.trim import TrimPolicy, make_trim
+from services.verifier.scheduler import Scheduler
+from services.verifier.trim import AdaSpecTrim, TrimPolicy, make_trim
+from services.verifier.trim.adaspec import GAP_ALPHA, MAX_GAP_S, PROBE_EVERY
 from shared.models import LoadedModel, load_model
 from shared.protocol import SamplingParams
 from shared.runner import ModelRunner
@@ -329,7 +330,7 @@ def test_adaspec_trim_learns_that_an_underconfident_drafter_is_right(target: Loa
     assert drafted[0] == 0  # uncalibrated: trimmed away
     assert drafted[-4:] == [3] * 4  # calibrated: all kept
     assert h.tokens("s") == ref[: len(h.tokens("s"))]
-    assert h.core.scheduler.calibrations["edge-1"].accept(0.3) > 0.3
+    assert adaspec(h).calibrations["edge-1"].accept(0.3) > 0.3
 
 
 def test_the_tracker_learns_each_rounds_acceptance(target: LoadedModel) -> None:
@@ -349,19 +350,19 @@ def test_the_tracker_learns_each_rounds_acceptance(target: LoadedModel) -> None:
 
 
 def test_the_gap_between_forwards_is_measured_while_sessions_run_not_across_idleness(target: LoadedModel) -> None:
-    """The trim's gap (scheduler.gap_s): from one forward's end to the next one's start, while
+    """The trim's gap (AdaSpecTrim.gap_s): from one forward's end to the next one's start, while
     sessions run. A pause with no session at all is idleness between requests: it must not count."""
-    h = Harness(target)
+    h = Harness(target, trim=make_trim("adaspec"))
     h.core.submit(AddRequest("a", prompt(1, 5), GREEDY, speculative=False))
     h.turn(3)
-    assert 0.0 < h.core.scheduler.gap_s < IDLE_S / 10
+    assert 0.0 < adaspec(h).gap_s < IDLE_S / 10
     h.turn(40)
     assert not h.core.requests  # finished and freed
-    before = h.core.scheduler.gap_s
+    before = adaspec(h).gap_s
     time.sleep(IDLE_S)  # shorter than MAX_GAP_S: only "no session left" tells it from a gap
     h.core.submit(AddRequest("b", prompt(2, 5), GREEDY, speculative=False))
     h.turn(2)
-    assert h.core.scheduler.gap_s < before + GAP_ALPHA * IDLE_S / 10
+    assert adaspec(h).gap_s < before + GAP_ALPHA * IDLE_S / 10
 
 
 def test_the_verifiers_busy_time_between_forwards_is_measured_by_sessions_without_idle_waits(
@@ -369,7 +370,7 @@ def test_the_verifiers_busy_time_between_forwards_is_measured_by_sessions_withou
     """SmartSpec's overhead line (estimator.overhead): the CPU the verifier spends from one
     forward's end to the next one's start, against the sessions of the step that just ended. A
     wait with sessions live (for a draft, say) is in the trim's gap but costs no CPU."""
-    h = Harness(target)
+    h = Harness(target, trim=make_trim("adaspec"))
     for i in range(3):
         h.core.submit(AddRequest(f"r{i}", prompt(i, 5), GREEDY, speculative=False))
     h.turn(4)
@@ -379,7 +380,7 @@ def test_the_verifiers_busy_time_between_forwards_is_measured_by_sessions_withou
     h.turn(1)
     x, busy = h.core.estimator.overhead.points[-1]
     assert x == 3 and 0.0 < busy < IDLE_S / 10
-    assert h.core.scheduler.gap_s > GAP_ALPHA * IDLE_S * 0.9  # the wall-clock gap did see it
+    assert adaspec(h).gap_s > GAP_ALPHA * IDLE_S * 0.9  # the wall-clock gap did see it
 
 
 def test_a_request_s_slo_clock_starts_when_its_coordinator_took_it(target: LoadedModel) -> None:
@@ -398,3 +399,9 @@ def test_a_request_s_slo_clock_starts_when_its_coordinator_took_it(target: Loade
     key = "specfleet_verifier_slo_requests_total"
     assert sample(key, {"slo_class": "1", "outcome": "attained"}) == 1.0
     assert sample(key, {"slo_class": "1", "outcome": "violated"}) == 1.0
+
+
+def adaspec(h: Harness) -> AdaSpecTrim:
+    """The harness's trim policy, which these tests made AdaSpec's."""
+    assert isinstance(h.core.scheduler.trim, AdaSpecTrim)
+    return h.core.scheduler.trim

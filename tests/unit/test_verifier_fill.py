@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from services.verifier.core_api import AddDraft, AddRequest, Filled, OutOfTurn, Rounded
-from services.verifier.fill import FillPolicy
+from services.verifier.fill import FillBeforeDrafts
 from services.verifier.requests import Request, Status, filled_outcome, settled_drafts
 from shared.models import LoadedModel, load_model
 from shared.protocol import SamplingParams
@@ -120,14 +120,12 @@ def test_fill_runs_the_session_to_its_end_and_the_round_ends_with_it(target: Loa
 
 def test_no_fill_when_a_draft_is_expected_before_the_step_would_end(target: LoadedModel) -> None:
     h, _ = started(target)
-    filler = h.core.scheduler.filler
-    assert filler is not None
+    filler = h.core.scheduler.fill
     filler.observe("edge", 3600.0)  # this drafter's drafts come an hour after their verdicts: fill
     h.turn()
     assert len(h.of(Filled, "s")) == 1
     h2, _ = started(target)
-    assert h2.core.scheduler.filler is not None
-    h2.core.scheduler.filler.observe("edge", 10.0)  # ... 10 s after, and this round has waited that long
+    h2.core.scheduler.fill.observe("edge", 10.0)  # ... 10 s after, and this round has waited that long
     h2.core.requests["s"].waiting_since = time.perf_counter() - 10.0 + 1e-6  # the draft is due: no fill
     h2.turn()
     assert not h2.of(Filled, "s")
@@ -151,15 +149,15 @@ def waiting(drafter: str, since: float, budget: int = BUDGET, filled: int = 0) -
     (0.5, BUDGET, None),  # the fill covers every token the draft may have: it can add nothing
 ])
 def test_when_a_draft_is_expected(waited: float, filled: int, expected: float | None) -> None:
-    policy = FillPolicy()
+    policy = FillBeforeDrafts()
     policy.observe("edge", 1.0)
     req = waiting("edge", 0.0, filled=filled)
     assert policy.expected(req, waited) == expected
-    assert FillPolicy().expected(req, waited) is None  # never heard from: no expectation
+    assert FillBeforeDrafts().expected(req, waited) is None  # never heard from: no expectation
 
 
 def test_a_draft_is_expected_as_early_as_its_waits_spread() -> None:
-    policy = FillPolicy()
+    policy = FillBeforeDrafts()
     for wait in (1.0, 2.0, 1.0, 2.0):
         policy.observe("edge", wait)
     mean, dev = policy.waits["edge"]
@@ -167,7 +165,7 @@ def test_a_draft_is_expected_as_early_as_its_waits_spread() -> None:
 
 
 def test_the_typical_wait_is_a_moving_average_per_drafter() -> None:
-    policy = FillPolicy()
+    policy = FillBeforeDrafts()
     # each wait comes back as how far it was from the typical one before it (its metric); None at first
     assert [policy.observe("a", 1.0), policy.observe("a", 2.0), policy.observe("b", 5.0)] == [None, 1.0, None]
     assert policy.waits == {"a": (pytest.approx(1.1), pytest.approx(0.1)), "b": (5.0, 0.0)}
@@ -209,8 +207,7 @@ def test_a_conditional_draft_whose_verdict_differs_is_dropped_without_a_word(tar
 
 def test_a_conditional_draft_that_crosses_its_verdict_is_taken_if_it_came_true(target: LoadedModel) -> None:
     h, ref = started(target)
-    assert h.core.scheduler.filler is not None
-    h.core.scheduler.filler.observe("edge", 3600.0)  # fill while the draft travels
+    h.core.scheduler.fill.observe("edge", 3600.0)  # fill while the draft travels
     play_round_0(h, ref)
     h.turn()  # round 1 waits: one token filled
     assert h.core.requests["s"].fill == ref[BUDGET + 1 : BUDGET + 2]
@@ -225,7 +222,7 @@ def test_a_conditional_draft_that_crosses_its_verdict_is_taken_if_it_came_true(t
 
 
 def test_status_says_how_sampled_requests_are_drawn_and_whether_the_verifier_fills(target: LoadedModel) -> None:
-    assert {k: Harness(target).core.status()[k] for k in ("sampling", "fill")} == {"sampling": "race", "fill": True}
+    assert {k: Harness(target).core.status()[k] for k in ("sampling", "fill")} == {"sampling": "race", "fill": "before-drafts"}
     assert Harness(target, race=False).core.status()["sampling"] == "stream"
 
 

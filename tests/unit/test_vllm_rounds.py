@@ -14,7 +14,7 @@ from services.verifier.main import build
 from services.verifier.vllm_engine.plugin import InboxProposer, align, expand_batch_to_tokens, external_id
 from services.verifier.vllm_engine.rounds import LiveSession
 from shared.acceptance import matched
-from shared.models import ModelLoadError
+from shared.config import ConfigError
 from shared.protocol import MAX_CONDITIONAL_DRAFTS
 
 # --- align: what the proposer still proposes after the request moved on ------------------------
@@ -226,7 +226,7 @@ def test_backend_flags_that_cannot_work_are_refused(flags: dict[str, str], messa
     cfg = VerifierConfig(model=str(tiny_models["target"]), **flags)  # type: ignore[arg-type]
     loop = asyncio.new_event_loop()
     try:
-        with pytest.raises(ModelLoadError, match=message):
+        with pytest.raises(ConfigError, match=message):
             build(cfg, loop)
     finally:
         loop.close()

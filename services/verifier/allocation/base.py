@@ -53,6 +53,15 @@ class SwitchesOff(Protocol):
         Called from the event loop while the engine core may be changing the estimates: reads only."""
 
 
+def expected_tokens(alpha: float, length: int) -> float:
+    """x̂(S): tokens a round of ``length`` drafts commits on average, the verifier's own included, when
+    each draft is accepted with probability ``alpha`` (GoodSpeed's x̂; SmartSpec and the batch
+    policies' candidates use it too)."""
+    if alpha >= 1.0:
+        return float(length + 1)
+    return (1.0 - alpha ** (length + 1)) / (1.0 - alpha)
+
+
 def draft_share(allocator: Allocator, tracker: GoodputTracker) -> float:
     """The allocator's :meth:`SwitchesOff.draft_share`; 1 for one that never switches speculation off."""
     return allocator.draft_share(tracker) if isinstance(allocator, SwitchesOff) else 1.0

@@ -23,13 +23,6 @@ from services.verifier.allocation.fixed import capacity_for
 from services.verifier.allocation.tracker import GoodputTracker
 
 
-def expected_tokens(alpha: float, length: int) -> float:
-    """x̂(S): tokens a round of ``length`` drafts commits on average, the verifier's own included."""
-    if alpha >= 1.0:
-        return float(length + 1)
-    return (1.0 - alpha ** (length + 1)) / (1.0 - alpha)
-
-
 def greedy_lengths(alphas: Sequence[float], weights: Sequence[float], capacity: int, max_len: int) -> list[int]:
     """argmax Σ_i w_i·x̂(α_i, S_i) subject to Σ S_i ≤ capacity and 0 ≤ S_i ≤ max_len.
 

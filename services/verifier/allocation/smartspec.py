@@ -59,9 +59,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
-from services.verifier.allocation.base import RoundStats
+from services.verifier.allocation.base import RoundStats, expected_tokens
 from services.verifier.allocation.draft_wait import NO_WAIT, DraftWaitModel
-from services.verifier.allocation.goodspeed import expected_tokens
 from services.verifier.allocation.tracker import GoodputTracker
 from services.verifier.batching.base import BatchLimits
 from services.verifier.batching.estimator import RecentLine, SegmentShape, StepTimeModel

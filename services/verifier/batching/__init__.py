@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from services.verifier.batching.base import BatchLimits, BatchPolicy, Candidate
+from services.verifier.batching.base import BatchLimits, BatchPolicy, Candidate, slo_met
 from services.verifier.batching.fcfs import FcfsBatcher
-from services.verifier.batching.wisp import DEFAULT_DELTA_S, SumsTimeModel, WispBatcher, slo_met
+from services.verifier.batching.wisp import DEFAULT_DELTA_S, SumsTimeModel, WispBatcher
 
 POLICIES = ("fcfs", "wisp")
 

@@ -44,3 +44,15 @@ class BatchPolicy(Protocol):
 
     def select(self, ready: Sequence[Candidate], limits: BatchLimits) -> list[str]:
         """Session ids to verify together now (non-empty whenever ``ready`` is), in admission order."""
+
+
+def slo_met(arrived_at: float, generated: float, slo_tokens_per_s: float | None, now: float) -> bool:
+    """Whether a request that arrived at ``arrived_at`` and has committed ``generated`` output tokens
+    by ``now`` meets its token-speed SLO: generated / (now − arrived_at) ≥ target (wisp.txt §3.1
+    eq. 4 over the whole stream, §5.1: a violation is an achieved speed below the class target).
+
+    No target (``None`` or ≤ 0) is always met, and so is any request before time has passed.
+    """
+    if slo_tokens_per_s is None or slo_tokens_per_s <= 0:
+        return True
+    return generated >= slo_tokens_per_s * (now - arrived_at)

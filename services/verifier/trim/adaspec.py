@@ -7,8 +7,8 @@ Efficiency of a batch (§4, §5.3): expected committed tokens over the predicted
 
 where E_s = sum_{j<=k_s} prod_{i<=j} c_{s,i} is the expected number of the k_s kept drafts that
 are accepted (§4.2 eq. 6-7; ``base.expected_accepted``). c_{s,i} is the probability that draft
-i is accepted given drafts 1..i-1 were: the drafter's confidence, calibrated by the scheduler
-against that drafter's past verdicts (``shared.calibration``) before the trim reads it. T is the
+i is accepted given drafts 1..i-1 were: the drafter's confidence, calibrated against that
+drafter's past verdicts (``shared.calibration``, fed by ``observe_round``) before the trim reads it. T is the
 verifier's step-time model over the segment shapes of the whole batch (each trimmable session
 feeds ``fed + k_s`` rows on ``cached`` rows, plus the untrimmable ``fixed`` segments).
 
@@ -25,13 +25,20 @@ quasi-concavity of §4.3). Each candidate costs one ``model.predict``.
 TPOT guard (§5.3): with ``tpot_slo_s`` set, a batch whose predicted step time exceeds the SLO is
 refused (Alg. 3 scores it -1), so candidates are dropped regardless of efficiency while the
 prediction is over the SLO, until it fits or no drafts remain; ``last.fits_slo`` says which.
+
+In the engine (``decide``), every ``PROBE_EVERY``-th step that has drafts to trim is verified
+untrimmed instead: a draft the trim drops is never judged, so without these probes a calibration
+bin whose estimate fell too low could never recover. ``gap_s`` is a moving average of the
+measured gaps (``observe_gap``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from services.verifier.trim.base import (
     SegmentShape,
@@ -44,6 +51,16 @@ from services.verifier.trim.base import (
     fits,
     rate,
 )
+from shared.calibration import AcceptanceCalibration, ewma
+
+#: every this many trimmable steps, one is verified untrimmed (module docstring)
+PROBE_EVERY = 8
+#: calibrations kept, the drafters heard from least recently dropped first
+MAX_CALIBRATIONS = 256
+#: weight of a new gap between steps in the moving average of it
+GAP_ALPHA = 0.1
+#: a longer gap between steps is idleness between requests, not part of a step's period
+MAX_GAP_S = 0.5
 
 
 @dataclass
@@ -104,6 +121,39 @@ class AdaSpecTrim:
     def __init__(self, tpot_slo_s: float | None = None) -> None:
         self.tpot_slo_s = check_slo(tpot_slo_s)
         self.last: TrimReport | None = None
+        self.calibrations: dict[str, AcceptanceCalibration] = {}  # per drafter id, the most recently heard last
+        self.gap_s = 0.0  # moving average: one forward's end to the next one's start
+        self._steps = 0
+
+    def decide(self, items: Sequence[TrimItem], model: StepTimeModel, fixed: Sequence[SegmentShape]) -> dict[str, int]:
+        self._steps += 1
+        if self._steps % PROBE_EVERY == 0:  # a probe: verify every draft, so every draft is judged
+            return {}
+        calibrated = [dataclasses.replace(i, confidence=self._calibrated(i.drafter, i.confidence)) for i in items]
+        return self.keep(calibrated, model, fixed, self.gap_s)
+
+    def _calibrated(self, drafter: str, confidence: Sequence[float]) -> list[float]:
+        cal = self.calibrations.get(drafter)
+        return list(confidence) if cal is None else [cal.accept(c) for c in confidence]
+
+    def observe_round(self, drafter: str, confidence: Sequence[float] | None, drafted: int, accepted: int) -> None:
+        if not confidence or not drafted:
+            return
+        cal = self.calibrations.pop(drafter, None) or AcceptanceCalibration()
+        self.calibrations[drafter] = cal
+        cal.observe(confidence[:drafted], accepted)
+        while len(self.calibrations) > MAX_CALIBRATIONS:  # drafters that left (a restart takes a new id)
+            del self.calibrations[next(iter(self.calibrations))]
+
+    def observe_gap(self, gap_s: float) -> None:
+        if 0.0 <= gap_s < MAX_GAP_S:
+            self.gap_s = gap_s if self.gap_s == 0.0 else ewma(self.gap_s, gap_s, GAP_ALPHA)
+
+    def status(self) -> dict[str, Any]:
+        """The acceptance by confidence bin, per drafter, and the gap."""
+        return {"trim_calibration": {name: [round(r, 4) for r in cal.rate]
+                                     for name, cal in sorted(self.calibrations.items())},
+                "trim_gap_s": round(self.gap_s, 6)}
 
     def keep(
         self, items: Sequence[TrimItem], model: StepTimeModel, fixed: Sequence[SegmentShape] = (),

@@ -39,6 +39,7 @@ class TrimItem:
     cached: int  # KV rows held before the step (L_cached)
     fed: int  # committed tokens fed this step (>= 1) before the drafts
     confidence: Sequence[float]  # per draft: the drafter's estimate that it is accepted
+    drafter: str = ""  # who sent the drafts (a policy may calibrate each drafter's confidences)
 
     def __post_init__(self) -> None:
         if self.cached < 0:
@@ -79,6 +80,24 @@ class TrimPolicy(Protocol):
         """Drafts to keep per offered session (0 <= kept <= len(confidence)); ``fixed`` is the
         untrimmable rest of the batch; ``gap_s`` is the time between steps that no trim shortens
         (see ``rate``)."""
+        ...
+
+    def decide(self, items: Sequence[TrimItem], model: StepTimeModel, fixed: Sequence[SegmentShape]) -> dict[str, int]:
+        """The engine's call, once per step with items to offer: drafts to keep per session (a
+        session left out keeps all). The policy applies what it has learned (``observe_*``)."""
+        ...
+
+    def observe_round(self, drafter: str, confidence: Sequence[float] | None, drafted: int, accepted: int) -> None:
+        """A verified round of ``drafter``'s: ``accepted`` of the first ``drafted`` drafts, sent with
+        these confidences."""
+        ...
+
+    def observe_gap(self, gap_s: float) -> None:
+        """The time from the last forward's end to this one's start (see ``rate``)."""
+        ...
+
+    def status(self) -> dict[str, object]:
+        """What the policy has learned, for ``GET /status`` (empty when nothing)."""
         ...
 
 

@@ -20,7 +20,6 @@ waits for drafts.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -201,8 +200,10 @@ class VllmCore:
         aborting.add_done_callback(self._aborts.discard)
 
     async def _abort(self, rid: str, task: asyncio.Task[None] | None) -> None:
-        with contextlib.suppress(Exception):
+        try:
             await self.engine.abort(rid)
+        except Exception:  # the engine may still hold the request: say so, with its id
+            log.exception("vLLM abort failed; the engine may keep the request until it finishes", request_id=rid)
         if task is not None:
             task.cancel()
 
