@@ -3,7 +3,7 @@
 #
 # The unit and statistical tiers come first (tests/conftest.py orders them) and the unit tier
 # uses one core, so lint and the smoke run go beside them on the other; the tiers that start
-# services and time faults run after, with the machine to themselves. Each part's output is
+# services and time faults run after. Each part's output is
 # printed, and the run fails if any part failed.
 #
 #   scripts/test.sh VENV_BIN [pytest flags ...]
@@ -21,10 +21,18 @@ side_log=.specfleet/logs/test-lint-and-smoke.log
     make --no-print-directory smoke
 ) >"$side_log" 2>&1 &
 side=$!
+# The k8s tier's local base image (debootstrap: mostly downloads) is made beside them too; the
+# tier waits for it (deploy/images/local-base.sh takes a lock) and reports any failure itself.
+base=""
+if command -v podman >/dev/null && command -v debootstrap >/dev/null && [ "$(id -u)" -eq 0 ]; then
+    bash deploy/images/local-base.sh >.specfleet/logs/test-k8s-base.log 2>&1 &
+    base=$!
+fi
 "$bin/pytest" -q -m "not slow" --durations=25 "$@"
 tests_rc=$?
 wait "$side"
 side_rc=$?
+[ -z "$base" ] || wait "$base" || true
 cat "$side_log"
 if [ "$side_rc" -ne 0 ]; then
     echo "make test: lint or the smoke run failed (exit $side_rc); its output is above and in $side_log" >&2

@@ -12,6 +12,9 @@ MIRROR="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
 PKGS=python3,python3-venv,python3-pip,ca-certificates,redis-server,tini
 ARCH="${ARCH:-$(dpkg --print-architecture)}"
 
+# One build at a time (make test starts one early, beside the unit tests; the k8s tier's waits for it).
+exec 9>"/var/tmp/specfleet-base-${IMAGE//[^A-Za-z0-9]/_}.lock"
+flock 9
 if podman image exists "$IMAGE"; then
     echo "base image $IMAGE already exists"
     exit 0
