@@ -16,8 +16,9 @@ Links and who speaks on them:
 * Redis stream entries hold one encoded QueuedRequest each.
 
 A ``Batch`` frame carries several round-level messages for one peer (the Verdicts or
-TokenEvents of one engine step, a drafter's Drafts of one batched drafting step): one frame
-per peer per step instead of one per session. Receivers handle its items in order, exactly as
+TokenEvents of one engine step): one frame per peer per step instead of one per session. Today
+only the verifier sends it; drafters send each Draft in a frame of its own, though the verifier
+accepts a Batch of them. Receivers handle its items in order, exactly as
 if each had come in a frame of its own.
 
 The version rule: a peer whose ``Hello.protocol_version`` differs from ours is refused at the

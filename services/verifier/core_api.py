@@ -2,7 +2,9 @@
 
 The core owns the target model, the KV cache and every scheduling decision, and runs apart
 from the event loop (the torch core on a thread of its own, as vLLM's EngineCore runs in a
-process of its own), so the model never waits for network I/O. The event loop side
+process of its own), so the model never waits for network I/O. With ``--core-mode inline`` (or
+``auto`` on one CPU) the torch core runs as a task on the event loop instead, yielding to I/O
+after every step. The event loop side
 (``server``, ``intake``, ``output``) validates frames, turns them into these commands, and
 turns the core's results into wire messages.
 

@@ -222,7 +222,8 @@ def test_a_conditional_draft_that_crosses_its_verdict_is_taken_if_it_came_true(t
 
 
 def test_status_says_how_sampled_requests_are_drawn_and_whether_the_verifier_fills(target: LoadedModel) -> None:
-    assert {k: Harness(target).core.status()[k] for k in ("sampling", "fill")} == {"sampling": "race", "fill": "before-drafts"}
+    status = Harness(target).core.status()
+    assert {k: status[k] for k in ("sampling", "fill")} == {"sampling": "race", "fill": "before-drafts"}
     assert Harness(target, race=False).core.status()["sampling"] == "stream"
 
 

@@ -58,7 +58,6 @@ _FINISH: dict[str | None, FinishReason] = {"stop": "stop", "length": "length", "
 class VllmLimits:
     max_draft_tokens: int  # vLLM's num_speculative_tokens: no budget exceeds it
     max_sessions: int
-    default_slo_tokens_per_s: float | None = None
 
 
 class VllmCore:
