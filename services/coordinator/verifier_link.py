@@ -24,6 +24,7 @@ import contextlib
 import ssl
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import websockets
 from websockets.asyncio.client import ClientConnection, connect
@@ -58,45 +59,52 @@ log = get_logger("coordinator.verifier_link")
 class LinkRefused(RuntimeError):
     """The verifier answered the handshake, but not with a usable Welcome."""
 
-__all__ = ["Inbound", "LinkRefused", "VerifierLink"]
+__all__ = ["Backoff", "Inbound", "LinkRefused", "Replica", "VerifierLink"]
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """How the link waits: between reconnects (doubling from ``min_s`` to ``max_s``) and for a handshake."""
+
+    min_s: float = 0.1
+    max_s: float = 5.0
+    handshake_timeout_s: float = 10.0
+
+
+@dataclass(frozen=True)
+class Replica:
+    """The link as one of several replicas' (``VerifierPool``): the requests shared with the other
+    links, this replica's index, and what to call when this link goes down (the pool moves its
+    requests to another replica)."""
+
+    routing: Routing
+    index: int = 0
+    on_lost: Callable[[int], None] | None = None
 
 
 class VerifierLink:
     """A self-healing client of the verifier's ``/v1/frontend`` endpoint."""
 
-    def __init__(
-        self,
-        url: str,
-        node_id: str,
-        auth_token: str = "",
-        tokenizer_fingerprint: str = "",
-        min_backoff_s: float = 0.1,
-        max_backoff_s: float = 5.0,
-        handshake_timeout_s: float = 10.0,
-        tls: ssl.SSLContext | None = None,
-        routing: Routing | None = None,
-        index: int = 0,
-        on_lost: Callable[[int], None] | None = None,
-    ) -> None:
-        """``routing``, ``index``, ``on_lost``: as one of several replicas' links (``VerifierPool``):
-        the requests shared with the other links, this replica's index, and what to call when
-        this link goes down (the pool moves its requests to another replica)."""
+    def __init__(self, url: str, node_id: str, auth_token: str = "", tokenizer_fingerprint: str = "", *,
+                 backoff: Backoff = Backoff(), tls: ssl.SSLContext | None = None,
+                 replica: Replica | None = None) -> None:
         self._tls = tls  # wss://: the CA-pinned client context (shared.tls.client_context)
         self.url = url
         self.node_id = node_id
         self._auth_token = auth_token
         self._fingerprint = tokenizer_fingerprint
-        self._min_backoff = min_backoff_s
-        self._max_backoff = max_backoff_s
-        self._handshake_timeout = handshake_timeout_s
+        self._min_backoff = backoff.min_s
+        self._max_backoff = backoff.max_s
+        self._handshake_timeout = backoff.handshake_timeout_s
         self.welcome: Welcome | None = None
         self.drafters: list[str] = []
         self.draft_share = 1.0  # of new requests, the verifier's policy wants drafted for (FleetStatus)
         self.sessions = 0
         self.last_error = "not connected yet"
-        self._routing = routing or Routing()
-        self.index = index
-        self._on_lost = on_lost
+        replica = replica or Replica(Routing())
+        self._routing = replica.routing
+        self.index = replica.index
+        self._on_lost = replica.on_lost
         self._outbox: asyncio.Queue[bytes] = asyncio.Queue()
         self._up = asyncio.Event()
         self._task: asyncio.Task[None] | None = None

@@ -19,7 +19,7 @@ import asyncio
 import ssl
 
 from services.coordinator.routing import Inbound, Routing
-from services.coordinator.verifier_link import VerifierLink
+from services.coordinator.verifier_link import Backoff, Replica, VerifierLink
 from shared.log import get_logger
 from shared.protocol import Cancel, OpenSession, Welcome
 
@@ -36,8 +36,9 @@ class VerifierPool:
         self.node_id = node_id
         self._routing = Routing(replicas=len(urls))
         self._stopping = False
-        self.links = [VerifierLink(url, node_id, auth_token, tokenizer_fingerprint, min_backoff_s=min_backoff_s,
-                                   tls=tls, routing=self._routing, index=i, on_lost=self._fail_over)
+        backoff = Backoff(min_s=min_backoff_s)
+        self.links = [VerifierLink(url, node_id, auth_token, tokenizer_fingerprint, backoff=backoff, tls=tls,
+                                   replica=Replica(self._routing, i, self._fail_over))
                       for i, url in enumerate(urls)]
 
     # --- the link interface ---------------------------------------------------------------

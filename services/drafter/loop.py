@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from services.drafter.batcher import DraftBatcher
 from services.drafter.capacity import Capacity
@@ -30,7 +30,7 @@ from services.drafter.control.base import DraftController
 from services.drafter.link import VerifierLink
 from services.drafter.metrics import DrafterMetrics
 from services.drafter.proposers.base import Proposer
-from services.drafter.rounds import SessionAborted, SessionRunner
+from services.drafter.rounds import RoundSettings, SessionAborted, SessionRunner
 from services.drafter.sessions import DraftSession
 from services.drafter.worker import ComputeWorker
 from shared.log import get_logger
@@ -69,39 +69,32 @@ class LoopStats:
     accepted: int = 0
 
 
+@dataclass(frozen=True)
+class LoopSettings:
+    """Who the drafter is and how it takes requests (the drafter's flags of these names)."""
+
+    node_id: str
+    max_sessions: int
+    reconnect_s: float = 1.0
+    admission: str = "max-sessions"  # or starsd: StarSD's N_max (capacity.py)
+    rounds: RoundSettings = field(default_factory=RoundSettings)  # the Welcome sets its limits per connection
+
+
 class DrafterLoop:
-    def __init__(
-        self,
-        *,
-        node_id: str,
-        max_sessions: int,
-        link: VerifierLink,
-        queue: RequestQueue,
-        proposer: Proposer,
-        worker: ComputeWorker,
-        new_controller: Callable[[], DraftController],
-        reconnect_s: float = 1.0,
-        on_session_end: Callable[[DraftSession], None] | None = None,
-        metrics: DrafterMetrics | None = None,
-        pipeline_sessions: int = 2,
-        send_confidence: bool = False,
-        admission: str = "max-sessions",
-        lookahead_branches: int = 0,
-        conditional_drafts: bool = True,
-    ) -> None:
-        self.pipeline_sessions = pipeline_sessions
-        self.lookahead_branches = lookahead_branches
-        self.conditional_drafts = conditional_drafts
-        self.send_confidence = send_confidence
-        self.admission = admission
-        self.node_id = node_id
-        self.max_sessions = max_sessions
+    def __init__(self, settings: LoopSettings, *, link: VerifierLink, queue: RequestQueue, proposer: Proposer,
+                 worker: ComputeWorker, new_controller: Callable[[], DraftController],
+                 on_session_end: Callable[[DraftSession], None] | None = None,
+                 metrics: DrafterMetrics | None = None) -> None:
+        self.settings = settings
+        self.admission = settings.admission
+        self.node_id = settings.node_id
+        self.max_sessions = settings.max_sessions
         self.link = link
         self.queue = queue
         self.proposer = proposer
         self.worker = worker
         self.new_controller = new_controller
-        self.reconnect_s = reconnect_s
+        self.reconnect_s = settings.reconnect_s
         self.on_session_end = on_session_end
         self.metrics = metrics or DrafterMetrics()
         self.stats = LoopStats()
@@ -122,10 +115,11 @@ class DrafterLoop:
                 if ready is not None:
                     ready.set()
                 batcher = DraftBatcher(self.proposer, self.worker, self.metrics, self.max_sessions)
-                runner = SessionRunner(self.link, self.proposer, self.worker, batcher, welcome.max_draft_tokens,
-                                       self.metrics, self.pipeline_sessions,
-                                       lambda: len(self._sessions), self.send_confidence,
-                                       self.lookahead_branches, self.conditional_drafts and welcome.conditional_drafts)
+                rounds = self.settings.rounds
+                allowed = replace(rounds, max_draft_tokens=welcome.max_draft_tokens,
+                                  conditional=rounds.conditional and welcome.conditional_drafts)
+                runner = SessionRunner(self.link, self.proposer, self.worker, batcher, allowed, self.metrics,
+                                       lambda: len(self._sessions))
                 await self._serve_connection(runner, batcher)
                 log.warning("lost the verifier; sessions left to the verifier, reconnecting",
                             retry_in_s=self.reconnect_s, hand_back_in_s=HAND_BACK_DELAY_S)

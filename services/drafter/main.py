@@ -23,11 +23,12 @@ from services.drafter.control.rejection_predictor import RejectionMLP
 from services.drafter.control.wisp import WispState
 from services.drafter.health import HealthServer
 from services.drafter.link import LinkRefused, VerifierLink
-from services.drafter.loop import ADMISSIONS, DrafterLoop
+from services.drafter.loop import ADMISSIONS, DrafterLoop, LoopSettings
 from services.drafter.metrics import DrafterMetrics
 from services.drafter.proposers.base import Proposer
 from services.drafter.proposers.draft_model import DRAFT_MODES, DraftModelProposer
 from services.drafter.proposers.ngram import NgramProposer
+from services.drafter.rounds import RoundSettings
 from services.drafter.sessions import DraftSession
 from services.drafter.worker import ComputeWorker
 from shared.config import ConfigError, describe, load_config, url_list
@@ -200,16 +201,12 @@ async def serve(
         http.start(cfg.metrics_host, cfg.metrics_port)
     worker = ComputeWorker(inline=compute_inline(cfg.compute_mode))
     controls = control_settings(cfg)
-    loop = DrafterLoop(
-        node_id=node_id, max_sessions=cfg.max_sessions,
-        link=link, queue=request_queue,
-        proposer=proposer, worker=worker, reconnect_s=cfg.reconnect_s,
-        new_controller=lambda: make_controller(cfg.controller, controls),
-        on_session_end=on_session_end, metrics=metrics, pipeline_sessions=cfg.pipeline_sessions,
-        send_confidence=cfg.send_confidence,
-        admission=cfg.admission, lookahead_branches=cfg.lookahead_branches,
-        conditional_drafts=cfg.conditional_drafts,
-    )
+    rounds = RoundSettings(pipeline_sessions=cfg.pipeline_sessions, send_confidence=cfg.send_confidence,
+                           lookahead_branches=cfg.lookahead_branches, conditional=cfg.conditional_drafts)
+    settings = LoopSettings(node_id, cfg.max_sessions, cfg.reconnect_s, cfg.admission, rounds)
+    loop = DrafterLoop(settings, link=link, queue=request_queue, proposer=proposer, worker=worker,
+                       new_controller=lambda: make_controller(cfg.controller, controls),
+                       on_session_end=on_session_end, metrics=metrics)
     try:
         await loop.run(ready)
     finally:

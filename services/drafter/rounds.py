@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import msgspec
 
@@ -55,6 +56,18 @@ BUSY_RETRY_MAX_S = 2.0
 PAUSE_ROUNDS = 8
 
 
+@dataclass(frozen=True)
+class RoundSettings:
+    """How a drafter plays its rounds on one verifier connection (the drafter's flags of these
+    names; ``max_draft_tokens`` and ``conditional`` as that verifier's Welcome allows)."""
+
+    max_draft_tokens: int = MAX_DRAFT_TOKENS
+    pipeline_sessions: int = 2  # draft the next round during verification while serving at most this many
+    send_confidence: bool = False  # compute draft probabilities even without a controller that reads them
+    lookahead_branches: int = 0  # alternative lookaheads per greedy round (lookahead.py)
+    conditional: bool = False  # send each lookahead as a conditional Draft as soon as it is drafted
+
+
 class SessionAborted(Exception):
     """The verifier link dropped under this session; leave its delivery unacknowledged."""
 
@@ -62,32 +75,20 @@ class SessionAborted(Exception):
 class SessionRunner:
     """Drives sessions against the verifier. Shared by all sessions of one connection."""
 
-    def __init__(
-        self,
-        link: VerifierLink,
-        proposer: Proposer,
-        worker: ComputeWorker,
-        batcher: DraftBatcher,
-        max_draft_tokens: int,
-        metrics: DrafterMetrics | None = None,
-        pipeline_sessions: int = 2,
-        active: Callable[[], int] = lambda: 1,
-        send_confidence: bool = False,
-        lookahead_branches: int = 0,
-        conditional: bool = False,
-    ) -> None:
-        self.pipeline_sessions = pipeline_sessions
-        #: send each lookahead as a conditional Draft as soon as it is drafted (the verifier takes them)
-        self.conditional = conditional
-        self.lookahead_branches = lookahead_branches  # alternative lookaheads per greedy round (lookahead.py)
+    def __init__(self, link: VerifierLink, proposer: Proposer, worker: ComputeWorker, batcher: DraftBatcher,
+                 settings: RoundSettings, metrics: DrafterMetrics | None = None,
+                 active: Callable[[], int] = lambda: 1) -> None:
+        self.pipeline_sessions = settings.pipeline_sessions
+        self.conditional = settings.conditional
+        self.lookahead_branches = settings.lookahead_branches
         self.odds = BranchOdds()
-        self.send_confidence = send_confidence  # compute draft probabilities even without a controller that reads them
+        self.send_confidence = settings.send_confidence
         self.active = active  # how many sessions this drafter serves now
         self.link = link
         self.proposer = proposer
         self.worker = worker
         self.batcher = batcher
-        self.max_draft_tokens = max(0, min(max_draft_tokens, MAX_DRAFT_TOKENS))
+        self.max_draft_tokens = max(0, min(settings.max_draft_tokens, MAX_DRAFT_TOKENS))
         self.metrics = metrics or DrafterMetrics()
 
     async def run(self, session: DraftSession) -> bool:

@@ -34,7 +34,6 @@ from dataclasses import dataclass
 
 from services.verifier.allocation import Allocator, GoodputTracker, RoundStats, draft_share
 from services.verifier.batching.base import slo_met
-from services.verifier.batching.estimator import StepTimeEstimator
 from services.verifier.core_api import (
     AddDraft,
     AddRequest,
@@ -85,11 +84,11 @@ class CoreLimits:
 
 class TorchCore:
     def __init__(self, runner: ModelRunner, eos_ids: set[int], allocator: Allocator, scheduler: Scheduler,
-                 limits: CoreLimits, deliver: Deliver, metrics: VerifierMetrics, threaded: bool = True,
-                 tracker: GoodputTracker | None = None, estimator: StepTimeEstimator | None = None) -> None:
+                 limits: CoreLimits, deliver: Deliver, metrics: VerifierMetrics, threaded: bool = True) -> None:
         self.runner = runner
-        self.tracker = tracker or GoodputTracker()  # α̂ and X per session, whatever the policy
-        self.estimator = estimator or scheduler.estimator  # step time from shapes, refined by every step
+        # α̂ and X per session, whatever the policy: the scheduler's, which its candidates read
+        self.tracker = scheduler.tracker if scheduler.tracker is not None else GoodputTracker()
+        self.estimator = scheduler.estimator  # step time from shapes, refined by every step
         metrics.set_policies(allocator.name, scheduler.batcher.name, scheduler.trim.name)
         self.vocab_size = runner.vocab_size
         self.max_model_len = runner.max_model_len

@@ -21,7 +21,7 @@ from services.verifier.intake import Intake
 from services.verifier.metrics import VerifierMetrics
 from services.verifier.output import Output
 from services.verifier.scheduler import Scheduler
-from services.verifier.server import Hub, fleet_status_loop, revocation_loop, start_server
+from services.verifier.server import Hub, fleet_status_loop, make_welcome, revocation_loop, start_server
 from services.verifier.sessions import Routes
 from services.verifier.trim import make_trim
 from shared.config import ConfigError, describe, load_config
@@ -125,8 +125,7 @@ def build(cfg: VerifierConfig, loop: asyncio.AbstractEventLoop) -> tuple[Hub, Ve
     limits = CoreLimits(cfg.max_draft_tokens, cfg.draft_timeout_s, cfg.max_waiting,
                         default_slo_tokens_per_s=slo, recompute_context=cfg.recompute_context,
                         share_prefixes=cfg.share_prefixes, race=cfg.sampling == "race")
-    core = TorchCore(runner, loaded.eos_ids, allocator, scheduler, limits, deliver, metrics, threaded=threaded,
-                     tracker=tracker, estimator=estimator)
+    core = TorchCore(runner, loaded.eos_ids, allocator, scheduler, limits, deliver, metrics, threaded=threaded)
     return _connect(hub, output, core, loaded, cfg.resume_grace_s), core
 
 
@@ -145,9 +144,9 @@ def build_vllm(cfg: VerifierConfig) -> tuple[Hub, VerifierCore]:
         cfg.model, cfg.device, cfg.dtype, loaded.max_model_len, cfg.max_draft_tokens, cfg.max_batch_sessions,
         cfg.max_batch_tokens, cfg.vllm_memory_share, cfg.tensor_parallel_size))
     metrics.include_vllm()
-    core = VllmCore(engine, loaded.eos_ids, loaded.vocab_size, loaded.max_model_len, allocator,
-                    GoodputTracker(cfg.goodspeed_eta, cfg.goodspeed_beta),
-                    VllmLimits(cfg.max_draft_tokens, cfg.max_sessions), output.on_results, metrics)
+    limits = VllmLimits(cfg.max_draft_tokens, cfg.max_sessions, loaded.vocab_size, loaded.max_model_len)
+    core = VllmCore(engine, loaded.eos_ids, allocator, GoodputTracker(cfg.goodspeed_eta, cfg.goodspeed_beta), limits,
+                    output.on_results, metrics)
     return _connect(hub, output, core, loaded, cfg.resume_grace_s), core
 
 
@@ -156,8 +155,9 @@ def _hub(cfg: VerifierConfig, loaded: LoadedModel) -> tuple[Hub, Output, Verifie
     routes = Routes(cfg.max_sessions)
     try:
         credentials = Credentials(cfg.auth_token, cfg.credentials_file)
-        hub = Hub(loaded.name, loaded.fingerprint, loaded.max_model_len, cfg.max_draft_tokens, credentials, routes,
-                  metrics, cfg.drafter_trust, conditional_drafts=True)
+        welcome = make_welcome(loaded.name, loaded.fingerprint, loaded.max_model_len, cfg.max_draft_tokens,
+                               conditional_drafts=True)
+        hub = Hub(welcome, credentials, routes, metrics, cfg.drafter_trust)
     except (CredentialsError, ValueError) as exc:
         raise ModelLoadError(str(exc)) from None
     return hub, Output(hub, routes, metrics), metrics

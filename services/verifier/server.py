@@ -89,17 +89,22 @@ class Peer:
             self.ws.transport.abort()
 
 
+def make_welcome(target_model: str, fingerprint: str, max_model_len: int, max_draft_tokens: int,
+                 conditional_drafts: bool = False) -> Welcome:
+    """What this verifier tells every peer it admits (a fresh instance id per process)."""
+    return Welcome(node_id="verifier", protocol_version=PROTOCOL_VERSION, target_model=target_model,
+                   tokenizer_fingerprint=fingerprint, max_model_len=max_model_len,
+                   max_draft_tokens=max_draft_tokens, instance=secrets.token_hex(8),
+                   conditional_drafts=conditional_drafts)
+
+
 class Hub:
     """Connected peers: what the output side sends through, and the WebSocket handlers."""
 
-    def __init__(self, target_model: str, fingerprint: str, max_model_len: int, max_draft_tokens: int,
-                 credentials: Credentials | str, routes: Routes, metrics: VerifierMetrics,
-                 drafter_trust: str = "trusted", conditional_drafts: bool = False) -> None:
+    def __init__(self, welcome: Welcome, credentials: Credentials | str, routes: Routes, metrics: VerifierMetrics,
+                 drafter_trust: str = "trusted") -> None:
         self.peers: dict[str, Peer] = {}
-        self.welcome = Welcome(node_id="verifier", protocol_version=PROTOCOL_VERSION, target_model=target_model,
-                               tokenizer_fingerprint=fingerprint, max_model_len=max_model_len,
-                               max_draft_tokens=max_draft_tokens, instance=secrets.token_hex(8),
-                               conditional_drafts=conditional_drafts)
+        self.welcome = welcome
         self.credentials = credentials if isinstance(credentials, Credentials) else Credentials(credentials)
         if drafter_trust not in TRUST_MODES:
             raise ValueError(f"--drafter-trust must be one of {', '.join(TRUST_MODES)}, got {drafter_trust!r}")

@@ -14,7 +14,7 @@ from services.drafter.batcher import DraftBatcher
 from services.drafter.control import ControlSettings, make_controller
 from services.drafter.proposers.base import DraftJob, Proposal
 from services.drafter.proposers.ngram import NgramProposer
-from services.drafter.rounds import SessionRunner
+from services.drafter.rounds import RoundSettings, SessionRunner
 from services.drafter.sessions import DraftSession
 from services.drafter.worker import ComputeWorker
 from shared.protocol import Draft, QueuedRequest, SamplingParams, Verdict
@@ -59,8 +59,8 @@ async def play(verdicts: list[Verdict], pipeline_sessions: int = 0,
     proposer.start("r", PROMPT, req.params.max_tokens)
     worker, link = ComputeWorker(inline=True), ScriptedVerifier(verdicts)
     batcher = DraftBatcher(proposer, worker)
-    runner = SessionRunner(link, proposer, worker, batcher, max_draft_tokens=8,  # type: ignore[arg-type]
-                           pipeline_sessions=pipeline_sessions)
+    runner = SessionRunner(link, proposer, worker, batcher,  # type: ignore[arg-type]
+                           RoundSettings(max_draft_tokens=8, pipeline_sessions=pipeline_sessions))
     drafting = asyncio.create_task(batcher.run())
     for _ in range(len(verdicts)):
         await runner._round(session, link.inbox)  # type: ignore[arg-type]

@@ -13,7 +13,7 @@ from services.drafter.batcher import DraftBatcher
 from services.drafter.control import ControlSettings, make_controller
 from services.drafter.control.adaspec import AdaSpecState, RoundClock
 from services.drafter.proposers.draft_model import DraftModelProposer
-from services.drafter.rounds import PAUSE_ROUNDS, SessionRunner
+from services.drafter.rounds import PAUSE_ROUNDS, RoundSettings, SessionRunner
 from services.drafter.sessions import DraftSession
 from services.drafter.worker import ComputeWorker
 from shared.models import load_model
@@ -61,7 +61,8 @@ async def test_a_declined_round_asks_for_a_pause_and_the_paused_rounds_send_noth
     proposer = DraftModelProposer(ModelRunner(draft, 4 * draft.max_model_len * 1024, self_check=False), draft.eos_ids)
     proposer.start("r", list(req.prompt_ids), req.params.max_tokens)
     worker = ComputeWorker(inline=True)
-    runner = SessionRunner(link, proposer, worker, DraftBatcher(proposer, worker), max_draft_tokens=8)  # type: ignore[arg-type]
+    runner = SessionRunner(link, proposer, worker, DraftBatcher(proposer, worker),  # type: ignore[arg-type]
+                           RoundSettings(max_draft_tokens=8))
     inbox: asyncio.Queue[object] = asyncio.Queue()
     await inbox.put(verdict(0, 50, budget=0))  # the verifier grants the pause: budget 0 for the next rounds
     await runner._round(session, inbox)  # type: ignore[arg-type]

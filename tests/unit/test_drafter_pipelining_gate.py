@@ -12,7 +12,7 @@ import pytest
 from services.drafter.batcher import DraftBatcher
 from services.drafter.control import make_controller
 from services.drafter.proposers.base import DraftJob, Proposal
-from services.drafter.rounds import SessionRunner
+from services.drafter.rounds import RoundSettings, SessionRunner
 from services.drafter.sessions import DraftSession
 from services.drafter.worker import ComputeWorker
 from shared.protocol import MAX_CONDITIONAL_DRAFTS, QueuedRequest, SamplingParams, Verdict
@@ -39,7 +39,8 @@ def test_which_sessions_draft_ahead(temperature: float, seed: int | None, key: i
     session.bonus_key = key
     proposer = _Guesser(guesses)
     worker = ComputeWorker(inline=True)
-    runner = SessionRunner(None, proposer, worker, DraftBatcher(proposer, worker), max_draft_tokens=4)  # type: ignore[arg-type]
+    runner = SessionRunner(None, proposer, worker, DraftBatcher(proposer, worker),  # type: ignore[arg-type]
+                           RoundSettings(max_draft_tokens=4))
     assert runner._pipelines(session, Proposal(token_ids=[7, 8])) is ahead
     assert not runner._pipelines(session, Proposal(token_ids=[]))  # nothing sent, nothing to continue
 
@@ -73,7 +74,8 @@ def test_a_lookahead_computes_the_features_its_controller_will_screen_it_with(fe
     session.lookahead = recorder  # type: ignore[assignment]
     proposer = _Guesser(False)
     worker = ComputeWorker(inline=True)
-    runner = SessionRunner(None, proposer, worker, DraftBatcher(proposer, worker), max_draft_tokens=4)  # type: ignore[arg-type]
+    runner = SessionRunner(None, proposer, worker, DraftBatcher(proposer, worker),  # type: ignore[arg-type]
+                           RoundSettings(max_draft_tokens=4))
     runner._look_ahead(session, Proposal(token_ids=[7, 8]), 2, guess=False)
     (job,) = recorder.jobs
     assert job.controller is None and (job.features, job.spread) == (features, spread)
@@ -98,8 +100,9 @@ def test_alternative_lookaheads_only_for_a_greedy_session_alone(temperature: flo
     session.lookahead = recorder  # type: ignore[assignment]
     proposer = _Guesser(True)
     worker = ComputeWorker(inline=True)
-    runner = SessionRunner(None, proposer, worker, DraftBatcher(proposer, worker), max_draft_tokens=4,  # type: ignore[arg-type]
-                           active=lambda: active, lookahead_branches=branches)
+    settings = RoundSettings(max_draft_tokens=4, lookahead_branches=branches)
+    runner = SessionRunner(None, proposer, worker, DraftBatcher(proposer, worker), settings,  # type: ignore[arg-type]
+                           active=lambda: active)
     sent = Proposal(token_ids=[7, 8, 9], runner_up=[10, 11, 12])
     runner.odds.observe(sent, Verdict(request_id="r", round=0, accepted=1, token_ids=[7, 11], finished=False,
                                       finish_reason=None, draft_budget=4), 3)  # rejected at 1, for the runner-up
@@ -122,8 +125,8 @@ def test_lookaheads_go_out_early_only_when_the_verifier_holds_them_all(branches:
     session.lookahead = recorder  # type: ignore[assignment]
     proposer = _Guesser(True)
     worker = ComputeWorker(inline=True)
-    runner = SessionRunner(None, proposer, worker, DraftBatcher(proposer, worker), max_draft_tokens=16,  # type: ignore[arg-type]
-                           lookahead_branches=branches, conditional=conditional)
+    settings = RoundSettings(max_draft_tokens=16, lookahead_branches=branches, conditional=conditional)
+    runner = SessionRunner(None, proposer, worker, DraftBatcher(proposer, worker), settings)  # type: ignore[arg-type]
     sent = Proposal(token_ids=list(range(20, 36)), runner_up=list(range(40, 56)))
     runner._look_ahead(session, sent, 16, guess=False)
     assert len(recorder.alternatives[0]) == branches and (recorder.presends[0] is not None) is presends

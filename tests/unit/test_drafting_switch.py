@@ -25,7 +25,7 @@ from services.verifier.allocation import (
 from services.verifier.allocation.draft_wait import WAIT_HORIZON_S, DraftWaitModel
 from services.verifier.core_api import read_racing
 from services.verifier.metrics import VerifierMetrics
-from services.verifier.server import Hub, Peer, fleet_status_loop
+from services.verifier.server import Hub, Peer, fleet_status_loop, make_welcome
 from services.verifier.sessions import Routes
 from shared.protocol import FleetStatus, decode
 from tests.unit.test_allocation import Linear, rs
@@ -146,7 +146,7 @@ def test_a_read_that_races_the_core_is_taken_again_then_falls_back() -> None:
 async def test_the_verifier_broadcasts_as_soon_as_the_draft_share_changes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(server, "DRAFT_SHARE_CHECK_S", 0.01)
     monkeypatch.setattr(server, "FLEET_STATUS_EVERY_S", 60.0)
-    hub = Hub("target", "fp", 512, 8, "", Routes(4), VerifierMetrics())
+    hub = Hub(make_welcome("target", "fp", 512, 8), "", Routes(4), VerifierMetrics())
     core = SimpleNamespace(draft_share=lambda: 1.0)
     hub.intake = SimpleNamespace(core=core)  # type: ignore[assignment]
     frontend = Peer("frontend-1", "frontend", "coordinator", "", None)  # type: ignore[arg-type]

@@ -58,14 +58,16 @@ _FINISH: dict[str | None, FinishReason] = {"stop": "stop", "length": "length", "
 class VllmLimits:
     max_draft_tokens: int  # vLLM's num_speculative_tokens: no budget exceeds it
     max_sessions: int
+    vocab_size: int  # the target's: drafts and requests are checked against it
+    max_model_len: int
 
 
 class VllmCore:
-    def __init__(self, engine: Any, eos_ids: set[int], vocab_size: int, max_model_len: int, allocator: Allocator,
-                 tracker: GoodputTracker, limits: VllmLimits, deliver: Deliver, metrics: VerifierMetrics) -> None:
+    def __init__(self, engine: Any, eos_ids: set[int], allocator: Allocator, tracker: GoodputTracker,
+                 limits: VllmLimits, deliver: Deliver, metrics: VerifierMetrics) -> None:
         self.engine = engine
         self.eos_ids = frozenset(eos_ids)
-        self.vocab_size, self.max_model_len = vocab_size, max_model_len
+        self.vocab_size, self.max_model_len = limits.vocab_size, limits.max_model_len
         self.allocator, self.tracker, self.limits = allocator, tracker, limits
         self.deliver, self.metrics = deliver, metrics
         metrics.set_policies(allocator.name, "vllm", "none")
