@@ -27,7 +27,7 @@ from services.coordinator.queue_link import make_queue_router
 from services.coordinator.ratelimit import RateLimiter
 from services.coordinator.routes import router
 from services.coordinator.state import CoordinatorState
-from services.coordinator.verifier_link import VerifierLink
+from services.coordinator.verifier_link import FrontendLink
 from services.coordinator.verifier_pool import VerifierPool
 from shared.config import ConfigError, url_list
 from shared.credentials import Credentials, CredentialsError
@@ -45,7 +45,7 @@ def default_node_id() -> str:
 def create_app(
     cfg: CoordinatorConfig,
     queue: RequestQueue | None = None,
-    link: VerifierLink | VerifierPool | None = None,
+    link: FrontendLink | VerifierPool | None = None,
     model: ModelInfo | None = None,
 ) -> FastAPI:
     """The coordinator as an ASGI app. Without a given queue: Redis Streams when ``redis_url``
@@ -66,7 +66,7 @@ def create_app(
         raise ConfigError(str(exc)) from None
     if link is None and len(urls) > 1:  # several verifier replicas, with session affinity and failover
         link = VerifierPool(urls, node_id, cfg.auth_token, model.fingerprint, tls=verifier_tls)
-    link = link or VerifierLink(urls[0], node_id, cfg.auth_token, model.fingerprint, tls=verifier_tls)
+    link = link or FrontendLink(urls[0], node_id, cfg.auth_token, model.fingerprint, tls=verifier_tls)
     metrics = CoordinatorMetrics()
     metrics.in_flight_limit.set(cfg.max_in_flight)
     admission = InFlightLimit(cfg.max_in_flight, cfg.retry_after_s, metrics.in_flight)

@@ -31,7 +31,7 @@ from services.coordinator.metrics import CoordinatorMetrics
 from services.coordinator.openai_api import GenerationRequest
 from services.coordinator.routing import Inbound
 from services.coordinator.share import EvenShare
-from services.coordinator.verifier_link import VerifierLink
+from services.coordinator.verifier_link import FrontendLink
 from services.coordinator.verifier_pool import VerifierPool
 from shared.log import get_logger
 from shared.protocol import OpenSession, QueuedRequest, TokenEvent, TokenLogprob
@@ -54,7 +54,7 @@ class Submission:
     """
 
     def __init__(
-        self, request_id: str, prompt_tokens: int, events: asyncio.Queue[Inbound], link: VerifierLink | VerifierPool,
+        self, request_id: str, prompt_tokens: int, events: asyncio.Queue[Inbound], link: FrontendLink | VerifierPool,
         metrics: CoordinatorMetrics, timeout_s: float, *, slot: Slot | None = None, retry_after_s: int = 1,
     ) -> None:
         self.request_id = request_id
@@ -184,7 +184,7 @@ class Generator:
     """Turns validated requests into queued work and Submissions; ``admission`` caps how many
     requests are inside at once."""
 
-    def __init__(self, queue: RequestQueue, link: VerifierLink | VerifierPool, node_id: str, timeout_s: float,
+    def __init__(self, queue: RequestQueue, link: FrontendLink | VerifierPool, node_id: str, timeout_s: float,
                  metrics: CoordinatorMetrics, speculation: str = "auto",
                  admission: InFlightLimit | None = None) -> None:
         if speculation not in SPECULATION_MODES:

@@ -32,8 +32,8 @@ from shared.protocol import OpenSession
 log = get_logger("coordinator.queue_fallback")
 
 
-class Fleet(Protocol):
-    """What the fallback needs of a VerifierLink or VerifierPool."""
+class LinkView(Protocol):
+    """What the fallback needs of a FrontendLink or VerifierPool."""
 
     @property
     def connected(self) -> bool: ...
@@ -47,7 +47,7 @@ class Fleet(Protocol):
 class QueueFallback:
     """Watches the fleet; ``tick`` does the work, ``run`` calls it every ``period_s``."""
 
-    def __init__(self, link: Fleet, grace_s: float, period_s: float = 0.5,
+    def __init__(self, link: LinkView, grace_s: float, period_s: float = 0.5,
                  counter: Counter | None = None) -> None:
         self._link = link
         self._counter = counter

@@ -15,7 +15,7 @@ from services.coordinator.metrics import CoordinatorMetrics
 from services.coordinator.model_info import ModelInfo
 from services.coordinator.openai_api import GenerationRequest, Kind, build_request
 from services.coordinator.ratelimit import RateLimiter
-from services.coordinator.verifier_link import VerifierLink
+from services.coordinator.verifier_link import FrontendLink
 from services.coordinator.verifier_pool import VerifierPool
 from shared.queue import RequestQueue
 
@@ -26,7 +26,7 @@ class CoordinatorState:
     node_id: str
     model: ModelInfo
     queue: RequestQueue
-    link: VerifierLink | VerifierPool
+    link: FrontendLink | VerifierPool
     generator: Generator
     metrics: CoordinatorMetrics
     limiter: RateLimiter = field(default_factory=RateLimiter)

@@ -56,10 +56,10 @@ from shared.tls import ssl_kwargs
 log = get_logger("coordinator.verifier_link")
 
 
-class LinkRefused(RuntimeError):
+class FrontendRefused(RuntimeError):
     """The verifier answered the handshake, but not with a usable Welcome."""
 
-__all__ = ["Backoff", "Inbound", "LinkRefused", "Replica", "VerifierLink"]
+__all__ = ["Backoff", "FrontendLink", "FrontendRefused", "Inbound", "Replica"]
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ class Replica:
     on_lost: Callable[[int], None] | None = None
 
 
-class VerifierLink:
+class FrontendLink:
     """A self-healing client of the verifier's ``/v1/frontend`` endpoint."""
 
     def __init__(self, url: str, node_id: str, auth_token: str = "", tokenizer_fingerprint: str = "", *,
@@ -196,7 +196,7 @@ class VerifierLink:
                 await self._connect_once()
                 delay = self._min_backoff
                 reason = "the verifier closed the connection"
-            except LinkRefused as exc:
+            except FrontendRefused as exc:
                 reason = str(exc)
                 delay = self._max_backoff  # a configuration problem: no point hammering
                 log.error("verifier refused the link", url=self.url, reason=reason)
@@ -224,7 +224,7 @@ class VerifierLink:
         ) as ws:
             try:
                 self.welcome = await self._handshake(ws)
-            except LinkRefused as exc:
+            except FrontendRefused as exc:
                 await ws.close(1008, "refused")  # a clean close, not the 1011 of an exception exit
                 raise exc
             self._outbox = asyncio.Queue()
@@ -249,13 +249,13 @@ class VerifierLink:
         async with asyncio.timeout(self._handshake_timeout):
             reply = decode(await ws.recv())
         if isinstance(reply, Refused):
-            raise LinkRefused(f"the verifier refused this coordinator ({reply.code}): {reply.message}")
+            raise FrontendRefused(f"the verifier refused this coordinator ({reply.code}): {reply.message}")
         if not isinstance(reply, Welcome):
-            raise LinkRefused(f"expected a Welcome from the verifier, got {type(reply).__name__}")
+            raise FrontendRefused(f"expected a Welcome from the verifier, got {type(reply).__name__}")
         if reply.protocol_version != PROTOCOL_VERSION:
-            raise LinkRefused(f"the verifier speaks protocol {reply.protocol_version}, we speak {PROTOCOL_VERSION}")
+            raise FrontendRefused(f"the verifier speaks protocol {reply.protocol_version}, we speak {PROTOCOL_VERSION}")
         if self._fingerprint and reply.tokenizer_fingerprint and reply.tokenizer_fingerprint != self._fingerprint:
-            raise LinkRefused(
+            raise FrontendRefused(
                 f"the verifier's tokenizer (fingerprint {reply.tokenizer_fingerprint}) differs from the one "
                 f"the coordinator loaded from --model ({self._fingerprint}); point both at the same target model"
             )

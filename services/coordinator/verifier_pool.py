@@ -1,6 +1,6 @@
 """Several verifier replicas behind one coordinator (``--verifier-url`` with a comma list).
 
-Each replica gets its own :class:`VerifierLink`; they share one :class:`Routing`, so a request
+Each replica gets its own :class:`FrontendLink`; they share one :class:`Routing`, so a request
 is served by exactly one replica (session affinity): the one a drafter opened it on (drafters
 connect to a replica each and pull from the shared queue, which balances the load), or, for a
 target-only request, the connected replica holding the fewest sessions.
@@ -19,7 +19,7 @@ import asyncio
 import ssl
 
 from services.coordinator.routing import Inbound, Routing
-from services.coordinator.verifier_link import Backoff, Replica, VerifierLink
+from services.coordinator.verifier_link import Backoff, FrontendLink, Replica
 from shared.log import get_logger
 from shared.protocol import Cancel, OpenSession, Welcome
 
@@ -37,7 +37,7 @@ class VerifierPool:
         self._routing = Routing(replicas=len(urls))
         self._stopping = False
         backoff = Backoff(min_s=min_backoff_s)
-        self.links = [VerifierLink(url, node_id, auth_token, tokenizer_fingerprint, backoff=backoff, tls=tls,
+        self.links = [FrontendLink(url, node_id, auth_token, tokenizer_fingerprint, backoff=backoff, tls=tls,
                                    replica=Replica(self._routing, i, self._fail_over))
                       for i, url in enumerate(urls)]
 

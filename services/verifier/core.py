@@ -49,12 +49,12 @@ from services.verifier.core_api import (
     Finish,
     KVStats,
     OutOfTurn,
-    Refused,
+    RequestRefused,
     Result,
     Rounded,
     read_racing,
 )
-from services.verifier.judge import Verdict, judge, races
+from services.verifier.judge import Judgement, judge, races
 from services.verifier.metrics import VerifierMetrics
 from services.verifier.prefix import copy_shared, followers
 from services.verifier.requests import Request, Status
@@ -258,11 +258,11 @@ class TorchCore:
         need = req.kv_tokens_needed(self.limits.max_draft_tokens)
         must_wait = bool(self.waiting) or not self.runner.kv.fits(need)
         if need > self.runner.kv.tokens:
-            self._results.append(Refused(cmd.request_id, "invalid", (
+            self._results.append(RequestRefused(cmd.request_id, "invalid", (
                 f"the request needs {need} tokens of KV cache but the verifier holds {self.runner.kv.tokens} in all; "
                 "ask for fewer max_tokens or raise the verifier's --kv-cache-gb")))
         elif must_wait and len(self.waiting) >= self.limits.max_waiting:
-            self._results.append(Refused(cmd.request_id, "busy", (
+            self._results.append(RequestRefused(cmd.request_id, "busy", (
                 f"the verifier's KV cache is full and {len(self.waiting)} requests already wait for it; retry later")))
         else:
             self.requests[req.request_id] = req
@@ -404,7 +404,7 @@ class TorchCore:
         # with no session left, the time to the next step is idleness between requests, not a gap
         self._last_step_start, self._last_forward_end = t0, (t1 if self.requests else 0.0)
 
-    def _next_budgets(self, step: Step, verdicts: list[Verdict]) -> dict[str, int]:
+    def _next_budgets(self, step: Step, verdicts: list[Judgement]) -> dict[str, int]:
         """Fold the speculating sessions' rounds into the tracker; the allocator's next budgets."""
         rounds = [_round_stats(req, len(d), v) for (req, d), v in zip(step.verify, verdicts, strict=True)
                   if req.speculative and req.status is not Status.FINISHED]
@@ -432,7 +432,7 @@ class TorchCore:
         self.scheduler.trim.observe_round(req.drafter, req.draft_conf, len(drafts), accepted)  # the trim's calibration
         return req.commit(tokens)
 
-    def _fill(self, req: Request, v: Verdict) -> None:
+    def _fill(self, req: Request, v: Judgement) -> None:
         """A token decoded while the session's draft travels: committed now and streamed to the
         client; its drafter hears of it with the round's Verdict (``Rounded.prior``)."""
         kept = self._commit(req, [], 0, v.tokens)
@@ -492,7 +492,7 @@ class TorchCore:
         self.metrics.set_kv(self.kv_stats())
 
 
-def _round_stats(req: Request, verified: int, v: Verdict) -> RoundStats:
+def _round_stats(req: Request, verified: int, v: Judgement) -> RoundStats:
     """What the allocator learns from a verified round (the fill's matches included)."""
     drafted, accepted, accept_prob = req.round_outcome(verified, v.accepted, v.accept_prob)
     return RoundStats(req.request_id, req.drafter or None, drafted, accepted, len(req.committed), accept_prob,

@@ -110,7 +110,7 @@ class Admitted:
 
 
 @dataclass(frozen=True)
-class Refused:
+class RequestRefused:
     """The core cannot serve the request. ``code``: busy (retry later) or invalid (never)."""
 
     request_id: str
@@ -177,7 +177,7 @@ class Attached:
     race_key: int | None = None  # shared.race: the request's tokens are keyed races; None: not raced
 
 
-Result = Admitted | Refused | Rounded | Filled | OutOfTurn | Detached | Attached
+Result = Admitted | RequestRefused | Rounded | Filled | OutOfTurn | Detached | Attached
 Deliver = Callable[[list[Result]], None]
 
 

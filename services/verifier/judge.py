@@ -34,7 +34,7 @@ from shared.sampling import probs_from_logit_rows, sample
 
 
 @dataclass(frozen=True)
-class Verdict:
+class Judgement:
     accepted: int
     tokens: list[int]  # accepted drafts, then the target's own token
     #: Σ over every draft of its acceptance probability min(1, p/q) (GoodSpeed eq. 3); for a
@@ -44,7 +44,7 @@ class Verdict:
     logprobs: list[TokenLogprob] | None = None
 
 
-def judge(batch: Sequence[tuple[Request, list[int]]], raw: torch.Tensor) -> list[Verdict]:
+def judge(batch: Sequence[tuple[Request, list[int]]], raw: torch.Tensor) -> list[Judgement]:
     """Verdicts for ``batch`` (request, drafts verified) whose rows fill ``raw`` (the target's
     logits) in order. Sessions with penalties are judged on their penalised rows."""
     logits = penalized(batch, raw)
@@ -52,7 +52,7 @@ def judge(batch: Sequence[tuple[Request, list[int]]], raw: torch.Tensor) -> list
     for _, drafts in batch:
         starts.append(row)
         row += len(drafts) + 1
-    out: list[Verdict | None] = [None] * len(batch)
+    out: list[Judgement | None] = [None] * len(batch)
     greedy = [i for i, (req, _) in enumerate(batch) if req.greedy]
     if greedy:
         argmax = logits.argmax(-1).tolist()
@@ -109,7 +109,7 @@ def _distributions(batch: Sequence[tuple[Request, list[int]]], starts: list[int]
 
 
 def _judge_raced(batch: Sequence[tuple[Request, list[int]]], starts: list[int],
-                 logits: torch.Tensor) -> list[Verdict]:
+                 logits: torch.Tensor) -> list[Judgement]:
     """Raced sessions (shared.race): the target's token at each row is the row's race winner, so the
     drafts are judged as greedy ones against the winners (row j is the request's position
     ``len(committed) + j``)."""
@@ -123,16 +123,16 @@ def _judge_raced(batch: Sequence[tuple[Request, list[int]]], starts: list[int],
     return out
 
 
-def _against(drafts: list[int], targets: list[int]) -> Verdict:
+def _against(drafts: list[int], targets: list[int]) -> Judgement:
     """A round judged against the target's own token at each row (its argmax, or its race's
     winner): drafts accepted while they equal it, then the target's token; each draft's
     acceptance probability is 1 where it equals the target's token, else 0."""
     n, extra = verify_greedy(drafts, targets)
-    return Verdict(n, [*drafts[:n], extra], float(sum(d == t for d, t in zip(drafts, targets, strict=False))))
+    return Judgement(n, [*drafts[:n], extra], float(sum(d == t for d, t in zip(drafts, targets, strict=False))))
 
 
 def _judge_sampled(batch: Sequence[tuple[Request, list[int]]], starts: list[int],
-                   logits: torch.Tensor) -> list[Verdict]:
+                   logits: torch.Tensor) -> list[Judgement]:
     """Sampled sessions: their distributions in one call, p(x) of every draft in one gather and one
     transfer, then per session its uniforms; the rows left to sample from (a residual, or the bonus
     row) are built where the logits live and moved to the host together."""
@@ -149,7 +149,7 @@ def _judge_sampled(batch: Sequence[tuple[Request, list[int]]], starts: list[int]
         probs.append(prob)
         last.append(p[start + k] if n == k else residual(p[start + n], _q_row(req, drafts, n, p.shape[-1], p.device)))
     final = torch.stack(last).cpu()
-    return [Verdict(n, [*drafts[:n], _own_token(req, final[i], races(req, drafts, n))], probs[i])
+    return [Judgement(n, [*drafts[:n], _own_token(req, final[i], races(req, drafts, n))], probs[i])
             for i, ((req, drafts), n) in enumerate(zip(batch, accepted, strict=True))]
 
 

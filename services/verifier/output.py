@@ -20,7 +20,7 @@ from services.verifier.core_api import (
     Filled,
     Finish,
     OutOfTurn,
-    Refused,
+    RequestRefused,
     Result,
     Rounded,
     VerifierCore,
@@ -72,7 +72,7 @@ class Output:
                 self._filled(r)
             elif isinstance(r, Admitted):
                 self._admitted(r)
-            elif isinstance(r, Refused):
+            elif isinstance(r, RequestRefused):
                 self._refused(r)
             elif isinstance(r, OutOfTurn):
                 route = self.routes.get(r.request_id)
@@ -109,7 +109,7 @@ class Output:
         one's guess_bonus, so with the key it would only draft lookaheads that can never be used."""
         return key if self.peers.trusted(conn_id) else None
 
-    def _refused(self, r: Refused) -> None:
+    def _refused(self, r: RequestRefused) -> None:
         route = self.routes.get(r.request_id)
         if route is None:
             return

@@ -16,7 +16,7 @@ import pytest
 from services.coordinator.config import CoordinatorConfig
 from services.coordinator.main import main, serve
 from services.coordinator.model_info import ModelInfo
-from services.coordinator.verifier_link import Backoff, VerifierLink
+from services.coordinator.verifier_link import Backoff, FrontendLink
 from shared.protocol import PROTOCOL_VERSION, TokenEvent
 from shared.queue import open_queue
 from tests.conftest import free_port
@@ -36,7 +36,7 @@ async def until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
 
 
 @contextlib.asynccontextmanager
-async def running(fake: FakeVerifier, link: VerifierLink | None = None) -> AsyncIterator[None]:
+async def running(fake: FakeVerifier, link: FrontendLink | None = None) -> AsyncIterator[None]:
     """Start the link against an already started fake; stop both at the end."""
     try:
         if link is not None:
@@ -56,7 +56,7 @@ def event(rid: str, **kw: Any) -> TokenEvent:
 async def test_handshake_status_routing_and_cancel(info: ModelInfo) -> None:
     fake = FakeVerifier(None, info.tokenizer, auth_token="tok", fingerprint=info.fingerprint, drafters=("d1", "d2"))
     await fake.start()
-    link = VerifierLink(fake.url, "c1", auth_token="tok", tokenizer_fingerprint=info.fingerprint)
+    link = FrontendLink(fake.url, "c1", auth_token="tok", tokenizer_fingerprint=info.fingerprint)
     async with running(fake, link):
         assert await link.wait_connected(5)
         await until(lambda: link.drafters == ["d1", "d2"])
@@ -91,7 +91,7 @@ async def test_refusals_keep_the_link_down_with_a_reason(
 ) -> None:
     fake = FakeVerifier(None, info.tokenizer, **fake_kw)
     await fake.start()
-    link = VerifierLink(fake.url, "c1", **link_kw)
+    link = FrontendLink(fake.url, "c1", **link_kw)
     async with running(fake, link):
         await until(lambda: needle in link.last_error)
         assert not link.connected
@@ -102,7 +102,7 @@ async def test_refusals_keep_the_link_down_with_a_reason(
 async def test_drop_fails_in_flight_requests_and_reconnects(info: ModelInfo) -> None:
     fake = FakeVerifier(None, info.tokenizer)
     await fake.start()
-    link = VerifierLink(fake.url, "c1", backoff=Backoff(min_s=0.05))
+    link = FrontendLink(fake.url, "c1", backoff=Backoff(min_s=0.05))
     async with running(fake, link):
         assert await link.wait_connected(5)
         queue = link.subscribe("r1")
@@ -143,7 +143,7 @@ async def test_auto_drafts_for_the_share_of_new_requests_the_verifier_asks_for(i
 @pytest.mark.asyncio
 async def test_link_waits_for_a_verifier_that_starts_late(info: ModelInfo) -> None:
     port = free_port()
-    link = VerifierLink(f"ws://127.0.0.1:{port}/v1/frontend", "c1", backoff=Backoff(min_s=0.05, max_s=0.2))
+    link = FrontendLink(f"ws://127.0.0.1:{port}/v1/frontend", "c1", backoff=Backoff(min_s=0.05, max_s=0.2))
     await link.start()
     try:
         await asyncio.sleep(0.3)

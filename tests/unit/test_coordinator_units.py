@@ -12,7 +12,7 @@ from services.coordinator.errors import ApiError
 from services.coordinator.generation import ClientGone, Collected, Submission
 from services.coordinator.metrics import CoordinatorMetrics
 from services.coordinator.responses import Responder
-from services.coordinator.verifier_link import Inbound, VerifierLink
+from services.coordinator.verifier_link import FrontendLink, Inbound
 from shared.protocol import TokenEvent
 
 FINAL = TokenEvent(request_id="r", origin="c", token_ids=[1], text="!", finished=True, finish_reason="stop",
@@ -45,8 +45,8 @@ def test_completion_body_and_chunks() -> None:
     assert chunk["object"] == "text_completion" and chunk["choices"][0]["text"] == "q" and "usage" not in chunk
 
 
-def make_sub(timeout_s: float = 5.0) -> tuple[Submission, asyncio.Queue[Inbound], VerifierLink]:
-    link = VerifierLink("ws://127.0.0.1:1/v1/frontend", "c")  # never started: cancels are dropped
+def make_sub(timeout_s: float = 5.0) -> tuple[Submission, asyncio.Queue[Inbound], FrontendLink]:
+    link = FrontendLink("ws://127.0.0.1:1/v1/frontend", "c")  # never started: cancels are dropped
     queue = link.subscribe("r")
     return Submission("r", 9, queue, link, CoordinatorMetrics(), timeout_s, retry_after_s=3), queue, link
 
@@ -193,7 +193,7 @@ async def test_submission_close_releases_its_slot_once() -> None:
     from services.coordinator.admission import InFlightLimit
 
     limit = InFlightLimit(1, retry_after_s=1)
-    link = VerifierLink("ws://127.0.0.1:1/v1/frontend", "c")
+    link = FrontendLink("ws://127.0.0.1:1/v1/frontend", "c")
     sub = Submission("r", 1, link.subscribe("r"), link, CoordinatorMetrics(), 5.0, slot=limit.admit())
     assert limit.in_flight == 1
     sub.close()
@@ -230,7 +230,7 @@ async def test_started_peeks_without_consuming() -> None:
 def test_link_routes_batched_events_and_keeps_the_error_code() -> None:
     from shared.protocol import Batch, ErrorFrame, encode
 
-    link = VerifierLink("ws://127.0.0.1:1/v1/frontend", "c")
+    link = FrontendLink("ws://127.0.0.1:1/v1/frontend", "c")
     busy, broken = link.subscribe("busy"), link.subscribe("broken")
     link._dispatch(encode(Batch(items=[
         TokenEvent(request_id="busy", origin="c", token_ids=[1], text="a"),

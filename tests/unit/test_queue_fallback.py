@@ -17,7 +17,7 @@ GRACE = 5.0
 
 @dataclass
 class Link:
-    """The part of a VerifierLink the fallback uses, with a real Routing."""
+    """The part of a FrontendLink the fallback uses, with a real Routing."""
 
     connected: bool = True
     drafters: list[str] = field(default_factory=list)

@@ -24,7 +24,7 @@ from services.verifier.core_api import (
     Detached,
     Finish,
     OutOfTurn,
-    Refused,
+    RequestRefused,
     Result,
     Rounded,
 )
@@ -198,7 +198,7 @@ def test_kv_admission_holds_requests_until_memory_frees_then_refuses_beyond_the_
         h.core.submit(AddRequest(rid, prompt(6, 6), GREEDY, speculative=False))
     h.turn()
     assert [r.request_id for r in h.of(Admitted)] == ["a"]
-    refused = h.of(Refused, "c")
+    refused = h.of(RequestRefused, "c")
     assert refused and refused[0].code == "busy"  # type: ignore[attr-defined]
     assert h.core.kv_stats().waiting == 1
     h.turn(30)
@@ -210,7 +210,7 @@ def test_a_request_larger_than_the_whole_cache_is_refused_at_once(target: Loaded
     h = Harness(target, kv_tokens=20)
     h.core.submit(AddRequest("huge", prompt(7, 6), SamplingParams(temperature=0.0, max_tokens=100), False))
     h.turn()
-    refused = h.of(Refused, "huge")[0]
+    refused = h.of(RequestRefused, "huge")[0]
     assert refused.code == "invalid" and "--kv-cache-gb" in refused.message  # type: ignore[attr-defined]
 
 

@@ -39,7 +39,7 @@ from services.verifier.core_api import (
     Detach,
     Finish,
     KVStats,
-    Refused,
+    RequestRefused,
     Result,
     Rounded,
     read_racing,
@@ -127,12 +127,13 @@ class VllmCore:
     def _add(self, cmd: AddRequest) -> None:
         rid = cmd.request_id
         if rid in self.sessions:
-            self._results.append(Refused(rid, "invalid", f"request {rid} is already being generated"))
+            self._results.append(RequestRefused(rid, "invalid", f"request {rid} is already being generated"))
             return
         unsupported = vllm_unsupported(cmd.params)
         if unsupported:
-            self._results.append(Refused(rid, "invalid", f"{', '.join(unsupported)}: not supported by the verifier's "
-                                                         "vLLM backend (--backend vllm); use the torch backend"))
+            why = (f"{', '.join(unsupported)}: not supported by the verifier's vLLM backend (--backend vllm); "
+                   "use the torch backend")
+            self._results.append(RequestRefused(rid, "invalid", why))
             return
         if len(self.sessions) >= self.limits.max_sessions:
             raise CoreBusy(f"the vLLM core holds {self.limits.max_sessions} sessions")
