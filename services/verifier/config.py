@@ -116,13 +116,12 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": ("auto", "float32", "float16", "bfloat16"),
 }
 #: the flags that must be above zero
-POSITIVE = ("max_sessions", "max_batch_sessions", "max_batch_tokens", "prefill_chunk", "max_draft_tokens",
-            "ws_ping_interval_s", "ws_ping_timeout_s", "draft_timeout_s", "tensor_parallel_size",
-            "smartspec_max_len")
+POSITIVE = ("max_sessions", "max_batch_sessions", "max_batch_tokens", "prefill_chunk", "ws_ping_interval_s",
+            "ws_ping_timeout_s", "draft_timeout_s", "tensor_parallel_size")
 #: the flags that must not be below zero
 NON_NEGATIVE = ("port", "vllm_memory_share", "max_model_len", "kv_cache_gb", "max_waiting", "draft_len",
                 "draft_capacity", "resume_grace_s", "slo_tokens_per_s", "wisp_delta_ms", "wisp_network_ms",
-                "tpot_slo_ms", "torch_threads")
+                "tpot_slo_ms", "torch_threads", "max_draft_tokens", "smartspec_max_len")  # 0: no drafts
 
 
 def validate(cfg: VerifierConfig) -> None:

@@ -135,6 +135,9 @@ def test_service_configs_load_and_document_every_field(cls: type) -> None:
 
 def test_the_verifiers_defaults_with_a_model_are_valid() -> None:
     validate_verifier(VerifierConfig(model="/some/dir"))
+    # zeros that mean something: SmartSpec with no length but 0 (speculation off), any free port
+    validate_verifier(VerifierConfig(model="/some/dir", allocation="smartspec", smartspec_max_len=0, port=0,
+                                     max_draft_tokens=0, kv_cache_gb=0.0, max_model_len=0))
 
 
 @pytest.mark.parametrize(("flags", "message"), [
