@@ -28,6 +28,10 @@ only if it is predicted to end before the next draft is expected:
   end before the earliest expected draft of any waiting session. A drafter never heard from yet
   expects nothing: its first round decodes on.
 
+``FillBeforeDrafts`` is this policy; ``NeverFill`` (``--fill false``) is the baseline, a step with
+nothing to verify waiting for a draft. Both sit behind ``Fill``, which the scheduler and the
+simulator call.
+
 With the average alone (no deviation, no budget test), `python -m bench rtt` (2026-11-26 09:06)
 measured k = 4 at 0.80x target-only at 0 ms against 1.18x without filling (drafts arriving early
 waited for fill steps), and 0.81x and 0.76x at 10 and 40 ms (against 0.38x and 0.14x without).
