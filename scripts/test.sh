@@ -28,6 +28,8 @@ if command -v podman >/dev/null && command -v debootstrap >/dev/null && [ "$(id 
     bash deploy/images/local-base.sh >.specfleet/logs/test-k8s-base.log 2>&1 &
     base=$!
 fi
+# Ctrl-C (or CI's cancel) stops what runs beside the tests too.
+trap 'kill $side $base 2>/dev/null; exit 130' INT TERM
 "$bin/pytest" -q -m "not slow" --durations=25 "$@"
 tests_rc=$?
 wait "$side"
