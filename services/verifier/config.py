@@ -145,8 +145,6 @@ def _word_problems(cfg: VerifierConfig) -> list[str]:
 
 
 def _range_problems(cfg: VerifierConfig) -> list[str]:
-    def value(name: str) -> Any:
-        return getattr(cfg, name)
-
-    return ([f"{flag_name(n)} must be > 0, got {value(n)}" for n in POSITIVE if value(n) <= 0]
-            + [f"{flag_name(n)} must be >= 0, got {value(n)}" for n in NON_NEGATIVE if value(n) < 0])
+    values: dict[str, Any] = vars(cfg)
+    return ([f"{flag_name(n)} must be > 0, got {values[n]}" for n in POSITIVE if values[n] <= 0]
+            + [f"{flag_name(n)} must be >= 0, got {values[n]}" for n in NON_NEGATIVE if values[n] < 0])

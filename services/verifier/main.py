@@ -13,7 +13,7 @@ import torch
 from services.verifier.allocation import AllocationSettings, Allocator, GoodputTracker, make_allocator
 from services.verifier.batching import BatchLimits, make_batcher
 from services.verifier.batching.estimator import StepTimeEstimator
-from services.verifier.config import CORE_MODES, VerifierConfig, validate
+from services.verifier.config import VerifierConfig, validate
 from services.verifier.core import CoreLimits, TorchCore
 from services.verifier.core_api import Result, VerifierCore
 from services.verifier.fill import make_fill
@@ -50,9 +50,8 @@ def kv_budget_bytes(cfg: VerifierConfig) -> int:
 
 
 def core_threaded(mode: str) -> bool:
-    """thread / inline / auto: a thread of its own unless the process may use a single CPU."""
-    if mode not in CORE_MODES:
-        raise ConfigError(f"--core-mode must be one of {', '.join(CORE_MODES)}, got {mode!r}")
+    """thread / inline / auto: a thread of its own unless the process may use a single CPU
+    (``config.validate`` has refused any other word)."""
     if mode == "auto":
         return len(os.sched_getaffinity(0)) > 1
     return mode == "thread"
