@@ -53,8 +53,8 @@ def engine_step_ms(runner: ModelRunner, eos: set[int], batch: int, context: int,
         start = time.perf_counter()
         core._iterate(0.0)
         times.append(time.perf_counter() - start)
-    for req in list(core.requests.values()):
-        core._retire(req)
+    for req in list(core.table.requests.values()):
+        core.table.retire(req)
     return 1e3 * statistics.median(times)
 
 

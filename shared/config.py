@@ -4,11 +4,21 @@ Each field carries its help text in ``metadata["help"]``. Precedence: CLI flag >
 variable > default. Field ``drafter_concurrency`` becomes ``--drafter-concurrency`` and
 ``SPECFLEET_DRAFTER_CONCURRENCY``.
 
+A service's config is made of sections: a top-level dataclass whose fields are dataclasses
+(``section(...)``), each holding a few flags. Flag and variable names come from the leaf field
+alone (``cfg.server.port`` is ``--port``), so leaf names are unique across a config's sections,
+and ``--help`` lists the flags section by section. A config of plain fields works the same.
+
     @dataclass
-    class MyConfig:
+    class Server:  # its docstring titles the section in --help
         port: int = opt(8000, "TCP port to listen on")
 
-    cfg = load_config(MyConfig, argv)
+    @dataclass
+    class MyConfig:
+        server: Server = section(Server)
+
+    cfg = load_config(MyConfig, argv)       # --port / SPECFLEET_PORT -> cfg.server.port
+    cfg = from_flags(MyConfig, port=9000)   # the same from flat names (tests, embedding)
 """
 
 from __future__ import annotations
@@ -47,6 +57,51 @@ def opt(default: Any, help: str) -> Any:
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata={"help": help})
     return dataclasses.field(default=default, metadata={"help": help})
+
+
+def section(cls: type[T]) -> T:
+    """A config section: a dataclass of flags, each with its default."""
+    return dataclasses.field(default_factory=cls, metadata={"section": True})
+
+
+def _sections(cls: type[Any]) -> list[tuple[str | None, type[Any]]]:
+    """(attribute, dataclass) of each section; (None, cls) for a config of plain fields."""
+    fields = dataclasses.fields(cls)
+    if fields and all(f.metadata.get("section") for f in fields):
+        hints = typing.get_type_hints(cls)
+        return [(f.name, hints[f.name]) for f in fields]
+    return [(None, cls)]
+
+
+def leaves(cls: type[Any]) -> dict[str, tuple[str | None, dataclasses.Field[Any], Any]]:
+    """Every flag of a config: leaf name -> (its section's attribute, its field, its type)."""
+    out: dict[str, tuple[str | None, dataclasses.Field[Any], Any]] = {}
+    for name, sec in _sections(cls):
+        hints = typing.get_type_hints(sec)
+        for f in dataclasses.fields(sec):
+            if f.name in out:
+                raise TypeError(f"{cls.__name__}: flag {f.name!r} is in two sections")
+            out[f.name] = (name, f, hints[f.name])
+    return out
+
+
+def from_flags(cls: type[T], **values: Any) -> T:
+    """Build a config from flat flag names (``from_flags(VerifierConfig, port=0)``); the rest default."""
+    known = leaves(cls)
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise TypeError(f"{cls.__name__} has no flag {', '.join(unknown)}")
+    sections = _sections(cls)
+    if sections == [(None, cls)]:
+        return cls(**values)
+    parts = {str(name): sec(**{k: v for k, v in values.items() if known[k][0] == name}) for name, sec in sections}
+    return cls(**parts)
+
+
+def flat(cfg: Any) -> dict[str, Any]:
+    """A config's flags as leaf name -> value."""
+    return {name: getattr(cfg if where is None else getattr(cfg, where), name)
+            for name, (where, _, _) in leaves(type(cfg)).items()}
 
 
 def env_name(field_name: str) -> str:
@@ -88,12 +143,12 @@ def _parse(raw: str, tp: Any, where: str) -> Any:
 
 def build_parser(cls: type[Any], prog: str, description: str = "") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=description)
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[operator]
-        help_text = f"{f.metadata.get('help', '')} [env {env_name(f.name)}; default {default!r}]"
-        parser.add_argument(flag_name(f.name), dest=f.name, default=None, type=str, help=help_text)
-    parser.set_defaults(_hints=hints)
+    for name, sec in _sections(cls):
+        group = parser if name is None else parser.add_argument_group((sec.__doc__ or name).strip().splitlines()[0])
+        for f in dataclasses.fields(sec):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[operator]
+            help_text = f"{f.metadata.get('help', '')} [env {env_name(f.name)}; default {default!r}]"
+            group.add_argument(flag_name(f.name), dest=f.name, default=None, type=str, help=help_text)
     return parser
 
 
@@ -107,20 +162,19 @@ def load_config(
     env = os.environ if env is None else env
     parser = build_parser(cls, prog, (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else "")
     ns = parser.parse_args(list(argv) if argv is not None else [])
-    hints = typing.get_type_hints(cls)
     values: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-        cli = getattr(ns, f.name)
+    for name, (_, _, hint) in leaves(cls).items():
+        cli = getattr(ns, name)
         if cli is not None:
-            values[f.name] = _parse(cli, hints[f.name], flag_name(f.name))
-        elif env_name(f.name) in env:
-            values[f.name] = _parse(env[env_name(f.name)], hints[f.name], env_name(f.name))
-    return cls(**values)
+            values[name] = _parse(cli, hint, flag_name(name))
+        elif env_name(name) in env:
+            values[name] = _parse(env[env_name(name)], hint, env_name(name))
+    return from_flags(cls, **values)
 
 
 def describe(cfg: Any) -> dict[str, Any]:
     """The config as a plain dict for a structured start-up log line (secrets masked)."""
-    out = dataclasses.asdict(cfg)
+    out = flat(cfg)
     for key, value in out.items():
         if (key.endswith("_token") or key == "token" or "api_key" in key) and value:
             out[key] = "***"

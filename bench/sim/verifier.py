@@ -1,30 +1,31 @@
 """The simulated verifier: admission, batch selection, judging, allocation, verdicts.
 
-It mirrors ``services/verifier/core.py`` and ``scheduler.py`` step for step, calling the real
-policies (never copies of them):
+It follows the torch core (``services/verifier/core.py``, ``request_table.py``, ``scheduler.py``
+and ``round/``) step for step, calling the real policies and the round's own bookkeeping (never
+copies of them):
 
-* admission (``_admit``/``_initial_budget``): ``tracker.open`` for a speculative session, then
-  ``min(allocator.initial(sid, tracker), max_draft_tokens)`` and ``tracker.set_budget``; a budget
-  of 0 makes the session ready at once (target-only round), otherwise it waits for its draft;
+* admission (``RequestTable.admit``): the real ``DraftBudgets.open`` (``round/budgets.py``) gives
+  a speculative session its first budget; a budget of 0 makes the session ready at once
+  (target-only round), otherwise it waits for its draft;
 * batch selection (``Scheduler._add_verify``/``_candidate``): a :class:`Candidate` per ready
   session, ``expected_tokens(α̂, drafts)`` from the tracker, then the real ``batcher.select``
   under :class:`BatchLimits`; WISP's clock, and SmartSpec's, is the simulated clock;
-* a step (``_step``/``_next_budgets``/``_publish_round``): its time from the cost model plus
+* a step (``TorchCore._step``, ``RoundLifecycle.close``): its time from the cost model plus
   fixed overheads, which feed the overhead line SmartSpec prices rounds with (as the core's
   measured busy time between forwards does); each round accepts its drafts' accepted prefix and
   commits it plus one token (up to max_tokens); the rounds of unfinished speculative sessions
-  go to ``tracker.observe``, then ``allocator.assign`` gives next budgets (capped,
-  ``tracker.set_budget``), finished sessions are forgotten, and verdicts leave for the drafters
+  go to ``DraftBudgets.next`` (the tracker learns, the allocator assigns the next budgets,
+  capped), finished sessions are forgotten, and verdicts leave for the drafters
   (RTT/2 away);
-* filling (``VerifierSpec.fill``; ``Scheduler._add_fill``, ``TorchCore._fill``,
-  ``Request.take_draft``): with nothing ready to verify, the real :class:`FillBeforeDrafts` picks
+* filling (``VerifierSpec.fill``; ``Scheduler._add_fill``, ``RoundLifecycle._fill``,
+  ``round.draft.settle``): with nothing ready to verify, the real :class:`FillBeforeDrafts` picks
   waiting sessions past their first round to decode one token each, and when none may go now the
   verifier looks again once a waiting draft turns late. A draft that arrives during its
   session's fill step is taken when the step ends; its leading drafts are matched against the
   fill (a draft token equals the target's exactly when it is accepted) and settled or verified by
   the real ``settled_drafts`` and ``filled_outcome``. A session the fill finishes ends its round
   there. Every session is taken as deterministic (greedy or raced), which filling needs;
-* conditional drafts (``take_conditional``; ``TorchCore._conditional`` and ``_take_upcoming``):
+* conditional drafts (``take_conditional``; ``round/conditional.py``):
   one that arrives before the round it assumes ends is held and taken when that round ends as it
   assumed, one that arrives later is taken if the session still waits for that round's draft; its
   wait does not feed the fill policy, as the real one's does not.
@@ -58,7 +59,7 @@ from services.verifier.allocation.base import expected_tokens
 from services.verifier.batching import BatchLimits, Candidate, WispBatcher, make_batcher
 from services.verifier.batching.estimator import SegmentShape, overhead_line
 from services.verifier.fill import make_fill
-from services.verifier.requests import filled_outcome, settled_drafts
+from services.verifier.round import DraftBudgets, filled_outcome, settled_drafts
 
 
 class SimVerifier:
@@ -80,6 +81,7 @@ class SimVerifier:
             self.batcher.clock = clock  # deadlines and latest starts on the simulated clock
         if isinstance(self.allocator, SmartSpecAllocator):
             self.allocator.wait.clock = clock  # its draft waits expire in simulated time
+        self.budgets = DraftBudgets(self.allocator, self.tracker, p.max_draft_tokens)  # the real bookkeeping
         self.max_draft = p.max_draft_tokens
         self.ready: dict[str, tuple[Session, Candidate]] = {}
         self.fill = make_fill(v.fill and spec.speculative)  # the real fill policy
@@ -89,24 +91,9 @@ class SimVerifier:
         self.held: list[tuple[Session, Lookahead | None]] = []
         self.wake_at: float | None = None
         self.busy = False
-        self.budget_sum = 0  # Σ budgets held in the tracker, kept incrementally
-
-    # --- budgets -----------------------------------------------------------------------------
-
-    def _set_budget(self, sid: str, budget: int) -> None:
-        est = self.tracker.sessions.get(sid)
-        if est is not None:
-            self.budget_sum += budget - est.budget
-        self.tracker.set_budget(sid, budget)
-
-    def _forget(self, sid: str) -> None:
-        est = self.tracker.sessions.get(sid)
-        if est is not None:
-            self.budget_sum -= est.budget
-        self.tracker.forget(sid)
 
     def _note_budgets(self) -> None:
-        self.rec.max_budget_sum = max(self.rec.max_budget_sum, self.budget_sum)
+        self.rec.max_budget_sum = max(self.rec.max_budget_sum, self.budgets.total)
 
     # --- admission ---------------------------------------------------------------------------
 
@@ -115,15 +102,11 @@ class SimVerifier:
         s.opened_at = now
         if not s.speculative:
             if self.speculative:  # opened target-only beside speculating ones: it shares their steps
-                self.tracker.open(s.sid, None)
+                self.budgets.attach(s.sid, None)
             self.mark_ready(s, now)
             return
-        self.tracker.open(s.sid, s.edge.name)
-        started = time.perf_counter()
-        initial = self.allocator.initial(s.sid, self.tracker)
-        self.rec.admit_s.append(time.perf_counter() - started)
-        s.budget = min(initial, self.max_draft)
-        self._set_budget(s.sid, s.budget)
+        s.budget = self.budgets.open(s.sid, s.edge.name)
+        self.rec.admit_s.append(self.budgets.initial_s)
         self._note_budgets()
         if s.budget > 0:
             self._await_draft(s, now)
@@ -136,7 +119,7 @@ class SimVerifier:
         self.waiting[s.sid] = s
 
     def take_conditional(self, s: Session, ahead: Lookahead, now: float) -> None:
-        """A lookahead sent before the verdict it assumes (``TorchCore._conditional``): held for the
+        """A lookahead sent before the verdict it assumes (``round/conditional.py``): held for the
         end of that round when it is still to come, taken at once when that verdict already went
         out with a budget and came true, otherwise dropped."""
         if s.finished:
@@ -147,7 +130,7 @@ class SimVerifier:
             self.take_draft(s, now, ahead)
 
     def take_draft(self, s: Session, now: float, conditional: Lookahead | None = None) -> None:
-        """The round's draft reached the verifier (``Request.take_draft``): the leading drafts the
+        """The round's draft reached the verifier (``round.draft.settle``): the leading drafts the
         fill already committed are matched (a draft token equals the target's exactly when it is
         accepted), the rest are verified after the fill, and a draft that left the fill verifies
         nothing. A draft arriving during a fill step of its session waits for that step's end, as
@@ -246,15 +229,9 @@ class SimVerifier:
         judged = [self._judge(s) for s in step.sessions]
         rounds = [RoundStats(s.sid, s.edge.name, drafted, accepted, s.context_len, prob, s.draft_wait_s)
                   for s, drafted, accepted, prob in judged if s.speculative and not s.finished]
-        for r in rounds:
-            self.tracker.observe(r)
-        started = time.perf_counter()
-        budgets = self.allocator.assign(rounds, self.tracker) if rounds else {}
-        assign_s = time.perf_counter() - started
-        for sid, budget in budgets.items():
-            self._set_budget(sid, min(budget, self.max_draft))
+        budgets = self.budgets.next(rounds)
         self._note_budgets()
-        self.rec.step(len(step.sessions), step.seconds, step.select_s, assign_s)
+        self.rec.step(len(step.sessions), step.seconds, step.select_s, self.budgets.assign_s)
         for s, drafted, accepted, _ in judged:
             self._publish(s, drafted, accepted, budgets.get(s.sid, 0), now)
 
@@ -269,7 +246,7 @@ class SimVerifier:
             self.rec.fill(s.edge.index)
             if s.first_token_at is None:  # streamed to the client at once (``Filled``)
                 s.first_token_at = now + s.edge.half_rtt
-            if s.finished:  # the round ends here: its draft is moot (``TorchCore._fill``)
+            if s.finished:  # the round ends here: its draft is moot (``RoundLifecycle._fill``)
                 s.waiting_draft = False
                 self.waiting.pop(s.sid, None)
                 self.rec.round(s.edge.index, 0, 0, 0, 0)
@@ -280,7 +257,7 @@ class SimVerifier:
 
     def _judge(self, s: Session) -> tuple[Session, int, int, float]:
         """Accept the longest accepted prefix, commit it plus the target's own token; with a fill,
-        the round as a whole (``Request.round_outcome``): matched drafts count as accepted ones,
+        the round as a whole (``Round.outcome``): matched drafts count as accepted ones,
         a draft that left the fill as one rejected draft after them."""
         verified = len(s.drafts)
         accepted = accepted_prefix([ok for _, ok in s.drafts])
@@ -305,7 +282,7 @@ class SimVerifier:
         s.round += 1
         upcoming, s.upcoming = s.upcoming, None
         if s.finished:
-            self._forget(s.sid)
+            self.budgets.forget(s.sid)
         elif budget > 0:
             self._await_draft(s, now)
             if upcoming is not None and upcoming.hit:  # the round ended as its conditional draft assumed

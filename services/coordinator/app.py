@@ -52,33 +52,35 @@ def create_app(
     is set, else an in-process MemoryQueue (at most ``max_queue`` waiting) served to drafters on
     ``/internal/queue``."""
     check_config(cfg)
-    node_id = cfg.node_id or default_node_id()
-    model = model or ModelInfo.load(cfg.model, cfg.served_model_name)
+    node_id = cfg.server.node_id or default_node_id()
+    model = model or ModelInfo.load(cfg.target.model, cfg.target.served_model_name)
     owns_queue = queue is None
     if queue is None:
-        queue = (open_queue(cfg.redis_url, stream=cfg.queue_stream, group=cfg.queue_group)
-                 if cfg.redis_url else MemoryQueue(max_depth=cfg.max_queue))
-    urls = url_list(cfg.verifier_url, "--verifier-url")
+        queue = (open_queue(cfg.queue.redis_url, stream=cfg.queue.queue_stream, group=cfg.queue.queue_group)
+                 if cfg.queue.redis_url else MemoryQueue(max_depth=cfg.admission.max_queue))
+    urls = url_list(cfg.target.verifier_url, "--verifier-url")
     try:
-        verifier_tls = client_context(urls[0], cfg.tls_ca)
-        credentials = Credentials(cfg.auth_token, cfg.credentials_file)
+        verifier_tls = client_context(urls[0], cfg.security.tls_ca)
+        credentials = Credentials(cfg.security.auth_token, cfg.security.credentials_file)
     except (TlsConfigError, CredentialsError) as exc:
         raise ConfigError(str(exc)) from None
     if link is None and len(urls) > 1:  # several verifier replicas, with session affinity and failover
-        link = VerifierPool(urls, node_id, cfg.auth_token, model.fingerprint, tls=verifier_tls)
-    link = link or FrontendLink(urls[0], node_id, cfg.auth_token, model.fingerprint, tls=verifier_tls)
+        link = VerifierPool(urls, node_id, cfg.security.auth_token, model.fingerprint, tls=verifier_tls)
+    link = link or FrontendLink(urls[0], node_id, cfg.security.auth_token, model.fingerprint, tls=verifier_tls)
     metrics = CoordinatorMetrics()
-    metrics.in_flight_limit.set(cfg.max_in_flight)
-    admission = InFlightLimit(cfg.max_in_flight, cfg.retry_after_s, metrics.in_flight)
+    metrics.in_flight_limit.set(cfg.admission.max_in_flight)
+    admission = InFlightLimit(cfg.admission.max_in_flight, cfg.admission.retry_after_s, metrics.in_flight)
     state = CoordinatorState(
         cfg=cfg, node_id=node_id, model=model, queue=queue, link=link,
-        generator=Generator(queue, link, node_id, cfg.request_timeout_s, metrics, cfg.speculation, admission),
+        generator=Generator(queue, link, node_id, cfg.server.request_timeout_s, metrics, cfg.target.speculation,
+                            admission),
         metrics=metrics,
-        limiter=RateLimiter(cfg.rate_limit_rps, cfg.rate_limit_burst, cfg.token_quota, cfg.quota_window_s),
+        limiter=RateLimiter(cfg.clients.rate_limit_rps, cfg.clients.rate_limit_burst, cfg.clients.token_quota,
+                            cfg.clients.quota_window_s),
     )
 
-    fallback = (QueueFallback(link, cfg.queue_fallback_s, counter=metrics.queue_fallback)
-                if cfg.speculation == "auto" and cfg.queue_fallback_s else None)
+    fallback = (QueueFallback(link, cfg.queue.queue_fallback_s, counter=metrics.queue_fallback)
+                if cfg.target.speculation == "auto" and cfg.queue.queue_fallback_s else None)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -98,6 +100,6 @@ def create_app(
     app.state.coordinator = state
     install_error_handlers(app)
     app.include_router(router)
-    if not cfg.redis_url:
+    if not cfg.queue.redis_url:
         app.include_router(make_queue_router(queue, credentials, node_id=node_id))
     return app

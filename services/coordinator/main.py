@@ -26,12 +26,13 @@ async def serve(cfg: CoordinatorConfig, ready: asyncio.Event | None = None) -> N
     the port accepts connections."""
     app = create_app(cfg)
     try:
-        server_context(cfg.tls_cert, cfg.tls_key)  # refuse unusable files before binding, naming the flag
+        # refuse unusable files before binding, naming the flag
+        server_context(cfg.security.tls_cert, cfg.security.tls_key)
     except TlsConfigError as exc:
         raise ConfigError(str(exc)) from None
-    tls = {"ssl_certfile": cfg.tls_cert, "ssl_keyfile": cfg.tls_key} if cfg.tls_cert else {}
+    tls = {"ssl_certfile": cfg.security.tls_cert, "ssl_keyfile": cfg.security.tls_key} if cfg.security.tls_cert else {}
     config = uvicorn.Config(
-        app, host=cfg.host, port=cfg.port, log_config=None, access_log=False,
+        app, host=cfg.server.host, port=cfg.server.port, log_config=None, access_log=False,
         ws_max_size=MAX_FRAME_BYTES, lifespan="on", timeout_graceful_shutdown=5,
         ws_per_message_deflate=False,  # token frames are small: deflating each costs CPU for nothing
         **tls,  # type: ignore[arg-type]
@@ -39,15 +40,15 @@ async def serve(cfg: CoordinatorConfig, ready: asyncio.Event | None = None) -> N
     server = DrainingServer(config)
     task = asyncio.create_task(server.serve(), name="uvicorn")
     drain = asyncio.create_task(drain_on_signal(server, app.state.coordinator.generator.admission,
-                                                cfg.drain_timeout_s), name="drain")
+                                                cfg.server.drain_timeout_s), name="drain")
     try:
         while not server.started:
             if task.done():  # failed before binding (port in use, lifespan error): surface it
                 await task
-                raise OSError(f"the coordinator could not listen on {cfg.host}:{cfg.port}")
+                raise OSError(f"the coordinator could not listen on {cfg.server.host}:{cfg.server.port}")
             await asyncio.sleep(0.05)
-        port = server.servers[0].sockets[0].getsockname()[1] if server.servers else cfg.port
-        log.info("coordinator listening", host=cfg.host, port=port, tls=bool(cfg.tls_cert))
+        port = server.servers[0].sockets[0].getsockname()[1] if server.servers else cfg.server.port
+        log.info("coordinator listening", host=cfg.server.host, port=port, tls=bool(cfg.security.tls_cert))
         if ready is not None:
             ready.set()
         await asyncio.shield(task)  # a cancelled serve() shuts uvicorn down gracefully, below
@@ -61,9 +62,9 @@ async def serve(cfg: CoordinatorConfig, ready: asyncio.Event | None = None) -> N
 
 def main(argv: list[str] | None = None) -> int:
     cfg = load_config(CoordinatorConfig, argv, prog="specfleet coordinator")
-    setup_logging("coordinator", cfg.log_level)
+    setup_logging("coordinator", cfg.server.log_level)
     settings = describe(cfg)
-    settings["api_key"] = "***" if cfg.api_key else ""
+    settings["api_key"] = "***" if cfg.clients.api_key else ""
     log.info("starting", **settings)
     try:
         asyncio.run(serve(cfg))

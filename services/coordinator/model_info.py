@@ -27,10 +27,10 @@ class ModelInfo:
     tokenizer: Any
     fingerprint: str
     vocab_size: int
-    created: int = field(default_factory=lambda: int(time.time()))
+    created: int = field(init=False, default_factory=lambda: int(time.time()))
     # HF fast tokenizers are not safe to call from several threads at once.
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    _token_text: dict[int, str] = field(default_factory=dict, repr=False)
+    _lock: threading.Lock = field(init=False, default_factory=threading.Lock, repr=False)
+    _token_text: dict[int, str] = field(init=False, default_factory=dict, repr=False)
 
     @classmethod
     def load(cls, path: str, served_name: str = "") -> ModelInfo:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, TypeVar, cast
 
 import msgspec
@@ -95,6 +95,15 @@ class CompletionBody(_CommonBody):
 
 
 @dataclass(frozen=True)
+class ResponseMode:
+    """How the response goes out: streamed or whole, and where streamed chunks carry the usage."""
+
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     """A validated request, ready to queue."""
 
@@ -102,13 +111,11 @@ class GenerationRequest:
     model: str
     prompt_ids: list[int]
     params: SamplingParams
-    stream: bool
-    include_usage: bool
+    mode: ResponseMode = field(default_factory=ResponseMode)
     slo_tokens_per_s: float | None = None
     #: text the response starts with before the generated text (``echo``): the prompt, or for
     #: chat the last message's content when it is the assistant's (as vLLM)
     echo: str = ""
-    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
     n: int = 1  # choices: independent sessions (see choice)
 
     def choice(self, index: int) -> GenerationRequest:
@@ -174,9 +181,10 @@ async def build_request(kind: Kind, data: dict[str, Any], model: ModelInfo, max_
     except SamplingError as exc:
         raise invalid_request(str(exc), prompt_param if exc.param in ("messages", "prompt") else exc.param) from None
     options = body.stream_options if body.stream else None
-    return GenerationRequest(kind, model.served_name, prompt_ids, params, bool(body.stream),
-                             bool(options and options.include_usage), body.slo_tokens_per_s, echo,
-                             bool(options and options.continuous_usage_stats), body.n or 1)
+    mode = ResponseMode(bool(body.stream), bool(options and options.include_usage),
+                           bool(options and options.continuous_usage_stats))
+    return GenerationRequest(kind, model.served_name, prompt_ids, params, mode, body.slo_tokens_per_s, echo,
+                             body.n or 1)
 
 
 async def _echo_prompt(body: CompletionBody, prompt_ids: list[int], model: ModelInfo) -> str:

@@ -9,12 +9,12 @@ object with the request's drafted and accepted token counts (an extension; clien
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from services.coordinator.generation import Collected
 from services.coordinator.logprobs import LogprobsFormatter
-from services.coordinator.openai_api import Kind
+from services.coordinator.openai_api import Kind, ResponseMode
 from shared.protocol import TokenEvent, TokenLogprob
 
 
@@ -43,11 +43,10 @@ class Responder:
     request_id: str
     model: str
     created: int
-    include_usage: bool = False
+    mode: ResponseMode = field(default_factory=ResponseMode)  # where the usage goes
     #: set when the request asked for logprobs
     logprobs: LogprobsFormatter | None = None
     echo: str = ""  # the text each choice starts with (``echo``)
-    continuous_usage: bool = False  # every chunk carries the usage so far
     prompt_tokens: int = 0
 
     @property
@@ -96,10 +95,10 @@ class Responder:
             out = self._head("text_completion")
             choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
         out["choices"] = [choice]
-        if self.continuous_usage:
+        if self.mode.continuous_usage:
             out["usage"] = {"prompt_tokens": self.prompt_tokens, "completion_tokens": generated,
                             "total_tokens": self.prompt_tokens + generated}
-        elif self.include_usage:
+        elif self.mode.include_usage:
             out["usage"] = None
         return out
 

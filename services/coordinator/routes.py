@@ -57,9 +57,9 @@ async def _complete(kind: Kind, request: Request) -> Response:
             first.close()
             raise
         formatter = LogprobsFormatter(kind, state.model.token_strings) if req.params.logprobs is not None else None
-        responder = Responder(kind, first.request_id, req.model, int(time.time()), req.include_usage, formatter,
-                              req.echo, req.continuous_usage, len(req.prompt_ids))
-        if req.stream:
+        responder = Responder(kind, first.request_id, req.model, int(time.time()), req.mode, formatter,
+                              req.echo, len(req.prompt_ids))
+        if req.mode.stream:
             return await _stream(request, subs, responder, timer)
         try:
             body = await _unless_client_leaves(request, subs, _collect_all(subs))

@@ -72,7 +72,7 @@ class CoordinatorState:
 
     def authorized(self, authorization: str | None) -> bool:
         """True when no API key is configured, or the header is exactly 'Bearer <one of the keys>'."""
-        keys = [k.strip() for k in (self.cfg.api_key, *self.cfg.api_keys.split(",")) if k.strip()]
+        keys = [k.strip() for k in (self.cfg.clients.api_key, *self.cfg.clients.api_keys.split(",")) if k.strip()]
         if not keys:
             return True
         given = (authorization or "").strip().encode()

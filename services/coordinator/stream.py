@@ -60,7 +60,7 @@ async def sse_body(
                 yield sse(responder.chunk("", finish_reason(event), generated=generated, index=i))
             if event.text or event.finished:  # resumed here: the server's send of its bytes returned
                 metrics.relayed("sse", subs[i].arrived)
-        if responder.include_usage:
+        if responder.mode.include_usage:
             yield sse(responder.usage_chunk(*(finals[i] for i in range(len(subs)))))
         status = 200
     except ApiError as exc:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.config import opt
+from shared.config import opt, section
 
 
 @dataclass
-class DrafterConfig:
-    """specfleet drafter: runs a small draft model and proposes tokens for many sessions."""
+class LinkSection:
+    """links: the verifier and the request queue"""
 
     verifier_url: str = opt("ws://127.0.0.1:8100/v1/drafter",
                             "the verifier's drafter WebSocket endpoint; several replicas: a comma-separated list "
@@ -21,6 +21,14 @@ class DrafterConfig:
     )
     queue_stream: str = opt("specfleet:requests", "Redis stream name (with a redis:// queue_url)")
     queue_group: str = opt("drafters", "Redis consumer group name (with a redis:// queue_url)")
+    claim_idle_ms: int = opt(30000, "Redis: claim requests another drafter left pending this long")
+    reconnect_s: float = opt(1.0, "seconds between reconnect attempts to the verifier or queue")
+
+
+@dataclass
+class SecuritySection:
+    """security: credentials and TLS"""
+
     auth_token: str = opt("", "bearer token for the verifier and the coordinator's queue link: the fleet's shared "
                               "token, or this drafter's own token when the services use --credentials-file (then "
                               "--node-id must be the identity the token belongs to)")
@@ -28,21 +36,40 @@ class DrafterConfig:
                           "not the system store); empty: the system store")
     require_tls: bool = opt(False, "refuse plaintext ws:// URLs for the verifier and the queue link (use on any "
                                    "network you do not control)")
+
+
+@dataclass
+class NodeSection:
+    """this drafter: its name, metrics and logs"""
+
     node_id: str = opt("", "this drafter's name; empty picks drafter-<hostname>-<pid>")
+    metrics_port: int = opt(0, "serve Prometheus /metrics, and /health and /ready for probes, on this port (0: off)")
+    metrics_host: str = opt("127.0.0.1", "interface for /metrics (0.0.0.0 in containers)")
+    log_level: str = opt("info", "debug, info, warning, error")
+
+
+@dataclass
+class ModelSection:
+    """the draft model and what runs it"""
+
     model: str = opt("", "local Hugging Face directory of the draft model")
     device: str = opt("cpu", "torch device: cpu, cuda, ...")
     dtype: str = opt("auto", "auto, float32, float16, bfloat16")
+    runner: str = opt("auto", "model runner: auto (lean where the architecture allows), lean, hf")
+    compute_mode: str = opt("auto", "where the draft model runs: thread (beside the event loop), inline (on it; best "
+                                    "with one CPU), auto (inline when pinned to one CPU)")
+    kv_cache_gb: float = opt(0.0, "draft KV cache in GiB; 0 sizes it for max_sessions full-context sessions (at "
+                                  "most 20%% of RAM)")
+    torch_threads: int = opt(0, "torch intra-op threads; 0 leaves torch's default")
+
+
+@dataclass
+class SessionSection:
+    """sessions: how many, and how each is pipelined (StarSD)"""
+
     max_sessions: int = opt(4, "sessions served concurrently (requests taken from the queue at once)")
-    proposer: str = opt("draft-model", "what drafts: draft-model (--model is a draft LM) or ngram (prompt lookup: no "
-                                       "model; --model only provides the tokenizer, e.g. the target's directory)")
-    ngram_max: int = opt(4, "proposer=ngram: longest n-gram to match")
-    ngram_min: int = opt(1, "proposer=ngram: shortest n-gram to match")
-    draft_mode: str = opt("sampled", "sampled: sampled requests are drafted from their own distribution and its "
-                                     "nucleus goes on the wire as q (greedy requests get argmax ids); greedy: argmax "
-                                     "ids for every request (the baseline)")
-    q_mass: float = opt(0.98, "sampled drafts: keep the draft distribution's most likely tokens up to this mass")
-    q_max_entries: int = opt(4096, "sampled drafts: but at most this many tokens per position (6 bytes each; "
-                                   "lower it for slow links, see bench/results/qwire.md)")
+    admission: str = opt("max-sessions", "how many sessions to claim: max-sessions (up to --max-sessions), or starsd "
+                                         "(also at most StarSD's N_max, estimated from measured timings)")
     pipeline_sessions: int = opt(2, "greedy and unseeded sampled sessions draft their next round while this one is "
                                     "verified, while this drafter serves at most this many sessions (0: never; "
                                     "see bench/RESULTS.md)")
@@ -53,8 +80,28 @@ class DrafterConfig:
                                          "round's draft on the condition that the verdict in flight comes out as it "
                                          "assumed, so a lookahead that comes true costs no round trip (when the "
                                          "verifier takes them, and the controller reads no draft features)")
-    admission: str = opt("max-sessions", "how many sessions to claim: max-sessions (up to --max-sessions), or starsd "
-                                         "(also at most StarSD's N_max, estimated from measured timings)")
+
+
+@dataclass
+class ProposalSection:
+    """what proposes the drafts, and the q sent with them"""
+
+    proposer: str = opt("draft-model", "what drafts: draft-model (--model is a draft LM) or ngram (prompt lookup: no "
+                                       "model; --model only provides the tokenizer, e.g. the target's directory)")
+    ngram_max: int = opt(4, "proposer=ngram: longest n-gram to match")
+    ngram_min: int = opt(1, "proposer=ngram: shortest n-gram to match")
+    draft_mode: str = opt("sampled", "sampled: sampled requests are drafted from their own distribution and its "
+                                     "nucleus goes on the wire as q (greedy requests get argmax ids); greedy: argmax "
+                                     "ids for every request (the baseline)")
+    q_mass: float = opt(0.98, "sampled drafts: keep the draft distribution's most likely tokens up to this mass")
+    q_max_entries: int = opt(4096, "sampled drafts: but at most this many tokens per position (6 bytes each; "
+                                   "lower it for slow links, see bench/results/qwire.md)")
+
+
+@dataclass
+class ControlSection:
+    """when to stop drafting within the budget (WISP, AdaSpec)"""
+
     controller: str = opt("fixed", "when to stop drafting within the verifier's budget: fixed (draft it all, the "
                                    "baseline), threshold (stop after a token the draft model is unsure of), adaspec "
                                    "(stop when one more token would lower expected tokens per second), or wisp (stop "
@@ -69,14 +116,16 @@ class DrafterConfig:
     send_confidence: bool = opt(False, "send each draft token's draft-model probability with the draft (the "
                                        "verifier's --trim adaspec reads it; sent anyway with a controller that "
                                        "computes it: threshold, adaspec, wisp)")
-    claim_idle_ms: int = opt(30000, "Redis: claim requests another drafter left pending this long")
-    reconnect_s: float = opt(1.0, "seconds between reconnect attempts to the verifier or queue")
-    kv_cache_gb: float = opt(0.0, "draft KV cache in GiB; 0 sizes it for max_sessions full-context sessions (at "
-                                  "most 20%% of RAM)")
-    runner: str = opt("auto", "model runner: auto (lean where the architecture allows), lean, hf")
-    compute_mode: str = opt("auto", "where the draft model runs: thread (beside the event loop), inline (on it; best "
-                                    "with one CPU), auto (inline when pinned to one CPU)")
-    metrics_port: int = opt(0, "serve Prometheus /metrics, and /health and /ready for probes, on this port (0: off)")
-    metrics_host: str = opt("127.0.0.1", "interface for /metrics (0.0.0.0 in containers)")
-    torch_threads: int = opt(0, "torch intra-op threads; 0 leaves torch's default")
-    log_level: str = opt("info", "debug, info, warning, error")
+
+
+@dataclass
+class DrafterConfig:
+    """specfleet drafter: runs a small draft model and proposes tokens for many sessions."""
+
+    links: LinkSection = section(LinkSection)
+    security: SecuritySection = section(SecuritySection)
+    node: NodeSection = section(NodeSection)
+    draft_model: ModelSection = section(ModelSection)
+    sessions: SessionSection = section(SessionSection)
+    proposal: ProposalSection = section(ProposalSection)
+    control: ControlSection = section(ControlSection)

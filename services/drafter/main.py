@@ -52,13 +52,14 @@ def link_tls(cfg: DrafterConfig) -> tuple[ssl.SSLContext | None, ssl.SSLContext 
     """Client TLS contexts for the verifier link and a ws(s):// queue link (None: plaintext or not a
     WebSocket queue). ConfigError for a missing CA file or, under --require-tls, a plaintext URL."""
     try:
-        urls = url_list(cfg.verifier_url, "--verifier-url")
-        verifier = client_context(urls[0], cfg.tls_ca, cfg.require_tls)  # url_list: one scheme for all
-        scheme = cfg.queue_url.partition("://")[0].lower()
+        urls = url_list(cfg.links.verifier_url, "--verifier-url")
+        # url_list: one scheme for all
+        verifier = client_context(urls[0], cfg.security.tls_ca, cfg.security.require_tls)
+        scheme = cfg.links.queue_url.partition("://")[0].lower()
         if scheme in ("ws", "wss"):
-            return verifier, client_context(cfg.queue_url, cfg.tls_ca, cfg.require_tls)
-        if cfg.require_tls and scheme in ("redis", "unix"):
-            raise TlsConfigError(f"--queue-url {cfg.queue_url!r} is plaintext but --require-tls is set: use "
+            return verifier, client_context(cfg.links.queue_url, cfg.security.tls_ca, cfg.security.require_tls)
+        if cfg.security.require_tls and scheme in ("redis", "unix"):
+            raise TlsConfigError(f"--queue-url {cfg.links.queue_url!r} is plaintext but --require-tls is set: use "
                                  "rediss:// or the coordinator's wss://.../internal/queue")
         return verifier, None
     except TlsConfigError as exc:
@@ -68,45 +69,48 @@ def link_tls(cfg: DrafterConfig) -> tuple[ssl.SSLContext | None, ssl.SSLContext 
 def check_config(cfg: DrafterConfig, need_model: bool = True) -> None:
     """Refuse settings that cannot work, naming the flag to fix."""
     problems = []
-    if need_model and not cfg.model:
+    if need_model and not cfg.draft_model.model:
         problems.append("--model is required: a local Hugging Face directory holding the draft model")
     try:
-        url_list(cfg.verifier_url, "--verifier-url")
+        url_list(cfg.links.verifier_url, "--verifier-url")
     except ConfigError as exc:
         problems.append(str(exc))
-    if not 1 <= cfg.max_sessions <= 100_000:
-        problems.append(f"--max-sessions must be in [1, 100000], got {cfg.max_sessions}")
-    if cfg.proposer not in PROPOSERS:
-        problems.append(f"--proposer must be one of {', '.join(PROPOSERS)}, got {cfg.proposer!r}")
-    if not 1 <= cfg.ngram_min <= cfg.ngram_max:
-        problems.append(f"--ngram-min and --ngram-max need 1 <= min <= max, got {cfg.ngram_min} and {cfg.ngram_max}")
-    if cfg.draft_mode not in DRAFT_MODES:
-        problems.append(f"--draft-mode must be one of {', '.join(DRAFT_MODES)}, got {cfg.draft_mode!r}")
-    if not 0.0 < cfg.q_mass <= 1.0:
-        problems.append(f"--q-mass must be in (0, 1], got {cfg.q_mass}")
-    if not 1 <= cfg.q_max_entries <= MAX_Q_ENTRIES:
-        problems.append(f"--q-max-entries must be in [1, {MAX_Q_ENTRIES}], got {cfg.q_max_entries}")
-    if cfg.pipeline_sessions < 0:
-        problems.append(f"--pipeline-sessions must be >= 0, got {cfg.pipeline_sessions}")
-    if not 0 <= cfg.lookahead_branches <= MAX_DRAFT_TOKENS:
-        problems.append(f"--lookahead-branches must be in [0, {MAX_DRAFT_TOKENS}], got {cfg.lookahead_branches}")
-    if cfg.admission not in ADMISSIONS:
-        problems.append(f"--admission must be one of {', '.join(ADMISSIONS)}, got {cfg.admission!r}")
-    if not 0.0 <= cfg.threshold <= 1.0:
-        problems.append(f"--threshold must be in [0, 1], got {cfg.threshold}")
-    if cfg.controller not in CONTROLLERS:
-        problems.append(f"--controller must be one of {', '.join(sorted(CONTROLLERS))}, got {cfg.controller!r}")
+    if not 1 <= cfg.sessions.max_sessions <= 100_000:
+        problems.append(f"--max-sessions must be in [1, 100000], got {cfg.sessions.max_sessions}")
+    if cfg.proposal.proposer not in PROPOSERS:
+        problems.append(f"--proposer must be one of {', '.join(PROPOSERS)}, got {cfg.proposal.proposer!r}")
+    if not 1 <= cfg.proposal.ngram_min <= cfg.proposal.ngram_max:
+        problems.append(f"--ngram-min and --ngram-max need 1 <= min <= max, got {cfg.proposal.ngram_min} "
+                        f"and {cfg.proposal.ngram_max}")
+    if cfg.proposal.draft_mode not in DRAFT_MODES:
+        problems.append(f"--draft-mode must be one of {', '.join(DRAFT_MODES)}, got {cfg.proposal.draft_mode!r}")
+    if not 0.0 < cfg.proposal.q_mass <= 1.0:
+        problems.append(f"--q-mass must be in (0, 1], got {cfg.proposal.q_mass}")
+    if not 1 <= cfg.proposal.q_max_entries <= MAX_Q_ENTRIES:
+        problems.append(f"--q-max-entries must be in [1, {MAX_Q_ENTRIES}], got {cfg.proposal.q_max_entries}")
+    if cfg.sessions.pipeline_sessions < 0:
+        problems.append(f"--pipeline-sessions must be >= 0, got {cfg.sessions.pipeline_sessions}")
+    if not 0 <= cfg.sessions.lookahead_branches <= MAX_DRAFT_TOKENS:
+        problems.append(f"--lookahead-branches must be in [0, {MAX_DRAFT_TOKENS}], "
+                        f"got {cfg.sessions.lookahead_branches}")
+    if cfg.sessions.admission not in ADMISSIONS:
+        problems.append(f"--admission must be one of {', '.join(ADMISSIONS)}, got {cfg.sessions.admission!r}")
+    if not 0.0 <= cfg.control.threshold <= 1.0:
+        problems.append(f"--threshold must be in [0, 1], got {cfg.control.threshold}")
+    if cfg.control.controller not in CONTROLLERS:
+        problems.append(f"--controller must be one of {', '.join(sorted(CONTROLLERS))}, got {cfg.control.controller!r}")
     problems += _wisp_problems(cfg)
-    if len(cfg.node_id) > 128:
+    if len(cfg.node.node_id) > 128:
         problems.append("--node-id must be at most 128 characters")
-    if not cfg.reconnect_s > 0:
-        problems.append(f"--reconnect-s must be > 0, got {cfg.reconnect_s}")
-    if cfg.compute_mode not in COMPUTE_MODES:
-        problems.append(f"--compute-mode must be one of {', '.join(COMPUTE_MODES)}, got {cfg.compute_mode!r}")
-    if not 0 <= cfg.metrics_port <= 65535:
-        problems.append(f"--metrics-port must be in [0, 65535], got {cfg.metrics_port}")
-    if cfg.log_level.lower() not in LOG_LEVELS:
-        problems.append(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {cfg.log_level!r}")
+    if not cfg.links.reconnect_s > 0:
+        problems.append(f"--reconnect-s must be > 0, got {cfg.links.reconnect_s}")
+    if cfg.draft_model.compute_mode not in COMPUTE_MODES:
+        problems.append(f"--compute-mode must be one of {', '.join(COMPUTE_MODES)}, "
+                        f"got {cfg.draft_model.compute_mode!r}")
+    if not 0 <= cfg.node.metrics_port <= 65535:
+        problems.append(f"--metrics-port must be in [0, 65535], got {cfg.node.metrics_port}")
+    if cfg.node.log_level.lower() not in LOG_LEVELS:
+        problems.append(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {cfg.node.log_level!r}")
     if problems:
         raise ConfigError("; ".join(problems))
     link_tls(cfg)
@@ -114,24 +118,24 @@ def check_config(cfg: DrafterConfig, need_model: bool = True) -> None:
 
 def _wisp_problems(cfg: DrafterConfig) -> list[str]:
     problems = []
-    if cfg.wisp_train_after < 0:
-        problems.append(f"--wisp-train-after must be >= 0, got {cfg.wisp_train_after}")
-    if cfg.wisp_model:
+    if cfg.control.wisp_train_after < 0:
+        problems.append(f"--wisp-train-after must be >= 0, got {cfg.control.wisp_train_after}")
+    if cfg.control.wisp_model:
         try:
-            RejectionMLP.load(Path(cfg.wisp_model))
+            RejectionMLP.load(Path(cfg.control.wisp_model))
         except ValueError as exc:
             problems.append(f"--wisp-model: {exc}")
-    if cfg.wisp_samples and not Path(cfg.wisp_samples).parent.is_dir():
-        problems.append(f"--wisp-samples: the directory of {cfg.wisp_samples} does not exist")
+    if cfg.control.wisp_samples and not Path(cfg.control.wisp_samples).parent.is_dir():
+        problems.append(f"--wisp-samples: the directory of {cfg.control.wisp_samples} does not exist")
     return problems
 
 
 def control_settings(cfg: DrafterConfig) -> ControlSettings:
     """One per drafter: AdaSpec's clock and calibration and WISP's predictor are shared by its sessions."""
-    samples = Path(cfg.wisp_samples) if cfg.wisp_samples else None
-    wisp = WispState(model=RejectionMLP.load(Path(cfg.wisp_model)) if cfg.wisp_model else None,
-                     train_after=cfg.wisp_train_after, samples_path=samples)
-    return ControlSettings(cfg.threshold, wisp=wisp)
+    samples = Path(cfg.control.wisp_samples) if cfg.control.wisp_samples else None
+    wisp = WispState(model=RejectionMLP.load(Path(cfg.control.wisp_model)) if cfg.control.wisp_model else None,
+                     train_after=cfg.control.wisp_train_after, samples_path=samples)
+    return ControlSettings(cfg.control.threshold, wisp=wisp)
 
 
 def compute_inline(mode: str) -> bool:
@@ -141,22 +145,24 @@ def compute_inline(mode: str) -> bool:
 
 def kv_budget_bytes(cfg: DrafterConfig, loaded: LoadedModel) -> int:
     """The draft KV arena: --kv-cache-gb, or room for max_sessions full-context sessions."""
-    if cfg.kv_cache_gb > 0:
-        return int(cfg.kv_cache_gb * 2**30)
+    if cfg.draft_model.kv_cache_gb > 0:
+        return int(cfg.draft_model.kv_cache_gb * 2**30)
     per_token = kv_shape(loaded.model).bytes_per_token
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return min(cfg.max_sessions * loaded.max_model_len * per_token, int(ram * AUTO_KV_RAM_SHARE))
+    return min(cfg.sessions.max_sessions * loaded.max_model_len * per_token, int(ram * AUTO_KV_RAM_SHARE))
 
 
 def _load(cfg: DrafterConfig) -> LoadedModel:
-    return load_vocabulary(cfg.model) if cfg.proposer == "ngram" else load_model(cfg.model, cfg.device, cfg.dtype)
+    m = cfg.draft_model
+    return load_vocabulary(m.model) if cfg.proposal.proposer == "ngram" else load_model(m.model, m.device, m.dtype)
 
 
 async def _proposer(cfg: DrafterConfig, loaded: LoadedModel) -> Proposer:
-    if cfg.proposer == "ngram":
-        return NgramProposer(loaded.eos_ids, cfg.ngram_max, cfg.ngram_min)
-    runner = await asyncio.to_thread(ModelRunner, loaded, kv_budget_bytes(cfg, loaded), cfg.runner)
-    return DraftModelProposer(runner, loaded.eos_ids, cfg.draft_mode, Nucleus(cfg.q_mass, cfg.q_max_entries))
+    if cfg.proposal.proposer == "ngram":
+        return NgramProposer(loaded.eos_ids, cfg.proposal.ngram_max, cfg.proposal.ngram_min)
+    runner = await asyncio.to_thread(ModelRunner, loaded, kv_budget_bytes(cfg, loaded), cfg.draft_model.runner)
+    p = cfg.proposal
+    return DraftModelProposer(runner, loaded.eos_ids, p.draft_mode, Nucleus(p.q_mass, p.q_max_entries))
 
 
 def default_node_id() -> str:
@@ -174,38 +180,41 @@ async def serve(
     """Run the drafter until cancelled. ``ready`` is set at each successful verifier handshake.
 
     ``queue`` and ``model`` let an embedding process (or a test) hand in ones it already has;
-    by default they come from ``cfg.queue_url`` and ``cfg.model``. Raises LinkRefused when the
+    by default they come from ``cfg.links.queue_url`` and ``cfg.draft_model.model``. Raises LinkRefused when the
     verifier refuses this drafter for good.
     """
     check_config(cfg, need_model=model is None)
-    node_id = cfg.node_id or default_node_id()
-    if cfg.torch_threads > 0:
+    node_id = cfg.node.node_id or default_node_id()
+    if cfg.draft_model.torch_threads > 0:
         import torch
 
-        torch.set_num_threads(cfg.torch_threads)
+        torch.set_num_threads(cfg.draft_model.torch_threads)
     loaded = model if model is not None else await asyncio.to_thread(_load, cfg)
     log.info("drafter starting", **{**describe(cfg), "node_id": node_id, "draft_model": loaded.name,
                                     "tokenizer_fingerprint": loaded.fingerprint})
     own_queue = queue is None
     verifier_tls, queue_tls = link_tls(cfg)
-    request_queue = queue or open_queue(cfg.queue_url, stream=cfg.queue_stream, group=cfg.queue_group,
-                                        auth_token=cfg.auth_token, claim_idle_ms=cfg.claim_idle_ms, tls=queue_tls)
+    links = cfg.links
+    request_queue = queue or open_queue(links.queue_url, stream=links.queue_stream, group=links.queue_group,
+                                        auth_token=cfg.security.auth_token, claim_idle_ms=links.claim_idle_ms,
+                                        tls=queue_tls)
     hello = Hello(role="drafter", node_id=node_id, protocol_version=PROTOCOL_VERSION,
                   tokenizer_fingerprint=loaded.fingerprint, model=loaded.name[:128] or "draft",
-                  max_sessions=cfg.max_sessions)
+                  max_sessions=cfg.sessions.max_sessions)
     proposer = await _proposer(cfg, loaded)
     metrics = DrafterMetrics()
-    link = VerifierLink(cfg.verifier_url, hello, cfg.auth_token, tls=verifier_tls)
-    http = HealthServer(metrics.registry, lambda: link.connected) if cfg.metrics_port else None
+    link = VerifierLink(cfg.links.verifier_url, hello, cfg.security.auth_token, tls=verifier_tls)
+    http = HealthServer(metrics.registry, lambda: link.connected) if cfg.node.metrics_port else None
     if http is not None:
-        http.start(cfg.metrics_host, cfg.metrics_port)
-    worker = ComputeWorker(inline=compute_inline(cfg.compute_mode))
+        http.start(cfg.node.metrics_host, cfg.node.metrics_port)
+    worker = ComputeWorker(inline=compute_inline(cfg.draft_model.compute_mode))
     controls = control_settings(cfg)
-    rounds = RoundSettings(pipeline_sessions=cfg.pipeline_sessions, send_confidence=cfg.send_confidence,
-                           lookahead_branches=cfg.lookahead_branches, conditional=cfg.conditional_drafts)
-    settings = LoopSettings(node_id, cfg.max_sessions, cfg.reconnect_s, cfg.admission, rounds)
+    sessions = cfg.sessions
+    rounds = RoundSettings(pipeline_sessions=sessions.pipeline_sessions, send_confidence=cfg.control.send_confidence,
+                           lookahead_branches=sessions.lookahead_branches, conditional=sessions.conditional_drafts)
+    settings = LoopSettings(node_id, cfg.sessions.max_sessions, cfg.links.reconnect_s, cfg.sessions.admission, rounds)
     loop = DrafterLoop(settings, link=link, queue=request_queue, proposer=proposer, worker=worker,
-                       new_controller=lambda: make_controller(cfg.controller, controls),
+                       new_controller=lambda: make_controller(cfg.control.controller, controls),
                        on_session_end=on_session_end, metrics=metrics)
     try:
         await loop.run(ready)
@@ -239,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"specfleet drafter: error: {exc}", file=sys.stderr)
         return 2
-    setup_logging("drafter", cfg.log_level)
+    setup_logging("drafter", cfg.node.log_level)
     try:
         asyncio.run(_serve_until_signalled(cfg))
     except ModelLoadError as exc:

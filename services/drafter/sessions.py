@@ -38,16 +38,21 @@ class DraftSession:
     controller: DraftController
     committed: list[int] = field(default_factory=list)
     rng: torch.Generator = field(default_factory=lambda: make_generator(None, "draft"))
-    round: int = 0
-    budget: int = 0
-    finish_reason: str | None = None
-    drafting_disabled: str = ""  # set when the proposer failed; the session then sends empty drafts
-    extra_deliveries: list[str] = field(default_factory=list)  # duplicate deliveries to ack at the end
-    stats: SessionStats = field(default_factory=SessionStats)
-    lookahead: Lookahead = field(default_factory=Lookahead)
-    bonus_key: int | None = None  # the verifier's coupled-bonus key (SessionOpened; shared.coupling)
-    race_key: int | None = None  # the request's race key (SessionOpened; shared.race): its tokens are keyed races
-    started_at: float = field(default_factory=time.monotonic)
+    # the session's state as its rounds go by (SessionOpened and Verdicts set it)
+    round: int = field(init=False, default=0)
+    budget: int = field(init=False, default=0)
+    finish_reason: str | None = field(init=False, default=None)
+    #: set when the proposer failed; the session then sends empty drafts
+    drafting_disabled: str = field(init=False, default="")
+    #: duplicate deliveries to ack at the end
+    extra_deliveries: list[str] = field(init=False, default_factory=list)
+    stats: SessionStats = field(init=False, default_factory=SessionStats)
+    lookahead: Lookahead = field(init=False, default_factory=Lookahead)
+    #: the verifier's coupled-bonus key (SessionOpened; shared.coupling)
+    bonus_key: int | None = field(init=False, default=None)
+    #: the request's race key (SessionOpened; shared.race): its tokens are keyed races
+    race_key: int | None = field(init=False, default=None)
+    started_at: float = field(init=False, default_factory=time.monotonic)
 
     @classmethod
     def from_delivery(cls, delivery: Delivery, controller: DraftController) -> DraftSession:

@@ -18,26 +18,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import Protocol
 
 from services.verifier.grammar import Grammar
 from shared.draft_q import CheckedQ
 from shared.protocol import FinishReason, SamplingParams, TokenLogprob
-
-T = TypeVar("T")
-
-
-def read_racing(read: Callable[[], T], fallback: T, tries: int = 5) -> T:
-    """``read()`` run on the event loop over state the core's thread may be changing: a read that
-    raced a change (a dict or deque changed size under it) is taken again, and after ``tries``
-    such reads the answer is ``fallback``."""
-    for _ in range(tries):
-        try:
-            return read()
-        except RuntimeError:
-            continue
-    return fallback
-
 
 # --- commands (event loop -> core) ---------------------------------------------------------
 
@@ -119,23 +104,60 @@ class RequestRefused:
 
 
 @dataclass(frozen=True)
-class Rounded:
-    """One verified round: ``tokens`` are the accepted drafts after ``prior`` (the tokens filled
+class Committed:
+    """What a round committed: ``tokens`` are the accepted drafts after ``prior`` (the tokens filled
     while the draft travelled), then the target's own token."""
+
+    tokens: list[int]
+    #: tokens this round committed earlier, while its draft was on its way (each already out as a
+    #: ``Filled``): the round's Verdict carries them before ``tokens``
+    prior: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None  # one per token of ``tokens``, when the request asked
+
+
+@dataclass(frozen=True)
+class Ending:
+    """Why a request ended with its round."""
+
+    reason: FinishReason | None
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class Rounded:
+    """One verified round, its tokens, the next round's budget, and the request's end if it ended."""
 
     request_id: str
     round: int
     drafted: int
     accepted: int
-    tokens: list[int]
-    finished: bool
-    finish_reason: FinishReason | None
+    committed: Committed
     draft_budget: int
-    error: str = ""
-    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked for logprobs
-    #: tokens this round committed earlier, while its draft was on its way (each already out as a
-    #: ``Filled``): the round's Verdict carries them before ``tokens``
-    prior: list[int] = field(default_factory=list)
+    ending: Ending | None = None  # None: the request goes on
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.committed.tokens
+
+    @property
+    def prior(self) -> list[int]:
+        return self.committed.prior
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        return self.committed.logprobs
+
+    @property
+    def finished(self) -> bool:
+        return self.ending is not None
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return self.ending.reason if self.ending is not None else None
+
+    @property
+    def error(self) -> str:
+        return self.ending.error if self.ending is not None else ""
 
 
 @dataclass(frozen=True)
@@ -204,10 +226,13 @@ class VerifierCore(Protocol):
     async def aclose(self) -> None:
         """Stop serving and wait for the core to wind down."""
 
+    # What the event loop reads of the core: a snapshot the core published (the torch core's runs
+    # on another thread; the event loop never reads its live state).
+
     def kv_stats(self) -> KVStats: ...
 
     def status(self) -> dict[str, object]:
-        """The policies and their live estimates (``GET /status``)."""
+        """The policies and their estimates (``GET /status``)."""
 
     def draft_share(self) -> float:
         """The share of new requests that should go to drafters now (the draft-length policy's

@@ -16,6 +16,7 @@ from services.verifier.core_api import AddDraft, AddRequest, Attach, CoreBusy, D
 from services.verifier.detok import IncrementalText
 from services.verifier.grammar import GrammarError, Grammars
 from services.verifier.output import Output
+from services.verifier.round.stops import Stops
 from services.verifier.sessions import Route, Routes
 from shared.draft_q import DraftError, check
 from shared.log import get_logger
@@ -130,7 +131,8 @@ class Intake:
         generated = route.completion_tokens
         if route.text.stopped:
             reason: FinishReason | None = "stop"
-        elif generated >= msg.params.max_tokens or len(msg.prompt_ids) + generated >= self.core.max_model_len:
+        elif Stops.of(msg.params, len(msg.prompt_ids), frozenset(), self.core.max_model_len).length_reached(
+                len(msg.prompt_ids) + generated):
             reason = "length"
         else:
             reason = None

@@ -60,7 +60,7 @@ def judge(batch: Sequence[tuple[Request, list[int]]], raw: torch.Tensor) -> list
             drafts = batch[i][1]
             out[i] = _against(drafts, argmax[starts[i] : starts[i] + len(drafts) + 1])
     for judged, raced in ((_judge_raced, True), (_judge_sampled, False)):
-        some = [i for i, (req, _) in enumerate(batch) if not req.greedy and (req.race_key is not None) == raced]
+        some = [i for i, (req, _) in enumerate(batch) if not req.greedy and (req.sampler.race_key is not None) == raced]
         if some:
             for i, verdict in zip(some, judged([batch[i] for i in some], [starts[i] for i in some], logits),
                                   strict=True):
@@ -76,7 +76,7 @@ def penalized(batch: Sequence[tuple[Request, list[int]]], logits: torch.Tensor) 
     """``logits`` with each session's penalties applied to its rows, row j counting the session's
     drafts before it as generated (shared.penalties), and its grammar's mask at each row's prefix
     (services.verifier.grammar); ``logits`` itself when no session has either."""
-    if not any(has_penalties(req.params) or req.grammar is not None for req, _ in batch):
+    if not any(has_penalties(req.params) or req.sampler.grammar is not None for req, _ in batch):
         return logits
     out, start = logits.float().clone(), 0
     for req, drafts in batch:
@@ -84,8 +84,8 @@ def penalized(batch: Sequence[tuple[Request, list[int]]], logits: torch.Tensor) 
         if has_penalties(req.params):
             out[start:end] = apply_penalties(out[start:end], req.params, req.committed[: req.prompt_len],
                                              req.committed[req.prompt_len :], drafts)
-        if req.grammar is not None:
-            allowed = req.grammar.masks(drafts).to(out.device)
+        if req.sampler.grammar is not None:
+            allowed = req.sampler.grammar.masks(drafts).to(out.device)
             out[start:end] = out[start:end].masked_fill(~allowed, float("-inf"))
         start = end
     return out
@@ -116,9 +116,9 @@ def _judge_raced(batch: Sequence[tuple[Request, list[int]]], starts: list[int],
     p, local = _distributions(batch, starts, logits)
     out = []
     for (req, drafts), start in zip(batch, local, strict=True):
-        assert req.race_key is not None
+        assert req.sampler.race_key is not None
         first = len(req.committed)
-        out.append(_against(drafts, winners(p[start : start + len(drafts) + 1], req.race_key,
+        out.append(_against(drafts, winners(p[start : start + len(drafts) + 1], req.sampler.race_key,
                                             range(first, first + len(drafts) + 1))))
     return out
 
@@ -156,27 +156,29 @@ def _judge_sampled(batch: Sequence[tuple[Request, list[int]]], starts: list[int]
 def races(req: Request, drafts: list[int], accepted: int) -> bool:
     """Whether the round's own token is drawn by the keyed race (shared.coupling): the drafter
     asked, and the verifier verified its whole draft (not trimmed) and accepted all of it."""
-    return req.guess_bonus and accepted == len(drafts) == len(req.draft_ids)
+    return req.round.draft.guess_bonus and accepted == len(drafts) == len(req.round.draft.ids)
 
 
 def _own_token(req: Request, row: torch.Tensor, race: bool) -> int:
     """The verifier's token from ``row`` (a residual, or the bonus row): by the keyed race of the
     round when ``race``, else from the request's stream."""
     if race:
-        return race_winner(row, race_noise(req.bonus_key, req.round, row.shape[-1]))
-    return sample(row, req.gen)
+        return race_winner(row, race_noise(req.sampler.bonus_key, req.round.number, row.shape[-1]))
+    return sample(row, req.sampler.gen)
 
 
 def _accepted(req: Request, drafts: list[int], p_x: list[float]) -> tuple[int, float]:
     """Accepted drafts, and Σ min(1, p/q) over all of them."""
     k = len(drafts)
-    q_x = [req.draft_q[j].token_prob for j in range(k)] if req.draft_q else [1.0] * k
-    n = accepted_prefix(p_x, q_x, torch.rand(k, generator=req.gen).tolist() if k else [])
+    q = req.round.draft.q
+    q_x = [q[j].token_prob for j in range(k)] if q else [1.0] * k
+    n = accepted_prefix(p_x, q_x, torch.rand(k, generator=req.sampler.gen).tolist() if k else [])
     return n, sum(min(1.0, p / q) if q > 0 else 1.0 for p, q in zip(p_x, q_x, strict=True))
 
 
 def _q_row(req: Request, drafts: list[int], n: int, vocab: int, device: torch.device) -> torch.Tensor:
     """The dense q the rejected draft n was drawn from: its sparse q, or one-hot (ids-only)."""
-    if not req.draft_q:
+    q = req.round.draft.q
+    if not q:
         return one_hot(drafts[n], vocab).to(device)
-    return req.draft_q[n].dense(vocab).to(device)
+    return q[n].dense(vocab).to(device)

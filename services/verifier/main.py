@@ -40,10 +40,10 @@ AUTO_KV_GPU_SHARE = 0.8
 
 
 def kv_budget_bytes(cfg: VerifierConfig) -> int:
-    if cfg.kv_cache_gb > 0:
-        return int(cfg.kv_cache_gb * 2**30)
-    if cfg.device.startswith("cuda"):
-        free, _ = torch.cuda.mem_get_info(torch.device(cfg.device))
+    if cfg.engine.kv_cache_gb > 0:
+        return int(cfg.engine.kv_cache_gb * 2**30)
+    if cfg.target.device.startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info(torch.device(cfg.target.device))
         return int(free * AUTO_KV_GPU_SHARE)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return min(AUTO_KV_CPU_MAX, int(ram * AUTO_KV_CPU_SHARE))
@@ -59,12 +59,12 @@ def core_threaded(mode: str) -> bool:
 
 def make_estimator(cfg: VerifierConfig) -> StepTimeEstimator:
     """The step-time estimator: profiled coefficients when given, refined online either way."""
-    if not cfg.estimator_file:
+    if not cfg.engine.estimator_file:
         return StepTimeEstimator()
     try:
-        return StepTimeEstimator.load(cfg.estimator_file)
+        return StepTimeEstimator.load(cfg.engine.estimator_file)
     except (OSError, ValueError, KeyError) as exc:
-        raise ModelLoadError(f"cannot read --estimator-file {cfg.estimator_file}: {exc}; "
+        raise ModelLoadError(f"cannot read --estimator-file {cfg.engine.estimator_file}: {exc}; "
                              "write one with `make profile-verifier`") from None
 
 
@@ -75,45 +75,46 @@ def batch_limits(cfg: VerifierConfig) -> BatchLimits:
     ``--backend vllm`` SmartSpec's split into forwards is an approximation: vLLM keeps sessions
     beyond its max_num_seqs waiting rather than taking turns, and its token budget is at least
     the model's context length."""
-    return BatchLimits(cfg.max_batch_sessions, cfg.max_batch_tokens)
+    return BatchLimits(cfg.capacity.max_batch_sessions, cfg.capacity.max_batch_tokens)
 
 
 def make_allocator_for(cfg: VerifierConfig, estimator: StepTimeEstimator) -> Allocator:
-    return make_allocator(cfg.allocation, AllocationSettings(
-        cfg.draft_len, cfg.draft_capacity, min(cfg.max_draft_tokens, cfg.smartspec_max_len)
-        if cfg.allocation == "smartspec" else cfg.max_draft_tokens,
-        cfg.allocation_seed if cfg.allocation_seed >= 0 else None,
+    b, most = cfg.budgets, cfg.rounds.max_draft_tokens
+    return make_allocator(b.allocation, AllocationSettings(
+        cfg.rounds.draft_len, b.draft_capacity, min(most, b.smartspec_max_len) if b.allocation == "smartspec" else most,
+        b.allocation_seed if b.allocation_seed >= 0 else None,
         batch_limits(cfg)), estimator,
-        estimator.overhead if cfg.smartspec_overhead else None)
+        estimator.overhead if cfg.budgets.smartspec_overhead else None)
 
 
 def build(cfg: VerifierConfig, loop: asyncio.AbstractEventLoop) -> tuple[Hub, VerifierCore]:
     """Load the target and wire engine core, policies, output and hub together."""
     validate(cfg)  # ConfigError, before anything is loaded (main has checked already; callers in code may not)
-    if cfg.backend == "vllm":
+    if cfg.target.backend == "vllm":
         return build_vllm(cfg)
-    if cfg.torch_threads > 0:
-        torch.set_num_threads(cfg.torch_threads)
-    loaded = load_model(cfg.model, cfg.device, cfg.dtype, cfg.max_model_len)
+    if cfg.target.torch_threads > 0:
+        torch.set_num_threads(cfg.target.torch_threads)
+    loaded = load_model(cfg.target.model, cfg.target.device, cfg.target.dtype, cfg.target.max_model_len)
     log.info("target dtype", dtype=str(next(loaded.model.parameters()).dtype).removeprefix("torch."),
-             asked=cfg.dtype, native_bf16_cpu=cpu_has_native_bf16() if cfg.device == "cpu" else None)
+             asked=cfg.target.dtype, native_bf16_cpu=cpu_has_native_bf16() if cfg.target.device == "cpu" else None)
     try:
-        runner = ModelRunner(loaded, kv_budget_bytes(cfg), cfg.runner, batch_invariant=cfg.batch_invariant)
+        runner = ModelRunner(loaded, kv_budget_bytes(cfg), cfg.engine.runner,
+                             batch_invariant=cfg.engine.batch_invariant)
     except KVError as exc:
         raise ModelLoadError(f"cannot set up the KV cache: {exc}") from None
     hub, output, metrics = _hub(cfg, loaded)
-    estimator, tracker = make_estimator(cfg), GoodputTracker(cfg.goodspeed_eta, cfg.goodspeed_beta)
-    slo = cfg.slo_tokens_per_s if cfg.slo_tokens_per_s > 0 else None
+    estimator, tracker = make_estimator(cfg), GoodputTracker(cfg.budgets.goodspeed_eta, cfg.budgets.goodspeed_beta)
+    slo = cfg.batches.slo_tokens_per_s if cfg.batches.slo_tokens_per_s > 0 else None
     try:
-        batcher = make_batcher(cfg.batching, estimator, slo, delta_s=cfg.wisp_delta_ms / 1000,
-                               network_s=cfg.wisp_network_ms / 1000)
-        trim = make_trim(cfg.trim, cfg.tpot_slo_ms / 1000 if cfg.tpot_slo_ms > 0 else None)
+        batcher = make_batcher(cfg.batches.batching, estimator, slo, delta_s=cfg.batches.wisp_delta_ms / 1000,
+                               network_s=cfg.batches.wisp_network_ms / 1000)
+        trim = make_trim(cfg.batches.trim, cfg.batches.tpot_slo_ms / 1000 if cfg.batches.tpot_slo_ms > 0 else None)
         allocator = make_allocator_for(cfg, estimator)
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from None
-    scheduler = Scheduler(batcher, batch_limits(cfg), cfg.prefill_chunk,
-                          estimator, trim, tracker, fill=make_fill(cfg.fill))
-    threaded = core_threaded(cfg.core_mode)
+    scheduler = Scheduler(batcher, batch_limits(cfg), cfg.capacity.prefill_chunk,
+                          estimator, trim, tracker, fill=make_fill(cfg.rounds.fill))
+    threaded = core_threaded(cfg.engine.core_mode)
 
     def deliver(results: list[Result]) -> None:
         if threaded:  # called on the core's thread
@@ -121,42 +122,43 @@ def build(cfg: VerifierConfig, loop: asyncio.AbstractEventLoop) -> tuple[Hub, Ve
         else:
             output.on_results(results)
 
-    limits = CoreLimits(cfg.max_draft_tokens, cfg.draft_timeout_s, cfg.max_waiting,
-                        default_slo_tokens_per_s=slo, recompute_context=cfg.recompute_context,
-                        share_prefixes=cfg.share_prefixes, race=cfg.sampling == "race")
+    limits = CoreLimits(cfg.rounds.max_draft_tokens, cfg.rounds.draft_timeout_s, cfg.capacity.max_waiting,
+                        default_slo_tokens_per_s=slo, recompute_context=cfg.engine.recompute_context,
+                        share_prefixes=cfg.engine.share_prefixes, race=cfg.rounds.sampling == "race")
     core = TorchCore(runner, loaded.eos_ids, allocator, scheduler, limits, deliver, metrics, threaded=threaded)
-    return _connect(hub, output, core, loaded, cfg.resume_grace_s), core
+    return _connect(hub, output, core, loaded, cfg.rounds.resume_grace_s), core
 
 
 def build_vllm(cfg: VerifierConfig) -> tuple[Hub, VerifierCore]:
     """The same services around vLLM: it loads the weights and runs every step."""
     from services.verifier.vllm_engine.core import VllmCore, VllmLimits
-    from services.verifier.vllm_engine.engine import EngineSettings, start_engine
+    from services.verifier.vllm_engine.engine import EngineSettings, EngineTarget, start_engine
 
-    loaded = load_target_info(cfg.model, cfg.max_model_len)
+    loaded = load_target_info(cfg.target.model, cfg.target.max_model_len)
     hub, output, metrics = _hub(cfg, loaded)
     try:
         allocator = make_allocator_for(cfg, StepTimeEstimator())
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from None
+    t = cfg.target
     engine = start_engine(EngineSettings(
-        cfg.model, cfg.device, cfg.dtype, loaded.max_model_len, cfg.max_draft_tokens, cfg.max_batch_sessions,
-        cfg.max_batch_tokens, cfg.vllm_memory_share, cfg.tensor_parallel_size))
+        EngineTarget(t.model, t.device, t.dtype, loaded.max_model_len, t.vllm_memory_share, t.tensor_parallel_size),
+        cfg.rounds.max_draft_tokens, cfg.capacity.max_batch_sessions, cfg.capacity.max_batch_tokens))
     metrics.include_vllm()
-    limits = VllmLimits(cfg.max_draft_tokens, cfg.max_sessions, loaded.vocab_size, loaded.max_model_len)
-    core = VllmCore(engine, loaded.eos_ids, allocator, GoodputTracker(cfg.goodspeed_eta, cfg.goodspeed_beta), limits,
-                    output.on_results, metrics)
-    return _connect(hub, output, core, loaded, cfg.resume_grace_s), core
+    limits = VllmLimits(cfg.rounds.max_draft_tokens, cfg.capacity.max_sessions, loaded.vocab_size, loaded.max_model_len)
+    tracker = GoodputTracker(cfg.budgets.goodspeed_eta, cfg.budgets.goodspeed_beta)
+    core = VllmCore(engine, loaded.eos_ids, allocator, tracker, limits, output.on_results, metrics)
+    return _connect(hub, output, core, loaded, cfg.rounds.resume_grace_s), core
 
 
 def _hub(cfg: VerifierConfig, loaded: LoadedModel) -> tuple[Hub, Output, VerifierMetrics]:
     metrics = VerifierMetrics()
-    routes = Routes(cfg.max_sessions)
+    routes = Routes(cfg.capacity.max_sessions)
     try:
-        credentials = Credentials(cfg.auth_token, cfg.credentials_file)
-        welcome = make_welcome(loaded.name, loaded.fingerprint, loaded.max_model_len, cfg.max_draft_tokens,
+        credentials = Credentials(cfg.security.auth_token, cfg.security.credentials_file)
+        welcome = make_welcome(loaded.name, loaded.fingerprint, loaded.max_model_len, cfg.rounds.max_draft_tokens,
                                conditional_drafts=True)
-        hub = Hub(welcome, credentials, routes, metrics, cfg.drafter_trust)
+        hub = Hub(welcome, credentials, routes, metrics, cfg.security.drafter_trust)
     except (CredentialsError, ValueError) as exc:
         raise ModelLoadError(str(exc)) from None
     return hub, Output(hub, routes, metrics), metrics
@@ -171,14 +173,15 @@ def _connect(hub: Hub, output: Output, core: VerifierCore, loaded: LoadedModel, 
 
 async def serve(cfg: VerifierConfig, ready: asyncio.Event | None = None) -> None:
     try:
-        tls = server_context(cfg.tls_cert, cfg.tls_key)
+        tls = server_context(cfg.security.tls_cert, cfg.security.tls_key)
     except TlsConfigError as exc:
         raise ModelLoadError(str(exc)) from None
     hub, core = await asyncio.to_thread(build, cfg, asyncio.get_running_loop())
     core.start()
-    server = await start_server(hub, cfg.host, cfg.port, tls, cfg.ws_ping_interval_s, cfg.ws_ping_timeout_s)
-    port = server.sockets[0].getsockname()[1] if server.sockets else cfg.port
-    log.info("verifier listening", host=cfg.host, port=port, tls=tls is not None, model=hub.welcome.target_model,
+    srv = cfg.server
+    server = await start_server(hub, srv.host, srv.port, tls, srv.ws_ping_interval_s, srv.ws_ping_timeout_s)
+    port = server.sockets[0].getsockname()[1] if server.sockets else cfg.server.port
+    log.info("verifier listening", host=cfg.server.host, port=port, tls=tls is not None, model=hub.welcome.target_model,
              max_model_len=hub.welcome.max_model_len)
     tasks = [asyncio.create_task(fleet_status_loop(hub)), asyncio.create_task(revocation_loop(hub))]
     if ready is not None:
@@ -209,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"specfleet verifier: {exc}", file=sys.stderr)
         return 2
-    setup_logging("verifier", cfg.log_level)
+    setup_logging("verifier", cfg.server.log_level)
     log.info("starting", config=describe(cfg))
     try:
         asyncio.run(serve(cfg))

@@ -26,6 +26,7 @@ from services.verifier.core_api import (
     VerifierCore,
 )
 from services.verifier.metrics import VerifierMetrics
+from services.verifier.round.stops import cut_at_stop_string
 from services.verifier.sessions import Route, Routes
 from shared.log import get_logger
 from shared.protocol import (
@@ -145,16 +146,11 @@ class Output:
     def _text(self, route: Route, tokens: list[int]) -> tuple[list[int], bool]:
         """Push ``tokens`` through the session's text: those kept (up to a stop string), and
         whether one ended the request (the core is then told to drop it)."""
-        kept: list[int] = []
-        for token in tokens:
-            kept.append(token)
-            if route.text.push(token):
-                route.completion_tokens += len(kept)
-                if self.core is not None:
-                    self.core.submit(Finish(route.request_id))
-                return kept, True
+        kept, stopped = cut_at_stop_string(route.text, tokens)
         route.completion_tokens += len(kept)
-        return kept, False
+        if stopped and self.core is not None:
+            self.core.submit(Finish(route.request_id))
+        return kept, stopped
 
     def _verdict(self, route: Route, round_: int, accepted: int, tokens: list[int], finished: bool,
                  reason: FinishReason | None, budget: int) -> None:

@@ -129,7 +129,7 @@ class Scheduler:
         """Drafts to keep per session: the trim policy's choice where the drafts carry confidences."""
         items, fixed = [], []
         for req in chosen:
-            d, conf = drafts[req.request_id], req.draft_conf
+            d, conf = drafts[req.request_id], req.round.draft.confidence
             fed = len(req.committed) - req.cached
             if d and conf is not None and len(conf) >= len(d):
                 items.append(TrimItem(req.request_id, req.cached, fed, conf[: len(d)], req.drafter))

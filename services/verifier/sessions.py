@@ -9,7 +9,7 @@ TokenEvents, the incremental text with its stop strings, and the request ids alr
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.verifier.detok import IncrementalText
 
@@ -26,9 +26,10 @@ class Route:
     owner: str | None  # the drafter connection that opened it: told when it finishes
     prompt_tokens: int
     text: IncrementalText
-    completion_tokens: int = 0
-    drafted: int = 0
-    accepted: int = 0
+    # counted as its rounds come back
+    completion_tokens: int = field(init=False, default=0)
+    drafted: int = field(init=False, default=0)
+    accepted: int = field(init=False, default=0)
 
 
 class Routes:

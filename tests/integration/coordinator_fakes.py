@@ -38,6 +38,7 @@ from services.coordinator.app import create_app
 from services.coordinator.config import CoordinatorConfig
 from services.coordinator.model_info import ModelInfo
 from services.coordinator.state import CoordinatorState
+from shared.config import from_flags
 from shared.protocol import (
     PROTOCOL_VERSION,
     Batch,
@@ -266,7 +267,7 @@ class LiveCoordinator:
         queue = MemoryQueue()
         self.fake = FakeVerifier(queue, self.tokenizer)
         await self.fake.start()
-        cfg = CoordinatorConfig(model=self.model_dir, verifier_url=self.fake.url, node_id="coord-test",
+        cfg = from_flags(CoordinatorConfig, model=self.model_dir, verifier_url=self.fake.url, node_id="coord-test",
                                 **self.cfg_overrides)
         app = create_app(cfg, queue=queue)
         server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None,
@@ -333,7 +334,7 @@ async def in_process(
     fake = FakeVerifier(queue if consume else None, model.tokenizer, drafters=drafters)
     await fake.start()
     try:
-        config = CoordinatorConfig(model=model.root, verifier_url=fake.url, node_id="coord-inproc", **cfg)
+        config = from_flags(CoordinatorConfig, model=model.root, verifier_url=fake.url, node_id="coord-inproc", **cfg)
         app = create_app(config, queue=queue, model=model)
         state: CoordinatorState = app.state.coordinator
         async with app.router.lifespan_context(app):

@@ -15,6 +15,7 @@ from pydantic import BaseModel
 from services.coordinator.app import create_app
 from services.coordinator.config import CoordinatorConfig
 from services.coordinator.model_info import ModelInfo
+from shared.config import from_flags
 from shared.queue_memory import MemoryQueue
 
 DOWN_URL = "ws://127.0.0.1:1/v1/frontend"  # nothing listens on port 1
@@ -37,7 +38,8 @@ class Probe(BaseModel):
 
 
 def _client(model_info: ModelInfo, **cfg: Any) -> TestClient:
-    config = CoordinatorConfig(model=model_info.root, verifier_url=DOWN_URL, node_id="coord-api-test", **cfg)
+    config = from_flags(CoordinatorConfig, model=model_info.root,
+                        verifier_url=DOWN_URL, node_id="coord-api-test", **cfg)
     app = create_app(config, queue=MemoryQueue(), model=model_info)
 
     @app.post("/test/fastapi-validation")
@@ -206,7 +208,7 @@ def test_models(client: TestClient, model_info: ModelInfo) -> None:
 
 
 def test_served_model_name(model_info: ModelInfo) -> None:
-    cfg = CoordinatorConfig(model=model_info.root, verifier_url=DOWN_URL, served_model_name="tiny")
+    cfg = from_flags(CoordinatorConfig, model=model_info.root, verifier_url=DOWN_URL, served_model_name="tiny")
     with TestClient(create_app(cfg, queue=MemoryQueue())) as c:
         assert c.get("/v1/models").json()["data"][0]["id"] == "tiny"
         assert c.post(COMP, json={"model": "target", "prompt": "a"}).status_code == 404
@@ -239,6 +241,6 @@ def test_missing_model_dir_is_a_clear_error(tmp_path: Path) -> None:
     from shared.models import ModelLoadError
 
     with pytest.raises(ModelLoadError, match="--model"):
-        create_app(CoordinatorConfig(model=""))
+        create_app(from_flags(CoordinatorConfig, model=""))
     with pytest.raises(ModelLoadError, match="does not exist"):
-        create_app(CoordinatorConfig(model=str(tmp_path / "nope")))
+        create_app(from_flags(CoordinatorConfig, model=str(tmp_path / "nope")))

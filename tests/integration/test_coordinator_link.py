@@ -17,6 +17,7 @@ from services.coordinator.config import CoordinatorConfig
 from services.coordinator.main import main, serve
 from services.coordinator.model_info import ModelInfo
 from services.coordinator.verifier_link import Backoff, FrontendLink
+from shared.config import from_flags
 from shared.protocol import PROTOCOL_VERSION, TokenEvent
 from shared.queue import open_queue
 from tests.conftest import free_port
@@ -165,7 +166,8 @@ async def test_serve_end_to_end_through_the_queue_link(info: ModelInfo) -> None:
     fake = FakeVerifier(None, info.tokenizer, auth_token="tok", fingerprint=info.fingerprint)
     await fake.start()
     port = free_port()
-    cfg = CoordinatorConfig(port=port, model=info.root, verifier_url=fake.url, auth_token="tok", node_id="c-main")
+    cfg = from_flags(CoordinatorConfig, port=port,
+                     model=info.root, verifier_url=fake.url, auth_token="tok", node_id="c-main")
     ready = asyncio.Event()
     server = asyncio.create_task(serve(cfg, ready))
     try:

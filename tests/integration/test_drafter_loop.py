@@ -27,6 +27,7 @@ from services.drafter.link import LinkDown, LinkRefused, VerifierLink
 from services.drafter.main import main
 from services.drafter.main import serve as serve_drafter
 from services.drafter.sessions import DraftSession
+from shared.config import from_flags
 from shared.models import LoadedModel, load_model, make_tiny_family
 from shared.protocol import PROTOCOL_VERSION, Hello, QueuedRequest, SamplingParams
 from shared.queue_memory import MemoryQueue
@@ -83,7 +84,7 @@ def request(rid: str, prompt: list[int], **params: object) -> QueuedRequest:
 
 
 def drafter_config(url: str, **overrides: object) -> DrafterConfig:
-    return DrafterConfig(**{"verifier_url": url, "node_id": "drafter-test", "max_sessions": 2,  # type: ignore[arg-type]
+    return from_flags(DrafterConfig, **{"verifier_url": url, "node_id": "drafter-test", "max_sessions": 2,  # type: ignore[arg-type]
                             "reconnect_s": 0.05, "auth_token": "sekrit", **overrides})
 
 

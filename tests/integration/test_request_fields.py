@@ -19,6 +19,7 @@ from services.coordinator.app import create_app
 from services.coordinator.config import CoordinatorConfig
 from services.coordinator.fields import FIELDS, STREAM_OPTIONS
 from services.coordinator.model_info import ModelInfo
+from shared.config import from_flags
 from shared.queue_memory import MemoryQueue
 
 DOWN_URL = "ws://127.0.0.1:1/v1/frontend"
@@ -63,7 +64,7 @@ def refused_cases() -> list[tuple[str, str]]:
 @pytest.fixture(scope="module")
 def client(tiny_models: dict[str, Path]) -> Iterator[TestClient]:
     model = ModelInfo.load(str(tiny_models["target"]))
-    config = CoordinatorConfig(model=model.root, verifier_url=DOWN_URL, node_id="coord-fields-test")
+    config = from_flags(CoordinatorConfig, model=model.root, verifier_url=DOWN_URL, node_id="coord-fields-test")
     with TestClient(create_app(config, queue=MemoryQueue(), model=model)) as c:
         yield c
 

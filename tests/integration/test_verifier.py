@@ -17,6 +17,7 @@ from websockets.asyncio.client import ClientConnection
 
 from services.verifier.config import VerifierConfig
 from services.verifier.main import serve
+from shared.config import from_flags
 from shared.models import LoadedModel, load_model
 from shared.protocol import (
     PROTOCOL_VERSION,
@@ -53,7 +54,7 @@ class Running:
 async def serving(tiny_models: dict[str, Path], **settings: Any) -> AsyncIterator[Running]:
     """A real verifier on a free loopback port, in this event loop, with these VerifierConfig settings."""
     port = free_port()
-    cfg = VerifierConfig(port=port, model=str(tiny_models["target"]), auth_token=TOKEN, **settings)
+    cfg = from_flags(VerifierConfig, port=port, model=str(tiny_models["target"]), auth_token=TOKEN, **settings)
     ready = asyncio.Event()
     task = asyncio.create_task(serve(cfg, ready))
     await asyncio.wait_for(ready.wait(), 60)

@@ -32,11 +32,11 @@ from services.drafter.config import DrafterConfig
 from shared.config import load_config
 from shared.protocol import Hello, encode, decode
 cfg = load_config(DrafterConfig, [])
-tok = Tokenizer.from_file(cfg.model + "/tokenizer.json")
+tok = Tokenizer.from_file(cfg.draft_model.model + "/tokenizer.json")
 hello = decode(encode(Hello(role="drafter", node_id="arm64", protocol_version=1, tokenizer_fingerprint="x",
                             model="draft", max_sessions=1)))
-print(json.dumps({{"machine": platform.machine(), "torch": version("torch"), "model": cfg.model,
-                  "device": cfg.device, "metrics_port": cfg.metrics_port, "hello": hello.node_id,
+print(json.dumps({{"machine": platform.machine(), "torch": version("torch"), "model": cfg.draft_model.model,
+                  "device": cfg.draft_model.device, "metrics_port": cfg.node.metrics_port, "hello": hello.node_id,
                   "ids": tok.encode({PROMPT!r}).ids}}))
 """
 

@@ -140,9 +140,9 @@ def test_configmaps_name_real_settings(overlay: str) -> None:
     from services.coordinator.config import CoordinatorConfig
     from services.drafter.config import DrafterConfig
     from services.verifier.config import VerifierConfig
-    from shared.config import env_name
+    from shared.config import env_name, leaves
 
-    fields = {name: {env_name(f) for f in cls.__dataclass_fields__}
+    fields = {name: {env_name(f) for f in leaves(cls)}
               for name, cls in (("coordinator", CoordinatorConfig), ("verifier", VerifierConfig),
                                 ("drafter", DrafterConfig))}
     configmaps = {o["metadata"]["name"]: o.get("data", {}) for o in objects(overlay, "ConfigMap")}

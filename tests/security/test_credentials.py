@@ -19,7 +19,7 @@ import websockets
 from services.coordinator.config import CoordinatorConfig
 from services.verifier.config import VerifierConfig
 from services.verifier.main import serve
-from shared.config import describe
+from shared.config import describe, from_flags
 from shared.credentials import Credentials, CredentialsError, Identity, parse_file, sha256_hex
 from shared.log import redact
 from shared.models import load_model
@@ -60,7 +60,7 @@ async def verifier(tiny_models: dict[str, Path], tmp_path: Path) -> AsyncIterato
     creds = tmp_path / "credentials.json"
     write_creds(creds, ["drafter-a", "drafter-b"])
     port = free_port()
-    cfg = VerifierConfig(port=port, model=str(tiny_models["target"]), auth_token=SHARED, draft_len=3,
+    cfg = from_flags(VerifierConfig, port=port, model=str(tiny_models["target"]), auth_token=SHARED, draft_len=3,
                          draft_timeout_s=1.5, credentials_file=str(creds),
                          resume_grace_s=0.0)  # scripted drafters, with no coordinator to send ResumeDone
     ready = asyncio.Event()
@@ -189,10 +189,11 @@ async def test_queue_link_identity_and_ack_ownership(tmp_path: Path) -> None:
 
 
 def test_start_up_log_masks_every_secret() -> None:
-    cfg = CoordinatorConfig(redis_url="redis://default:hunter2@redis:6379/0", api_key="k1", api_keys="k2,k3",
+    cfg = from_flags(CoordinatorConfig, redis_url="redis://default:hunter2@redis:6379/0",
+                     api_key="k1", api_keys="k2,k3",
                             auth_token="t1", max_in_flight=7)
     out = describe(cfg)
     assert (out["api_key"], out["api_keys"], out["auth_token"]) == ("***", "***", "***")
     assert out["redis_url"] == "redis://default:***@redis:6379/0" and out["max_in_flight"] == 7
-    assert "hunter2" not in json.dumps(out) and describe(CoordinatorConfig())["api_key"] == ""
+    assert "hunter2" not in json.dumps(out) and describe(from_flags(CoordinatorConfig))["api_key"] == ""
     assert redact('{"msg": "< authorization: Bearer abc.def-1"}') == '{"msg": "< authorization: Bearer ***"}'

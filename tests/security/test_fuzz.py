@@ -32,6 +32,7 @@ from websockets.sync.client import connect as ws_connect
 from services.coordinator.model_info import ModelInfo
 from services.verifier.config import VerifierConfig
 from services.verifier.main import serve
+from shared.config import from_flags
 from shared.credentials import Credentials
 from shared.models import load_model
 from shared.protocol import (
@@ -66,7 +67,7 @@ REAL_SOCKET_SHARE = 300  # /v1/stream and REST cases also sent over a real uvico
 @pytest_asyncio.fixture
 async def verifier(tiny_models: dict[str, Path]) -> AsyncIterator[tuple[Running, asyncio.Task[None]]]:
     port = free_port()
-    cfg = VerifierConfig(port=port, model=str(tiny_models["target"]), auth_token=TOKEN, draft_len=3,
+    cfg = from_flags(VerifierConfig, port=port, model=str(tiny_models["target"]), auth_token=TOKEN, draft_len=3,
                          draft_timeout_s=1.5, log_level="warning",
                          resume_grace_s=0.0)  # scripted drafters, with no coordinator to send ResumeDone
     ready = asyncio.Event()

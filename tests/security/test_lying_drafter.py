@@ -23,12 +23,12 @@ from services.verifier.intake import Intake
 from services.verifier.judge import judge
 from services.verifier.metrics import VerifierMetrics
 from services.verifier.output import Output
-from services.verifier.requests import Request
 from services.verifier.sessions import Route, Routes
 from shared.draft_q import pack
 from shared.protocol import Draft, SamplingParams, SessionOpened
 from shared.sampling import probs_from_logits
 from tests.e2e.lossless_stats import chi_square_p
+from tests.verifier_requests import make_request
 
 VOCAB = 12
 SESSIONS = 4000
@@ -71,9 +71,9 @@ def first_tokens(trusted: bool, logits: torch.Tensor, p: torch.Tensor, race: boo
     batch = []
     for i in range(SESSIONS):
         add = core.drafts[f"s{i}"]
-        req = Request.create(add.request_id, [1, 2, 3], SamplingParams(temperature=1.0, seed=1000 + i), True, 512,
+        req = make_request(add.request_id, [1, 2, 3], SamplingParams(temperature=1.0, seed=1000 + i), True, 512,
                              frozenset(), race=race)
-        req.draft_q = add.q  # what the core would verify with: the parsed q, or None (ids-only)
+        req.round.draft.q = add.q  # what the core would verify with: the parsed q, or None (ids-only)
         assert (add.q is not None) == trusted
         batch.append((req, add.token_ids))
     rows = logits.repeat(SESSIONS * 2, 1)  # each session: its draft position, then the bonus row

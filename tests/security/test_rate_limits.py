@@ -15,7 +15,7 @@ import pytest
 from services.coordinator.config import CoordinatorConfig, check_config
 from services.coordinator.model_info import ModelInfo
 from services.coordinator.ratelimit import RateLimiter
-from shared.config import ConfigError, load_config
+from shared.config import ConfigError, from_flags, load_config
 from tests.integration.coordinator_fakes import RawWebSocket, in_process
 
 KEYS = "key-alice,key-bob"
@@ -93,6 +93,7 @@ async def test_token_quota_per_key(model: ModelInfo) -> None:
 def test_limits_are_configurable_and_checked() -> None:
     cfg = load_config(CoordinatorConfig, ["--rate-limit-rps", "5", "--token-quota", "1000"],
                       env={"SPECFLEET_RATE_LIMIT_BURST": "10", "SPECFLEET_API_KEYS": "a,b"})
-    assert (cfg.rate_limit_rps, cfg.rate_limit_burst, cfg.token_quota, cfg.api_keys) == (5.0, 10, 1000, "a,b")
+    c = cfg.clients
+    assert (c.rate_limit_rps, c.rate_limit_burst, c.token_quota, c.api_keys) == (5.0, 10, 1000, "a,b")
     with pytest.raises(ConfigError, match="--quota-window-s"):
-        check_config(CoordinatorConfig(quota_window_s=0))
+        check_config(from_flags(CoordinatorConfig, quota_window_s=0))

@@ -13,7 +13,7 @@ from websockets.asyncio.server import ServerConnection, serve
 
 from services.drafter.config import DrafterConfig
 from services.drafter.main import link_tls
-from shared.config import ConfigError
+from shared.config import ConfigError, flat, from_flags
 from shared.tls import TlsConfigError, client_context, server_context
 from tests.security.certs import make_tls
 
@@ -44,13 +44,13 @@ def test_client_context_pins_and_refuses_plaintext(tmp_path: Path) -> None:
 
 def test_drafter_require_tls_refuses_plaintext_urls(tmp_path: Path) -> None:
     files = make_tls(tmp_path)
-    secure = DrafterConfig(verifier_url="wss://v:8100/v1/drafter", queue_url="wss://c:8000/internal/queue",
+    secure = from_flags(DrafterConfig, verifier_url="wss://v:8100/v1/drafter", queue_url="wss://c:8000/internal/queue",
                            tls_ca=str(files.ca), require_tls=True)
     verifier, queue = link_tls(secure)
     assert verifier is not None and queue is not None
     for field, url in (("verifier_url", "ws://v:8100/v1/drafter"), ("queue_url", "ws://c:8000/internal/queue"),
                        ("queue_url", "redis://r:6379/0")):
-        cfg = DrafterConfig(**{**secure.__dict__, field: url})
+        cfg = from_flags(DrafterConfig, **{**flat(secure), field: url})
         with pytest.raises(ConfigError, match="require-tls"):
             link_tls(cfg)
 

@@ -24,10 +24,10 @@ import pytest
 import torch
 
 from services.verifier.judge import judge
-from services.verifier.requests import Request
 from shared.draft_q import Nucleus, check, draft_token, guess_token
 from shared.protocol import SamplingParams, SparseQ
 from tests.stat.seeds import over_seeds
+from tests.verifier_requests import make_request
 
 SEEDS = 40_000
 #: the control's shift is large: 5.4 sigma at 10,000 seeds (measured), about 7.7 at this count
@@ -60,17 +60,17 @@ def _generate(seed: int, trust_guess: bool = False) -> list[int]:
     """The first three tokens of one request: rounds of 2 then 1 drafts, each followed by a
     lookahead (a guess of the bonus token, then one drafted token) used when the guess came true."""
     drafter = torch.Generator().manual_seed(2 * seed)
-    req = Request.create(f"r{seed}", PROMPT, PARAMS, True, 64, frozenset())
-    req.gen, req.bonus_key = torch.Generator().manual_seed(2 * seed + 1), seed
+    req = make_request(f"r{seed}", PROMPT, PARAMS, True, 64, frozenset())
+    req.sampler.gen, req.sampler.bonus_key = torch.Generator().manual_seed(2 * seed + 1), seed
     ready: tuple[list[int], list[SparseQ]] | None = None
     rounds = 0
     while req.generated < 3:
         k = 2 if rounds == 0 else 1
         drafts, qs = ready if ready is not None else _drafts(drafter, req.committed[-1], k)
-        req.round, req.draft_ids = rounds, drafts
-        guess = guess_token(torch.log(Q[drafts[-1]]).float(), PARAMS, (req.bonus_key, req.round))
+        req.round.number, req.round.draft.ids = rounds, drafts
+        guess = guess_token(torch.log(Q[drafts[-1]]).float(), PARAMS, (req.sampler.bonus_key, req.round.number))
         ahead = _drafts(drafter, guess, 1)  # the lookahead drafts on while the round is verified
-        req.draft_q, req.guess_bonus = [check(q, t, V) for q, t in zip(qs, drafts, strict=True)], True
+        req.round.draft.q, req.round.draft.guess_bonus = [check(q, t, V) for q, t in zip(qs, drafts, strict=True)], True
         verdict = judge([(req, drafts)], _rows(req.committed[-1], drafts))[0]
         tokens = verdict.tokens
         if trust_guess and verdict.accepted == k:  # the control: a verifier that takes the guess

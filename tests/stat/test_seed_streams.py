@@ -27,12 +27,12 @@ import pytest
 import torch
 
 from services.verifier.judge import judge
-from services.verifier.requests import Request
 from shared.draft_q import Nucleus, check, draft_token
 from shared.protocol import SamplingParams
 from shared.race import top_two
 from shared.sampling import make_generator, probs_from_logits
 from tests.stat.seeds import over_seeds
+from tests.verifier_requests import make_request
 
 SEEDS = 40_000
 #: the shared-seed control's shift is large: 5.2 sigma at 10,000 seeds (measured), about 7.4 at this count
@@ -68,8 +68,8 @@ def _first_tokens(streams: Streams, seeds: range) -> torch.Tensor:
             token, q = draft_token(DRAFT[j], PARAMS, drafter, Nucleus(1.0, V))
             drafts.append(token)
             qs.append(q)
-        req = Request.create(f"r{seed}", [1], PARAMS, True, 64, frozenset())
-        req.gen, req.draft_q = verifier, [check(q, t, V) for q, t in zip(qs, drafts, strict=True)]
+        req = make_request(f"r{seed}", [1], PARAMS, True, 64, frozenset())
+        req.sampler.gen, req.round.draft.q = verifier, [check(q, t, V) for q, t in zip(qs, drafts, strict=True)]
         verdict = judge([(req, drafts)], TARGET)[0]
         counts[verdict.tokens[0]] += 1
     return counts
@@ -106,9 +106,9 @@ def _race_first_tokens(seeds: range) -> torch.Tensor:
     counts = torch.zeros(V)
     for seed in seeds:
         params = SamplingParams(temperature=1.0, max_tokens=8, seed=seed)
-        req = Request.create(f"r{seed}", [1], params, True, 64, frozenset(), race=True)
-        assert req.race_key is not None
-        drafts = [top_two(probs_from_logits(DRAFT[j], params), req.race_key, 1 + j)[0] for j in range(K)]
+        req = make_request(f"r{seed}", [1], params, True, 64, frozenset(), race=True)
+        assert req.sampler.race_key is not None
+        drafts = [top_two(probs_from_logits(DRAFT[j], params), req.sampler.race_key, 1 + j)[0] for j in range(K)]
         counts[judge([(req, drafts)], TARGET)[0].tokens[0]] += 1
     return counts
 

@@ -13,7 +13,18 @@ from services.drafter.config import DrafterConfig
 from services.verifier.config import VerifierConfig
 from services.verifier.config import validate as validate_verifier
 from services.verifier.main import main as verifier_main
-from shared.config import ConfigError, build_parser, describe, env_name, flag_name, load_config, opt
+from shared.config import (
+    ConfigError,
+    build_parser,
+    describe,
+    env_name,
+    flag_name,
+    flat,
+    from_flags,
+    leaves,
+    load_config,
+    opt,
+)
 
 
 @dataclass
@@ -123,20 +134,40 @@ def test_describe_masks_secrets_only() -> None:
 @pytest.mark.parametrize("cls", [VerifierConfig, DrafterConfig, CoordinatorConfig])
 def test_service_configs_load_and_document_every_field(cls: type) -> None:
     cfg = load_config(cls, [], env={})
-    for f in dataclasses.fields(cls):
-        assert f.metadata.get("help"), f"{cls.__name__}.{f.name} has no help text"
+    for name, (_, f, _) in leaves(cls).items():
+        assert f.metadata.get("help"), f"{cls.__name__}: --{name} has no help text"
     assert describe(cfg)["auth_token"] == ""
     help_text = build_parser(cls, "specfleet").format_help()
     assert "SPECFLEET_AUTH_TOKEN" in help_text
+
+
+@pytest.mark.parametrize("cls", [VerifierConfig, DrafterConfig, CoordinatorConfig])
+def test_service_configs_come_in_sections_of_at_most_eight_flags(cls: type) -> None:
+    sections = dataclasses.fields(cls)
+    assert 1 < len(sections) <= 8 and all(s.metadata.get("section") for s in sections)
+    for s in sections:
+        flags = dataclasses.fields(getattr(cls(), s.name))
+        assert 0 < len(flags) <= 8, f"{cls.__name__}.{s.name} has {len(flags)} flags"
+
+
+def test_a_sectioned_config_keeps_every_flag_and_variable_name() -> None:
+    cfg = load_config(VerifierConfig, ["--port", "9", "--allocation", "goodspeed"], env={"SPECFLEET_TRIM": "adaspec"})
+    assert (cfg.server.port, cfg.budgets.allocation, cfg.batches.trim) == (9, "goodspeed", "adaspec")
+    assert cfg == from_flags(VerifierConfig, port=9, allocation="goodspeed", trim="adaspec")
+    assert flat(cfg)["port"] == 9 and describe(cfg)["trim"] == "adaspec"
+    with pytest.raises(TypeError, match="no flag prot"):
+        from_flags(VerifierConfig, prot=9)
+    help_text = build_parser(VerifierConfig, "specfleet verifier").format_help()
+    assert "draft-length allocation (GoodSpeed, SmartSpec):" in help_text and "--smartspec-max-len" in help_text
 
 
 # --- the verifier's flags: one validation, one ConfigError, before any model is loaded ------------
 
 
 def test_the_verifiers_defaults_with_a_model_are_valid() -> None:
-    validate_verifier(VerifierConfig(model="/some/dir"))
+    validate_verifier(from_flags(VerifierConfig, model="/some/dir"))
     # zeros that mean something: SmartSpec with no length but 0 (speculation off), any free port
-    validate_verifier(VerifierConfig(model="/some/dir", allocation="smartspec", smartspec_max_len=0, port=0,
+    validate_verifier(from_flags(VerifierConfig, model="/some/dir", allocation="smartspec", smartspec_max_len=0, port=0,
                                      max_draft_tokens=0, kv_cache_gb=0.0, max_model_len=0))
 
 
@@ -157,15 +188,15 @@ def test_the_verifiers_defaults_with_a_model_are_valid() -> None:
     ({"backend": "vllm", "trim": "adaspec"}, "--batching, --trim and --recompute-context apply to the torch"),
 ])
 def test_each_bad_verifier_flag_is_named(flags: dict[str, object], message: str) -> None:
-    cfg = VerifierConfig(**{"model": "/some/dir", **flags})  # type: ignore[arg-type]
+    cfg = from_flags(VerifierConfig, **{"model": "/some/dir", **flags})  # type: ignore[arg-type]
     if not flags:
-        cfg.model = ""
+        cfg.target.model = ""
     with pytest.raises(ConfigError, match=re.escape(message)):
         validate_verifier(cfg)
 
 
 def test_every_problem_is_reported_at_once() -> None:
-    cfg = VerifierConfig(backend="tpu", max_sessions=0, trim="tail")
+    cfg = from_flags(VerifierConfig, backend="tpu", max_sessions=0, trim="tail")
     with pytest.raises(ConfigError) as info:
         validate_verifier(cfg)
     said = str(info.value)

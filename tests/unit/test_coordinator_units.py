@@ -11,6 +11,7 @@ import pytest
 from services.coordinator.errors import ApiError
 from services.coordinator.generation import ClientGone, Collected, Submission
 from services.coordinator.metrics import CoordinatorMetrics
+from services.coordinator.openai_api import ResponseMode
 from services.coordinator.responses import Responder
 from services.coordinator.verifier_link import FrontendLink, Inbound
 from shared.protocol import TokenEvent
@@ -20,7 +21,7 @@ FINAL = TokenEvent(request_id="r", origin="c", token_ids=[1], text="!", finished
 
 
 def test_chat_body_and_chunks() -> None:
-    r = Responder("chat", "abc", "target", 123, include_usage=True)
+    r = Responder("chat", "abc", "target", 123, ResponseMode(stream=True, include_usage=True))
     body = r.full([Collected("hi!", FINAL, [], None)])
     assert body["id"] == "chatcmpl-abc" and body["object"] == "chat.completion" and body["created"] == 123
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "hi!"}
@@ -119,8 +120,10 @@ async def test_abort_ends_events_and_close_is_idempotent() -> None:
 def test_authorized(key: str, header: str | None, ok: bool) -> None:
     from services.coordinator.config import CoordinatorConfig
     from services.coordinator.state import CoordinatorState
+    from shared.config import from_flags
 
-    state = CoordinatorState(cfg=CoordinatorConfig(api_key=key), node_id="c", model=None, queue=None,  # type: ignore[arg-type]
+    cfg = from_flags(CoordinatorConfig, api_key=key)
+    state = CoordinatorState(cfg=cfg, node_id="c", model=None, queue=None,  # type: ignore[arg-type]
                              link=None, generator=None, metrics=None)  # type: ignore[arg-type]
     assert state.authorized(header) is ok
 
@@ -280,11 +283,11 @@ async def test_memory_queue_is_bounded() -> None:
 
 def test_backpressure_settings_are_checked() -> None:
     from services.coordinator.config import CoordinatorConfig, check_config
-    from shared.config import ConfigError, load_config
+    from shared.config import ConfigError, from_flags, load_config
 
     cfg = load_config(CoordinatorConfig, ["--max-in-flight", "8"], env={"SPECFLEET_MAX_QUEUE": "16"})
-    assert (cfg.max_in_flight, cfg.max_queue, cfg.retry_after_s) == (8, 16, 1)
+    assert (cfg.admission.max_in_flight, cfg.admission.max_queue, cfg.admission.retry_after_s) == (8, 16, 1)
     check_config(cfg)
-    check_config(CoordinatorConfig(max_in_flight=0, max_queue=0))  # 0: no limit
+    check_config(from_flags(CoordinatorConfig, max_in_flight=0, max_queue=0))  # 0: no limit
     with pytest.raises(ConfigError, match=r"--max-in-flight must be >= 0.*--max-queue.*--retry-after-s"):
-        check_config(CoordinatorConfig(max_in_flight=-1, max_queue=-2, retry_after_s=0))
+        check_config(from_flags(CoordinatorConfig, max_in_flight=-1, max_queue=-2, retry_after_s=0))

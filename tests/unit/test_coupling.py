@@ -12,14 +12,15 @@ from shared.coupling import new_bonus_key, race_noise, race_winner
 from shared.draft_q import guess_token
 from shared.protocol import SamplingParams
 from shared.sampling import make_generator, probs_from_logits, sample
+from tests.verifier_requests import make_request
 
 SAMPLED = SamplingParams(temperature=1.0, max_tokens=8)
 V = 50
 
 
 def _request(guess: bool, key: int = 7) -> Request:
-    req = Request.create("r", [1, 2, 3], SAMPLED, True, 64, frozenset())
-    req.guess_bonus, req.bonus_key, req.gen = guess, key, make_generator(0, "verify")
+    req = make_request("r", [1, 2, 3], SAMPLED, True, 64, frozenset())
+    req.round.draft.guess_bonus, req.sampler.bonus_key, req.sampler.gen = guess, key, make_generator(0, "verify")
     return req
 
 
@@ -55,9 +56,9 @@ def test_when_the_draft_model_is_the_target_the_guess_is_always_the_verifiers_to
     for key in range(40):
         logits = torch.randn(1, V) * 2
         req = _request(guess=True, key=key)
-        req.round = key % 5
+        req.round.number = key % 5
         token = judge([(req, [])], logits)[0].tokens[0]
-        guess = guess_token(logits[0], SAMPLED, (key, req.round))
+        guess = guess_token(logits[0], SAMPLED, (key, req.round.number))
         assert guess == token
 
 
@@ -85,5 +86,5 @@ def test_a_rejection_still_gives_a_residual_token_when_guessing() -> None:
 ], ids=["accepted", "rejected", "trimmed", "not-asked", "empty"])
 def test_when_a_round_races(guess: bool, sent: list[int], verified: list[int], accepted: int, race: bool) -> None:
     req = _request(guess=guess)
-    req.draft_ids = sent
+    req.round.draft.ids = sent
     assert races(req, verified, accepted) is race

@@ -11,7 +11,7 @@ from services.drafter.config import DrafterConfig
 from services.drafter.control.fixed import FixedController
 from services.drafter.main import check_config, default_node_id
 from services.drafter.sessions import DraftSession
-from shared.config import ConfigError, load_config
+from shared.config import ConfigError, from_flags, load_config
 from shared.protocol import QueuedRequest, SamplingParams, Verdict
 from shared.queue import Delivery
 from shared.sampling import make_generator
@@ -67,15 +67,15 @@ def test_config_flags_and_checks() -> None:
     cfg = load_config(DrafterConfig, ["--model", "/m", "--draft-mode", "greedy", "--controller", "fixed",
                                       "--q-mass", "0.9", "--q-max-entries", "64"], env={})
     check_config(cfg)
-    assert (cfg.draft_mode, cfg.controller, cfg.max_sessions) == ("greedy", "fixed", 4)
-    assert (cfg.q_mass, cfg.q_max_entries) == (0.9, 64)
+    assert (cfg.proposal.draft_mode, cfg.control.controller, cfg.sessions.max_sessions) == ("greedy", "fixed", 4)
+    assert (cfg.proposal.q_mass, cfg.proposal.q_max_entries) == (0.9, 64)
     assert default_node_id().startswith("drafter-")
 
 
 def test_config_defaults_draft_sampled_with_a_099_nucleus() -> None:
     cfg = load_config(DrafterConfig, ["--model", "/m"], env={})
     check_config(cfg)
-    assert (cfg.draft_mode, cfg.q_mass, cfg.q_max_entries) == ("sampled", 0.98, 4096)
+    assert (cfg.proposal.draft_mode, cfg.proposal.q_mass, cfg.proposal.q_max_entries) == ("sampled", 0.98, 4096)
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
@@ -92,7 +92,7 @@ def test_config_defaults_draft_sampled_with_a_099_nucleus() -> None:
     ({"log_level": "loud"}, "--log-level must be one of"),
 ])
 def test_bad_config_names_the_flag(overrides: dict[str, object], message: str) -> None:
-    cfg = DrafterConfig(**{"model": "/m", **overrides})  # type: ignore[arg-type]
+    cfg = from_flags(DrafterConfig, **{"model": "/m", **overrides})  # type: ignore[arg-type]
     with pytest.raises(ConfigError) as info:
         check_config(cfg)
     assert message in str(info.value)

@@ -23,7 +23,6 @@ from services.verifier.allocation import (
     make_allocator,
 )
 from services.verifier.allocation.draft_wait import WAIT_HORIZON_S, DraftWaitModel
-from services.verifier.core_api import read_racing
 from services.verifier.metrics import VerifierMetrics
 from services.verifier.server import Hub, Peer, fleet_status_loop, make_welcome
 from services.verifier.sessions import Routes
@@ -126,20 +125,6 @@ def test_the_other_policies_always_want_drafts(policy: str) -> None:
     t = tracker_with(64)
     alloc.assign([RoundStats("spec", "d", 4, 0, 200)], t)
     assert draft_share(alloc, t) == 1.0
-
-
-def test_a_read_that_races_the_core_is_taken_again_then_falls_back() -> None:
-    calls: list[int] = []
-
-    def racing() -> bool:
-        calls.append(1)
-        if len(calls) < 3:
-            raise RuntimeError("deque mutated during iteration")
-        return False
-
-    assert read_racing(racing, True) is False and len(calls) == 3
-    calls.clear()
-    assert read_racing(racing, True, tries=2) is True and len(calls) == 2
 
 
 @pytest.mark.asyncio

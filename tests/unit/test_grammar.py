@@ -11,9 +11,9 @@ import torch
 
 from services.verifier.grammar import GrammarError, Grammars
 from services.verifier.judge import judge
-from services.verifier.requests import Request
 from shared.models import LoadedModel, load_model
 from shared.protocol import SamplingParams, Structured
+from tests.verifier_requests import make_request
 
 CHOICES = ["red", "green", "blue"]
 
@@ -56,8 +56,8 @@ def test_masks_leave_the_state_alone_and_stop_at_a_refused_draft(target: LoadedM
 def test_greedy_round_under_a_grammar_commits_only_allowed_tokens(target: LoadedModel, grammars: Grammars) -> None:
     spec = Structured(kind="regex", spec="[0-9]{3}")
     params = SamplingParams(temperature=0.0, structured=spec)
-    req = Request.create("r", ids(target, "x = "), params, True, 512, frozenset(target.eos_ids))
-    req.grammar = grammars.matcher(spec)
+    req = make_request("r", ids(target, "x = "), params, True, 512, frozenset(target.eos_ids))
+    req.sampler.grammar = grammars.matcher(spec)
     out: list[int] = []
     for _ in range(8):
         logits = torch.randn(1, target.vocab_size, generator=torch.Generator().manual_seed(len(out)))

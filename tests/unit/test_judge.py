@@ -16,6 +16,7 @@ from shared.acceptance import verify_greedy, verify_sampled
 from shared.draft_q import check, pack
 from shared.protocol import SamplingParams, SparseQ
 from shared.sampling import make_generator, probs_from_logit_rows, probs_from_logits
+from tests.verifier_requests import make_request
 
 VOCAB = 40
 MIXED = [
@@ -28,7 +29,7 @@ MIXED = [
 
 
 def _request(i: int, params: SamplingParams) -> Request:
-    return Request.create(f"r{i}", [1, 2, 3], params, True, 512, frozenset())
+    return make_request(f"r{i}", [1, 2, 3], params, True, 512, frozenset())
 
 
 def _sparse(gen: torch.Generator, token: int) -> SparseQ:
@@ -56,7 +57,7 @@ def test_batch_verdicts_equal_each_session_judged_alone(seed: int, with_q: bool)
         drafts = torch.randint(0, VOCAB, (k,), generator=gen).tolist()
         req = _request(i, params)
         if with_q and params.temperature > 0:
-            req.draft_q = [check(_sparse(gen, t), t, VOCAB) for t in drafts]
+            req.round.draft.q = [check(_sparse(gen, t), t, VOCAB) for t in drafts]
         batch.append((req, drafts))
         rows.append(torch.randn(k + 1, VOCAB, generator=gen) * 2)
     got = judge(batch, torch.cat(rows))
@@ -65,6 +66,6 @@ def test_batch_verdicts_equal_each_session_judged_alone(seed: int, with_q: bool)
         if req.greedy:
             n, extra = verify_greedy(drafts, logits.argmax(-1).tolist())
         else:
-            q = [cq.dense(VOCAB) for cq in req.draft_q] if req.draft_q else None
+            q = [cq.dense(VOCAB) for cq in req.round.draft.q] if req.round.draft.q else None
             n, extra = verify_sampled(drafts, probs_from_logits(logits, req.params), q, alone)
         assert (verdict.accepted, verdict.tokens) == (n, [*drafts[:n], extra])

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from services.verifier.judge import judge
-from services.verifier.requests import Request
 from services.verifier.vllm_engine.engine import vllm_unsupported
 from shared.penalties import apply_penalties, has_penalties
 from shared.protocol import SamplingParams
 from shared.sampling import SamplingError, validate
+from tests.verifier_requests import make_request
 
 LOGITS = [2.0, -1.0, 0.5, 0.0, 3.0]
 CASES = [  # (id, params, prompt, generated, expected row)
@@ -59,10 +59,10 @@ def test_a_round_at_once_equals_one_token_at_a_time(params: SamplingParams) -> N
     generated: list[int] = []
     for j in range(rows.shape[0]):
         generated.append(int(apply_penalties(rows[j : j + 1], params, prompt, generated)[0].argmax()))
-    req = Request.create("r", prompt, params, True, 512, frozenset())
+    req = make_request("r", prompt, params, True, 512, frozenset())
     verdict = judge([(req, generated[:5])], rows)[0]
     assert verdict.accepted == 5 and verdict.tokens == generated
-    unpenalized = judge([(Request.create("s", prompt, SamplingParams(temperature=0.0), True, 512, frozenset()),
+    unpenalized = judge([(make_request("s", prompt, SamplingParams(temperature=0.0), True, 512, frozenset()),
                           generated[:5])], rows)[0]
     assert unpenalized.tokens != generated  # the penalties changed the outcome
 

@@ -11,13 +11,14 @@ from services.verifier.requests import Request
 from shared.protocol import SamplingParams
 from shared.race import noise, race_key, top_two, winners
 from shared.sampling import probs_from_logits
+from tests.verifier_requests import make_request
 
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=8)
 V = 40
 
 
 def raced(params: SamplingParams = SAMPLED, prompt: tuple[int, ...] = (1, 2, 3)) -> Request:
-    return Request.create("r", list(prompt), params, True, 64, frozenset(), race=True)
+    return make_request("r", list(prompt), params, True, 64, frozenset(), race=True)
 
 
 def test_a_seeded_request_has_a_reproducible_key_and_an_unseeded_one_a_fresh_key() -> None:
@@ -27,10 +28,10 @@ def test_a_seeded_request_has_a_reproducible_key_and_an_unseeded_one_a_fresh_key
 
 
 def test_only_sampled_requests_under_race_sampling_are_raced() -> None:
-    assert raced().race_key is not None and raced().deterministic
-    assert raced(SamplingParams(temperature=0.0)).race_key is None  # greedy: argmax
-    stream = Request.create("r", [1], SAMPLED, True, 64, frozenset())
-    assert stream.race_key is None and not stream.deterministic
+    assert raced().sampler.race_key is not None and raced().deterministic
+    assert raced(SamplingParams(temperature=0.0)).sampler.race_key is None  # greedy: argmax
+    stream = make_request("r", [1], SAMPLED, True, 64, frozenset())
+    assert stream.sampler.race_key is None and not stream.deterministic
 
 
 def test_the_variates_depend_on_key_and_position_and_agree_across_vocabulary_sizes() -> None:
@@ -61,8 +62,8 @@ def test_judge_accepts_drafts_while_they_are_the_winners(hits: int) -> None:
     torch.manual_seed(hits)
     logits = torch.randn(4, V) * 3
     req = raced()
-    assert req.race_key is not None
-    won = winners(probs_from_logits(logits, SAMPLED), req.race_key, range(3, 7))
+    assert req.sampler.race_key is not None
+    won = winners(probs_from_logits(logits, SAMPLED), req.sampler.race_key, range(3, 7))
     drafts = [*won[:hits], *[(w + 1) % V for w in won[hits:3]]]
     verdict = judge([(req, drafts)], logits)[0]
     assert verdict.accepted == hits and verdict.tokens == won[: hits + 1]
@@ -75,7 +76,7 @@ def test_a_raced_token_does_not_depend_on_the_draft_or_the_round() -> None:
     torch.manual_seed(1)
     logits = torch.randn(3, V) * 2
     req = raced()
-    assert req.race_key is not None
+    assert req.sampler.race_key is not None
     whole = judge([(req, [])], logits[:1])[0].tokens
     for junk in range(5):
         assert judge([(req, [junk])], logits[:2])[0].tokens[0] == whole[0]

@@ -21,7 +21,9 @@ def scheduler() -> Scheduler:
 
 
 def request(rid: str, confidence: list[float] | None) -> Any:
-    return SimpleNamespace(request_id=rid, draft_conf=confidence, cached=10, committed=[1] * 11, drafter="edge-1")
+    draft = SimpleNamespace(confidence=confidence)
+    return SimpleNamespace(request_id=rid, round=SimpleNamespace(draft=draft), cached=10, committed=[1] * 11,
+                           drafter="edge-1")
 
 
 def test_probes_count_only_steps_that_could_be_trimmed() -> None:

@@ -92,7 +92,7 @@ def test_target_only_sessions_decode_exactly_the_reference(target: LoadedModel) 
     for i, p in enumerate(prompts):
         assert h.tokens(f"r{i}") == greedy_reference(target.model, p, GREEDY.max_tokens, target.eos_ids)
         assert h.of(Rounded, f"r{i}")[-1].finished  # type: ignore[attr-defined]
-    assert h.runner.kv.reserved_tokens == 0 and not h.core.requests  # everything freed
+    assert h.runner.kv.reserved_tokens == 0 and not h.core.table.requests  # everything freed
 
 
 def test_long_prompt_is_prefilled_in_chunks_while_others_keep_decoding(target: LoadedModel) -> None:
@@ -105,7 +105,7 @@ def test_long_prompt_is_prefilled_in_chunks_while_others_keep_decoding(target: L
     for _ in range(10):
         before = len(h.tokens("short"))
         h.turn()
-        chunks.append(h.core.requests["long"].cached if "long" in h.core.requests else len(long))
+        chunks.append(h.core.table.requests["long"].cached if "long" in h.core.table.requests else len(long))
         if not h.of(Rounded, "short") or h.of(Rounded, "short")[-1].finished:  # type: ignore[attr-defined]
             break
         assert len(h.tokens("short")) > before  # every step also advanced the short session
@@ -118,7 +118,7 @@ def test_a_step_with_nothing_to_verify_prefills_up_to_the_token_budget(target: L
     h = Harness(target, prefill_chunk=16, max_batch_tokens=100)
     h.core.submit(AddRequest("long", prompt(3, 150), GREEDY, speculative=True))
     h.turn()
-    assert h.core.requests["long"].cached == 100
+    assert h.core.table.requests["long"].cached == 100
 
 
 def test_budgets_are_counted_for_speculating_rounds_only_and_changes_only_when_they_change(
@@ -131,11 +131,11 @@ def test_budgets_are_counted_for_speculating_rounds_only_and_changes_only_when_t
     h.core.submit(AddRequest("s", p, GREEDY, speculative=True))
     h.core.submit(AddRequest("t", prompt(6, 8), GREEDY, speculative=False))
     h.turn()
-    while h.core.requests.get("s") is not None:
-        req = h.core.requests["s"]
+    while h.core.table.requests.get("s") is not None:
+        req = h.core.table.requests["s"]
         if req.status is Status.WAITING_DRAFT:
             done = len(h.tokens("s"))
-            h.core.submit(AddDraft("s", req.round, ref[done: done + 3], None, 0.0))
+            h.core.submit(AddDraft("s", req.round.number, ref[done: done + 3], None, 0.0))
         h.turn()
     h.turn(20)
     handed = len(h.of(Rounded, "s")) - 1  # every round but the last, which finished
@@ -153,12 +153,12 @@ def test_speculative_round_accepts_the_target_own_tokens(target: LoadedModel) ->
     h.core.submit(AddRequest("s", p, GREEDY, speculative=True))
     h.turn()
     admitted = h.of(Admitted, "s")[0]
-    assert admitted.draft_budget == 3 and h.core.requests["s"].status is Status.WAITING_DRAFT  # type: ignore[attr-defined]
+    assert admitted.draft_budget == 3 and h.core.table.requests["s"].status is Status.WAITING_DRAFT  # type: ignore[attr-defined]
     h.core.submit(AddDraft("s", 0, [ref[0], ref[1], (ref[2] + 1) % 300], None, 0.0))
     h.turn()
     first = h.of(Rounded, "s")[0]
     assert (first.accepted, first.tokens) == (2, ref[:3])  # type: ignore[attr-defined]
-    assert h.core.requests["s"].slot.length == len(p) + 2  # type: ignore[union-attr]  # rejected draft rolled back
+    assert h.core.table.requests["s"].slot.length == len(p) + 2  # type: ignore[union-attr]  # rejected draft rolled back
 
 
 def test_the_sled_like_baseline_recomputes_the_whole_context_every_round_with_the_same_tokens(
@@ -169,13 +169,13 @@ def test_the_sled_like_baseline_recomputes_the_whole_context_every_round_with_th
     h.core.submit(AddRequest("s", p, GREEDY, speculative=True))
     h.turn()
     waits = 0
-    while "s" in h.core.requests and waits < 20:
-        req = h.core.requests["s"]
+    while "s" in h.core.table.requests and waits < 20:
+        req = h.core.table.requests["s"]
         if req.status is Status.WAITING_DRAFT:
             waits += 1
-            assert req.cached == 0 or req.round == 0  # nothing kept from the last round
+            assert req.cached == 0 or req.round.number == 0  # nothing kept from the last round
             done = len(h.tokens("s"))
-            h.core.submit(AddDraft("s", req.round, ref[done : done + 2], None, 0.0))
+            h.core.submit(AddDraft("s", req.round.number, ref[done : done + 2], None, 0.0))
         h.turn()
     assert h.tokens("s") == ref  # recomputing changes the work, never the tokens
     assert [r.accepted for r in h.of(Rounded, "s")][:3] == [2, 2, 2]  # type: ignore[attr-defined]
@@ -189,7 +189,7 @@ def test_out_of_turn_drafts_are_refused_and_change_nothing(target: LoadedModel) 
     h.core.submit(AddDraft("ghost", 0, [5], None, 0.0))
     h.turn()
     assert [r.request_id for r in h.of(OutOfTurn)] == ["s", "ghost"]
-    assert h.core.requests["s"].status is Status.WAITING_DRAFT and not h.of(Rounded)
+    assert h.core.table.requests["s"].status is Status.WAITING_DRAFT and not h.of(Rounded)
 
 
 def test_kv_admission_holds_requests_until_memory_frees_then_refuses_beyond_the_queue(target: LoadedModel) -> None:
@@ -200,7 +200,7 @@ def test_kv_admission_holds_requests_until_memory_frees_then_refuses_beyond_the_
     assert [r.request_id for r in h.of(Admitted)] == ["a"]
     refused = h.of(RequestRefused, "c")
     assert refused and refused[0].code == "busy"  # type: ignore[attr-defined]
-    assert h.core.kv_stats().waiting == 1
+    assert h.core.table.stats().waiting == 1
     h.turn(30)
     assert [r.request_id for r in h.of(Admitted)] == ["a", "b"]  # b got a's memory once a finished
     assert h.of(Rounded, "b")[-1].finished  # type: ignore[attr-defined]
@@ -221,7 +221,7 @@ def test_finish_frees_the_session_and_its_memory_silently(target: LoadedModel) -
     assert h.runner.kv.reserved_tokens > 0
     h.core.submit(Finish("s"))
     assert not h.turn()
-    assert h.runner.kv.reserved_tokens == 0 and "s" not in h.core.requests
+    assert h.runner.kv.reserved_tokens == 0 and "s" not in h.core.table.requests
 
 
 def test_detach_and_silent_drafters_continue_target_only(target: LoadedModel) -> None:
@@ -258,11 +258,11 @@ def test_rounds_with_budget_zero_run_target_only_without_waiting(target: LoadedM
     h.core.submit(AddRequest("s", p, GREEDY, speculative=True))
     h.turn()
     budget, done = 2, []
-    while h.core.requests.get("s") is not None:
-        req = h.core.requests["s"]
+    while h.core.table.requests.get("s") is not None:
+        req = h.core.table.requests["s"]
         if budget:  # the drafter's move: the target's own next tokens
             assert req.status is Status.WAITING_DRAFT
-            h.core.submit(AddDraft("s", req.round, ref[len(done): len(done) + budget], None, 0.0))
+            h.core.submit(AddDraft("s", req.round.number, ref[len(done): len(done) + budget], None, 0.0))
         else:
             assert req.status is Status.READY  # no draft awaited
         h.turn()
@@ -284,16 +284,16 @@ def test_a_drafter_pause_runs_that_many_rounds_target_only_then_drafts_again(tar
     ref = greedy_reference(target.model, p, GREEDY.max_tokens, target.eos_ids)
     h.core.submit(AddRequest("s", p, GREEDY, speculative=True))
     h.turn()
-    req = h.core.requests["s"]
-    h.core.submit(AddDraft("s", req.round, [], None, 0.0, pause_rounds=3))  # nothing drafted; do not wait
+    req = h.core.table.requests["s"]
+    h.core.submit(AddDraft("s", req.round.number, [], None, 0.0, pause_rounds=3))  # nothing drafted; do not wait
     h.turn()
     budgets = [h.of(Rounded, "s")[-1].draft_budget]  # type: ignore[attr-defined]
     for _ in range(3):  # three rounds run without waiting for a draft
-        assert h.core.requests["s"].status is Status.READY
+        assert h.core.table.requests["s"].status is Status.READY
         h.turn()
         budgets.append(h.of(Rounded, "s")[-1].draft_budget)  # type: ignore[attr-defined]
     assert budgets == [0, 0, 0, 3]
-    assert h.core.requests["s"].status is Status.WAITING_DRAFT  # the budget is back
+    assert h.core.table.requests["s"].status is Status.WAITING_DRAFT  # the budget is back
     assert h.tokens("s") == ref[: len(h.tokens("s"))] and len(h.tokens("s")) == 4
 
 
@@ -323,8 +323,8 @@ def test_adaspec_trim_learns_that_an_underconfident_drafter_is_right(target: Loa
     h.turn()
     drafted = []
     for _ in range(4 * PROBE_EVERY):
-        done, req = len(h.tokens("s")), h.core.requests["s"]
-        h.core.submit(AddDraft("s", req.round, ref[done : done + 3], None, 0.0, [0.3, 0.3, 0.3]))
+        done, req = len(h.tokens("s")), h.core.table.requests["s"]
+        h.core.submit(AddDraft("s", req.round.number, ref[done : done + 3], None, 0.0, [0.3, 0.3, 0.3]))
         h.turn()
         drafted.append(h.of(Rounded, "s")[-1].drafted)  # type: ignore[attr-defined]
     assert drafted[0] == 0  # uncalibrated: trimmed away
@@ -341,8 +341,8 @@ def test_the_tracker_learns_each_rounds_acceptance(target: LoadedModel) -> None:
     h.turn()
     h.core.submit(AddDraft("s", 0, [ref[0], (ref[1] + 1) % 300, ref[2]], None, 0.0))
     h.turn()
-    est = h.core.tracker.sessions["s"]
-    t = h.core.tracker
+    est = h.core.budgets.tracker.sessions["s"]
+    t = h.core.budgets.tracker
     # 1 of 3 drafts matches the argmax at its position (the third may too, given the wrong second)
     assert est.drafter == "edge-1" and est.rounds == 1 and est.accepted == 1
     matched = [pytest.approx((1 - t.eta) * t.alpha0 + t.eta * k / 3) for k in (1, 2)]
@@ -357,7 +357,7 @@ def test_the_gap_between_forwards_is_measured_while_sessions_run_not_across_idle
     h.turn(3)
     assert 0.0 < adaspec(h).gap_s < IDLE_S / 10
     h.turn(40)
-    assert not h.core.requests  # finished and freed
+    assert not h.core.table.requests  # finished and freed
     before = adaspec(h).gap_s
     time.sleep(IDLE_S)  # shorter than MAX_GAP_S: only "no session left" tells it from a gap
     h.core.submit(AddRequest("b", prompt(2, 5), GREEDY, speculative=False))
@@ -392,8 +392,8 @@ def test_a_request_s_slo_clock_starts_when_its_coordinator_took_it(target: Loade
     h.core.submit(AddRequest("fresh", prompt(9, 6), GREEDY, speculative=False, slo_tokens_per_s=1.0))
     h.core.submit(AddRequest("waited", prompt(9, 6), GREEDY, speculative=False, slo_tokens_per_s=1.0, waited_s=30.0))
     h.turn(1)
-    assert before - 30.0 - 1.0 < h.core.requests["waited"].arrived_at < time.perf_counter() - 30.0
-    assert h.core.requests["fresh"].arrived_at >= before
+    assert before - 30.0 - 1.0 < h.core.table.requests["waited"].arrived_at < time.perf_counter() - 30.0
+    assert h.core.table.requests["fresh"].arrived_at >= before
     h.turn(40)
     sample = h.core.metrics.registry.get_sample_value
     key = "specfleet_verifier_slo_requests_total"

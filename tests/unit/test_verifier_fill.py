@@ -15,11 +15,13 @@ import pytest
 
 from services.verifier.core_api import AddDraft, AddRequest, Filled, OutOfTurn, Rounded
 from services.verifier.fill import FillBeforeDrafts
-from services.verifier.requests import Request, Status, filled_outcome, settled_drafts
+from services.verifier.requests import Request, Status
+from services.verifier.round import filled_outcome, settled_drafts
 from shared.models import LoadedModel, load_model
 from shared.protocol import SamplingParams
 from tests.conftest import greedy_reference
 from tests.unit.test_verifier_core import Harness, prompt
+from tests.verifier_requests import make_request
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 BUDGET = 3  # the harness's fixed allocation
@@ -36,7 +38,7 @@ def started(target: LoadedModel, params: SamplingParams = GREEDY, race: bool = T
     p = prompt(5, 9)
     h.core.submit(AddRequest("s", p, params, speculative=True, drafter="edge"))
     h.turn()  # admitted and prefilled: round 0 waits for its draft
-    assert h.core.requests["s"].status is Status.WAITING_DRAFT
+    assert h.core.table.requests["s"].status is Status.WAITING_DRAFT
     ref = greedy_reference(target.model, p, params.max_tokens, set())
     head = ref[: 2 * BUDGET + 2]
     assert len(set(head)) == len(head), "a repetitive reference would hide misplaced drafts: pick another prompt"
@@ -97,12 +99,12 @@ def test_raced_sessions_are_filled_and_stream_sampled_ones_are_not(target: Loade
     params = SamplingParams(temperature=1.0, max_tokens=8, seed=5)
     h, _ = started(target, params, race=False)
     h.turn(3)
-    assert not h.of(Filled) and h.core.requests["s"].status is Status.WAITING_DRAFT
+    assert not h.of(Filled) and h.core.table.requests["s"].status is Status.WAITING_DRAFT
     raced, _ = started(target, params)
     raced.turn(2)
-    req = raced.core.requests["s"]
-    assert req.race_key is not None and len(raced.of(Filled, "s")) == 2
-    fill = list(req.fill)
+    req = raced.core.table.requests["s"]
+    assert req.sampler.race_key is not None and len(raced.of(Filled, "s")) == 2
+    fill = list(req.round.fill)
     raced.core.submit(AddDraft("s", 0, fill, None, 0.0))  # a draft that raced like the target
     raced.turn()
     last = raced.of(Rounded, "s")[-1]
@@ -115,7 +117,7 @@ def test_fill_runs_the_session_to_its_end_and_the_round_ends_with_it(target: Loa
     h.turn(params.max_tokens)
     final = h.of(Rounded, "s")[-1]
     assert isinstance(final, Rounded) and final.finished and final.finish_reason == "length"
-    assert final.prior == ref[:2] and everything(h) == ref and "s" not in h.core.requests
+    assert final.prior == ref[:2] and everything(h) == ref and "s" not in h.core.table.requests
 
 
 def test_no_fill_when_a_draft_is_expected_before_the_step_would_end(target: LoadedModel) -> None:
@@ -126,7 +128,7 @@ def test_no_fill_when_a_draft_is_expected_before_the_step_would_end(target: Load
     assert len(h.of(Filled, "s")) == 1
     h2, _ = started(target)
     h2.core.scheduler.fill.observe("edge", 10.0)  # ... 10 s after, and this round has waited that long
-    h2.core.requests["s"].waiting_since = time.perf_counter() - 10.0 + 1e-6  # the draft is due: no fill
+    h2.core.table.requests["s"].round.waiting_since = time.perf_counter() - 10.0 + 1e-6  # the draft is due: no fill
     h2.turn()
     assert not h2.of(Filled, "s")
 
@@ -135,8 +137,9 @@ def test_no_fill_when_a_draft_is_expected_before_the_step_would_end(target: Load
 
 
 def waiting(drafter: str, since: float, budget: int = BUDGET, filled: int = 0) -> Request:
-    req = Request.create("r", [1, 2], GREEDY, True, 64, frozenset(), drafter)
-    req.status, req.waiting_since, req.draft_budget, req.fill = Status.WAITING_DRAFT, since, budget, [7] * filled
+    req = make_request("r", [1, 2], GREEDY, True, 64, frozenset(), drafter)
+    req.status = Status.WAITING_DRAFT
+    req.round.waiting_since, req.round.budget, req.round.fill = since, budget, [7] * filled
     return req
 
 
@@ -187,8 +190,8 @@ def test_a_conditional_draft_that_came_true_is_the_next_rounds_draft(target: Loa
     h, ref = started(target)
     after = tuple(ref[: BUDGET + 1])
     play_round_0(h, ref, AddDraft("s", 1, ref[BUDGET + 1 : 2 * BUDGET + 1], None, 0.0, after=after))
-    req = h.core.requests["s"]
-    assert req.round == 1 and req.status is Status.READY  # no wait for the drafter
+    req = h.core.table.requests["s"]
+    assert req.round.number == 1 and req.status is Status.READY  # no wait for the drafter
     h.turn()
     last = h.of(Rounded, "s")[-1]
     assert isinstance(last, Rounded) and (last.round, last.accepted) == (1, BUDGET)
@@ -199,7 +202,7 @@ def test_a_conditional_draft_whose_verdict_differs_is_dropped_without_a_word(tar
     h, ref = started(target)
     wrong = (ref[BUDGET] + 1) % target.vocab_size
     play_round_0(h, ref, AddDraft("s", 1, [5, 6, 7], None, 0.0, after=(*ref[:BUDGET], wrong)))
-    assert h.core.requests["s"].status is Status.WAITING_DRAFT and not h.of(OutOfTurn)
+    assert h.core.table.requests["s"].status is Status.WAITING_DRAFT and not h.of(OutOfTurn)
     h.core.submit(AddDraft("s", 1, ref[BUDGET + 1 : 2 * BUDGET + 1], None, 0.0))  # the drafter drafts afresh
     h.turn()
     assert everything(h) == ref[: 2 * BUDGET + 2] and not h.of(OutOfTurn)
@@ -210,7 +213,7 @@ def test_a_conditional_draft_that_crosses_its_verdict_is_taken_if_it_came_true(t
     h.core.scheduler.fill.observe("edge", 3600.0)  # fill while the draft travels
     play_round_0(h, ref)
     h.turn()  # round 1 waits: one token filled
-    assert h.core.requests["s"].fill == ref[BUDGET + 1 : BUDGET + 2]
+    assert h.core.table.requests["s"].round.fill == ref[BUDGET + 1 : BUDGET + 2]
     h.core.submit(AddDraft("s", 1, ref[BUDGET + 1 : 2 * BUDGET + 1], None, 0.0, after=tuple(ref[: BUDGET + 1])))
     stale = AddDraft("s", 0, ref[:BUDGET], None, 0.0, after=(1, 2))  # an older round's: dropped too
     h.core.submit(stale)
@@ -232,10 +235,11 @@ def test_a_resuming_drafter_starts_clean(target: LoadedModel) -> None:
     conditional drafts its predecessor sent are not its own."""
     h, _ = started(target)
     h.turn()  # one token filled
-    req = h.core.requests["s"]
-    req.upcoming = [AddDraft("s", 1, [5], None, 0.0, after=(1, 2))]
+    req = h.core.table.requests["s"]
+    req.round.upcoming.held = [((1, 2), AddDraft("s", 1, [5], None, 0.0, after=(1, 2)))]
     req.detach()
-    assert req.attach("edge-2") and req.fill == [] and req.upcoming == [] and (req.sent, req.matched) == (0, 0)
+    assert req.attach("edge-2") and req.round.fill == [] and len(req.round.upcoming) == 0
+    assert (req.round.draft.sent, req.round.draft.matched) == (0, 0)
 
 
 def test_a_session_finishing_in_a_fill_counts_its_tokens_once(target: LoadedModel) -> None:
@@ -256,6 +260,6 @@ def test_a_session_finishing_in_a_fill_counts_its_tokens_once(target: LoadedMode
 def test_a_filled_rounds_drafts_are_settled_by_the_fill_and_the_round_counted_whole(
         sent: int, filled: int, matched: int, verified: int, accepted: int, settled: int,
         outcome: tuple[int, int, float]) -> None:
-    """The arithmetic ``Request.take_draft`` and ``round_outcome`` use, and the simulator with them."""
+    """The arithmetic ``round.draft.settle`` and ``Round.outcome`` use, and the simulator with them."""
     assert settled_drafts(sent, filled, matched) == settled
     assert filled_outcome(filled, matched, sent, verified, accepted, float(accepted)) == outcome

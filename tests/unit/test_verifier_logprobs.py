@@ -17,6 +17,7 @@ from services.verifier.judge import judge
 from services.verifier.requests import Request
 from shared.protocol import SamplingParams, TokenEvent, TokenLogprob, decode, encode
 from shared.sampling import probs_from_logits
+from tests.verifier_requests import make_request
 
 VOCAB = 30
 CASES = [  # (params, drafts)
@@ -30,7 +31,7 @@ CASES = [  # (params, drafts)
 
 def _batch(seed: int) -> tuple[list[tuple[Request, list[int]]], list[torch.Tensor]]:
     gen = torch.Generator().manual_seed(seed)
-    batch = [(Request.create(f"r{i}", [1, 2], p, True, 512, frozenset()), d) for i, (p, d) in enumerate(CASES)]
+    batch = [(make_request(f"r{i}", [1, 2], p, True, 512, frozenset()), d) for i, (p, d) in enumerate(CASES)]
     rows = [torch.randn(len(d) + 1, VOCAB, generator=gen) * 3 for _, d in batch]
     return batch, rows
 
@@ -61,7 +62,7 @@ def test_each_committed_token_gets_its_rows_logprob_and_top_n(seed: int) -> None
 
 def test_processed_logprobs_are_minus_infinity_outside_top_k() -> None:
     params = SamplingParams(temperature=1.0, top_k=2, seed=0, logprobs=5, logprobs_mode="processed")
-    req = Request.create("r", [1], params, True, 512, frozenset())
+    req = make_request("r", [1], params, True, 512, frozenset())
     verdict = judge([(req, [])], torch.arange(VOCAB, dtype=torch.float32).unsqueeze(0))[0]
     assert verdict.logprobs is not None
     assert verdict.logprobs[0].top_ids[:2] == [VOCAB - 1, VOCAB - 2]

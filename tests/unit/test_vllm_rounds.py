@@ -14,7 +14,7 @@ from services.verifier.main import build
 from services.verifier.vllm_engine.plugin import InboxProposer, align, expand_batch_to_tokens, external_id
 from services.verifier.vllm_engine.rounds import LiveSession
 from shared.acceptance import matched
-from shared.config import ConfigError
+from shared.config import ConfigError, from_flags
 from shared.protocol import MAX_CONDITIONAL_DRAFTS
 
 # --- align: what the proposer still proposes after the request moved on ------------------------
@@ -179,7 +179,7 @@ def test_a_conditional_draft_on_arrival(round_: int, after: tuple[int, ...], hav
     if have_draft:
         assert s.take_draft(1, [1], now=1.5)
     assert s.offer(round_, after, [1, 2, 3, 4], now=2.0) == want
-    assert (s.upcoming == [(after, [1, 2, 3, 4])]) is (want == "held")
+    assert (s.upcoming.held == [(after, [1, 2, 3, 4])]) is (want == "held")
     if want == "taken":
         assert s.draft == [1, 2, 3] and s.draft_wait_s == pytest.approx(1.0)  # clipped; waited since round 1 began
 
@@ -201,7 +201,7 @@ def test_the_next_round_begins_with_the_draft_that_came_true(
     s.resolve(now=1.0)
     s.budget, s.speculative = budget, speculative
     assert s.promote() == (taken, dropped)
-    assert s.draft == draft and s.upcoming == []
+    assert s.draft == draft and s.upcoming.held == []
     if taken:
         assert s.draft_wait_s == 0.0 and s.live_draft() == draft and not s.due()
 
@@ -223,7 +223,7 @@ def test_a_session_holds_only_so_many_conditional_drafts() -> None:
 ])
 def test_backend_flags_that_cannot_work_are_refused(flags: dict[str, str], message: str,
                                                     tiny_models: dict[str, Path]) -> None:
-    cfg = VerifierConfig(model=str(tiny_models["target"]), **flags)  # type: ignore[arg-type]
+    cfg = from_flags(VerifierConfig, model=str(tiny_models["target"]), **flags)  # type: ignore[arg-type]
     loop = asyncio.new_event_loop()
     try:
         with pytest.raises(ConfigError, match=message):

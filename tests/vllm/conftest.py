@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from services.verifier.vllm_engine.engine import EngineSettings, start_engine
+from services.verifier.vllm_engine.engine import EngineSettings, EngineTarget, start_engine
 
 with warnings.catch_warnings():  # vLLM's own imports use torch APIs that warn; not ours to fix
     warnings.simplefilter("ignore")
@@ -29,8 +29,8 @@ VLLM_WARNINGS = [pytest.mark.filterwarnings("ignore::ResourceWarning"),
 
 
 def engine_settings(model: Path) -> EngineSettings:
-    return EngineSettings(str(model), "cpu", "float32", 256, K, max_num_seqs=64, max_num_batched_tokens=2048,
-                          memory_share=0.0, log_stats=False)
+    return EngineSettings(EngineTarget(str(model), "cpu", "float32", 256), K, max_num_seqs=64,
+                          max_num_batched_tokens=2048, log_stats=False)
 
 
 class EngineLoop:

@@ -54,12 +54,12 @@ class WispState:
     model: RejectionMLP | None = None
     train_after: int = 2000  # retrain after this many new samples; 0: never (a fixed --wisp-model)
     samples_path: Path | None = None
-    trainings: int = 0
-    _rows: deque[list[float]] = field(default_factory=lambda: deque(maxlen=WINDOW))
-    _labels: deque[int] = field(default_factory=lambda: deque(maxlen=WINDOW))
-    _new: int = 0
-    _file: IO[str] | None = None
-    _thread: threading.Thread | None = None
+    trainings: int = field(init=False, default=0)
+    _rows: deque[list[float]] = field(init=False, default_factory=lambda: deque(maxlen=WINDOW))
+    _labels: deque[int] = field(init=False, default_factory=lambda: deque(maxlen=WINDOW))
+    _new: int = field(init=False, default=0)
+    _file: IO[str] | None = field(init=False, default=None)
+    _thread: threading.Thread | None = field(init=False, default=None)
 
     def record(self, rows: list[list[float]], labels: list[int]) -> None:
         """Add a round's labelled samples (event-loop thread); may start a background training."""

@@ -71,6 +71,18 @@ class _SessionCache:
     disabled: str = ""  # why this session cannot be drafted for; empty: it can
 
 
+class _Mode(NamedTuple):
+    """How one session drafts, fixed for a ``propose``."""
+
+    sampled: bool  # drafted from the session's stream, with q
+    raced: bool  # the winner of the request's keyed race at each position (shared.race)
+    enders: frozenset[int]
+    watch: DraftController | None
+    features: bool  # compute step features (for ``watch``, or for a later screening)
+    spread: bool  # ... with entropy and logit std (``watch`` reads them)
+    penalised: bool  # the request has penalties: apply them to each row before choosing
+
+
 @dataclass
 class _Drafting:
     """One session's draft in progress within a batched ``propose``."""
@@ -80,21 +92,15 @@ class _Drafting:
     state: _SessionCache
     cache: KVCache  # the main cache, or a spare for a branch lookahead (``DraftJob.branch``)
     k: int
-    sampled: bool  # drafted from the session's stream, with q
-    raced: bool  # the winner of the request's keyed race at each position (shared.race)
-    enders: frozenset[int]
-    watch: DraftController | None
-    features: bool  # compute step features (for ``watch``, or for a later screening)
-    spread: bool  # ... with entropy and logit std (``watch`` reads them)
+    mode: _Mode
     feed: list[int]  # tokens the next forward feeds for this session
     context: list[int]  # the committed sequence the draft continues
-    penalised: bool  # the request has penalties: apply them to each row before choosing
-    tokens: list[int] = field(default_factory=list)
-    runner_up: list[int] = field(default_factory=list)  # a greedy draft's second choice per token
-    qs: list[SparseQ] = field(default_factory=list)
-    steps: list[StepFeatures] = field(default_factory=list)
-    done: bool = False
-    final: bool = False  # stopped on its own, not by reaching k
+    tokens: list[int] = field(init=False, default_factory=list)
+    runner_up: list[int] = field(init=False, default_factory=list)  # a greedy draft's second choice per token
+    qs: list[SparseQ] = field(init=False, default_factory=list)
+    steps: list[StepFeatures] = field(init=False, default_factory=list)
+    done: bool = field(init=False, default=False)
+    final: bool = field(init=False, default=False)  # stopped on its own, not by reaching k
 
 
 class _Pick(NamedTuple):
@@ -185,8 +191,9 @@ class DraftModelProposer:
                 live = [d for d in live if not d.done]
         out = [EMPTY_PROPOSAL] * len(jobs)
         for d in drafts:
-            out[d.index] = Proposal(token_ids=d.tokens, q=d.qs if d.sampled else None, steps=d.steps, final=d.final,
-                                    runner_up=[] if d.sampled else d.runner_up)
+            sampled = d.mode.sampled
+            out[d.index] = Proposal(token_ids=d.tokens, q=d.qs if sampled else None, steps=d.steps, final=d.final,
+                                    runner_up=[] if sampled else d.runner_up)
         return out
 
     def _begin(self, index: int, job: DraftJob) -> _Drafting | None:
@@ -204,22 +211,22 @@ class DraftModelProposer:
         sampled = self.mode == "sampled" and not is_greedy(job.params)
         raced = sampled and job.race_key is not None
         spread = (watch is not None and watch.wants_spread) or job.spread
-        return _Drafting(index, job, state, cache, k, sampled and not raced, raced, enders, watch,
-                         watch is not None or job.features, spread, feed=context[len(cache.cached):], context=context,
-                         penalised=has_penalties(job.params))
+        mode = _Mode(sampled and not raced, raced, enders, watch, watch is not None or job.features, spread,
+                     has_penalties(job.params))
+        return _Drafting(index, job, state, cache, k, mode, feed=context[len(cache.cached):], context=context)
 
     def _pick(self, d: _Drafting, logits: torch.Tensor, top2: list[int]) -> _Pick:
         """Choose the next token of one session from its logits row (``top2``: its two best ids)."""
-        if d.penalised:
+        if d.mode.penalised:
             logits = _penalise(d, logits)
             top2 = logits.topk(len(top2)).indices.tolist()
-        if d.raced:
+        if d.mode.raced:
             assert d.job.race_key is not None
             token, up = top_two(probs_from_logits(logits, d.job.params), d.job.race_key, len(d.context) + len(d.tokens))
             return _Pick(token, up, None, logits)
-        if d.sampled and d.job.guess is not None and not d.tokens:
+        if d.mode.sampled and d.job.guess is not None and not d.tokens:
             return _Pick(guess_token(logits, d.job.params, d.job.guess), -1, None, logits)  # never sent: no q
-        if d.sampled:
+        if d.mode.sampled:
             token, q = draft_token(logits, d.job.params, d.job.rng, self.nucleus)
             return _Pick(token, -1, q, logits)
         return _Pick(top2[0], top2[-1], None, logits)
@@ -228,7 +235,7 @@ class DraftModelProposer:
         """Keep the picked token unless the controller discards it; decide whether to go on."""
         decision = StepDecision.CONTINUE
         if step is not None:
-            decision = d.watch.on_step(step) if d.watch is not None else StepDecision.CONTINUE
+            decision = d.mode.watch.on_step(step) if d.mode.watch is not None else StepDecision.CONTINUE
             if decision is StepDecision.DISCARD:
                 d.done = d.final = True
                 return
@@ -237,7 +244,7 @@ class DraftModelProposer:
         d.runner_up.append(pick.runner_up)
         if pick.q is not None:
             d.qs.append(pick.q)
-        d.final = decision is StepDecision.STOP or pick.token in d.enders  # nothing follows an end token
+        d.final = decision is StepDecision.STOP or pick.token in d.mode.enders  # nothing follows an end token
         d.done = d.final or len(d.tokens) >= d.k
         d.feed = [pick.token]
 
@@ -282,11 +289,11 @@ def _step_features(live: Sequence[_Drafting], picks: Sequence[_Pick], logits: to
     reads it. This runs on every draft step of a batch: for 12 rows of 4,096 logits it took 185 µs
     a step on this CPU, against 334 µs with a top-2 of its own over a stack of the rows (2026-11-27),
     which made AdaSpec's rounds draft slower than fixed k's."""
-    want = [i for i, d in enumerate(live) if d.features]
+    want = [i for i, d in enumerate(live) if d.mode.features]
     out: list[StepFeatures | None] = [None] * len(live)
     if not want:
         return out
-    if any(live[i].penalised for i in want):  # the rows picks chose from are not all the step's
+    if any(live[i].mode.penalised for i in want):  # the rows picks chose from are not all the step's
         rows = torch.stack([picks[i].logits for i in want]).float()
         top = rows.topk(min(2, rows.shape[-1]), dim=-1).values
     elif len(want) < len(live):
@@ -299,7 +306,7 @@ def _step_features(live: Sequence[_Drafting], picks: Sequence[_Pick], logits: to
     chosen = rows.gather(-1, tokens[:, None])
     probs = torch.cat([chosen, top], -1).sub_(lse).exp_().tolist()
     entropy, logit_std = [math.nan] * len(want), [math.nan] * len(want)
-    if spread := [n for n, i in enumerate(want) if live[i].spread]:
+    if spread := [n for n, i in enumerate(want) if live[i].mode.spread]:
         some = rows[spread]
         for n, e, sd in zip(spread, torch.special.entr((some - lse[spread]).exp_()).sum(-1).tolist(),
                             some.std(-1).tolist(), strict=True):

