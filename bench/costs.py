@@ -137,7 +137,7 @@ def draft_batch_ms(loaded: Any, rows: list[int], k: int, prompt_len: int, repeat
     runs per batch: ``k`` forwards, sampling and its cache bookkeeping) for each batch size in
     ``rows``; after each batch, untimed (the drafter commits apart from its batches), every session
     commits up to 2 of its drafts and a bonus token."""
-    from services.drafter.proposers.base import DraftJob
+    from services.drafter.proposers.base import DraftJob, JobSession
     from services.drafter.proposers.draft_model import DraftModelProposer
     from shared.protocol import MAX_DRAFT_TOKENS, SamplingParams
     from shared.sampling import make_generator
@@ -151,7 +151,7 @@ def draft_batch_ms(loaded: Any, rows: list[int], k: int, prompt_len: int, repeat
         ids = [f"b{n}-{i}" for i in range(n)]
         for i, sid in enumerate(ids):
             proposer.start(sid, [5 + (i + j) % 200 for j in range(prompt_len)], new)
-        jobs = [DraftJob(sid, k, params, make_generator(i, "draft")) for i, sid in enumerate(ids)]
+        jobs = [DraftJob(JobSession(sid, params, make_generator(i, "draft")), k) for i, sid in enumerate(ids)]
         times = [_draft_and_commit(proposer, jobs, n * k) for _ in range(WARMUP + repeats)]
         out[n] = 1e3 * statistics.median(times[WARMUP:])
         for sid in ids:

@@ -58,7 +58,7 @@ from bench.sim.tokens import acceptance_prob, features
 from bench.sim.verifier import SimVerifier
 from services.coordinator.share import EvenShare
 from services.drafter.control import ControlSettings, StepDecision, make_controller
-from services.drafter.control.wisp import WispController
+from services.drafter.control.predicted_rejection import RejectionStopController
 from services.verifier.allocation import draft_share
 from services.verifier.batching import slo_met
 
@@ -198,7 +198,7 @@ class Simulation:
             s.edge.in_flight.remove(s)
         if v.drafted > 0 and s.controller is not None:
             s.controller.end_round(v.drafted, min(v.accepted, v.drafted), s.draft_s, self.now - s.sent_at)
-            if isinstance(s.controller, WispController):
+            if isinstance(s.controller, RejectionStopController):
                 s.controller.shared.wait_trained()  # a retraining runs to completion: deterministic
         if v.finished or v.budget <= 0:
             s.awaiting = False  # no next drafted round follows this verdict at once

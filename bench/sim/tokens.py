@@ -25,7 +25,7 @@ import math
 import random
 from collections.abc import Sequence
 
-from services.drafter.control.base import StepFeatures
+from services.drafter.control.base import Spread, StepFeatures
 
 #: tokens over which the synthetic distribution spreads the mass left after the top two
 TAIL = 64
@@ -53,7 +53,7 @@ def features(a: float, position: int, budget: int, rows: int = 1) -> StepFeature
     mean = (logs[0] + logs[1] + TAIL * logs[2]) / n
     var = ((logs[0] - mean) ** 2 + (logs[1] - mean) ** 2 + TAIL * (logs[2] - mean) ** 2) / n
     return StepFeatures(position=position, budget=budget, token_id=0, token_prob=c, top1_prob=c, top2_prob=top2,
-                        entropy=entropy, logit_std=math.sqrt(var), rows=rows)
+                        spread=Spread(entropy, math.sqrt(var)), rows=rows)
 
 
 def accepted_prefix(accepted: Sequence[bool]) -> int:

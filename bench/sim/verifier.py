@@ -56,7 +56,7 @@ from services.verifier.allocation import (
     make_allocator,
 )
 from services.verifier.allocation.base import expected_tokens
-from services.verifier.batching import BatchLimits, Candidate, WispBatcher, make_batcher
+from services.verifier.batching import BatchLimits, Candidate, DeadlineBatcher, SloClock, make_batcher
 from services.verifier.batching.estimator import SegmentShape, overhead_line
 from services.verifier.fill import make_fill
 from services.verifier.round import DraftBudgets, filled_outcome, settled_drafts
@@ -77,7 +77,7 @@ class SimVerifier:
             p.draft_len, p.capacity, p.allocation_max_len, spec.seed, self.limits), cost, self.overhead)
         self.batcher = make_batcher(p.batching, cost, p.default_slo_tokens_per_s, delta_s=p.wisp_delta_s,
                                     network_s=p.wisp_network_s)
-        if isinstance(self.batcher, WispBatcher):
+        if isinstance(self.batcher, DeadlineBatcher):
             self.batcher.clock = clock  # deadlines and latest starts on the simulated clock
         if isinstance(self.allocator, SmartSpecAllocator):
             self.allocator.wait.clock = clock  # its draft waits expire in simulated time
@@ -168,8 +168,8 @@ class SimVerifier:
         n = len(s.drafts)
         expected = expected_tokens(est.alpha, n) if est is not None else 1.0
         to_prefill = s.context_len - 1 - s.cached
-        self.ready[s.sid] = (s, Candidate(s.sid, to_prefill + 1 + n, s.context_len, now, cached=s.cached,
-                                          arrived_at=s.arrived_at, generated=s.generated, slo_tokens_per_s=s.slo,
+        clock = SloClock(s.arrived_at, s.generated, s.slo)
+        self.ready[s.sid] = (s, Candidate(s.sid, to_prefill + 1 + n, s.context_len, now, cached=s.cached, clock=clock,
                                           expected_tokens=expected))
 
     # --- a step ------------------------------------------------------------------------------

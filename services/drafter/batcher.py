@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from services.drafter.capacity import Capacity
+from services.drafter.control.capacity import Capacity
 from services.drafter.metrics import DrafterMetrics
 from services.drafter.proposers.base import DraftJob, Proposal, Proposer
 from services.drafter.worker import ComputeWorker
@@ -74,7 +74,7 @@ class DraftBatcher:
         flight) only fill time the draft model would otherwise idle: they run when no round is
         waiting to be drafted, never beside one, so they cannot slow a real round down."""
         self._ready = [item for item in self._ready if not item[2].done()]
-        rounds = [item for item in self._ready if not item[0].assume]
+        rounds = [item for item in self._ready if not item[0].after.assume]
         batch = (rounds or self._ready)[: self.max_batch]
         taken = {id(item) for item in batch}
         self._ready = [item for item in self._ready if id(item) not in taken]
@@ -84,7 +84,7 @@ class DraftBatcher:
                      began: float) -> None:
         for _, queued, _ in batch:
             self.metrics.job_wait.observe(began - queued)
-        self.metrics.batch_size.labels("lookahead" if batch[0][0].assume else "round").observe(len(batch))
+        self.metrics.batch_size.labels("lookahead" if batch[0][0].after.assume else "round").observe(len(batch))
         try:
             proposals, started, ended, cpu = await self.worker.run(_timed, self.proposer.propose,
                                                                    [j for j, _, _ in batch])
@@ -96,7 +96,7 @@ class DraftBatcher:
             return
         self.metrics.draft_busy.inc(ended - started)
         self.metrics.draft_cpu.inc(cpu)
-        if batch[0][0].assume:  # a batch is all rounds or all lookaheads (_next_batch)
+        if batch[0][0].after.assume:  # a batch is all rounds or all lookaheads (_next_batch)
             self.metrics.lookahead_busy.inc(ended - started)
             self.metrics.lookahead_cpu.inc(cpu)
         else:

@@ -62,7 +62,7 @@ from dataclasses import dataclass, field, replace
 from services.drafter.batcher import DraftBatcher
 from services.drafter.control.base import DraftController, StepFeatures, keep_until_stop
 from services.drafter.metrics import DrafterMetrics
-from services.drafter.proposers.base import DraftJob, Proposal
+from services.drafter.proposers.base import Continuation, DraftJob, Proposal
 from shared.calibration import ewma
 from shared.protocol import SparseQ, Verdict
 
@@ -122,14 +122,15 @@ class Lookahead:
         cut where ``screen`` (the session's controller) would stop it, and not at all if at once."""
         self.cancel()
         self._open, self._screen = True, screen
-        self._spawn(_Branch(len(job.assume), (), job.k, job.assume), batcher, job, presend)
+        self._spawn(_Branch(len(job.after.assume), (), job.k, job.after.assume), batcher, job, presend)
         for n, (j, token) in enumerate(alternatives, start=1):  # k - 1: the correction is assumed, not drafted
-            alt = replace(job, k=job.k - 1, assume=(*job.assume[:j], token), guess=None, branch=n)
-            self._spawn(_Branch(j, (token,), alt.k, alt.assume), batcher, alt, presend)
+            after = Continuation((*job.after.assume[:j], token), job.after.base, branch=n)
+            alt = replace(job, k=job.k - 1, after=after)
+            self._spawn(_Branch(j, (token,), alt.k, alt.after.assume), batcher, alt, presend)
 
     def _spawn(self, branch: _Branch, batcher: DraftBatcher, job: DraftJob, presend: Presend | None) -> None:
         branch.task = asyncio.create_task(self._draft(branch, batcher, job, presend),
-                                          name=f"lookahead-{job.session_id}-{job.branch}")
+                                          name=f"lookahead-{job.session_id}-{job.after.branch}")
         self._branches.append(branch)
 
     async def _draft(self, branch: _Branch, batcher: DraftBatcher, job: DraftJob,
@@ -274,7 +275,7 @@ async def _one_token_at_a_time(batcher: DraftBatcher, job: DraftJob) -> tuple[Pr
     one forward at most, never for a whole lookahead (the batcher drafts rounds first).
 
     A sampled lookahead's q covers its tokens after the first: the first guesses the verifier's own
-    token (``job.guess``), which replaces it in any case, so it has no q (``Lookahead.settle``
+    token (``job.after.guess``), which replaces it in any case, so it has no q (``Lookahead.settle``
     aligns the rest from the end)."""
     tokens: list[int] = []
     ups: list[int] = []
@@ -282,8 +283,9 @@ async def _one_token_at_a_time(batcher: DraftBatcher, job: DraftJob) -> tuple[Pr
     qs: list[SparseQ] | None = None
     started = ended = 0.0
     for i in range(job.k):
-        guess = job.guess if i == 0 else None  # only the first token guesses the verifier's
-        step, began, ended = await batcher.propose(replace(job, k=1, assume=(*job.assume, *tokens), guess=guess))
+        guess = job.after.guess if i == 0 else None  # only the first token guesses the verifier's
+        after = replace(job.after, assume=(*job.after.assume, *tokens), guess=guess)
+        step, began, ended = await batcher.propose(replace(job, k=1, after=after))
         started = started or began
         tokens += step.token_ids
         ups += step.runner_up
@@ -292,7 +294,7 @@ async def _one_token_at_a_time(batcher: DraftBatcher, job: DraftJob) -> tuple[Pr
             qs = [*(qs or []), *step.q]
         if not step.token_ids or step.final:  # an end token, or the controller stopped it
             break
-    whole = qs is not None and len(qs) == len(tokens) - (job.guess is not None)
+    whole = qs is not None and len(qs) == len(tokens) - (job.after.guess is not None)
     return Proposal(token_ids=tokens, q=qs if whole else None, steps=steps,
                     runner_up=ups if len(ups) == len(tokens) else []), started, ended
 

@@ -3,10 +3,8 @@
 Per verifier connection:
 
 * admission takes requests from the queue whenever a slot is free, so the draft model never
-  idles while work waits, and never serves more sessions than ``max_sessions``; with
-  ``--admission starsd`` also no more than StarSD's N_max, estimated from its own timings
-  (``capacity.py``). That rule keeps each session faster than the target alone; against a
-  verifier that batches sessions it can cost total throughput, so it is opt-in;
+  idles while work waits, and never serves more sessions than its admission control allows
+  (``control/admission.py``: ``max_sessions``, or with ``--admission starsd`` StarSD's N_max);
 * each admitted request runs as its own task (``rounds.SessionRunner``); their draft jobs go to
   one ``DraftBatcher``, which drafts every ready session together on the compute worker, and
   their frames share one WebSocket;
@@ -25,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from services.drafter.batcher import DraftBatcher
-from services.drafter.capacity import Capacity
+from services.drafter.control.admission import make_admission
 from services.drafter.control.base import DraftController
 from services.drafter.link import VerifierLink
 from services.drafter.metrics import DrafterMetrics
@@ -38,8 +36,6 @@ from shared.queue import Delivery, QueueError, RequestQueue
 
 log = get_logger("drafter.loop")
 
-#: --admission choices (see the module docstring)
-ADMISSIONS = ("max-sessions", "starsd")
 #: How long one queue poll waits before admission re-checks its state.
 QUEUE_POLL_S = 1.0
 #: Upper bound on queue calls made while shutting down, so a dead queue cannot hang the exit.
@@ -49,14 +45,6 @@ SHUTDOWN_QUEUE_TIMEOUT_S = 5.0
 #: afresh before the coordinators have noticed the loss and re-opened them there from what they
 #: relayed (then the coordinator's re-open is refused as a duplicate and the request fails).
 HAND_BACK_DELAY_S = 1.0
-
-
-def session_limit(admission: str, max_sessions: int, capacity: Capacity) -> int:
-    """How many sessions this drafter serves now: ``max_sessions``, and with ``starsd`` admission
-    also at most StarSD's N_max once the estimate is warm. A drafter at its limit does not poll
-    the queue, so requests go to drafters with capacity left."""
-    n_max = capacity.n_max if admission == "starsd" else None
-    return min(max_sessions, n_max or max_sessions)
 
 
 @dataclass
@@ -76,7 +64,7 @@ class LoopSettings:
     node_id: str
     max_sessions: int
     reconnect_s: float = 1.0
-    admission: str = "max-sessions"  # or starsd: StarSD's N_max (capacity.py)
+    admission: str = "max-sessions"  # or starsd: StarSD's N_max (control/admission.py)
     rounds: RoundSettings = field(default_factory=RoundSettings)  # the Welcome sets its limits per connection
 
 
@@ -86,7 +74,7 @@ class DrafterLoop:
                  on_session_end: Callable[[DraftSession], None] | None = None,
                  metrics: DrafterMetrics | None = None) -> None:
         self.settings = settings
-        self.admission = settings.admission
+        self.admission = make_admission(settings.admission)  # how many sessions to claim
         self.node_id = settings.node_id
         self.max_sessions = settings.max_sessions
         self.link = link
@@ -152,7 +140,7 @@ class DrafterLoop:
     async def _admit(self, runner: SessionRunner) -> None:
         while True:
             self._slot_freed.clear()
-            free = session_limit(self.admission, self.max_sessions, runner.batcher.capacity) - len(self._sessions)
+            free = self.admission.limit(self.max_sessions, runner.batcher.capacity) - len(self._sessions)
             if free <= 0:
                 await self._slot_freed.wait()
                 continue

@@ -19,11 +19,12 @@ from pathlib import Path
 
 from services.drafter.config import DrafterConfig
 from services.drafter.control import CONTROLLERS, ControlSettings, make_controller
+from services.drafter.control.admission import ADMISSIONS
+from services.drafter.control.predicted_rejection import PredictorState
 from services.drafter.control.rejection_predictor import RejectionMLP
-from services.drafter.control.wisp import WispState
 from services.drafter.health import HealthServer
 from services.drafter.link import LinkRefused, VerifierLink
-from services.drafter.loop import ADMISSIONS, DrafterLoop, LoopSettings
+from services.drafter.loop import DrafterLoop, LoopSettings
 from services.drafter.metrics import DrafterMetrics
 from services.drafter.proposers.base import Proposer
 from services.drafter.proposers.draft_model import DRAFT_MODES, DraftModelProposer
@@ -133,7 +134,7 @@ def _wisp_problems(cfg: DrafterConfig) -> list[str]:
 def control_settings(cfg: DrafterConfig) -> ControlSettings:
     """One per drafter: AdaSpec's clock and calibration and WISP's predictor are shared by its sessions."""
     samples = Path(cfg.control.wisp_samples) if cfg.control.wisp_samples else None
-    wisp = WispState(model=RejectionMLP.load(Path(cfg.control.wisp_model)) if cfg.control.wisp_model else None,
+    wisp = PredictorState(model=RejectionMLP.load(Path(cfg.control.wisp_model)) if cfg.control.wisp_model else None,
                      train_after=cfg.control.wisp_train_after, samples_path=samples)
     return ControlSettings(cfg.control.threshold, wisp=wisp)
 

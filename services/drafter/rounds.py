@@ -24,10 +24,11 @@ from dataclasses import dataclass
 import msgspec
 
 from services.drafter.batcher import DraftBatcher
+from services.drafter.control.pipelining import PipelineGate
 from services.drafter.link import LINK_LOST, Inbound, LinkDown, VerifierLink
 from services.drafter.lookahead import BranchOdds, Presend
 from services.drafter.metrics import DrafterMetrics
-from services.drafter.proposers.base import EMPTY_PROPOSAL, DraftJob, Proposal, Proposer
+from services.drafter.proposers.base import EMPTY_PROPOSAL, Continuation, DraftJob, Proposal, Proposer
 from services.drafter.sessions import DraftSession
 from services.drafter.worker import ComputeWorker
 from shared.log import get_logger
@@ -78,7 +79,7 @@ class SessionRunner:
     def __init__(self, link: VerifierLink, proposer: Proposer, worker: ComputeWorker, batcher: DraftBatcher,
                  settings: RoundSettings, metrics: DrafterMetrics | None = None,
                  active: Callable[[], int] = lambda: 1) -> None:
-        self.pipeline_sessions = settings.pipeline_sessions
+        self.pipelining = PipelineGate(settings.pipeline_sessions)  # StarSD's gate on drafting ahead
         self.conditional = settings.conditional
         self.lookahead_branches = settings.lookahead_branches
         self.odds = BranchOdds()
@@ -239,13 +240,11 @@ class SessionRunner:
     def _pipelines(self, session: DraftSession, sent: Proposal) -> bool:
         """Whether the session drafts its next round while this one is verified (lookahead.py):
         greedy sessions, and unseeded sampled ones whose verifier couples its bonus token; and only
-        while the draft model has time for it: at most ``pipeline_sessions`` sessions, and fewer than
-        StarSD's N_full (capacity.py). With more, lookaheads only took edge CPU from real rounds."""
+        while the draft model has time for it (StarSD's gate: ``control/pipelining.py``)."""
         coupled = (session.bonus_key is not None and session.params.seed is None and self.proposer.guesses_bonus)
         if not sent.token_ids or not (session.deterministic or coupled) or session.drafting_disabled:
             return False
-        n_full = self.batcher.capacity.n_full
-        return self.active() <= self.pipeline_sessions and (n_full is None or self.active() < n_full)
+        return self.pipelining.allows(self.active(), self.batcher.capacity)
 
     def _look_ahead(self, session: DraftSession, sent: Proposal, k: int, guess: bool) -> None:
         """Start the lookahead after ``sent``; with ``guess``, its first token runs the verifier's
@@ -254,9 +253,8 @@ class SessionRunner:
         race = (session.bonus_key, session.round) if guess and session.bonus_key is not None else None
         # no controller: a lookahead is not a round, and must not touch a controller's round state;
         # its features are kept so the controller screens it when the next round takes it
-        job = DraftJob(session.request_id, k + 1, session.params, session.rng, None, tuple(sent.token_ids), base,
-                       features=self._wants_features(session), spread=session.controller.wants_spread,
-                       prompt_len=session.prompt_len, guess=race, race_key=session.race_key)
+        job = DraftJob(session.drafting(), k + 1, after=Continuation(tuple(sent.token_ids), base, guess=race),
+                       features=self._wants_features(session), spread=session.controller.wants_spread)
         # and for the likeliest rejections (a greedy draft's runner-ups; a sampled one has none), only
         # while this is the drafter's one session: with two, the extra rows took the draft model's slack
         # and lost more than they won (bench/RESULTS.md)
@@ -290,9 +288,7 @@ class SessionRunner:
             return EMPTY_PROPOSAL, now, now
         try:
             proposal, started, ended = await self.batcher.propose(
-                DraftJob(session.request_id, k, session.params, session.rng, session.controller,
-                         features=self._wants_features(session), prompt_len=session.prompt_len,
-                         race_key=session.race_key))
+                DraftJob(session.drafting(), k, controller=session.controller, features=self._wants_features(session)))
         except Exception as exc:  # a broken draft must not break the request: go target-only
             session.drafting_disabled = repr(exc)
             log.exception("drafting failed; the session continues with empty drafts",

@@ -15,6 +15,7 @@ import torch
 
 from services.drafter.control.base import DraftController
 from services.drafter.lookahead import Lookahead
+from services.drafter.proposers.base import JobSession
 from shared.protocol import SamplingParams, Verdict
 from shared.queue import Delivery
 from shared.sampling import is_greedy, make_generator
@@ -63,6 +64,10 @@ class DraftSession:
             committed=list(req.prompt_ids),
             rng=make_generator(req.params.seed, "draft"),
         )
+
+    def drafting(self) -> JobSession:
+        """What each of its draft jobs carries about it."""
+        return JobSession(self.request_id, self.params, self.rng, self.prompt_len, self.race_key)
 
     @property
     def request_id(self) -> str:

@@ -28,6 +28,17 @@ from shared.protocol import FinishReason, SamplingParams, TokenLogprob
 
 
 @dataclass(frozen=True)
+class Carried:
+    """What a request brings from before it reached this verifier."""
+
+    #: tokens already committed after the prompt (a request re-opened after its verifier was lost)
+    generated: list[int] = field(default_factory=list)
+    #: how long the request waited before it reached us: its ``arrived_at`` (the SLO clock, and the
+    #: order of prefill and of prefix sharing, oldest first) is moved back by it
+    waited_s: float = 0.0
+
+
+@dataclass(frozen=True)
 class AddRequest:
     request_id: str
     prompt_ids: list[int]
@@ -36,11 +47,19 @@ class AddRequest:
     drafter: str = ""  # the drafter's node id, for per-drafter estimates and metrics
     slo_tokens_per_s: float | None = None  # the request's token-speed SLO class (None: the default)
     grammar: Grammar | None = None  # structured output: the request's grammar state
-    #: tokens already committed after the prompt (a request re-opened after its verifier was lost)
-    generated: list[int] = field(default_factory=list)
-    #: how long the request waited before it reached us: its ``arrived_at`` (the SLO clock, and the
-    #: order of prefill and of prefix sharing, oldest first) is moved back by it
-    waited_s: float = 0.0
+    carried: Carried = field(default_factory=Carried)  # what it brings from before it reached us
+
+    @property
+    def generated(self) -> list[int]:
+        return self.carried.generated
+
+
+@dataclass(frozen=True)
+class DraftAsks:
+    """What a drafter asks of the verifier with a draft."""
+
+    pause_rounds: int = 0  # not to be waited for in the next this-many rounds (they run target-only)
+    guess_bonus: bool = False  # to draw the bonus token by the keyed race (shared.coupling)
 
 
 @dataclass(frozen=True)
@@ -51,8 +70,7 @@ class AddDraft:
     q: list[CheckedQ] | None  # checked and parsed by intake
     received_at: float  # time.perf_counter() when the frame arrived
     confidence: list[float] | None = None  # the draft model's probability of each token (AdaSpec trim)
-    pause_rounds: int = 0  # the drafter asks not to be waited for in the next this-many rounds
-    guess_bonus: bool = False  # draw the bonus token by the keyed race (shared.coupling)
+    asks: DraftAsks = field(default_factory=DraftAsks)
     #: a conditional draft (``Draft.after``): only if round ``round - 1`` commits exactly these tokens
     after: tuple[int, ...] | None = None
 

@@ -12,7 +12,17 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from services.verifier.core_api import AddDraft, AddRequest, Attach, CoreBusy, Detach, Finish, VerifierCore
+from services.verifier.core_api import (
+    AddDraft,
+    AddRequest,
+    Attach,
+    Carried,
+    CoreBusy,
+    Detach,
+    DraftAsks,
+    Finish,
+    VerifierCore,
+)
 from services.verifier.detok import IncrementalText
 from services.verifier.grammar import GrammarError, Grammars
 from services.verifier.output import Output
@@ -116,7 +126,7 @@ class Intake:
         try:
             self.core.submit(AddRequest(rid, list(msg.prompt_ids), msg.params, speculative,
                                         self.names(conn_id) if speculative else "", msg.slo_tokens_per_s,
-                                        grammar, generated, waited_s=min(msg.waited_s, MAX_WAITED_S)))
+                                        grammar, Carried(generated, min(msg.waited_s, MAX_WAITED_S))))
         except CoreBusy as exc:
             self.routes.close(rid)
             return self.output.error(conn_id, "busy", str(exc), rid)
@@ -196,7 +206,7 @@ class Intake:
         guess = msg.guess_bonus and self.trusted(conn_id)
         after = tuple(msg.after) if msg.after is not None else None
         self._submit(conn_id, AddDraft(rid, msg.round, list(msg.token_ids), q, received_at, confidence,
-                                       msg.pause_rounds, guess, after))
+                                       DraftAsks(msg.pause_rounds, guess), after))
         return None
 
     def _detach(self, conn_id: str, request_id: str) -> None:

@@ -67,7 +67,7 @@ class RequestTable:
                       Stops.of(cmd.params, len(cmd.prompt_ids), self.target.eos_ids, self.target.max_model_len),
                       drafter=cmd.drafter, speculative=cmd.speculative,
                       slo_tokens_per_s=cmd.slo_tokens_per_s or self.limits.default_slo_tokens_per_s)
-        req.arrived_at -= cmd.waited_s
+        req.arrived_at -= cmd.carried.waited_s
         need = req.stops.kv_tokens_needed(self.limits.max_draft_tokens)
         must_wait = bool(self.waiting) or not self.kv.fits(need)
         if need > self.kv.tokens:

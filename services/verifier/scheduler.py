@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from services.verifier.allocation.base import expected_tokens
 from services.verifier.allocation.tracker import GoodputTracker
-from services.verifier.batching import BatchLimits, BatchPolicy, Candidate
+from services.verifier.batching import BatchLimits, BatchPolicy, Candidate, SloClock
 from services.verifier.batching.estimator import SegmentShape, StepTimeEstimator
 from services.verifier.fill import Fill, FillBeforeDrafts
 from services.verifier.requests import Request, Status
@@ -122,8 +122,8 @@ class Scheduler:
         est = self.tracker.sessions.get(r.request_id) if self.tracker is not None else None
         expected = expected_tokens(est.alpha, len(drafts)) if est is not None else 1.0
         return Candidate(r.request_id, r.to_prefill + 1 + len(drafts), len(r.committed), r.ready_since,
-                         cached=r.cached, arrived_at=r.arrived_at, generated=r.generated,
-                         slo_tokens_per_s=r.slo_tokens_per_s, expected_tokens=expected)
+                         cached=r.cached, clock=SloClock(r.arrived_at, r.generated, r.slo_tokens_per_s),
+                         expected_tokens=expected)
 
     def _trim(self, chosen: list[Request], drafts: dict[str, list[int]]) -> dict[str, int]:
         """Drafts to keep per session: the trim policy's choice where the drafts carry confidences."""

@@ -112,7 +112,7 @@ def test_only_a_trusted_drafter_may_ask_for_the_raced_bonus() -> None:
         intake = Intake(core, routes, NoErrors(), None, trusted=lambda _c, t=trusted: t)  # type: ignore[arg-type]
         routes.add(Route("s0", "frontend", conn, conn, conn, 3, None))  # type: ignore[arg-type]
         intake.handle(conn, "drafter", Draft(request_id="s0", round=0, token_ids=[1], guess_bonus=True))
-        assert core.drafts["s0"].guess_bonus is trusted
+        assert core.drafts["s0"].asks.guess_bonus is trusted
 
 
 class Sent:

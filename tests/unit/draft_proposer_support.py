@@ -12,7 +12,7 @@ import torch
 
 from services.drafter.control.base import DraftController, StepDecision, StepFeatures, keep_until_stop
 from services.drafter.metrics import DrafterMetrics
-from services.drafter.proposers.base import DraftJob, Proposal
+from services.drafter.proposers.base import DraftJob, JobSession, Proposal
 from services.drafter.proposers.draft_model import DraftModelProposer
 from shared.models import LoadedModel, load_model, make_tiny_family
 from shared.protocol import SamplingParams, Verdict
@@ -40,7 +40,7 @@ def gen(seed: int) -> torch.Generator:
 def propose(proposer: DraftModelProposer, session_id: str, k: int, params: SamplingParams,
             rng: torch.Generator, controller: DraftController | None = None) -> Proposal:
     """One session alone: a batch of one job."""
-    proposals = proposer.propose([DraftJob(session_id, k, params, rng, controller)])
+    proposals = proposer.propose([DraftJob(JobSession(session_id, params, rng), k, controller=controller)])
     assert len(proposals) == 1
     return proposals[0]
 

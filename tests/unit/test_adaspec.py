@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from services.drafter.control import ControlSettings, make_controller
-from services.drafter.control.adaspec import PROBE_EVERY, AdaSpecState, Calibration, RoundClock, efficiency
-from services.drafter.control.base import StepDecision, StepFeatures
+from services.drafter.control.base import Spread, StepDecision, StepFeatures
+from services.drafter.control.throughput import PROBE_EVERY, Calibration, RoundClock, ThroughputState, efficiency
 
 
 def _clock(draft_token_s: float, z0: float, z1: float) -> RoundClock:
@@ -62,11 +62,11 @@ def test_calibration_learns_from_judged_drafts_only() -> None:
 
 def _step(position: int, prob: float) -> StepFeatures:
     return StepFeatures(position=position, budget=8, token_id=1, token_prob=prob, top1_prob=prob, top2_prob=0.0,
-                        entropy=0.1)
+                        spread=Spread(entropy=0.1))
 
 
-def _controller(clock: RoundClock, confident: bool) -> tuple[object, AdaSpecState]:
-    state = AdaSpecState(clock=clock)
+def _controller(clock: RoundClock, confident: bool) -> tuple[object, ThroughputState]:
+    state = ThroughputState(clock=clock)
     for _ in range(50):  # history: confident drafts get accepted, unsure ones do not
         conf = 0.95 if confident else 0.15
         state.calibration.observe([conf] * 6, accepted=6 if confident else 0)
@@ -89,7 +89,7 @@ def test_a_drop_in_confidence_stops_the_round() -> None:
     """Predict from history (confident), execute, correct: the actual token is unsure, and the
     next one is predicted no better than history says, so one more would lower E/T."""
     clock = _clock(0.002, 0.004, 0.0005)
-    state = AdaSpecState(clock=clock)
+    state = ThroughputState(clock=clock)
     for _ in range(50):
         state.calibration.observe([0.95, 0.15, 0.15, 0.15], accepted=1)
     controller = make_controller("adaspec", ControlSettings(adaspec=state))
@@ -121,7 +121,7 @@ def test_a_session_drafting_in_a_batch_pays_its_share_of_a_step(rows: int, decis
     """Drafting costs 4 ms a token and the return 6 ms: alone, a second token accepted about half
     the time lowers E/T (2.5 / 14 ms < 2 / 10 ms); in a batch of two sessions that draft on it costs
     2 ms of the step (2.5 / 12 ms), in one of ten 0.4 ms, and raises it."""
-    state = AdaSpecState(clock=_clock(0.004, 0.006, 0.0))
+    state = ThroughputState(clock=_clock(0.004, 0.006, 0.0))
     for i in range(200):
         state.calibration.observe([0.95, 0.45], accepted=2 if i % 2 else 1)
     controller = make_controller("adaspec", ControlSettings(adaspec=state))

@@ -10,15 +10,15 @@ import copy
 import pytest
 
 from services.drafter.control import ControlSettings, make_controller
-from services.drafter.control.adaspec import AdaSpecState, RoundClock
-from services.drafter.control.base import DraftController, StepDecision, StepFeatures
+from services.drafter.control.base import DraftController, Spread, StepDecision, StepFeatures
 from services.drafter.control.fixed import FixedController
 from services.drafter.control.threshold import ThresholdController
+from services.drafter.control.throughput import RoundClock, ThroughputState
 
 
 def steps(*probs: float, rows: int = 1) -> list[StepFeatures]:
     return [StepFeatures(position=i, budget=len(probs), token_id=1, token_prob=p, top1_prob=p, top2_prob=0.0,
-                         entropy=0.1, logit_std=1.0, rows=rows) for i, p in enumerate(probs)]
+                         spread=Spread(entropy=0.1, logit_std=1.0), rows=rows) for i, p in enumerate(probs)]
 
 
 def a_round(controller: DraftController, drafted: list[StepFeatures], budget: int) -> int:
@@ -36,7 +36,7 @@ def a_round(controller: DraftController, drafted: list[StepFeatures], budget: in
 
 
 def adaspec(history: list[tuple[list[float], int]], clock: RoundClock) -> DraftController:
-    state = AdaSpecState(clock=clock)
+    state = ThroughputState(clock=clock)
     for _ in range(50):
         for confs, accepted in history:
             state.calibration.observe(confs, accepted)

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from services.drafter.control import make_controller
-from services.drafter.control.base import StepDecision, StepFeatures
+from services.drafter.control.base import Spread, StepDecision, StepFeatures
 from services.drafter.control.fixed import FixedController
-from services.drafter.proposers.base import DraftJob
+from services.drafter.proposers.base import DraftJob, JobSession
 from shared.models import LoadedModel
 from shared.penalties import apply_penalties
 from shared.protocol import SamplingParams
@@ -60,7 +60,7 @@ def test_step_features_describe_the_draft_distribution(draft: LoadedModel) -> No
         assert step.token_prob == pytest.approx(step.top1_prob)  # greedy drafts the top-1 token
         assert 0.0 <= step.top2_prob <= step.top1_prob <= 1.0
         assert step.margin >= 0.0
-        assert 0.0 <= step.entropy <= float(torch.log(torch.tensor(draft.vocab_size)))
+        assert 0.0 <= step.spread.entropy <= float(torch.log(torch.tensor(draft.vocab_size)))
 
 
 class _Watch(StopAt):
@@ -94,7 +94,7 @@ def test_step_features_of_a_batch_are_each_rows_own(draft: LoadedModel, with_pen
     for sid, prompt in prompts.items():
         proposer.start(sid, prompt, 64)
     # "ahead" is drafted as a lookahead is: no controller, features (with the spread) for a later screening
-    jobs = [DraftJob(sid, 3, params[sid], gen(i), watches[sid], prompt_len=len(prompts[sid]),
+    jobs = [DraftJob(JobSession(sid, params[sid], gen(i), prompt_len=len(prompts[sid])), 3, controller=watches[sid],
                      features=sid == "ahead", spread=sid == "ahead") for i, sid in enumerate(prompts)]
     out = dict(zip(prompts, proposer.propose(jobs), strict=True))
     assert out["none"].steps == [] and len(out["none"].token_ids) == 3
@@ -111,9 +111,9 @@ def test_step_features_of_a_batch_are_each_rows_own(draft: LoadedModel, with_pen
             probs = (step.token_prob, step.top1_prob, step.top2_prob)
             assert probs == pytest.approx((prob, top1, top2), rel=RUNNER_RTOL)
             if sid != "plain":  # its controller does not read the spread
-                assert (step.entropy, step.logit_std) == pytest.approx((entropy, std), rel=RUNNER_RTOL)
+                assert tuple(step.spread) == pytest.approx((entropy, std), rel=RUNNER_RTOL)
             else:
-                assert math.isnan(step.entropy) and math.isnan(step.logit_std)
+                assert math.isnan(step.spread.entropy) and math.isnan(step.spread.logit_std)
 
 
 def test_fixed_controller_skips_features(draft: LoadedModel) -> None:
@@ -128,7 +128,7 @@ def test_fixed_controller_drafts_the_whole_budget() -> None:
     assert controller.begin_round(5) == 5
     assert controller.begin_round(0) == 0
     step = StepFeatures(position=0, budget=5, token_id=1, token_prob=0.01, top1_prob=0.01, top2_prob=0.01,
-                        entropy=5.0)
+                        spread=Spread(entropy=5.0))
     assert controller.on_step(step) is StepDecision.CONTINUE
     with pytest.raises(ValueError, match="unknown controller 'nope'; choose one of: adaspec, fixed, threshold"):
         make_controller("nope")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from services.drafter.control.base import StepDecision
-from services.drafter.proposers.base import EMPTY_PROPOSAL, DraftJob, ProposerError
+from services.drafter.proposers.base import EMPTY_PROPOSAL, DraftJob, JobSession, ProposerError
 from services.drafter.proposers.draft_model import DraftModelProposer
 from shared.draft_q import Nucleus, dense, read
 from shared.models import LoadedModel
@@ -104,7 +104,7 @@ def test_a_batch_drafts_each_session_as_if_it_were_alone(draft: LoadedModel) -> 
     committed = {sid: list(prompt) for sid, prompt in BATCH_PROMPTS.items()}
 
     ks = {"a": 5, "b": 2, "c": 7}
-    got = batched.propose([DraftJob(sid, k, GREEDY, gen(0)) for sid, k in ks.items()])
+    got = batched.propose([DraftJob(JobSession(sid, GREEDY, gen(0)), k) for sid, k in ks.items()])
     for sid, proposal in zip(ks, got, strict=True):
         assert proposal.token_ids == propose(alone[sid], sid, ks[sid], GREEDY, gen(0)).token_ids
         assert proposal.token_ids == reference_draft(draft, committed[sid], ks[sid])
@@ -121,7 +121,7 @@ def test_a_batch_drafts_each_session_as_if_it_were_alone(draft: LoadedModel) -> 
         alone[sid].commit(sid, new[sid], accepted[sid])
         committed[sid] += new[sid]
     ks = {"c": 3, "a": 6, "b": 4}
-    got = batched.propose([DraftJob(sid, k, GREEDY, gen(0)) for sid, k in ks.items()])
+    got = batched.propose([DraftJob(JobSession(sid, GREEDY, gen(0)), k) for sid, k in ks.items()])
     for sid, proposal in zip(ks, got, strict=True):
         assert proposal.token_ids == propose(alone[sid], sid, ks[sid], GREEDY, gen(0)).token_ids
         assert proposal.token_ids == reference_draft(draft, committed[sid], ks[sid])
@@ -133,7 +133,8 @@ def test_a_sampled_session_in_a_batch_draws_what_it_draws_alone(draft: LoadedMod
     for p in (batched, alone):
         p.start("warm", PROMPT, 64)
         p.start("cold", BATCH_PROMPTS["b"], 64)
-    warm, cold = batched.propose([DraftJob("warm", 5, WARM, gen(7)), DraftJob("cold", 3, GREEDY, gen(0))])
+    warm, cold = batched.propose([DraftJob(JobSession("warm", WARM, gen(7)), 5), DraftJob(JobSession("cold", GREEDY,
+                                                                                                     gen(0)), 3)])
     warm_alone = propose(alone, "warm", 5, WARM, gen(7))
     assert warm.token_ids == warm_alone.token_ids
     assert warm.q is not None and warm_alone.q is not None
@@ -151,9 +152,9 @@ def test_sessions_leaving_the_batch_early_do_not_stop_the_others(draft: LoadedMo
     end = reference_greedy(draft, BATCH_PROMPTS["b"], 2)[1]
     controller = StopAt(0, StepDecision.STOP)
     a, b, c = proposer.propose([
-        DraftJob("a", 6, GREEDY, gen(0), controller),  # the controller stops it after one token
-        DraftJob("b", 6, SamplingParams(temperature=0.0, stop_token_ids=[end]), gen(0)),  # ends at its 2nd
-        DraftJob("c", 6, SamplingParams(temperature=0.0, ignore_eos=True), gen(0)),  # drafts all 6
+        DraftJob(JobSession("a", GREEDY, gen(0)), 6, controller=controller),  # the controller stops it after one token
+        DraftJob(JobSession("b", SamplingParams(temperature=0.0, stop_token_ids=[end]), gen(0)), 6),  # ends at its 2nd
+        DraftJob(JobSession("c", SamplingParams(temperature=0.0, ignore_eos=True), gen(0)), 6),  # drafts all 6
     ])
     assert a.token_ids == reference_greedy(draft, BATCH_PROMPTS["a"], 1)
     assert [s.position for s in controller.seen] == [0]
@@ -168,8 +169,10 @@ def test_an_unknown_or_closed_session_gets_an_empty_proposal_and_the_rest_are_dr
     proposer.start("gone", BATCH_PROMPTS["b"], 64)
     proposer.start("c", BATCH_PROMPTS["c"], 64)
     proposer.close("gone")  # closed while its job waited
-    got = proposer.propose([DraftJob("a", 3, GREEDY, gen(0)), DraftJob("ghost", 3, GREEDY, gen(0)),
-                            DraftJob("gone", 3, GREEDY, gen(0)), DraftJob("c", 4, GREEDY, gen(0))])
+    got = proposer.propose([DraftJob(JobSession("a", GREEDY, gen(0)), 3), DraftJob(JobSession("ghost", GREEDY, gen(0)),
+                                                                                   3),
+                            DraftJob(JobSession("gone", GREEDY, gen(0)), 3), DraftJob(JobSession("c", GREEDY, gen(0)),
+                                                                                      4)])
     assert got[1] == got[2] == EMPTY_PROPOSAL
     assert got[0].token_ids == reference_greedy(draft, BATCH_PROMPTS["a"], 3)
     assert got[3].token_ids == reference_greedy(draft, BATCH_PROMPTS["c"], 4)
@@ -296,7 +299,8 @@ def test_a_full_draft_kv_cache_disables_drafting_not_the_session(draft: LoadedMo
     proposer.start("small", PROMPT, 8)
     assert len(propose(proposer, "small", 4, GREEDY, gen(0)).token_ids) == 4
     # in one batch too: the session without a slot drafts nothing, the other drafts
-    big, small = proposer.propose([DraftJob("big", 4, GREEDY, gen(0)), DraftJob("small", 4, GREEDY, gen(0))])
+    big, small = proposer.propose([DraftJob(JobSession("big", GREEDY, gen(0)), 4), DraftJob(JobSession("small", GREEDY,
+                                                                                                       gen(0)), 4)])
     assert big.token_ids == [] and len(small.token_ids) == 4
     proposer.close("small")
     assert runner.kv.reserved_tokens == 0
@@ -359,7 +363,7 @@ def test_a_greedy_request_with_penalties_is_drafted_from_penalised_logits(draft:
     output = reference_greedy(draft, PROMPT, committed)  # committed output the session resumes after
     proposer = make(draft)
     proposer.start("s", [*PROMPT, *output], 64)
-    proposal = proposer.propose([DraftJob("s", 8, params, gen(1), prompt_len=len(PROMPT))])[0]
+    proposal = proposer.propose([DraftJob(JobSession("s", params, gen(1), prompt_len=len(PROMPT)), 8)])[0]
     want = list(output)
     for _ in range(8):
         want.append(int(penalised_row(draft, PROMPT, want, params).argmax()))
@@ -372,7 +376,7 @@ def test_a_sampled_request_with_penalties_sends_the_penalised_q(draft: LoadedMod
     params = SamplingParams(temperature=0.9, max_tokens=64, seed=3, **PENALISED)  # type: ignore[arg-type]
     proposer = make(draft, mode="sampled", nucleus=Nucleus(mass=1.0, max_entries=4096))
     proposer.start("s", PROMPT, 64)
-    proposal = proposer.propose([DraftJob("s", 4, params, gen(8), prompt_len=len(PROMPT))])[0]
+    proposal = proposer.propose([DraftJob(JobSession("s", params, gen(8), prompt_len=len(PROMPT)), 4)])[0]
     assert proposal.q is not None and len(proposal.q) == 4
     output: list[int] = []
     for token, q in zip(proposal.token_ids, proposal.q, strict=True):

@@ -14,7 +14,7 @@ import torch
 from services.drafter.batcher import DraftBatcher
 from services.drafter.lookahead import ODDS_PRIOR, BranchOdds, Lookahead
 from services.drafter.metrics import DrafterMetrics
-from services.drafter.proposers.base import DraftJob, Proposal
+from services.drafter.proposers.base import Continuation, DraftJob, JobSession, Proposal
 from services.drafter.proposers.draft_cache import SPARE_IDLE_COMMITS, KVCache, SessionCaches
 from services.drafter.proposers.draft_model import DraftModelProposer
 from services.drafter.worker import ComputeWorker
@@ -68,7 +68,7 @@ def second_choice(model: LoadedModel, ids: list[int]) -> int:
 def test_a_greedy_draft_names_each_tokens_runner_up(draft: LoadedModel) -> None:
     p = make(draft)
     p.start("s", PROMPT, 64)
-    (prop,) = p.propose([DraftJob("s", K, GREEDY, gen(0))])
+    (prop,) = p.propose([DraftJob(JobSession("s", GREEDY, gen(0)), K)])
     assert prop.token_ids == reference_greedy(draft, PROMPT, K)
     assert prop.runner_up == [second_choice(draft, PROMPT + prop.token_ids[:j]) for j in range(K)]
 
@@ -76,7 +76,7 @@ def test_a_greedy_draft_names_each_tokens_runner_up(draft: LoadedModel) -> None:
 def test_a_sampled_draft_names_no_runner_up(draft: LoadedModel) -> None:
     p = make(draft)
     p.start("s", PROMPT, 64)
-    (prop,) = p.propose([DraftJob("s", K, SamplingParams(temperature=1.0, max_tokens=64), gen(0))])
+    (prop,) = p.propose([DraftJob(JobSession("s", SamplingParams(temperature=1.0, max_tokens=64), gen(0)), K)])
     assert len(prop.token_ids) == K and prop.runner_up == []
 
 
@@ -85,11 +85,13 @@ def test_a_branch_drafts_what_a_fresh_cache_drafts_and_becomes_the_main_cache_wh
         draft: LoadedModel, j: int) -> None:
     p = make(draft)
     p.start("s", PROMPT, 64)
-    (sent,) = p.propose([DraftJob("s", K, GREEDY, gen(0))])
+    (sent,) = p.propose([DraftJob(JobSession("s", GREEDY, gen(0)), K)])
     up = sent.runner_up[j]
     assume = (*sent.token_ids[:j], up)
-    main, branch = p.propose([DraftJob("s", K + 1, GREEDY, gen(0), None, tuple(sent.token_ids), len(PROMPT)),
-                              DraftJob("s", K, GREEDY, gen(0), None, assume, len(PROMPT), branch=1)])
+    main, branch = p.propose([DraftJob(JobSession("s", GREEDY, gen(0)), K + 1,
+                                       after=Continuation(tuple(sent.token_ids), len(PROMPT))),
+                              DraftJob(JobSession("s", GREEDY, gen(0)), K, after=Continuation(assume, len(PROMPT),
+                                                                                              branch=1))])
     assert main.token_ids == reference_greedy(draft, PROMPT + sent.token_ids, K + 1)  # the main cache is untouched
     assert branch.token_ids == reference_greedy(draft, [*PROMPT, *assume], K)
     # the verifier rejects draft j in favour of the runner-up: the branch's cache is kept
@@ -97,7 +99,7 @@ def test_a_branch_drafts_what_a_fresh_cache_drafts_and_becomes_the_main_cache_wh
     caches = p._sessions["s"].caches
     assert caches.main is not None and caches.main.cached[: len(PROMPT) + j + 1] == [*PROMPT, *assume]
     assert p.cached_tokens("s") == len(PROMPT) + j + K  # the branch's drafts are in it (the last one unfed)
-    (nxt,) = p.propose([DraftJob("s", K, GREEDY, gen(0))])
+    (nxt,) = p.propose([DraftJob(JobSession("s", GREEDY, gen(0)), K)])
     assert nxt.token_ids == branch.token_ids == reference_greedy(draft, [*PROMPT, *assume], K)
 
 
@@ -123,19 +125,22 @@ def test_spares_give_way_to_sessions_and_are_freed_when_no_longer_used(draft: Lo
     p = DraftModelProposer(runner, draft.eos_ids)
     new_tokens = 100 - len(PROMPT) - MAX_DRAFT_TOKENS  # a slot of 100 tokens
     p.start("a", PROMPT, new_tokens)
-    (sent,) = p.propose([DraftJob("a", K, GREEDY, gen(0))])
-    p.propose([DraftJob("a", K, GREEDY, gen(0), None, (sent.runner_up[0],), len(PROMPT), branch=1)])
+    (sent,) = p.propose([DraftJob(JobSession("a", GREEDY, gen(0)), K)])
+    p.propose([DraftJob(JobSession("a", GREEDY, gen(0)), K, after=Continuation((sent.runner_up[0],), len(PROMPT),
+                                                                               branch=1))])
     assert len(p._sessions["a"].caches.spares) == 1
     # a second spare would leave no room for another session: refused, the job drafts nothing
-    (none,) = p.propose([DraftJob("a", K, GREEDY, gen(0), None, (sent.runner_up[1],), len(PROMPT), branch=2)])
+    (none,) = p.propose([DraftJob(JobSession("a", GREEDY, gen(0)), K, after=Continuation((sent.runner_up[1],),
+                                                                                         len(PROMPT), branch=2))])
     assert none.token_ids == [] and len(p._sessions["a"].caches.spares) == 1
     p.start("b", PROMPT, new_tokens)
     p.start("c", PROMPT, new_tokens)  # needs the spare's rows: the spare gives way
     assert not p._sessions["c"].disabled and not p._sessions["a"].caches.spares
     p.close("a")
     p.close("c")
-    (sent,) = p.propose([DraftJob("b", K, GREEDY, gen(0))])
-    p.propose([DraftJob("b", K, GREEDY, gen(0), None, (sent.runner_up[0],), len(PROMPT), branch=1)])
+    (sent,) = p.propose([DraftJob(JobSession("b", GREEDY, gen(0)), K)])
+    p.propose([DraftJob(JobSession("b", GREEDY, gen(0)), K, after=Continuation((sent.runner_up[0],), len(PROMPT),
+                                                                               branch=1))])
     assert len(p._sessions["b"].caches.spares) == 1 and runner.kv.sessions == 2
     for _ in range(SPARE_IDLE_COMMITS + 1):  # rounds without a branch job: the session stopped drafting ahead
         p.commit("b", [sent.token_ids[0]], 1)
@@ -152,9 +157,10 @@ async def test_the_verdict_keeps_the_alternative_whose_rejection_came_true(draft
     p.start("s", PROMPT, 64)
     lookahead = Lookahead()
     async with running(p) as (batcher, metrics):
-        sent, _, _ = await batcher.propose(DraftJob("s", K, GREEDY, gen(0)))
+        sent, _, _ = await batcher.propose(DraftJob(JobSession("s", GREEDY, gen(0)), K))
         alternatives = [(1, sent.runner_up[1]), (2, sent.runner_up[2])]
-        lookahead.start(batcher, DraftJob("s", K + 1, GREEDY, gen(0), None, tuple(sent.token_ids), len(PROMPT)),
+        lookahead.start(batcher, DraftJob(JobSession("s", GREEDY, gen(0)), K + 1,
+                                          after=Continuation(tuple(sent.token_ids), len(PROMPT))),
                         alternatives)
         correction = sent.runner_up[2] if came_true else (sent.runner_up[2] + 1) % draft.vocab_size
         tokens = [*sent.token_ids[:2], correction]
@@ -172,12 +178,12 @@ async def test_the_verdict_keeps_the_alternative_whose_rejection_came_true(draft
             # the branch's cache is now the session's: it holds the correction and the ready draft
             # but its last token, so the next lookahead feeds only that one
             assert p.cached_tokens("s") == len(PROMPT) + len(tokens) + K - 1
-            look, _, _ = await batcher.propose(DraftJob("s", K + 1, GREEDY, gen(0), None, tuple(expected),
-                                                        len(PROMPT) + len(tokens)))
+            look, _, _ = await batcher.propose(DraftJob(JobSession("s", GREEDY, gen(0)), K + 1,
+                                                        after=Continuation(tuple(expected), len(PROMPT) + len(tokens))))
             assert look.token_ids == reference_greedy(draft, PROMPT + tokens + expected, K + 1)
         else:
             assert ready is None and outcomes(metrics) == {"used": 0.0, "missed": 1.0, "dropped": 0.0}
-        fresh, _, _ = await batcher.propose(DraftJob("s", K, GREEDY, gen(0)))
+        fresh, _, _ = await batcher.propose(DraftJob(JobSession("s", GREEDY, gen(0)), K))
         assert fresh.token_ids == expected  # whichever cache is kept, the next round is argmax decoding
 
 
@@ -187,14 +193,15 @@ async def test_a_rejection_without_an_alternative_drops_every_lookahead(draft: L
     p.start("s", PROMPT, 64)
     lookahead = Lookahead()
     async with running(p) as (batcher, metrics):
-        sent, _, _ = await batcher.propose(DraftJob("s", K, GREEDY, gen(0)))
-        lookahead.start(batcher, DraftJob("s", K + 1, GREEDY, gen(0), None, tuple(sent.token_ids), len(PROMPT)),
+        sent, _, _ = await batcher.propose(DraftJob(JobSession("s", GREEDY, gen(0)), K))
+        lookahead.start(batcher, DraftJob(JobSession("s", GREEDY, gen(0)), K + 1,
+                                          after=Continuation(tuple(sent.token_ids), len(PROMPT))),
                         [(2, sent.runner_up[2])])
         tokens = [sent.runner_up[0]]  # rejected at 0: no branch assumed that
         p.commit("s", tokens, 0)
         await lookahead.settle(verdict(tokens, 0), K, metrics)
         assert lookahead.take(K) is None and outcomes(metrics) == {"used": 0.0, "missed": 0.0, "dropped": 1.0}
-        fresh, _, _ = await batcher.propose(DraftJob("s", K, GREEDY, gen(0)))
+        fresh, _, _ = await batcher.propose(DraftJob(JobSession("s", GREEDY, gen(0)), K))
         assert fresh.token_ids == reference_greedy(draft, PROMPT + tokens, K)
 
 

@@ -11,7 +11,7 @@ import torch
 
 from services.drafter.control.base import DraftController, StepDecision
 from services.drafter.lookahead import Lookahead
-from services.drafter.proposers.base import DraftJob, Proposal
+from services.drafter.proposers.base import Continuation, DraftJob, JobSession, Proposal
 from shared.models import LoadedModel, load_model
 from shared.protocol import Verdict
 from tests.unit.draft_proposer_support import PROMPT, K, StopAt, gen, verdict
@@ -44,7 +44,8 @@ async def sent_once(sent: Sent, timeout_s: float = 10.0) -> None:
 
 def start(p: Pipeline, lookahead: Lookahead, sent: list[int], presend: Sent,
           alternatives: list[tuple[int, int]] | None = None, screen: DraftController | None = None) -> None:
-    job = DraftJob("s", K + 1, GREEDY, gen(0), None, tuple(sent), len(p.committed), features=screen is not None)
+    job = DraftJob(JobSession("s", GREEDY, gen(0)), K + 1, after=Continuation(tuple(sent), len(p.committed)),
+                   features=screen is not None)
     lookahead.start(p.batcher, job, alternatives or [], presend, screen)
 
 

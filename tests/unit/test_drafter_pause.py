@@ -11,7 +11,7 @@ import pytest
 
 from services.drafter.batcher import DraftBatcher
 from services.drafter.control import ControlSettings, make_controller
-from services.drafter.control.adaspec import AdaSpecState, RoundClock
+from services.drafter.control.throughput import RoundClock, ThroughputState
 from services.drafter.proposers.draft_model import DraftModelProposer
 from services.drafter.rounds import PAUSE_ROUNDS, RoundSettings, SessionRunner
 from services.drafter.sessions import DraftSession
@@ -38,7 +38,7 @@ def declining_controller() -> object:
     for _ in range(200):
         for j in (1, 3, 5):
             clock.observe(j, j * 0.002, 0.005 + 0.001 * j)
-    state = AdaSpecState(clock=clock)
+    state = ThroughputState(clock=clock)
     for _ in range(50):
         state.calibration.observe([0.15] * 6, accepted=0)
     return make_controller("adaspec", ControlSettings(adaspec=state))

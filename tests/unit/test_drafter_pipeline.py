@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from services.drafter.batcher import DraftBatcher
-from services.drafter.capacity import ALPHA, WARM_ROUNDS, Capacity
+from services.drafter.control.admission import make_admission
+from services.drafter.control.capacity import ALPHA, WARM_ROUNDS, Capacity
 from services.drafter.control.threshold import ThresholdController
 from services.drafter.lookahead import Lookahead
-from services.drafter.loop import session_limit
 from services.drafter.metrics import DrafterMetrics
-from services.drafter.proposers.base import DraftJob, Proposal
+from services.drafter.proposers.base import Continuation, DraftJob, JobSession, Proposal
 from services.drafter.proposers.draft_model import DraftModelProposer
 from services.drafter.worker import ComputeWorker
 from shared.draft_q import check, guess_token
@@ -81,12 +81,13 @@ class Pipeline:
         self.committed = list(PROMPT)
 
     async def round(self, k: int = K) -> list[int]:
-        proposal, _, _ = await self.batcher.propose(DraftJob("s", k, GREEDY, gen()))
+        proposal, _, _ = await self.batcher.propose(DraftJob(JobSession("s", GREEDY, gen()), k))
         return proposal.token_ids
 
     def look_ahead(self, lookahead: Lookahead, sent: list[int]) -> None:
         """What the session runner does right after sending ``sent``: draft k + 1 tokens past it."""
-        lookahead.start(self.batcher, DraftJob("s", K + 1, GREEDY, gen(), None, tuple(sent), len(self.committed)))
+        lookahead.start(self.batcher, DraftJob(JobSession("s", GREEDY, gen()), K + 1, after=Continuation(tuple(sent),
+                                                                                                         len(self.committed))))
 
     def commit(self, tokens: list[int], accepted: int) -> None:
         self.proposer.commit("s", tokens, accepted)
@@ -104,7 +105,8 @@ async def test_a_lookahead_job_drafts_what_the_next_round_drafts_if_the_guess_co
         sent = await p.round()
         busy = p.metrics.registry.get_sample_value("specfleet_drafter_model_busy_seconds_total") or 0.0
         assert busy > 0 and p.metrics.registry.get_sample_value("specfleet_drafter_lookahead_busy_seconds_total") == 0
-        look, _, _ = await p.batcher.propose(DraftJob("s", K + 1, GREEDY, gen(), None, tuple(sent), len(PROMPT)))
+        look, _, _ = await p.batcher.propose(DraftJob(JobSession("s", GREEDY, gen()), K + 1,
+                                                      after=Continuation(tuple(sent), len(PROMPT))))
         assert look.token_ids == reference_greedy(draft, PROMPT + sent, K + 1)
         # the lookahead's batch counts as the draft model's busy time, and apart as a lookahead's
         after = p.metrics.registry.get_sample_value("specfleet_drafter_model_busy_seconds_total") or 0.0
@@ -149,14 +151,14 @@ async def test_a_sampled_lookahead_guesses_the_verifiers_raced_token_and_keeps_i
     lookahead = Lookahead()
     sampled = SamplingParams(temperature=1.0, max_tokens=64, ignore_eos=True)
     async with running(p.batcher):
-        proposal, _, _ = await p.batcher.propose(DraftJob("s", K, sampled, gen()))
+        proposal, _, _ = await p.batcher.propose(DraftJob(JobSession("s", sampled, gen()), K))
         sent = proposal.token_ids
         race = (99, len(p.committed) + len(sent))
         with torch.inference_mode():
             logits = draft.model(input_ids=torch.tensor([PROMPT + sent])).logits[0, -1]
         guess = guess_token(logits, sampled, race)
-        lookahead.start(p.batcher, DraftJob("s", K + 1, sampled, gen(), None, tuple(sent), len(p.committed),
-                                            guess=race))
+        after = Continuation(tuple(sent), len(p.committed), guess=race)
+        lookahead.start(p.batcher, DraftJob(JobSession("s", sampled, gen()), K + 1, after=after))
         own = guess if came_true else (guess + 1) % draft.vocab_size
         tokens = [*sent, own]
         p.commit(tokens, len(sent))
@@ -192,8 +194,8 @@ async def test_a_ready_lookahead_is_screened_as_the_controller_would_screen_a_fr
     async with running(p.batcher):
         sent = await p.round()
         expected = reference_greedy(draft, PROMPT + sent, K + 1)
-        lookahead.start(p.batcher, DraftJob("s", K + 1, GREEDY, gen(), None, tuple(sent), len(p.committed),
-                                            features=True))
+        after = Continuation(tuple(sent), len(p.committed))
+        lookahead.start(p.batcher, DraftJob(JobSession("s", GREEDY, gen()), K + 1, after=after, features=True))
         tokens = [*sent, expected[0]]
         p.commit(tokens, len(sent))
         await lookahead.settle(verdict(tokens, len(sent)), len(sent), p.metrics)
@@ -205,7 +207,7 @@ async def test_a_ready_lookahead_is_screened_as_the_controller_would_screen_a_fr
         threshold.begin_round(K)
         screened = lookahead.take(K, threshold)
         threshold.begin_round(K)
-        fresh, _, _ = await p.batcher.propose(DraftJob("s", K, GREEDY, gen(), threshold))
+        fresh, _, _ = await p.batcher.propose(DraftJob(JobSession("s", GREEDY, gen()), K, controller=threshold))
     assert screened is not None and screened.token_ids == fresh.token_ids
     assert len(fresh.token_ids) <= 2 and [s.position for s in screened.steps] == list(range(len(fresh.token_ids)))
 
@@ -348,11 +350,11 @@ class Recorder:
 
 
 def round_job(sid: str) -> DraftJob:
-    return DraftJob(sid, 2, GREEDY, gen())
+    return DraftJob(JobSession(sid, GREEDY, gen()), 2)
 
 
 def lookahead_job(sid: str) -> DraftJob:
-    return DraftJob(sid, 1, GREEDY, gen(), None, (5, 6), len(PROMPT))
+    return DraftJob(JobSession(sid, GREEDY, gen()), 1, after=Continuation((5, 6), len(PROMPT)))
 
 
 async def queued(batcher: DraftBatcher, jobs: list[DraftJob]) -> list[asyncio.Task[tuple[Proposal, float, float]]]:
@@ -474,4 +476,4 @@ def test_session_limit_is_n_max_under_starsd_admission(admission: str, warm: boo
     cap.observe_batch(0.25, 1)
     for _ in range(WARM_ROUNDS if warm else 1):
         cap.observe_round(0.5, 1)
-    assert session_limit(admission, 8, cap) == limit
+    assert make_admission(admission).limit(8, cap) == limit

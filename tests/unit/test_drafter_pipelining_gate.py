@@ -80,7 +80,7 @@ def test_a_lookahead_computes_the_features_its_controller_will_screen_it_with(fe
     (job,) = recorder.jobs
     assert job.controller is None and (job.features, job.spread) == (features, spread)
     assert recorder.screens == [controller]  # a conditional Draft is cut where the controller would stop it
-    assert job.assume == (7, 8) and job.k == 3
+    assert job.after.assume == (7, 8) and job.k == 3
 
 
 @pytest.mark.parametrize(("temperature", "active", "branches", "expected"), [

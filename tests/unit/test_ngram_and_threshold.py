@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from services.drafter.control import ControlSettings, make_controller
-from services.drafter.control.base import StepDecision, StepFeatures
-from services.drafter.proposers.base import DraftJob, ProposerError
+from services.drafter.control.base import Spread, StepDecision, StepFeatures
+from services.drafter.proposers.base import Continuation, DraftJob, JobSession, ProposerError
 from services.drafter.proposers.ngram import NgramProposer, lookup
 from shared.protocol import SamplingParams
 from shared.sampling import make_generator
@@ -34,7 +34,7 @@ def test_lookup(context: list[int], k: int, max_n: int, min_n: int, expected: li
 
 
 def _job(sid: str, k: int, params: SamplingParams = GREEDY, assume: tuple[int, ...] = (), base: int = -1) -> DraftJob:
-    return DraftJob(sid, k, params, make_generator(0, "draft"), None, assume, base)
+    return DraftJob(JobSession(sid, params, make_generator(0, "draft")), k, after=Continuation(assume, base))
 
 
 def test_ngram_proposer_follows_commits_and_stops_after_an_end_token() -> None:
@@ -61,7 +61,8 @@ def test_ngram_sizes_validated() -> None:
 
 
 def _step(top1: float) -> StepFeatures:
-    return StepFeatures(position=0, budget=4, token_id=1, token_prob=top1, top1_prob=top1, top2_prob=0.0, entropy=0.5)
+    return StepFeatures(position=0, budget=4, token_id=1, token_prob=top1, top1_prob=top1, top2_prob=0.0,
+                        spread=Spread(entropy=0.5))
 
 
 @pytest.mark.parametrize(("threshold", "top1", "decision"), [(0.4, 0.39, StepDecision.STOP),

@@ -378,7 +378,7 @@ def test_features_follow_confidence() -> None:
     grid = [i / 20 for i in range(1, 20)]
     steps = [features(a, 0, 4) for a in grid]
     assert [s.top1_prob for s in steps] == sorted(s.top1_prob for s in steps)
-    assert [s.entropy for s in steps] == sorted((s.entropy for s in steps), reverse=True)
+    assert [s.spread.entropy for s in steps] == sorted((s.spread.entropy for s in steps), reverse=True)
     assert all(0 <= s.top2_prob <= s.top1_prob <= 1 for s in steps)
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from services.verifier.trim import (
     POLICIES,
-    AdaSpecTrim,
+    ConfidenceTrim,
     NoTrim,
     SegmentShape,
     TrimItem,
@@ -74,19 +74,19 @@ def test_none_keeps_everything(confs: list[tuple[float, ...]]) -> None:
 @pytest.mark.parametrize("n", [1, 4, 16])
 def test_confident_drafts_kept_when_tokens_are_cheap(n: int) -> None:
     items = _items((0.95,) * n, (0.9,) * n)
-    assert AdaSpecTrim().keep(items, Linear(base=0.02, per_new=1e-5)) == {"s0": n, "s1": n}
+    assert ConfidenceTrim().keep(items, Linear(base=0.02, per_new=1e-5)) == {"s0": n, "s1": n}
 
 
 @pytest.mark.parametrize(("confs", "kept"), [((0.9, 0.1, 0.1), 1), ((0.1, 0.1), 0), ((0.99, 0.9, 0.05, 0.9), 2)])
 def test_unlikely_tails_dropped_when_tokens_are_expensive(confs: tuple[float, ...], kept: int) -> None:
     # a draft row costs a fifth of the fixed cost: worth it only if accepted with p > ~0.2 * eff
-    assert AdaSpecTrim().keep(_items(confs), Linear(base=0.01, per_new=0.002)) == {"s0": kept}
+    assert ConfidenceTrim().keep(_items(confs), Linear(base=0.01, per_new=0.002)) == {"s0": kept}
 
 
 def test_elimination_order_is_by_cumulative_confidence_across_sessions() -> None:
     items = _items((0.9, 0.5), (0.8, 0.7, 0.6))  # chains: s0 0.9 0.45; s1 0.8 0.56 0.336
     model = Linear(base=0.0, per_new=1.0)  # every row costs as much as a whole step: drop them all
-    assert AdaSpecTrim().keep(items, model) == {"s0": 0, "s1": 0}
+    assert ConfidenceTrim().keep(items, model) == {"s0": 0, "s1": 0}
     news = [tuple(s.new for s in call) for call in model.calls]
     assert news == [(3, 4), (3, 3), (2, 3), (2, 2), (2, 1), (1, 1)]  # s1 tail, s0, s1, s1, s0
 
@@ -95,7 +95,7 @@ def test_stops_at_the_first_elimination_that_does_not_help() -> None:
     # Dropping one draft saves nothing (still above the step), dropping two would halve the time:
     # Alg. 2 stops at the first non-improving candidate, so all four stay.
     items = _items((0.2,) * 4)
-    policy = AdaSpecTrim()
+    policy = ConfidenceTrim()
     assert policy.keep(items, Step(rows=3)) == {"s0": 4}
     assert policy.last is not None and policy.last.predictions == 2
 
@@ -106,7 +106,7 @@ def test_result_within_draft_counts_and_efficiency_not_worse(seed: int) -> None:
     items = _items(*[[rng.random() ** 0.3 for _ in range(rng.randrange(0, 5))] for _ in range(rng.randrange(1, 4))],
                    cached=rng.randrange(0, 500), fed=rng.randrange(1, 3))
     model = Linear(base=rng.uniform(0.001, 0.02), per_new=rng.uniform(1e-5, 5e-3), per_total=rng.uniform(0, 1e-5))
-    policy = AdaSpecTrim()
+    policy = ConfidenceTrim()
     kept = policy.keep(items, model)
     counts = [kept[it.session_id] for it in items]
     assert all(0 <= k <= it.drafts for it, k in zip(items, counts, strict=True))
@@ -125,7 +125,7 @@ def test_a_gap_between_steps_makes_dropping_worth_less(gap: float, kept: int) ->
     so less likely tails are kept. The efficiency reported is tokens over forward plus gap."""
     items = _items((0.9, 0.3, 0.2))  # chain 0.9, 0.27, 0.054
     model = Linear(base=0.01, per_new=0.002)
-    policy = AdaSpecTrim()
+    policy = ConfidenceTrim()
     assert policy.keep(items, model, gap_s=gap) == {"s0": kept}
     tokens = 1 + expected_accepted(items[0].confidence[:kept])
     assert policy.last is not None
@@ -135,7 +135,7 @@ def test_a_gap_between_steps_makes_dropping_worth_less(gap: float, kept: int) ->
 def test_the_tpot_guard_reads_the_forward_alone_not_the_gap() -> None:
     items = _items((0.99,) * 4)
     model = Linear(base=0.01, per_new=0.0005)  # 0.0125 with every draft
-    policy = AdaSpecTrim(tpot_slo_s=0.013)
+    policy = ConfidenceTrim(tpot_slo_s=0.013)
     assert policy.keep(items, model, gap_s=0.05) == {"s0": 4}
     assert policy.last is not None and policy.last.fits_slo is True
 
@@ -144,9 +144,9 @@ def test_the_tpot_guard_reads_the_forward_alone_not_the_gap() -> None:
 def test_tpot_guard_trims_until_the_step_fits(slo: float) -> None:
     items = _items((0.99,) * 8, (0.95,) * 8)
     model = Linear(base=0.01, per_new=0.0005)  # full batch: 0.01 + 18 * 0.0005 = 0.019
-    unguarded = AdaSpecTrim().keep(items, model)
+    unguarded = ConfidenceTrim().keep(items, model)
     assert unguarded == {"s0": 8, "s1": 8}
-    policy = AdaSpecTrim(tpot_slo_s=slo)
+    policy = ConfidenceTrim(tpot_slo_s=slo)
     kept = policy.keep(items, model)
     predicted = model.predict([it.shape(kept[it.session_id]) for it in items])
     assert policy.last is not None and policy.last.fits_slo is True and predicted <= slo
@@ -155,7 +155,7 @@ def test_tpot_guard_trims_until_the_step_fits(slo: float) -> None:
 
 
 def test_tpot_guard_drops_everything_when_nothing_fits() -> None:
-    policy = AdaSpecTrim(tpot_slo_s=0.005)
+    policy = ConfidenceTrim(tpot_slo_s=0.005)
     assert policy.keep(_items((0.99,) * 4, (0.9,) * 2), Linear(base=0.01)) == {"s0": 0, "s1": 0}
     assert policy.last is not None and policy.last.fits_slo is False and policy.last.kept == 0
 
@@ -170,20 +170,20 @@ def test_empty_batch(name: str) -> None:
 def test_fixed_segments_count_in_the_step_time() -> None:
     items, fixed = _items((0.6, 0.6)), [SegmentShape(new=5, cached=50)]
     model = Linear(base=0.0, per_new=0.001)
-    policy = AdaSpecTrim()
+    policy = ConfidenceTrim()
     policy.keep(items, model, fixed=fixed)
     assert all(call[-1] == fixed[0] for call in model.calls)
     assert policy.last is not None and policy.last.expected_tokens >= 2.0  # a token from each segment
 
 
 def test_sessions_without_drafts_are_kept_at_zero() -> None:
-    assert AdaSpecTrim().keep(_items((), (0.9,)), Linear(per_new=1e-6)) == {"s0": 0, "s1": 1}
+    assert ConfidenceTrim().keep(_items((), (0.9,)), Linear(per_new=1e-6)) == {"s0": 0, "s1": 1}
 
 
 def test_large_batch_costs_one_prediction_per_candidate() -> None:
     rng = random.Random(7)
     items = _items(*[[rng.random() for _ in range(16)] for _ in range(32)])
-    policy = AdaSpecTrim(tpot_slo_s=0.05)
+    policy = ConfidenceTrim(tpot_slo_s=0.05)
     kept = policy.keep(items, Linear(base=0.02, per_new=0.0002))
     assert policy.last is not None and policy.last.predictions <= 1 + 32 * 16
     assert sum(kept.values()) == policy.last.kept < policy.last.offered
@@ -196,8 +196,8 @@ def test_item_validation(kwargs: dict[str, int], message: str) -> None:
         TrimItem("s", confidence=(), **kwargs)
 
 
-@pytest.mark.parametrize("policy", [NoTrim(), AdaSpecTrim()])
-def test_duplicate_sessions_rejected(policy: NoTrim | AdaSpecTrim) -> None:
+@pytest.mark.parametrize("policy", [NoTrim(), ConfidenceTrim()])
+def test_duplicate_sessions_rejected(policy: NoTrim | ConfidenceTrim) -> None:
     with pytest.raises(ValueError, match="twice"):
         policy.keep([*_items((0.5,)), *_items((0.5,))], Linear())
 

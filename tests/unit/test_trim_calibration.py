@@ -10,8 +10,8 @@ import pytest
 from services.verifier.batching import BatchLimits, FcfsBatcher
 from services.verifier.batching.estimator import StepTimeEstimator
 from services.verifier.scheduler import Scheduler
-from services.verifier.trim import AdaSpecTrim, NoTrim, make_trim
-from services.verifier.trim.adaspec import GAP_ALPHA, MAX_CALIBRATIONS, MAX_GAP_S, PROBE_EVERY
+from services.verifier.trim import ConfidenceTrim, NoTrim, make_trim
+from services.verifier.trim.confidence import GAP_ALPHA, MAX_CALIBRATIONS, MAX_GAP_S, PROBE_EVERY
 
 EXPENSIVE = StepTimeEstimator(coef=(5e-3, 0.0, 0.0, 1e-3))  # a fed token costs 5x a step's fixed part
 
@@ -41,7 +41,7 @@ def test_probes_count_only_steps_that_could_be_trimmed() -> None:
 
 
 def test_calibrations_are_kept_for_the_drafters_heard_from_last() -> None:
-    s = AdaSpecTrim()
+    s = ConfidenceTrim()
     for i in range(MAX_CALIBRATIONS + 5):
         s.observe_round(f"drafter-{i}", [0.9, 0.9], 2, 2)
     s.observe_round("drafter-5", [0.9], 1, 1)  # heard again: now the most recent
@@ -59,7 +59,7 @@ def test_no_trim_keeps_no_calibration() -> None:
 
 
 def test_the_gap_between_steps_is_a_moving_average_that_skips_idleness() -> None:
-    s = AdaSpecTrim()
+    s = ConfidenceTrim()
     s.observe_gap(0.004)
     assert s.gap_s == pytest.approx(0.004)  # the first one as it is
     s.observe_gap(0.014)

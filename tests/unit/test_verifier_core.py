@@ -20,8 +20,10 @@ from services.verifier.core_api import (
     AddDraft,
     AddRequest,
     Admitted,
+    Carried,
     Detach,
     Detached,
+    DraftAsks,
     Finish,
     OutOfTurn,
     RequestRefused,
@@ -31,8 +33,8 @@ from services.verifier.core_api import (
 from services.verifier.metrics import VerifierMetrics
 from services.verifier.requests import Status
 from services.verifier.scheduler import Scheduler
-from services.verifier.trim import AdaSpecTrim, TrimPolicy, make_trim
-from services.verifier.trim.adaspec import GAP_ALPHA, MAX_GAP_S, PROBE_EVERY
+from services.verifier.trim import ConfidenceTrim, TrimPolicy, make_trim
+from services.verifier.trim.confidence import GAP_ALPHA, MAX_GAP_S, PROBE_EVERY
 from shared.models import LoadedModel, load_model
 from shared.protocol import SamplingParams
 from shared.runner import ModelRunner
@@ -285,7 +287,8 @@ def test_a_drafter_pause_runs_that_many_rounds_target_only_then_drafts_again(tar
     h.core.submit(AddRequest("s", p, GREEDY, speculative=True))
     h.turn()
     req = h.core.table.requests["s"]
-    h.core.submit(AddDraft("s", req.round.number, [], None, 0.0, pause_rounds=3))  # nothing drafted; do not wait
+    # nothing drafted; do not wait
+    h.core.submit(AddDraft("s", req.round.number, [], None, 0.0, asks=DraftAsks(pause_rounds=3)))
     h.turn()
     budgets = [h.of(Rounded, "s")[-1].draft_budget]  # type: ignore[attr-defined]
     for _ in range(3):  # three rounds run without waiting for a draft
@@ -350,7 +353,7 @@ def test_the_tracker_learns_each_rounds_acceptance(target: LoadedModel) -> None:
 
 
 def test_the_gap_between_forwards_is_measured_while_sessions_run_not_across_idleness(target: LoadedModel) -> None:
-    """The trim's gap (AdaSpecTrim.gap_s): from one forward's end to the next one's start, while
+    """The trim's gap (ConfidenceTrim.gap_s): from one forward's end to the next one's start, while
     sessions run. A pause with no session at all is idleness between requests: it must not count."""
     h = Harness(target, trim=make_trim("adaspec"))
     h.core.submit(AddRequest("a", prompt(1, 5), GREEDY, speculative=False))
@@ -390,7 +393,8 @@ def test_a_request_s_slo_clock_starts_when_its_coordinator_took_it(target: Loade
     h = Harness(target)
     before = time.perf_counter()
     h.core.submit(AddRequest("fresh", prompt(9, 6), GREEDY, speculative=False, slo_tokens_per_s=1.0))
-    h.core.submit(AddRequest("waited", prompt(9, 6), GREEDY, speculative=False, slo_tokens_per_s=1.0, waited_s=30.0))
+    h.core.submit(AddRequest("waited", prompt(9, 6), GREEDY, speculative=False, slo_tokens_per_s=1.0,
+                             carried=Carried(waited_s=30.0)))
     h.turn(1)
     assert before - 30.0 - 1.0 < h.core.table.requests["waited"].arrived_at < time.perf_counter() - 30.0
     assert h.core.table.requests["fresh"].arrived_at >= before
@@ -401,7 +405,7 @@ def test_a_request_s_slo_clock_starts_when_its_coordinator_took_it(target: Loade
     assert sample(key, {"slo_class": "1", "outcome": "violated"}) == 1.0
 
 
-def adaspec(h: Harness) -> AdaSpecTrim:
+def adaspec(h: Harness) -> ConfidenceTrim:
     """The harness's trim policy, which these tests made AdaSpec's."""
-    assert isinstance(h.core.scheduler.trim, AdaSpecTrim)
+    assert isinstance(h.core.scheduler.trim, ConfidenceTrim)
     return h.core.scheduler.trim

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from services.drafter.control import ControlSettings, make_controller
-from services.drafter.control.base import StepDecision, StepFeatures, keep_until_stop
+from services.drafter.control.base import Spread, StepDecision, StepFeatures, keep_until_stop
+from services.drafter.control.predicted_rejection import PredictorState, RejectionStopController
 from services.drafter.control.rejection_predictor import (
     FEATURES,
     RejectionMLP,
@@ -23,7 +24,6 @@ from services.drafter.control.rejection_predictor import (
     train,
 )
 from services.drafter.control.threshold import ThresholdController
-from services.drafter.control.wisp import WispController, WispState
 from services.drafter.wisp_train import main as wisp_train
 
 
@@ -133,7 +133,7 @@ def test_predictor_file_round_trip_and_refusal(tmp_path: Path) -> None:
 
 def _step(top1: float, position: int = 0) -> StepFeatures:
     return StepFeatures(position=position, budget=6, token_id=1, token_prob=top1, top1_prob=top1, top2_prob=0.0,
-                        entropy=(1 - top1) * 3, logit_std=2.0)
+                        spread=Spread(entropy=(1 - top1) * 3, logit_std=2.0))
 
 
 def _confidence_model() -> RejectionMLP:
@@ -145,9 +145,9 @@ def _confidence_model() -> RejectionMLP:
 
 
 def test_wisp_drafts_the_budget_until_it_has_a_predictor_then_stops_at_the_first_predicted_rejection() -> None:
-    state = WispState(train_after=0)
+    state = PredictorState(train_after=0)
     controller = make_controller("wisp", ControlSettings(wisp=state))
-    assert isinstance(controller, WispController) and controller.wants_features
+    assert isinstance(controller, RejectionStopController) and controller.wants_features
     assert controller.begin_round(6) == 6
     assert [controller.on_step(_step(c)) for c in (0.9, 0.1)] == [StepDecision.CONTINUE] * 2
     state.model = _confidence_model()
@@ -161,17 +161,17 @@ def test_wisp_drafts_the_budget_until_it_has_a_predictor_then_stops_at_the_first
     (True, (0.1,), 6, 1)])
 def test_wisp_keeps_what_its_round_would_and_records_nothing(trained: bool, confidences: tuple[float, ...],
                                                              budget: int, kept: int) -> None:
-    state = WispState(train_after=0)
+    state = PredictorState(train_after=0)
     state.model = _confidence_model() if trained else None
-    controller = WispController(state)
+    controller = RejectionStopController(state)
     assert controller.keeps([_step(c, i) for i, c in enumerate(confidences)], budget) == kept
     assert controller._rows == [] and len(state._rows) == 0
 
 
 def test_wisp_records_labelled_rounds_and_trains_in_the_background(tmp_path: Path) -> None:
     samples = tmp_path / "samples.csv"
-    state = WispState(train_after=600, samples_path=samples)
-    controller = WispController(state)
+    state = PredictorState(train_after=600, samples_path=samples)
+    controller = RejectionStopController(state)
     x, y = _synthetic(1500)
     rows_done = 0
     while state.trainings == 0 and rows_done < len(y):
@@ -181,7 +181,7 @@ def test_wisp_records_labelled_rounds_and_trains_in_the_background(tmp_path: Pat
             end += 1
         controller.begin_round(6)
         for row in x[rows_done:end + 1]:
-            controller.on_step(StepFeatures(0, 6, 1, row[1], row[0], row[0] - row[3], row[2], row[4]))
+            controller.on_step(StepFeatures(0, 6, 1, row[1], row[0], row[0] - row[3], Spread(row[2], row[4])))
         drafted = end + 1 - rows_done
         controller.end_round(drafted, int(y[rows_done:end + 1].sum()) if y[end] == 0 else drafted)
         rows_done = end + 1
@@ -193,8 +193,8 @@ def test_wisp_records_labelled_rounds_and_trains_in_the_background(tmp_path: Pat
 
 
 def test_wisp_learns_nothing_from_a_round_it_did_not_watch() -> None:
-    state = WispState(train_after=0)
-    controller = WispController(state)
+    state = PredictorState(train_after=0)
+    controller = RejectionStopController(state)
     controller.begin_round(4)
     controller.end_round(3, 1)  # a draft made without its features (no steps seen)
     assert len(state._rows) == 0
@@ -209,7 +209,7 @@ def test_a_ready_lookahead_is_screened_by_the_sessions_controller(confidences: t
 
 
 def test_feature_row_order_matches_the_header() -> None:
-    step = StepFeatures(0, 4, 7, token_prob=0.2, top1_prob=0.6, top2_prob=0.1, entropy=1.5, logit_std=3.0)
+    step = StepFeatures(0, 4, 7, token_prob=0.2, top1_prob=0.6, top2_prob=0.1, spread=Spread(1.5, 3.0))
     assert dict(zip(FEATURES, feature_row(step), strict=True)) == pytest.approx(
         {"top1_prob": 0.6, "token_prob": 0.2, "entropy": 1.5, "margin": 0.5, "logit_std": 3.0})
 

@@ -17,12 +17,13 @@ from services.verifier.batching import (
     POLICIES,
     BatchLimits,
     Candidate,
+    DeadlineBatcher,
     FcfsBatcher,
-    WispBatcher,
+    SloClock,
     make_batcher,
     slo_met,
 )
-from services.verifier.batching.wisp import _coefficients, round_deadline
+from services.verifier.batching.deadline import _coefficients, round_deadline
 
 NOW = 100.0
 ROOMY = BatchLimits(max_sessions=100, max_tokens=10_000)
@@ -59,8 +60,8 @@ class LinearTime:
 def due(sid: str, deadline: float, new: int = 1, *, cached: int = 0, expected: float = 1.0,
         ready: float = 0.0) -> Candidate:
     """A candidate whose round deadline d_i is ``deadline``: 1 token/s, nothing generated yet."""
-    return Candidate(sid, new, cached, ready, cached=cached, arrived_at=deadline - expected, slo_tokens_per_s=1.0,
-                     expected_tokens=expected)
+    return Candidate(sid, new, cached, ready, cached=cached, expected_tokens=expected,
+                     clock=SloClock(arrived_at=deadline - expected, slo_tokens_per_s=1.0))
 
 
 def be(sid: str, new: int = 1, gain: float = 1.0, ready: float = 0.0, kv: int = 0) -> Candidate:
@@ -69,8 +70,8 @@ def be(sid: str, new: int = 1, gain: float = 1.0, ready: float = 0.0, kv: int = 
 
 
 def wisp(delta: float = 0.0, default_slo: float | None = None, kv: int | None = None,
-         clock: Callable[[], float] = lambda: NOW, model: LinearTime | None = None) -> WispBatcher:
-    return WispBatcher(model or LinearTime(), default_slo, delta_s=delta, clock=clock, kv_budget_tokens=kv)
+         clock: Callable[[], float] = lambda: NOW, model: LinearTime | None = None) -> DeadlineBatcher:
+    return DeadlineBatcher(model or LinearTime(), default_slo, delta_s=delta, clock=clock, kv_budget_tokens=kv)
 
 
 # --- ordering and growth (Alg. 1) ------------------------------------------------------------------
@@ -143,8 +144,8 @@ def test_empty_ready_gives_an_empty_batch() -> None:
 ])
 def test_default_slo_applies_to_candidates_without_one(default_slo: float | None, expected: list[str],
                                                        critical: int) -> None:
-    ready = [Candidate("old", 1, 0, 0.0, arrived_at=95.0), Candidate("eager", 1, 0, 0.0, expected_tokens=9.0,
-                                                                     slo_tokens_per_s=0.001, arrived_at=NOW)]
+    ready = [Candidate("old", 1, 0, 0.0, clock=SloClock(arrived_at=95.0)),
+             Candidate("eager", 1, 0, 0.0, expected_tokens=9.0, clock=SloClock(slo_tokens_per_s=0.001, arrived_at=NOW))]
     batcher = wisp(default_slo=default_slo)
     assert batcher.select(ready, ROOMY) == expected
     assert batcher.last_critical == critical
@@ -194,31 +195,31 @@ def test_slo_met(arrived: float, generated: int, slo: float | None, now: float, 
 
 
 @pytest.mark.parametrize(("cand", "default", "deadline"), [
-    (Candidate("s", 1, 0, 0.0, arrived_at=10.0, generated=6, slo_tokens_per_s=4.0, expected_tokens=2.0), None, 12.0),
-    (Candidate("s", 1, 0, 0.0, arrived_at=10.0, generated=6, expected_tokens=2.0), 2.0, 14.0),  # the default
-    (Candidate("s", 1, 0, 0.0, arrived_at=10.0, generated=6, slo_tokens_per_s=8.0), 2.0, 10.875),  # its own wins
-    (Candidate("s", 1, 0, 0.0, arrived_at=10.0, generated=6), None, math.inf),  # best effort
+    (Candidate("s", 1, 0, 0.0, expected_tokens=2.0, clock=SloClock(10.0, 6, 4.0)), None, 12.0),
+    (Candidate("s", 1, 0, 0.0, expected_tokens=2.0, clock=SloClock(10.0, 6)), 2.0, 14.0),  # the default
+    (Candidate("s", 1, 0, 0.0, clock=SloClock(10.0, 6, 8.0)), 2.0, 10.875),  # its own wins
+    (Candidate("s", 1, 0, 0.0, clock=SloClock(10.0, 6)), None, math.inf),  # best effort
 ])
 def test_round_deadline(cand: Candidate, default: float | None, deadline: float) -> None:
     """d_i = A_i + (G_i + N̂_v,i)/s_c: the last moment this round can commit and keep the speed."""
     d = round_deadline(cand, default)
     assert d == deadline
     if math.isfinite(d):
-        slo = cand.slo_tokens_per_s or default
-        assert slo_met(cand.arrived_at, cand.generated + cand.expected_tokens, slo, d)
-        assert not slo_met(cand.arrived_at, cand.generated + cand.expected_tokens, slo, d + 1e-6)
+        slo = cand.clock.slo_tokens_per_s or default
+        assert slo_met(cand.clock.arrived_at, cand.clock.generated + cand.expected_tokens, slo, d)
+        assert not slo_met(cand.clock.arrived_at, cand.clock.generated + cand.expected_tokens, slo, d + 1e-6)
 
 
 def test_network_time_comes_off_every_deadline() -> None:
     """T_net (eq. 6's T_network) makes a request critical that much earlier and lets no batch run
     into the part of its deadline the user's side needs: "a" (d = 105) can share a 3 s step with
     "b" when the deadline is all the server's, not when 2.5 s of it belong to the network."""
-    cand = Candidate("s", 1, 0, 0.0, arrived_at=10.0, generated=6, slo_tokens_per_s=4.0, expected_tokens=2.0)
+    cand = Candidate("s", 1, 0, 0.0, expected_tokens=2.0, clock=SloClock(10.0, 6, 4.0))
     assert round_deadline(cand, None, 0.5) == 11.5 and round_deadline(be("x"), None, 0.5) == math.inf
     ready = [due("a", 105.0), be("b", new=1)]
     plain = wisp(delta=1.0)
     assert plain.select(ready, ROOMY) == ["a", "b"] and plain.last_critical == 0  # 103 <= 105; LST 102 > 100
-    net = WispBatcher(LinearTime(), delta_s=1.0, clock=lambda: NOW, network_s=2.5)
+    net = DeadlineBatcher(LinearTime(), delta_s=1.0, clock=lambda: NOW, network_s=2.5)
     assert net.select(ready, ROOMY) == ["a"] and net.last_stop == "deadline"  # 103 > 102.5
     assert net.last_critical == 1  # LST = 102.5 − 2 − 1 = 99.5 <= 100
 
@@ -254,10 +255,10 @@ def alg1(ready: Sequence[Candidate], limits: BatchLimits, model: LinearTime, def
 def random_candidate(rng: random.Random, sid: str) -> Candidate:
     """Streams 0.5–60 s old that have run at 1–10 tokens/s against targets of 2–8 tokens/s or none."""
     age = rng.uniform(0.5, 60.0)
-    return Candidate(sid, rng.randint(1, 9), 0, NOW - rng.random(), cached=rng.randint(0, 4000),
-                     arrived_at=NOW - age, generated=round(age * rng.uniform(1.0, 10.0)),
-                     slo_tokens_per_s=rng.choice([2.0, 4.0, 6.0, 8.0, None]), expected_tokens=rng.uniform(1.0, 5.0),
-                     kv_tokens=rng.choice([0, 0, 16, 64]))
+    clock = SloClock(arrived_at=NOW - age, generated=round(age * rng.uniform(1.0, 10.0)),
+                     slo_tokens_per_s=rng.choice([2.0, 4.0, 6.0, 8.0, None]))
+    return Candidate(sid, rng.randint(1, 9), 0, NOW - rng.random(), cached=rng.randint(0, 4000), clock=clock,
+                     expected_tokens=rng.uniform(1.0, 5.0), kv_tokens=rng.choice([0, 0, 16, 64]))
 
 
 @pytest.mark.parametrize(("seed", "limits", "kv_budget", "default", "network"), [
@@ -273,7 +274,7 @@ def test_1000_candidates_match_alg1_and_are_valid(seed: int, limits: BatchLimits
     rng = random.Random(seed)
     ready = [random_candidate(rng, f"s{i}") for i in range(1000)]
     model = LinearTime(a=3.3e-5, b=3.45e-8, c=4.6e-6, d=0.0149)  # the paper's Table 12 fit
-    batcher = WispBatcher(model, default, delta_s=0.02, clock=lambda: NOW, kv_budget_tokens=kv_budget,
+    batcher = DeadlineBatcher(model, default, delta_s=0.02, clock=lambda: NOW, kv_budget_tokens=kv_budget,
                           network_s=network)
     chosen = batcher.select(ready, limits)
     assert chosen == alg1(ready, limits, model, default, 0.02, kv_budget, NOW, network)
@@ -306,7 +307,7 @@ def test_make_batcher() -> None:
     assert isinstance(make_batcher("fcfs"), FcfsBatcher)
     assert isinstance(make_batcher("fcfs", LinearTime(), 4.0), FcfsBatcher)
     batcher = make_batcher("wisp", LinearTime(), 4.0, delta_s=0.05, kv_budget_tokens=100, network_s=0.06)
-    assert isinstance(batcher, WispBatcher) and batcher.name == "wisp"
+    assert isinstance(batcher, DeadlineBatcher) and batcher.name == "wisp"
     assert (batcher.default_slo_tokens_per_s, batcher.delta_s, batcher.kv_budget_tokens) == (4.0, 0.05, 100)
     assert batcher.network_s == 0.06
 
@@ -314,10 +315,10 @@ def test_make_batcher() -> None:
 @pytest.mark.parametrize(("call", "match"), [
     (lambda: make_batcher("wisp"), "needs a verification-time model"),
     (lambda: make_batcher("edf"), "unknown batching policy 'edf'; choose one of fcfs, wisp"),
-    (lambda: WispBatcher(LinearTime(), 0.0), "default_slo_tokens_per_s"),
-    (lambda: WispBatcher(LinearTime(), delta_s=-1.0), "delta_s"),
-    (lambda: WispBatcher(LinearTime(), kv_budget_tokens=-1), "kv_budget_tokens"),
-    (lambda: WispBatcher(LinearTime(), network_s=-0.1), "network_s"),
+    (lambda: DeadlineBatcher(LinearTime(), 0.0), "default_slo_tokens_per_s"),
+    (lambda: DeadlineBatcher(LinearTime(), delta_s=-1.0), "delta_s"),
+    (lambda: DeadlineBatcher(LinearTime(), kv_budget_tokens=-1), "kv_budget_tokens"),
+    (lambda: DeadlineBatcher(LinearTime(), network_s=-0.1), "network_s"),
 ])
 def test_bad_configuration_is_refused(call: Callable[[], object], match: str) -> None:
     with pytest.raises(ValueError, match=match):

@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from services.drafter.control.adaspec import AdaSpecController, AdaSpecState
 from services.drafter.control.base import DraftController, StepDecision, StepFeatures
 from services.drafter.control.fixed import FixedController
+from services.drafter.control.predicted_rejection import PredictorState, RejectionStopController
 from services.drafter.control.threshold import DEFAULT_THRESHOLD, ThresholdController
-from services.drafter.control.wisp import WispController, WispState
+from services.drafter.control.throughput import ThroughputController, ThroughputState
 
 __all__ = ["CONTROLLERS", "ControlSettings", "DraftController", "StepDecision", "StepFeatures", "make_controller"]
 
@@ -19,16 +19,16 @@ class ControlSettings:
     """The controllers' tunables (drafter flags)."""
 
     threshold: float = DEFAULT_THRESHOLD
-    adaspec: AdaSpecState = field(default_factory=AdaSpecState)  # shared by all sessions of a drafter
-    wisp: WispState = field(default_factory=WispState)  # likewise: the predictor and its samples
+    adaspec: ThroughputState = field(default_factory=ThroughputState)  # shared by all sessions of a drafter
+    wisp: PredictorState = field(default_factory=PredictorState)  # likewise: the predictor and its samples
 
 
 #: name -> factory of a fresh per-session controller
 CONTROLLERS: dict[str, Callable[[ControlSettings], DraftController]] = {
     "fixed": lambda s: FixedController(),
     "threshold": lambda s: ThresholdController(s.threshold),
-    "adaspec": lambda s: AdaSpecController(s.adaspec),
-    "wisp": lambda s: WispController(s.wisp),
+    "adaspec": lambda s: ThroughputController(s.adaspec),
+    "wisp": lambda s: RejectionStopController(s.wisp),
 }
 
 

@@ -17,14 +17,21 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
 
 
 class StepDecision(enum.Enum):
     CONTINUE = "continue"  # keep this token; draft the next one if the budget allows
     STOP = "stop"  # keep this token; draft no more this round
     DISCARD = "discard"  # drop this token (predicted rejection) and draft no more
+
+
+class Spread(NamedTuple):
+    """How spread out the draft model's distribution is (computed only when a controller wants it)."""
+
+    entropy: float = math.nan  # nats
+    logit_std: float = math.nan  # spread of the raw logits over the vocabulary
 
 
 @dataclass(frozen=True)
@@ -42,8 +49,7 @@ class StepFeatures:
     token_prob: float  # draft probability of the drafted token
     top1_prob: float
     top2_prob: float
-    entropy: float = math.nan  # nats; NaN unless the controller ``wants_spread``
-    logit_std: float = math.nan  # spread of the raw logits over the vocabulary; NaN likewise
+    spread: Spread = field(default_factory=Spread)  # NaN unless the controller ``wants_spread``
     rows: int = 1  # sessions the draft model's forward drafted a token for in this step, this one included
 
     @property

@@ -36,7 +36,7 @@ Array = NDArray[np.float64]
 
 
 def feature_row(step: StepFeatures) -> list[float]:
-    return [step.top1_prob, step.token_prob, step.entropy, step.margin, step.logit_std]
+    return [step.top1_prob, step.token_prob, step.spread.entropy, step.margin, step.spread.logit_std]
 
 
 def round_labels(drafted: int, accepted: int) -> list[int]:

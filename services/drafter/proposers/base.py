@@ -50,41 +50,63 @@ EMPTY_PROPOSAL = Proposal(token_ids=[])
 
 
 @dataclass(frozen=True)
-class DraftJob:
-    """One session's drafting request for one round."""
+class JobSession:
+    """The session a draft job drafts for: what stays the same from one of its rounds to the next."""
 
     session_id: str
-    k: int  # draft at most this many tokens
     params: SamplingParams
     rng: torch.Generator  # the session's drafting stream (independent of the verifier's)
-    controller: DraftController | None = None
-    #: draft after the first ``base`` committed tokens plus ``assume`` (a lookahead: the Draft in
-    #: flight, assumed accepted); ``base`` < 0 means after every committed token
-    assume: tuple[int, ...] = ()
-    base: int = -1
-    #: compute step features without a controller (a lookahead its controller screens later)
-    features: bool = False
-    #: ... with their entropy and logit spread (that later controller reads them: ``wants_spread``)
-    spread: bool = False
     #: how many of the session's first committed tokens are its prompt: penalties (frequency,
     #: presence) count only the tokens after them as generated, as the verifier does
     prompt_len: int = 0
-    #: a lookahead at temperature > 0: its first token guesses the verifier's coupled bonus token,
-    #: the winner of the race keyed by (key, round) over the request's full distribution
-    #: (shared.coupling); the proposer draws the race's variates for its own vocabulary
-    guess: tuple[int, int] | None = None
     #: the request's race key (shared.race): a sampled request's tokens are keyed races, so each
     #: draft token is the same race over the draft model's distribution (ids only); None: not raced
     race_key: int | None = None
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """Where a draft continues: after the session's committed tokens (a round's draft), or, for a
+    lookahead, after the first ``base`` of them plus ``assume`` (the Draft in flight, assumed
+    accepted, or a branch's other outcome)."""
+
+    assume: tuple[int, ...] = ()
+    base: int = -1  # < 0: after every committed token
     #: which of the session's draft caches to draft in: 0 the main one; n > 0 a spare, for a
     #: lookahead of another outcome than "all accepted" (``lookahead.py``). A proposer without
     #: caches ignores it.
     branch: int = 0
+    #: a lookahead at temperature > 0: its first token guesses the verifier's coupled bonus token,
+    #: the winner of the race keyed by (key, round) over the request's full distribution
+    #: (shared.coupling); the proposer draws the race's variates for its own vocabulary
+    guess: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class DraftJob:
+    """One session's drafting request for one round (or one lookahead branch)."""
+
+    session: JobSession
+    k: int  # draft at most this many tokens
+    controller: DraftController | None = None
+    after: Continuation = field(default_factory=Continuation)
+    #: compute step features without a controller (a lookahead its controller screens later)
+    features: bool = False
+    #: ... with their entropy and logit spread (that later controller reads them: ``wants_spread``)
+    spread: bool = False
+
+    @property
+    def session_id(self) -> str:
+        return self.session.session_id
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.session.params
 
 
 class Proposer(Protocol):
     name: str
-    #: it honours ``DraftJob.guess`` (and so can draft ahead of a sampled request's verdict)
+    #: it honours ``Continuation.guess`` (and so can draft ahead of a sampled request's verdict)
     guesses_bonus: bool
 
     def start(self, session_id: str, prompt_ids: list[int], max_new_tokens: int) -> None:

@@ -48,7 +48,7 @@ from typing import NamedTuple
 
 import torch
 
-from services.drafter.control.base import DraftController, StepDecision, StepFeatures
+from services.drafter.control.base import DraftController, Spread, StepDecision, StepFeatures
 from services.drafter.proposers.base import EMPTY_PROPOSAL, DraftJob, Proposal, ProposerError
 from services.drafter.proposers.draft_cache import KVCache, SessionCaches
 from shared.draft_q import Nucleus, draft_token, guess_token
@@ -201,15 +201,15 @@ class DraftModelProposer:
         state = self._sessions.get(job.session_id)
         if state is None:  # closed while its job waited
             return None
-        context = state.committed if job.base < 0 else [*state.committed[: job.base], *job.assume]
+        context = state.committed if job.after.base < 0 else [*state.committed[: job.after.base], *job.after.assume]
         k = self._clamp(state, len(context), job.k)
-        cache = state.caches.for_job(job.branch, context) if k else None
+        cache = state.caches.for_job(job.after.branch, context) if k else None
         if cache is None:
             return None
         watch = job.controller if job.controller is not None and job.controller.wants_features else None
         enders = frozenset(job.params.stop_token_ids) | (frozenset() if job.params.ignore_eos else self.eos_ids)
         sampled = self.mode == "sampled" and not is_greedy(job.params)
-        raced = sampled and job.race_key is not None
+        raced = sampled and job.session.race_key is not None
         spread = (watch is not None and watch.wants_spread) or job.spread
         mode = _Mode(sampled and not raced, raced, enders, watch, watch is not None or job.features, spread,
                      has_penalties(job.params))
@@ -221,13 +221,14 @@ class DraftModelProposer:
             logits = _penalise(d, logits)
             top2 = logits.topk(len(top2)).indices.tolist()
         if d.mode.raced:
-            assert d.job.race_key is not None
-            token, up = top_two(probs_from_logits(logits, d.job.params), d.job.race_key, len(d.context) + len(d.tokens))
+            assert d.job.session.race_key is not None
+            key = d.job.session.race_key
+            token, up = top_two(probs_from_logits(logits, d.job.params), key, len(d.context) + len(d.tokens))
             return _Pick(token, up, None, logits)
-        if d.mode.sampled and d.job.guess is not None and not d.tokens:
-            return _Pick(guess_token(logits, d.job.params, d.job.guess), -1, None, logits)  # never sent: no q
+        if d.mode.sampled and d.job.after.guess is not None and not d.tokens:
+            return _Pick(guess_token(logits, d.job.params, d.job.after.guess), -1, None, logits)  # never sent: no q
         if d.mode.sampled:
-            token, q = draft_token(logits, d.job.params, d.job.rng, self.nucleus)
+            token, q = draft_token(logits, d.job.params, d.job.session.rng, self.nucleus)
             return _Pick(token, -1, q, logits)
         return _Pick(top2[0], top2[-1], None, logits)
 
@@ -275,7 +276,7 @@ class DraftModelProposer:
 def _penalise(d: _Drafting, logits: torch.Tensor) -> torch.Tensor:
     """One row penalised as the verifier penalises p at the same position: the prompt is the
     context's first ``prompt_len`` tokens; the rest, and this round's drafts so far, are generated."""
-    n = d.job.prompt_len
+    n = d.job.session.prompt_len
     row = apply_penalties(logits.unsqueeze(0), d.job.params, d.context[:n], [*d.context[n:], *d.tokens])
     return row[0]
 
@@ -314,6 +315,6 @@ def _step_features(live: Sequence[_Drafting], picks: Sequence[_Pick], logits: to
     for n, i in enumerate(want):
         d, p = live[i], probs[n]
         out[i] = StepFeatures(position=len(d.tokens), budget=d.k, token_id=picks[i].token, token_prob=p[0],
-                              top1_prob=p[1], top2_prob=p[2] if len(p) > 2 else 0.0, entropy=entropy[n],
-                              logit_std=logit_std[n], rows=len(live))
+                              top1_prob=p[1], top2_prob=p[2] if len(p) > 2 else 0.0,
+                              spread=Spread(entropy[n], logit_std[n]), rows=len(live))
     return out

@@ -55,7 +55,7 @@ class NgramProposer:
         committed = self._committed.get(job.session_id)
         if committed is None:  # closed while its job waited
             return EMPTY_PROPOSAL
-        context = committed if job.base < 0 else [*committed[: job.base], *job.assume]
+        context = committed if job.after.base < 0 else [*committed[: job.after.base], *job.after.assume]
         tokens = lookup(context, min(job.k, MAX_DRAFT_TOKENS), self.max_n, self.min_n)
         enders = frozenset(job.params.stop_token_ids) | (frozenset() if job.params.ignore_eos else self.eos_ids)
         cut = next((i + 1 for i, t in enumerate(tokens) if t in enders), None)

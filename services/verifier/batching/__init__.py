@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from services.verifier.batching.base import BatchLimits, BatchPolicy, Candidate, slo_met
+from services.verifier.batching.base import BatchLimits, BatchPolicy, Candidate, SloClock, slo_met
+from services.verifier.batching.deadline import DEFAULT_DELTA_S, DeadlineBatcher, SumsTimeModel
 from services.verifier.batching.fcfs import FcfsBatcher
-from services.verifier.batching.wisp import DEFAULT_DELTA_S, SumsTimeModel, WispBatcher
 
 POLICIES = ("fcfs", "wisp")
 
@@ -18,10 +18,20 @@ def make_batcher(name: str, model: SumsTimeModel | None = None, default_slo_toke
     if name == "wisp":
         if model is None:
             raise ValueError("batching policy 'wisp' needs a verification-time model (the step-time estimator)")
-        return WispBatcher(model, default_slo_tokens_per_s, delta_s=delta_s, kv_budget_tokens=kv_budget_tokens,
+        return DeadlineBatcher(model, default_slo_tokens_per_s, delta_s=delta_s, kv_budget_tokens=kv_budget_tokens,
                            network_s=network_s)
     raise ValueError(f"unknown batching policy {name!r}; choose one of {', '.join(POLICIES)}")
 
 
-__all__ = ["POLICIES", "BatchLimits", "BatchPolicy", "Candidate", "FcfsBatcher", "SumsTimeModel", "WispBatcher",
-           "make_batcher", "slo_met"]
+__all__ = [
+    "POLICIES",
+    "BatchLimits",
+    "BatchPolicy",
+    "Candidate",
+    "DeadlineBatcher",
+    "FcfsBatcher",
+    "SloClock",
+    "SumsTimeModel",
+    "make_batcher",
+    "slo_met",
+]

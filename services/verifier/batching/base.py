@@ -8,8 +8,17 @@ deadlines).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
+
+
+@dataclass(frozen=True)
+class SloClock:
+    """A request's token-speed clock: when it arrived, what it has generated since, its target."""
+
+    arrived_at: float = 0.0  # when the request arrived: its token-speed clock starts here
+    generated: int = 0  # output tokens committed so far
+    slo_tokens_per_s: float | None = None  # its SLO class's token-speed target; None = best effort
 
 
 @dataclass(frozen=True)
@@ -26,9 +35,7 @@ class Candidate:
     context_len: int  # committed tokens (prompt + generated)
     ready_since: float  # when it became ready (its queue wait starts)
     cached: int = 0  # L_cached: KV rows the session already holds
-    arrived_at: float = 0.0  # when the request arrived: its token-speed clock starts here
-    generated: int = 0  # output tokens committed so far
-    slo_tokens_per_s: float | None = None  # its SLO class's token-speed target; None = best effort
+    clock: SloClock = field(default_factory=SloClock)  # its token-speed clock (WISP's deadline)
     expected_tokens: float = 1.0  # N̂_v: tokens this round is expected to commit (accepted drafts + 1)
     kv_tokens: int = 0  # extra KV rows the round needs (0 when already reserved)
 

@@ -60,8 +60,8 @@ class RoundLifecycle:
     def _take(self, req: Request, cmd: AddDraft) -> None:
         """The draft of the round the session waits for."""
         r = req.round
-        r.pause_left = cmd.pause_rounds
-        guess = (cmd.guess_bonus and not req.greedy and req.sampler.race_key is None  # shared.coupling
+        r.pause_left = cmd.asks.pause_rounds
+        guess = (cmd.asks.guess_bonus and not req.greedy and req.sampler.race_key is None  # shared.coupling
                  and req.params.seed is None)
         wait = max(0.0, cmd.received_at - r.waiting_since)
         self.metrics.draft_wait.observe(wait)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from services.verifier.trim.adaspec import AdaSpecTrim
 from services.verifier.trim.base import (
     SegmentShape,
     StepTimeModel,
@@ -12,6 +11,7 @@ from services.verifier.trim.base import (
     acceptance_chain,
     expected_accepted,
 )
+from services.verifier.trim.confidence import ConfidenceTrim
 from services.verifier.trim.none import NoTrim
 
 POLICIES = ("none", "adaspec")
@@ -23,13 +23,13 @@ def make_trim(name: str, tpot_slo_s: float | None = None) -> TrimPolicy:
     if name == "none":
         return NoTrim(tpot_slo_s)
     if name == "adaspec":
-        return AdaSpecTrim(tpot_slo_s)
+        return ConfidenceTrim(tpot_slo_s)
     raise ValueError(f"unknown trim policy {name!r}; choose one of {', '.join(POLICIES)}")
 
 
 __all__ = [
     "POLICIES",
-    "AdaSpecTrim",
+    "ConfidenceTrim",
     "NoTrim",
     "SegmentShape",
     "StepTimeModel",

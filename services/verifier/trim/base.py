@@ -115,7 +115,7 @@ def acceptance_chain(confidence: Sequence[float]) -> list[float]:
 
 def expected_accepted(confidence: Sequence[float]) -> float:
     """Expected accepted drafts, sum_j prod_{i<=j} c_i (adaspec.txt §4.2 eq. 6-7, the bonus token
-    not included): the drafter's E(j) in ``services.drafter.control.adaspec`` is 1 + this."""
+    not included): the drafter's E(j) in ``services.drafter.control.throughput`` is 1 + this."""
     return sum(acceptance_chain(confidence))
 
 

@@ -1,5 +1,6 @@
-"""AdaSpec's confidence prior verifier: draft token elimination (adaspec.txt §5.2, Alg. 2), scored
-by the SLO-aware efficiency estimator (§5.3, Alg. 3).
+"""Trim by calibrated confidence (``--trim adaspec``): AdaSpec's confidence prior verifier, draft
+token elimination (adaspec.txt §5.2, Alg. 2), scored by the SLO-aware efficiency estimator (§5.3,
+Alg. 3).
 
 Efficiency of a batch (§4, §5.3): expected committed tokens over the predicted step time,
 
@@ -115,7 +116,7 @@ class _Batch:
                           fits(self.seconds, tpot_slo_s), self.predictions)
 
 
-class AdaSpecTrim:
+class ConfidenceTrim:
     name = "adaspec"
 
     def __init__(self, tpot_slo_s: float | None = None) -> None:

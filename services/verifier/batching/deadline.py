@@ -1,7 +1,8 @@
-"""WISP's SLO-aware verification batching (wisp.txt §3.1 eq. 4–6, §4.2 eq. 12–16, §4.3 eq. 17, Alg. 1).
+"""Deadline batching (``--batching wisp``): WISP's SLO-aware verification batching (wisp.txt §3.1
+eq. 4–6, §4.2 eq. 12–16, §4.3 eq. 17, Alg. 1).
 
 **Token-speed SLO (§3.1).** Each request belongs to an SLO class with a target token speed
-s_c (tokens/s; ``Candidate.slo_tokens_per_s``, else the batcher's default; ``None`` = best
+s_c (tokens/s; ``Candidate.clock.slo_tokens_per_s``, else the batcher's default; ``None`` = best
 effort). We measure speed over the whole stream: a request that arrived at A and has committed
 G output tokens by time t meets its SLO iff G ≥ s_c·(t − A) (:func:`slo_met`). This is eq. 4
 summed over all of the request's speculate–verify iterations (ΣN_v / ΣT_total), so slack won
@@ -86,10 +87,10 @@ class SumsTimeModel(Protocol):
 
 def round_deadline(cand: Candidate, default_slo_tokens_per_s: float | None, network_s: float = 0.0) -> float:
     """d_i = A_i + (G_i + N̂_v,i)/s_c − T_net (module docstring; wisp.txt eq. 6, 12); +∞ for best effort."""
-    slo = cand.slo_tokens_per_s if cand.slo_tokens_per_s is not None else default_slo_tokens_per_s
+    slo = cand.clock.slo_tokens_per_s if cand.clock.slo_tokens_per_s is not None else default_slo_tokens_per_s
     if slo is None or slo <= 0:
         return math.inf
-    return cand.arrived_at + (cand.generated + cand.expected_tokens) / slo - network_s
+    return cand.clock.arrived_at + (cand.clock.generated + cand.expected_tokens) / slo - network_s
 
 
 _PROBE = (256.0, 256.0 * 4096.0, 4096.0)  # a typical batch (ΣL_new, Σ L_total·L_new, ΣL_cached) to probe at
@@ -131,7 +132,7 @@ class _Batch:
         self.tight = min(self.tight, binding)
 
 
-class WispBatcher:
+class DeadlineBatcher:
     """WISP's SLO-aware greedy batch scheduler (wisp.txt §4.3, Alg. 1); see the module docstring.
 
     ``model`` predicts verification time from summed features (the step-time estimator),
@@ -191,11 +192,12 @@ class WispBatcher:
         for i, cand in enumerate(ready):
             n, cached, gain = cand.new_tokens, cand.cached, cand.expected_tokens
             v = (a + b * (cached + n)) * n + c * cached + const  # v̂_i: verified alone
-            slo = cand.slo_tokens_per_s
+            clock = cand.clock
+            slo = clock.slo_tokens_per_s
             if slo is None:
                 slo = default
             # d_i, as round_deadline (inlined: this loop runs for every pending candidate)
-            d = cand.arrived_at + (cand.generated + gain) / slo - net if slo is not None and slo > 0 else inf
+            d = clock.arrived_at + (clock.generated + gain) / slo - net if slo is not None and slo > 0 else inf
             if d - v <= start_by:  # now ≥ LST_i = d_i − v̂_i − δ (eq. 17); never when d = +∞
                 crit.append((d, cand.ready_since, i, d, v))
             else:

@@ -1,4 +1,5 @@
-"""WISP's intelligent drafting controller (wisp.txt §4.1): stop at the first predicted rejection.
+"""Stop at the first predicted rejection (``--controller wisp``): WISP's intelligent drafting
+controller (wisp.txt §4.1).
 
 After each drafted token, the rejection predictor (``rejection_predictor.py``) reads the
 draft model's logit statistics; when it predicts the token rejected, drafting stops for this
@@ -6,7 +7,7 @@ round. The token is still sent: its draft compute is spent, it is accepted often
 worth one verification slot, and a rejected token costs no output (the verifier's own token
 replaces it). What stopping saves is drafting, and verifying, the tokens after it.
 
-Learning (all sessions of one drafter share a ``WispState``):
+Learning (all sessions of one drafter share a ``PredictorState``):
 
 * every verdict labels the round's drafted positions (``round_labels``) and adds them to a
   bounded window of samples, optionally appended to a CSV file (``--wisp-samples``) that
@@ -48,7 +49,7 @@ HELD_OUT = 0.2
 
 
 @dataclass
-class WispState:
+class PredictorState:
     """The predictor and the samples of one drafter."""
 
     model: RejectionMLP | None = None
@@ -111,12 +112,12 @@ class WispState:
         self._file.write(",".join(f"{v:.6g}" for v in row) + f",{label}\n")
 
 
-class WispController:
+class RejectionStopController:
     name = "wisp"
     wants_features = True
     wants_spread = True
 
-    def __init__(self, shared: WispState) -> None:
+    def __init__(self, shared: PredictorState) -> None:
         self.shared = shared
         self._rows: list[list[float]] = []
 

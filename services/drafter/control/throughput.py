@@ -1,4 +1,5 @@
-"""AdaSpec's adaptive drafter (adaspec.txt §4-5.1): draft while expected throughput still rises.
+"""Draft while expected throughput still rises (``--controller adaspec``): AdaSpec's adaptive
+drafter (adaspec.txt §4-5.1).
 
 The efficiency of a round that drafts j tokens is E(j) / T(j):
 
@@ -117,7 +118,7 @@ class Calibration(AcceptanceCalibration):
 
 
 @dataclass
-class AdaSpecState:
+class ThroughputState:
     """What all sessions of one drafter share."""
 
     clock: RoundClock = field(default_factory=RoundClock)
@@ -125,7 +126,7 @@ class AdaSpecState:
     declined: int = 0  # rounds in a row (over all sessions) that drafting was judged not worth it
 
 
-def worth_one_more(alphas: list[float], shared: AdaSpecState, rows: int = 1) -> bool:
+def worth_one_more(alphas: list[float], shared: ThroughputState, rows: int = 1) -> bool:
     """Predict the next token's acceptance from history; execute only if E/T would rise.
 
     One more token lengthens the round by the verification's slope z1 and by a draft step, all
@@ -158,12 +159,12 @@ def _ratio(tokens: float, seconds: float) -> float:
     return tokens / seconds if seconds > 0 else float("inf")
 
 
-class AdaSpecController:
+class ThroughputController:
     name = "adaspec"
     wants_features = True
     wants_spread = False
 
-    def __init__(self, shared: AdaSpecState) -> None:
+    def __init__(self, shared: ThroughputState) -> None:
         self.shared = shared
         self._alphas: list[float] = []
         self._confs: list[float] = []
