@@ -59,7 +59,7 @@ from shared.runner import KVError, ModelRunner
 
 log = get_logger("verifier.core")
 IDLE_WAKE_S = 0.25  # an idle core still wakes this often to notice silent drafters
-SNAPSHOT_EVERY_S = 0.1  # a busy core publishes its state for /status at most this often
+SNAPSHOT_EVERY_S = 0.1  # a core holding requests publishes its state for /status at most this often
 
 __all__ = ["CoreLimits", "Snapshot", "TorchCore"]
 
@@ -235,9 +235,11 @@ class TorchCore:
             self.table.cancel(command.request_id)
 
     def _publish(self) -> None:
-        """The step's results to the event loop; before them, when something changed, a snapshot
-        (at most every SNAPSHOT_EVERY_S while busy, and always once the core has nothing to do)."""
-        if self._changed and (not self._has_work() or time.perf_counter() - self._timing.published >= SNAPSHOT_EVERY_S):
+        """The step's results to the event loop; before them, when something changed, a snapshot:
+        at most every SNAPSHOT_EVERY_S while requests are held (a speculating core idles between
+        rounds, so "no work now" would mean every step), and at once when the last one has gone."""
+        drained = not self.table.requests and not self.table.waiting
+        if self._changed and (drained or time.perf_counter() - self._timing.published >= SNAPSHOT_EVERY_S):
             self._publish_snapshot()
         if self._results:
             results = self._results.copy()
