@@ -59,8 +59,7 @@ class RequestTable:
     # --- commands ------------------------------------------------------------------------
 
     def add(self, cmd: AddRequest) -> None:
-        sampler = Sampler.of(cmd.params, self.limits.race)
-        sampler.grammar = cmd.grammar
+        sampler = Sampler.of(cmd.params, self.limits.race, cmd.grammar)
         if cmd.grammar is not None and cmd.generated:  # a re-opened request: its grammar resumes where its text is
             cmd.grammar.advance(cmd.generated)
         req = Request(cmd.request_id, [*cmd.prompt_ids, *cmd.generated], sampler,

@@ -52,10 +52,10 @@ class Sampler:
     grammar: Grammar | None = None  # structured output: masks p, advanced by committed tokens
 
     @classmethod
-    def of(cls, params: SamplingParams, race: bool) -> Sampler:
+    def of(cls, params: SamplingParams, race: bool, grammar: Grammar | None = None) -> Sampler:
         """``race``: a sampled request's tokens are keyed races (shared.race)."""
         return cls(params, make_generator(params.seed, "verify"),
-                   race_key=race_key(params.seed) if race and not is_greedy(params) else None)
+                   race_key=race_key(params.seed) if race and not is_greedy(params) else None, grammar=grammar)
 
     @property
     def greedy(self) -> bool:

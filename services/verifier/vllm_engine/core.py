@@ -291,8 +291,8 @@ class VllmCore:
         stats = RoundStats(session.request_id, session.drafter or None, done.drafted, done.accepted,
                            session.base_len, float(done.accepted), session.draft_wait_s)
         self.metrics.count_drafter(session.drafter, done.accepted)
-        budget = self.budgets.next([stats]).get(session.request_id, 0)
-        return self.budgets.hold(session.request_id, budget)  # 0 where the allocator assigned none
+        budget = self.budgets.next([stats]).get(session.request_id)
+        return budget if budget is not None else self.budgets.hold(session.request_id, 0)  # none assigned: 0
 
     def _schedule_flush(self) -> None:
         self._send_drafts()
