@@ -13,7 +13,9 @@ STAMP := $(VENV)/.installed
 PYTEST_FLAGS ?=
 
 .PHONY: help install run run-vllm test test-real test-real-full test-vllm test-faults test-security soak bench-report test-e2e smoke lint bench profile profile-verifier clean distclean demo-models demo-models-eval
-.PHONY: images images-local k8s-tools k8s-validate k8s-up k8s-down
+.PHONY: images images-local k8s-tools k8s-validate k8s-up k8s-down gpu-wheelhouse gpu-check
+DEVICE ?= cuda
+OUT ?= gpu-check-out
 
 help:
 	@echo "make run        start the verifier, the coordinator and 2 drafters on this machine (specfleet up)"
@@ -37,6 +39,8 @@ help:
 	@echo "make demo-models-eval  re-measure models/draft* and rewrite MEASUREMENTS.json and the model cards"
 	@echo "make images     build the container images (deploy/images) on their upstream bases"
 	@echo "make images-local  build them on a local debootstrap'd base, as the k8s tests do (podman)"
+	@echo "make gpu-wheelhouse  download the wheels a GPU host without a registry needs, into wheelhouse/"
+	@echo "make gpu-check  [DEVICE=cuda] the GPU check: device tests, greedy identity, a real-shaped target (scripts/gpu-check.sh)"
 	@echo "make k8s-validate  the static k8s checks: kustomize render, kubernetes-validate, hadolint, structure, placement"
 	@echo "make k8s-up     play the ci overlay with podman (local images), wait until ready; make k8s-down removes it"
 	@echo "make install    create $(VENV) with $(PYTHON) and pip install -e '.[dev,vllm]' (idempotent)"
@@ -60,6 +64,7 @@ run-vllm: install
 
 test: install
 	bash scripts/ensure-redis.sh
+	bash scripts/ensure-chromium.sh
 	bash scripts/ensure-k8s-tools.sh $(VENV)
 	bash scripts/test.sh $(BIN) $(PYTEST_FLAGS)
 
@@ -171,6 +176,15 @@ images-local: k8s-tools
 
 k8s-tools: install
 	bash scripts/ensure-k8s-tools.sh $(VENV)
+
+# The GPU check: `make gpu-wheelhouse` where a registry is reachable, copy the checkout and
+# wheelhouse/ to the GPU host, then `make gpu-check` there (no venv needed: the host's python3).
+gpu-wheelhouse: install
+	$(BIN)/python scripts/gpu_wheelhouse.py
+
+gpu-check:
+	DEVICE=$(DEVICE) OUT=$(OUT) PYTHON=$$(test -x $(BIN)/python && echo $(BIN)/python || echo python3) \
+		bash scripts/gpu-check.sh
 
 k8s-validate: k8s-tools
 	$(BIN)/pytest -q -m k8s tests/k8s/test_static.py tests/k8s/test_placement.py $(PYTEST_FLAGS)

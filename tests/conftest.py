@@ -17,6 +17,20 @@ from tests.redis_fixture import *  # noqa: F403  (the real redis-server fixture:
 torch.set_num_threads(1)
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--device", default=os.environ.get("SPECFLEET_TEST_DEVICE", "cpu"),
+                     help="torch device for the tests marked 'device' (cpu; the GPU check passes cuda)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    import tests.unit.runner_models as runner_models
+
+    device = str(config.getoption("--device"))
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise pytest.UsageError(f"--device {device}: torch {torch.__version__} sees no CUDA device here")
+    runner_models.DEVICE = device
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Random tiny Llama target + drafts sharing one tokenizer (see shared.models)."""

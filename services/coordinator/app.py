@@ -19,6 +19,8 @@ from fastapi import FastAPI
 from services.coordinator.admission import InFlightLimit
 from services.coordinator.config import CoordinatorConfig, check_config
 from services.coordinator.errors import install_error_handlers
+from services.coordinator.fleet import FleetMonitor
+from services.coordinator.fleet_routes import router as fleet_router
 from services.coordinator.generation import Generator
 from services.coordinator.metrics import CoordinatorMetrics
 from services.coordinator.model_info import ModelInfo
@@ -79,19 +81,21 @@ def create_app(
                             cfg.clients.quota_window_s),
     )
 
+    monitor = state.fleet = FleetMonitor(state, urls, cfg.security.auth_token, verifier_tls)
     fallback = (QueueFallback(link, cfg.queue.queue_fallback_s, counter=metrics.queue_fallback)
                 if cfg.target.speculation == "auto" and cfg.queue.queue_fallback_s else None)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         await link.start()
-        watcher = asyncio.create_task(fallback.run(), name="queue-fallback") if fallback is not None else None
+        tasks = [asyncio.create_task(fallback.run(), name="queue-fallback")] if fallback is not None else []
+        tasks.append(asyncio.create_task(monitor.run(), name="fleet-monitor"))
         try:
             yield
         finally:
-            if watcher is not None:
-                watcher.cancel()
-                await asyncio.gather(watcher, return_exceptions=True)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             await link.stop()
             if owns_queue:
                 await queue.close()
@@ -100,6 +104,7 @@ def create_app(
     app.state.coordinator = state
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(fleet_router)
     if not cfg.queue.redis_url:
         app.include_router(make_queue_router(queue, credentials, node_id=node_id))
     return app

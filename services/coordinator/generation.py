@@ -71,6 +71,7 @@ class Submission:
         self._slot = slot
         self._retry_after_s = retry_after_s
         self._queued_at = time.monotonic()
+        self._first_at = 0.0  # when the first token arrived (0: not yet)
         self._deadline = self._queued_at + timeout_s
         self._aborted = False
         self._verifier_done = False
@@ -110,7 +111,8 @@ class Submission:
             event = item.event
             self.arrived = item.arrived
             if first and (event.token_ids or event.text):
-                self._metrics.ttft.observe(time.monotonic() - self._queued_at)
+                self._first_at = time.monotonic()
+                self._metrics.first_token(self._first_at - self._queued_at)
                 first = False
             if event.finished:
                 event = self._finish(item)
@@ -159,6 +161,8 @@ class Submission:
                                             completion_tokens=event.completion_tokens or self._generated)
         self.final = event
         self._metrics.finished(event)
+        if self._first_at and self._generated > 1:
+            self._metrics.per_token((time.monotonic() - self._first_at) / (self._generated - 1))
         return event
 
     def close(self) -> None:

@@ -7,7 +7,9 @@ someone else's state (queue depth, connected drafters) are refreshed at scrape t
 
 from __future__ import annotations
 
+import math
 import time
+from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -17,8 +19,33 @@ from shared.protocol import TokenEvent
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 #: relaying one event is normally tens of microseconds; the top buckets catch a stalled loop or client
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
 _RELAY_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 _PREFIX = "specfleet_coordinator"
+#: the dashboard's latency percentiles cover requests of the last this many seconds
+RECENT_S = 300.0
+
+
+class RecentSamples:
+    """Values observed in the last ``RECENT_S`` seconds, for exact percentiles (the dashboard's
+    TTFT and TPOT p50/p99; Prometheus computes its own from the histograms)."""
+
+    def __init__(self, window_s: float = RECENT_S, most: int = 20_000) -> None:
+        self.window_s = window_s
+        self._items: deque[tuple[float, float]] = deque(maxlen=most)
+
+    def add(self, value: float, now: float | None = None) -> None:
+        self._items.append((time.monotonic() if now is None else now, value))
+
+    def percentile(self, q: float, now: float | None = None) -> float | None:
+        """The ``q`` quantile (0..1, nearest rank) of the recent values; None when there are none."""
+        cut = (time.monotonic() if now is None else now) - self.window_s
+        while self._items and self._items[0][0] < cut:
+            self._items.popleft()
+        if not self._items:
+            return None
+        values = sorted(v for _, v in self._items)
+        return values[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))]
 
 
 class RequestTimer:
@@ -36,6 +63,8 @@ class RequestTimer:
             return
         self._done = True
         self._metrics.requests.labels(self._endpoint, str(status)).inc()
+        if status == 429:
+            self._metrics.rejected += 1
         self._metrics.latency.labels(self._endpoint).observe(time.perf_counter() - self._start)
 
 
@@ -50,6 +79,11 @@ class CoordinatorMetrics:
                                  ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram(f"{_PREFIX}_time_to_first_token_seconds", "Time from queueing to the first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram(f"{_PREFIX}_time_per_output_token_seconds", "A finished request's time from its first "
+                              "token to its last, over its tokens after the first", buckets=_TPOT_BUCKETS, registry=r)
+        self.recent_ttft = RecentSamples()
+        self.recent_tpot = RecentSamples()
+        self.rejected = 0  # requests answered 429 (rate limit, in-flight cap, full queue)
         self.prompt_tokens = Counter(f"{_PREFIX}_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.completion_tokens = Counter(f"{_PREFIX}_completion_tokens", "Generated tokens of finished requests",
                                          registry=r)
@@ -87,6 +121,14 @@ class CoordinatorMetrics:
         """One event's bytes went to the client (``transport``: sse or websocket); ``arrived`` is the
         ``time.perf_counter()`` at which its frame came in from the verifier."""
         self.relay.labels(transport).observe(time.perf_counter() - arrived)
+
+    def first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+        self.recent_ttft.add(seconds)
+
+    def per_token(self, seconds: float) -> None:
+        self.tpot.observe(seconds)
+        self.recent_tpot.add(seconds)
 
     def finished(self, final: TokenEvent) -> None:
         """Account a request's final TokenEvent (its counts are cumulative for the request)."""

@@ -179,13 +179,7 @@ async def ready(request: Request) -> Response:
     """200 only when the verifier is linked and >= 1 drafter is up (just the verifier with speculation off)."""
     state = state_of(request)
     link = state.link
-    missing = []
-    if state.generator.admission.draining:
-        missing.append("the coordinator is shutting down (draining in-flight requests)")
-    if not link.connected:
-        missing.append(f"verifier link is down: {link.last_error}")
-    elif not link.drafters and state.generator.speculation != "off":
-        missing.append("no drafter is connected to the verifier")
+    missing = state.missing()
     body = {
         "status": "ready" if not missing else "not_ready",
         "verifier_connected": link.connected,

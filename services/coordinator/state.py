@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import hmac
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -10,6 +11,7 @@ from typing import Any
 from fastapi import Request
 
 from services.coordinator.config import CoordinatorConfig
+from services.coordinator.fleet import FleetMonitor
 from services.coordinator.generation import Generator, Submission
 from services.coordinator.metrics import CoordinatorMetrics
 from services.coordinator.model_info import ModelInfo
@@ -30,6 +32,7 @@ class CoordinatorState:
     generator: Generator
     metrics: CoordinatorMetrics
     limiter: RateLimiter = field(default_factory=RateLimiter)
+    fleet: FleetMonitor | None = None  # the dashboard's readings (``fleet.py``); set by create_app
 
     def max_model_len(self) -> int:
         """The tighter of the target's own context and the verifier's configured limit."""
@@ -71,12 +74,36 @@ class CoordinatorState:
         return subs
 
     def authorized(self, authorization: str | None) -> bool:
-        """True when no API key is configured, or the header is exactly 'Bearer <one of the keys>'."""
+        """True when no API key is configured, or the header is exactly 'Bearer <one of the keys>', or
+        HTTP Basic with one of the keys as the password (any user name: what a browser sends for the
+        dashboard once its login prompt has been answered)."""
         keys = [k.strip() for k in (self.cfg.clients.api_key, *self.cfg.clients.api_keys.split(",")) if k.strip()]
         if not keys:
             return True
-        given = (authorization or "").strip().encode()
-        return any(hmac.compare_digest(given, f"Bearer {k}".encode()) for k in keys)  # no early exit
+        given = (authorization or "").strip()
+        scheme, _, value = given.partition(" ")
+        if scheme.lower() == "basic":
+            given = f"Bearer {_basic_password(value.strip())}"
+        return any(hmac.compare_digest(given.encode(), f"Bearer {k}".encode()) for k in keys)  # no early exit
+
+    def missing(self) -> list[str]:
+        """Why the fleet cannot serve as configured (empty: ready): what ``/ready`` answers."""
+        link, missing = self.link, []
+        if self.generator.admission.draining:
+            missing.append("the coordinator is shutting down (draining in-flight requests)")
+        if not link.connected:
+            missing.append(f"verifier link is down: {link.last_error}")
+        elif not link.drafters and self.generator.speculation != "off":
+            missing.append("no drafter is connected to the verifier")
+        return missing
+
+
+def _basic_password(credentials: str) -> str:
+    """The password of an HTTP Basic ``user:password`` in base64 ('' when it is malformed)."""
+    try:
+        return base64.b64decode(credentials, validate=True).decode().partition(":")[2]
+    except (ValueError, UnicodeDecodeError):
+        return ""
 
 
 def state_of(request: Request) -> CoordinatorState:

@@ -86,8 +86,10 @@ class SessionSection:
 class ProposalSection:
     """what proposes the drafts, and the q sent with them"""
 
-    proposer: str = opt("draft-model", "what drafts: draft-model (--model is a draft LM) or ngram (prompt lookup: no "
-                                       "model; --model only provides the tokenizer, e.g. the target's directory)")
+    proposer: str = opt("draft-model", "what drafts: draft-model (--model is a draft LM), ngram (prompt lookup: no "
+                                       "model; --model only provides the tokenizer, e.g. the target's directory), or "
+                                       "oracle (benchmarks: the target's recorded greedy output at acceptance "
+                                       "--oracle-alpha; --model provides the tokenizer)")
     ngram_max: int = opt(4, "proposer=ngram: longest n-gram to match")
     ngram_min: int = opt(1, "proposer=ngram: shortest n-gram to match")
     draft_mode: str = opt("sampled", "sampled: sampled requests are drafted from their own distribution and its "
@@ -96,6 +98,9 @@ class ProposalSection:
     q_mass: float = opt(0.98, "sampled drafts: keep the draft distribution's most likely tokens up to this mass")
     q_max_entries: int = opt(4096, "sampled drafts: but at most this many tokens per position (6 bytes each; "
                                    "lower it for slow links, see bench/results/qwire.md)")
+    oracle_file: str = opt("", "proposer=oracle: the reference file, JSON lines {prompt_ids, output_ids} recorded "
+                               "from a target-only pass (python -m bench oracle-record)")
+    oracle_alpha: float = opt(0.8, "proposer=oracle: each draft token is the reference's with this probability")
 
 
 @dataclass

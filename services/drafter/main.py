@@ -29,6 +29,7 @@ from services.drafter.metrics import DrafterMetrics
 from services.drafter.proposers.base import Proposer
 from services.drafter.proposers.draft_model import DRAFT_MODES, DraftModelProposer
 from services.drafter.proposers.ngram import NgramProposer
+from services.drafter.proposers.oracle import OracleProposer, load_references
 from services.drafter.rounds import RoundSettings
 from services.drafter.sessions import DraftSession
 from services.drafter.worker import ComputeWorker
@@ -46,7 +47,7 @@ log = get_logger("drafter.main")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 AUTO_KV_RAM_SHARE = 0.2
 COMPUTE_MODES = ("auto", "thread", "inline")
-PROPOSERS = ("draft-model", "ngram")
+PROPOSERS = ("draft-model", "ngram", "oracle")
 
 
 def link_tls(cfg: DrafterConfig) -> tuple[ssl.SSLContext | None, ssl.SSLContext | None]:
@@ -83,6 +84,10 @@ def check_config(cfg: DrafterConfig, need_model: bool = True) -> None:
     if not 1 <= cfg.proposal.ngram_min <= cfg.proposal.ngram_max:
         problems.append(f"--ngram-min and --ngram-max need 1 <= min <= max, got {cfg.proposal.ngram_min} "
                         f"and {cfg.proposal.ngram_max}")
+    if cfg.proposal.proposer == "oracle" and not cfg.proposal.oracle_file:
+        problems.append("--proposer oracle needs --oracle-file (record one with python -m bench oracle-record)")
+    if not 0.0 <= cfg.proposal.oracle_alpha <= 1.0:
+        problems.append(f"--oracle-alpha must be in [0, 1], got {cfg.proposal.oracle_alpha}")
     if cfg.proposal.draft_mode not in DRAFT_MODES:
         problems.append(f"--draft-mode must be one of {', '.join(DRAFT_MODES)}, got {cfg.proposal.draft_mode!r}")
     if not 0.0 < cfg.proposal.q_mass <= 1.0:
@@ -155,12 +160,19 @@ def kv_budget_bytes(cfg: DrafterConfig, loaded: LoadedModel) -> int:
 
 def _load(cfg: DrafterConfig) -> LoadedModel:
     m = cfg.draft_model
-    return load_vocabulary(m.model) if cfg.proposal.proposer == "ngram" else load_model(m.model, m.device, m.dtype)
+    model_free = cfg.proposal.proposer in ("ngram", "oracle")
+    return load_vocabulary(m.model) if model_free else load_model(m.model, m.device, m.dtype)
 
 
 async def _proposer(cfg: DrafterConfig, loaded: LoadedModel) -> Proposer:
     if cfg.proposal.proposer == "ngram":
         return NgramProposer(loaded.eos_ids, cfg.proposal.ngram_max, cfg.proposal.ngram_min)
+    if cfg.proposal.proposer == "oracle":
+        try:
+            refs = load_references(Path(cfg.proposal.oracle_file))
+        except ValueError as exc:
+            raise ModelLoadError(str(exc)) from None
+        return OracleProposer(refs, cfg.proposal.oracle_alpha, loaded.vocab_size)
     runner = await asyncio.to_thread(ModelRunner, loaded, kv_budget_bytes(cfg, loaded), cfg.draft_model.runner)
     p = cfg.proposal
     return DraftModelProposer(runner, loaded.eos_ids, p.draft_mode, Nucleus(p.q_mass, p.q_max_entries))

@@ -17,6 +17,7 @@ from services.verifier.config import VerifierConfig, validate
 from services.verifier.core import CoreLimits, TorchCore
 from services.verifier.core_api import Result, VerifierCore
 from services.verifier.fill import make_fill
+from services.verifier.fleet_view import EngineInfo
 from services.verifier.intake import Intake
 from services.verifier.metrics import VerifierMetrics
 from services.verifier.output import Output
@@ -103,6 +104,8 @@ def build(cfg: VerifierConfig, loop: asyncio.AbstractEventLoop) -> tuple[Hub, Ve
     except KVError as exc:
         raise ModelLoadError(f"cannot set up the KV cache: {exc}") from None
     hub, output, metrics = _hub(cfg, loaded)
+    hub.engine = EngineInfo("torch", loaded.name, str(next(loaded.model.parameters()).dtype).removeprefix("torch."),
+                            cfg.target.device)
     estimator, tracker = make_estimator(cfg), GoodputTracker(cfg.budgets.goodspeed_eta, cfg.budgets.goodspeed_beta)
     slo = cfg.batches.slo_tokens_per_s if cfg.batches.slo_tokens_per_s > 0 else None
     try:
@@ -136,6 +139,7 @@ def build_vllm(cfg: VerifierConfig) -> tuple[Hub, VerifierCore]:
 
     loaded = load_target_info(cfg.target.model, cfg.target.max_model_len)
     hub, output, metrics = _hub(cfg, loaded)
+    hub.engine = EngineInfo("vllm", loaded.name, cfg.target.dtype, cfg.target.device)
     try:
         allocator = make_allocator_for(cfg, StepTimeEstimator())
     except ValueError as exc:

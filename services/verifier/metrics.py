@@ -107,6 +107,8 @@ class VerifierMetrics:
                                     ["drafter"], registry=r)
         self.drafter_accepted = Counter(f"{_P}_drafter_accepted_tokens", "Draft tokens accepted, per drafter",
                                         ["drafter"], registry=r)
+        self.drafter_drafted = Counter(f"{_P}_drafter_drafted_tokens", "Draft tokens verified, per drafter",
+                                       ["drafter"], registry=r)
         self.utility = Gauge(f"{_P}_utility", "GoodSpeed utility: sum of log X over live sessions", registry=r)
         self.slo = Counter(f"{_P}_slo_requests", "Finished requests per SLO class (tokens/s) and outcome",
                            ["slo_class", "outcome"], registry=r)
@@ -173,9 +175,30 @@ class VerifierMetrics:
         if off_s is not None:
             self.fill_wait_deviation.labels(drafter).inc(off_s)
 
-    def count_drafter(self, drafter: str, accepted: int) -> None:
+    def count_drafter(self, drafter: str, drafted: int, accepted: int) -> None:
         if drafter:
+            self.drafter_drafted.labels(drafter).inc(drafted)
             self.drafter_accepted.labels(drafter).inc(accepted)
+
+    def totals(self) -> dict[str, float]:
+        """Cumulative counts since start, for the fleet view (``fleet_view``): a reader turns two
+        readings into rates. Step seconds and fed tokens stay 0 under vLLM, which runs its own steps."""
+        get = self.registry.get_sample_value
+        return {
+            "steps": get(f"{_P}_steps_total") or 0.0,
+            "session_steps": get(f"{_P}_batch_sessions_sum") or 0.0,
+            "fed_tokens": get(f"{_P}_batch_tokens_sum") or 0.0,
+            "step_seconds": get(f"{_P}_step_seconds_sum", {"phase": "total"}) or 0.0,
+            "generated": get(f"{_P}_generated_tokens_total") or 0.0,
+            "drafted": get(f"{_P}_drafted_tokens_total") or 0.0,
+            "accepted": get(f"{_P}_accepted_tokens_total") or 0.0,
+        }
+
+    def drafter_totals(self, drafter: str) -> tuple[float, float]:
+        """(drafted, accepted) tokens of one drafter since start."""
+        get, labels = self.registry.get_sample_value, {"drafter": drafter}
+        return (get(f"{_P}_drafter_drafted_tokens_total", labels) or 0.0,
+                get(f"{_P}_drafter_accepted_tokens_total", labels) or 0.0)
 
     def count_slo(self, slo_tokens_per_s: float | None, met: bool) -> None:
         label = "none" if slo_tokens_per_s is None else f"{slo_tokens_per_s:g}"

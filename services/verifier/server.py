@@ -5,6 +5,7 @@
 ``/health``       plain HTTP 200 for liveness probes
 ``/metrics``      Prometheus text (``services/verifier/metrics.py``)
 ``/status``       JSON: the allocation, batching and trim policies and their live estimates
+``/fleet``        JSON for the coordinators' dashboards (``fleet_view``); a frontend's credentials
 
 Peers authenticate with a bearer token (``shared.credentials``): the fleet's shared token, or in
 per-drafter mode each drafter's own token, which must match the identity its Hello names. Each
@@ -36,6 +37,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
 from services.verifier.config import TRUST_MODES
+from services.verifier.fleet_view import EngineInfo, fleet_view
 from services.verifier.intake import Intake
 from services.verifier.metrics import VerifierMetrics
 from services.verifier.sessions import Routes
@@ -79,6 +81,7 @@ class Peer:
     identity: Identity = field(default_factory=lambda: Identity(None))
     trusted: bool = True
     outbox: asyncio.Queue[bytes | None] = field(default_factory=lambda: asyncio.Queue(OUTBOX_FRAMES))
+    connected_at: float = field(default_factory=time.time)  # wall clock, for the dashboard
 
     def put(self, frame: bytes) -> None:
         try:
@@ -113,6 +116,7 @@ class Hub:
         self.metrics = metrics
         self.intake: Intake | None = None
         self.last_share = 1.0  # ``draft_share`` of the last FleetStatus broadcast
+        self.engine = EngineInfo("torch", welcome.target_model, "", "")  # main fills in what it loaded
 
     # --- sending -------------------------------------------------------------------------
 
@@ -167,6 +171,8 @@ class Hub:
             body = json.dumps(status, indent=1).encode()
             headers = Headers([("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
             return Response(HTTPStatus.OK.value, "OK", headers, body)
+        if request.path == "/fleet":
+            return self._fleet(connection, request)
         if request.path not in PATH_ROLES:
             return connection.respond(HTTPStatus.NOT_FOUND, "use /v1/drafter or /v1/frontend\n")
         given = request.headers.get("Authorization")
@@ -175,6 +181,14 @@ class Hub:
             return connection.respond(HTTPStatus.UNAUTHORIZED,
                                       self.credentials.refusal(given, PATH_ROLES[request.path]) + "\n")
         return None
+
+    def _fleet(self, connection: ServerConnection, request: Request) -> Response:
+        given = request.headers.get("Authorization")
+        if self.credentials.authenticate(given, "frontend") is None:
+            return connection.respond(HTTPStatus.UNAUTHORIZED, self.credentials.refusal(given, "frontend") + "\n")
+        body = json.dumps(fleet_view(self)).encode()
+        headers = Headers([("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+        return Response(HTTPStatus.OK.value, "OK", headers, body)
 
     # --- one connection --------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import pytest_asyncio
 import websockets
@@ -381,3 +382,26 @@ async def test_a_session_whose_drafter_is_connected_cannot_be_taken_over(verifie
         ids, _, _ = await collect_text(fe, "taken")
         assert committed == ids == ref and accepted > 0
         assert b.box("taken").empty()
+
+
+@pytest.mark.asyncio
+async def test_fleet_view_needs_a_frontend_key_and_lists_each_drafter(verifier: Running) -> None:
+    fleet_url = verifier.url.replace("ws://", "http://") + "/fleet"
+    model, fp = verifier.target.model, verifier.target.fingerprint
+    prompt = [3, 50, 51, 52]
+    ref = greedy_reference(model, prompt, GREEDY.max_tokens, verifier.target.eos_ids)
+    async with httpx.AsyncClient(timeout=10) as http:
+        assert (await http.get(fleet_url)).status_code == 401
+        assert (await http.get(fleet_url, headers={"Authorization": "Bearer wrong"})).status_code == 401
+        async with connect(verifier.url, "drafter", fp, node_id="edge-7") as peer, \
+                connect(verifier.url, "frontend") as fe:
+            await peer.recv(Welcome)
+            committed, _ = await drive_session(peer, "f1", prompt, GREEDY, noisy_oracle(ref, len(prompt), 7))
+            await collect_text(fe, "f1")
+            view = (await http.get(fleet_url, headers={"Authorization": f"Bearer {TOKEN}"})).json()
+    assert committed == ref
+    assert view["ready"] is True and view["engine"]["backend"] == "torch" and view["engine"]["dtype"] == "float32"
+    assert view["totals"]["generated"] >= len(ref) and view["totals"]["steps"] > 0
+    [row] = [d for d in view["drafters"] if d["node"] == "edge-7"]
+    assert row["model"] == "test" and row["trusted"] is True
+    assert row["drafted_tokens"] >= row["accepted_tokens"] > 0

@@ -34,6 +34,8 @@ ARCHS: dict[str, tuple[Any, Any, dict[str, Any]]] = {
     "mistral": (tf.MistralConfig, tf.MistralForCausalLM, {"sliding_window": None}),
 }
 KV_BUDGET = 1 << 20  # bytes: a few thousand tokens for these shapes
+#: where make_runner builds (pytest --device, set by tests/conftest.py; the GPU check passes cuda)
+DEVICE = "cpu"
 
 
 def tiny_model(arch: str, seed: int = 0, **overrides: Any) -> LoadedModel:
@@ -62,7 +64,7 @@ def make_runner(arch: str, kind: str, seed: int = 0, dtype: torch.dtype = torch.
                 **overrides: Any) -> tuple[ModelRunner, torch.nn.Module]:
     """A runner over a tiny model, and an untouched copy of that model to take references from."""
     loaded = tiny_model(arch, seed, **overrides)
-    loaded.model.to(dtype)
+    loaded.model.to(device=DEVICE, dtype=dtype)
     reference = copy.deepcopy(loaded.model)
     runner = ModelRunner(loaded, KV_BUDGET, kind=kind)
     assert runner.kind == kind
@@ -77,7 +79,8 @@ def token_ids(n: int, seed: int = 0, vocab: int = VOCAB) -> list[int]:
 @torch.inference_mode()
 def full_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     """transformers' plain forward over the whole sequence, no cache: ``[len(ids), V]`` float32."""
-    return model(input_ids=torch.tensor([ids]), use_cache=False).logits[0].float()
+    device = next(model.parameters()).device
+    return model(input_ids=torch.tensor([ids], device=device), use_cache=False).logits[0].float().cpu()
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -89,5 +92,5 @@ def assert_close(got: torch.Tensor | None, want: torch.Tensor, rtol: float = 1e-
     """|got - want| at most rtol times the largest |want| (the runner's own self-check measure)."""
     assert got is not None, "expected logits, got None"
     assert got.dtype == torch.float32
-    err = rel_err(got, want)
+    err = rel_err(got.cpu(), want.cpu())
     assert err <= rtol, f"relative error {err:.2e} > {rtol:.0e}"

@@ -14,6 +14,7 @@ from shared.runner import KVError, ModelRunner, Segment
 from tests.unit.runner_models import ARCHS, assert_close, full_logits, make_runner, rel_err, token_ids
 
 KINDS = ["lean", "hf"]
+pytestmark = pytest.mark.device  # on --device (the GPU check runs them on cuda)
 
 
 @pytest.fixture(params=list(ARCHS))

@@ -97,7 +97,7 @@ class RoundLifecycle:
         rounds = [_round_stats(req, len(d), v) for (req, d), v in zip(step.verify, verdicts, strict=True)
                   if req.speculative and req.status is not Status.FINISHED]
         for r in rounds:
-            self.metrics.count_drafter(r.drafter or "", r.accepted)
+            self.metrics.count_drafter(r.drafter or "", r.drafted, r.accepted)
         budgets = self.budgets.next(rounds)
         self.metrics.allocation_time.observe(self.budgets.assign_s)
         for req, _ in step.verify:  # rounds the drafter asked to run without it: budget 0

@@ -290,7 +290,7 @@ class VllmCore:
     def _next_budget(self, session: LiveSession, done: Resolved) -> int:
         stats = RoundStats(session.request_id, session.drafter or None, done.drafted, done.accepted,
                            session.base_len, float(done.accepted), session.draft_wait_s)
-        self.metrics.count_drafter(session.drafter, done.accepted)
+        self.metrics.count_drafter(session.drafter, done.drafted, done.accepted)
         budget = self.budgets.next([stats]).get(session.request_id)
         return budget if budget is not None else self.budgets.hold(session.request_id, 0)  # none assigned: 0
 

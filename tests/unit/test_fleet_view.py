@@ -1,0 +1,122 @@
+"""The dashboard's arithmetic: rates from two verifier readings, the speedup estimate, percentiles,
+the verifier's HTTP address and the dashboard's Basic login. Pure and table-driven."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import pytest
+
+from services.coordinator.fleet import VerifierReadings, _drafter_rows, _rates, http_url
+from services.coordinator.metrics import RecentSamples
+from services.coordinator.state import _basic_password
+
+
+def reading(t: float, instance: str = "a", drafters: list[dict[str, Any]] | None = None,
+            per_token: float = 0.0, **totals: float) -> dict[str, Any]:
+    base = {"steps": 0.0, "session_steps": 0.0, "fed_tokens": 0.0, "step_seconds": 0.0, "generated": 0.0,
+            "drafted": 0.0, "accepted": 0.0}
+    return {"time": t, "instance": instance, "totals": {**base, **totals}, "drafters": drafters or [],
+            "estimator": {"sum_new": per_token}}
+
+
+def drafter(node: str, drafted: float, accepted: float, since: float = 0.0, alpha: float | None = None,
+            rtt_s: float | None = None) -> dict[str, Any]:
+    return {"node": node, "model": "m", "sessions": 1, "alpha": alpha, "budget": 4.0, "trusted": True,
+            "connected_since": since, "rtt_s": rtt_s, "drafted_tokens": drafted, "accepted_tokens": accepted}
+
+
+RATES = [
+    # (id, now, then, expected subset)
+    ("no-earlier-reading", reading(10, generated=50), None, {}),
+    ("clock-did-not-move", reading(10, generated=50), reading(10), {}),
+    ("target-only-torch", reading(12, steps=100, session_steps=100, fed_tokens=100, step_seconds=2.0, generated=100,
+                                  per_token=1e-3), reading(10),
+     {"tokens_s": 50.0, "tokens_per_forward": 1.0, "batch_sessions": 1.0, "step_ms": 20.0, "speedup": 1.0}),
+    # 5 tokens fed per session-step at 1 ms each: T0 = 20 - 4 = 16 ms, τ = 3 → 3 · 16/20
+    ("speculating-torch", reading(11, steps=10, session_steps=10, fed_tokens=50, step_seconds=0.2, generated=30,
+                                  per_token=1e-3), reading(10),
+     {"tokens_s": 30.0, "tokens_per_forward": 3.0, "step_ms": 20.0, "speedup": pytest.approx(2.4)}),
+    # a per-token cost larger than the step itself: T0 is floored at 5 % of T
+    ("absurd-fit-floored", reading(11, steps=10, session_steps=10, fed_tokens=50, step_seconds=0.2, generated=30,
+                                   per_token=1.0), reading(10), {"speedup": pytest.approx(3.0 * 0.05)}),
+    ("vllm-no-step-times", reading(11, steps=0, session_steps=10, generated=25), reading(10),
+     {"tokens_per_forward": 2.5, "speedup": 2.5}),
+]
+
+
+@pytest.mark.parametrize(("now", "then", "expected"), [r[1:] for r in RATES], ids=[r[0] for r in RATES])
+def test_rates(now: dict[str, Any], then: dict[str, Any] | None, expected: dict[str, Any]) -> None:
+    got = _rates(now, then)
+    if not expected:
+        assert got == {}
+    for key, value in expected.items():
+        assert got[key] == value, key
+
+
+def test_drafter_rows_over_the_window() -> None:
+    then = reading(10, drafters=[drafter("a", 100, 50)])
+    now = reading(12, drafters=[drafter("a", 140, 80, rtt_s=0.012), drafter("b", 20, 5, since=11.0),
+                                drafter("c", 9, 9, since=5.0, alpha=0.7)])
+    rows = {r["node"]: r for r in _drafter_rows("ws://v", now, then)}
+    assert rows["a"]["drafted_tokens_s"] == 20.0 and rows["a"]["acceptance"] == 0.75
+    assert rows["a"]["rtt_ms"] == pytest.approx(12.0)
+    assert rows["b"]["drafted_tokens_s"] == 10.0 and rows["b"]["acceptance"] == 0.25  # connected in the window
+    assert rows["c"]["drafted_tokens_s"] == 0.0 and rows["c"]["acceptance"] == 0.7  # unseen before: α̂ alone
+    assert rows["c"]["rtt_ms"] is None
+
+
+def test_readings_base_skips_another_instance() -> None:
+    v = VerifierReadings("ws://v")
+    assert v.latest is None and v.base() is None
+    for t, instance in ((1, "old"), (2, "new"), (3, "new")):
+        v.readings.append(reading(t, instance))
+    v.error = ""
+    assert v.base() is not None and v.base()["time"] == 2  # type: ignore[index]
+    v.error = "cannot read"
+    assert v.latest is None
+
+
+@pytest.mark.parametrize(("values", "q", "expected"), [
+    ([], 0.5, None),
+    ([5.0], 0.99, 5.0),
+    ([1.0, 2.0, 3.0, 4.0], 0.5, 2.0),
+    ([float(i) for i in range(1, 101)], 0.99, 99.0),
+    ([float(i) for i in range(1, 101)], 0.5, 50.0),
+    ([3.0, 1.0, 2.0], 1.0, 3.0),
+])
+def test_recent_percentiles(values: list[float], q: float, expected: float | None) -> None:
+    recent = RecentSamples(window_s=60)
+    for v in values:
+        recent.add(v, now=100.0)
+    assert recent.percentile(q, now=100.0) == expected
+
+
+def test_recent_samples_forget_old_values() -> None:
+    recent = RecentSamples(window_s=60)
+    recent.add(9.0, now=0.0)
+    recent.add(1.0, now=50.0)
+    assert recent.percentile(0.99, now=55.0) == 9.0
+    assert recent.percentile(0.99, now=70.0) == 1.0
+    assert recent.percentile(0.5, now=200.0) is None
+
+
+@pytest.mark.parametrize(("url", "expected"), [
+    ("ws://127.0.0.1:8100/v1/frontend", "http://127.0.0.1:8100/fleet"),
+    ("wss://verifier.example:443/v1/frontend", "https://verifier.example:443/fleet"),
+    ("ws://[::1]:8100", "http://[::1]:8100/fleet"),
+])
+def test_http_url(url: str, expected: str) -> None:
+    assert http_url(url, "/fleet") == expected
+
+
+@pytest.mark.parametrize(("header", "password"), [
+    (base64.b64encode(b"ops:sekret").decode(), "sekret"),
+    (base64.b64encode(b":sekret:with:colons").decode(), "sekret:with:colons"),
+    (base64.b64encode(b"no-colon").decode(), ""),
+    ("%%%not-base64", ""),
+    (base64.b64encode(b"\xff\xfe:x").decode(), ""),
+])
+def test_basic_password(header: str, password: str) -> None:
+    assert _basic_password(header) == password
