@@ -183,8 +183,15 @@ class Check:
             for lv in self.levels:
                 ratio = lv.tokens_per_s / base[lv.sessions] if base.get(lv.sessions) else float("nan")
                 overhead = lv.step_ms / lv.forward_ms if lv.forward_ms else float("nan")
+                expected = expected_acceptance(lv.mode)
+                shown = f"{lv.acceptance:.3f}" + ("" if expected is None else f" (expected {expected:.2f})")
                 lines.append(f"| {lv.mode} | {lv.sessions} | {lv.tokens_per_s:.1f} | {ratio:.2f}× | "
-                             f"{lv.acceptance:.3f} | {lv.step_ms:.2f} | {lv.forward_ms:.2f} | {overhead:.3f} |")
+                             f"{shown} | {lv.step_ms:.2f} | {lv.forward_ms:.2f} | {overhead:.3f} |")
+            if any(drifted(lv) for lv in self.levels):
+                lines += ["", "Some oracle levels accepted well below the expected share: the target's greedy "
+                              "output there left the recorded references (random bfloat16 weights give near-ties "
+                              "that batch shapes can flip), and the oracle drafts nothing once it has; their "
+                              "speedups are understated."]
         return "\n".join(lines) + "\n"
 
     def write(self) -> None:
@@ -192,6 +199,19 @@ class Check:
         data = {"args": {k: str(v) for k, v in vars(self.args).items()},
                 "steps": [asdict(s) for s in self.steps], "levels": [asdict(lv) for lv in self.levels]}
         (self.out / "results.json").write_text(json.dumps(data, indent=1))
+
+
+def expected_acceptance(mode: str, k: int = 4) -> float | None:
+    """Accepted / drafted tokens an oracle at α with k drafts per round expects: α(1 − α^k) / (k(1 − α))."""
+    if not mode.startswith("oracle α="):
+        return None
+    alpha = float(mode.removeprefix("oracle α="))
+    return 1.0 if alpha >= 1 else alpha * (1 - alpha**k) / (k * (1 - alpha))
+
+
+def drifted(level: Level) -> bool:
+    expected = expected_acceptance(level.mode)
+    return expected is not None and level.acceptance < 0.8 * expected
 
 
 def _vocab(model_dir: Path) -> int:

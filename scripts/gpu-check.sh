@@ -17,7 +17,8 @@ BUDGET_S=${BUDGET_S:-420}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 
-needed="fastapi uvicorn websockets msgspec msgpack redis llguidance rich httpx prometheus_client pytest pytest_asyncio"
+needed="fastapi uvicorn websockets msgspec msgpack redis llguidance rich httpx prometheus_client tqdm gguf pytest
+    pytest_asyncio pytest_timeout"
 if ! "$PY" -c "import importlib, sys; [importlib.import_module(m) for m in sys.argv[1:]]" $needed 2>/dev/null; then
     if [ ! -f wheelhouse/requirements.txt ]; then
         echo "gpu-check: $PY lacks some of: $needed" >&2

@@ -8,8 +8,9 @@ over the last ``RATE_WINDOW_S`` seconds, so a slow read never makes a spike. The
 
 The estimated speedup over target-only decoding, per verifier over the rate window:
 
-    τ  = tokens committed / session-steps     (tokens a session gains per forward it is in)
-    T  = mean step time;  N, B = tokens and sessions a step fed
+    τ  = tokens committed / decode segments   (tokens a session gains per forward it decodes in)
+    T  = mean step time;  N, B = decode tokens and decode sessions a step fed (prefill left out:
+         target-only decoding pays it too)
     T0 = T − a·(N − B)                        (the same steps fed one token per session)
     speedup ≈ τ · T0 / T
 
@@ -42,8 +43,8 @@ SAMPLE_EVERY_S = 1.0
 HISTORY_S = 600.0
 RATE_WINDOW_S = 5.0
 READ_TIMEOUT_S = 1.5
-SPEEDUP_METHOD = ("τ·T0/T: tokens committed per session-step τ, times the verifier's fitted cost of the same "
-                  "steps fed one token per session (T0) over their measured cost (T); excludes drafting time")
+SPEEDUP_METHOD = ("τ·T0/T: tokens committed per decoding session-step τ, times the verifier's fitted cost of the "
+                  "same steps fed one token per session (T0) over their measured cost (T); excludes drafting time")
 
 
 def http_url(verifier_url: str, path: str) -> str:
@@ -82,15 +83,15 @@ def _rates(now: dict[str, Any], then: dict[str, Any] | None) -> dict[str, Any]:
         return {}
     dt = now["time"] - then["time"]
     d = {k: now["totals"][k] - then["totals"].get(k, 0.0) for k in now["totals"]}
-    steps, session_steps = d["steps"], d["session_steps"]
+    steps, segments = d["steps"], d["decode_segments"]
     out: dict[str, Any] = {"tokens_s": d["generated"] / dt, "generated": d["generated"]}
-    if session_steps > 0:
-        out["tokens_per_forward"] = d["generated"] / session_steps
-        out["batch_sessions"] = session_steps / steps if steps else None
+    if segments > 0:
+        out["tokens_per_forward"] = d["generated"] / segments
+        out["batch_sessions"] = segments / steps if steps else None
     if steps > 0 and d["step_seconds"] > 0:
-        step, fed = d["step_seconds"] / steps, d["fed_tokens"] / steps
+        step, fed, sessions = d["step_seconds"] / steps, d["decode_tokens"] / steps, segments / steps
         per_token = (now.get("estimator") or {}).get("sum_new", 0.0)
-        target_only = max(step - per_token * (fed - session_steps / steps), 0.05 * step)
+        target_only = max(step - per_token * (fed - sessions), 0.05 * step)
         out["step_ms"] = 1000 * step
         out["speedup"] = out.get("tokens_per_forward", 1.0) * target_only / step
     elif "tokens_per_forward" in out:
@@ -105,7 +106,8 @@ def _drafter_rows(url: str, now: dict[str, Any], then: dict[str, Any] | None) ->
     for d in now["drafters"]:
         old = before.get(d["node"])
         if old is None and then is not None and d["connected_since"] >= then["time"]:
-            old = {"drafted_tokens": 0.0, "accepted_tokens": 0.0}  # connected within the window: from zero
+            # connected within the window: the verifier counts a connection's tokens from zero
+            old = {"drafted_tokens": 0.0, "accepted_tokens": 0.0}
         drafted = d["drafted_tokens"] - old["drafted_tokens"] if old else 0.0
         accepted = d["accepted_tokens"] - old["accepted_tokens"] if old else 0.0
         rows.append({

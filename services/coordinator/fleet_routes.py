@@ -2,7 +2,9 @@
 
 Both take the API's credentials when the API has a key. Scripts send ``Authorization: Bearer
 <key>``; a browser gets a login prompt (HTTP Basic: any user name, the key as the password) and
-then sends those credentials itself with every request of the page, its data polls included. The
+then sends those credentials itself with every request of the page, its data polls included.
+Basic is accepted here only: these views change nothing, and the API itself wants Bearer, so a
+cached dashboard login cannot be used by another site's page to send requests. The
 page is plain HTML, CSS and one script, all served from here: it needs no build step and no CDN.
 """
 
@@ -31,7 +33,7 @@ PAGE_HEADERS = {
 async def fleet(request: Request, since: float | None = None) -> Response:
     """The fleet now: verifiers, drafters, requests, speed, and the history newer than ``since`` (unix s)."""
     state = state_of(request)
-    if not state.authorized(request.headers.get("authorization")):
+    if not state.authorized(request.headers.get("authorization"), browser=True):
         return unauthorized().response()
     if state.fleet is None:
         return JSONResponse({"error": {"message": "the fleet monitor is not running", "type": "server_error",
@@ -58,7 +60,7 @@ async def asset(request: Request, name: str) -> Response:
 
 def _login(request: Request) -> Response | None:
     """None when allowed; else 401 asking a browser for the API key (Basic: any user, the key as password)."""
-    if state_of(request).authorized(request.headers.get("authorization")):
+    if state_of(request).authorized(request.headers.get("authorization"), browser=True):
         return None
     return Response("This specfleet dashboard needs the API key: enter any user name and the key as the password.\n",
                     status_code=401, media_type="text/plain",

@@ -73,16 +73,18 @@ class CoordinatorState:
             raise
         return subs
 
-    def authorized(self, authorization: str | None) -> bool:
-        """True when no API key is configured, or the header is exactly 'Bearer <one of the keys>', or
-        HTTP Basic with one of the keys as the password (any user name: what a browser sends for the
-        dashboard once its login prompt has been answered)."""
+    def authorized(self, authorization: str | None, browser: bool = False) -> bool:
+        """True when no API key is configured, or the header is exactly 'Bearer <one of the keys>'.
+        With ``browser`` (the dashboard and ``/v1/fleet`` only, which change nothing), also HTTP Basic
+        with one of the keys as the password (any user name: what a browser sends once its login
+        prompt has been answered). The API takes no Basic: a browser's cached login must not let
+        another site's page send requests in the operator's name."""
         keys = [k.strip() for k in (self.cfg.clients.api_key, *self.cfg.clients.api_keys.split(",")) if k.strip()]
         if not keys:
             return True
         given = (authorization or "").strip()
         scheme, _, value = given.partition(" ")
-        if scheme.lower() == "basic":
+        if browser and scheme.lower() == "basic":
             given = f"Bearer {_basic_password(value.strip())}"
         return any(hmac.compare_digest(given.encode(), f"Bearer {k}".encode()) for k in keys)  # no early exit
 

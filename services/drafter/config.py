@@ -70,12 +70,14 @@ class SessionSection:
     max_sessions: int = opt(4, "sessions served concurrently (requests taken from the queue at once)")
     admission: str = opt("max-sessions", "how many sessions to claim: max-sessions (up to --max-sessions), or starsd "
                                          "(also at most StarSD's N_max, estimated from measured timings)")
-    pipeline_sessions: int = opt(2, "greedy and unseeded sampled sessions draft their next round while this one is "
-                                    "verified, while this drafter serves at most this many sessions (0: never; "
-                                    "see bench/RESULTS.md)")
-    lookahead_branches: int = opt(1, "a greedy session alone on this drafter also drafts ahead for the N likeliest "
-                                     "rejections of its draft in flight (the verifier committing the draft model's "
-                                     "second choice instead), in spare KV caches (0: only the all-accepted lookahead)")
+    pipeline_sessions: int = opt(2, "sessions draft their next round while this one is verified, while this drafter "
+                                    "serves at most this many sessions (0: never; see bench/RESULTS.md): greedy and "
+                                    "raced ones (the verifier's --sampling race, the default), and under --sampling "
+                                    "stream unseeded sampled ones")
+    lookahead_branches: int = opt(1, "a greedy or raced session alone on this drafter also drafts ahead for the N "
+                                     "likeliest rejections of its draft in flight (the verifier committing the draft "
+                                     "model's runner-up instead), in spare KV caches (0: only the all-accepted "
+                                     "lookahead)")
     conditional_drafts: bool = opt(True, "send each lookahead to the verifier as soon as it is drafted, as the next "
                                          "round's draft on the condition that the verdict in flight comes out as it "
                                          "assumed, so a lookahead that comes true costs no round trip (when the "
@@ -92,9 +94,10 @@ class ProposalSection:
                                        "--oracle-alpha; --model provides the tokenizer)")
     ngram_max: int = opt(4, "proposer=ngram: longest n-gram to match")
     ngram_min: int = opt(1, "proposer=ngram: shortest n-gram to match")
-    draft_mode: str = opt("sampled", "sampled: sampled requests are drafted from their own distribution and its "
-                                     "nucleus goes on the wire as q (greedy requests get argmax ids); greedy: argmax "
-                                     "ids for every request (the baseline)")
+    draft_mode: str = opt("sampled", "sampled: a sampled request is drafted from its own distribution, as the "
+                                     "winner of the verifier's keyed race (ids only) under race sampling, or with its "
+                                     "nucleus on the wire as q under stream sampling; greedy requests get argmax ids. "
+                                     "greedy: argmax ids for every request (the baseline)")
     q_mass: float = opt(0.98, "sampled drafts: keep the draft distribution's most likely tokens up to this mass")
     q_max_entries: int = opt(4096, "sampled drafts: but at most this many tokens per position (6 bytes each; "
                                    "lower it for slow links, see bench/results/qwire.md)")

@@ -93,6 +93,9 @@ class VerifierMetrics:
         self.sessions = Gauge(f"{_P}_sessions", "Sessions holding KV memory", registry=r)
         self.waiting = Gauge(f"{_P}_waiting_sessions", "Sessions waiting for KV memory", registry=r)
         self._policy_metrics(r)
+        self._totals = dict.fromkeys(("steps", "decode_segments", "decode_tokens", "step_seconds", "generated",
+                                      "drafted", "accepted"), 0.0)
+        self._by_drafter: dict[str, tuple[float, float]] = {}
 
     def _policy_metrics(self, r: CollectorRegistry) -> None:
         self.allocation_time = Histogram(f"{_P}_allocation_seconds", "One draft-length allocation decision",
@@ -136,6 +139,11 @@ class VerifierMetrics:
         if 0 < start - previous_start < MAX_PERIOD_S:
             self.step_period.observe(start - previous_start)
         self.steps.inc()
+        t = self._totals
+        t["steps"] += 1
+        t["decode_segments"] += len(step.verify) + len(step.fill)
+        t["decode_tokens"] += step.verify_tokens
+        t["step_seconds"] += end - scheduled
         self.batch_sessions.observe(len(step.segments))
         self.batch_tokens.observe(step.verify_tokens + step.prefill_tokens)
         self.prefill_tokens.inc(step.prefill_tokens)
@@ -146,7 +154,16 @@ class VerifierMetrics:
         if budget != before:
             self.budget_changes.inc()
 
+    def count_generated(self, committed: int) -> None:
+        """Tokens committed outside a verified round (a fill: decoded while the session's draft travelled)."""
+        self._totals["generated"] += committed
+        self.generated.inc(committed)
+
     def count_round(self, drafted: int, accepted: int, committed: int) -> None:
+        t = self._totals
+        t["generated"] += committed
+        t["drafted"] += drafted
+        t["accepted"] += accepted
         self.rounds.inc()
         self.drafted.inc(drafted)
         self.accepted.inc(accepted)
@@ -179,26 +196,25 @@ class VerifierMetrics:
         if drafter:
             self.drafter_drafted.labels(drafter).inc(drafted)
             self.drafter_accepted.labels(drafter).inc(accepted)
+            before = self._by_drafter.get(drafter, (0.0, 0.0))
+            self._by_drafter[drafter] = (before[0] + drafted, before[1] + accepted)
 
     def totals(self) -> dict[str, float]:
         """Cumulative counts since start, for the fleet view (``fleet_view``): a reader turns two
-        readings into rates. Step seconds and fed tokens stay 0 under vLLM, which runs its own steps."""
-        get = self.registry.get_sample_value
-        return {
-            "steps": get(f"{_P}_steps_total") or 0.0,
-            "session_steps": get(f"{_P}_batch_sessions_sum") or 0.0,
-            "fed_tokens": get(f"{_P}_batch_tokens_sum") or 0.0,
-            "step_seconds": get(f"{_P}_step_seconds_sum", {"phase": "total"}) or 0.0,
-            "generated": get(f"{_P}_generated_tokens_total") or 0.0,
-            "drafted": get(f"{_P}_drafted_tokens_total") or 0.0,
-            "accepted": get(f"{_P}_accepted_tokens_total") or 0.0,
-        }
+        readings into rates. Kept as plain numbers beside the Prometheus families, so a reading costs
+        nothing however many drafters there are. Decode segments and tokens leave prefill out; the
+        step seconds stay 0 under vLLM, which runs its own steps."""
+        return dict(self._totals)
+
+    def drafter_connected(self, drafter: str) -> None:
+        """A drafter (re)connected: its fleet-view totals count from zero again, so a reader's rate
+        over a window it connected in is its own (the Prometheus counters keep their lifetime sums)."""
+        self._by_drafter.pop(drafter, None)
 
     def drafter_totals(self, drafter: str) -> tuple[float, float]:
-        """(drafted, accepted) tokens of one drafter since start."""
-        get, labels = self.registry.get_sample_value, {"drafter": drafter}
-        return (get(f"{_P}_drafter_drafted_tokens_total", labels) or 0.0,
-                get(f"{_P}_drafter_accepted_tokens_total", labels) or 0.0)
+        """(drafted, accepted) tokens of one drafter since it connected."""
+        drafted, accepted = self._by_drafter.get(drafter, (0.0, 0.0))
+        return drafted, accepted
 
     def count_slo(self, slo_tokens_per_s: float | None, met: bool) -> None:
         label = "none" if slo_tokens_per_s is None else f"{slo_tokens_per_s:g}"

@@ -212,6 +212,7 @@ class Hub:
         peer.put(encode(self.welcome))
         writer = asyncio.create_task(self._write(ws, peer))
         if role == "drafter":
+            self.metrics.drafter_connected(peer.node_id)
             self.broadcast_fleet()
         else:
             peer.put(encode(self.fleet_status()))

@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import AsyncIterator
@@ -107,7 +108,8 @@ async def open_page(profile: Path, headers: dict[str, str] | None = None,
     profile.mkdir(parents=True, exist_ok=True)
     log = profile / "chromium.log"
     with log.open("wb") as out:
-        proc = subprocess.Popen(args, stderr=out, stdout=subprocess.DEVNULL, env={**os.environ, "LANG": "C"})
+        proc = subprocess.Popen(args, stderr=out, stdout=subprocess.DEVNULL, env={**os.environ, "LANG": "C"},
+                                start_new_session=True)  # its own process group: every helper goes with it
     try:
         browser_ws = await asyncio.to_thread(_devtools_url, proc, log)
         page_ws = await _page_url(browser_ws)
@@ -120,8 +122,9 @@ async def open_page(profile: Path, headers: dict[str, str] | None = None,
             yield page
             page._reader.cancel()
     finally:
-        proc.kill()
-        proc.wait(10)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        await asyncio.to_thread(proc.wait, 10)
 
 
 def _devtools_url(proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 60.0) -> str:

@@ -86,3 +86,12 @@ async def test_history_grows_and_since_filters(keyed: TestClient) -> None:
     later = keyed.get("/v1/fleet", params={"since": points[-2]["t"]}, headers=BEARER).json()["history"]
     assert later and all(p["t"] > points[-2]["t"] for p in later)
     assert keyed.get("/v1/fleet", params={"since": "soon"}, headers=BEARER).status_code == 400
+
+
+@pytest.mark.parametrize(("method", "path"), [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+                                              ("GET", "/v1/models")])
+def test_the_api_takes_no_browser_login(keyed: TestClient, method: str, path: str) -> None:
+    """Basic is for the read-only views: a cached dashboard login cannot send requests for another site."""
+    body = {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}
+    resp = keyed.request(method, path, headers=basic("ops", KEY), json=body if method == "POST" else None)
+    assert resp.status_code == 401

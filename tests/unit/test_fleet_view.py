@@ -15,7 +15,7 @@ from services.coordinator.state import _basic_password
 
 def reading(t: float, instance: str = "a", drafters: list[dict[str, Any]] | None = None,
             per_token: float = 0.0, **totals: float) -> dict[str, Any]:
-    base = {"steps": 0.0, "session_steps": 0.0, "fed_tokens": 0.0, "step_seconds": 0.0, "generated": 0.0,
+    base = {"steps": 0.0, "decode_segments": 0.0, "decode_tokens": 0.0, "step_seconds": 0.0, "generated": 0.0,
             "drafted": 0.0, "accepted": 0.0}
     return {"time": t, "instance": instance, "totals": {**base, **totals}, "drafters": drafters or [],
             "estimator": {"sum_new": per_token}}
@@ -31,17 +31,17 @@ RATES = [
     # (id, now, then, expected subset)
     ("no-earlier-reading", reading(10, generated=50), None, {}),
     ("clock-did-not-move", reading(10, generated=50), reading(10), {}),
-    ("target-only-torch", reading(12, steps=100, session_steps=100, fed_tokens=100, step_seconds=2.0, generated=100,
-                                  per_token=1e-3), reading(10),
+    ("target-only-torch", reading(12, steps=100, decode_segments=100, decode_tokens=100, step_seconds=2.0,
+                                  generated=100, per_token=1e-3), reading(10),
      {"tokens_s": 50.0, "tokens_per_forward": 1.0, "batch_sessions": 1.0, "step_ms": 20.0, "speedup": 1.0}),
     # 5 tokens fed per session-step at 1 ms each: T0 = 20 - 4 = 16 ms, τ = 3 → 3 · 16/20
-    ("speculating-torch", reading(11, steps=10, session_steps=10, fed_tokens=50, step_seconds=0.2, generated=30,
+    ("speculating-torch", reading(11, steps=10, decode_segments=10, decode_tokens=50, step_seconds=0.2, generated=30,
                                   per_token=1e-3), reading(10),
      {"tokens_s": 30.0, "tokens_per_forward": 3.0, "step_ms": 20.0, "speedup": pytest.approx(2.4)}),
     # a per-token cost larger than the step itself: T0 is floored at 5 % of T
-    ("absurd-fit-floored", reading(11, steps=10, session_steps=10, fed_tokens=50, step_seconds=0.2, generated=30,
+    ("absurd-fit-floored", reading(11, steps=10, decode_segments=10, decode_tokens=50, step_seconds=0.2, generated=30,
                                    per_token=1.0), reading(10), {"speedup": pytest.approx(3.0 * 0.05)}),
-    ("vllm-no-step-times", reading(11, steps=0, session_steps=10, generated=25), reading(10),
+    ("vllm-no-step-times", reading(11, steps=0, decode_segments=10, generated=25), reading(10),
      {"tokens_per_forward": 2.5, "speedup": 2.5}),
 ]
 
@@ -120,3 +120,12 @@ def test_http_url(url: str, expected: str) -> None:
 ])
 def test_basic_password(header: str, password: str) -> None:
     assert _basic_password(header) == password
+
+
+@pytest.mark.parametrize(("mode", "expected"), [("target-only", None), ("oracle α=1.0", 1.0),
+                                                ("oracle α=0.6", pytest.approx(0.3264)),
+                                                ("oracle α=0.8", pytest.approx(0.5904))])
+def test_the_oracles_expected_acceptance(mode: str, expected: float | None) -> None:
+    from bench.gpu_check import expected_acceptance
+
+    assert expected_acceptance(mode) == expected

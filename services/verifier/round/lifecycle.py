@@ -125,7 +125,7 @@ class RoundLifecycle:
         if req.status is Status.FINISHED:  # the round ends here: the drafter's draft for it is moot
             self._publish(req, 0, 0, kept, 0, logprobs)  # counts the tokens generated
             return
-        self.metrics.generated.inc(len(kept))
+        self.metrics.count_generated(len(kept))
         self.results.append(Filled(req.request_id, req.round.number, kept, list(req.round.fill), logprobs))
         req.round.fill.extend(kept)
 
