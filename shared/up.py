@@ -57,6 +57,8 @@ _FLAGS: list[tuple[str, type, object, str]] = [
                           "beside it; none: drafters use prompt lookup)"),
     ("--redis-url", str, "", "queue in Redis Streams (redis://host:6379/0) instead of in-process"),
     ("--backend", str, "torch", "what the verifier runs the target with: torch, or vllm (pip install -e '.[vllm]')"),
+    ("--device", str, "cpu", "the verifier's torch device: cpu, cuda, cuda:1, ... (make install-cuda for a GPU)"),
+    ("--drafter-device", str, "cpu", "the drafters' torch device (their draft models)"),
     ("--auth-token", str, "", "bearer token between the services (default: random per run)"),
     ("--torch-threads", int, 1, "torch threads per service"),
     ("--drafter-metrics-port", int, 0, "drafter i serves Prometheus /metrics on this port + i - 1 (0: off)"),
@@ -139,8 +141,11 @@ def plan(args: argparse.Namespace, models: Models, ports: Ports) -> list[tuple[s
         verifier_port=ports.verifier, redis_url=args.redis_url, torch_threads=args.torch_threads,
         drafter_metrics_ports=[args.drafter_metrics_port + i for i in range(args.drafters)]
         if args.drafter_metrics_port else [],
-        verifier_flags=["--backend", args.backend] if args.backend != "torch" else [],
-        drafter_flags=["--max-sessions", str(args.sessions_per_drafter)], per_drafter_flags=per_drafter,
+        verifier_flags=[*(["--backend", args.backend] if args.backend != "torch" else []),
+                        *(["--device", args.device] if args.device != "cpu" else [])],
+        drafter_flags=["--max-sessions", str(args.sessions_per_drafter),
+                       *(["--device", args.drafter_device] if args.drafter_device != "cpu" and models.drafts else [])],
+        per_drafter_flags=per_drafter,
         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
     ))
 

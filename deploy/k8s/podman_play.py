@@ -44,6 +44,8 @@ BASE_IMAGE = "localhost/specfleet-base:bookworm"
 ARM64_BASE = "localhost/specfleet-base:bookworm-arm64"
 IMAGES = ("coordinator", "verifier", "drafter")  # what the ci overlay runs (drafter-jetson: see build_jetson)
 NETWORK = "specfleet-ci"
+#: podman's and buildah's settings (runc, ulimits) come from the repository, not /etc
+os.environ.setdefault("CONTAINERS_CONF", str(ROOT / "deploy" / "podman" / "containers.conf"))
 STATE = ROOT / ".specfleet" / "k8s-ci"
 PLAYED = STATE / "played.yaml"
 PLAYABLE = {"Deployment", "ConfigMap", "PersistentVolumeClaim"}

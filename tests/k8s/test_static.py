@@ -211,7 +211,9 @@ def test_redis_persists_its_queue() -> None:
 
 
 def test_models_volume_is_read_only() -> None:
-    assert named("production", "PersistentVolumeClaim", "specfleet-models")["spec"]["accessModes"] == ["ReadOnlyMany"]
+    pvc = named("production", "PersistentVolumeClaim", "specfleet-models")["spec"]
+    assert pvc["accessModes"] == ["ReadWriteMany"]  # the loader fills it; serving pods mount it read-only
+    assert pvc["storageClassName"]  # the production overlay's CHANGE line sets it
     for w in workloads("production"):
         for v in pod_spec(w).get("volumes", []):
             if v["name"] == "models":

@@ -164,3 +164,15 @@ def test_instructions_show_curl_openai_and_websocket() -> None:
     assert '"model": "target"' in text
     assert 'OpenAI(base_url="http://127.0.0.1:8000/v1"' in text
     assert "ws://127.0.0.1:8000/v1/stream" in text
+
+
+def test_plan_devices() -> None:
+    default = _plan()
+    assert "--device" not in default["verifier"] and "--device" not in default["drafter-1"]
+    gpu = _plan("--device", "cuda", "--drafter-device", "cuda:1")
+    assert _flag(gpu["verifier"], "--device") == "cuda"
+    assert [_flag(gpu[f"drafter-{i}"], "--device") for i in (1, 2)] == ["cuda:1", "cuda:1"]
+    assert "--device" not in gpu["coordinator"]
+    args = build_parser().parse_args(["--drafter-device", "cuda"])  # prompt lookup has no model to place
+    lookup = dict(plan(args, Models(Path("/m/target"), []), Ports(coordinator=8000, verifier=8100)))
+    assert "--device" not in lookup["drafter-1"]
