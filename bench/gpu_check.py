@@ -184,9 +184,9 @@ class Check:
                 ratio = lv.tokens_per_s / base[lv.sessions] if base.get(lv.sessions) else float("nan")
                 overhead = lv.step_ms / lv.forward_ms if lv.forward_ms else float("nan")
                 expected = expected_acceptance(lv.mode)
-                shown = f"{lv.acceptance:.3f}" + ("" if expected is None else f" (expected {expected:.2f})")
+                accepted = f"{lv.acceptance:.3f}" + ("" if expected is None else f" (expected {expected:.2f})")
                 lines.append(f"| {lv.mode} | {lv.sessions} | {lv.tokens_per_s:.1f} | {ratio:.2f}× | "
-                             f"{shown} | {lv.step_ms:.2f} | {lv.forward_ms:.2f} | {overhead:.3f} |")
+                             f"{accepted} | {lv.step_ms:.2f} | {lv.forward_ms:.2f} | {overhead:.3f} |")
             if any(drifted(lv) for lv in self.levels):
                 lines += ["", "Some oracle levels accepted well below the expected share: the target's greedy "
                               "output there left the recorded references (random bfloat16 weights give near-ties "
