@@ -117,8 +117,7 @@ class Check:
     def identity(self) -> dict[str, Any]:
         tiny = make_tiny_family(self.out / "models" / "tiny")
         device = ("--device", self.args.device)
-        bodies = [{**greedy_body(tiny["target"].name, [], 48), "prompt": PROMPTS[i % len(PROMPTS)]}
-                  for i in range(8)]
+        bodies = [greedy_body(tiny["target"].name, PROMPTS[i % len(PROMPTS)], 48) for i in range(8)]
         outputs = {}
         for sc in (Scenario("target-only", verifier_flags=device),
                    Scenario("speculative", drafters=1, draft=str(tiny["draft-L1"]), verifier_flags=device,

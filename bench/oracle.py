@@ -31,7 +31,8 @@ def random_prompts(n: int, length: int, vocab_size: int, seed: int = 0) -> list[
     return [[rng.randrange(low, vocab_size) for _ in range(length)] for _ in range(n)]
 
 
-def greedy_body(model: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+def greedy_body(model: str, prompt: list[int] | str, max_tokens: int) -> dict[str, Any]:
+    """A greedy completion of ``max_tokens`` (end tokens ignored), the prompt as text or token ids."""
     return {"kind": "completion", "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
             "ignore_eos": True}
 

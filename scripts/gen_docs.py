@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 from services.coordinator.config import CoordinatorConfig  # noqa: E402
 from services.drafter.config import DrafterConfig  # noqa: E402
 from services.verifier.config import VerifierConfig  # noqa: E402
-from shared.config import _sections, env_name, flag_name  # noqa: E402
+from shared.config import env_name, flag_name, sections  # noqa: E402
 from shared.up import build_parser  # noqa: E402
 
 SERVICES: list[tuple[str, Any]] = [("verifier", VerifierConfig), ("coordinator", CoordinatorConfig),
@@ -44,7 +44,7 @@ def flags_page() -> str:
            "variable, the variable beats the default). `specfleet <service> --help` prints the same.", ""]
     for service, cls in SERVICES:
         out += [f"## specfleet {service}", ""]
-        for attr, sec in _sections(cls):
+        for attr, sec in sections(cls):
             doc = " ".join((sec.__doc__ or "").split())
             out += [f"### {doc} (`cfg.{attr}`)" if attr else f"### {doc or service}", "",
                     "| flag | environment | default | what |", "|---|---|---|---|"]

@@ -64,7 +64,7 @@ def section(cls: type[T]) -> T:
     return dataclasses.field(default_factory=cls, metadata={"section": True})
 
 
-def _sections(cls: type[Any]) -> list[tuple[str | None, type[Any]]]:
+def sections(cls: type[Any]) -> list[tuple[str | None, type[Any]]]:
     """(attribute, dataclass) of each section; (None, cls) for a config of plain fields."""
     fields = dataclasses.fields(cls)
     if fields and all(f.metadata.get("section") for f in fields):
@@ -76,7 +76,7 @@ def _sections(cls: type[Any]) -> list[tuple[str | None, type[Any]]]:
 def leaves(cls: type[Any]) -> dict[str, tuple[str | None, dataclasses.Field[Any], Any]]:
     """Every flag of a config: leaf name -> (its section's attribute, its field, its type)."""
     out: dict[str, tuple[str | None, dataclasses.Field[Any], Any]] = {}
-    for name, sec in _sections(cls):
+    for name, sec in sections(cls):
         hints = typing.get_type_hints(sec)
         for f in dataclasses.fields(sec):
             if f.name in out:
@@ -91,10 +91,10 @@ def from_flags(cls: type[T], **values: Any) -> T:
     unknown = sorted(set(values) - set(known))
     if unknown:
         raise TypeError(f"{cls.__name__} has no flag {', '.join(unknown)}")
-    sections = _sections(cls)
-    if sections == [(None, cls)]:
+    found = sections(cls)
+    if found == [(None, cls)]:
         return cls(**values)
-    parts = {str(name): sec(**{k: v for k, v in values.items() if known[k][0] == name}) for name, sec in sections}
+    parts = {str(name): sec(**{k: v for k, v in values.items() if known[k][0] == name}) for name, sec in found}
     return cls(**parts)
 
 
@@ -143,7 +143,7 @@ def _parse(raw: str, tp: Any, where: str) -> Any:
 
 def build_parser(cls: type[Any], prog: str, description: str = "") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=description)
-    for name, sec in _sections(cls):
+    for name, sec in sections(cls):
         group = parser if name is None else parser.add_argument_group((sec.__doc__ or name).strip().splitlines()[0])
         for f in dataclasses.fields(sec):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[operator]

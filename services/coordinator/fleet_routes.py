@@ -20,7 +20,10 @@ from services.coordinator.state import state_of
 
 router = APIRouter()
 STATIC = Path(__file__).parent / "static"
-ASSETS = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
+ASSET_TYPES = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
+#: the page and its assets, read once (they ship with the package)
+PAGE = (STATIC / "dashboard.html").read_text()
+ASSETS = {name: (STATIC / name).read_bytes() for name in ASSET_TYPES}
 #: the page loads only its own script and style, and talks only to this server
 PAGE_HEADERS = {
     "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'",
@@ -45,7 +48,7 @@ async def fleet(request: Request, since: float | None = None) -> Response:
 async def dashboard(request: Request) -> Response:
     if (refused := _login(request)) is not None:
         return refused
-    page = (STATIC / "dashboard.html").read_text().replace("{{model}}", _escape(state_of(request).model.served_name))
+    page = PAGE.replace("{{model}}", _escape(state_of(request).model.served_name))
     return Response(page, media_type="text/html; charset=utf-8", headers=PAGE_HEADERS)
 
 
@@ -55,7 +58,7 @@ async def asset(request: Request, name: str) -> Response:
         return refused
     if name not in ASSETS:
         return Response("not found\n", status_code=404, media_type="text/plain")
-    return Response((STATIC / name).read_bytes(), media_type=ASSETS[name], headers=PAGE_HEADERS)
+    return Response(ASSETS[name], media_type=ASSET_TYPES[name], headers=PAGE_HEADERS)
 
 
 def _login(request: Request) -> Response | None:
