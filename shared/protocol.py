@@ -9,8 +9,9 @@ Links and who speaks on them:
 * drafter  -> verifier   (WebSocket ``/v1/drafter``): Hello, OpenSession, Draft, CloseSession
 * verifier -> drafter:   Welcome, Refused, SessionOpened, Verdict, ErrorFrame
 * frontend -> verifier   (WebSocket ``/v1/frontend``, the coordinator): Hello, OpenSession
-  (autonomous, target-only sessions, and re-opened ones carrying ``resume``), ResumeDone, Cancel
-* verifier -> frontend:  Welcome, Refused, TokenEvent, FleetStatus, ErrorFrame
+  (autonomous, target-only sessions, and re-opened ones carrying ``resume``), ResumeDone, Cancel,
+  Release and Adopt (a client's stream moves between coordinators)
+* verifier -> frontend:  Welcome, Refused, TokenEvent, FleetStatus, ErrorFrame, Adopted
 * drafter  -> coordinator queue link (WebSocket ``/internal/queue``, only without Redis):
   Hello, QueuePull, QueueAck;  coordinator -> drafter: Welcome, QueueDelivery
 * Redis stream entries hold one encoded QueuedRequest each.
@@ -38,7 +39,9 @@ import msgspec
 #: 7: Draft.after and Welcome.conditional_drafts (a drafter sends a lookahead before the verdict it assumes);
 #: SessionOpened.race_key (race sampling: shared.race)
 #: 8: OpenSession.waited_s (a request's SLO clock starts when its coordinator took it, not at the verifier)
-PROTOCOL_VERSION = 8
+#: 9: TokenEvent.seq, ResumeState.next_seq, Release, Adopt, Adopted and Welcome.orphan_grace_s (a client's
+#: stream survives its coordinator: another one adopts the request and replays its events)
+PROTOCOL_VERSION = 9
 #: the most ``OpenSession.waited_s`` a verifier believes (a skewed clock must not make a request overdue for hours)
 MAX_WAITED_S = 600.0
 #: Largest frame any service accepts. A 32k-token prompt is ~200 KiB; sparse q for 64 draft
@@ -176,6 +179,9 @@ class Welcome(_Msg, tag="welcome", frozen=True):
     instance: str = ""
     #: the verifier takes conditional drafts (``Draft.after``, v7); False: a drafter must not send them
     conditional_drafts: bool = False
+    #: (v9) seconds a request whose coordinator left (or released it) keeps running, and a finished
+    #: request's events are kept, so that another coordinator can adopt it; 0: it is cancelled at once
+    orphan_grace_s: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
 
 
 class Refused(_Msg, tag="refused", frozen=True):
@@ -201,6 +207,9 @@ class ResumeState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     released_chars: Annotated[int, msgspec.Meta(ge=0)] = 0
     drafted_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
     accepted_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    #: (v9) the ``TokenEvent.seq`` the new verifier numbers its first event with (the next after
+    #: the last one relayed), so a client's stream positions stay valid across the restart
+    next_seq: Annotated[int, msgspec.Meta(ge=1)] = 1
 
 
 class OpenSession(_Msg, tag="open_session", frozen=True):
@@ -307,6 +316,38 @@ class Cancel(_Msg, tag="cancel", frozen=True):
     request_id: RequestId
 
 
+class Release(_Msg, tag="release", frozen=True):
+    """Frontend -> verifier (v9): this coordinator's client left, but may resume the stream
+    elsewhere. The request keeps running unrelayed for ``Welcome.orphan_grace_s``, then is cancelled
+    unless a coordinator adopted it; a finished one's events are kept as long."""
+
+    request_id: RequestId
+
+
+class Adopt(_Msg, tag="adopt", frozen=True):
+    """Frontend -> verifier (v9): relay ``request_id`` to this coordinator from now on. Answered
+    by Adopted, then every event the request had so far, in order, then its live events."""
+
+    request_id: RequestId
+
+
+#: live: open, its events follow; finished: done, its kept events follow; unknown: never opened
+#: here (still queued, or on another verifier); gone: finished and no longer kept
+AdoptState = Literal["live", "finished", "unknown", "gone"]
+
+
+class Adopted(_Msg, tag="adopted", frozen=True):
+    """Verifier -> frontend: the answer to Adopt. With ``live`` or ``finished``, the replayed events
+    that follow are numbered ``first_seq`` .. ``last_seq`` (0 .. 0: none yet). A coordinator that
+    sent Adopt for an ``unknown`` request opens it itself: the verifier routes a drafter's later
+    OpenSession of it to the adopter."""
+
+    request_id: RequestId
+    state: AdoptState
+    first_seq: Annotated[int, msgspec.Meta(ge=0)] = 0
+    last_seq: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+
 class ErrorFrame(_Msg, tag="error", frozen=True):
     """Something went wrong with one frame or one session. The link stays up."""
 
@@ -337,6 +378,9 @@ class TokenEvent(_Msg, tag="token_event", frozen=True):
     #: with ``error``: the verifier's refusal code ("invalid": the request cannot be served as
     #: asked, a 400 to its client), else empty
     error_code: str = ""
+    #: (v9) this event's place in its request's stream: 1, 2, ... (0: not numbered, e.g. a refusal);
+    #: a coordinator's clients resume a stream after the last position they received
+    seq: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 class FleetStatus(_Msg, tag="fleet_status", frozen=True):
@@ -369,7 +413,7 @@ class QueueAck(_Msg, tag="queue_ack", frozen=True):
 
 
 #: messages a Batch may carry
-Batchable = Draft | Verdict | SessionOpened | TokenEvent | ErrorFrame | CloseSession | Cancel
+Batchable = Draft | Verdict | SessionOpened | TokenEvent | ErrorFrame | CloseSession | Cancel | Adopted
 MAX_BATCH_ITEMS = 4096
 
 
@@ -391,6 +435,9 @@ Message = (
     | Verdict
     | CloseSession
     | Cancel
+    | Release
+    | Adopt
+    | Adopted
     | ErrorFrame
     | TokenEvent
     | FleetStatus

@@ -147,6 +147,9 @@ def plan(args: argparse.Namespace, models: Models, ports: Ports) -> list[tuple[s
                        *(["--device", args.drafter_device] if args.drafter_device != "cpu" and models.drafts else [])],
         per_drafter_flags=per_drafter,
         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
+        # without Redis, streams are recorded in a file, so a restarted coordinator resumes them
+        coordinator_flags=[] if args.redis_url else [
+            "--stream-store", str((Path(args.state_dir) / "streams.sqlite3").absolute())],
     ))
 
 

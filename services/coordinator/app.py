@@ -27,8 +27,10 @@ from services.coordinator.model_info import ModelInfo
 from services.coordinator.queue_fallback import QueueFallback
 from services.coordinator.queue_link import make_queue_router
 from services.coordinator.ratelimit import RateLimiter
+from services.coordinator.resumption import Resumes
 from services.coordinator.routes import router
 from services.coordinator.state import CoordinatorState
+from services.coordinator.stream_store import StoreError, open_store
 from services.coordinator.verifier_link import FrontendLink
 from services.coordinator.verifier_pool import VerifierPool
 from shared.config import ConfigError, url_list
@@ -72,10 +74,15 @@ def create_app(
     metrics = CoordinatorMetrics()
     metrics.in_flight_limit.set(cfg.admission.max_in_flight)
     admission = InFlightLimit(cfg.admission.max_in_flight, cfg.admission.retry_after_s, metrics.in_flight)
+    generator = Generator(queue, link, node_id, cfg.server.request_timeout_s, metrics, cfg.target.speculation,
+                          admission)
+    try:
+        store = open_store(cfg.queue.redis_url, cfg.queue.stream_store)
+    except StoreError as exc:
+        raise ConfigError(f"--stream-store: {exc}") from None
     state = CoordinatorState(
-        cfg=cfg, node_id=node_id, model=model, queue=queue, link=link,
-        generator=Generator(queue, link, node_id, cfg.server.request_timeout_s, metrics, cfg.target.speculation,
-                            admission),
+        cfg=cfg, node_id=node_id, model=model, queue=queue, link=link, generator=generator,
+        resumes=Resumes(store, generator, link, node_id, cfg.server.request_timeout_s, cfg.security.auth_token),
         metrics=metrics,
         limiter=RateLimiter(cfg.clients.rate_limit_rps, cfg.clients.rate_limit_burst, cfg.clients.token_quota,
                             cfg.clients.quota_window_s),
@@ -97,6 +104,7 @@ def create_app(
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await link.stop()
+            await store.close()
             if owns_queue:
                 await queue.close()
 

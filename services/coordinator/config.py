@@ -49,6 +49,10 @@ class QueueSection:
     redis_url: str = opt("", "redis://host:6379/0 to queue requests in Redis Streams; empty: in-process queue")
     queue_stream: str = opt("specfleet:requests", "Redis stream name")
     queue_group: str = opt("drafters", "Redis consumer group the drafters read with")
+    stream_store: str = opt("", "where resumable streams are recorded (how each request was opened, whose key): "
+                                "a file path: SQLite there, which outlives this coordinator; empty: in Redis with "
+                                "--redis-url (every coordinator of the fleet can resume every stream), else in this "
+                                "process only")
     queue_fallback_s: float = opt(
         5.0,
         "with --speculation auto: after this many seconds with no drafter connected, requests still waiting in "

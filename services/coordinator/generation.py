@@ -1,17 +1,18 @@
 """One request's life inside the coordinator: queue it, then follow its TokenEvents to the end.
 
 ``Generator.submit`` subscribes to the request's events *before* queueing it (so no event can
-slip past), and ``Submission.close`` always unsubscribes and, unless the verifier reported the
-request finished, sends Cancel so the verifier frees its cache, and releases the request's
-admission slot. ``close`` never awaits: it must also work from cleanup code running in a task
-that was just cancelled by a client disconnect.
+slip past), and ``Submission.close`` always unsubscribes, releases the request's admission slot
+and, unless the verifier reported the request finished, tells the verifier: Release when its
+client may resume it (a recorded stream, ``resumption.py``: the verifier keeps it for the grace),
+else Cancel, so the verifier frees its cache. ``close`` never awaits: it must also work from
+cleanup code running in a task that was just cancelled by a client disconnect.
 """
 
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -39,6 +40,11 @@ from shared.queue import QueueError, QueueFull, RequestQueue
 
 log = get_logger("coordinator.generation")
 PUT_TIMEOUT_S = 10.0  # a queue that cannot take a request this fast is down, as far as clients care
+
+
+def new_request_id() -> str:
+    """128 random bits: a stream's id is all it takes to resume it (with its API key)."""
+    return secrets.token_hex(16)
 
 
 class ClientGone(Exception):
@@ -75,7 +81,11 @@ class Submission:
         self._deadline = self._queued_at + timeout_s
         self._aborted = False
         self._verifier_done = False
+        self._timed_out = False
         self._closed = False
+        #: its client may resume it (its record is stored): a close before its end releases it in
+        #: the verifier (kept for the grace, for another coordinator to adopt) instead of cancelling it
+        self.resumable = False
 
     def abort(self, reason: str) -> None:
         """The client went away: end :meth:`events` (with ClientGone) as soon as possible."""
@@ -131,6 +141,7 @@ class Submission:
                 async with asyncio.timeout(max(self._deadline - time.monotonic(), 0.0)):
                     item = await self._events.get()
             except TimeoutError:
+                self._timed_out = True
                 log.warning("request timed out", request_id=self.request_id, timeout_s=self._timeout_s)
                 raise request_timeout(self._timeout_s) from None
         if self._aborted:
@@ -144,6 +155,9 @@ class Submission:
         if item.code == "busy":
             log.info("verifier busy; request refused", request_id=self.request_id, reason=event.error)
             raise verifier_busy(event.error, self._retry_after_s)
+        if event.error_code == "moved":
+            raise ApiError(409, f"{event.error}: this connection no longer relays it", "invalid_request_error", None,
+                           "stream_moved")
         if "invalid" in (item.code, event.error_code):
             raise invalid_request(f"the verifier cannot serve this request as asked: {event.error}")
         if event.finish_reason == "cancelled":
@@ -166,15 +180,22 @@ class Submission:
         return event
 
     def close(self) -> None:
-        """Release the subscription and the admission slot; cancel the request in the verifier
-        unless it finished (or was refused) there. Idempotent; never awaits."""
+        """Release the subscription and the admission slot; unless the request finished (or was
+        refused) in the verifier, or another connection took it over, release it there (resumable)
+        or cancel it. Idempotent; never awaits."""
         if self._closed:
             return
         self._closed = True
-        self._link.unsubscribe(self.request_id)
+        ours = self._link.routing.subs.get(self.request_id) is self._events  # else another stream adopted it
+        self._link.unsubscribe(self.request_id, self._events)
         if self._slot is not None:
             self._slot.release()
-        if not self._verifier_done:
+        if self._verifier_done or not ours:
+            return
+        if self.resumable and not self._timed_out and self._link.grace_s > 0:
+            self._link.release_nowait(self.request_id)
+            log.info("request released for a resume", request_id=self.request_id, grace_s=self._link.grace_s)
+        else:
             self._link.cancel_nowait(self.request_id)
             log.info("request cancelled", request_id=self.request_id, client_gone=self._aborted)
 
@@ -202,17 +223,17 @@ class Generator:
         self._metrics = metrics
         self._drafted = EvenShare()  # of new requests, the share the verifier wants drafted for
 
-    async def submit(self, req: GenerationRequest, slot: Slot | None = None) -> Submission:
-        """Queue ``req``: 503 when no verifier is connected to serve it (Retry-After: it is
-        reconnecting) or the queue is down, 429 (Retry-After) when the queue is full. Takes over
-        ``slot``: the Submission's close releases it, and so does a failure here."""
+    async def submit(self, req: GenerationRequest, slot: Slot | None = None, request_id: str = "") -> Submission:
+        """Queue ``req`` (as ``request_id``, else a new id): 503 when no verifier is connected to serve
+        it (Retry-After: it is reconnecting) or the queue is down, 429 (Retry-After) when the queue is
+        full. Takes over ``slot``: the Submission's close releases it, and so does a failure here."""
         if not self._link.connected:
             if slot is not None:
                 slot.release()
             raise service_unavailable(
                 f"the verifier is not connected ({self._link.last_error or 'connecting'}); retry shortly",
                 self.admission.retry_after_s)
-        rid = uuid.uuid4().hex
+        rid = request_id or new_request_id()
         reopen = OpenSession(request_id=rid, prompt_ids=req.prompt_ids, params=req.params, origin=self._node_id,
                              speculative=False, slo_tokens_per_s=req.slo_tokens_per_s)  # after a verifier restart
         sub = Submission(rid, len(req.prompt_ids), self._link.subscribe(rid, reopen), self._link, self._metrics,
@@ -228,6 +249,19 @@ class Generator:
             sub.close()  # releases the slot
             raise
         return sub
+
+    def follow(self, opened: OpenSession, slot: Slot | None) -> Submission:
+        """A Submission for a request opened before (here or by another coordinator), to adopt it.
+        A stream of this coordinator still relaying it ends: its client is told the stream moved."""
+        rid = opened.request_id
+        old = self._link.routing.forget(rid)
+        if old is not None:
+            old.put_nowait(Inbound(TokenEvent(
+                request_id=rid, origin=self._node_id, token_ids=[], text="", finished=True, finish_reason="cancelled",
+                error="the stream was resumed on another connection", error_code="moved"), time.perf_counter()))
+        mine = msgspec.structs.replace(opened, origin=self._node_id)
+        return Submission(rid, len(opened.prompt_ids), self._link.subscribe(rid, mine), self._link, self._metrics,
+                          self._timeout_s, slot=slot, retry_after_s=self.admission.retry_after_s)
 
     def _open_target_only(self, req: GenerationRequest, rid: str) -> None:
         try:

@@ -30,10 +30,11 @@ class Relayed:
     drafted: int = 0
     accepted: int = 0
     taken_at: float = field(default_factory=time.monotonic)  # when this coordinator took the request
+    last_seq: int = 0  # the TokenEvent.seq relayed last
 
     def reopen(self) -> OpenSession:
         state = ResumeState(generated_ids=list(self.generated), released_chars=self.released_chars,
-                            drafted_tokens=self.drafted, accepted_tokens=self.accepted)
+                            drafted_tokens=self.drafted, accepted_tokens=self.accepted, next_seq=self.last_seq + 1)
         o = self.opened
         return OpenSession(request_id=o.request_id, prompt_ids=o.prompt_ids, params=o.params, origin=o.origin,
                            speculative=False, slo_tokens_per_s=o.slo_tokens_per_s, resume=state,
@@ -61,6 +62,12 @@ class ResumeLedger:
     def clear(self) -> None:
         self._entries.clear()
 
+    def seen(self, event: TokenEvent) -> bool:
+        """Whether ``event`` was relayed already (a verifier replays a request's events to the
+        coordinator that adopts it, this one too after its link came back)."""
+        entry = self._entries.get(event.request_id)
+        return entry is not None and 0 < event.seq <= entry.last_seq
+
     def relayed(self, event: TokenEvent) -> None:
         """Account one TokenEvent handed to the request's subscriber; a final one ends the entry."""
         entry = self._entries.get(event.request_id)
@@ -69,6 +76,7 @@ class ResumeLedger:
         if event.finished:
             del self._entries[event.request_id]
             return
+        entry.last_seq = event.seq or entry.last_seq
         entry.generated.extend(event.token_ids)
         entry.released_chars += len(event.text)
         entry.drafted, entry.accepted = event.drafted_tokens, event.accepted_tokens

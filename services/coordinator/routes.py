@@ -18,13 +18,15 @@ from fastapi import APIRouter, Request, Response, WebSocket
 from fastapi.responses import JSONResponse
 
 from services.coordinator.errors import ApiError, unauthorized
-from services.coordinator.generation import ClientGone, Collected, Submission, collect
+from services.coordinator.generation import ClientGone, Collected, Submission, collect, new_request_id
 from services.coordinator.logprobs import LogprobsFormatter
 from services.coordinator.metrics import CONTENT_TYPE, RequestTimer
-from services.coordinator.openai_api import Kind, parse_json
+from services.coordinator.openai_api import GenerationRequest, Kind, parse_json
 from services.coordinator.responses import Responder
+from services.coordinator.resumption import Resumption, fingerprint
 from services.coordinator.state import CoordinatorState, state_of
 from services.coordinator.stream import SubmissionStream, websocket_session
+from services.coordinator.stream_store import StreamRecord
 from shared.log import get_logger
 
 log = get_logger("coordinator.routes")
@@ -50,24 +52,12 @@ async def _complete(kind: Kind, request: Request) -> Response:
     try:
         if not state.authorized(request.headers.get("authorization")):
             raise unauthorized()
-        req, first = await state.start(kind, lambda: _read_json(request), request.headers.get("authorization", ""))
-        try:
-            subs = [first, *await state.more_choices(req)]
-        except BaseException:
-            first.close()
-            raise
-        formatter = LogprobsFormatter(kind, state.model.token_strings) if req.params.logprobs is not None else None
-        responder = Responder(kind, first.request_id, req.model, int(time.time()), req.mode, formatter,
-                              req.echo, len(req.prompt_ids))
-        if req.mode.stream:
-            return await _stream(request, subs, responder, timer)
-        try:
-            body = await _unless_client_leaves(request, subs, _collect_all(subs))
-        finally:
-            for sub in subs:
-                sub.close()
-        timer.finish(200)
-        return JSONResponse(responder.full(body))
+        client = request.headers.get("authorization", "")
+        last_event_id = request.headers.get("last-event-id")
+        if last_event_id is not None:  # a stream's client is back (resumption.py)
+            state.limiter.admit(client)
+            return await _resumed(request, await state.resumes.from_event_id(kind, client, last_event_id), timer)
+        return await _new(kind, request, timer, client, request.headers.get("idempotency-key", "").strip())
     except ApiError as exc:
         timer.finish(exc.status)
         return exc.response()
@@ -77,6 +67,91 @@ async def _complete(kind: Kind, request: Request) -> Response:
     except BaseException:
         timer.finish(500)
         raise
+
+
+async def _new(kind: Kind, request: Request, timer: RequestTimer, client: str, idempotency_key: str) -> Response:
+    """A new request; with an Idempotency-Key already used by this client, the request it made."""
+    state = state_of(request)
+    rid = new_request_id()
+    if not idempotency_key:
+        return await _made(kind, request, timer, client, rid)
+    body = await _read_json(request)  # what a retry must repeat
+    body_print = fingerprint(kind, body)
+    if (taken := await state.resumes.retried(client, idempotency_key, rid, body_print)) is not None:
+        state.limiter.admit(client)
+        return await _resumed(request, taken, timer)
+    try:
+        return await _made(kind, request, timer, client, rid, (idempotency_key, body_print), body)
+    except ClientGone:  # its retry takes the request over
+        raise
+    except BaseException:  # let a retry try again rather than find this failure
+        await state.resumes.unclaim(client, idempotency_key)
+        raise
+
+
+async def _made(kind: Kind, request: Request, timer: RequestTimer, client: str, rid: str,
+                idempotent: tuple[str, str] = ("", ""), body: dict[str, Any] | None = None) -> Response:
+    """Admit, queue and record request ``rid``, then answer it (``body``: read already)."""
+    state = state_of(request)
+    req, first = await state.start(kind, (lambda: _given(body)) if body is not None else lambda: _read_json(request),
+                                   client, rid)
+    try:
+        subs = [first, *await state.more_choices(req)]
+    except BaseException:
+        first.close()
+        raise
+    formatter = LogprobsFormatter(kind, state.model.token_strings) if req.params.logprobs is not None else None
+    responder = Responder(kind, rid, req.model, int(time.time()), req.mode, formatter, req.echo, len(req.prompt_ids))
+    record = await _record(state, client, req, subs, responder.created, idempotent)
+    response = await _respond(request, subs, responder, timer, record)
+    if idempotent[0] and response.status_code >= 400:
+        await state.resumes.unclaim(client, idempotent[0])
+    return response
+
+
+async def _given(body: dict[str, Any]) -> dict[str, Any]:
+    return body
+
+
+async def _record(state: CoordinatorState, client: str, req: GenerationRequest, subs: list[Submission],
+                  created: int, idempotent: tuple[str, str]) -> StreamRecord | None:
+    try:
+        return await state.resumes.record(client, req, subs, created, idempotent[0], body_print=idempotent[1])
+    except BaseException:
+        for sub in subs:
+            sub.close()
+        raise
+
+
+async def _resumed(request: Request, taken: Resumption, timer: RequestTimer) -> Response:
+    """Answer for a request taken over: its kept answer, or its stream from the client's position."""
+    record, state = taken.record, state_of(request)
+    if record.result:
+        timer.finish(200)
+        return Response(record.result, media_type="application/json")
+    kind: Kind = "chat" if record.kind == "chat" else "completion"
+    opened = record.opened[0]
+    formatter = LogprobsFormatter(kind, state.model.token_strings) if opened.params.logprobs is not None else None
+    responder = Responder(kind, record.request_id, record.model, record.created, taken.mode, formatter, record.echo,
+                          len(opened.prompt_ids))
+    return await _respond(request, taken.subs, responder, timer, record, taken.after)
+
+
+async def _respond(request: Request, subs: list[Submission], responder: Responder, timer: RequestTimer,
+                   record: StreamRecord | None, after: list[int] | None = None) -> Response:
+    """Stream the submissions (from the chunk after ``after``), or collect them into one body (kept
+    in the stream store for an Idempotency-Key retry when the request is recorded)."""
+    if responder.mode.stream:
+        return await _stream(request, subs, responder, timer, after)
+    try:
+        body = responder.full(await _unless_client_leaves(request, subs, _collect_all(subs)))
+    finally:
+        for sub in subs:
+            sub.close()
+    if record is not None:
+        await state_of(request).resumes.finished(record, body)
+    timer.finish(200)
+    return JSONResponse(body)
 
 
 async def _collect_all(subs: list[Submission]) -> list[Collected]:
@@ -89,7 +164,8 @@ async def _collect_all(subs: list[Submission]) -> list[Collected]:
             task.cancel()
 
 
-async def _stream(request: Request, subs: list[Submission], responder: Responder, timer: RequestTimer) -> Response:
+async def _stream(request: Request, subs: list[Submission], responder: Responder, timer: RequestTimer,
+                  after: list[int] | None = None) -> Response:
     """Wait for each choice's first event before committing to a 200 event stream, so that a
     request refused at once (verifier busy, failed, timed out) still gets its real status and
     Retry-After."""
@@ -100,7 +176,7 @@ async def _stream(request: Request, subs: list[Submission], responder: Responder
         for sub in subs:
             sub.close()
         raise
-    return SubmissionStream(subs, responder, timer, state_of(request).metrics)
+    return SubmissionStream(subs, responder, timer, state_of(request).metrics, after)
 
 
 async def _read_json(request: Request) -> dict[str, Any]:
@@ -144,6 +220,21 @@ async def _abort_on_disconnect(request: Request, subs: list[Submission]) -> None
             for sub in subs:
                 sub.abort("the client disconnected")
             return
+
+
+@router.delete("/v1/streams/{request_id}", response_model=None)
+async def cancel_stream(request_id: str, request: Request) -> Response:
+    """Stop a resumable request for good: a client that disconnected will not come back for it."""
+    state = state_of(request)
+    client = request.headers.get("authorization", "")
+    try:
+        if not state.authorized(client):
+            raise unauthorized()
+        state.limiter.admit(client)
+        await state.resumes.cancel(client, request_id.removeprefix("chatcmpl-").removeprefix("cmpl-"))
+    except ApiError as exc:
+        return exc.response()
+    return JSONResponse({"id": request_id, "object": "stream", "cancelled": True})
 
 
 @router.websocket("/v1/stream")

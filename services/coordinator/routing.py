@@ -13,7 +13,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from services.coordinator.resume import ResumeLedger
-from shared.protocol import OpenSession, TokenEvent
+from shared.protocol import Adopted, OpenSession, TokenEvent
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +35,8 @@ class Routing:
     where: dict[str, int] = field(default_factory=dict)  # request id -> replica index
     #: queued requests this coordinator opened target-only itself (``queue_fallback.py``)
     fallen_back: set[str] = field(default_factory=set)
+    #: Adopt frames sent, by (request id, replica index): the future their Adopted answer resolves
+    adopting: dict[tuple[str, int], asyncio.Future[Adopted]] = field(default_factory=dict)
 
     def subscribe(self, request_id: str, opened: OpenSession | None) -> asyncio.Queue[Inbound]:
         if request_id in self.subs:
@@ -45,7 +47,10 @@ class Routing:
             self.ledger.track(opened)
         return queue
 
-    def forget(self, request_id: str) -> asyncio.Queue[Inbound] | None:
+    def forget(self, request_id: str, queue: asyncio.Queue[Inbound] | None = None) -> asyncio.Queue[Inbound] | None:
+        """Drop the request (only if ``queue``, when given, is still its subscriber's)."""
+        if queue is not None and self.subs.get(request_id) is not queue:
+            return None
         self.ledger.forget(request_id)
         self.where.pop(request_id, None)
         self.fallen_back.discard(request_id)

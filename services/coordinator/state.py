@@ -17,6 +17,7 @@ from services.coordinator.metrics import CoordinatorMetrics
 from services.coordinator.model_info import ModelInfo
 from services.coordinator.openai_api import GenerationRequest, Kind, build_request
 from services.coordinator.ratelimit import RateLimiter
+from services.coordinator.resumption import Resumes
 from services.coordinator.verifier_link import FrontendLink
 from services.coordinator.verifier_pool import VerifierPool
 from shared.queue import RequestQueue
@@ -30,6 +31,7 @@ class CoordinatorState:
     queue: RequestQueue
     link: FrontendLink | VerifierPool
     generator: Generator
+    resumes: Resumes  # resumable streams: their records, and taking one over
     metrics: CoordinatorMetrics
     limiter: RateLimiter = field(default_factory=RateLimiter)
     fleet: FleetMonitor | None = None  # the dashboard's readings (``fleet.py``); set by create_app
@@ -40,7 +42,7 @@ class CoordinatorState:
         return min(self.model.max_model_len, verifier) if verifier > 0 else self.model.max_model_len
 
     async def start(
-        self, kind: Kind, load_body: Callable[[], Awaitable[dict[str, Any]]], client: str = ""
+        self, kind: Kind, load_body: Callable[[], Awaitable[dict[str, Any]]], client: str = "", request_id: str = ""
     ) -> tuple[GenerationRequest, Submission]:
         """Admit one request (429 over ``client``'s rate limit or at the in-flight cap, before its
         body is even read), then load, validate, charge ``client``'s token quota (every choice's
@@ -55,7 +57,7 @@ class CoordinatorState:
             slot.release()
             raise
         try:
-            return req, await self.generator.submit(req, slot)
+            return req, await self.generator.submit(req, slot, request_id)
         except BaseException:  # refused before any work (verifier down, queue full): no quota spent
             self.limiter.refund(client, req.params.max_tokens * req.n)
             raise

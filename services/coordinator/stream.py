@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, cast
 
 from starlette.responses import StreamingResponse
@@ -21,12 +23,14 @@ from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from services.coordinator.errors import ApiError, invalid_request, unauthorized
-from services.coordinator.generation import ClientGone, Submission
+from services.coordinator.generation import ClientGone, Submission, new_request_id
 from services.coordinator.logprobs import LogprobsFormatter
 from services.coordinator.metrics import CoordinatorMetrics, RequestTimer
 from services.coordinator.openai_api import Kind, parse_json
 from services.coordinator.responses import Responder, finish_reason, speculation, usage
+from services.coordinator.resumption import Resumption, fingerprint
 from services.coordinator.state import CoordinatorState
+from services.coordinator.stream_ids import ECHO, NONE_YET, ROLE, event_id, finish_pos, text_pos, usage_pos
 from shared.log import get_logger
 from shared.protocol import TokenEvent
 
@@ -34,34 +38,51 @@ log = get_logger("coordinator.stream")
 DONE = b"data: [DONE]\n\n"
 
 
-def sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+def sse(obj: dict[str, Any], event_id: str = "") -> bytes:
+    data = b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+    return b"id: " + event_id.encode() + b"\n" + data if event_id else data
 
 
-async def sse_body(
-    subs: list[Submission], responder: Responder, timer: RequestTimer, metrics: CoordinatorMetrics
-) -> AsyncIterator[bytes]:
-    """The SSE byte stream of one request (one submission per choice); always closes the
-    submissions and the timer."""
+class Positions:
+    """The last position sent of each choice (stream_ids.py); chunks at or before ``after`` (what
+    a resuming client already has) are skipped."""
+
+    def __init__(self, request_id: str, choices: int, after: list[int] | None = None) -> None:
+        self.request_id = request_id
+        self.after = list(after) if after is not None else [NONE_YET] * choices
+        self.sent = list(self.after)
+
+    def chunk(self, choice: int, position: int, obj: Callable[[], dict[str, Any]]) -> bytes | None:
+        """The chunk at ``position`` of ``choice`` with its event id, or None when the client has it."""
+        if position <= self.after[choice]:
+            return None
+        self.sent[choice] = position
+        return sse(obj(), event_id(self.request_id, self.sent))
+
+
+async def sse_body(subs: list[Submission], responder: Responder, timer: RequestTimer, metrics: CoordinatorMetrics,
+                   after: list[int] | None = None) -> AsyncIterator[bytes]:
+    """The SSE byte stream of one request (one submission per choice), from the chunk after
+    ``after``; always closes the submissions and the timer."""
     status = 499  # if the client goes away, this generator is cancelled before setting another
+    at = Positions(responder.request_id, len(subs), after)
     try:
         generated, finals = 0, {}
-        for i in range(len(subs)):
-            if responder.kind == "chat":
-                yield sse(responder.chunk("", first=True, index=i))
-            if responder.echo:
-                yield sse(responder.chunk(responder.echo, index=i))
+        for chunk in _opening_chunks(at, responder, len(subs)):
+            yield chunk
         async for i, event in merged(subs):
             generated += len(event.token_ids)
-            if event.text or (responder.logprobs is not None and event.token_ids):
-                yield sse(responder.chunk(event.text, event=event, generated=generated, index=i))
+            for chunk in _event_chunks(at, responder, i, event, generated):
+                yield chunk
             if event.finished:
                 finals[i] = event
-                yield sse(responder.chunk("", finish_reason(event), generated=generated, index=i))
             if event.text or event.finished:  # resumed here: the server's send of its bytes returned
                 metrics.relayed("sse", subs[i].arrived)
         if responder.mode.include_usage:
-            yield sse(responder.usage_chunk(*(finals[i] for i in range(len(subs)))))
+            usage_chunk = at.chunk(0, usage_pos(finals[0].seq),
+                                   lambda: responder.usage_chunk(*(finals[i] for i in range(len(subs)))))
+            if usage_chunk is not None:
+                yield usage_chunk
         status = 200
     except ApiError as exc:
         status = exc.status
@@ -73,6 +94,29 @@ async def sse_body(
             sub.close()
         timer.finish(status)
     yield DONE
+
+
+def _opening_chunks(at: Positions, responder: Responder, choices: int) -> list[bytes]:
+    """Each choice's role chunk (chat) and echo text, those the client does not have yet."""
+    out = []
+    for i in range(choices):
+        if responder.kind == "chat":
+            out.append(at.chunk(i, ROLE, partial(responder.chunk, "", first=True, index=i)))
+        if responder.echo:
+            out.append(at.chunk(i, ECHO, partial(responder.chunk, responder.echo, index=i)))
+    return [chunk for chunk in out if chunk is not None]
+
+
+def _event_chunks(at: Positions, responder: Responder, i: int, event: TokenEvent, generated: int) -> list[bytes]:
+    """The chunks of one event of choice ``i`` the client does not have yet: its text, its finish."""
+    out = []
+    if event.text or (responder.logprobs is not None and event.token_ids):
+        out.append(at.chunk(i, text_pos(event.seq), lambda: responder.chunk(event.text, event=event,
+                                                                            generated=generated, index=i)))
+    if event.finished:
+        out.append(at.chunk(i, finish_pos(event.seq), lambda: responder.chunk("", finish_reason(event),
+                                                                              generated=generated, index=i)))
+    return [chunk for chunk in out if chunk is not None]
 
 
 async def merged(subs: list[Submission]) -> AsyncIterator[tuple[int, TokenEvent]]:
@@ -110,9 +154,10 @@ class SubmissionStream(StreamingResponse):
     covers a client that leaves before the body generator even starts (its finally never runs)."""
 
     def __init__(self, subs: list[Submission], responder: Responder, timer: RequestTimer,
-                 metrics: CoordinatorMetrics) -> None:
-        super().__init__(sse_body(subs, responder, timer, metrics), media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                 metrics: CoordinatorMetrics, after: list[int] | None = None) -> None:
+        super().__init__(sse_body(subs, responder, timer, metrics, after), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                  "X-Request-Id": responder.request_id})
         self._subs = subs
         self._timer = timer
 
@@ -187,14 +232,12 @@ async def _serve_frame(ws: WebSocket, state: CoordinatorState, conn: _Conn, fram
     timer = state.metrics.start("stream")
     status = 499
     try:
-        kind, body = _parse_frame(frame)
-        req, sub = await state.start(kind, lambda: _loaded(body), conn.client)
-        formatter = LogprobsFormatter(kind, state.model.token_strings) if req.params.logprobs is not None else None
+        sub, formatter, echo, after = await _start(state, conn, frame)
         conn.current = sub
         if conn.gone:  # the client left while we were tokenizing or queueing
             sub.abort("the client closed the WebSocket")
         try:
-            status = await _relay(ws, sub, state.metrics, formatter, req.echo)
+            status = await _relay(ws, sub, state.metrics, formatter, echo, after)
         finally:
             conn.current = None
             sub.close()
@@ -209,14 +252,70 @@ async def _serve_frame(ws: WebSocket, state: CoordinatorState, conn: _Conn, fram
         timer.finish(status)
 
 
+async def _start(state: CoordinatorState, conn: _Conn, frame: str | bytes
+                 ) -> tuple[Submission, LogprobsFormatter | None, str, int]:
+    """The request a frame starts (or resumes): its submission, logprobs formatter, echo text, and
+    the index of the last frame its client has (a resume) or -1."""
+    if not isinstance(frame, str):
+        raise invalid_request("send each request as one JSON text frame, not a binary frame")
+    body = parse_json(frame)
+    if body.get("type") == "resume":
+        return await _resume(state, conn, body)
+    key = body.pop("idempotency_key", "")
+    if not isinstance(key, str):
+        raise invalid_request("'idempotency_key' must be a string", "idempotency_key")
+    kind, body = _parse_request(body)
+    rid, body_print = new_request_id(), fingerprint(kind, body)
+    if key and (taken := await state.resumes.retried(conn.client, key, rid, body_print, one_choice=True)):
+        state.limiter.admit(conn.client)
+        return _taken(state, taken, NONE_YET)
+    try:
+        req, sub = await state.start(kind, lambda: _loaded(body), conn.client, rid)
+        formatter = LogprobsFormatter(kind, state.model.token_strings) if req.params.logprobs is not None else None
+        try:
+            await state.resumes.record(conn.client, req, [sub], int(time.time()), key, websocket=True,
+                                       body_print=body_print)
+        except BaseException:
+            sub.close()
+            raise
+    except BaseException:
+        if key:
+            await state.resumes.unclaim(conn.client, key)
+        raise
+    return sub, formatter, req.echo, NONE_YET
+
+
+async def _resume(state: CoordinatorState, conn: _Conn, body: dict[str, Any]
+                  ) -> tuple[Submission, LogprobsFormatter | None, str, int]:
+    """``{"type": "resume", "request_id": ..., "index": <last index received>}`` (resumption.py)."""
+    rid, index = body.get("request_id"), body.get("index", NONE_YET)
+    if not isinstance(rid, str) or not rid:
+        raise invalid_request("a resume frame needs the 'request_id' of the stream", "request_id")
+    if not isinstance(index, int) or isinstance(index, bool) or index < NONE_YET:
+        raise invalid_request("'index' must be the index of the last frame received (an integer), or -1",
+                              "index")
+    state.limiter.admit(conn.client)
+    return _taken(state, await state.resumes.from_position(None, conn.client, rid, [index]), index)
+
+
+def _taken(state: CoordinatorState, taken: Resumption, after: int
+           ) -> tuple[Submission, LogprobsFormatter | None, str, int]:
+    record = taken.record
+    if len(taken.subs) != 1:
+        for sub in taken.subs:
+            sub.close()
+        raise invalid_request(f"request {record.request_id} is not a one-choice stream: /v1/stream cannot resume it")
+    kind: Kind = "chat" if record.kind == "chat" else "completion"
+    params = record.opened[0].params
+    formatter = LogprobsFormatter(kind, state.model.token_strings) if params.logprobs is not None else None
+    return taken.subs[0], formatter, record.echo, after
+
+
 async def _loaded(body: dict[str, Any]) -> dict[str, Any]:
     return body
 
 
-def _parse_frame(frame: str | bytes) -> tuple[Kind, dict[str, Any]]:
-    if not isinstance(frame, str):
-        raise invalid_request("send each request as one JSON text frame, not a binary frame")
-    body = parse_json(frame)
+def _parse_request(body: dict[str, Any]) -> tuple[Kind, dict[str, Any]]:
     kind = body.pop("kind", None)
     if kind not in ("chat", "completion"):
         raise invalid_request(f"'kind' must be \"chat\" or \"completion\", got {kind!r}", "kind")
@@ -229,23 +328,25 @@ def _parse_frame(frame: str | bytes) -> tuple[Kind, dict[str, Any]]:
 
 
 async def _relay(ws: WebSocket, sub: Submission, metrics: CoordinatorMetrics,
-                 logprobs: LogprobsFormatter | None = None, echo: str = "") -> int:
-    """Forward the submission's events as frames (after the ``echo`` text, if any); the status it
-    ended with (499: client gone)."""
+                 logprobs: LogprobsFormatter | None = None, echo: str = "", after: int = NONE_YET) -> int:
+    """Forward the submission's events as frames (after the ``echo`` text, if any), each with its
+    ``index`` (stream_ids.py), from the one after ``after``; the status it ended with (499: client gone)."""
     rid = sub.request_id
     try:
-        if echo:
-            await ws.send_text(_dump({"type": "token", "request_id": rid, "text": echo, "token_ids": []}))
+        if echo and after < ECHO:
+            await ws.send_text(_dump({"type": "token", "request_id": rid, "index": ECHO, "text": echo,
+                                      "token_ids": []}))
         async for event in sub.events():
-            if event.token_ids or event.text:
-                frame: dict[str, Any] = {"type": "token", "request_id": rid, "text": event.text,
-                                         "token_ids": list(event.token_ids)}
+            if (event.token_ids or event.text) and text_pos(event.seq) > after:
+                frame: dict[str, Any] = {"type": "token", "request_id": rid, "index": text_pos(event.seq),
+                                         "text": event.text, "token_ids": list(event.token_ids)}
                 if logprobs is not None:
                     frame["logprobs"] = logprobs.format(list(event.token_ids), list(event.logprobs or []))
                 await ws.send_text(_dump(frame))
-            if event.finished:
-                await ws.send_text(_dump({"type": "done", "request_id": rid, "finish_reason": finish_reason(event),
-                                          "usage": usage(event), "specfleet": speculation(event)}))
+            if event.finished and finish_pos(event.seq) > after:
+                await ws.send_text(_dump({"type": "done", "request_id": rid, "index": finish_pos(event.seq),
+                                          "finish_reason": finish_reason(event), "usage": usage(event),
+                                          "specfleet": speculation(event)}))
             if event.token_ids or event.text or event.finished:
                 metrics.relayed("websocket", sub.arrived)
     except ClientGone:

@@ -35,6 +35,8 @@ from shared.log import get_logger
 from shared.protocol import (
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
+    Adopt,
+    Adopted,
     Cancel,
     ErrorFrame,
     FinishReason,
@@ -44,6 +46,7 @@ from shared.protocol import (
     OpenSession,
     ProtocolError,
     Refused,
+    Release,
     ResumeDone,
     TokenEvent,
     Welcome,
@@ -109,6 +112,7 @@ class FrontendLink:
         self._up = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._instance: str | None = None  # the verifier instance of the last connection
+        self._readopting: set[str] = set()  # requests adopted again after the link came back
         self._down_since: float | None = None
 
     # --- what request handlers use ------------------------------------------------------------
@@ -134,8 +138,32 @@ class FrontendLink:
         """
         return self._routing.subscribe(request_id, opened)
 
-    def unsubscribe(self, request_id: str) -> None:
-        self._routing.forget(request_id)
+    def unsubscribe(self, request_id: str, queue: asyncio.Queue[Inbound] | None = None) -> None:
+        """Stop relaying ``request_id`` here (only if ``queue``, when given, still subscribes it)."""
+        self._routing.forget(request_id, queue)
+
+    @property
+    def grace_s(self) -> float:
+        """How long the verifier keeps a released request for a resume (``Welcome.orphan_grace_s``)."""
+        return self.welcome.orphan_grace_s if self.welcome is not None else 0.0
+
+    def release_nowait(self, request_id: str) -> None:
+        """The client left but may resume: the verifier keeps the request for the grace (never blocks)."""
+        if self.connected:
+            self._outbox.put_nowait(encode(Release(request_id=request_id)))
+
+    def adopt_nowait(self, request_id: str) -> asyncio.Future[Adopted]:
+        """Ask the verifier to relay ``request_id`` here; the future gets its Adopted answer (its
+        replayed events go to the request's subscriber). Raises ConnectionError when the link is down."""
+        if not self.connected:
+            raise ConnectionError(f"the verifier link is down: {self.last_error}")
+        future: asyncio.Future[Adopted] = asyncio.get_running_loop().create_future()
+        previous = self._routing.adopting.pop((request_id, self.index), None)
+        if previous is not None and not previous.done():
+            previous.set_exception(ConnectionError("adopted again"))
+        self._routing.adopting[(request_id, self.index)] = future
+        self._outbox.put_nowait(encode(Adopt(request_id=request_id)))
+        return future
 
     def cancel_nowait(self, request_id: str) -> None:
         """Ask the verifier to stop ``request_id``. Never blocks, so it is safe in cleanup code
@@ -281,6 +309,8 @@ class FrontendLink:
             queue = self._routing.subs.get(msg.request_id)
             if queue is None:
                 log.debug("token event for an unknown request dropped", request_id=msg.request_id)
+            elif self._routing.ledger.seen(msg) or (msg.request_id, self.index) in self._routing.adopting:
+                return  # relayed before (a re-adopt's replay), or sent before our Adopt: its replay has it
             elif not self._routing.claim(msg.request_id, self.index):  # another replica serves it
                 log.info("events from a second replica for a request; cancelled there", request_id=msg.request_id,
                          verifier=self.url)
@@ -295,8 +325,22 @@ class FrontendLink:
             self.sessions = msg.sessions
         elif isinstance(msg, ErrorFrame):
             self._on_error_frame(msg, arrived)
+        elif isinstance(msg, Adopted):
+            self._on_adopted(msg)
         else:
             log.warning("unexpected frame from the verifier", type=type(msg).__name__)
+
+    def _on_adopted(self, reply: Adopted) -> None:
+        """The verifier's answer to our Adopt: the request's events (replayed first) come from here."""
+        if reply.state in ("live", "finished"):
+            self._routing.where[reply.request_id] = self.index
+        future = self._routing.adopting.pop((reply.request_id, self.index), None)
+        if future is not None and not future.done():
+            future.set_result(reply)
+        elif reply.request_id in self._readopting:  # one of ours, after the link came back
+            self._readopting.discard(reply.request_id)
+            if reply.state == "gone":
+                self._fail(reply.request_id, "lost the link to the verifier, which no longer holds the request")
 
     def _on_error_frame(self, err: ErrorFrame, arrived: float) -> None:
         """An error about one of our requests ends it. The code travels with the final event, so
@@ -323,6 +367,10 @@ class FrontendLink:
         self.draft_share = 1.0
         self.sessions = 0
         self.last_error = reason
+        for key in [key for key in self._routing.adopting if key[1] == self.index]:
+            future = self._routing.adopting.pop(key)
+            if not future.done():
+                future.set_exception(ConnectionError(f"the verifier link went down: {reason}"))
         if was_up:
             self._down_since = time.monotonic()
             log.warning("verifier link down; in-flight requests wait for it", reason=reason, verifier=self.url,
@@ -343,12 +391,36 @@ class FrontendLink:
         if failed:
             log.warning("in-flight requests failed with the verifier link", reason=reason, failed_requests=len(failed))
 
+    def _readopt(self) -> None:
+        """Back on the same verifier, which kept this coordinator's requests while the link was
+        down: Adopt each again. It replays their events; those relayed before are dropped (by their
+        ``seq``), and the streams go on with no token lost or repeated."""
+        mine = self._routing.of(self.index)
+        for rid in [rid for rid in mine if rid not in self._routing.ledger]:  # nothing to check them against
+            self._fail(rid, "lost the link to the verifier")
+        mine = [rid for rid in mine if rid in self._routing.ledger]
+        self._readopting = set(mine)
+        for rid in mine:
+            self._outbox.put_nowait(encode(Adopt(request_id=rid)))
+        if mine:
+            log.warning("link back to the same verifier; its requests adopted again", requests=len(mine))
+
+    def _fail(self, request_id: str, reason: str) -> None:
+        queue = self._routing.forget(request_id)
+        if queue is not None:
+            queue.put_nowait(Inbound(_final_event(request_id, self.node_id, "cancelled", reason), time.perf_counter()))
+
     def _resume_or_fail(self, welcome: Welcome) -> None:
-        """After a (re)connect: re-open every in-flight request on a new verifier instance, or fail
-        them when it is the same instance (it went on without us: events were lost); then say so
-        with ResumeDone. Queued in the fresh outbox, so they precede every new request."""
+        """After a (re)connect: re-open every in-flight request on a new verifier instance; on the
+        same instance, adopt them again when it kept them (``orphan_grace_s``), else fail them (it
+        went on without us: events were lost); then say so with ResumeDone. Queued in the fresh
+        outbox, so they precede every new request."""
         previous, self._instance, self._down_since = self._instance, welcome.instance, None
         if previous is not None and (not welcome.instance or welcome.instance == previous):
+            if welcome.orphan_grace_s > 0:  # it kept our requests for a resume: take them back
+                self._readopt()
+                self._outbox.put_nowait(encode(ResumeDone(sessions=0)))
+                return
             self._fail_all(self.last_error or "reconnected to the same verifier")
         mine = self._routing.of(self.index)
         frames = self._routing.ledger.reopen(mine) if mine else []

@@ -81,8 +81,18 @@ class VerifierPool:
     def subscribe(self, request_id: str, opened: OpenSession | None = None) -> asyncio.Queue[Inbound]:
         return self._routing.subscribe(request_id, opened)
 
-    def unsubscribe(self, request_id: str) -> None:
-        self._routing.forget(request_id)
+    def unsubscribe(self, request_id: str, queue: asyncio.Queue[Inbound] | None = None) -> None:
+        self._routing.forget(request_id, queue)
+
+    @property
+    def grace_s(self) -> float:
+        return min((link.grace_s for link in self.links if link.welcome is not None), default=0.0)
+
+    def release_nowait(self, request_id: str) -> None:
+        """Release on the replica serving the request (on every connected one while none does yet)."""
+        placed = self._routing.where.get(request_id)
+        for link in self.links if placed is None else [self.links[placed]]:
+            link.release_nowait(request_id)
 
     def cancel_nowait(self, request_id: str) -> None:
         """Cancel on the replica serving the request; on every connected one while none does yet

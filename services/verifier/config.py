@@ -100,6 +100,10 @@ class RoundSection:
     resume_grace_s: float = opt(30.0, "after start-up, a drafter's OpenSession for a coordinator that has not yet "
                                 "re-opened its in-flight requests here is answered busy (retried) for up to this long, "
                                 "so no request starts over after a verifier restart; 0: never wait")
+    orphan_grace_s: float = opt(30.0, "a request whose coordinator left (it died, or its client disconnected) keeps "
+                                "running this long, and a finished request's events are kept this long, so that "
+                                "its client can resume the stream through any coordinator; then it is cancelled. "
+                                "0: cancel at once, keep nothing")
     sampling: str = opt("race", "how a sampled request's tokens are drawn: race (each the winner of a race keyed "
                                 "by the request: drafters draft the same races over their own distribution and send "
                                 "ids only; a seeded request's text is the same with or without speculation; "
@@ -175,8 +179,9 @@ POSITIVE = ("max_sessions", "max_batch_sessions", "max_batch_tokens", "prefill_c
             "ws_ping_timeout_s", "draft_timeout_s", "tensor_parallel_size")
 #: the flags that must not be below zero
 NON_NEGATIVE = ("port", "vllm_memory_share", "max_model_len", "kv_cache_gb", "max_waiting", "draft_len",
-                "draft_capacity", "resume_grace_s", "slo_tokens_per_s", "wisp_delta_ms", "wisp_network_ms",
-                "tpot_slo_ms", "torch_threads", "max_draft_tokens", "smartspec_max_len")  # 0: no drafts
+                "draft_capacity", "resume_grace_s", "orphan_grace_s", "slo_tokens_per_s", "wisp_delta_ms",
+                "wisp_network_ms", "tpot_slo_ms", "torch_threads", "max_draft_tokens",
+                "smartspec_max_len")  # 0: no drafts
 
 
 def validate(cfg: VerifierConfig) -> None:

@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
 from services.verifier.core_api import (
     AddDraft,
     AddRequest,
@@ -27,10 +29,23 @@ from services.verifier.detok import IncrementalText
 from services.verifier.grammar import GrammarError, Grammars
 from services.verifier.output import Output
 from services.verifier.round.stops import Stops
-from services.verifier.sessions import Route, Routes
+from services.verifier.sessions import ORPHAN, Route, Routes
 from shared.draft_q import DraftError, check
 from shared.log import get_logger
-from shared.protocol import MAX_WAITED_S, Cancel, CloseSession, Draft, FinishReason, Message, OpenSession, ResumeDone
+from shared.protocol import (
+    MAX_WAITED_S,
+    Adopt,
+    Adopted,
+    AdoptState,
+    Cancel,
+    CloseSession,
+    Draft,
+    FinishReason,
+    Message,
+    OpenSession,
+    Release,
+    ResumeDone,
+)
 from shared.sampling import SamplingError, validate
 
 log = get_logger("verifier.intake")
@@ -79,6 +94,10 @@ class Intake:
             self._detach(conn_id, msg.request_id)
         elif isinstance(msg, Cancel) and role == "frontend":
             self._cancel(conn_id, msg.request_id)
+        elif isinstance(msg, Release) and role == "frontend":
+            self._release(conn_id, msg.request_id)
+        elif isinstance(msg, Adopt) and role == "frontend":
+            self._adopt(conn_id, msg.request_id)
         elif msg is not None:
             self.output.error(conn_id, "unexpected", f"a {role} may not send {type(msg).__name__}", None)
 
@@ -91,15 +110,14 @@ class Intake:
             return self._resume(conn_id, route)
         if self.routes.known(rid):
             return self.output.error(conn_id, "duplicate", f"request {rid} is already served or finished", rid)
-        if role == "drafter" and msg.origin in self._gone:  # dropped: the delivery is acked, nobody computes it
-            return self.output.error(conn_id, "orphaned", f"coordinator {msg.origin} is gone and its clients with it; "
-                                                          "request dropped", rid)
-        if role == "drafter" and not self._origin_resumed(msg.origin):
-            return self.output.error(conn_id, "busy", f"coordinator {msg.origin} has not re-opened its in-flight "
-                                                      "requests on this verifier yet; retry shortly", rid)
-        if len(self.routes) >= self.routes.max_sessions:
-            return self.output.error(conn_id, "busy", f"the verifier holds {self.routes.max_sessions} sessions; "
-                                                      "retry later", rid)
+        adopter = self.routes.adopter(rid)
+        if adopter is not None:  # a coordinator adopted it before it was opened: its events go there
+            msg = msgspec.structs.replace(msg, origin=adopter)
+        elif role == "drafter" and self._orphan_of_gone(msg.origin):
+            return self._open_orphan(conn_id, msg)
+        refused = self._refusal(role, msg.origin)
+        if refused is not None:
+            return self.output.error(conn_id, *refused, rid)
         problem = self._check_request(msg)
         grammar = None
         if not problem and msg.params.structured is not None:
@@ -112,15 +130,9 @@ class Intake:
             return self.output.error(conn_id, "invalid", problem, rid)
         speculative = role == "drafter" and msg.speculative
         drafter = conn_id if speculative else None
-        route = Route(rid, msg.origin, conn_id, drafter, conn_id if role == "drafter" else None,
-                      len(msg.prompt_ids), IncrementalText(self.tokenizer, list(msg.params.stop)))
         resume = msg.resume if role == "frontend" else None
         generated = list(resume.generated_ids) if resume is not None else []
-        if resume is not None:
-            route.completion_tokens, route.drafted, route.accepted = (
-                len(generated), resume.drafted_tokens, resume.accepted_tokens)
-            route.text.prime(generated, resume.released_chars)
-        self.routes.add(route)
+        route = self._route(conn_id, role, msg, drafter)
         if resume is not None and self._ends_at_once(route, msg):
             return None
         try:
@@ -134,6 +146,30 @@ class Intake:
                  prompt_len=len(msg.prompt_ids), generated=len(generated), drafter=drafter,
                  temperature=msg.params.temperature)
         return None
+
+    def _refusal(self, role: str, origin: str) -> tuple[str, str] | None:
+        """Why a new request of ``origin`` cannot be opened now (code, message), or None."""
+        if role == "drafter" and origin in self._gone:  # dropped: the delivery is acked, nobody computes it
+            return "orphaned", f"coordinator {origin} is gone and its clients with it; request dropped"
+        if role == "drafter" and not self._origin_resumed(origin):
+            return "busy", (f"coordinator {origin} has not re-opened its in-flight requests on this verifier yet; "
+                            "retry shortly")
+        if len(self.routes) >= self.routes.max_sessions:
+            return "busy", f"the verifier holds {self.routes.max_sessions} sessions; retry later"
+        return None
+
+    def _route(self, conn_id: str, role: str, msg: OpenSession, drafter: str | None) -> Route:
+        """The new request's Route, added; a re-opened one continues after what was relayed."""
+        route = Route(msg.request_id, msg.origin, conn_id, drafter, conn_id if role == "drafter" else None,
+                      len(msg.prompt_ids), IncrementalText(self.tokenizer, list(msg.params.stop)))
+        resume = msg.resume if role == "frontend" else None
+        if resume is not None:
+            route.completion_tokens, route.drafted, route.accepted = (
+                len(resume.generated_ids), resume.drafted_tokens, resume.accepted_tokens)
+            route.seq = resume.next_seq - 1
+            route.text.prime(list(resume.generated_ids), resume.released_chars)
+        self.routes.add(route)
+        return route
 
     def _ends_at_once(self, route: Route, msg: OpenSession) -> bool:
         """A re-opened request that was already complete (its final event was lost with the old
@@ -227,7 +263,63 @@ class Intake:
         if moved:
             log.warning("drafter gone; sessions continue target-only", conn=conn_id, sessions=len(moved))
 
-    # --- coordinators ------------------------------------------------------------------
+    # --- coordinators and their clients' streams (Routes.keep_s > 0: orphans) -------------
+
+    def _orphan_of_gone(self, origin: str) -> bool:
+        """A drafter opens a request of a coordinator that left less than the grace ago: it is
+        served as an orphan (a resume may still come), not dropped."""
+        left = self._gone.get(origin)
+        return left is not None and self.routes.keep_s > 0 and time.monotonic() - left < self.routes.keep_s
+
+    def _open_orphan(self, conn_id: str, msg: OpenSession) -> None:
+        self._open(conn_id, "drafter", msgspec.structs.replace(msg, origin=ORPHAN))
+        route = self.routes.get(msg.request_id)
+        if route is not None and route.origin == ORPHAN:
+            self.routes.orphan(route)
+            log.info("request of a departed coordinator opened as an orphan", request_id=msg.request_id,
+                     coordinator=msg.origin, grace_s=self.routes.keep_s)
+
+    def _release(self, conn_id: str, request_id: str) -> None:
+        """The coordinator's client left; it may resume elsewhere within the grace (else: a cancel)."""
+        route = self.routes.get(request_id)
+        if route is None or route.origin != self.names(conn_id):
+            return None
+        if self.routes.keep_s <= 0:
+            return self._cancel(conn_id, request_id)
+        self.routes.orphan(route)
+        log.info("request released by its coordinator; kept for a resume", request_id=request_id,
+                 grace_s=self.routes.keep_s)
+        return None
+
+    def _adopt(self, conn_id: str, request_id: str) -> None:
+        """Relay ``request_id`` to this coordinator from now on: say how it stands, replay its events."""
+        node, route = self.names(conn_id), self.routes.get(request_id)
+        kept = self.routes.replay(request_id)
+        state: AdoptState
+        if route is not None:
+            if route.origin and route.origin != node:
+                self.output.moved(route.origin, request_id, node)
+            self.routes.adopt(route, node)
+            events, state = list(route.history), "live"
+        elif kept is not None:
+            events, state = kept, "finished"
+        else:
+            state = "gone" if self.routes.known(request_id) else "unknown"
+            if state == "unknown" and self.routes.keep_s > 0:
+                self.routes.await_adopter(request_id, node)
+            events = []
+        first, last = (events[0].seq, events[-1].seq) if events else (0, 0)
+        self.output.adopted(conn_id, Adopted(request_id=request_id, state=state, first_seq=first, last_seq=last),
+                            events)
+        log.info("stream adopted", request_id=request_id, coordinator=node, state=state, replayed=len(events))
+
+    def expire_orphans(self) -> None:
+        """Cancel the orphans nobody adopted within the grace; forget kept events past it."""
+        for route in self.routes.expired():
+            self.output.end(route.request_id, "cancelled", "no coordinator resumed its stream within the grace")
+            self._submit("", Finish(route.request_id))
+            log.info("orphaned request cancelled after the grace", request_id=route.request_id,
+                     grace_s=self.routes.keep_s)
 
     def frontend_up(self, node_id: str) -> None:
         """A coordinator linked (again): drafters may open its requests."""
@@ -235,10 +327,11 @@ class Intake:
 
     def frontend_gone(self, conn_id: str, node_id: str, still_linked: bool) -> None:
         """A coordinator's link closed. Unless another link of the same coordinator is up, its
-        clients are gone: a coordinator never relays the events it missed (when it comes back to
-        this verifier it fails its in-flight requests; a restarted one has new clients and a new
-        name), so its open requests are cancelled and its queued ones are dropped when a drafter
-        opens them, rather than computed for nobody."""
+        clients have lost their streams. With a grace (``--orphan-grace-s``) its open requests run on
+        as orphans, and its queued ones are opened as orphans for as long, so that its clients can
+        resume through another coordinator (which adopts them); without one, its open requests are
+        cancelled and its queued ones dropped when a drafter opens them, rather than computed for
+        nobody."""
         self._resumed.pop(conn_id, None)
         if still_linked:
             return
@@ -247,10 +340,15 @@ class Intake:
             del self._gone[next(iter(self._gone))]
         orphans = self.routes.of_origin(node_id)
         for route in orphans:
+            if self.routes.keep_s > 0:  # its clients may resume through another coordinator
+                self.routes.orphan(route)
+                continue
             self.output.end(route.request_id, "cancelled", f"coordinator {node_id} is gone")
             self._submit("", Finish(route.request_id))
         if orphans:
-            log.warning("coordinator gone; its requests cancelled", coordinator=node_id, cancelled=len(orphans))
+            log.warning("coordinator gone; its requests " + ("kept for a resume" if self.routes.keep_s > 0
+                                                               else "cancelled"),
+                        coordinator=node_id, requests=len(orphans), grace_s=self.routes.keep_s)
 
     def _cancel(self, conn_id: str, request_id: str) -> None:
         route = self.routes.get(request_id)

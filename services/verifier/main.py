@@ -157,11 +157,11 @@ def build_vllm(cfg: VerifierConfig) -> tuple[Hub, VerifierCore]:
 
 def _hub(cfg: VerifierConfig, loaded: LoadedModel) -> tuple[Hub, Output, VerifierMetrics]:
     metrics = VerifierMetrics()
-    routes = Routes(cfg.capacity.max_sessions)
+    routes = Routes(cfg.capacity.max_sessions, keep_s=cfg.rounds.orphan_grace_s)
     try:
         credentials = Credentials(cfg.security.auth_token, cfg.security.credentials_file)
         welcome = make_welcome(loaded.name, loaded.fingerprint, loaded.max_model_len, cfg.rounds.max_draft_tokens,
-                               conditional_drafts=True)
+                               conditional_drafts=True, orphan_grace_s=cfg.rounds.orphan_grace_s)
         hub = Hub(welcome, credentials, routes, metrics, cfg.security.drafter_trust)
     except (CredentialsError, ValueError) as exc:
         raise ModelLoadError(str(exc)) from None

@@ -30,6 +30,7 @@ from services.verifier.round.stops import cut_at_stop_string
 from services.verifier.sessions import Route, Routes
 from shared.log import get_logger
 from shared.protocol import (
+    Adopted,
     Batchable,
     ErrorFrame,
     FinishReason,
@@ -41,6 +42,9 @@ from shared.protocol import (
 )
 
 log = get_logger("verifier.output")
+#: events per frame of an Adopt's replay: a Batch may hold 4096 items, and 256 events with logprobs
+#: (20 alternatives per token) stay far below the 4 MiB frame limit
+REPLAY_BATCH = 256
 
 
 class Peers(Protocol):
@@ -185,6 +189,20 @@ class Output:
             prompt_tokens=len(msg.prompt_ids), error=problem))
         self.flush()
 
+    def adopted(self, conn_id: str, reply: Adopted, events: list[TokenEvent]) -> None:
+        """Adopt's answer, then the replay of the request's events, in frames of at most
+        REPLAY_BATCH events (each well under the frame size and Batch limits)."""
+        self.peers.send(conn_id, [reply])
+        for start in range(0, len(events), REPLAY_BATCH):
+            self.peers.send(conn_id, list(events[start:start + REPLAY_BATCH]))
+
+    def moved(self, origin: str, request_id: str, adopter: str) -> None:
+        """Tell a coordinator that still relays a request that another one took it over (not part
+        of the request's events: its client is told the stream went on elsewhere)."""
+        self.peers.send_frontend(origin, [TokenEvent(
+            request_id=request_id, origin=origin, token_ids=[], text="", finished=True, finish_reason="cancelled",
+            error=f"the stream was resumed through coordinator {adopter}", error_code="moved")])
+
     def error(self, conn_id: str, code: str, message: str, request_id: str | None) -> None:
         self._conn(conn_id, ErrorFrame(code=code, message=message, request_id=request_id))
         self.flush()
@@ -193,11 +211,16 @@ class Output:
 
     def _event(self, route: Route, tokens: list[int], finished: bool, reason: FinishReason | None,
                error: str = "", logprobs: list[TokenLogprob] | None = None, error_code: str = "") -> None:
-        self._to_origin[route.origin].append(TokenEvent(
+        route.seq += 1
+        event = TokenEvent(
             request_id=route.request_id, origin=route.origin, token_ids=tokens, text=route.text.release(finished),
             finished=finished, finish_reason=reason if finished else None, prompt_tokens=route.prompt_tokens,
             completion_tokens=route.completion_tokens, drafted_tokens=route.drafted, accepted_tokens=route.accepted,
-            error=error, logprobs=logprobs, error_code=error_code))
+            error=error, logprobs=logprobs, error_code=error_code, seq=route.seq)
+        if self.routes.keep_s > 0:  # for a coordinator that adopts the request (sessions.py)
+            route.history.append(event)
+        if route.origin:  # else an orphan: relayed to nobody until adopted
+            self._to_origin[route.origin].append(event)
 
     def _conn(self, conn_id: str, msg: Batchable) -> None:
         self._to_conn[conn_id].append(msg)

@@ -93,12 +93,12 @@ class Peer:
 
 
 def make_welcome(target_model: str, fingerprint: str, max_model_len: int, max_draft_tokens: int,
-                 conditional_drafts: bool = False) -> Welcome:
+                 conditional_drafts: bool = False, orphan_grace_s: float = 0.0) -> Welcome:
     """What this verifier tells every peer it admits (a fresh instance id per process)."""
     return Welcome(node_id="verifier", protocol_version=PROTOCOL_VERSION, target_model=target_model,
                    tokenizer_fingerprint=fingerprint, max_model_len=max_model_len,
                    max_draft_tokens=max_draft_tokens, instance=secrets.token_hex(8),
-                   conditional_drafts=conditional_drafts)
+                   conditional_drafts=conditional_drafts, orphan_grace_s=orphan_grace_s)
 
 
 class Hub:
@@ -330,6 +330,8 @@ async def fleet_status_loop(hub: Hub) -> None:
     last = time.monotonic()
     while True:
         await asyncio.sleep(DRAFT_SHARE_CHECK_S)
+        if hub.intake is not None:  # the same tick cancels orphans nobody adopted within the grace
+            hub.intake.expire_orphans()
         now, status = time.monotonic(), hub.fleet_status()
         if status.draft_share != hub.last_share or now - last >= FLEET_STATUS_EVERY_S:
             hub.broadcast_fleet(status)

@@ -23,6 +23,7 @@ from shared import cli
 from shared.models import load_model
 from tests.conftest import free_port, greedy_reference
 from tests.e2e.greedy_streams import sample_metric, sample_metric_async
+from tests.e2e.resuming_clients import Resumed, ws_resuming
 from tests.e2e.test_full_stack import prompt_ids, stream_many
 
 pytestmark = pytest.mark.e2e
@@ -171,6 +172,23 @@ async def _busier_drafter_once_it_drafted(metrics_port: int) -> int:
             await asyncio.sleep(0.02)
     pytest.fail(f"the drafters never held all {N_RESUME} requests with a round played: sessions {held}")
 
+KILLED_TOKENS = 128
+KILLED_STREAMS = [{"kind": "completion", "model": "target", "prompt": f"def k{i}(z", "max_tokens": KILLED_TOKENS,
+                   "temperature": 0, "ignore_eos": True} for i in range(20)]
+
+
+async def _kill_mid_stream(base_url: str, coordinator: int) -> list[Resumed]:
+    """20 WebSocket streams on the coordinator; kill -9 it once they are flowing; each client
+    reconnects (the same URL: ``specfleet up`` restarts it there) and resumes its stream."""
+    seen = [0]
+    ws = base_url.replace("http://", "ws://") + "/v1/stream"
+    work = [asyncio.create_task(ws_resuming([ws], frame, seen)) for frame in KILLED_STREAMS]
+    while seen[0] < 20:
+        await asyncio.sleep(0.01)
+    os.kill(coordinator, signal.SIGKILL)
+    return list(await asyncio.gather(*work))
+
+
 def _until_ready(proc: subprocess.Popen[str]) -> list[str]:
     assert proc.stdout is not None
     lines: list[str] = []
@@ -184,19 +202,6 @@ def _until_ready(proc: subprocess.Popen[str]) -> list[str]:
     return lines
 
 
-def _until_answers(url: str, timeout_s: float) -> None:
-    """Wait until GET ``url`` answers 200 (a restarted service is back)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"{url} did not answer 200 within {timeout_s:g} s")
-
-
 def _serves(url: str) -> bool:
     try:
         return httpx.get(url, timeout=2).status_code == 200
@@ -205,12 +210,14 @@ def _serves(url: str) -> bool:
 
 
 @pytest.mark.faults
-def test_up_restarts_a_killed_verifier_and_every_request_completes(tiny_models: dict[str, Path],
-                                                                   tmp_path: Path) -> None:
+def test_up_restarts_a_killed_verifier_or_coordinator_and_every_request_completes(tiny_models: dict[str, Path],
+                                                                                  tmp_path: Path) -> None:
     """kill -9 the verifier with 20 greedy requests in flight: ``specfleet up`` starts it again,
     the coordinator re-opens the requests on it from what it relayed, the drafters resume them,
     and all 20 complete token-identical to target-only greedy decoding. Then kill -9 the
-    coordinator: it is started again too, and serves."""
+    coordinator with 20 other streams in flight: it is started again on the same port, each client
+    resumes its stream there (no Redis: the streams are recorded in the state dir), and all 20
+    complete token-identical, each token generated once."""
     verifier_port = free_port()
     cmd = _up(tmp_path, tiny_models)
     cmd[cmd.index("--verifier-port") + 1] = str(verifier_port)
@@ -237,12 +244,14 @@ def test_up_restarts_a_killed_verifier_and_every_request_completes(tiny_models: 
             return await work
 
         results = asyncio.run(run())
-        # the coordinator too is started again when it dies, and serves on the same port
+        # the coordinator too is started again when it dies, on the same port, and its clients'
+        # streams resume there (recorded in the state dir's SQLite file: no Redis here)
         coordinator = int(next(m.group(1) for line in lines
                                if (m := re.search(r"started coordinator\s+pid (\d+)", line))))
-        os.kill(coordinator, signal.SIGKILL)
-        _until_answers(f"{base_url}/ready", 120)
-        after = asyncio.run(stream_many(stack, sent[:1]))  # type: ignore[arg-type]
+        verifier_metrics = f"http://127.0.0.1:{verifier_port}/metrics"
+        before = sample_metric(verifier_metrics, "specfleet_verifier_generated_tokens_total")
+        streams = asyncio.run(_kill_mid_stream(base_url, coordinator))
+        generated = sample_metric(verifier_metrics, "specfleet_verifier_generated_tokens_total") - before
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
     finally:
@@ -250,9 +259,13 @@ def test_up_restarts_a_killed_verifier_and_every_request_completes(tiny_models: 
             proc.kill()
             proc.wait()
     target = load_model(tiny_models["target"])
-    for body, (ids, _, done) in zip(sent + sent[:1], results + after, strict=True):
+    for body, (ids, _, done) in zip(sent, results, strict=True):
         assert ids == greedy_reference(target.model, prompt_ids(target, body), 256, set())
         assert done["finish_reason"] == "length" and done["usage"]["completion_tokens"] == 256
+    for frame, got in zip(KILLED_STREAMS, streams, strict=True):
+        assert got.token_ids == greedy_reference(target.model, prompt_ids(target, frame), KILLED_TOKENS, set())
+    assert all(got.resumes >= 1 for got in streams), [got.resumes for got in streams]
+    assert generated == len(KILLED_STREAMS) * KILLED_TOKENS, "the verifier generated some tokens twice"
     assert "restarting in" in err and "verifier (pid" in err and "coordinator (pid" in err, err
     coordinator_log = (tmp_path / "state" / "logs" / "coordinator.log").read_text().splitlines()
     reopened = sum(json.loads(line)["requests"] for line in coordinator_log

@@ -211,7 +211,7 @@ class FakeVerifier:
                     finished=last, finish_reason=("error" if failed else "length") if last else None,
                     prompt_tokens=len(req.prompt_ids), completion_tokens=min(start + 2, n),
                     drafted_tokens=2 * min(start + 2, n), accepted_tokens=min(start + 2, n),
-                    error="boom: the fake verifier failed" if failed else ""))
+                    error="boom: the fake verifier failed" if failed else "", seq=start // 2 + 1))
             else:
                 self.completed.append(rid)
         if delivery_id is not None:

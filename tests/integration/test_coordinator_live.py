@@ -111,8 +111,11 @@ def test_raw_sse_framing(live: LiveCoordinator) -> None:
         raw = resp.read().decode()
     events = raw.split("\n\n")
     assert events[-1] == "" and events[-2] == "data: [DONE]"
-    assert all(e.startswith("data: ") for e in events[:-1])
-    assert json.loads(events[0][6:])["object"] == "text_completion"
+    # each chunk names its place in the stream (stream_ids.py): id: <request id>.<position>
+    rid = resp.headers["x-request-id"]
+    assert [e.split("\n")[0] for e in events[:-2]] == [f"id: {rid}.2", f"id: {rid}.3"]
+    assert all(e.split("\n")[1].startswith("data: ") for e in events[:-2])
+    assert json.loads(events[0].split("\n")[1][6:])["object"] == "text_completion"
 
 
 def test_verifier_error_is_500(client: openai.OpenAI) -> None:

@@ -1,8 +1,8 @@
-"""A coordinator that goes away takes its clients with it: the verifier cancels the requests it
-sent (a drafter serving one hears a final "cancelled" Verdict and can ack its queue entry) and
-refuses drafters' opens of its queued ones ("orphaned", so the entry is acked, not computed for
-nobody); a coordinator that links again is served again. Another coordinator's requests are
-untouched."""
+"""Without a grace (--orphan-grace-s 0), a coordinator that goes away takes its clients with it:
+the verifier cancels the requests it sent (a drafter serving one hears a final "cancelled" Verdict
+and can ack its queue entry) and refuses drafters' opens of its queued ones ("orphaned", so the
+entry is acked, not computed for nobody); a coordinator that links again is served again. Another
+coordinator's requests are untouched. (With a grace: test_verifier_adopt.py.)"""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
 @pytest_asyncio.fixture
 async def verifier(tiny_models: dict[str, Path]) -> AsyncIterator[Running]:
     # the scripted drafter drafts one round only
-    async with serving(tiny_models, resume_grace_s=0.0, draft_timeout_s=1.0) as running:
+    async with serving(tiny_models, resume_grace_s=0.0, draft_timeout_s=1.0, orphan_grace_s=0.0) as running:
         yield running
 
 

@@ -124,7 +124,7 @@ def test_authorized(key: str, header: str | None, ok: bool) -> None:
 
     cfg = from_flags(CoordinatorConfig, api_key=key)
     state = CoordinatorState(cfg=cfg, node_id="c", model=None, queue=None,  # type: ignore[arg-type]
-                             link=None, generator=None, metrics=None)  # type: ignore[arg-type]
+                             link=None, generator=None, resumes=None, metrics=None)  # type: ignore[arg-type]
     assert state.authorized(header) is ok
 
 

@@ -133,7 +133,7 @@ async def test_the_verifier_broadcasts_as_soon_as_the_draft_share_changes(monkey
     monkeypatch.setattr(server, "FLEET_STATUS_EVERY_S", 60.0)
     hub = Hub(make_welcome("target", "fp", 512, 8), "", Routes(4), VerifierMetrics())
     core = SimpleNamespace(draft_share=lambda: 1.0)
-    hub.intake = SimpleNamespace(core=core)  # type: ignore[assignment]
+    hub.intake = SimpleNamespace(core=core, expire_orphans=lambda: None)  # type: ignore[assignment]
     frontend = Peer("frontend-1", "frontend", "coordinator", "", None)  # type: ignore[arg-type]
     hub.peers[frontend.conn_id] = frontend
 
