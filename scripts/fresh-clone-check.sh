@@ -9,7 +9,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 IMAGE=${1:-docker.io/library/debian:bookworm}
-export CONTAINERS_CONF="${CONTAINERS_CONF:-$PWD/deploy/podman/containers.conf}"
+[ -n "${CONTAINERS_STORAGE_CONF:-}" ] || eval "$(bash deploy/podman/configure.sh)"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 git clone -q . "$work/specfleet"

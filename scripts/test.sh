@@ -10,8 +10,11 @@
 set -uo pipefail
 bin=${1:?usage: scripts/test.sh VENV_BIN [pytest flags ...]}
 shift
-# podman's and buildah's settings come from the repository (nothing under /etc is changed)
-export CONTAINERS_CONF="${CONTAINERS_CONF:-$PWD/deploy/podman/containers.conf}"
+# podman's and buildah's settings, images and networks live in .specfleet/podman (nothing under
+# /etc or /var/lib changes; the Makefile sets this up already)
+[ -n "${CONTAINERS_STORAGE_CONF:-}" ] || eval "$(bash deploy/podman/configure.sh)"
+# and the caches the tiers fill (vLLM's compiled kernels, matplotlib's fonts, chromium's) go there too
+export XDG_CACHE_HOME="$PWD/.specfleet/cache"
 mkdir -p .specfleet/logs
 side_log=.specfleet/logs/test-lint-and-smoke.log
 (

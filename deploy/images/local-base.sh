@@ -13,7 +13,10 @@ PKGS=python3,python3-venv,python3-pip,ca-certificates,redis-server,tini
 ARCH="${ARCH:-$(dpkg --print-architecture)}"
 
 # One build at a time (make test starts one early, beside the unit tests; the k8s tier's waits for it).
-exec 9>"/var/tmp/specfleet-base-${IMAGE//[^A-Za-z0-9]/_}.lock"
+# Its lock and root filesystem are made in the repository's .specfleet/tmp, not /var/tmp.
+TMP="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)/.specfleet/tmp"
+mkdir -p "$TMP"
+exec 9>"$TMP/specfleet-base-${IMAGE//[^A-Za-z0-9]/_}.lock"
 flock 9
 if podman image exists "$IMAGE"; then
     echo "base image $IMAGE already exists"
@@ -23,7 +26,7 @@ if [ "$(id -u)" -ne 0 ]; then
     echo "debootstrap needs root; run this script as root (or with sudo)" >&2
     exit 1
 fi
-ROOTFS="$(mktemp -d /var/tmp/specfleet-rootfs.XXXXXX)"
+ROOTFS="$(mktemp -d "$TMP/specfleet-rootfs.XXXXXX")"
 trap 'rm -rf "$ROOTFS"' EXIT
 echo "debootstrap --variant=minbase --arch=$ARCH bookworm ($PKGS) from $MIRROR ..."
 if ! debootstrap --variant=minbase --arch="$ARCH" --include="$PKGS" bookworm "$ROOTFS" "$MIRROR" >"$ROOTFS.log" 2>&1; then

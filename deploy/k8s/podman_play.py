@@ -44,8 +44,20 @@ BASE_IMAGE = "localhost/specfleet-base:bookworm"
 ARM64_BASE = "localhost/specfleet-base:bookworm-arm64"
 IMAGES = ("coordinator", "verifier", "drafter")  # what the ci overlay runs (drafter-jetson: see build_jetson)
 NETWORK = "specfleet-ci"
-#: podman's and buildah's settings (runc, ulimits) come from the repository, not /etc
-os.environ.setdefault("CONTAINERS_CONF", str(ROOT / "deploy" / "podman" / "containers.conf"))
+
+
+def _use_repository_store() -> None:
+    """podman's and buildah's settings, images and networks in .specfleet/podman, not /etc or
+    /var/lib (deploy/podman/configure.sh; the Makefile has done this already)."""
+    if "CONTAINERS_STORAGE_CONF" not in os.environ:
+        exports = subprocess.run(["bash", str(ROOT / "deploy" / "podman" / "configure.sh")], check=True,
+                                 capture_output=True, text=True).stdout
+        os.environ.update(item.split("=", 1) for item in exports.split()[1:])
+
+
+_use_repository_store()
+#: buildah's temporary files in the repository too, not /var/tmp
+BUILD_ENV = {**os.environ, "TMPDIR": str(ROOT / ".specfleet" / "podman" / "tmp")}
 STATE = ROOT / ".specfleet" / "k8s-ci"
 PLAYED = STATE / "played.yaml"
 PLAYABLE = {"Deployment", "ConfigMap", "PersistentVolumeClaim"}
@@ -55,11 +67,12 @@ class PlayError(RuntimeError):
     """A step failed; the message says which and what to look at."""
 
 
-def run(cmd: list[str], *, check: bool = True, capture: bool = True, timeout: float = 900) -> str:
+def run(cmd: list[str], *, check: bool = True, capture: bool = True, timeout: float = 900,
+        env: dict[str, str] | None = None) -> str:
     try:
         out = subprocess.PIPE if capture else None
         proc = subprocess.run(cmd, check=False, text=True, timeout=timeout, stdout=out,
-                              stderr=subprocess.STDOUT if capture else None)
+                              stderr=subprocess.STDOUT if capture else None, env=env)
     except FileNotFoundError:
         raise PlayError(f"{cmd[0]} not found; run scripts/ensure-k8s-tools.sh") from None
     if check and proc.returncode != 0:
@@ -166,7 +179,7 @@ def build_images(names: tuple[str, ...] = IMAGES, platform: str = "", tag: str =
                    "--build-arg", "PROJECT_PIP_FLAGS=", *mounts]
             if platform:
                 cmd += ["--platform", platform]
-            run([*cmd, str(ROOT)], timeout=1800)
+            run([*cmd, str(ROOT)], timeout=1800, env=BUILD_ENV)
             print(f"built localhost/specfleet-{name}:{tag} in {time.monotonic() - started:.0f} s", flush=True)
 
 
