@@ -108,7 +108,10 @@ async def open_page(profile: Path, headers: dict[str, str] | None = None,
     profile.mkdir(parents=True, exist_ok=True)
     log = profile / "chromium.log"
     with log.open("wb") as out:
-        proc = subprocess.Popen(args, stderr=out, stdout=subprocess.DEVNULL, env={**os.environ, "LANG": "C"},
+        # its settings, crash database and caches in the profile too (else ~/.config, ~/.cache)
+        env = {**os.environ, "LANG": "C", "XDG_CONFIG_HOME": str(profile / "config"),
+               "XDG_CACHE_HOME": str(profile / "cache")}
+        proc = subprocess.Popen(args, stderr=out, stdout=subprocess.DEVNULL, env=env,
                                 start_new_session=True)  # its own process group: every helper goes with it
     try:
         browser_ws = await asyncio.to_thread(_devtools_url, proc, log)
