@@ -62,8 +62,11 @@ class Submission:
     def __init__(
         self, request_id: str, prompt_tokens: int, events: asyncio.Queue[Inbound], link: FrontendLink | VerifierPool,
         metrics: CoordinatorMetrics, timeout_s: float, *, slot: Slot | None = None, retry_after_s: int = 1,
+        opened: OpenSession | None = None,
     ) -> None:
         self.request_id = request_id
+        #: how the request was opened, in its target-only form (what a resume or a verifier restart re-opens)
+        self.opened = opened
         self.prompt_tokens = prompt_tokens
         self._generated = 0
         self.final: TokenEvent | None = None
@@ -234,16 +237,15 @@ class Generator:
                 f"the verifier is not connected ({self._link.last_error or 'connecting'}); retry shortly",
                 self.admission.retry_after_s)
         rid = request_id or new_request_id()
-        reopen = OpenSession(request_id=rid, prompt_ids=req.prompt_ids, params=req.params, origin=self._node_id,
-                             speculative=False, slo_tokens_per_s=req.slo_tokens_per_s)  # after a verifier restart
-        sub = Submission(rid, len(req.prompt_ids), self._link.subscribe(rid, reopen), self._link, self._metrics,
-                         self._timeout_s, slot=slot, retry_after_s=self.admission.retry_after_s)
+        opened = OpenSession(request_id=rid, prompt_ids=req.prompt_ids, params=req.params, origin=self._node_id,
+                             speculative=False, slo_tokens_per_s=req.slo_tokens_per_s)
+        sub = self._subscribed(opened, slot)
         try:
             speculative = self.to_drafter()
             if speculative:
                 await self._enqueue(req, rid)
             else:
-                self._open_target_only(req, rid)
+                self._open_target_only(opened)
             self._metrics.routed.labels("drafter" if speculative else "target_only").inc()
         except BaseException:
             sub.close()  # releases the slot
@@ -259,18 +261,20 @@ class Generator:
             old.put_nowait(Inbound(TokenEvent(
                 request_id=rid, origin=self._node_id, token_ids=[], text="", finished=True, finish_reason="cancelled",
                 error="the stream was resumed on another connection", error_code="moved"), time.perf_counter()))
-        mine = msgspec.structs.replace(opened, origin=self._node_id)
-        return Submission(rid, len(opened.prompt_ids), self._link.subscribe(rid, mine), self._link, self._metrics,
-                          self._timeout_s, slot=slot, retry_after_s=self.admission.retry_after_s)
+        return self._subscribed(msgspec.structs.replace(opened, origin=self._node_id), slot)
 
-    def _open_target_only(self, req: GenerationRequest, rid: str) -> None:
+    def _subscribed(self, opened: OpenSession, slot: Slot | None) -> Submission:
+        """A Submission of ``opened`` (subscribed before it is queued or adopted, so no event slips past)."""
+        rid = opened.request_id
+        return Submission(rid, len(opened.prompt_ids), self._link.subscribe(rid, opened), self._link, self._metrics,
+                          self._timeout_s, slot=slot, retry_after_s=self.admission.retry_after_s, opened=opened)
+
+    def _open_target_only(self, opened: OpenSession) -> None:
         try:
-            self._link.open_target_only(OpenSession(
-                request_id=rid, prompt_ids=req.prompt_ids, params=req.params, origin=self._node_id,
-                speculative=False, slo_tokens_per_s=req.slo_tokens_per_s))
+            self._link.open_target_only(opened)
         except ConnectionError as exc:
             raise service_unavailable(f"cannot reach the verifier: {exc}") from None
-        log.debug("request sent target-only", request_id=rid, prompt_tokens=len(req.prompt_ids))
+        log.debug("request sent target-only", request_id=opened.request_id, prompt_tokens=len(opened.prompt_ids))
 
     async def _enqueue(self, req: GenerationRequest, rid: str) -> None:
         queued = QueuedRequest(request_id=rid, prompt_ids=req.prompt_ids, params=req.params,

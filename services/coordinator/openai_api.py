@@ -127,6 +127,11 @@ class GenerationRequest:
         return replace(self, params=msgspec.structs.replace(self.params, seed=seed + index))
 
 
+async def given(body: dict[str, Any]) -> dict[str, Any]:
+    """A body read already, as the loader ``CoordinatorState.start`` takes."""
+    return body
+
+
 def parse_json(raw: bytes | str) -> dict[str, Any]:
     """The request body as a JSON object, or a 400 saying why it is not one."""
     try:

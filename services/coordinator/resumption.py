@@ -34,7 +34,6 @@ from services.coordinator.stream_store import StoreError, StreamRecord, StreamSt
 from services.coordinator.verifier_link import FrontendLink
 from services.coordinator.verifier_pool import VerifierPool
 from shared.log import get_logger
-from shared.protocol import OpenSession
 
 log = get_logger("coordinator.resumption")
 CLAIM_WAIT_S = 5.0  # an Idempotency-Key retry waits this long for the first request's record
@@ -48,6 +47,10 @@ class Resumption:
     record: StreamRecord
     subs: list[Submission]
     after: list[int]
+
+    @property
+    def kind(self) -> Kind:
+        return "chat" if self.record.kind == "chat" else "completion"
 
     @property
     def mode(self) -> ResponseMode:
@@ -91,9 +94,7 @@ class Resumes:
         stream = req.mode.stream or websocket
         if not self.enabled or not (stream or idempotency_key):
             return None
-        opened = [OpenSession(request_id=sub.request_id, prompt_ids=req.prompt_ids, params=req.choice(i).params,
-                              origin=self._node_id, speculative=False, slo_tokens_per_s=req.slo_tokens_per_s)
-                  for i, sub in enumerate(subs)]
+        opened = [sub.opened for sub in subs if sub.opened is not None]
         record = StreamRecord(request_id=subs[0].request_id, key=self._key(client), kind=req.kind, model=req.model,
                               created=created, opened=opened, owner=self._node_id, stream=stream,
                               include_usage=req.mode.include_usage, continuous_usage=req.mode.continuous_usage,

@@ -19,9 +19,8 @@ from fastapi.responses import JSONResponse
 
 from services.coordinator.errors import ApiError, unauthorized
 from services.coordinator.generation import ClientGone, Collected, Submission, collect, new_request_id
-from services.coordinator.logprobs import LogprobsFormatter
 from services.coordinator.metrics import CONTENT_TYPE, RequestTimer
-from services.coordinator.openai_api import GenerationRequest, Kind, parse_json
+from services.coordinator.openai_api import GenerationRequest, Kind, given, parse_json
 from services.coordinator.responses import Responder
 from services.coordinator.resumption import Resumption, fingerprint
 from services.coordinator.state import CoordinatorState, state_of
@@ -93,24 +92,17 @@ async def _made(kind: Kind, request: Request, timer: RequestTimer, client: str, 
                 idempotent: tuple[str, str] = ("", ""), body: dict[str, Any] | None = None) -> Response:
     """Admit, queue and record request ``rid``, then answer it (``body``: read already)."""
     state = state_of(request)
-    req, first = await state.start(kind, (lambda: _given(body)) if body is not None else lambda: _read_json(request),
+    req, first = await state.start(kind, (lambda: given(body)) if body is not None else lambda: _read_json(request),
                                    client, rid)
     try:
         subs = [first, *await state.more_choices(req)]
     except BaseException:
         first.close()
         raise
-    formatter = LogprobsFormatter(kind, state.model.token_strings) if req.params.logprobs is not None else None
-    responder = Responder(kind, rid, req.model, int(time.time()), req.mode, formatter, req.echo, len(req.prompt_ids))
+    responder = Responder(kind, rid, req.model, int(time.time()), req.mode, state.logprobs_formatter(kind, req.params),
+                          req.echo, len(req.prompt_ids))
     record = await _record(state, client, req, subs, responder.created, idempotent)
-    response = await _respond(request, subs, responder, timer, record)
-    if idempotent[0] and response.status_code >= 400:
-        await state.resumes.unclaim(client, idempotent[0])
-    return response
-
-
-async def _given(body: dict[str, Any]) -> dict[str, Any]:
-    return body
+    return await _respond(request, subs, responder, timer, record)
 
 
 async def _record(state: CoordinatorState, client: str, req: GenerationRequest, subs: list[Submission],
@@ -129,11 +121,9 @@ async def _resumed(request: Request, taken: Resumption, timer: RequestTimer) -> 
     if record.result:
         timer.finish(200)
         return Response(record.result, media_type="application/json")
-    kind: Kind = "chat" if record.kind == "chat" else "completion"
     opened = record.opened[0]
-    formatter = LogprobsFormatter(kind, state.model.token_strings) if opened.params.logprobs is not None else None
-    responder = Responder(kind, record.request_id, record.model, record.created, taken.mode, formatter, record.echo,
-                          len(opened.prompt_ids))
+    responder = Responder(taken.kind, record.request_id, record.model, record.created, taken.mode,
+                          state.logprobs_formatter(taken.kind, opened.params), record.echo, len(opened.prompt_ids))
     return await _respond(request, taken.subs, responder, timer, record, taken.after)
 
 

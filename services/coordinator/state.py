@@ -13,6 +13,7 @@ from fastapi import Request
 from services.coordinator.config import CoordinatorConfig
 from services.coordinator.fleet import FleetMonitor
 from services.coordinator.generation import Generator, Submission
+from services.coordinator.logprobs import LogprobsFormatter
 from services.coordinator.metrics import CoordinatorMetrics
 from services.coordinator.model_info import ModelInfo
 from services.coordinator.openai_api import GenerationRequest, Kind, build_request
@@ -20,6 +21,7 @@ from services.coordinator.ratelimit import RateLimiter
 from services.coordinator.resumption import Resumes
 from services.coordinator.verifier_link import FrontendLink
 from services.coordinator.verifier_pool import VerifierPool
+from shared.protocol import SamplingParams
 from shared.queue import RequestQueue
 
 
@@ -35,6 +37,10 @@ class CoordinatorState:
     metrics: CoordinatorMetrics
     limiter: RateLimiter = field(default_factory=RateLimiter)
     fleet: FleetMonitor | None = None  # the dashboard's readings (``fleet.py``); set by create_app
+
+    def logprobs_formatter(self, kind: Kind, params: SamplingParams) -> LogprobsFormatter | None:
+        """Formats the logprobs of a request that asked for them (None: it did not)."""
+        return LogprobsFormatter(kind, self.model.token_strings) if params.logprobs is not None else None
 
     def max_model_len(self) -> int:
         """The tighter of the target's own context and the verifier's configured limit."""

@@ -26,7 +26,7 @@ from services.coordinator.errors import ApiError, invalid_request, unauthorized
 from services.coordinator.generation import ClientGone, Submission, new_request_id
 from services.coordinator.logprobs import LogprobsFormatter
 from services.coordinator.metrics import CoordinatorMetrics, RequestTimer
-from services.coordinator.openai_api import Kind, parse_json
+from services.coordinator.openai_api import Kind, given, parse_json
 from services.coordinator.responses import Responder, finish_reason, speculation, usage
 from services.coordinator.resumption import Resumption, fingerprint
 from services.coordinator.state import CoordinatorState
@@ -270,8 +270,8 @@ async def _start(state: CoordinatorState, conn: _Conn, frame: str | bytes
         state.limiter.admit(conn.client)
         return _taken(state, taken, NONE_YET)
     try:
-        req, sub = await state.start(kind, lambda: _loaded(body), conn.client, rid)
-        formatter = LogprobsFormatter(kind, state.model.token_strings) if req.params.logprobs is not None else None
+        req, sub = await state.start(kind, lambda: given(body), conn.client, rid)
+        formatter = state.logprobs_formatter(kind, req.params)
         try:
             await state.resumes.record(conn.client, req, [sub], int(time.time()), key, websocket=True,
                                        body_print=body_print)
@@ -305,14 +305,7 @@ def _taken(state: CoordinatorState, taken: Resumption, after: int
         for sub in taken.subs:
             sub.close()
         raise invalid_request(f"request {record.request_id} is not a one-choice stream: /v1/stream cannot resume it")
-    kind: Kind = "chat" if record.kind == "chat" else "completion"
-    params = record.opened[0].params
-    formatter = LogprobsFormatter(kind, state.model.token_strings) if params.logprobs is not None else None
-    return taken.subs[0], formatter, record.echo, after
-
-
-async def _loaded(body: dict[str, Any]) -> dict[str, Any]:
-    return body
+    return taken.subs[0], state.logprobs_formatter(taken.kind, record.opened[0].params), record.echo, after
 
 
 def _parse_request(body: dict[str, Any]) -> tuple[Kind, dict[str, Any]]:

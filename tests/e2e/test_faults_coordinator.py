@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 import pytest
 import redis
+import websockets
 
 from shared.fleet import Fleet
 from shared.models import LoadedModel, load_model
@@ -170,8 +171,6 @@ async def cancel_for_good(http: httpx.AsyncClient) -> None:
 
 
 async def ws_unknown(url: str) -> None:
-    import websockets
-
     async with websockets.connect(url, additional_headers=HEADERS) as ws:
         await ws.send(json.dumps({"type": "resume", "request_id": "0" * 32, "index": 3}))
         error = json.loads(await ws.recv())
