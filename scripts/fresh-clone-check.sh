@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Does `make run` work from a clean clone on a fresh Debian, with nothing installed by hand?
 # Clones HEAD, starts a bookworm container (podman, host network), installs only what Debian
-# lacks of the README's prerequisites (python3.11-venv, make, git, curl), runs `make run` and
+# lacks of the README's prerequisites (python3.11-venv, make, g++, git, curl), runs `make run` and
 # sends the README's first request. Prints the reply; exits non-zero if there is none.
 #
 #   scripts/fresh-clone-check.sh [IMAGE]   (default: docker.io/library/debian:bookworm, or the k8s tier's
@@ -23,7 +23,7 @@ fi
 podman run --rm --network host -v "$work/specfleet:/src" -w /src -e PIP_EXTRA_INDEX_URL "${cert[@]}" "$IMAGE" bash -euc '
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq
-    apt-get install -y -qq --no-install-recommends python3.11 python3.11-venv make git curl ca-certificates \
+    apt-get install -y -qq --no-install-recommends python3.11 python3.11-venv make g++ git curl ca-certificates \
         procps >/dev/null
     started=$(date +%s)
     (make run >/tmp/run.log 2>&1 &)

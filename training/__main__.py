@@ -16,9 +16,9 @@ from training.config import Settings, toy_settings
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m training", description=__doc__)
-    p.add_argument("command", choices=["all", "eval", "distill"],
-                   help="all: answers, distil, export, measure (resumable); eval: measure models/; distill: one "
-                        "draft (--draft), then measure")
+    p.add_argument("command", choices=["all", "eval", "eval-gguf", "distill"],
+                   help="all: answers, distil, export, measure (resumable); eval: measure models/; eval-gguf: measure "
+                        "the target's GGUF copies (models/gguf/); distill: one draft (--draft), then measure")
     p.add_argument("--draft", default="", help="with distill: which draft to train (draft-large or draft-small)")
     p.add_argument("--target", default=Settings.target,
                    help="the teacher: a known model's name (fetched on first use) or a model directory")
@@ -48,13 +48,16 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging("training", "INFO")
     torch.set_num_threads(args.threads)
     settings = settings_from(args)
-    from training.pipeline import evaluate, run_all
+    from training.pipeline import evaluate, evaluate_gguf, run_all
 
     if args.command == "distill" and args.draft not in settings.drafts:
         print(f"error: --draft must be one of {', '.join(settings.drafts)}", file=sys.stderr)
         return 2
     try:
-        report = evaluate(settings) if args.command == "eval" else run_all(settings, args.draft)
+        if args.command == "eval-gguf":
+            report = evaluate_gguf(settings)
+        else:
+            report = evaluate(settings) if args.command == "eval" else run_all(settings, args.draft)
     except (FileNotFoundError, ValueError, ModelLoadError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -27,6 +27,7 @@ from tqdm import tqdm
 from shared.models import LoadedModel, load_model
 from shared.runner import ModelRunner, Segment
 from shared.runner.runner import kv_shape
+from shared.runner.step import SegmentRunner
 from training.teacher_logits import Sequence
 
 ROUND_K = 4
@@ -88,13 +89,14 @@ def step_costs(models: dict[str, LoadedModel], prompt: list[int]) -> dict[str, f
                                   "auto", self_check=False) for n, lm in models.items()}
         for _ in range(COST_RUNS):
             for name, runner in runners.items():
-                samples[name].append(_decode_ms(runner, prompt))
+                samples[name].append(decode_ms(runner, prompt))
         return {name: round(statistics.median(v), 3) for name, v in samples.items()}
     finally:
         torch.set_num_threads(before)
 
 
-def _decode_ms(runner: ModelRunner, prompt: list[int]) -> float:
+def decode_ms(runner: SegmentRunner, prompt: list[int]) -> float:
+    """Milliseconds of one batch-1 decode step after ``prompt``, over COST_STEPS greedy steps."""
     slot = runner.kv.allocate(len(prompt) + COST_STEPS + 1)
     assert slot is not None
     try:

@@ -111,3 +111,16 @@ def evaluate(settings: Settings, target: LoadedModel | None = None, held: list[S
     write_measurements(report, settings.out_dir)
     write_cards(settings.out_dir, report)
     return report
+
+
+def evaluate_gguf(settings: Settings) -> dict[str, Any]:
+    """Measure the target's GGUF copies (made beside it by fetch-model); write models/gguf/."""
+    from shared.gguf_copies import WIDTHS, copy_path, write_cards
+    from training.evaluate_gguf import evaluate_copies, write_report
+
+    target, _, held = prepare(settings)
+    target_dir = Path(target.path)
+    report = evaluate_copies(target_dir, WIDTHS, held)
+    write_report(report, settings.out_dir / "gguf" / "MEASUREMENTS.json")
+    write_cards(target_dir, {w: copy_path(target_dir, w) for w in report["models"]}, force=True)
+    return report

@@ -87,6 +87,10 @@ class Session:
     fill_broke: int = -1  # the last round whose fill left its draft (its lookahead cannot come true)
 
     @property
+    def first_round(self) -> bool:
+        return self.round == 0
+
+    @property
     def context_len(self) -> int:
         return self.prompt_len + self.generated
 

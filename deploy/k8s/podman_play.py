@@ -154,6 +154,14 @@ def pip_build_mounts(tmp: Path) -> list[str]:
     return _dedupe_pairs(mounts)
 
 
+def prebuilt_llama() -> list[str]:
+    """The llama.cpp wheel `make install` built on this machine (.specfleet/wheels), mounted where the
+    drafter image's build stage takes it instead of compiling llama.cpp again: the same pinned
+    source, built for this CPU, which is where these images run. `make images` builds it portably."""
+    wheels = ROOT / ".specfleet" / "wheels"
+    return ["-v", f"{wheels}:/prebuilt:ro"] if any(wheels.glob("llama_cpp_python-*.whl")) else []
+
+
 def _dedupe_pairs(mounts: list[str]) -> list[str]:
     seen: set[str] = set()
     out: list[str] = []
@@ -165,18 +173,21 @@ def _dedupe_pairs(mounts: list[str]) -> list[str]:
 
 
 def build_images(names: tuple[str, ...] = IMAGES, platform: str = "", tag: str = "ci",
-                 base: str = BASE_IMAGE) -> None:
+                 base: str = BASE_IMAGE, build_args: tuple[str, ...] = ()) -> None:
     """Build each image on the local base. The upstream bases' torch and Python are replaced by the
-    base's Python 3.11 and the pinned CPU torch (KEEP_BASE_TORCH=0, no extra flags)."""
+    base's Python 3.11 and the pinned CPU torch (KEEP_BASE_TORCH=0, no extra flags); ``build_args``
+    ("NAME=VALUE") come on top."""
     ensure_base(base, platform.removeprefix("linux/"))
     with tempfile.TemporaryDirectory(prefix="specfleet-build-") as tmp:
-        mounts = pip_build_mounts(Path(tmp))
+        mounts = pip_build_mounts(Path(tmp)) + ([] if platform else prebuilt_llama())
         for name in names:
             started = time.monotonic()
             cmd = ["podman", "build", "--format", "docker", "-f", str(ROOT / "deploy" / "images" / name / "Dockerfile"),
                    "-t", f"localhost/specfleet-{name}:{tag}", "--build-arg", f"BASE_IMAGE={base}",
                    "--build-arg", "TORCH_INDEX=", "--build-arg", "KEEP_BASE_TORCH=0",
                    "--build-arg", "PROJECT_PIP_FLAGS=", *mounts]
+            for arg in build_args:
+                cmd += ["--build-arg", arg]
             if platform:
                 cmd += ["--platform", platform]
             run([*cmd, str(ROOT)], timeout=1800, env=BUILD_ENV)
@@ -188,7 +199,9 @@ def build_images(names: tuple[str, ...] = IMAGES, platform: str = "", tag: str =
 def build_arm64() -> str:
     """The Jetson drafter's Dockerfile built for linux/arm64 on an arm64 local base, under qemu."""
     ensure_arm64_emulation()
-    build_images(("drafter-jetson",), platform="linux/arm64", tag="ci-arm64", base=ARM64_BASE)
+    # the local base has no CUDA toolkit: llama.cpp is built for the arm64 CPU (install.sh's portable flags)
+    build_images(("drafter-jetson",), platform="linux/arm64", tag="ci-arm64", base=ARM64_BASE,
+                 build_args=("LLAMA_CMAKE_ARGS=",))
     return "localhost/specfleet-drafter-jetson:ci-arm64"
 
 

@@ -89,8 +89,9 @@ def create_app(
     )
 
     monitor = state.fleet = FleetMonitor(state, urls, cfg.security.auth_token, verifier_tls)
-    fallback = (QueueFallback(link, cfg.queue.queue_fallback_s, counter=metrics.queue_fallback)
-                if cfg.target.speculation == "auto" and cfg.queue.queue_fallback_s else None)
+    q = cfg.queue
+    fallback = (QueueFallback(link, q.queue_fallback_s, q.queue_wait_s, counter=metrics.queue_fallback)
+                if cfg.target.speculation == "auto" and (q.queue_fallback_s or q.queue_wait_s) else None)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:

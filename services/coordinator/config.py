@@ -58,6 +58,11 @@ class QueueSection:
         "with --speculation auto: after this many seconds with no drafter connected, requests still waiting in "
         "the queue are served target-only (a drafter that comes back takes them over); 0: they wait for a drafter",
     )
+    queue_wait_s: float = opt(
+        0.5,
+        "with --speculation auto: a request that no drafter has taken within this many seconds (every drafter "
+        "busy) starts target-only, and a drafter that frees up takes it over from there; 0: it waits for a drafter",
+    )
 
 
 @dataclass
@@ -134,6 +139,8 @@ def check_config(cfg: CoordinatorConfig) -> None:
         problems.append(f"--quota-window-s must be > 0, got {cfg.clients.quota_window_s}")
     if cfg.queue.queue_fallback_s < 0:
         problems.append(f"--queue-fallback-s must be >= 0 (0: off), got {cfg.queue.queue_fallback_s}")
+    if cfg.queue.queue_wait_s < 0:
+        problems.append(f"--queue-wait-s must be >= 0 (0: off), got {cfg.queue.queue_wait_s}")
     if cfg.admission.retry_after_s < 1:
         problems.append(f"--retry-after-s must be >= 1, got {cfg.admission.retry_after_s}")
     if problems:

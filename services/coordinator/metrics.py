@@ -93,8 +93,9 @@ class CoordinatorMetrics:
                                        registry=r)
         self.acceptance_rate = Gauge(f"{_PREFIX}_acceptance_rate", "accepted / drafted tokens since start",
                                      registry=r)
-        self.queue_fallback = Counter(f"{_PREFIX}_queue_fallback", "Queued requests served target-only because "
-                                      "no drafter was connected (--queue-fallback-s)", registry=r)
+        self.queue_fallback = Counter(f"{_PREFIX}_queue_fallback", "Queued requests started target-only because "
+                                      "no drafter was connected (--queue-fallback-s) or none had room "
+                                      "(--queue-wait-s)", registry=r)
         self.routed = Counter(f"{_PREFIX}_routed", "New requests by where they went: 'drafter' (queued for one) or "
                               "'target_only' (opened on the verifier: --speculation off, or auto with no drafter "
                               "or with the verifier's policy wanting no drafts)", ["path"], registry=r)

@@ -52,15 +52,19 @@ class NodeSection:
 class ModelSection:
     """the draft model and what runs it"""
 
-    model: str = opt("", "local Hugging Face directory of the draft model")
+    model: str = opt("", "the draft model: a local Hugging Face directory, or a GGUF file run by llama.cpp (e.g. the "
+                         "target's 4-bit copy that `specfleet fetch-model` makes)")
     device: str = opt("cpu", "torch device: cpu, cuda, ...")
-    dtype: str = opt("auto", "auto, float32, float16, bfloat16")
+    dtype: str = opt("auto", "a draft model directory's dtype: auto (as the verifier's --dtype auto), float32, "
+                             "float16, bfloat16 (a GGUF file keeps its own)")
     runner: str = opt("auto", "model runner: auto (lean where the architecture allows), lean, hf")
     compute_mode: str = opt("auto", "where the draft model runs: thread (beside the event loop), inline (on it; best "
                                     "with one CPU), auto (inline when pinned to one CPU)")
     kv_cache_gb: float = opt(0.0, "draft KV cache in GiB; 0 sizes it for max_sessions full-context sessions (at "
-                                  "most 20%% of RAM)")
+                                  "most 20%% of RAM; a GGUF draft's at most 1 GiB, which llama.cpp commits at start)")
     torch_threads: int = opt(0, "torch intra-op threads; 0 leaves torch's default")
+    threads: int = opt(0, "a GGUF draft's llama.cpp threads; 0: --torch-threads, or when that is 0 too, every CPU "
+                          "this process may run on")
 
 
 @dataclass
@@ -88,10 +92,11 @@ class SessionSection:
 class ProposalSection:
     """what proposes the drafts, and the q sent with them"""
 
-    proposer: str = opt("draft-model", "what drafts: draft-model (--model is a draft LM), ngram (prompt lookup: no "
-                                       "model; --model only provides the tokenizer, e.g. the target's directory), or "
-                                       "oracle (benchmarks: the target's recorded greedy output at acceptance "
-                                       "--oracle-alpha; --model provides the tokenizer)")
+    proposer: str = opt("auto", "what drafts: auto (gguf when --model is a .gguf file, else draft-model), "
+                                "draft-model (--model is a draft LM directory), gguf (--model is a GGUF file, run by "
+                                "llama.cpp), ngram (prompt lookup: no model; --model only provides the tokenizer, e.g. "
+                                "the target's directory), or oracle (benchmarks: the target's recorded greedy output "
+                                "at acceptance --oracle-alpha; --model provides the tokenizer)")
     ngram_max: int = opt(4, "proposer=ngram: longest n-gram to match")
     ngram_min: int = opt(1, "proposer=ngram: shortest n-gram to match")
     draft_mode: str = opt("sampled", "sampled: a sampled request is drafted from its own distribution, as the "

@@ -28,6 +28,7 @@ from services.drafter.loop import DrafterLoop, LoopSettings
 from services.drafter.metrics import DrafterMetrics
 from services.drafter.proposers.base import Proposer
 from services.drafter.proposers.draft_model import DRAFT_MODES, DraftModelProposer
+from services.drafter.proposers.gguf import GgufProposer, gguf_draft
 from services.drafter.proposers.ngram import NgramProposer
 from services.drafter.proposers.oracle import OracleProposer, load_references
 from services.drafter.rounds import RoundSettings
@@ -35,19 +36,25 @@ from services.drafter.sessions import DraftSession
 from services.drafter.worker import ComputeWorker
 from shared.config import ConfigError, describe, load_config, url_list
 from shared.draft_q import Nucleus
+from shared.gguf_files import gguf_file, read_gguf
 from shared.log import get_logger, setup_logging
 from shared.models import LoadedModel, ModelLoadError, load_model, load_vocabulary
 from shared.protocol import MAX_DRAFT_TOKENS, MAX_Q_ENTRIES, PROTOCOL_VERSION, Hello
 from shared.queue import RequestQueue, open_queue
 from shared.runner import ModelRunner
+from shared.runner.llama import LlamaRunner
 from shared.runner.runner import kv_shape
 from shared.tls import TlsConfigError, client_context
 
 log = get_logger("drafter.main")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 AUTO_KV_RAM_SHARE = 0.2
+#: a GGUF draft's KV cache when --kv-cache-gb is 0: llama.cpp commits (and zeroes) all of it when the
+#: context is made, so it is not sized for every session at full context (SmolLM2: 23 KB a token, so
+#: 1 GiB holds ~46k tokens, 64 sessions of 700); a session that finds no room drafts nothing
+GGUF_AUTO_KV_BYTES = 1 << 30
 COMPUTE_MODES = ("auto", "thread", "inline")
-PROPOSERS = ("draft-model", "ngram", "oracle")
+PROPOSERS = ("auto", "draft-model", "gguf", "ngram", "oracle")
 
 
 def link_tls(cfg: DrafterConfig) -> tuple[ssl.SSLContext | None, ssl.SSLContext | None]:
@@ -72,7 +79,7 @@ def check_config(cfg: DrafterConfig, need_model: bool = True) -> None:
     """Refuse settings that cannot work, naming the flag to fix."""
     problems = []
     if need_model and not cfg.draft_model.model:
-        problems.append("--model is required: a local Hugging Face directory holding the draft model")
+        problems.append("--model is required: a local Hugging Face directory holding the draft model, or a GGUF file")
     try:
         url_list(cfg.links.verifier_url, "--verifier-url")
     except ConfigError as exc:
@@ -153,21 +160,50 @@ def kv_budget_bytes(cfg: DrafterConfig, loaded: LoadedModel) -> int:
     """The draft KV arena: --kv-cache-gb, or room for max_sessions full-context sessions."""
     if cfg.draft_model.kv_cache_gb > 0:
         return int(cfg.draft_model.kv_cache_gb * 2**30)
-    per_token = kv_shape(loaded.model).bytes_per_token
+    return _auto_kv_bytes(cfg, loaded.max_model_len, kv_shape(loaded.model).bytes_per_token)
+
+
+def _auto_kv_bytes(cfg: DrafterConfig, max_model_len: int, per_token: int) -> int:
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return min(cfg.sessions.max_sessions * loaded.max_model_len * per_token, int(ram * AUTO_KV_RAM_SHARE))
+    return min(cfg.sessions.max_sessions * max_model_len * per_token, int(ram * AUTO_KV_RAM_SHARE))
+
+
+def proposer_kind(cfg: DrafterConfig) -> str:
+    """--proposer, with auto resolved: gguf when --model is a GGUF file, else draft-model."""
+    if cfg.proposal.proposer != "auto":
+        return cfg.proposal.proposer
+    return "gguf" if cfg.draft_model.model and gguf_file(cfg.draft_model.model) is not None else "draft-model"
 
 
 def _load(cfg: DrafterConfig) -> LoadedModel:
     m = cfg.draft_model
-    model_free = cfg.proposal.proposer in ("ngram", "oracle")
-    return load_vocabulary(m.model) if model_free else load_model(m.model, m.device, m.dtype)
+    kind = proposer_kind(cfg)
+    if kind == "gguf":
+        path = gguf_file(m.model)
+        if path is None:
+            raise ModelLoadError(f"--proposer gguf needs --model to be a .gguf file, got {m.model!r}")
+        return gguf_draft(read_gguf(path))
+    return load_vocabulary(m.model) if kind in ("ngram", "oracle") else load_model(m.model, m.device, m.dtype)
+
+
+def _gguf_proposer(cfg: DrafterConfig, loaded: LoadedModel) -> GgufProposer:
+    info = read_gguf(loaded.path)
+    threads = cfg.draft_model.threads or cfg.draft_model.torch_threads
+    budget = (int(cfg.draft_model.kv_cache_gb * 2**30) if cfg.draft_model.kv_cache_gb > 0
+              else min(GGUF_AUTO_KV_BYTES, _auto_kv_bytes(cfg, loaded.max_model_len, info.kv_bytes_per_token)))
+    # a sequence per session, and spares for the lookahead branches of a session alone
+    sequences = cfg.sessions.max_sessions + cfg.sessions.lookahead_branches + 1
+    runner = LlamaRunner(info, budget, threads, sequences)
+    p = cfg.proposal
+    return GgufProposer(runner, p.draft_mode, Nucleus(p.q_mass, p.q_max_entries))
 
 
 async def _proposer(cfg: DrafterConfig, loaded: LoadedModel) -> Proposer:
-    if cfg.proposal.proposer == "ngram":
+    if proposer_kind(cfg) == "gguf":
+        return await asyncio.to_thread(_gguf_proposer, cfg, loaded)
+    if proposer_kind(cfg) == "ngram":
         return NgramProposer(loaded.eos_ids, cfg.proposal.ngram_max, cfg.proposal.ngram_min)
-    if cfg.proposal.proposer == "oracle":
+    if proposer_kind(cfg) == "oracle":
         try:
             refs = load_references(Path(cfg.proposal.oracle_file))
         except ValueError as exc:
@@ -176,6 +212,16 @@ async def _proposer(cfg: DrafterConfig, loaded: LoadedModel) -> Proposer:
     runner = await asyncio.to_thread(ModelRunner, loaded, kv_budget_bytes(cfg, loaded), cfg.draft_model.runner)
     p = cfg.proposal
     return DraftModelProposer(runner, loaded.eos_ids, p.draft_mode, Nucleus(p.q_mass, p.q_max_entries))
+
+
+def lookahead_branches(cfg: DrafterConfig, proposer: Proposer) -> int:
+    """--lookahead-branches, unless the proposer declines them (a GGUF draft on a CPU: see proposers/gguf.py)."""
+    n = cfg.sessions.lookahead_branches
+    if n and isinstance(proposer, GgufProposer) and not proposer.branches_pay:
+        log.info("lookahead branches declined: llama.cpp runs on the CPU here, where a branch's rows cost as much as "
+                 "the draft's own and the drafter is the bottleneck", lookahead_branches=n)
+        return 0
+    return n
 
 
 def default_node_id() -> str:
@@ -213,7 +259,9 @@ async def serve(
                                         tls=queue_tls)
     hello = Hello(role="drafter", node_id=node_id, protocol_version=PROTOCOL_VERSION,
                   tokenizer_fingerprint=loaded.fingerprint, model=loaded.name[:128] or "draft",
-                  max_sessions=cfg.sessions.max_sessions)
+                  max_sessions=cfg.sessions.max_sessions,
+                  ids_fingerprint=loaded.vocabulary.ids_fingerprint if loaded.vocabulary else "",
+                  vocabulary=loaded.vocabulary.summary[:256] if loaded.vocabulary else "")
     proposer = await _proposer(cfg, loaded)
     metrics = DrafterMetrics()
     link = VerifierLink(cfg.links.verifier_url, hello, cfg.security.auth_token, tls=verifier_tls)
@@ -224,7 +272,8 @@ async def serve(
     controls = control_settings(cfg)
     sessions = cfg.sessions
     rounds = RoundSettings(pipeline_sessions=sessions.pipeline_sessions, send_confidence=cfg.control.send_confidence,
-                           lookahead_branches=sessions.lookahead_branches, conditional=sessions.conditional_drafts)
+                           lookahead_branches=lookahead_branches(cfg, proposer),
+                           conditional=sessions.conditional_drafts)
     settings = LoopSettings(node_id, cfg.sessions.max_sessions, cfg.links.reconnect_s, cfg.sessions.admission, rounds)
     loop = DrafterLoop(settings, link=link, queue=request_queue, proposer=proposer, worker=worker,
                        new_controller=lambda: make_controller(cfg.control.controller, controls),
@@ -235,6 +284,8 @@ async def serve(
         if http is not None:
             await asyncio.to_thread(http.close)
         await asyncio.to_thread(worker.shutdown)
+        if isinstance(proposer, GgufProposer):
+            proposer.close_model()  # llama.cpp's context and weights (the worker no longer uses them)
         controls.wisp.close()
         if own_queue:
             try:

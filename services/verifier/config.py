@@ -52,8 +52,9 @@ class TargetSection:
                                         "for its KV cache); 0: 0.2 on CPU, 0.9 on CUDA")
     tensor_parallel_size: int = opt(1, "backend=vllm: GPUs the target is split over (vLLM tensor parallelism)")
     device: str = opt("cpu", "torch device: cpu, cuda, cuda:1, ...")
-    dtype: str = opt("auto", "auto (bfloat16 on CUDA and on CPUs with native bfloat16, AVX512-BF16 or AMX; float32 "
-                             "on other CPUs), float32, float16, bfloat16")
+    dtype: str = opt("auto", "auto (a checkpoint stored in float32 runs in float32; any other in bfloat16 on CUDA "
+                             "and on CPUs with native bfloat16, AVX512-BF16 or AMX, float32 on other CPUs), "
+                             "float32, float16, bfloat16")
     max_model_len: int = opt(0, "context limit in tokens; 0 takes the model's max_position_embeddings")
     torch_threads: int = opt(0, "torch intra-op threads; 0 leaves torch's default")
 
@@ -117,9 +118,13 @@ class RoundSection:
 class AllocationSection:
     """draft-length allocation (GoodSpeed, SmartSpec)"""
 
-    allocation: str = opt("fixed", "draft-length allocation: fixed (Fixed-S), random (Random-S), goodspeed (gradient "
-                                   "scheduling of a global budget for proportional fairness), smartspec (the length "
-                                   "0..--smartspec-max-len that maximises goodput; 0 turns speculation off)")
+    allocation: str = opt("smartspec-per-drafter", "draft-length allocation: fixed (Fixed-S), random (Random-S), "
+                                                   "goodspeed (gradient scheduling of a global budget for "
+                                                   "proportional fairness), smartspec (the length "
+                                                   "0..--smartspec-max-len that maximises goodput on one acceptance "
+                                                   "rate over every session; 0 turns speculation off), "
+                                                   "smartspec-per-drafter (the same on each drafter's own acceptance "
+                                                   "and draft waits, so a poor drafter is asked for nothing)")
     draft_capacity: int = opt(0, "GoodSpeed's C: draft tokens per round over all sessions (fixed gives C/N each, "
                                  "random a random split); 0: --draft-len per speculating session")
     goodspeed_eta: float = opt(0.1, "GoodSpeed's η: smoothing of each session's acceptance estimate α̂ (eq. 3)")

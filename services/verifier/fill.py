@@ -23,7 +23,10 @@ only if it is predicted to end before the next draft is expected:
   once that has passed it is imminent (expected now) until it is late, at twice the average, when
   it is expected no more. Nor is a draft that can add nothing: once the fill holds as many tokens
   as the round's budget, every token of the draft is settled already (over a slow link this lets
-  the verifier decode on at target-only speed instead of waiting for a draft it cannot use);
+  the verifier decode on at target-only speed instead of waiting for a draft it cannot use). Nor is a
+  session's first draft: the drafter first runs the whole prompt through its draft model (a GGUF
+  copy on llama.cpp takes 5-10 ms a prompt token on a CPU), so the verifier decodes on meanwhile
+  and the request's first token comes as fast as target-only serving's;
 * the fill takes the sessions that waited longest, as many as the step-time estimator predicts to
   end before the earliest expected draft of any waiting session. A drafter never heard from yet
   expects nothing: its first round decodes on.
@@ -62,6 +65,8 @@ class Waiting(Protocol):
     def filled(self) -> int: ...  # tokens decoded for it while this round's draft travels
     @property
     def waiting_since(self) -> float: ...
+    @property
+    def first_round(self) -> bool: ...  # its drafter's first draft for it (after running the prompt)
     @property
     def drafter(self) -> str: ...
     @property
@@ -140,7 +145,7 @@ class FillBeforeDrafts:
         """The earliest ``req``'s draft is expected (perf_counter seconds); None when it is not
         (unknown, late, or it could add nothing to the fill)."""
         typical = self.waits.get(req.drafter)
-        if typical is None or req.filled >= req.draft_budget:
+        if typical is None or req.filled >= req.draft_budget or req.first_round:
             return None
         mean, dev = typical
         due = req.waiting_since + max(0.0, mean - 2 * dev)
@@ -150,7 +155,7 @@ class FillBeforeDrafts:
 
     def next_change(self, active: Sequence[Waiting], now: float) -> float | None:
         """Seconds until the next waiting session turns late (then it no longer holds fills back)."""
-        lates = [r.waiting_since + 2 * typical[0] - now for r in active if r.waiting_draft
+        lates = [r.waiting_since + 2 * typical[0] - now for r in active if r.waiting_draft and not r.first_round
                  and (typical := self.waits.get(r.drafter)) is not None and r.waiting_since + 2 * typical[0] > now]
         return min(lates, default=None)
 

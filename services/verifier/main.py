@@ -82,7 +82,8 @@ def batch_limits(cfg: VerifierConfig) -> BatchLimits:
 def make_allocator_for(cfg: VerifierConfig, estimator: StepTimeEstimator) -> Allocator:
     b, most = cfg.budgets, cfg.rounds.max_draft_tokens
     return make_allocator(b.allocation, AllocationSettings(
-        cfg.rounds.draft_len, b.draft_capacity, min(most, b.smartspec_max_len) if b.allocation == "smartspec" else most,
+        cfg.rounds.draft_len, b.draft_capacity,
+        min(most, b.smartspec_max_len) if b.allocation.startswith("smartspec") else most,
         b.allocation_seed if b.allocation_seed >= 0 else None,
         batch_limits(cfg)), estimator,
         estimator.overhead if cfg.budgets.smartspec_overhead else None)
@@ -160,7 +161,8 @@ def _hub(cfg: VerifierConfig, loaded: LoadedModel) -> tuple[Hub, Output, Verifie
     routes = Routes(cfg.capacity.max_sessions, keep_s=cfg.rounds.orphan_grace_s)
     try:
         credentials = Credentials(cfg.security.auth_token, cfg.security.credentials_file)
-        welcome = make_welcome(loaded.name, loaded.fingerprint, loaded.max_model_len, cfg.rounds.max_draft_tokens,
+        welcome = make_welcome(loaded.name, loaded.vocabulary or loaded.fingerprint, loaded.max_model_len,
+                               cfg.rounds.max_draft_tokens,
                                conditional_drafts=True, orphan_grace_s=cfg.rounds.orphan_grace_s)
         hub = Hub(welcome, credentials, routes, metrics, cfg.security.drafter_trust)
     except (CredentialsError, ValueError) as exc:

@@ -134,6 +134,10 @@ class Request:
         return self.round.waiting_since
 
     @property
+    def first_round(self) -> bool:
+        return self.round.number == 0
+
+    @property
     def draft_budget(self) -> int:
         return self.round.budget
 

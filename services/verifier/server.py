@@ -43,6 +43,7 @@ from services.verifier.metrics import VerifierMetrics
 from services.verifier.sessions import Routes
 from shared.credentials import Credentials, Identity, check_hello_identity
 from shared.log import get_logger
+from shared.models import Vocabulary
 from shared.protocol import (
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
@@ -92,13 +93,34 @@ class Peer:
             self.ws.transport.abort()
 
 
-def make_welcome(target_model: str, fingerprint: str, max_model_len: int, max_draft_tokens: int,
+def make_welcome(target_model: str, vocabulary: Vocabulary | str, max_model_len: int, max_draft_tokens: int,
                  conditional_drafts: bool = False, orphan_grace_s: float = 0.0) -> Welcome:
-    """What this verifier tells every peer it admits (a fresh instance id per process)."""
+    """What this verifier tells every peer it admits (a fresh instance id per process).
+    ``vocabulary``: the target's, or just its fingerprint."""
+    words = vocabulary if isinstance(vocabulary, Vocabulary) else Vocabulary(0, vocabulary, "", "")
     return Welcome(node_id="verifier", protocol_version=PROTOCOL_VERSION, target_model=target_model,
-                   tokenizer_fingerprint=fingerprint, max_model_len=max_model_len,
+                   tokenizer_fingerprint=words.fingerprint, max_model_len=max_model_len,
                    max_draft_tokens=max_draft_tokens, instance=secrets.token_hex(8),
-                   conditional_drafts=conditional_drafts, orphan_grace_s=orphan_grace_s)
+                   conditional_drafts=conditional_drafts, orphan_grace_s=orphan_grace_s,
+                   ids_fingerprint=words.ids_fingerprint, vocabulary=words.summary)
+
+
+def vocabulary_problem(hello: Hello, welcome: Welcome) -> str | None:
+    """Why a drafter's token ids are not the target's (None: they are). The same fingerprint joins;
+    so does the same id -> token table with other special tokens (a GGUF copy's converter may name
+    another bos: the drafter then stops drafting at its own end tokens, which changes no text)."""
+    if hello.tokenizer_fingerprint == welcome.tokenizer_fingerprint:
+        return None
+    if hello.ids_fingerprint and hello.ids_fingerprint == welcome.ids_fingerprint:
+        log.info("drafter joins with the target's token ids and other special tokens", node_id=hello.node_id,
+                 draft_model=hello.model, vocabulary=hello.vocabulary)
+        return None
+    draft = hello.vocabulary or f"tokenizer fingerprint {hello.tokenizer_fingerprint!r}"
+    target = welcome.vocabulary or f"tokenizer fingerprint {welcome.tokenizer_fingerprint!r}"
+    return (f"draft model {hello.model!r} has another vocabulary than the target {welcome.target_model!r}: the "
+            f"draft's is [{draft}], the target's is [{target}]. A drafter must draft in the target's token ids: "
+            "use a draft made from the target's tokenizer (for a GGUF draft, a copy of the target: `specfleet "
+            "fetch-model` makes them)")
 
 
 class Hub:
@@ -254,12 +276,8 @@ class Hub:
         if hello.protocol_version != PROTOCOL_VERSION:
             return "bad_version", (f"peer speaks protocol v{hello.protocol_version}, this verifier speaks "
                                    f"v{PROTOCOL_VERSION}; run matching specfleet versions")
-        fp = self.welcome.tokenizer_fingerprint
-        if role == "drafter" and hello.tokenizer_fingerprint != fp:
-            return "bad_tokenizer", (
-                f"draft model {hello.model!r} has tokenizer fingerprint {hello.tokenizer_fingerprint!r} but the "
-                f"target {self.welcome.target_model!r} has {fp!r}: a drafter must use exactly the target's "
-                "tokenizer (same vocabulary and special tokens)")
+        if role == "drafter" and (problem := vocabulary_problem(hello, self.welcome)) is not None:
+            return "bad_tokenizer", problem
         return None
 
     async def _refuse(self, ws: ServerConnection, code: str, message: str) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -52,6 +53,24 @@ class KVShape:
     @property
     def bytes_per_token(self) -> int:
         return self.layers * 2 * self.kv_heads * self.head_dim * self.dtype.itemsize
+
+
+class SlotArena(Protocol):
+    """What a proposer's caches need of an arena: slots with a token capacity, freed, sharing a
+    prefix. :class:`KVArena` (torch) and ``shared.runner.llama.SeqArena`` (llama.cpp) are two."""
+
+    tokens: int
+
+    def allocate(self, tokens: int) -> KVSlot | None: ...
+
+    def free(self, slot: KVSlot) -> None: ...
+
+    def share(self, src: KVSlot, dst: KVSlot, length: int) -> None: ...
+
+    def fits(self, tokens: int) -> bool: ...
+
+    @property
+    def largest_free(self) -> int: ...
 
 
 class KVArena:

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from shared.runner.kv import KVError, KVSlot
+from shared.runner.kv import KVError, KVSlot, SlotArena
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,20 @@ class Segment:
     @property
     def logit_rows(self) -> int:
         return len(self.tokens) - self.logits_from
+
+
+class SegmentRunner(Protocol):
+    """What runs packed segments over its own slots: ``shared.runner.ModelRunner`` (torch) or
+    ``shared.runner.llama.LlamaRunner`` (a GGUF file on llama.cpp). The draft-model proposer drafts
+    through one; the evaluations time their steps the same way."""
+
+    vocab_size: int
+    max_model_len: int
+
+    @property
+    def kv(self) -> SlotArena: ...
+
+    def forward(self, segments: Sequence[Segment]) -> torch.Tensor | None: ...
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,9 @@ def run_stack(target: Path, spec: StackSpec, log_dir: Path) -> Iterator[Fleet]:
         target=target, drafts=spec.drafts, coordinator_port=free_port(),
         verifier_port=spec.verifier_port or free_port(),
         redis_url=spec.redis_url,
-        verifier_flags=[*quiet, "--draft-len", str(spec.draft_len), *spec.extra_verifier],
+        # a known draft length (Fixed-S) for the mechanisms these tests check; extra_verifier may choose
+        # another policy (the default, smartspec-per-drafter, adapts it: tests/real and the unit tests)
+        verifier_flags=[*quiet, "--draft-len", str(spec.draft_len), "--allocation", "fixed", *spec.extra_verifier],
         coordinator_flags=[*quiet, *spec.extra_coordinator],
         drafter_flags=["--log-level", spec.drafter_log_level, "--max-sessions", str(spec.max_sessions),
                        "--draft-mode", spec.draft_mode, "--q-mass", str(spec.q_mass),

@@ -77,11 +77,14 @@ def test_target_only_serving_without_drafters(tiny_models: dict[str, Path], tmp_
     assert all(done["specfleet"]["drafted_tokens"] == 0 for _, _, done in results)
 
 
-def test_killed_drafter_loses_no_request(tiny_models: dict[str, Path], tmp_path: Path) -> None:
-    """SIGKILL one of two drafters while its sessions run: they finish target-only, unchanged."""
+@pytest.mark.parametrize("kind", ["draft-model", "gguf"])
+def test_killed_drafter_loses_no_request(tiny_models: dict[str, Path], tiny_ggufs: dict[str, Path], tmp_path: Path,
+                                         kind: str) -> None:
+    """SIGKILL one of two drafters while its sessions run: they finish target-only, unchanged. The
+    drafters run a draft model, or GGUF drafts on llama.cpp (a copy of the target and a small draft)."""
     target = load_model(tiny_models["target"])
-    spec = StackSpec(drafts=[tiny_models["draft-L2"], tiny_models["draft-L2"]], max_sessions=6, draft_len=2,
-                     drafter_log_level="info")
+    drafts = [tiny_models["draft-L2"]] * 2 if kind == "draft-model" else [tiny_ggufs["target"], tiny_ggufs["draft-L1"]]
+    spec = StackSpec(drafts=drafts, max_sessions=6, draft_len=2, drafter_log_level="info")
     with run_stack(tiny_models["target"], spec, tmp_path) as stack:
         victim = next(c for c in stack.supervisor.children if c.name == "drafter-1")
         wait_logged([c for c in stack.supervisor.children if c.name.startswith("drafter")],

@@ -1,7 +1,8 @@
 """SmolLM2-135M-Instruct, the default target: its import, its chat template, and exactness.
 
 Speculation must change no token. The verifier is batch-invariant, so greedy output through
-drafters (the committed distilled drafts, or prompt lookup without them) is token-identical to
+drafters (the target's GGUF copies on llama.cpp, as the default fleet drafts; the committed
+distilled drafts, or prompt lookup without them) is token-identical to
 target-only serving, one request at a time and four at once, in the dtype ``auto`` picks here
 (bfloat16 on CPUs with native bfloat16, float32 elsewhere). ``make test`` runs a short version;
 ``make test-real-full`` the issue's 50 prompts × 128 tokens.
@@ -102,21 +103,42 @@ def _serve(target: Path, spec: StackSpec, log_dir: Path, prompts: list[str]) -> 
     return answers, metric_value(metrics, "specfleet_coordinator_accepted_tokens_total")
 
 
-def test_speculation_changes_no_token(smollm2: Path, committed_drafts: list[Path], tmp_path: Path) -> None:
-    prompts = [p.text for p in split_prompts(build_prompts(), "heldout")[:PROMPTS]]
+@pytest.fixture(scope="module")
+def target_only(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[str]]:
+    """Target-only serving's answers to the held-out prompts, one at a time and four at once."""
+    spec = StackSpec(drafts=[], extra_coordinator=["--speculation", "off"], extra_verifier=VERIFIER_FLAGS)
+    alone, _ = _serve(smollm2, spec, tmp_path_factory.mktemp("alone"), _prompts())
+    assert all(text for text in alone[1])
+    assert alone[4] == alone[1], "target-only serving, 4 at once, differs from one at a time"
+    return alone
+
+
+def _prompts() -> list[str]:
+    return [p.text for p in split_prompts(build_prompts(), "heldout")[:PROMPTS]]
+
+
+def _drafts(smollm2: Path, committed_drafts: list[Path], kind: str) -> StackSpec:
+    """The fleet of ``kind``: the target's GGUF copies (the default fleet's, on llama.cpp, with the
+    verifier's default draft lengths), or the distilled drafts (prompt lookup without them)."""
+    from shared.gguf_copies import FLEET_WIDTHS, copy_path
+
+    if kind == "gguf":
+        drafts = [copy_path(smollm2, w) for w in FLEET_WIDTHS]
+        return StackSpec(drafts=drafts, max_sessions=4, extra_verifier=[*VERIFIER_FLAGS, "--allocation",
+                                                                        "smartspec-per-drafter"])
     if committed_drafts:
-        spec = StackSpec(drafts=committed_drafts[:2], draft_mode="greedy", max_sessions=4,
+        return StackSpec(drafts=committed_drafts[:2], draft_mode="greedy", max_sessions=4,
                          extra_verifier=VERIFIER_FLAGS)
-    else:
-        spec = StackSpec(drafts=[smollm2], draft_mode="greedy", max_sessions=4, extra_verifier=VERIFIER_FLAGS,
-                         extra_drafter=["--proposer", "ngram"])
-    speculative, accepted = _serve(smollm2, spec, tmp_path / "spec", prompts)
+    return StackSpec(drafts=[smollm2], draft_mode="greedy", max_sessions=4, extra_verifier=VERIFIER_FLAGS,
+                     extra_drafter=["--proposer", "ngram"])
+
+
+@pytest.mark.parametrize("kind", ["gguf", "distilled"])
+def test_speculation_changes_no_token(smollm2: Path, committed_drafts: list[Path], target_only: dict[int, list[str]],
+                                      tmp_path: Path, kind: str) -> None:
+    speculative, accepted = _serve(smollm2, _drafts(smollm2, committed_drafts, kind), tmp_path / "spec", _prompts())
     assert accepted > 0, "speculation never accepted a draft: the comparison would prove nothing"
-    alone_spec = StackSpec(drafts=[], extra_coordinator=["--speculation", "off"], extra_verifier=VERIFIER_FLAGS)
-    alone, _ = _serve(smollm2, alone_spec, tmp_path / "alone", prompts)
-    reference = alone[1]
-    assert all(text for text in reference)
-    for name, texts in (("target-only, 4 at once", alone[4]), ("speculative, one at a time", speculative[1]),
-                        ("speculative, 4 at once", speculative[4])):
+    reference = target_only[1]
+    for name, texts in (("speculative, one at a time", speculative[1]), ("speculative, 4 at once", speculative[4])):
         differ = [i for i, (a, b) in enumerate(zip(reference, texts, strict=True)) if a != b]
         assert not differ, f"{name}: prompts {differ} differ from target-only serving"

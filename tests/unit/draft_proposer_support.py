@@ -24,6 +24,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
 WARM = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=64, seed=3)
 FULL_GREEDY = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)  # drafts always have k tokens
 K = 4
+#: sessions of different prompt lengths, drafted in one batch
+BATCH_PROMPTS = {"a": PROMPT, "b": [9, 9, 130, 64, 3, 88, 21, 150, 7, 42, 11, 260, 33], "c": [200, 14]}
 FP16_RTOL = 2e-3  # float16 keeps 11 significant bits; renormalising adds one more rounding
 
 

@@ -57,23 +57,50 @@ def _model(path: Path) -> Path:
     return path
 
 
-def _fetched(state: Path) -> Path:
-    """What fetch-model leaves behind for the default target (so nothing is downloaded here)."""
+def _fetched(state: Path, copies: bool = True) -> Path:
+    """What fetch-model leaves behind for the default target (so nothing is downloaded here): the
+    converted directory and, with ``copies``, the GGUF copies beside it with their cards."""
+    from shared.gguf_copies import WIDTHS, copy_path
     from shared.model_import import KNOWN_MODELS, SOURCE_FILE, default_model_dir
 
     out = _model(default_model_dir(state))
     (out / SOURCE_FILE).write_text(json.dumps({"gguf_sha256": KNOWN_MODELS["smollm2-135m-instruct"].sha256}))
+    for width in WIDTHS if copies else ():
+        copy_path(out, width).write_bytes(b"GGUF")
+        copy_path(out, width).with_suffix(".md").write_text("card")
     return out
 
 
-def test_resolve_defaults_to_the_fetched_model_and_the_committed_drafts(tmp_path: Path) -> None:
+def test_resolve_defaults_to_the_fetched_model_and_its_gguf_copies(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    import shared.runner.llama
+    from shared.gguf_copies import FLEET_WIDTHS, copy_path
+
+    monkeypatch.setattr(shared.runner.llama, "llama_cpp_available", lambda: True)
+    target = _fetched(tmp_path / ".specfleet")
+    _model(tmp_path / "models" / "draft-small")
+    want = [copy_path(target, w) for w in FLEET_WIDTHS]
+    assert resolve_models("", "", tmp_path, tmp_path / ".specfleet") == Models(target, want)
+    assert [p.name for p in want] == ["smollm2-135m-instruct.Q4_1.gguf", "smollm2-135m-instruct.Q8_0.gguf"]
+
+
+def test_without_llama_cpp_the_fleet_falls_back_to_the_committed_drafts_and_says_so(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import shared.runner.llama
+
+    monkeypatch.setattr(shared.runner.llama, "llama_cpp_available", lambda: False)
     target = _fetched(tmp_path / ".specfleet")
     small, large = _model(tmp_path / "models" / "draft-small"), _model(tmp_path / "models" / "draft-large")
     (tmp_path / "models" / "draft-empty").mkdir()  # no config.json: not a model
     assert resolve_models("", "", tmp_path, tmp_path / ".specfleet") == Models(target, [large, small])
+    said = capsys.readouterr().err.strip().splitlines()
+    assert len(said) == 1 and "llama.cpp is not installed" in said[0] and "llama-cpp-build.log" in said[0]
 
 
-def test_resolve_without_drafts_leaves_prompt_lookup(tmp_path: Path) -> None:
+def test_resolve_without_drafts_leaves_prompt_lookup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import shared.runner.llama
+
+    monkeypatch.setattr(shared.runner.llama, "llama_cpp_available", lambda: False)
     target = _fetched(tmp_path / ".specfleet")
     assert resolve_models("", "", tmp_path, tmp_path / ".specfleet") == Models(target, [])
 

@@ -18,6 +18,7 @@ from shared.protocol import MAX_DRAFT_TOKENS, SamplingParams
 from shared.runner import ModelRunner
 from shared.sampling import probs_from_logits
 from tests.unit.draft_proposer_support import (
+    BATCH_PROMPTS,
     GREEDY,
     PROMPT,
     WARM,
@@ -90,9 +91,6 @@ def test_cache_keeps_accepted_tokens_and_drops_rejected(draft: LoadedModel) -> N
 
 
 # --- batches ------------------------------------------------------------------------------------
-
-BATCH_PROMPTS = {"a": PROMPT, "b": [9, 9, 130, 64, 3, 88, 21, 150, 7, 42, 11, 260, 33], "c": [200, 14]}
-
 
 def test_a_batch_drafts_each_session_as_if_it_were_alone(draft: LoadedModel) -> None:
     """Different prompt lengths, different k, then different rollbacks: the batch changes nothing."""

@@ -38,11 +38,30 @@ def queue(link: Link, *rids: str) -> None:
                                                 origin="c", speculative=False))
 
 
-def test_nothing_moves_while_a_drafter_is_connected() -> None:
+def test_nothing_moves_while_a_drafter_is_connected_and_busy_waits_are_off() -> None:
     link = Link(drafters=["d1"])
     queue(link, "a")
     fallback = QueueFallback(link, GRACE)
     assert [fallback.tick(t) for t in (0.0, 10.0, 100.0)] == [0, 0, 0]
+
+
+def test_a_request_no_busy_drafter_takes_within_the_wait_starts_target_only_once() -> None:
+    link = Link(drafters=["d1"])
+    fallback = QueueFallback(link, GRACE, wait_s=0.5)
+    queue(link, "a")
+    assert [fallback.tick(t) for t in (10.0, 10.4)] == [0, 0]  # first seen waiting at 10.0
+    queue(link, "b")
+    assert fallback.tick(10.5) == 1 and link.opened == ["a"]  # "b" has waited 0 s so far
+    assert [fallback.tick(t) for t in (10.6, 11.0, 20.0)] == [0, 1, 0] and link.opened == ["a", "b"]
+
+
+def test_a_request_a_drafter_took_is_not_opened_again() -> None:
+    link = Link(drafters=["d1"])
+    fallback = QueueFallback(link, GRACE, wait_s=0.5)
+    queue(link, "a")
+    fallback.tick(0.0)
+    link.routing.claim("a", 0)  # its first event came: a drafter opened it
+    assert fallback.tick(5.0) == 0 and link.opened == []
 
 
 @pytest.mark.parametrize(("ticks", "moved"), [

@@ -128,18 +128,25 @@ def test_no_fill_when_a_draft_is_expected_before_the_step_would_end(target: Load
     assert len(h.of(Filled, "s")) == 1
     h2, _ = started(target)
     h2.core.scheduler.fill.observe("edge", 10.0)  # ... 10 s after, and this round has waited that long
-    h2.core.table.requests["s"].round.waiting_since = time.perf_counter() - 10.0 + 1e-6  # the draft is due: no fill
+    h2.core.table.requests["s"].round.waiting_since = time.perf_counter() - 10.0 + 1e-6  # the draft is due...
+    h2.core.table.requests["s"].round.number = 1  # ... in a later round: no fill
     h2.turn()
     assert not h2.of(Filled, "s")
+    h3, _ = started(target)
+    h3.core.scheduler.fill.observe("edge", 10.0)
+    h3.core.table.requests["s"].round.waiting_since = time.perf_counter() - 10.0 + 1e-6
+    h3.turn()  # round 0's draft comes after the drafter ran the prompt: the verifier decodes on
+    assert len(h3.of(Filled, "s")) == 1
 
 
 # --- the fill policy's clock ----------------------------------------------------------------------
 
 
-def waiting(drafter: str, since: float, budget: int = BUDGET, filled: int = 0) -> Request:
+def waiting(drafter: str, since: float, budget: int = BUDGET, filled: int = 0, round_: int = 1) -> Request:
     req = make_request("r", [1, 2], GREEDY, True, 64, frozenset(), drafter)
     req.status = Status.WAITING_DRAFT
     req.round.waiting_since, req.round.budget, req.round.fill = since, budget, [7] * filled
+    req.round.number = round_
     return req
 
 
@@ -157,6 +164,14 @@ def test_when_a_draft_is_expected(waited: float, filled: int, expected: float | 
     req = waiting("edge", 0.0, filled=filled)
     assert policy.expected(req, waited) == expected
     assert FillBeforeDrafts().expected(req, waited) is None  # never heard from: no expectation
+
+
+def test_a_sessions_first_draft_is_not_expected_its_drafter_runs_the_prompt_first() -> None:
+    policy = FillBeforeDrafts()
+    policy.observe("edge", 1.0)
+    assert policy.expected(waiting("edge", 0.0, round_=0), 0.5) is None  # the verifier decodes on
+    assert policy.next_change([waiting("edge", 0.0, round_=0)], 0.5) is None
+    assert policy.expected(waiting("edge", 0.0, round_=1), 0.5) == 1.0
 
 
 def test_a_draft_is_expected_as_early_as_its_waits_spread() -> None:

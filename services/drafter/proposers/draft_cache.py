@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shared.prefix import common_prefix_len
-from shared.runner.kv import KVArena, KVSlot
+from shared.runner.kv import KVSlot, SlotArena
 
 #: commits after the last branch job before a session's spares are given back: the session has
 #: stopped pipelining (more sessions became active), so the memory is better left free
@@ -44,7 +44,7 @@ class KVCache:
 class SessionCaches:
     """The main cache (None when the arena had no room for the session) and the spares."""
 
-    arena: KVArena
+    arena: SlotArena
     main: KVCache | None
     spares: dict[int, KVCache] = field(default_factory=dict)
     idle_commits: int = 0  # commits since a branch job last ran

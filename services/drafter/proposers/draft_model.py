@@ -56,7 +56,8 @@ from shared.log import get_logger
 from shared.penalties import apply_penalties, has_penalties
 from shared.protocol import MAX_DRAFT_TOKENS, SparseQ
 from shared.race import top_two
-from shared.runner import KVSlot, ModelRunner, Segment
+from shared.runner import KVSlot, Segment
+from shared.runner.step import SegmentRunner
 from shared.sampling import is_greedy, probs_from_logits
 
 DRAFT_MODES = ("sampled", "greedy")
@@ -117,7 +118,7 @@ class DraftModelProposer:
 
     name = "draft_model"
 
-    def __init__(self, runner: ModelRunner, eos_ids: set[int], mode: str = "sampled",
+    def __init__(self, runner: SegmentRunner, eos_ids: set[int] | frozenset[int], mode: str = "sampled",
                  nucleus: Nucleus | None = None) -> None:
         if mode not in DRAFT_MODES:
             raise ValueError(f"draft_mode must be one of {', '.join(DRAFT_MODES)}, got {mode!r}")

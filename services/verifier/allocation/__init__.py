@@ -7,13 +7,14 @@ from dataclasses import dataclass
 from services.verifier.allocation.base import Allocator, RoundStats, draft_share
 from services.verifier.allocation.fixed import FixedAllocator
 from services.verifier.allocation.goodspeed import GoodSpeedAllocator
+from services.verifier.allocation.per_drafter import PerDrafterAllocator
 from services.verifier.allocation.random_split import RandomAllocator
 from services.verifier.allocation.smartspec import SmartSpecAllocator
 from services.verifier.allocation.tracker import GoodputTracker
 from services.verifier.batching.base import BatchLimits
 from services.verifier.batching.estimator import RecentLine, StepTimeModel
 
-POLICIES = ("fixed", "random", "goodspeed", "smartspec")
+POLICIES = ("fixed", "random", "goodspeed", "smartspec", "smartspec-per-drafter")
 
 
 @dataclass(frozen=True)
@@ -35,12 +36,18 @@ def make_allocator(name: str, settings: AllocationSettings, model: StepTimeModel
         return RandomAllocator(s.draft_len, s.capacity, s.max_len, s.seed)
     if name == "goodspeed":
         return GoodSpeedAllocator(s.draft_len, s.capacity, s.max_len)
-    if name == "smartspec":
+    if name in ("smartspec", "smartspec-per-drafter"):
         if model is None:
-            raise ValueError("the smartspec allocation needs a verification-time estimator")
-        return SmartSpecAllocator(model, s.draft_len, s.max_len, overhead=overhead, limits=s.limits)
+            raise ValueError(f"the {name} allocation needs a verification-time estimator")
+        priced = model
+
+        def smartspec() -> SmartSpecAllocator:
+            return SmartSpecAllocator(priced, s.draft_len, s.max_len, overhead=overhead, limits=s.limits)
+
+        return smartspec() if name == "smartspec" else PerDrafterAllocator(smartspec)
     raise ValueError(f"unknown allocation policy {name!r}; choose one of {', '.join(POLICIES)}")
 
 
 __all__ = ["POLICIES", "AllocationSettings", "Allocator", "FixedAllocator", "GoodSpeedAllocator", "GoodputTracker",
-           "RandomAllocator", "RoundStats", "SmartSpecAllocator", "draft_share", "make_allocator"]
+           "PerDrafterAllocator", "RandomAllocator", "RoundStats", "SmartSpecAllocator", "draft_share",
+           "make_allocator"]

@@ -66,7 +66,7 @@ def engine_args(s: EngineSettings) -> Any:
     if cpu:
         _bind_cpu_threads()
     return AsyncEngineArgs(
-        model=t.model, tokenizer=t.model, skip_tokenizer_init=True, dtype=cast(Any, _dtype(t.dtype, cpu)),
+        model=t.model, tokenizer=t.model, skip_tokenizer_init=True, dtype=cast(Any, _dtype(t.dtype, cpu, t.model)),
         max_model_len=t.max_model_len, enforce_eager=cpu,
         gpu_memory_utilization=t.memory_share or (0.2 if cpu else 0.9), block_size=32 if cpu else None,
         max_num_seqs=s.max_num_seqs, max_num_batched_tokens=max(s.max_num_batched_tokens, t.max_model_len),
@@ -113,12 +113,14 @@ def vllm_sampling(params: SamplingParams, eos_ids: set[int] | frozenset[int]) ->
                         output_kind=RequestOutputKind.DELTA, detokenize=False, skip_special_tokens=False)
 
 
-def _dtype(name: str, cpu: bool) -> str:
-    """``auto`` as the torch backend picks it: bfloat16 on CUDA and on CPUs with native bfloat16."""
+def _dtype(name: str, cpu: bool, model: str) -> str:
+    """``auto`` as the torch backend picks it (``shared.models.resolve_dtype``)."""
     if name == "auto":
-        from shared.models import resolve_dtype
+        from pathlib import Path
 
-        return str(resolve_dtype(name, "cpu" if cpu else "cuda")).removeprefix("torch.")
+        from shared.models import resolve_dtype, stored_dtype
+
+        return str(resolve_dtype(name, "cpu" if cpu else "cuda", stored_dtype(Path(model)))).removeprefix("torch.")
     return name
 
 

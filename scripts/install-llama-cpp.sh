@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# `make install`'s llama.cpp step: llama-cpp-python (the runtime of the GGUF edge drafts) built once
+# from its source distribution on PyPI, into a wheel under .specfleet/wheels, then installed.
+#
+#   scripts/install-llama-cpp.sh start VENV_BIN    start the build in the background (beside the venv's
+#                                                  own install, which mostly downloads; pip wheel changes
+#                                                  nothing in the venv)
+#   scripts/install-llama-cpp.sh install VENV_BIN [force]  wait for that build (or build now), install the
+#                                                  wheel (force: even over an installed llama-cpp-python)
+#
+# Nothing is downloaded from anywhere but the package index. A machine where it does not build
+# (no C++ compiler, an unusual CPU) keeps going: `make run` then serves with the distilled drafts and
+# says so in one line. The build's output is in .specfleet/logs/llama-cpp-build.log.
+# LLAMA_CMAKE_ARGS overrides the CMake flags (default: this machine's CPU, no multimodal library,
+# no OpenMP runtime to carry); the images' flags are in deploy/images/README.md.
+set -uo pipefail
+usage="usage: scripts/install-llama-cpp.sh start VENV_BIN | install VENV_BIN [force]"
+mode=${1:?$usage}
+bin=${2:?$usage}
+version=0.3.36
+wheels=.specfleet/wheels
+log=.specfleet/logs/llama-cpp-build.log
+lock=$wheels/.build.lock
+mkdir -p "$wheels" .specfleet/logs
+flags="-DLLAVA_BUILD=OFF -DGGML_OPENMP=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"
+flags="$flags -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF"
+
+have_wheel() { ls "$wheels"/llama_cpp_python-"$version"-*.whl >/dev/null 2>&1; }
+installed() { "$bin/python" -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ != '$version')" 2>/dev/null; }
+
+# build PYTHON: the wheel, under the lock; its outcome in $wheels/.build.status ("ok SECONDS" or "failed")
+build() {
+    local started
+    started=$(date +%s)
+    if CMAKE_ARGS="${LLAMA_CMAKE_ARGS:-$flags}" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+        "$1" -m pip wheel --no-cache-dir --no-deps --no-binary llama-cpp-python "llama-cpp-python==$version" \
+        -w "$wheels" >"$log" 2>&1; then
+        echo "ok $(( $(date +%s) - started ))" >"$wheels/.build.status"
+    else
+        echo failed >"$wheels/.build.status"
+    fi
+}
+
+case "$mode" in
+start)
+    { installed || have_wheel; } && exit 0
+    echo "make install: building llama.cpp (llama-cpp-python $version) from its source on PyPI for the GGUF edge"
+    echo "  drafts, beside the rest of the install: about 5 minutes on 2 cores, once (log: $log)"
+    rm -f "$wheels/.build.status"
+    # the lock is taken before this returns, so `install` waits for this build
+    flock -n "$lock" true || exit 0  # a build is already running
+    (flock "$lock" bash -c "$(declare -f build); wheels='$wheels' log='$log' version='$version' flags='$flags' \
+        build '$bin/python'" </dev/null >/dev/null 2>&1 &)
+    sleep 1
+    ;;
+install)
+    [ "${3:-}" != force ] && installed && exit 0
+    if ! have_wheel; then
+        flock "$lock" true  # wait for a build started beside the install
+        if ! have_wheel && [ ! -f "$wheels/.build.status" ]; then
+            echo "make install: building llama.cpp (llama-cpp-python $version) from its source on PyPI for the GGUF"
+            echo "  edge drafts: about 5 minutes on 2 cores, once (log: $log)"
+            flock "$lock" bash -c "$(declare -f build); wheels='$wheels' log='$log' version='$version' \
+                flags='$flags' build '$bin/python'"
+        fi
+    fi
+    if ! have_wheel; then
+        echo "make install: llama.cpp did not build here (the end of $log says why); make run serves with the" >&2
+        echo "  distilled drafts instead of the target's GGUF copies. Retry with: make install-llama" >&2
+        exit 0
+    fi
+    read -r _ seconds <"$wheels/.build.status" 2>/dev/null && [ -n "${seconds:-}" ] && \
+        echo "make install: llama.cpp built in $seconds s"
+    rm -f "$wheels/.build.status"
+    "$bin/python" -m pip install -q --force-reinstall --no-deps \
+        "$(ls "$wheels"/llama_cpp_python-"$version"-*.whl | head -1)" >>"$log" 2>&1 || \
+        echo "make install: the llama.cpp wheel did not install (see $log); make run serves with the distilled" \
+            "drafts" >&2
+    ;;
+*)
+    echo "unknown mode $mode (start|install)" >&2
+    exit 2
+    ;;
+esac
