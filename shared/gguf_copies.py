@@ -20,9 +20,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from shared.errors import ModelLoadError
 from shared.gguf_files import sha256_of
 from shared.log import get_logger
-from shared.models import ModelLoadError
 
 log = get_logger("gguf_copies")
 
@@ -45,7 +45,7 @@ def copy_path(target_dir: Path, width: str) -> Path:
 def make_copies(target_dir: Path, shipped: Path, widths: tuple[str, ...] = WIDTHS) -> dict[str, Path]:
     """Every width of ``widths`` that can be made here (the shipped one always; the others when
     llama.cpp is installed), each with its card. Returns width -> file."""
-    from shared.runner.llama import llama_cpp_available
+    from shared.llama_lib import llama_cpp_available
 
     made: dict[str, Path] = {}
     for width in widths:
@@ -78,7 +78,7 @@ def write_cards(target_dir: Path, copies: dict[str, Path], force: bool = False) 
 
 def quantize(src: Path, dst: Path, width: str, threads: int = 2) -> None:
     """``dst``: ``src`` requantized to ``width`` by llama.cpp's own quantizer."""
-    from shared.runner.llama import llama_cpp_module
+    from shared.llama_lib import llama_cpp_module
 
     lib = llama_cpp_module()
     kind = getattr(lib, f"LLAMA_FTYPE_MOSTLY_{width}", None)

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shared.models import ModelLoadError, Vocabulary
+from shared.errors import ModelLoadError
+from shared.vocabulary import Vocabulary
 
 GGUF_MAGIC = b"GGUF"
 KV_BYTES = 2  # llama.cpp keeps keys and values in float16 by default

@@ -21,11 +21,13 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
+from shared.errors import ModelLoadError
 from shared.gguf_files import gguf_header, sha256_of
-from shared.models import ModelLoadError
+
+if TYPE_CHECKING:
+    import torch
 
 #: architectures transformers' GGUF loader turns into a model specfleet serves (the lean runner's family)
 GGUF_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
@@ -103,7 +105,7 @@ def _make_copies(known: KnownModel, out: Path, pip: list[str] | None) -> None:
 def _copies_made(target_dir: Path) -> bool:
     """Every copy this machine can make is there (with its card)."""
     from shared.gguf_copies import SHIPPED, WIDTHS, copy_path
-    from shared.runner.llama import llama_cpp_available
+    from shared.llama_lib import llama_cpp_available
 
     wanted = WIDTHS if llama_cpp_available() else (SHIPPED,)
     return all(copy_path(target_dir, w).is_file() and copy_path(target_dir, w).with_suffix(".md").is_file()
@@ -170,14 +172,17 @@ def gguf_architecture(path: Path) -> str:
     return architecture
 
 
-def import_gguf(path: Path, out: Path, dtype: torch.dtype = torch.bfloat16, source: dict[str, str] | None = None,
+def import_gguf(path: Path, out: Path, dtype: torch.dtype | None = None, source: dict[str, str] | None = None,
                 ) -> Path:
-    """Convert a Llama-family GGUF file into a Hugging Face directory at ``out`` (atomically)."""
+    """Convert a Llama-family GGUF file into a Hugging Face directory at ``out`` (atomically), stored in
+    ``dtype`` (bfloat16 unless given)."""
     arch = gguf_architecture(path)
     if arch not in GGUF_ARCHITECTURES:
         raise ImportModelError(f"{path.name} is a {arch!r} model; specfleet imports {sorted(GGUF_ARCHITECTURES)}")
+    import torch  # here, not at the top: `specfleet up` finds a fetched model without loading torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    dtype = dtype or torch.bfloat16
     kwargs = {"gguf_file": path.name, "local_files_only": True}
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), **kwargs)

@@ -7,10 +7,9 @@ and draft (random-initialised Llama-style, sharing one tokenizer) for tests and 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,42 +19,14 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 import torch
 
+from shared.errors import ModelLoadError as ModelLoadError  # its home before shared.errors; imported from here too
+from shared.vocabulary import Vocabulary as Vocabulary
+
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 SPECIAL_TOKENS = ["<|pad|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
-
-
-class ModelLoadError(RuntimeError):
-    """The model directory is missing or unusable; the message says how to fix it."""
-
-
-@dataclass(frozen=True)
-class Vocabulary:
-    """What makes two models' token ids interchangeable, and a line that tells people which it is.
-
-    ``fingerprint`` covers the id -> token table and the eos/bos ids (a drafter joins a verifier
-    whose fingerprint is the same); ``ids_fingerprint`` the table alone (the same token ids, with
-    other special-token roles: a GGUF copy's converter may name another bos, say). ``summary``
-    names the vocabulary in an error message: its size, its eos token and the ids fingerprint."""
-
-    size: int
-    fingerprint: str
-    ids_fingerprint: str
-    summary: str
-
-    @classmethod
-    def of(cls, table: Sequence[tuple[str, int]], eos: int | None, bos: int | None) -> Vocabulary:
-        """``table``: (token, id) pairs in id order."""
-        vocab = [list(pair) for pair in table]
-        full = json.dumps({"vocab": vocab, "eos": eos, "bos": bos}, ensure_ascii=False, separators=(",", ":"))
-        ids = json.dumps(vocab, ensure_ascii=False, separators=(",", ":"))
-        ids_print = hashlib.sha256(ids.encode()).hexdigest()[:16]
-        names = {i: t for t, i in table}
-        eos_text = f"eos {names.get(eos, '?')!r} = {eos}" if eos is not None else "no eos"
-        return cls(size=len(table), fingerprint=hashlib.sha256(full.encode()).hexdigest()[:16],
-                   ids_fingerprint=ids_print, summary=f"{len(table)} tokens, {eos_text}, ids {ids_print}")
 
 
 @dataclass

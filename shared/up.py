@@ -143,7 +143,7 @@ def gguf_drafts(target_dir: Path) -> list[Path]:
     """The default fleet's GGUF copies beside the target, when llama.cpp can run them here; [] (with one
     line saying what the drafters run instead) when it cannot."""
     from shared.gguf_copies import FLEET_WIDTHS, copy_path
-    from shared.runner.llama import llama_cpp_available
+    from shared.llama_lib import llama_cpp_available
 
     copies = [copy_path(target_dir, w) for w in FLEET_WIDTHS if copy_path(target_dir, w).is_file()]
     if copies and not llama_cpp_available():

@@ -73,10 +73,10 @@ def _fetched(state: Path, copies: bool = True) -> Path:
 
 def test_resolve_defaults_to_the_fetched_model_and_its_gguf_copies(tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    import shared.runner.llama
+    import shared.llama_lib
     from shared.gguf_copies import FLEET_WIDTHS, copy_path
 
-    monkeypatch.setattr(shared.runner.llama, "llama_cpp_available", lambda: True)
+    monkeypatch.setattr(shared.llama_lib, "llama_cpp_available", lambda: True)
     target = _fetched(tmp_path / ".specfleet")
     _model(tmp_path / "models" / "draft-small")
     want = [copy_path(target, w) for w in FLEET_WIDTHS]
@@ -86,9 +86,9 @@ def test_resolve_defaults_to_the_fetched_model_and_its_gguf_copies(tmp_path: Pat
 
 def test_without_llama_cpp_the_fleet_falls_back_to_the_committed_drafts_and_says_so(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    import shared.runner.llama
+    import shared.llama_lib
 
-    monkeypatch.setattr(shared.runner.llama, "llama_cpp_available", lambda: False)
+    monkeypatch.setattr(shared.llama_lib, "llama_cpp_available", lambda: False)
     target = _fetched(tmp_path / ".specfleet")
     small, large = _model(tmp_path / "models" / "draft-small"), _model(tmp_path / "models" / "draft-large")
     (tmp_path / "models" / "draft-empty").mkdir()  # no config.json: not a model
@@ -98,9 +98,9 @@ def test_without_llama_cpp_the_fleet_falls_back_to_the_committed_drafts_and_says
 
 
 def test_resolve_without_drafts_leaves_prompt_lookup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import shared.runner.llama
+    import shared.llama_lib
 
-    monkeypatch.setattr(shared.runner.llama, "llama_cpp_available", lambda: False)
+    monkeypatch.setattr(shared.llama_lib, "llama_cpp_available", lambda: False)
     target = _fetched(tmp_path / ".specfleet")
     assert resolve_models("", "", tmp_path, tmp_path / ".specfleet") == Models(target, [])
 
