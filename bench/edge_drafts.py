@@ -43,7 +43,7 @@ from bench.scrape import diff_all
 from shared.gguf_copies import FLEET_WIDTHS, MEASURED, copy_path
 from shared.models import resolve_dtype, stored_dtype
 from shared.up import resolve_models
-from training.evaluate_gguf import _cpu_flags
+from training.evaluate_gguf import cpu_flag_summary
 
 #: the sessions each drafter of the default fleet serves (specfleet up --sessions-per-drafter)
 FLEET_SESSIONS = 4
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [row(run, base) for _, _, run in done]
     meta = {"command": "python -m bench edge-drafts " + " ".join(given_args(argv)),
             "when": time.strftime("%Y-%m-%d %H:%M"),
-            "edge": edge.describe(), "cpu": _cpu_flags(), "costs": costs, "temperature": args.temperature,
+            "edge": edge.describe(), "cpu": cpu_flag_summary(), "costs": costs, "temperature": args.temperature,
             "dtype": str(resolve_dtype("auto", "cpu", stored_dtype(target))).removeprefix("torch."),
             "requests": args.requests, "max_tokens": args.max_tokens, "repeats": args.repeats}
     write(rows, checks(rows, costs, args.temperature), meta, Path(args.out))

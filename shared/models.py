@@ -53,15 +53,20 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     return tokenizer_vocabulary(tokenizer).fingerprint
 
 
-def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
-    """Whether this CPU computes in bfloat16 natively (AVX512-BF16 or AMX): then a bfloat16 model is
-    memory-bound like a GPU at small batch. Elsewhere bfloat16 matmuls are emulated and slow."""
+def cpu_flags(cpuinfo: str | None = None) -> list[str]:
+    """This CPU's feature flags (``/proc/cpuinfo``'s first ``flags`` line; [] where there is none)."""
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text(errors="ignore")
         except OSError:
-            return False
-    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+            return []
+    return next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+
+
+def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU computes in bfloat16 natively (AVX512-BF16 or AMX): then a bfloat16 model is
+    memory-bound like a GPU at small batch. Elsewhere bfloat16 matmuls are emulated and slow."""
+    flags = cpu_flags(cpuinfo)
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 

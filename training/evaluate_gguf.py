@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from shared.gguf_copies import MEASURED, copy_path
 from shared.gguf_files import read_gguf, sha256_of
-from shared.models import LoadedModel, load_model
+from shared.models import LoadedModel, cpu_flags, load_model
 from shared.runner import ModelRunner, Segment
 from shared.runner.llama import LlamaRunner
 from shared.runner.runner import kv_shape
@@ -116,7 +116,7 @@ def evaluate_copies(target_dir: Path, widths: tuple[str, ...], held: list[Sequen
         "target": {"name": target.name, "dtype": str(next(target.model.parameters()).dtype).removeprefix("torch."),
                    "step_ms": costs["target"]},
         "heldout": {"prompts": len(held), "positions": sum(len(s.answer) for s in held)},
-        "machine": f"{platform.machine()}, {_cpu_flags()}",
+        "machine": f"{platform.machine()}, {cpu_flag_summary()}",
         "date": time.strftime("%Y-%m-%d"),
         "method": {"greedy_agreement": "teacher-forced on the target's greedy answers to held-out prompts",
                    "accept_t1": "mean over the same positions of sum_x min(p(x), q(x)) at temperature 1",
@@ -128,14 +128,13 @@ def evaluate_copies(target_dir: Path, widths: tuple[str, ...], held: list[Sequen
     }
 
 
-def _cpu_flags() -> str:
-    """The CPU features that decide these numbers (AVX2, AVX512-BF16, ...)."""
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return "CPU flags unknown"
+def cpu_flag_summary() -> str:
+    """The CPU features that decide these numbers (AVX2, AVX512-BF16, ...), for a report's header."""
     wanted = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "asimddp", "sve")
-    have = [f for f in wanted if f in flags.split()]
+    flags = cpu_flags()
+    if not flags:
+        return "CPU flags unknown"
+    have = [f for f in wanted if f in flags]
     return "CPU flags " + (" ".join(have) or "none of " + " ".join(wanted))
 
 

@@ -199,11 +199,12 @@ def _gguf_proposer(cfg: DrafterConfig, loaded: LoadedModel) -> GgufProposer:
 
 
 async def _proposer(cfg: DrafterConfig, loaded: LoadedModel) -> Proposer:
-    if proposer_kind(cfg) == "gguf":
+    kind = proposer_kind(cfg)
+    if kind == "gguf":
         return await asyncio.to_thread(_gguf_proposer, cfg, loaded)
-    if proposer_kind(cfg) == "ngram":
+    if kind == "ngram":
         return NgramProposer(loaded.eos_ids, cfg.proposal.ngram_max, cfg.proposal.ngram_min)
-    if proposer_kind(cfg) == "oracle":
+    if kind == "oracle":
         try:
             refs = load_references(Path(cfg.proposal.oracle_file))
         except ValueError as exc:
