@@ -173,6 +173,8 @@ demo-models-eval: install
 # rest on CPU 1), then the scenarios (fairness, slo, load, capacity) and the simulator; writes
 # bench/results/*. About two hours, not CI.
 bench: install-vllm
+	$(BIN)/python -m bench decode
+	$(BIN)/python -m bench fidelity
 	$(BIN)/python -m bench invariance
 	$(BIN)/python -m bench serving --concurrency 1,2,4,8,16
 	$(BIN)/python -m bench serving --temperature 1

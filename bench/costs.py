@@ -16,7 +16,11 @@ prints one JSON object:
   cost in rows' worth, ``draft_forward_rows``;
 * with ``--assistant DRAFT``: ``hf_generate_tok_s`` and ``hf_assisted_tok_s``, transformers'
   own ``generate`` greedy, alone and with the draft as ``assistant_model`` (Hugging Face's
-  assisted generation, on the same pair and the same CPU), over ``--decode`` tokens.
+  assisted generation, on the same pair and the same CPU), over ``--decode`` tokens;
+* with ``--floor``: ``floor``, the physical floor of one decode step on this core, in the weights'
+  dtype: the bytes a decode step streams (every matrix once; a tied head is the embedding, an
+  untied embedding table is read a row at a time and not counted) over the bandwidth of a 1-row
+  matmul (GEMV) streaming 256 MiB of weights of the model's width, which no cache holds.
 
 Every number is a median over repeats, after warm-up, with one torch thread.
 """
@@ -34,6 +38,7 @@ import torch
 
 from shared.models import load_model
 from shared.runner import ModelRunner, Segment
+from shared.runner.matmul import Matmul, packing_available
 
 WARMUP = 3
 
@@ -207,14 +212,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-batches", default="", help="comma list of batch sizes: time the draft-model "
                    "proposer's greedy batches (--model a draft model) and fit a forward's fixed cost and cost per row")
     p.add_argument("--draft-len", type=int, default=4, help="tokens each session drafts per batch (--draft-batches)")
+    p.add_argument("--dtype", default="auto", help="auto, float32 or bfloat16 (as the verifier's --dtype)")
+    p.add_argument("--batch-invariant", action="store_true", help="the runner batch-invariant, as the verifier serves")
+    p.add_argument("--floor", action="store_true", help="also measure the decode floor: weight bytes over a GEMV's "
+                   "bandwidth on this core")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, dtype=args.dtype)
     shapes = [parse_shape(s) for s in args.shapes.split(",") if s]
     need = max([b * (c + n + 1) for b, c, n in shapes] + [args.prompt_len + args.decode + 1]) + 64
-    runner = ModelRunner(loaded, need * kv_bytes(loaded), "auto")
+    runner = ModelRunner(loaded, need * kv_bytes(loaded), "auto", batch_invariant=args.batch_invariant)
     prompt = list(range(5, 5 + args.prompt_len))
-    out: dict[str, Any] = {"model": args.model, "runner": runner.kind}
+    out: dict[str, Any] = {"model": args.model, "runner": runner.kind, **runner.describe()}
+    if args.floor:
+        out["floor"] = floor(loaded.model, args.repeats)
     if args.decode:
         out["hf_decode_tok_s"] = statistics.median(hf_decode(loaded.model, prompt, args.decode) for _ in range(3))
         out["runner_decode_tok_s"] = statistics.median(runner_decode(runner, prompt, args.decode) for _ in range(3))
@@ -233,6 +244,29 @@ def main(argv: list[str] | None = None) -> int:
         out["hf_assisted_tok_s"] = hf_generate(loaded.model, texts, args.decode, assistant)
     print(json.dumps(out))
     return 0
+
+
+@torch.inference_mode()
+def floor(model: Any, repeats: int, stream_bytes: int = 256 << 20) -> dict[str, Any]:
+    """The decode floor: weight bytes over a GEMV's bandwidth, in the weights' dtype, on this core."""
+    params = {p.data_ptr(): p for p in model.parameters()}  # a tied head counts once
+    embed = model.get_input_embeddings().weight
+    if embed.data_ptr() != model.get_output_embeddings().weight.data_ptr():
+        params.pop(embed.data_ptr())  # an untied table is read one row per token, not streamed
+    weight_bytes = sum(p.numel() * p.element_size() for p in params.values())
+    dtype = next(model.parameters()).dtype
+    width = model.config.hidden_size
+    rows = stream_bytes // (width * torch.tensor([], dtype=dtype).element_size())
+    weight, x = torch.randn(rows, width).mul_(0.02).to(dtype), torch.randn(1, width).to(dtype)
+    # the faster of the plain matmul and oneDNN's on its reordered weight (shared.runner.matmul)
+    ways = {"F.linear": Matmul(weight, None, pack=False)}
+    if packing_available(weight.device, dtype):
+        ways["oneDNN, reordered weight"] = Matmul(weight, None, pack=True)
+    gemv_ms, gemv = min((median_ms(lambda m=m: m(x), repeats), name) for name, m in ways.items())  # type: ignore[misc]
+    gb_s = weight.numel() * weight.element_size() / gemv_ms / 1e6
+    floor_ms = weight_bytes / gb_s / 1e6
+    return {"dtype": str(dtype).removeprefix("torch."), "weight_bytes": weight_bytes, "gemv_gb_s": gb_s, "gemv": gemv,
+            "floor_ms": floor_ms, "floor_tok_s": 1e3 / floor_ms}
 
 
 def kv_bytes(loaded: Any) -> int:

@@ -80,10 +80,13 @@ def edge_from(args: argparse.Namespace) -> Edge:
 
 
 def run_pinned(module: str, cpus: str, args: list[str], timeout_s: float = 1800.0) -> Any:
-    """Run ``python -m module args`` on ``cpus`` and return the JSON it prints last."""
+    """Run ``python -m module args`` on ``cpus`` and return the last JSON object it prints."""
     argv = pinned([sys.executable, "-m", module, *args], cpus)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, env=env, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"{module} failed ({out.returncode}):\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    for line in reversed(out.stdout.strip().splitlines()):  # the last JSON line: libraries may log after it
+        if line.startswith("{"):
+            return json.loads(line)
+    raise RuntimeError(f"{module} printed no JSON result:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")

@@ -7,7 +7,9 @@ forward of each step shape ``BxN`` (B sessions of 128 cached tokens, N new token
 decode steps of target-only serving (N = 1) and the verification steps of speculation (N = 5),
 alone and batched. Runs alternate between the two runners, so noise from a shared CPU hits both;
 each number is a median. One torch thread, pinned to CPU 0 when the machine has two or more (the
-verifier's core in the benchmarks). Writes ``bench/results/invariance.{json,md}``.
+verifier's core in the benchmarks). Writes ``bench/results/invariance.{json,md}``; with
+``ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2`` set (an AVX2 machine's kernels, emulated),
+``invariance-isa-limited.{json,md}``.
 """
 
 from __future__ import annotations
@@ -27,10 +29,13 @@ from shared.model_import import DEFAULT_MODEL, fetch_model
 from shared.models import cpu_has_native_bf16, load_model
 from shared.runner import ModelRunner, Segment
 from shared.runner.runner import kv_shape
+from training.evaluate_gguf import cpu_flag_summary
 
 SHAPES = ((1, 1), (1, 5), (4, 1), (4, 5), (16, 1), (16, 5))
 CONTEXT = 128
 OUT = Path("bench/results")
+#: environment variables that limit oneDNN's and MKL's instruction sets (to measure an AVX2 machine's kernels)
+ISA_LIMITS = ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
 
 
 @torch.inference_mode()
@@ -76,16 +81,21 @@ def measure(model_dir: Path, dtype: str, repeats: int) -> list[dict[str, Any]]:
 def write(rows: list[dict[str, Any]], model: str) -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     meta = {"model": model, "context": CONTEXT, "machine": platform.processor() or platform.machine(),
-            "native_bf16": cpu_has_native_bf16(), "threads": 1, "time": time.strftime("%Y-%m-%d %H:%M")}
-    (OUT / "invariance.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+            "native_bf16": cpu_has_native_bf16(), "cpu": cpu_flag_summary(), "threads": 1,
+            "isa_limits": {k: os.environ[k] for k in ISA_LIMITS if k in os.environ},
+            "time": time.strftime("%Y-%m-%d %H:%M")}
+    stem = "invariance-isa-limited" if meta["isa_limits"] else "invariance"
+    (OUT / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     lines = [f"# What batch invariance costs ({meta['time']})", "",
              f"{model}, one forward at {CONTEXT} tokens of cached context per session, one thread, median "
-             f"of alternating runs; native bfloat16 on this CPU: {meta['native_bf16']}.", "",
+             f"of alternating runs; {meta['cpu']}, native bfloat16: {meta['native_bf16']}"
+             + (f"; kernels limited to {meta['isa_limits']} (an AVX2 machine emulated)" if meta["isa_limits"] else "")
+             + ".", "",
              "| dtype | sessions × new tokens | plain ms | invariant ms | cost | row multiple |",
              "|---|---|---|---|---|---|"]
     lines += [f"| {r['dtype']} | {r['sessions']} × {r['new_tokens']} | {r['plain_ms']} | {r['invariant_ms']} | "
               f"{r['cost']:+.1%} | {r['row_multiple']} |" for r in rows]
-    (OUT / "invariance.md").write_text("\n".join(lines) + "\n")
+    (OUT / f"{stem}.md").write_text("\n".join(lines) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:

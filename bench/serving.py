@@ -55,7 +55,7 @@ from shared.up import resolve_models
 def raw_costs(target: Path, draft: Path, k: int, edge: Edge) -> dict[str, Any]:
     shapes = f"1x128x1,1x128x{k + 1},16x128x1,16x128x{k + 1}"
     server = run_pinned("bench.costs", edge.server_cpus, ["--model", str(target), "--decode", "128",
-                                                          "--shapes", shapes, "--hf-shapes"])
+                                                          "--shapes", shapes, "--hf-shapes", "--floor"])
     draft_costs = run_pinned("bench.costs", edge.edge_cpus, ["--model", str(draft), "--decode", "128",
                                                              "--shapes", "1x128x1"])
     return {"target": server, "draft": draft_costs}

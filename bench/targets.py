@@ -70,6 +70,12 @@ def targets(rows: list[dict[str, Any]], costs: dict[str, Any], k: int) -> list[d
                              / tgt["hf_decode_tok_s"], 0.90, "target-only tokens/s over hf_decode_tok_s"))
         checks.append(_check("target-only @1 / raw decode (runner loop)", only1["tokens_per_s"]
                              / tgt["runner_decode_tok_s"], 0.90, "target-only tokens/s over runner_decode_tok_s"))
+        if "floor" in tgt:
+            fl = tgt["floor"]
+            checks.append(_check("target-only @1 / the floor", only1["tokens_per_s"] / fl["floor_tok_s"], 0.85,
+                                 f"target-only tokens/s over the floor, {fl['floor_tok_s']:.1f} tok/s: "
+                                 f"{fl['weight_bytes'] / 1e6:.0f} MB of {fl['dtype']} weights at a GEMV's "
+                                 f"{fl['gemv_gb_s']:.1f} GB/s on the server core ({fl['floor_ms']:.1f} ms a step)"))
     if spec1 is not None:
         a = spec1["acceptance"]
         t_draft = dft["forward_ms"]["1x128x1"]

@@ -35,6 +35,7 @@ podman run --rm --network host -v "$work/specfleet:/src" -w /src -e PIP_EXTRA_IN
         sleep 2
     done
     echo "ready after $(( $(date +%s) - started )) s (install, model fetch and start)"
+    .venv/bin/python -c "import llama_cpp" || echo "llama.cpp does not import: the fleet runs the distilled drafts" >&2
     curl -s localhost:8000/v1/chat/completions -H "Content-Type: application/json" -d "{\"model\": \"smollm2-135m-instruct\", \"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}], \"temperature\": 0}"
     echo
     du -sh .venv .specfleet 2>/dev/null

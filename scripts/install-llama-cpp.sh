@@ -69,13 +69,17 @@ install)
         echo "  distilled drafts instead of the target's GGUF copies. Retry with: make install-llama" >&2
         exit 0
     fi
-    read -r _ seconds <"$wheels/.build.status" 2>/dev/null && [ -n "${seconds:-}" ] && \
+    read -r _ seconds 2>/dev/null <"$wheels/.build.status" && [ -n "${seconds:-}" ] && \
         echo "make install: llama.cpp built in $seconds s"
     rm -f "$wheels/.build.status"
-    "$bin/python" -m pip install -q --force-reinstall --no-deps \
-        "$(ls "$wheels"/llama_cpp_python-"$version"-*.whl | head -1)" >>"$log" 2>&1 || \
-        echo "make install: the llama.cpp wheel did not install (see $log); make run serves with the distilled" \
-            "drafts" >&2
+    # with its dependencies (diskcache, jinja2, ...: llama_cpp does not import without them); an older
+    # llama-cpp-python goes first so that pip installs this wheel and leaves torch's numpy alone
+    "$bin/python" -m pip uninstall -y -q llama-cpp-python >>"$log" 2>&1
+    if ! "$bin/python" -m pip install -q "$(ls "$wheels"/llama_cpp_python-"$version"-*.whl | head -1)" \
+        >>"$log" 2>&1 || ! installed; then
+        echo "make install: the llama.cpp wheel did not install (the end of $log says why); make run serves with" \
+            "the distilled drafts" >&2
+    fi
     ;;
 *)
     echo "unknown mode $mode (start|install)" >&2

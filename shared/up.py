@@ -25,6 +25,7 @@ from types import FrameType
 
 import httpx
 
+from shared.errors import ModelLoadError
 from shared.fleet import FleetSpec, child_env, connect_host
 from shared.fleet import plan as fleet_plan
 from shared.supervisor import Child, StartupError, Supervisor, death_report
@@ -143,13 +144,17 @@ def gguf_drafts(target_dir: Path) -> list[Path]:
     """The default fleet's GGUF copies beside the target, when llama.cpp can run them here; [] (with one
     line saying what the drafters run instead) when it cannot."""
     from shared.gguf_copies import FLEET_WIDTHS, copy_path
-    from shared.llama_lib import llama_cpp_available
+    from shared.llama_lib import llama_cpp_module
 
     copies = [copy_path(target_dir, w) for w in FLEET_WIDTHS if copy_path(target_dir, w).is_file()]
-    if copies and not llama_cpp_available():
-        print("specfleet up: llama.cpp is not installed here (llama-cpp-python did not build: see "
-              f"{LLAMA_BUILD_LOG}), so the drafters run the distilled drafts instead of the target's GGUF copies, "
-              "and speculation pays less", file=sys.stderr, flush=True)
+    if not copies:
+        return []
+    try:
+        llama_cpp_module()
+    except ModelLoadError as exc:
+        print(f"specfleet up: {exc} (the build's log: {LLAMA_BUILD_LOG}), so the drafters run the "
+              "distilled drafts instead of the target's GGUF copies, and speculation pays less", file=sys.stderr,
+              flush=True)
         return []
     return copies
 

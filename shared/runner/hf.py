@@ -48,11 +48,12 @@ def _arena_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
         raise UnsupportedAttention(f"this model's attention uses {', '.join(bad)}, which the torch backend does not "
                                    "implement; serve it with the vLLM backend")
     kv = specfleet_step.arena[module.layer_idx]
-    write_kv(kv, specfleet_step.plan, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    # in the arena's dtype (float32 over half-precision weights on a CPU: runner.activation_dtype)
+    write_kv(kv, specfleet_step.plan, key[0].transpose(0, 1).to(kv.dtype), value[0].transpose(0, 1).to(kv.dtype))
     heads, dim = query.shape[1], query.shape[3]
     scale = scaling if scaling is not None else dim**-0.5
-    out = paged_attention(query[0].transpose(0, 1), kv, specfleet_step.plan, key.shape[1], scale)
-    return out.view(1, -1, heads, dim), None
+    out = paged_attention(query[0].transpose(0, 1).to(kv.dtype), kv, specfleet_step.plan, key.shape[1], scale)
+    return out.to(query.dtype).view(1, -1, heads, dim), None
 
 
 AttentionInterface.register(ATTN_NAME, _arena_attention)

@@ -75,7 +75,7 @@ class SlotArena(Protocol):
 
 class KVArena:
     """``block`` > 1: every slot is a whole number of blocks of that many rows, zeroed when it is
-    allocated (batch-invariant attention reads whole blocks; see :mod:`shared.runner.invariant`)."""
+    allocated (for a reader of whole blocks past a slot's length: finite values, never an earlier session's)."""
 
     def __init__(self, shape: KVShape, budget_bytes: int, device: torch.device | str = "cpu", block: int = 1) -> None:
         tokens = budget_bytes // shape.bytes_per_token // block * block

@@ -18,9 +18,12 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
-from shared.runner.invariant import block_attention, linear
+from shared.runner.invariant import row_attention
+from shared.runner.matmul import Matmul, matmul
 from shared.runner.step import StepPlan, paged_attention, write_kv
 
+#: logits per row the head recomputes in float32 after its half-precision matmul (LeanDecoder._refine_top)
+REFINED = 16
 SUPPORTED_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "specfleet_llama"})
 STATIC_ROPE = frozenset({"default", "linear", "llama3", "yarn"})
 
@@ -74,14 +77,10 @@ def _fuse(modules: list[Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
 class _Layer:
     norm_in: torch.Tensor
     norm_post: torch.Tensor
-    qkv_w: torch.Tensor
-    qkv_b: torch.Tensor | None
-    o_w: torch.Tensor
-    o_b: torch.Tensor | None
-    gate_up_w: torch.Tensor
-    gate_up_b: torch.Tensor | None
-    down_w: torch.Tensor
-    down_b: torch.Tensor | None
+    qkv: Matmul
+    o: Matmul
+    gate_up: Matmul
+    down: Matmul
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
 
@@ -89,12 +88,21 @@ class _Layer:
 class LeanDecoder:
     """Forward of a supported decoder over a :class:`StepPlan`, writing keys/values to the arena.
 
-    ``row_multiple`` > 0 makes it batch-invariant (:mod:`shared.runner.invariant`): row-wise blocked
-    attention, and every matmul over a multiple of that many rows."""
+    ``row_multiples`` (``(in, out)`` shape -> rows) makes it batch-invariant
+    (:mod:`shared.runner.invariant`): attention row by row, and each matmul over a multiple of its
+    shape's row count.
 
-    def __init__(self, model: Any, row_multiple: int = 0) -> None:
+    ``activations`` is the dtype of everything but the weights' matmuls (the arena's): float32 over
+    half-precision weights keeps the residual stream, the norms, rotary and attention in float32,
+    as reference implementations keep their sensitive sums, and rounds to the weights' dtype only
+    what goes into a matmul (:func:`shared.runner.runner.activation_dtype`)."""
+
+    def __init__(self, model: Any, row_multiples: dict[tuple[int, int], int] | None = None,
+                 activations: torch.dtype | None = None) -> None:
         cfg = model.config
-        self.row_multiple = row_multiple
+        self.invariant = row_multiples is not None
+        self.row_multiples = row_multiples or {}
+        self.adtype = activations or next(model.parameters()).dtype
 
         self.heads = cfg.num_attention_heads
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
@@ -108,13 +116,14 @@ class LeanDecoder:
         #: a factorised embedding and head (shared.factorised): rank -> hidden after the table, and
         #: hidden -> rank before it; None for a plain one
         up, down = getattr(base.embed_tokens, "up", None), getattr(model.lm_head, "down", None)
-        self.embed_up = up.weight if up is not None else None
-        self.head_down = down.weight if down is not None else None
-        self.final_norm = base.norm.weight
-        self.lm_head = model.lm_head
+        self.embed_up = self._matmul(up.weight) if up is not None else None
+        self.head_down = self._matmul(down.weight) if down is not None else None
+        self.final_norm = self._small(base.norm.weight)
+        self.lm_head = self._matmul(model.lm_head.weight, getattr(model.lm_head, "bias", None))
         self.rotary = base.rotary_emb
         half = self.head_dim // 2
-        self.rot_sign = torch.cat([-torch.ones(half), torch.ones(self.head_dim - half)]).to(self.embed)
+        self.rot_sign = torch.cat([-torch.ones(half), torch.ones(self.head_dim - half)]).to(self.embed.device,
+                                                                                          self.adtype)
         self.layers = [self._layer(layer) for layer in base.layers]
 
     def _layer(self, layer: Any) -> _Layer:
@@ -124,17 +133,29 @@ class LeanDecoder:
         q_norm = getattr(attn, "q_norm", None)
         k_norm = getattr(attn, "k_norm", None)
         return _Layer(
-            norm_in=layer.input_layernorm.weight, norm_post=layer.post_attention_layernorm.weight,
-            qkv_w=qkv_w, qkv_b=qkv_b, o_w=attn.o_proj.weight, o_b=attn.o_proj.bias, gate_up_w=gu_w, gate_up_b=gu_b,
-            down_w=mlp.down_proj.weight, down_b=mlp.down_proj.bias,
-            q_norm=q_norm.weight if q_norm is not None else None, k_norm=k_norm.weight if k_norm is not None else None,
+            norm_in=self._small(layer.input_layernorm.weight),
+            norm_post=self._small(layer.post_attention_layernorm.weight),
+            qkv=self._matmul(qkv_w, qkv_b), o=self._matmul(attn.o_proj.weight, attn.o_proj.bias),
+            gate_up=self._matmul(gu_w, gu_b), down=self._matmul(mlp.down_proj.weight, mlp.down_proj.bias),
+            q_norm=self._small(q_norm.weight) if q_norm is not None else None,
+            k_norm=self._small(k_norm.weight) if k_norm is not None else None,
         )
+
+    def _matmul(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Matmul:
+        inp, out = weight.shape[1], weight.shape[0]
+        multiple = self.row_multiples.get((inp, out), max(self.row_multiples.values(), default=0))
+        return matmul(weight, bias, multiple)
+
+    def _small(self, weight: torch.Tensor) -> torch.Tensor:
+        """A norm's weight in the activations' dtype (a copy of a few KB where that differs)."""
+        return weight.detach().to(self.adtype)
 
     def hidden(self, plan: StepPlan, arena: torch.Tensor) -> torch.Tensor:
         """Run every layer; returns the final hidden states ``[T, hidden]`` (before the last norm)."""
         x = F.embedding(plan.input_ids, self.embed)
         if self.embed_up is not None:
-            x = self._linear(x, self.embed_up, None)
+            x = self.embed_up(x)
+        x = x.to(self.adtype)  # the residual stream
         cos, sin = self.rotary(x, plan.positions.unsqueeze(0))
         cos, sin = cos[0].unsqueeze(1), (sin[0] * self.rot_sign).unsqueeze(1)  # [T, 1, D]
         for index, layer in enumerate(self.layers):
@@ -144,22 +165,36 @@ class LeanDecoder:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         h = F.rms_norm(hidden, (hidden.shape[-1],), self.final_norm, self.eps)
         if self.head_down is not None:
-            h = self._linear(h, self.head_down, None)
-        return self._linear(h, self.lm_head.weight, getattr(self.lm_head, "bias", None)).float()
+            h = self.head_down(h)
+        logits = self.lm_head(h).float()
+        if self.lm_head.dtype != self.adtype:
+            self._refine_top(logits, h.to(self.adtype))
+        return logits
+
+    def _refine_top(self, logits: torch.Tensor, h: torch.Tensor) -> None:
+        """Each row's :data:`REFINED` largest logits again, in the activations' dtype. A bfloat16
+        matmul rounds its output: a logit near 25 to a multiple of 0.125, coarser than the margin
+        between the top two tokens of many real steps (SmolLM2's first token of "What is the
+        capital of France?": 25.36 against 25.26). Each refined logit is one dot product over the
+        hidden size, reduced in the same order however many rows the step holds, so a row's logits
+        still depend on the row alone (the runner's start-up invariance check covers it)."""
+        head, bias = self.lm_head.source, self.lm_head.bias
+        top = logits.topk(REFINED, dim=-1).indices  # [rows, REFINED]
+        exact = (head[top].to(self.adtype) * h.unsqueeze(1)).sum(-1)
+        if bias is not None:
+            exact += bias[top].to(self.adtype)
+        logits.scatter_(1, top, exact.float())
 
     def _attend(self, q: torch.Tensor, kv: torch.Tensor, plan: StepPlan) -> torch.Tensor:
-        if self.row_multiple:
-            return block_attention(q, kv, plan, self.kv_heads, self.scale)
+        if self.invariant:
+            return row_attention(q, kv, plan, self.scale)
         return paged_attention(q, kv, plan, self.kv_heads, self.scale)
-
-    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return linear(x, weight, bias, self.row_multiple) if self.row_multiple > 1 else F.linear(x, weight, bias)
 
     def _block(self, x: torch.Tensor, w: _Layer, cos: torch.Tensor, sin: torch.Tensor, plan: StepPlan,
                kv: torch.Tensor) -> torch.Tensor:
         tokens, heads, kv_heads, dim = x.shape[0], self.heads, self.kv_heads, self.head_dim
-        qkv = self._linear(F.rms_norm(x, (x.shape[-1],), w.norm_in, self.eps), w.qkv_w, w.qkv_b)
-        qkv = qkv.view(tokens, heads + 2 * kv_heads, dim)
+        qkv = w.qkv(F.rms_norm(x, (x.shape[-1],), w.norm_in, self.eps))
+        qkv = qkv.to(self.adtype).view(tokens, heads + 2 * kv_heads, dim)
         q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
         if w.q_norm is not None and w.k_norm is not None:
             q = F.rms_norm(q, (dim,), w.q_norm, self.eps)
@@ -170,7 +205,6 @@ class LeanDecoder:
         qk = qk * cos + qk.roll(dim // 2, -1) * sin  # rotary on queries and keys at once
         write_kv(kv, plan, qk[:, heads:], v)
         attn = self._attend(qk[:, :heads], kv, plan)
-        x = x + self._linear(attn, w.o_w, w.o_b)
-        gate_up = self._linear(F.rms_norm(x, (x.shape[-1],), w.norm_post, self.eps), w.gate_up_w, w.gate_up_b)
-        return x + self._linear(self.act(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :],
-                                w.down_w, w.down_b)
+        x = x + w.o(attn)
+        gate_up = w.gate_up(F.rms_norm(x, (x.shape[-1],), w.norm_post, self.eps))
+        return x + w.down(self.act(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :])

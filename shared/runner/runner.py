@@ -15,6 +15,7 @@ refuses to serve if they disagree.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -24,7 +25,7 @@ from shared.log import get_logger
 from shared.models import LoadedModel, ModelLoadError
 from shared.runner import lean
 from shared.runner.hf import HFDecoder
-from shared.runner.invariant import BLOCK, probe_row_multiple
+from shared.runner.invariant import probe_row_multiples
 from shared.runner.kv import KVArena, KVShape
 from shared.runner.step import Segment, StepPlan, commit_step, plan_step
 
@@ -40,12 +41,26 @@ class Decoder(Protocol):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
 
+def weight_dtype(model: object) -> torch.dtype:
+    return next(model.parameters()).dtype  # type: ignore[attr-defined]
+
+
+def activation_dtype(model: object) -> torch.dtype:
+    """The dtype of a forward's activations and KV cache: float32 over half-precision weights on a
+    CPU (only the matmuls read bfloat16 or float16 weights, which is where the bytes are), the
+    weights' own dtype elsewhere. Rounding the residual stream and the attention scores to
+    bfloat16 flips near-tied argmaxes that float32 keeps (docs/dtype.md has the measurements)."""
+    param = next(model.parameters())  # type: ignore[attr-defined]
+    half = param.dtype in (torch.bfloat16, torch.float16)
+    return torch.float32 if half and param.device.type == "cpu" else param.dtype
+
+
 def kv_shape(model: object) -> KVShape:
     cfg = model.config  # type: ignore[attr-defined]
     heads = cfg.num_attention_heads
     return KVShape(layers=cfg.num_hidden_layers, kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
                    head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
-                   dtype=next(model.parameters()).dtype)  # type: ignore[attr-defined]
+                   dtype=activation_dtype(model))
 
 
 def linear_shapes(model: object) -> list[tuple[int, int]]:
@@ -63,15 +78,20 @@ def linear_shapes(model: object) -> list[tuple[int, int]]:
 
 class ModelRunner:
     """``batch_invariant``: every position's logits are bitwise independent of the step's shape
-    (:mod:`shared.runner.invariant`), proven on the model at start-up; the verifier's default."""
+    (:mod:`shared.runner.invariant`), proven on the model at start-up; the verifier's default.
+    ``activations``: the activations' and KV cache's dtype, :func:`activation_dtype` when None (the
+    fidelity benchmark also runs half-precision activations, to measure what float32 ones buy)."""
 
     def __init__(self, loaded: LoadedModel, kv_budget_bytes: int, kind: str = "auto", self_check: bool = True,
-                 batch_invariant: bool = False) -> None:
+                 batch_invariant: bool = False, activations: torch.dtype | None = None) -> None:
         if kind not in RUNNER_KINDS:
             raise ModelLoadError(f"runner must be one of {', '.join(RUNNER_KINDS)}, got {kind!r}")
         model = loaded.model
         self.device = next(model.parameters()).device
         self.shape = kv_shape(model)
+        if activations is not None:
+            self.shape = dataclasses.replace(self.shape, dtype=activations)
+        self.weight_dtype = weight_dtype(model)
         self.groups = model.config.num_attention_heads // self.shape.kv_heads
         self.vocab_size = loaded.vocab_size
         self.max_model_len = loaded.max_model_len
@@ -79,13 +99,16 @@ class ModelRunner:
         if kind == "lean" and why_not:
             raise ModelLoadError(f"--runner lean cannot run {loaded.name}: {why_not}; use --runner hf")
         self.kind = "lean" if kind == "lean" or (kind == "auto" and not why_not) else "hf"
-        self.row_multiple = self._invariant_rows(loaded, why_not) if batch_invariant else 0
+        multiples = self._invariant_rows(loaded, why_not) if batch_invariant else None
+        #: the largest row multiple a matmul pads to (0: not invariant)
+        self.row_multiple = max(multiples.values(), default=1) if multiples is not None else 0
         self.batch_invariant = batch_invariant
-        self.decoder: Decoder = lean.LeanDecoder(model, self.row_multiple) if self.kind == "lean" else HFDecoder(model)
-        self.kv = KVArena(self.shape, kv_budget_bytes, self.device, block=BLOCK if batch_invariant else 1)
+        self.decoder: Decoder = (lean.LeanDecoder(model, multiples, self.shape.dtype) if self.kind == "lean"
+                                 else HFDecoder(model))
+        self.kv = KVArena(self.shape, kv_budget_bytes, self.device)
         self._reference = model
         log.info("model runner ready", model=loaded.name, runner=self.kind, lean_unavailable=why_not or None,
-                 dtype=str(self.shape.dtype).removeprefix("torch."), batch_invariant=batch_invariant,
+                 dtype=_name(self.weight_dtype), activations=_name(self.shape.dtype), batch_invariant=batch_invariant,
                  row_multiple=self.row_multiple or None, kv_tokens=self.kv.tokens,
                  kv_gib=round(self.kv.budget_bytes / 2**30, 3), kv_bytes_per_token=self.shape.bytes_per_token)
         if self_check:
@@ -93,20 +116,20 @@ class ModelRunner:
         if batch_invariant:
             self.check_invariance()
 
-    def _invariant_rows(self, loaded: LoadedModel, why_not: str) -> int:
+    def _invariant_rows(self, loaded: LoadedModel, why_not: str) -> dict[tuple[int, int], int]:
         if self.kind != "lean":
             raise ModelLoadError(f"batch invariance needs the lean runner, which cannot run {loaded.name}: "
                                  f"{why_not or '--runner hf was asked for'}; pass --batch-invariant false")
-        rows = probe_row_multiple(linear_shapes(loaded.model), self.shape.dtype, self.device)
-        if not rows:
-            raise ModelLoadError(f"this machine's {self.shape.dtype} matmuls give a row different results at every "
+        rows = probe_row_multiples(linear_shapes(loaded.model), self.weight_dtype, self.device)
+        if not all(rows.values()):
+            raise ModelLoadError(f"this machine's {self.weight_dtype} matmuls give a row different results at every "
                                  "batch size probed, so speculation could change the text; try --dtype float32 "
                                  "or bfloat16, or pass --batch-invariant false")
         return rows
 
     def describe(self) -> dict[str, object]:
         """What ``/status`` shows of the model's numerics."""
-        return {"dtype": str(self.shape.dtype).removeprefix("torch."), "runner": self.kind,
+        return {"dtype": _name(self.weight_dtype), "activations": _name(self.shape.dtype), "runner": self.kind,
                 "batch_invariant": self.batch_invariant, "invariant_row_multiple": self.row_multiple}
 
     @torch.inference_mode()
@@ -148,7 +171,7 @@ class ModelRunner:
             for slot in slots:
                 self.kv.free(slot)
         if not torch.equal(torch.cat([r for r in one if r is not None]), torch.cat(wide)):
-            raise ModelLoadError(f"the batch-invariance self-check failed for {self.shape.dtype} on this machine: a "
+            raise ModelLoadError(f"the batch-invariance self-check failed for {self.weight_dtype} on this machine: a "
                                  "position's logits changed with the step's shape; pass --batch-invariant false "
                                  "(speculation may then change greedy text in rare near-ties)")
 
@@ -176,7 +199,11 @@ class ModelRunner:
         assert got is not None
         want = torch.cat([ref[split:], ref[:split]])
         err = float((got - want).abs().max()) / max(1.0, float(want.abs().max()))
-        if err > SELF_CHECK_RTOL.get(self.shape.dtype, 6e-2):
+        if err > SELF_CHECK_RTOL.get(self.weight_dtype, 6e-2):
             raise ModelLoadError(f"the {self.kind} runner disagrees with transformers on this model (relative error "
                                  f"{err:.2e}); try --runner hf, or serve it with the vLLM backend")
         return err
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

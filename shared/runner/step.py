@@ -135,17 +135,27 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, plan: StepPlan, kv_heads:
     no_bias = _no_bias(q)
     for span in plan.spans:
         n, start = span.n, span.q_start
-        rows = kv[:, :, span.kv_start : span.kv_start + span.kv_len]  # a view: [2, kv_heads, L, D]
-        if n == 1:  # decoding: the query row folds into [kv_heads, groups, D] as it is
-            scores = torch.baddbmm(no_bias, q[start].view(kv_heads, groups, dim), rows[0].transpose(1, 2), beta=0.0,
-                                   alpha=scale)
-            torch.bmm(_softmax(scores), rows[1], out=out[start].view(kv_heads, groups, dim))
+        if n == 1:
+            attend_row(q[start], kv, span.kv_start, span.kv_len, scale, out[start], no_bias)
             continue
+        rows = kv[:, :, span.kv_start : span.kv_start + span.kv_len]  # a view: [2, kv_heads, L, D]
         qs = q[start : start + n].view(n, kv_heads, groups, dim).permute(1, 2, 0, 3).reshape(kv_heads, groups * n, dim)
         scores = torch.baddbmm(span.mask, qs, rows[0].transpose(1, 2), alpha=scale)  # type: ignore[arg-type]
         attn = torch.bmm(_softmax(scores), rows[1]).view(kv_heads, groups, n, dim)
         out[start : start + n].view(n, kv_heads, groups, dim).copy_(attn.permute(2, 0, 1, 3))
     return out
+
+
+def attend_row(q: torch.Tensor, kv: torch.Tensor, kv_start: int, length: int, scale: float, out: torch.Tensor,
+               no_bias: torch.Tensor) -> None:
+    """One query row ``q [H, D]`` over arena rows ``[kv_start, kv_start + length)`` of one layer, into
+    ``out [H * D]``: a decode step's attention. Its arithmetic depends on the row's own query, keys
+    and values alone (the same kernels on the same shapes), which batch invariance builds on
+    (:func:`shared.runner.invariant.row_attention`)."""
+    kv_heads, dim = kv.shape[1], q.shape[-1]
+    rows = kv[:, :, kv_start : kv_start + length]  # a view: [2, kv_heads, L, D]
+    scores = torch.baddbmm(no_bias, q.view(kv_heads, -1, dim), rows[0].transpose(1, 2), beta=0.0, alpha=scale)
+    torch.bmm(_softmax(scores), rows[1], out=out.view(kv_heads, -1, dim))
 
 
 def _softmax(scores: torch.Tensor) -> torch.Tensor:

@@ -24,12 +24,13 @@ from services.coordinator.model_info import ModelInfo
 from shared.fleet import Fleet
 from shared.model_import import KNOWN_MODELS, ImportModelError, gguf_architecture, locate_package_file
 from shared.models import load_model
-from shared.runner import ModelRunner
+from shared.runner import ModelRunner, Segment
 from tests.e2e.greedy_streams import metric_value
 from tests.e2e.stack import StackSpec, run_stack
 from tests.real.conftest import VERIFIER_FLAGS
 from tests.unit.test_batch_invariance import PATTERNS, mixed_steps, one_token_steps
 from training.prompts import build_prompts, split_prompts
+from training.teacher import chat_ids
 
 PROMPTS = int(os.environ.get("SPECFLEET_REAL_PROMPTS", "4"))
 MAX_TOKENS = int(os.environ.get("SPECFLEET_REAL_TOKENS", "48"))
@@ -80,6 +81,29 @@ def test_the_runner_is_batch_invariant_on_the_real_model(smollm2: Path, dtype: s
     for name, (widths, beside) in PATTERNS.items():
         got = mixed_steps(runner, ids, widths, beside)
         assert torch.equal(got, alone), f"{name}: some position's logits changed with the step"
+
+
+README_QUESTION, README_ANSWER = "What is the capital of France?", "The capital of France is Paris."
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_readmes_first_request_gets_the_readmes_answer(smollm2: Path, dtype: str) -> None:
+    """In either dtype auto can pick, through the runner as the verifier serves (lean, batch-invariant):
+    on a CPU without native bfloat16 it is emulated, with the same numerics. Before float32
+    activations, bfloat16 answered "L'Étoile, la Marseillaise, ..." (a 0.10 margin on the first token)."""
+    loaded = load_model(smollm2, dtype=dtype)
+    runner = ModelRunner(loaded, 16 << 20, kind="lean", batch_invariant=True)
+    slot = runner.kv.allocate(256)
+    assert slot is not None
+    feed, said = chat_ids(loaded.tokenizer, README_QUESTION), []
+    for _ in range(24):
+        logits = runner.forward([Segment(slot, feed, len(feed) - 1)])
+        assert logits is not None
+        feed = [int(logits[-1].argmax())]
+        if feed[0] in loaded.eos_ids:
+            break
+        said.append(feed[0])
+    assert loaded.tokenizer.decode(said).strip() == README_ANSWER
 
 
 def _chat(fleet: Fleet, prompt: str) -> str:

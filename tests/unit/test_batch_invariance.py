@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from shared.models import ModelLoadError
-from shared.runner import KVError, ModelRunner, Segment, invariant
-from shared.runner.invariant import BLOCK, linear, probe_row_multiple
+from shared.runner import KVError, ModelRunner, Segment
+from shared.runner.invariant import probe_row_multiples
 from shared.runner.kv import KVArena, KVShape
 from tests.unit.runner_models import ARCHS, KV_BUDGET, assert_close, full_logits, tiny_model, token_ids
 
@@ -101,27 +101,15 @@ def test_the_hf_runner_cannot_be_invariant() -> None:
         ModelRunner(tiny_model("llama"), KV_BUDGET, kind="hf", batch_invariant=True)
 
 
-@pytest.mark.parametrize("rows,multiple,padded", [(1, 4, 4), (4, 4, 4), (5, 4, 8), (9, 8, 16), (3, 1, 3)])
-def test_linear_pads_rows_to_the_multiple_and_drops_them(rows: int, multiple: int, padded: int,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    seen: list[int] = []
-    real = invariant.F.linear
-
-    def spy(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        seen.append(x.shape[0])
-        return real(x, weight, bias)
-
-    monkeypatch.setattr(invariant.F, "linear", spy)
-    weight, x = torch.randn(8, 6), torch.randn(rows, 6)
-    out = linear(x, weight, None, multiple)
-    assert seen == [padded] and out.shape == (rows, 8)
-    assert torch.allclose(out, x @ weight.T, atol=1e-5)
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_the_probe_finds_a_row_multiple_here(dtype: torch.dtype) -> None:
-    multiple = probe_row_multiple([(64, 96), (96, 64), (64, 300)], dtype, torch.device("cpu"))
-    assert multiple in (1, 2, 4, 8, 16, 32)
+    shapes = [(64, 96), (96, 64), (64, 300), (64, 96)]
+    multiples = probe_row_multiples(shapes, dtype, torch.device("cpu"))
+    assert list(multiples) == [(64, 96), (96, 64), (64, 300)]  # each shape once
+    assert all(m in (1, 2, 4, 8, 16, 32) for m in multiples.values())
+
+
+BLOCK = 64
 
 
 def test_block_arena_rounds_slots_to_blocks_and_zeroes_them() -> None:

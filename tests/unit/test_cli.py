@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from shared import cli
+from shared.errors import ModelLoadError
 from shared.up import Models, Ports, UpError, build_parser, connect_host, instructions, plan, resolve_models, up_main
 
 
@@ -71,12 +72,20 @@ def _fetched(state: Path, copies: bool = True) -> Path:
     return out
 
 
+def _llama_missing() -> None:
+    """What shared.llama_lib.llama_cpp_module raises where llama_cpp does not import (a dependency missing)."""
+    from shared.llama_lib import INSTALL_HINT
+
+    raise ModelLoadError(f"GGUF drafts run on llama.cpp, which is not installed (No module named 'diskcache'): "
+                         f"{INSTALL_HINT}")
+
+
 def test_resolve_defaults_to_the_fetched_model_and_its_gguf_copies(tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     import shared.llama_lib
     from shared.gguf_copies import FLEET_WIDTHS, copy_path
 
-    monkeypatch.setattr(shared.llama_lib, "llama_cpp_available", lambda: True)
+    monkeypatch.setattr(shared.llama_lib, "llama_cpp_module", lambda: None)
     target = _fetched(tmp_path / ".specfleet")
     _model(tmp_path / "models" / "draft-small")
     want = [copy_path(target, w) for w in FLEET_WIDTHS]
@@ -88,19 +97,20 @@ def test_without_llama_cpp_the_fleet_falls_back_to_the_committed_drafts_and_says
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     import shared.llama_lib
 
-    monkeypatch.setattr(shared.llama_lib, "llama_cpp_available", lambda: False)
+    monkeypatch.setattr(shared.llama_lib, "llama_cpp_module", _llama_missing)
     target = _fetched(tmp_path / ".specfleet")
     small, large = _model(tmp_path / "models" / "draft-small"), _model(tmp_path / "models" / "draft-large")
     (tmp_path / "models" / "draft-empty").mkdir()  # no config.json: not a model
     assert resolve_models("", "", tmp_path, tmp_path / ".specfleet") == Models(target, [large, small])
     said = capsys.readouterr().err.strip().splitlines()
-    assert len(said) == 1 and "llama.cpp is not installed" in said[0] and "llama-cpp-build.log" in said[0]
+    assert len(said) == 1 and "llama-cpp-build.log" in said[0] and "distilled drafts" in said[0]
+    assert "which is not installed (No module named 'diskcache')" in said[0]  # the reason, not a guess
 
 
 def test_resolve_without_drafts_leaves_prompt_lookup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import shared.llama_lib
 
-    monkeypatch.setattr(shared.llama_lib, "llama_cpp_available", lambda: False)
+    monkeypatch.setattr(shared.llama_lib, "llama_cpp_module", _llama_missing)
     target = _fetched(tmp_path / ".specfleet")
     assert resolve_models("", "", tmp_path, tmp_path / ".specfleet") == Models(target, [])
 

@@ -11,7 +11,16 @@ import pytest
 import torch
 
 from shared.runner import KVError, ModelRunner, Segment
-from tests.unit.runner_models import ARCHS, assert_close, full_logits, make_runner, rel_err, token_ids
+from tests.unit.runner_models import (
+    ARCHS,
+    KV_BUDGET,
+    assert_close,
+    full_logits,
+    make_runner,
+    rel_err,
+    tiny_model,
+    token_ids,
+)
 
 KINDS = ["lean", "hf"]
 pytestmark = pytest.mark.device  # on --device (the GPU check runs them on cuda)
@@ -201,9 +210,24 @@ def test_bfloat16_model(kind: str) -> None:
     runner, ref = make_runner("qwen3", kind, dtype=torch.bfloat16)
     ids = token_ids(12, seed=90)
     slot = runner.kv.allocate(12)
-    assert slot is not None and runner.kv.data.dtype == torch.bfloat16
-    assert runner.shape.bytes_per_token == 2 * 2 * 2 * 32 * 2  # layers, k+v, kv heads, head_dim, 2 bytes
+    # on a CPU, bfloat16 weights run with float32 activations, and so a float32 KV cache
+    assert slot is not None and runner.kv.data.dtype == torch.float32 and runner.weight_dtype == torch.bfloat16
+    assert runner.shape.bytes_per_token == 2 * 2 * 2 * 32 * 4  # layers, k+v, kv heads, head_dim, 4 bytes
+    assert runner.describe()["activations"] == "float32" and runner.describe()["dtype"] == "bfloat16"
     got = torch.cat([runner.forward([Segment(slot, ids[:7], 0)]),
                      runner.forward([Segment(slot, ids[7:], 0)])])
     assert got.dtype == torch.float32
     assert_close(got, full_logits(ref, ids), rtol=5e-2)
+
+
+def test_bfloat16_activations_can_be_asked_for() -> None:
+    """What the fidelity benchmark compares against: bfloat16 all through, as before float32 activations."""
+    loaded = tiny_model("llama")
+    loaded.model.to(torch.bfloat16)
+    runner = ModelRunner(loaded, KV_BUDGET, kind="lean", activations=torch.bfloat16)
+    assert runner.kv.data.dtype == torch.bfloat16 and runner.describe()["activations"] == "bfloat16"
+    slot = runner.kv.allocate(6)
+    assert slot is not None
+    got = runner.forward([Segment(slot, token_ids(6, seed=3), 0)])
+    assert got is not None and got.dtype == torch.float32
+    assert_close(got, full_logits(loaded.model, token_ids(6, seed=3)), rtol=5e-2)

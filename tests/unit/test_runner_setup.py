@@ -13,6 +13,7 @@ import transformers as tf
 
 from shared.models import LoadedModel, ModelLoadError, load_model
 from shared.runner import ModelRunner, Segment, hf, lean, step
+from shared.runner.matmul import matmul
 from tests.unit.runner_models import (
     COMMON,
     KV_BUDGET,
@@ -140,7 +141,7 @@ def test_self_check_passes_and_cleans_up(kind: str) -> None:
 def test_self_check_catches_a_wrong_fused_weight() -> None:
     runner, _ = make_runner("qwen2", "lean")
     layer = runner.decoder.layers[1]
-    layer.qkv_w = layer.qkv_w * 1.05  # a copy: the transformers model keeps the right weights
+    layer.qkv = matmul(layer.qkv.source * 1.05, layer.qkv.bias)  # a copy: the model keeps the right weights
     with pytest.raises(ModelLoadError, match="the lean runner disagrees with transformers"):
         runner.check_against_reference()
     assert runner.kv.sessions == 0  # its slots are freed even so
@@ -197,15 +198,16 @@ def test_lean_fusion_keeps_the_model_unchanged_without_copies(arch: str) -> None
     for layer, fused in zip(model.model.layers, runner.decoder.layers, strict=True):
         attn, mlp = layer.self_attn, layer.mlp
         q_rows, k_rows = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]
-        assert attn.q_proj.weight.data_ptr() == fused.qkv_w.data_ptr()
-        assert attn.k_proj.weight.data_ptr() == fused.qkv_w[q_rows].data_ptr()
-        assert attn.v_proj.weight.data_ptr() == fused.qkv_w[q_rows + k_rows].data_ptr()
-        assert mlp.gate_proj.weight.data_ptr() == fused.gate_up_w.data_ptr()
-        assert mlp.up_proj.weight.data_ptr() == fused.gate_up_w[mlp.gate_proj.weight.shape[0]].data_ptr()
+        assert attn.q_proj.weight.data_ptr() == fused.qkv.source.data_ptr()
+        assert attn.k_proj.weight.data_ptr() == fused.qkv.source[q_rows].data_ptr()
+        assert attn.v_proj.weight.data_ptr() == fused.qkv.source[q_rows + k_rows].data_ptr()
+        assert mlp.gate_proj.weight.data_ptr() == fused.gate_up.source.data_ptr()
+        assert mlp.up_proj.weight.data_ptr() == fused.gate_up.source[mlp.gate_proj.weight.shape[0]].data_ptr()
         if attn.q_proj.bias is not None:
-            assert fused.qkv_b is not None and attn.v_proj.bias.data_ptr() == fused.qkv_b[q_rows + k_rows].data_ptr()
+            assert fused.qkv.bias is not None
+            assert attn.v_proj.bias.data_ptr() == fused.qkv.bias[q_rows + k_rows].data_ptr()
         else:
-            assert fused.qkv_b is None
+            assert fused.qkv.bias is None
     if model.config.tie_word_embeddings:
         assert model.lm_head.weight is model.model.embed_tokens.weight
 
