@@ -36,7 +36,7 @@ from tqdm import tqdm
 from shared.model_import import DEFAULT_MODEL, fetch_model
 from shared.models import LoadedModel, load_model
 from shared.runner import ModelRunner, Segment
-from shared.runner.runner import kv_shape
+from shared.runner.runner import greedy_decode, kv_shape
 from training.evaluate_gguf import cpu_flag_summary
 from training.teacher import chat_ids
 
@@ -80,23 +80,7 @@ def _runner_forward(name: str, loaded: LoadedModel, invariant: bool, activations
         finally:
             runner.kv.free(slot)
 
-    def greedy(prompt: list[int], tokens: int, eos: set[int]) -> list[int]:
-        slot = runner.kv.allocate(len(prompt) + tokens)
-        assert slot is not None
-        try:
-            out, feed = [], list(prompt)
-            for _ in range(tokens):
-                logits = runner.forward([Segment(slot, feed, len(feed) - 1)])
-                assert logits is not None
-                out.append(int(logits[-1].argmax()))
-                if out[-1] in eos:
-                    break
-                feed = [out[-1]]
-            return out
-        finally:
-            runner.kv.free(slot)
-
-    return Forward(name, score, step_ms, greedy)
+    return Forward(name, score, step_ms, lambda prompt, tokens, eos: greedy_decode(runner, prompt, tokens, eos))
 
 
 def _hf_forward(name: str, loaded: LoadedModel) -> Forward:

@@ -8,9 +8,9 @@ in the two cases, and in bfloat16 that flips a near-tied argmax every few hundre
 an order fixed by the position alone:
 
 * **Linear layers.** A row's result must not depend on how many rows the matmul holds, nor on
-  where among them it sits. oneDNN's bfloat16 kernels behave so; MKL's float32 kernels use a
-  matrix-vector path for one row and another for a tile's last few rows (measured on an AVX2
-  machine: rows are invariant once every matmul holds a multiple of 4 rows).
+  where among them it sits. Kernels often take a matrix-vector path for one row and another for
+  several (MKL's float32 ones needed every matmul padded to 4 rows on an AVX2 machine; oneDNN's,
+  on reordered weights, pad only a 1536-wide input's to 2 rows here).
   :func:`probe_row_multiples` finds the smallest such multiple for this machine and each of the
   model's shapes, and :class:`shared.runner.matmul.Matmul` pads each step's rows up to it.
 * **Attention.** Every query row is computed as a decode step at its position computes it: its

@@ -74,15 +74,11 @@ class SlotArena(Protocol):
 
 
 class KVArena:
-    """``block`` > 1: every slot is a whole number of blocks of that many rows, zeroed when it is
-    allocated (for a reader of whole blocks past a slot's length: finite values, never an earlier session's)."""
-
-    def __init__(self, shape: KVShape, budget_bytes: int, device: torch.device | str = "cpu", block: int = 1) -> None:
-        tokens = budget_bytes // shape.bytes_per_token // block * block
+    def __init__(self, shape: KVShape, budget_bytes: int, device: torch.device | str = "cpu") -> None:
+        tokens = budget_bytes // shape.bytes_per_token
         if tokens < 1:
             raise KVError(f"a KV budget of {budget_bytes} bytes holds no token ({shape.bytes_per_token} bytes each)")
         self.shape = shape
-        self.block = block
         self.tokens = int(tokens)
         # torch.empty: on CPU the pages are only committed as sessions write them.
         self.data = torch.empty((shape.layers, 2, shape.kv_heads, self.tokens, shape.head_dim),
@@ -96,7 +92,6 @@ class KVArena:
         """Reserve ``tokens`` contiguous rows, or None when no free range is large enough now."""
         if tokens < 1:
             raise KVError(f"a slot needs at least one token, asked for {tokens}")
-        tokens = -(-tokens // self.block) * self.block
         if tokens > self.tokens:
             raise KVError(f"a session needing {tokens} tokens of KV cache can never fit: the arena holds "
                           f"{self.tokens} tokens ({self.budget_bytes / 2**30:.2f} GiB). Raise --kv-cache-gb "
@@ -109,8 +104,6 @@ class KVArena:
                     self._free[i] = (start + tokens, size - tokens)
                 slot = KVSlot(start, tokens)
                 self._slots.add(slot)
-                if self.block > 1:
-                    self.data[:, :, :, start : start + tokens].zero_()
                 return slot
         return None
 
@@ -160,7 +153,7 @@ class KVArena:
         return max((size for _, size in self._free), default=0)
 
     def fits(self, tokens: int) -> bool:
-        return -(-tokens // self.block) * self.block <= self.largest_free
+        return tokens <= self.largest_free
 
     @property
     def sessions(self) -> int:

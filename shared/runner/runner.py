@@ -26,7 +26,7 @@ from shared.models import LoadedModel, ModelLoadError
 from shared.runner import lean
 from shared.runner.hf import HFDecoder
 from shared.runner.invariant import probe_row_multiples
-from shared.runner.kv import KVArena, KVShape
+from shared.runner.kv import KVArena, KVError, KVShape
 from shared.runner.step import Segment, StepPlan, commit_step, plan_step
 
 log = get_logger("runner")
@@ -203,6 +203,26 @@ class ModelRunner:
             raise ModelLoadError(f"the {self.kind} runner disagrees with transformers on this model (relative error "
                                  f"{err:.2e}); try --runner hf, or serve it with the vLLM backend")
         return err
+
+
+@torch.inference_mode()
+def greedy_decode(runner: ModelRunner, prompt: Sequence[int], tokens: int, eos: set[int]) -> list[int]:
+    """Greedy decoding through ``runner`` in a slot of its own, one token a step (as target-only
+    serving decodes): up to ``tokens`` new tokens, the end-of-sequence token included if reached."""
+    slot = runner.kv.allocate(len(prompt) + tokens)
+    if slot is None:
+        raise KVError(f"no room in the KV cache for {len(prompt) + tokens} tokens")
+    try:
+        out: list[int] = []
+        feed = list(prompt)
+        while len(out) < tokens and (not out or out[-1] not in eos):
+            logits = runner.forward([Segment(slot, feed, len(feed) - 1)])
+            assert logits is not None
+            feed = [int(logits[-1].argmax())]
+            out.append(feed[0])
+        return out
+    finally:
+        runner.kv.free(slot)
 
 
 def _name(dtype: torch.dtype) -> str:

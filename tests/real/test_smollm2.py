@@ -24,7 +24,8 @@ from services.coordinator.model_info import ModelInfo
 from shared.fleet import Fleet
 from shared.model_import import KNOWN_MODELS, ImportModelError, gguf_architecture, locate_package_file
 from shared.models import load_model
-from shared.runner import ModelRunner, Segment
+from shared.runner import ModelRunner
+from shared.runner.runner import greedy_decode
 from tests.e2e.greedy_streams import metric_value
 from tests.e2e.stack import StackSpec, run_stack
 from tests.real.conftest import VERIFIER_FLAGS
@@ -93,17 +94,9 @@ def test_the_readmes_first_request_gets_the_readmes_answer(smollm2: Path, dtype:
     activations, bfloat16 answered "L'Étoile, la Marseillaise, ..." (a 0.10 margin on the first token)."""
     loaded = load_model(smollm2, dtype=dtype)
     runner = ModelRunner(loaded, 16 << 20, kind="lean", batch_invariant=True)
-    slot = runner.kv.allocate(256)
-    assert slot is not None
-    feed, said = chat_ids(loaded.tokenizer, README_QUESTION), []
-    for _ in range(24):
-        logits = runner.forward([Segment(slot, feed, len(feed) - 1)])
-        assert logits is not None
-        feed = [int(logits[-1].argmax())]
-        if feed[0] in loaded.eos_ids:
-            break
-        said.append(feed[0])
-    assert loaded.tokenizer.decode(said).strip() == README_ANSWER
+    said = greedy_decode(runner, chat_ids(loaded.tokenizer, README_QUESTION), 24, loaded.eos_ids)
+    assert said and said[-1] in loaded.eos_ids  # the answer ends by itself
+    assert loaded.tokenizer.decode(said[:-1]).strip() == README_ANSWER
 
 
 def _chat(fleet: Fleet, prompt: str) -> str:

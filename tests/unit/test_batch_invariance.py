@@ -12,9 +12,8 @@ import pytest
 import torch
 
 from shared.models import ModelLoadError
-from shared.runner import KVError, ModelRunner, Segment
+from shared.runner import ModelRunner, Segment
 from shared.runner.invariant import probe_row_multiples
-from shared.runner.kv import KVArena, KVShape
 from tests.unit.runner_models import ARCHS, KV_BUDGET, assert_close, full_logits, tiny_model, token_ids
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -107,20 +106,3 @@ def test_the_probe_finds_a_row_multiple_here(dtype: torch.dtype) -> None:
     multiples = probe_row_multiples(shapes, dtype, torch.device("cpu"))
     assert list(multiples) == [(64, 96), (96, 64), (64, 300)]  # each shape once
     assert all(m in (1, 2, 4, 8, 16, 32) for m in multiples.values())
-
-
-BLOCK = 64
-
-
-def test_block_arena_rounds_slots_to_blocks_and_zeroes_them() -> None:
-    shape = KVShape(layers=2, kv_heads=1, head_dim=4, dtype=torch.float32)
-    arena = KVArena(shape, shape.bytes_per_token * 1000, block=BLOCK)
-    assert arena.tokens % BLOCK == 0
-    arena.data.fill_(float("nan"))  # whatever a freed slot left behind
-    slot = arena.allocate(70)
-    assert slot is not None and slot.capacity == 2 * BLOCK
-    assert torch.equal(arena.data[:, :, :, slot.start : slot.start + slot.capacity],
-                       torch.zeros_like(arena.data[:, :, :, : slot.capacity]))
-    assert arena.fits(arena.largest_free) and not arena.fits(arena.largest_free + 1)
-    with pytest.raises(KVError):
-        arena.allocate(arena.tokens + 1)
