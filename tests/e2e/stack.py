@@ -29,6 +29,7 @@ class StackSpec:
     extra_verifier: list[str] = field(default_factory=list)
     per_drafter: list[list[str]] = field(default_factory=list)  # drafter i also gets entry i (they win)
     verifier_port: int = 0  # 0: a free one
+    ready_timeout_s: float = 180.0  # for the coordinator's /ready: every model loaded, every link up
 
 
 @contextmanager
@@ -47,5 +48,5 @@ def run_stack(target: Path, spec: StackSpec, log_dir: Path) -> Iterator[Fleet]:
                        "--q-max-entries", str(spec.q_max_entries), "--claim-idle-ms", "2000", *spec.extra_drafter],
         per_drafter_flags=spec.per_drafter,
     )
-    with running_fleet(fleet, log_dir, TOKEN) as running:
+    with running_fleet(fleet, log_dir, TOKEN, spec.ready_timeout_s) as running:
         yield running

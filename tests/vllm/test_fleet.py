@@ -24,9 +24,9 @@ from shared.models import LoadedModel, load_model
 from tests.conftest import greedy_reference
 from tests.e2e.stack import Stack, StackSpec, run_stack
 from tests.e2e.test_full_stack import CONCURRENCY, check_greedy, prompt_ids
-from tests.vllm.conftest import VLLM_WARNINGS
+from tests.vllm.conftest import TEST_MEMORY_SHARE, VLLM_WARNINGS
 
-pytestmark = [pytest.mark.vllm, pytest.mark.e2e, *VLLM_WARNINGS]
+pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.timeout(900), *VLLM_WARNINGS]
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +36,11 @@ def target(tiny_models: dict[str, Path]) -> LoadedModel:
 
 @pytest.fixture(scope="module")
 def vllm_fleet(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    # vLLM starts three processes, each importing torch and vLLM (~30 s on an idle 2-core host); CI's
+    # host has taken over 5 min with the test run's side jobs beside it, hence the long wait
     spec = StackSpec(drafts=[tiny_models["draft-L2"]], draft_mode="greedy", max_sessions=CONCURRENCY,
-                     extra_verifier=["--backend", "vllm", "--max-draft-tokens", "4"])
+                     extra_verifier=["--backend", "vllm", "--max-draft-tokens", "4",
+                                     "--vllm-memory-share", str(TEST_MEMORY_SHARE)], ready_timeout_s=600.0)
     with run_stack(tiny_models["target"], spec, tmp_path_factory.mktemp("logs-vllm")) as stack:
         yield stack
 
