@@ -20,7 +20,9 @@ prints one JSON object:
 * with ``--floor``: ``floor``, the physical floor of one decode step on this core, in the weights'
   dtype: the bytes a decode step streams (every matrix once; a tied head is the embedding, an
   untied embedding table is read a row at a time and not counted) over the bandwidth of a 1-row
-  matmul (GEMV) streaming 256 MiB of weights of the model's width, which no cache holds.
+  matmul (GEMV) streaming 256 MiB of weights of the model's width, which no cache holds; and
+  ``matmuls_tok_s``: the lean runner's own matmuls alone, every weight matrix once on one row,
+  with no other op between them (the most a decode step can reach with these kernels).
 
 Every number is a median over repeats, after warm-up, with one torch thread.
 """
@@ -38,6 +40,7 @@ import torch
 
 from shared.models import load_model
 from shared.runner import ModelRunner, Segment
+from shared.runner.lean import LeanDecoder
 from shared.runner.matmul import Matmul, packing_available
 
 WARMUP = 3
@@ -226,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {"model": args.model, "runner": runner.kind, **runner.describe()}
     if args.floor:
         out["floor"] = floor(loaded.model, args.repeats)
+        if isinstance(runner.decoder, LeanDecoder):
+            out["matmuls_tok_s"] = 1e3 / matmuls_ms(runner.decoder.matmuls(), args.repeats)
     if args.decode:
         out["hf_decode_tok_s"] = statistics.median(hf_decode(loaded.model, prompt, args.decode) for _ in range(3))
         out["runner_decode_tok_s"] = statistics.median(runner_decode(runner, prompt, args.decode) for _ in range(3))
@@ -267,6 +272,18 @@ def floor(model: Any, repeats: int, stream_bytes: int = 256 << 20) -> dict[str, 
     floor_ms = weight_bytes / gb_s / 1e6
     return {"dtype": str(dtype).removeprefix("torch."), "weight_bytes": weight_bytes, "gemv_gb_s": gb_s, "gemv": gemv,
             "floor_ms": floor_ms, "floor_tok_s": 1e3 / floor_ms}
+
+
+@torch.inference_mode()
+def matmuls_ms(matmuls: list[Matmul], repeats: int) -> float:
+    """Median time of one pass over ``matmuls``, each on one row of random activations."""
+    rows = [torch.randn(1, m.in_features) for m in matmuls]
+
+    def one_pass() -> None:
+        for m, x in zip(matmuls, rows, strict=True):
+            m(x)
+
+    return median_ms(one_pass, repeats)
 
 
 def kv_bytes(loaded: Any) -> int:

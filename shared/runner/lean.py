@@ -141,6 +141,13 @@ class LeanDecoder:
             k_norm=self._small(k_norm.weight) if k_norm is not None else None,
         )
 
+    def matmuls(self) -> list[Matmul]:
+        """Every weight matrix's product, in the order a forward runs them (``bench.costs --floor``
+        times them alone: the most a step can reach with these kernels and no other op)."""
+        ends = [m for m in (self.head_down, self.lm_head) if m is not None]
+        layers = [m for w in self.layers for m in (w.qkv, w.o, w.gate_up, w.down)]
+        return [*([self.embed_up] if self.embed_up is not None else []), *layers, *ends]
+
     def _matmul(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Matmul:
         inp, out = weight.shape[1], weight.shape[0]
         multiple = self.row_multiples.get((inp, out), max(self.row_multiples.values(), default=0))

@@ -1,7 +1,9 @@
-"""bench.costs' draft-batch timing: every batch drafts all its sessions' tokens, and the line fit."""
+"""bench.costs' draft-batch timing (every batch drafts all its sessions' tokens, and the line fit),
+and the floor beside the runner's matmuls alone."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -9,8 +11,10 @@ from typing import Any
 
 import pytest
 
-from bench.costs import _draft_and_commit, draft_costs, fit_line
+from bench.costs import _draft_and_commit, draft_costs, fit_line, main
 from shared.models import load_model
+from shared.runner import ModelRunner
+from shared.runner.lean import LeanDecoder
 
 
 @pytest.mark.parametrize(("xs", "ys", "want"), [
@@ -59,3 +63,29 @@ def test_a_batch_that_drafted_fewer_tokens_than_asked_raises() -> None:
     proposer = ShortProposer(commit_s=0.05)
     assert _draft_and_commit(proposer, jobs, 5) < 0.05  # the drafter commits apart from its batches: untimed
     assert proposer.commits == [("s0", [7, 7, 5], 2), ("s1", [7, 7, 5], 2)]
+
+
+def test_the_matmuls_alone_are_every_weight_matrix_once_in_forward_order(tiny_models: dict[str, Path]) -> None:
+    """What ``--floor`` times beside the floor: each layer's four products, then the head; together
+    every byte the floor counts but the norms' weights."""
+    loaded = load_model(tiny_models["target"])
+    decoder = ModelRunner(loaded, 1 << 20, "lean").decoder
+    assert isinstance(decoder, LeanDecoder)
+    mms = decoder.matmuls()
+    layers = loaded.model.config.num_hidden_layers
+    assert len(mms) == 4 * layers + 1 and mms[:4] == [decoder.layers[0].qkv, decoder.layers[0].o,
+                                                       decoder.layers[0].gate_up, decoder.layers[0].down]
+    assert mms[-1] is decoder.lm_head
+    norms = sum(p.numel() * p.element_size() for n, p in loaded.model.named_parameters() if "norm" in n)
+    matrices = sum(m.source.numel() * m.source.element_size() for m in mms)
+    params = {p.data_ptr(): p for p in loaded.model.parameters()}
+    embed = loaded.model.get_input_embeddings().weight
+    if embed.data_ptr() != loaded.model.get_output_embeddings().weight.data_ptr():
+        params.pop(embed.data_ptr())  # as the floor counts: an untied table is read a row a step
+    assert matrices + norms == sum(p.numel() * p.element_size() for p in params.values())
+
+
+def test_floor_reports_the_matmuls_alone(tiny_models: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--model", str(tiny_models["target"]), "--floor", "--repeats", "2"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["floor"]["floor_tok_s"] > 0 and out["matmuls_tok_s"] > 0
