@@ -13,7 +13,10 @@ model ends them (at most ``--max-tokens``):
 2. real fleets, all up at once and measured in turn (``bench.fleets.in_turn``): target-only; the
    default fleet (what ``specfleet up`` runs: the target's Q4_1 and Q8_0 copies, 4 sessions each);
    each copy alone; and the poor drafters alone (the distilled small draft; prompt lookup);
-3. the issue's targets, each a ratio of this run.
+3. the issue's targets, each a ratio of this run;
+4. what the operator is shown: ``GET /v1/fleet``'s ``speedup_estimate`` (the dashboard's and
+   ``specfleet status``'s "est. speedup"), read once a second while each run's load is on, its
+   median beside the measured ratio.
 
 Writes ``bench/results/edge-drafts.{json,md,png}`` (``edge-drafts-t<T>.*`` at temperature T), with the
 CPU's flags and the dtype. The copies' agreement comes from ``models/gguf/MEASUREMENTS.json``
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import statistics
 import sys
@@ -33,13 +37,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import httpx
 from tqdm import tqdm
 
-from bench.client import percentiles, run_load
+from bench.client import Outcome, percentiles, run_load
 from bench.edge import Edge, edge_from, run_pinned
 from bench.fleets import BenchFleet, Run, Scenario, add_workload_flags, given_args, in_turn, write_results
 from bench.plots import bars_by_concurrency
 from bench.scrape import diff_all
+from services.coordinator.fleet import RATE_WINDOW_S
 from shared.gguf_copies import FLEET_WIDTHS, MEASURED, copy_path
 from shared.models import resolve_dtype, stored_dtype
 from shared.up import resolve_models
@@ -83,12 +89,40 @@ def heldout_prompts(n: int) -> list[str]:
 
 
 def measure_chat(bf: BenchFleet, sc: Scenario, concurrency: int, prompts: list[str], max_tokens: int, model: str,
-                 temperature: float) -> Run:
+                 temperature: float, estimates: list[float]) -> Run:
+    """One load run; ``estimates`` gets the fleet view's speedup estimates read during it."""
     before = bf.scrape()
-    wall, outs = asyncio.run(run_load(bf.fleet.ws_url, chat_bodies(prompts, max_tokens, model, temperature),
-                                      concurrency))
+    wall, outs = asyncio.run(load_watching_estimate(bf, chat_bodies(prompts, max_tokens, model, temperature),
+                                                    concurrency, estimates))
     return Run(sc.name, concurrency, [sum(o.tokens for o in outs) / wall], outs, diff_all(bf.scrape(), before),
                bf.network, [wall])
+
+
+async def load_watching_estimate(bf: BenchFleet, bodies: list[dict[str, Any]], concurrency: int,
+                                 estimates: list[float]) -> tuple[float, list[Outcome]]:
+    """``run_load``, reading ``GET /v1/fleet``'s speedup estimate once a second meanwhile (from one
+    rate window in: before that the window still holds the idle time before the load)."""
+    done = asyncio.Event()
+
+    async def watch() -> None:
+        began = time.monotonic()
+        async with httpx.AsyncClient(timeout=2.0) as client:
+            while not done.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(done.wait(), 1.0)
+                if done.is_set() or time.monotonic() - began < RATE_WINDOW_S:
+                    continue
+                with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+                    value = (await client.get(bf.fleet.base_url + "/v1/fleet")).json()["speed"]["speedup_estimate"]
+                    if value is not None:
+                        estimates.append(float(value))
+
+    watcher = asyncio.create_task(watch())
+    try:
+        return await run_load(bf.fleet.ws_url, bodies, concurrency)
+    finally:
+        done.set()
+        await watcher
 
 
 def step_costs(target: Path, drafts: dict[str, str], edge: Edge) -> dict[str, float]:
@@ -117,10 +151,12 @@ def gguf_step(path: str, target: str) -> dict[str, float]:
     return {"step_ms": statistics.median(decode_ms(runner, list(ids)) for _ in range(9))}
 
 
-def row(run: Run, base: dict[int, list[float]]) -> dict[str, Any]:
+def row(run: Run, base: dict[int, list[float]], estimates: list[float]) -> dict[str, Any]:
     tpots = [o.tpot_s * 1000 for o in run.outcomes if o.tpot_s > 0]
     ratios = [x / y for x, y in zip(run.rates, base.get(run.concurrency, []), strict=False) if y > 0]
     return {"scenario": run.scenario, "concurrency": run.concurrency, "tokens_per_s": run.tokens_per_s,
+            "speedup_estimate": statistics.median(estimates) if estimates else None,
+            "speedup_estimate_reads": len(estimates),
             "tokens_per_s_runs": run.rates, "ratio_runs": ratios,
             "ratio": statistics.median(ratios) if ratios else float("nan"), "acceptance": run.acceptance,
             "tpot_ms": percentiles(tpots, (50, 99)), "ttft_s_p50": percentiles([o.ttft_s for o in run.outcomes],
@@ -171,11 +207,14 @@ def write(rows: list[dict[str, Any]], found: list[dict[str, Any]], meta: dict[st
              f"One-token steps: target {meta['costs']['target']:.1f} ms on the server CPU; "
              + ", ".join(f"{k} {v:.1f} ms" for k, v in meta["costs"].items() if k != "target")
              + " on the edge CPU (llama.cpp, one thread).", "",
-             "| scenario | concurrency | tokens/s (median) | runs | vs target-only (median of repeats) | acceptance "
-             "| TPOT p50 / p99 ms | TTFT p50 s |", "|---|---|---|---|---|---|---|---|"]
+             "| scenario | concurrency | tokens/s (median) | runs | vs target-only (median of repeats) "
+             "| the dashboard's est. speedup | acceptance | TPOT p50 / p99 ms | TTFT p50 s |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         runs = ", ".join(f"{x:.1f}" for x in r["tokens_per_s_runs"])
+        shown = r.get("speedup_estimate")
         lines.append(f"| {r['scenario']} | {r['concurrency']} | {r['tokens_per_s']:.1f} | {runs} | {r['ratio']:.2f}x | "
+                     f"{'–' if shown is None else f'{shown:.2f}x'} | "
                      f"{r['acceptance']:.3f} | {r['tpot_ms']['p50']:.1f} / {r['tpot_ms']['p99']:.1f} | "
                      f"{r['ttft_s_p50']:.2f} |")
     lines += ["", "| target | measured | goal | met |", "|---|---|---|---|"]
@@ -209,17 +248,19 @@ def main(argv: list[str] | None = None) -> int:
     costs = step_costs(target, {w: str(copy_path(target, w)) for w in ("Q4_1", "Q8_0", "Q4_0")}, edge)
     print(f"steps (ms): {costs}", flush=True)
     total = len(chosen) * len(args.concurrency) * args.repeats
+    estimates: dict[tuple[str, int], list[float]] = {}  # (scenario, concurrency) -> the dashboard's readings
     with tqdm(total=total, desc="bench edge-drafts", unit="run") as bar, tempfile.TemporaryDirectory() as logs:
         def one(bf: BenchFleet, sc: Scenario, conc: int, i: int) -> Run:
             prompts = heldout_prompts(max(args.requests, conc) * (i + 1))[-max(args.requests, conc):]
-            run = measure_chat(bf, sc, conc, prompts, args.max_tokens, target.name, args.temperature)
+            run = measure_chat(bf, sc, conc, prompts, args.max_tokens, target.name, args.temperature,
+                               estimates.setdefault((sc.name, conc), []))
             bar.update(1)
             return run
 
         done = in_turn(target, chosen, edge, Path(logs), args.concurrency, args.repeats, target.name,
                        args.temperature, one, bar.set_postfix_str)
     base = {level: run.rates for sc, level, run in done if sc.name == "target-only"}
-    rows = [row(run, base) for _, _, run in done]
+    rows = [row(run, base, estimates.get((sc.name, level), [])) for sc, level, run in done]
     meta = {"command": "python -m bench edge-drafts " + " ".join(given_args(argv)),
             "when": time.strftime("%Y-%m-%d %H:%M"),
             "edge": edge.describe(), "cpu": cpu_flag_summary(), "costs": costs, "temperature": args.temperature,

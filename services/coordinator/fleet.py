@@ -6,18 +6,22 @@ flight, queued, refused with 429; recent TTFT and TPOT). Rates are differences o
 over the last ``RATE_WINDOW_S`` seconds, so a slow read never makes a spike. The last
 ``HISTORY_S`` seconds of readings are kept for the dashboard's charts.
 
-The estimated speedup over target-only decoding, per verifier over the rate window:
+The estimated speedup over target-only decoding, per verifier over the rate window, compares the
+tokens the fleet served with what the verifier alone would serve the same requests:
 
-    τ  = tokens committed / decode segments   (tokens a session gains per forward it decodes in)
-    T  = mean step time;  N, B = decode tokens and decode sessions a step fed (prefill left out:
-         target-only decoding pays it too)
-    T0 = T − a·(N − B)                        (the same steps fed one token per session)
-    speedup ≈ τ · T0 / T
+    C  = requests in flight, averaged over the window (each one session of a target-only step)
+    L  = the mean context of a decoding session in the window's steps
+    T0 = the verifier's cost of a forward feeding C sessions one token each after L cached rows
+         (measured at its start-up and whenever it runs one, a line in L per session count,
+         interpolated in C: ``shared.target_only_cost``)
+    speedup ≈ (tokens/s served) · T0 / C      (target-only serves C tokens a T0)
 
-``a`` is the verifier's fitted seconds per fed token (its step-time estimator). The estimate leaves
-out the attention term and the drafters' own time, which the edge pays; the benchmarks measure the
-real ratio side by side. Under ``--backend vllm`` there are no step times and it is τ alone, right
-only for a memory-bound verifier.
+The tokens served come from the clock, so the drafters' time, the network and a session waiting
+for its drafts count in the ratio (an earlier form, τ·T0/T from the measured step T, left them
+out and overstated it: ``bench edge-drafts`` records the estimate beside the measured ratio).
+Target-only's own time between forwards is left out of T0, so the estimate errs low. Under
+``--backend vllm`` nothing prices a target-only step and it is τ alone (tokens committed per
+decode segment), right only for a memory-bound verifier with drafts that are always on time.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 
 from shared.log import get_logger
+from shared.target_only_cost import forward_seconds
 
 if TYPE_CHECKING:
     from services.coordinator.state import CoordinatorState
@@ -43,8 +48,11 @@ SAMPLE_EVERY_S = 1.0
 HISTORY_S = 600.0
 RATE_WINDOW_S = 5.0
 READ_TIMEOUT_S = 1.5
-SPEEDUP_METHOD = ("τ·T0/T: tokens committed per decoding session-step τ, times the verifier's fitted cost of the "
-                  "same steps fed one token per session (T0) over their measured cost (T); excludes drafting time")
+SPEEDUP_METHOD = ("tokens/s served over what target-only would serve the same requests: C in flight, one token "
+                  "each per forward, priced by the verifier's measured target-only steps (drafting and network "
+                  "time count)")
+SPEEDUP_METHOD_TAU = ("tokens committed per decode segment (τ; --backend vllm has no step times to price a "
+                      "target-only step; right only when the verifier is memory-bound and drafts are on time)")
 
 
 def http_url(verifier_url: str, path: str) -> str:
@@ -88,15 +96,24 @@ def _rates(now: dict[str, Any], then: dict[str, Any] | None) -> dict[str, Any]:
     if segments > 0:
         out["tokens_per_forward"] = d["generated"] / segments
         out["batch_sessions"] = segments / steps if steps else None
-    if steps > 0 and d["step_seconds"] > 0:
-        step, fed, sessions = d["step_seconds"] / steps, d["decode_tokens"] / steps, segments / steps
-        per_token = (now.get("estimator") or {}).get("sum_new", 0.0)
-        target_only = max(step - per_token * (fed - sessions), 0.05 * step)
-        out["step_ms"] = 1000 * step
-        out["speedup"] = out.get("tokens_per_forward", 1.0) * target_only / step
-    elif "tokens_per_forward" in out:
-        out["speedup"] = out["tokens_per_forward"]
+    if steps > 0 and d["step_seconds"] > 0:  # specfleet's own engine (vLLM runs its own steps, untimed here)
+        out["step_ms"] = 1000 * d["step_seconds"] / steps
+    cost = now.get("target_only")
+    if "step_ms" in out and segments > 0 and "decode_cached" in d and cost:
+        out["context"] = d["decode_cached"] / segments  # L: a decoding session's mean cached rows
+        out["target_only"] = cost
     return out
+
+
+def target_only_speedup(rates: dict[str, Any], in_flight: float) -> float | None:
+    """The fleet's tokens/s over what target-only would serve the same ``in_flight`` requests
+    (see the module): ``tokens_s · T0(C) / C``. τ where the verifier prices no target-only step
+    (vLLM); None with nothing decoded in the window."""
+    if "target_only" not in rates:
+        return rates.get("tokens_per_forward")
+    sessions = max(in_flight, 1.0)
+    seconds = forward_seconds(rates["target_only"], sessions, rates["context"])
+    return None if seconds is None else rates["tokens_s"] * seconds / sessions
 
 
 def _drafter_rows(url: str, now: dict[str, Any], then: dict[str, Any] | None) -> list[dict[str, Any]]:
@@ -181,8 +198,10 @@ class FleetMonitor:
 
     def view(self, since: float | None = None, history: bool = True) -> dict[str, Any]:
         """The fleet now, as ``GET /v1/fleet`` returns it (history: points newer than ``since``)."""
-        verifiers, drafters, weighted, generated = [], [], 0.0, 0.0
-        tokens_s, tokens_per_forward = 0.0, []
+        verifiers: list[dict[str, Any]] = []
+        drafters: list[dict[str, Any]] = []
+        per_verifier: list[dict[str, Any]] = []
+        tokens_s, tokens_per_forward, tau_only = 0.0, [], False
         for v in self.verifiers:
             latest, base = v.latest, v.base()
             rates = _rates(latest, base) if latest is not None else {}
@@ -190,16 +209,18 @@ class FleetMonitor:
             if latest is not None:
                 drafters += _drafter_rows(v.url, latest, base)
             tokens_s += rates.get("tokens_s", 0.0)
-            if "speedup" in rates and rates["generated"] > 0:
-                weighted += rates["speedup"] * rates["generated"]
-                generated += rates["generated"]
+            if "tokens_per_forward" in rates and rates["generated"] > 0:
+                tau_only = tau_only or "target_only" not in rates
+                per_verifier.append(rates)
                 tokens_per_forward.append(rates["tokens_per_forward"])
+        speedup = self._speedup(per_verifier)
         return {
             "time": time.time(), "coordinator": self.state.node_id, **self._readiness(),
             "verifiers": verifiers, "drafters": drafters,
             "requests": {"in_flight": self.state.generator.admission.in_flight, "queued": self.queued,
                          "rejected_429": self.state.metrics.rejected},
-            "speed": self._speed(tokens_s, tokens_per_forward, weighted / generated if generated else None),
+            "speed": self._speed(tokens_s, tokens_per_forward, speedup,
+                                 SPEEDUP_METHOD_TAU if tau_only else SPEEDUP_METHOD),
             "history_s": HISTORY_S,
             "history": [p for p in self.history if since is None or p["t"] > since] if history else [],
         }
@@ -208,10 +229,28 @@ class FleetMonitor:
         missing = self.state.missing()
         return {"status": "ready" if not missing else "not_ready", "missing": missing}
 
-    def _speed(self, tokens_s: float, per_forward: list[float], speedup: float | None) -> dict[str, Any]:
+    def _speedup(self, per_verifier: list[dict[str, Any]]) -> float | None:
+        """The verifiers' speedups weighted by tokens; each prices its share of the requests in flight
+        (averaged over the rate window from the history, the newest count included)."""
+        generated = sum(r["generated"] for r in per_verifier)
+        if not generated:
+            return None
+        cut = time.time() - RATE_WINDOW_S
+        counts = [p["in_flight"] for p in self.history if p["t"] >= cut]
+        counts.append(self.state.generator.admission.in_flight)
+        in_flight = sum(counts) / len(counts)
+        weighted = 0.0
+        for r in per_verifier:
+            share = r["generated"] / generated
+            value = target_only_speedup(r, in_flight * share)
+            weighted += (value or 0.0) * share
+        return weighted
+
+    def _speed(self, tokens_s: float, per_forward: list[float], speedup: float | None,
+               method: str) -> dict[str, Any]:
         m = self.state.metrics
         return {"tokens_s": tokens_s,
                 "ttft_p50_s": m.recent_ttft.percentile(0.5), "ttft_p99_s": m.recent_ttft.percentile(0.99),
                 "tpot_p50_s": m.recent_tpot.percentile(0.5), "tpot_p99_s": m.recent_tpot.percentile(0.99),
                 "tokens_per_forward": sum(per_forward) / len(per_forward) if per_forward else None,
-                "speedup_estimate": speedup, "speedup_method": SPEEDUP_METHOD}
+                "speedup_estimate": speedup, "speedup_method": method}

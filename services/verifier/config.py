@@ -71,7 +71,10 @@ class EngineSection:
                                       "the text, in any dtype; proven at start-up (backend=torch, lean runner)")
     kv_cache_gb: float = opt(0.0, "KV cache in GiB; 0: 20%% of RAM, at most 2 GiB, on CPU; 80%% of free GPU memory")
     estimator_file: str = opt("", "step-time coefficients from `make profile-verifier` (refined online); empty: "
-                                  "start from a generic CPU guess")
+                                  "calibrate at start-up (see calibrate_estimator)")
+    calibrate_estimator: bool = opt(True, "without an estimator file, time 16 batch shapes on the served runner "
+                                          "at start-up (about 5 s on the default target) and fit the step-time "
+                                          "estimator on them; false: start from a generic CPU guess (backend=torch)")
     recompute_context: bool = opt(False, "benchmark baseline (SLED-like): forget each session's cached keys and "
                                          "values after every round, so the next round recomputes its whole context; "
                                          "never for serving (backend=torch only)")

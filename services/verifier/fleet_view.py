@@ -2,11 +2,13 @@
 
 One reading of the verifier and its drafters: the engine (backend, model, dtype, policies), KV
 memory, cumulative counts (a reader turns two readings into rates: tokens/s, step time, tokens per
-forward), and one row per connected drafter: its node, model, trust, when it connected, the
-WebSocket ping's round-trip time, its live sessions with their mean acceptance estimate α̂ and
-mean draft budget, and its drafted and accepted tokens since start. It reads only what the core
-publishes (``VerifierCore.status``/``kv_stats``) and the hub's peers: nothing here touches the
-engine. The endpoint takes a frontend's credentials, as ``/v1/frontend`` does.
+forward), the step-time estimator's coefficients (its eq. 19, and its line for a forward feeding
+every session one token: target-only's), and one row per connected drafter: its node, model,
+trust, when it connected, the WebSocket ping's round-trip time, its live sessions with their mean
+acceptance estimate α̂ and mean draft budget, and its drafted and accepted tokens since start. It
+reads only what the core publishes (``VerifierCore.status``/``kv_stats``) and the hub's peers:
+nothing here touches the engine. The endpoint takes a frontend's credentials, as ``/v1/frontend``
+does.
 """
 
 from __future__ import annotations
@@ -42,7 +44,9 @@ def fleet_view(hub: Hub) -> dict[str, Any]:
         "engine": {"backend": engine.backend, "model": engine.model, "dtype": engine.dtype, "device": engine.device,
                    "max_model_len": hub.welcome.max_model_len},
         "policies": {key: status.get(key) for key in ("allocation", "batching", "trim", "fill")},
-        "estimator": (status.get("estimator") or {}).get("coef", {}),  # seconds per fed token: sum_new
+        "estimator": (status.get("estimator") or {}).get("coef", {}),
+        # a forward feeding each session one token: what the dashboard prices target-only with
+        "target_only": (status.get("estimator") or {}).get("target_only"),
         "kv": None if kv is None else {"budget_bytes": kv.budget_bytes, "reserved_bytes": kv.reserved_bytes,
                                        "cached_tokens": kv.cached_tokens, "sessions": kv.sessions,
                                        "waiting": kv.waiting},

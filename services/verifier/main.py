@@ -21,6 +21,7 @@ from services.verifier.fleet_view import EngineInfo
 from services.verifier.intake import Intake
 from services.verifier.metrics import VerifierMetrics
 from services.verifier.output import Output
+from services.verifier.profile import calibrate
 from services.verifier.scheduler import Scheduler
 from services.verifier.server import Hub, fleet_status_loop, make_welcome, revocation_loop, start_server
 from services.verifier.sessions import Routes
@@ -71,6 +72,18 @@ def make_estimator(cfg: VerifierConfig) -> StepTimeEstimator:
 
 
 
+def calibrate_estimator(runner: ModelRunner, estimator: StepTimeEstimator, max_len: int) -> None:
+    """Fit the step-time estimator on forwards timed on ``runner`` (:func:`services.verifier.profile.calibrate`)."""
+    try:
+        seconds = calibrate(runner, estimator, max_len)
+    except ValueError as exc:  # a tiny arena or context: the generic guess, refined online, it is
+        log.warning("step-time estimator not calibrated; starting from a generic CPU guess", reason=str(exc))
+        return
+    a, b, c, d = estimator.coef
+    log.info("step-time estimator calibrated", seconds=round(seconds, 2), per_token_us=round(a * 1e6, 2),
+             per_query_key_ns=round(b * 1e9, 3), per_cached_row_ns=round(c * 1e9, 3), per_step_ms=round(d * 1e3, 3))
+
+
 def batch_limits(cfg: VerifierConfig) -> BatchLimits:
     """What one forward pass takes (the scheduler's limits, which SmartSpec prices too). With
     ``--backend vllm`` SmartSpec's split into forwards is an approximation: vLLM keeps sessions
@@ -108,6 +121,8 @@ def build(cfg: VerifierConfig, loop: asyncio.AbstractEventLoop) -> tuple[Hub, Ve
     hub.engine = EngineInfo("torch", loaded.name, str(next(loaded.model.parameters()).dtype).removeprefix("torch."),
                             cfg.target.device)
     estimator, tracker = make_estimator(cfg), GoodputTracker(cfg.budgets.goodspeed_eta, cfg.budgets.goodspeed_beta)
+    if not cfg.engine.estimator_file and cfg.engine.calibrate_estimator:
+        calibrate_estimator(runner, estimator, loaded.max_model_len)
     slo = cfg.batches.slo_tokens_per_s if cfg.batches.slo_tokens_per_s > 0 else None
     try:
         batcher = make_batcher(cfg.batches.batching, estimator, slo, delta_s=cfg.batches.wisp_delta_ms / 1000,

@@ -93,8 +93,8 @@ class VerifierMetrics:
         self.sessions = Gauge(f"{_P}_sessions", "Sessions holding KV memory", registry=r)
         self.waiting = Gauge(f"{_P}_waiting_sessions", "Sessions waiting for KV memory", registry=r)
         self._policy_metrics(r)
-        self._totals = dict.fromkeys(("steps", "decode_segments", "decode_tokens", "step_seconds", "generated",
-                                      "drafted", "accepted"), 0.0)
+        self._totals = dict.fromkeys(("steps", "decode_segments", "decode_tokens", "decode_cached", "step_seconds",
+                                      "generated", "drafted", "accepted"), 0.0)
         self._by_drafter: dict[str, tuple[float, float]] = {}
 
     def _policy_metrics(self, r: CollectorRegistry) -> None:
@@ -141,8 +141,10 @@ class VerifierMetrics:
         self.steps.inc()
         t = self._totals
         t["steps"] += 1
-        t["decode_segments"] += len(step.verify) + len(step.fill)
+        decoding = len(step.verify) + len(step.fill)  # their segments come first, prefill's after
+        t["decode_segments"] += decoding
         t["decode_tokens"] += step.verify_tokens
+        t["decode_cached"] += sum(shape.cached for shape in step.shapes[:decoding])
         t["step_seconds"] += end - scheduled
         self.batch_sessions.observe(len(step.segments))
         self.batch_tokens.observe(step.verify_tokens + step.prefill_tokens)

@@ -131,6 +131,36 @@ def measure(
     return [(shapes, statistics.median(seen)) for shapes, seen in zip(batches, times, strict=True)]
 
 
+#: the start-up calibration's batch shapes: sessions x cached rows x tokens fed each; each timed
+#: this many times, the median taken (one host's memory bandwidth moves from second to second)
+CALIBRATION = ((1, 2, 4, 8), (32, 256), (1, 5))
+CALIBRATION_REPEATS = 3
+
+
+def calibration_batches(max_len: int, free_rows: int) -> list[list[SegmentShape]]:
+    """The :data:`CALIBRATION` grid's homogeneous batches that fit the model's context and ``free_rows``
+    of the KV arena (each session holds its context, its new tokens and one spare row)."""
+    sizes, contexts, news = CALIBRATION
+    batches = [[_shape(ctx, new, max_len)] * size for size in sizes for ctx in contexts for new in news]
+    return [b for b in batches if sum(s.total + 1 for s in b) <= free_rows]
+
+
+def calibrate(runner: ModelRunner, estimator: StepTimeEstimator, max_len: int) -> float:
+    """Seed ``estimator`` with forwards timed on the serving runner before it serves (the median of
+    :data:`CALIBRATION_REPEATS` timed forwards, each after an untimed one, per shape of
+    :func:`calibration_batches`; about 5 s on the default target on one core). Returns the seconds
+    it took; ValueError when the arena or the context leaves too few shapes to fit (the estimator
+    keeps its coefficients)."""
+    started = time.perf_counter()
+    batches = calibration_batches(max_len, runner.kv.tokens)
+    if batches:  # the contexts read zeros, not the fresh arena's leftover bytes; then warm the kernels up
+        runner.kv.data[..., : max(sum(s.total + 1 for s in b) for b in batches), :].zero_()
+        time_batch(runner, batches[0])
+    estimator.seed([(shapes, statistics.median(time_batch(runner, shapes) for _ in range(CALIBRATION_REPEATS)))
+                    for shapes in batches])
+    return time.perf_counter() - started
+
+
 def split(samples: Sequence[Sample], test_share: float, seed: int) -> tuple[list[Sample], list[Sample]]:
     """A random ``1 - test_share`` / ``test_share`` split (at least one batch held out)."""
     order = list(range(len(samples)))

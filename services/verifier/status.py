@@ -21,7 +21,8 @@ def policy_status(allocator: Allocator, scheduler: Scheduler, tracker: GoodputTr
         "utility_sum_log_x": round(tracker.sum_log_x(), 6),
         "drafters": {name: asdict(s) for name, s in sorted(tracker.by_drafter().items())},
         "committed_by_drafter": dict(sorted(tracker.committed_by_drafter.items())),
-        "estimator": {"fitted": estimator.fitted, "coef": dict(zip(FEATURES, estimator.coef, strict=True))},
+        "estimator": {"fitted": estimator.fitted, "coef": dict(zip(FEATURES, estimator.coef, strict=True)),
+                      "target_only": estimator.target_only.table()},
         "last_batch_decision_s": scheduler.last_decision_s,
         "draft_share": draft_share(allocator, tracker),  # of new requests, wanted drafted for (FleetStatus)
     }

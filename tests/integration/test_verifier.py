@@ -402,6 +402,10 @@ async def test_fleet_view_needs_a_frontend_key_and_lists_each_drafter(verifier: 
     assert committed == ref
     assert view["ready"] is True and view["engine"]["backend"] == "torch" and view["engine"]["dtype"] == "float32"
     assert view["totals"]["generated"] >= len(ref) and view["totals"]["steps"] > 0
+    # the session decoded after its prompt: cached rows, and the estimator the dashboard prices with
+    assert view["totals"]["decode_cached"] >= len(prompt) * view["totals"]["decode_segments"] > 0
+    assert set(view["estimator"]) == {"sum_new", "sum_total_x_new", "sum_cached", "const"}
+    assert {b for b, _, _ in view["target_only"]} >= {1, 2, 4, 8}  # calibrated at start-up
     [row] = [d for d in view["drafters"] if d["node"] == "edge-7"]
     assert row["model"] == "test" and row["trusted"] is True
     assert row["drafted_tokens"] >= row["accepted_tokens"] > 0

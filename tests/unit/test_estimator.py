@@ -18,6 +18,7 @@ from services.verifier.batching.estimator import (
     Sample,
     SegmentShape,
     StepTimeEstimator,
+    TargetOnlyCost,
     evaluate,
     features,
     fit,
@@ -241,3 +242,74 @@ def test_profiler_explains_a_missing_model(tmp_path: Path, capsys: pytest.Captur
     assert main(["--model", str(tmp_path / "nope"), "--out", str(tmp_path / "p.json")]) == 2
     assert "specfleet fetch-model" in capsys.readouterr().err
     assert not (tmp_path / "p.json").exists()
+
+
+# --- the start-up calibration -------------------------------------------------------------------
+
+
+def test_seed_fits_and_keeps_the_samples_for_online_refits() -> None:
+    """Seeded from calibration forwards, then fed steps of one shape only (a fleet at one
+    concurrency): the refits still determine all four coefficients, the seeds' variety in the window."""
+    samples = synthetic(TRUE_COEFS[0], 24, 0.0)
+    est = StepTimeEstimator(refit_every=8)
+    est.seed(samples)
+    assert est.fitted
+    assert est.coef == pytest.approx(TRUE_COEFS[0], rel=1e-6)
+    one_shape = [SegmentShape(new=5, cached=200)]
+    for _ in range(8):
+        est.observe(one_shape, eq19(TRUE_COEFS[0], one_shape))
+    assert est.coef == pytest.approx(TRUE_COEFS[0], rel=1e-6)
+
+
+def test_seed_refuses_samples_that_determine_nothing() -> None:
+    est = StepTimeEstimator()
+    with pytest.raises(ValueError, match="do not determine"):
+        est.seed([([SegmentShape(new=1, cached=10)], 0.01)] * 30)
+    assert est.coef == DEFAULT_COEF and not est.fitted
+
+
+@pytest.mark.parametrize(("max_len", "free_rows", "want"), [
+    (2048, 1 << 20, 16),  # the whole grid: 4 batch sizes x 2 contexts x 2 new-token counts
+    (2048, 600, 12),  # a small KV arena: 4 or 8 sessions at 256 cached rows do not fit
+    (64, 1 << 20, 16),  # a short context clamps the cached rows, and every shape still runs
+])
+def test_calibration_batches_fit_the_arena_and_the_context(max_len: int, free_rows: int, want: int) -> None:
+    from services.verifier.profile import calibration_batches
+
+    batches = calibration_batches(max_len, free_rows)
+    assert len(batches) == want
+    assert all(sum(s.total + 1 for s in b) <= free_rows and all(s.total <= max_len for s in b) for b in batches)
+
+
+def test_calibrate_fits_the_served_runner(tiny_models: dict[str, Path]) -> None:
+    """On the tiny target's batch-invariant runner, as the verifier serves it: a fitted estimator
+    that prices a wider step above a narrower one, and the arena left empty for serving."""
+    from services.verifier.profile import calibrate
+    from shared.models import load_model
+    from shared.runner import ModelRunner
+    from shared.runner.runner import kv_shape
+
+    loaded = load_model(tiny_models["target"])
+    runner = ModelRunner(loaded, 8192 * kv_shape(loaded.model).bytes_per_token, "auto", batch_invariant=True)
+    est = StepTimeEstimator()
+    assert calibrate(runner, est, loaded.max_model_len) > 0
+    assert est.fitted and est.coef != DEFAULT_COEF
+    assert est.predict([SegmentShape(new=5, cached=128)] * 8) > est.predict([SegmentShape(new=1, cached=128)])
+    wide, narrow = est.target_only.predict(8, 128), est.target_only.predict(1, 128)
+    assert wide is not None and narrow is not None and wide >= narrow > 0
+    assert runner.kv.allocate(runner.kv.tokens) is not None  # every slot given back
+
+
+def test_target_only_cost_keeps_a_line_per_session_count_of_one_token_forwards() -> None:
+    """Forwards feeding every session one token make a line in the context per session count; a
+    round of drafts and a prefill chunk, priced absurdly, change nothing."""
+    line = TargetOnlyCost()
+    assert line.predict(1, 100) is None and line.table() == []
+    for sessions, at_zero, per_row in ((1, 0.030, 2e-5), (4, 0.033, 4e-5), (8, 0.040, 8e-5)):
+        for cached in (32, 256):
+            line.observe([SegmentShape(new=1, cached=cached)] * sessions, at_zero + per_row * cached)
+            line.observe([SegmentShape(new=5, cached=cached)] * sessions, 10.0)
+            line.observe([SegmentShape(new=1, cached=cached), SegmentShape(new=64, cached=0)], 10.0)
+    assert [b for b, _, _ in line.table()] == [1, 4, 8]
+    assert line.predict(4, 100) == pytest.approx(0.033 + 4e-5 * 100)
+    assert line.predict(6, 100) == pytest.approx((0.037 + 0.048) / 2)  # halfway between 4 and 8 sessions

@@ -8,17 +8,21 @@ from typing import Any
 
 import pytest
 
-from services.coordinator.fleet import VerifierReadings, _drafter_rows, _rates, http_url
+from services.coordinator.fleet import VerifierReadings, _drafter_rows, _rates, http_url, target_only_speedup
 from services.coordinator.metrics import RecentSamples
 from services.coordinator.state import _basic_password
 
+#: a verifier's target-only forwards: 1 session 17 ms, 4 sessions 23 ms, plus 10 µs a cached row
+COST = [(1, 0.017, 1e-5), (4, 0.023, 1e-5)]
+
 
 def reading(t: float, instance: str = "a", drafters: list[dict[str, Any]] | None = None,
-            per_token: float = 0.0, **totals: float) -> dict[str, Any]:
-    base = {"steps": 0.0, "decode_segments": 0.0, "decode_tokens": 0.0, "step_seconds": 0.0, "generated": 0.0,
-            "drafted": 0.0, "accepted": 0.0}
+            per_token: float = 0.0, cost: list[tuple[int, float, float]] | None = None,
+            **totals: float) -> dict[str, Any]:
+    base = {"steps": 0.0, "decode_segments": 0.0, "decode_tokens": 0.0, "decode_cached": 0.0, "step_seconds": 0.0,
+            "generated": 0.0, "drafted": 0.0, "accepted": 0.0}
     return {"time": t, "instance": instance, "totals": {**base, **totals}, "drafters": drafters or [],
-            "estimator": {"sum_new": per_token}}
+            "estimator": {"sum_new": per_token}, "target_only": cost}
 
 
 def drafter(node: str, drafted: float, accepted: float, since: float = 0.0, alpha: float | None = None,
@@ -33,16 +37,13 @@ RATES = [
     ("clock-did-not-move", reading(10, generated=50), reading(10), {}),
     ("target-only-torch", reading(12, steps=100, decode_segments=100, decode_tokens=100, step_seconds=2.0,
                                   generated=100, per_token=1e-3), reading(10),
-     {"tokens_s": 50.0, "tokens_per_forward": 1.0, "batch_sessions": 1.0, "step_ms": 20.0, "speedup": 1.0}),
-    # 5 tokens fed per session-step at 1 ms each: T0 = 20 - 4 = 16 ms, τ = 3 → 3 · 16/20
-    ("speculating-torch", reading(11, steps=10, decode_segments=10, decode_tokens=50, step_seconds=0.2, generated=30,
-                                  per_token=1e-3), reading(10),
-     {"tokens_s": 30.0, "tokens_per_forward": 3.0, "step_ms": 20.0, "speedup": pytest.approx(2.4)}),
-    # a per-token cost larger than the step itself: T0 is floored at 5 % of T
-    ("absurd-fit-floored", reading(11, steps=10, decode_segments=10, decode_tokens=50, step_seconds=0.2, generated=30,
-                                   per_token=1.0), reading(10), {"speedup": pytest.approx(3.0 * 0.05)}),
-    ("vllm-no-step-times", reading(11, steps=0, decode_segments=10, generated=25), reading(10),
-     {"tokens_per_forward": 2.5, "speedup": 2.5}),
+     {"tokens_s": 50.0, "tokens_per_forward": 1.0, "batch_sessions": 1.0, "step_ms": 20.0}),
+    # with the verifier's target-only cost and its sessions' cached rows: the mean context rides along
+    ("priced-torch", reading(11, steps=10, decode_segments=10, decode_tokens=50, decode_cached=1280,
+                             step_seconds=0.2, generated=30, cost=COST), reading(10),
+     {"tokens_s": 30.0, "tokens_per_forward": 3.0, "step_ms": 20.0, "context": 128.0, "target_only": COST}),
+    ("vllm-no-step-times", reading(11, steps=0, decode_segments=10, generated=25, cost=COST), reading(10),
+     {"tokens_per_forward": 2.5}),
 ]
 
 
@@ -53,6 +54,28 @@ def test_rates(now: dict[str, Any], then: dict[str, Any] | None, expected: dict[
         assert got == {}
     for key, value in expected.items():
         assert got[key] == value, key
+
+
+SPEEDUPS = [
+    # (id, rates over the window, requests in flight, expected)
+    # T0(1) at 100 cached rows: 17 + 1 = 18 ms
+    # target-only, forwards back to back: one token an 18 ms -> 1
+    ("target-only", {"tokens_s": 1 / 0.018, "target_only": COST, "context": 100.0}, 1.0, pytest.approx(1.0)),
+    # 100 tokens/s served where target-only serves one per 18 ms: 1.8 (drafting time counts: only
+    # the tokens served enter)
+    ("speculating", {"tokens_s": 100.0, "target_only": COST, "context": 100.0}, 1.0, pytest.approx(1.8)),
+    # 4 requests in flight: T0(4) = 23 + 1 = 24 ms for 4 tokens; 200 tokens/s served
+    ("four-in-flight", {"tokens_s": 200.0, "target_only": COST, "context": 100.0}, 4.0,
+     pytest.approx(200 * 0.024 / 4)),
+    # fewer than one in flight on average (the window's tail): priced as one
+    ("tail-of-a-run", {"tokens_s": 1 / 0.018, "target_only": COST, "context": 100.0}, 0.4, pytest.approx(1.0)),
+    ("vllm-tau", {"tokens_s": 60.0, "tokens_per_forward": 2.5}, 1.0, 2.5),
+]
+
+
+@pytest.mark.parametrize(("rates", "in_flight", "expected"), [r[1:] for r in SPEEDUPS], ids=[r[0] for r in SPEEDUPS])
+def test_target_only_speedup(rates: dict[str, Any], in_flight: float, expected: Any) -> None:
+    assert target_only_speedup(rates, in_flight) == expected
 
 
 def test_drafter_rows_over_the_window() -> None:

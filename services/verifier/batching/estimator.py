@@ -14,9 +14,10 @@ step. The same step-time model serves SmartSpec's goodput-driven batch sizing (s
 this module.
 
 The coefficients come from the offline profiler (``python -m services.verifier.profile``, a
-JSON file read with :meth:`StepTimeEstimator.load`), and are refined online from measured
-steps (:meth:`StepTimeEstimator.observe`). :data:`DEFAULT_COEF` is only a starting point for
-an un-profiled CPU. Every time is in seconds.
+JSON file read with :meth:`StepTimeEstimator.load`) or, without one, from the verifier's own
+calibration at start-up (a few dozen timed forwards, :func:`services.verifier.profile.calibrate`),
+and are refined online from measured steps (:meth:`StepTimeEstimator.observe`).
+:data:`DEFAULT_COEF` is only a starting point where neither ran. Every time is in seconds.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
+
+from shared.target_only_cost import forward_seconds
 
 #: names of the fitted columns, in coefficient order (the last is the constant)
 FEATURES = ("sum_new", "sum_total_x_new", "sum_cached", "const")
@@ -106,20 +109,24 @@ def _well_posed(x: np.ndarray, min_distinct: int = 4) -> bool:
     return bool(sv[-1] > RANK_RTOL * sv[0])
 
 
-def _solve(x: np.ndarray, y: np.ndarray) -> Coef:
+def _non_negative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Least squares with non-negative coefficients (each is a cost): refit without the most
     negative column until none is negative, a small active-set approximation of NNLS."""
     xs, scale = _scaled(x)
-    active = [True] * 4
-    w = np.zeros(4)
+    active = [True] * x.shape[1]
+    w = np.zeros(x.shape[1])
     while any(active):
         cols = np.flatnonzero(active)
-        w = np.zeros(4)
+        w = np.zeros(x.shape[1])
         w[cols] = np.linalg.lstsq(xs[:, cols], y, rcond=None)[0]
         if (w >= 0).all():
             break
         active[int(np.argmin(w))] = False
-    coef = w / scale
+    return np.asarray(w / scale)
+
+
+def _solve(x: np.ndarray, y: np.ndarray) -> Coef:
+    coef = _non_negative(x, y)
     return float(coef[0]), float(coef[1]), float(coef[2]), float(coef[3])
 
 
@@ -184,6 +191,34 @@ class RecentLine:
         return self.e0 + self.e1 * x
 
 
+class TargetOnlyCost:
+    """Forwards that feed every session one token, as target-only decoding runs them: for each
+    session count seen, a :class:`RecentLine` of seconds against the sessions' mean cached rows
+    (the last ``window`` such forwards of that count). Eq. 19 prices these poorly on a memory-bound
+    CPU, where a 5-token session costs what a 1-token one does and one line through both misses
+    each; the dashboard's speedup estimate prices target-only with :meth:`table` instead
+    (:func:`shared.target_only_cost.forward_seconds`)."""
+
+    def __init__(self, window: int = 64) -> None:
+        self.window = window
+        self._lines: dict[int, RecentLine] = {}
+
+    def observe(self, shapes: Sequence[SegmentShape], seconds: float) -> None:
+        """Record one forward if it fed every session one token (a prefill chunk feeds more)."""
+        if not shapes or any(s.new != 1 for s in shapes):
+            return
+        line = self._lines.setdefault(len(shapes), RecentLine(self.window, refit_every=4))
+        line.observe(sum(s.cached for s in shapes) / len(shapes), seconds)
+
+    def table(self) -> list[tuple[int, float, float]]:
+        """``(sessions, seconds at no context, seconds per cached row)`` for each count seen."""
+        return [(b, line.e0, line.e1) for b, line in sorted(self._lines.items()) if line.points]
+
+    def predict(self, sessions: float, cached_per_session: float) -> float | None:
+        """Seconds of such a forward; None before any was seen."""
+        return forward_seconds(self.table(), sessions, cached_per_session)
+
+
 def overhead_line() -> RecentLine:
     """The line of the verifier's busy seconds between forwards against a step's sessions."""
     return RecentLine(window=512, refit_every=32)
@@ -206,6 +241,7 @@ class StepTimeEstimator:
         self._since_refit = 0
         self.report: FitReport | None = None  # the profile's held-out report, when loaded from a file
         self.overhead = overhead_line()  # busy seconds between forwards, by sessions
+        self.target_only = TargetOnlyCost()  # forwards feeding every session one token
 
     def _set(self, coef: Sequence[float]) -> None:
         a, b, c, d = (float(v) for v in coef)
@@ -235,11 +271,22 @@ class StepTimeEstimator:
         ones if they determine all four coefficients (otherwise keep the current ones)."""
         if not (seconds > 0 and math.isfinite(seconds)) or not shapes:
             return
+        self.target_only.observe(shapes, seconds)
         self._window.append((features(shapes), seconds))
         self._since_refit += 1
         if self._since_refit >= self._refit_every:
             self._since_refit = 0
             self._refit()
+
+    def seed(self, samples: Sequence[Sample]) -> None:
+        """Fit on measured ``(shapes, seconds)`` forwards (the start-up calibration) and keep them
+        in the online window, so refits see their variety until real steps have pushed them out.
+        ValueError when they do not determine the coefficients (as :func:`fit`)."""
+        self._set(fit(samples))
+        self._fitted = True
+        for shapes, seconds in samples:
+            self._window.append((features(shapes), seconds))
+            self.target_only.observe(shapes, seconds)
 
     def _refit(self) -> None:
         x = _design([f for f, _ in self._window])
