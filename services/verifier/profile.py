@@ -103,6 +103,8 @@ def time_batch(runner: ModelRunner, shapes: Sequence[SegmentShape]) -> float:
         for _ in range(WARMUP + 1):
             start = time.perf_counter()
             runner.forward(segments)
+            if runner.device.type == "cuda":  # the forward's kernels, not only their launch
+                torch.cuda.synchronize(runner.device)
             elapsed = time.perf_counter() - start
             for seg, shape in zip(segments, shapes, strict=True):
                 seg.slot.truncate(shape.cached)
