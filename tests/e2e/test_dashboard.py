@@ -3,7 +3,8 @@ query is exported, and the dashboard works in a real browser (headless Chromium)
 
 With traffic flowing, the page shows a row per drafter and its numbers move; with every drafter
 gone it says so; with the verifier dead it says that too; its console stays free of errors
-throughout. A screenshot of the live page is saved (the README's picture comes from here).
+throughout. A screenshot of the live page is saved (the README's picture of the real default fleet
+comes from ``python -m bench dashboard-picture``).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from tests.k8s.monitoring_queries import SYNTHETIC, metric_names, queries
 
 pytestmark = pytest.mark.e2e
 API_KEY = "dashboard-test-key"
-#: the latest screenshot, kept where a person can open it (docs/images/dashboard.png is a copy)
+#: the latest screenshot, kept where a person can open it
 SCREENSHOT = Path(__file__).resolve().parents[2] / ".specfleet" / "test-output" / "dashboard.png"
 
 
