@@ -18,12 +18,12 @@ import contextlib
 import tempfile
 from pathlib import Path
 
+from bench.browser import open_page
 from bench.client import run_load
 from bench.edge import add_edge_flags, edge_from
 from bench.edge_drafts import chat_bodies, heldout_prompts, scenarios
 from bench.fleets import BenchFleet, bench_fleet
 from shared.up import resolve_models
-from tests.e2e.browser import open_page
 
 SHOWN = {"tokens/s": "#tokens-s", "est. speedup": "#speedup", "TPOT": "#tpot", "status": "#status"}
 

@@ -24,9 +24,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.browser import Page, chromium_binary, open_page
 from shared.fleet import Fleet
 from tests.conftest import free_port
-from tests.e2e.browser import Page, chromium_binary, open_page
 from tests.e2e.stack import StackSpec, run_stack
 from tests.k8s.monitoring_queries import SYNTHETIC, metric_names, queries
 

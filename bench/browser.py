@@ -2,7 +2,9 @@
 
 ``open_page`` starts Debian's ``chromium`` with a throw-away profile, attaches to its page and
 records every console error, uncaught exception and failed log entry, so that a test can assert
-on the DOM (``evaluate``), wait for a condition (``wait_for``), and save a screenshot.
+on the DOM (``evaluate``), wait for a condition (``wait_for``), and save a screenshot. The
+dashboard's browser test drives it, and ``python -m bench dashboard-picture`` takes the README's
+picture with it.
 """
 
 from __future__ import annotations
