@@ -73,7 +73,7 @@ class EngineSection:
     estimator_file: str = opt("", "step-time coefficients from `make profile-verifier` (refined online); empty: "
                                   "calibrate at start-up (see calibrate_estimator)")
     calibrate_estimator: bool = opt(True, "without an estimator file, time 16 batch shapes on the served runner "
-                                          "at start-up (about 5 s on the default target) and fit the step-time "
+                                          "at start-up (about 4 s on the default target) and fit the step-time "
                                           "estimator on them; false: start from a generic CPU guess (backend=torch)")
     recompute_context: bool = opt(False, "benchmark baseline (SLED-like): forget each session's cached keys and "
                                          "values after every round, so the next round recomputes its whole context; "

@@ -89,8 +89,9 @@ def make_runner(loaded: LoadedModel, batches: Sequence[Sequence[SegmentShape]]) 
     return runner
 
 
-def time_batch(runner: ModelRunner, shapes: Sequence[SegmentShape]) -> float:
-    """Seconds of one forward over ``shapes``, after an untimed one of the same shape."""
+def time_batch(runner: ModelRunner, shapes: Sequence[SegmentShape], timed: int = 1) -> float:
+    """Seconds of one forward over ``shapes``, after an untimed one of the same shape (the median
+    of ``timed`` such forwards)."""
     slots = [runner.kv.allocate(max(1, s.total)) for s in shapes]
     try:
         segments = []
@@ -99,16 +100,16 @@ def time_batch(runner: ModelRunner, shapes: Sequence[SegmentShape]) -> float:
             slot.length = shape.cached  # the context: rows of random keys and values
             logits_from = shape.new if shape.new > MAX_VERIFY_NEW else 0
             segments.append(Segment(slot, [1 + i % 7 for i in range(shape.new)], logits_from))
-        elapsed = 0.0
-        for _ in range(WARMUP + 1):
+        times = []
+        for _ in range(WARMUP + timed):
             start = time.perf_counter()
             runner.forward(segments)
             if runner.device.type == "cuda":  # the forward's kernels, not only their launch
                 torch.cuda.synchronize(runner.device)
-            elapsed = time.perf_counter() - start
+            times.append(time.perf_counter() - start)
             for seg, shape in zip(segments, shapes, strict=True):
                 seg.slot.truncate(shape.cached)
-        return elapsed
+        return statistics.median(times[WARMUP:])
     finally:
         for slot in slots:
             if slot is not None:
@@ -149,8 +150,8 @@ def calibration_batches(max_len: int, free_rows: int) -> list[list[SegmentShape]
 
 def calibrate(runner: ModelRunner, estimator: StepTimeEstimator, max_len: int) -> float:
     """Seed ``estimator`` with forwards timed on the serving runner before it serves (the median of
-    :data:`CALIBRATION_REPEATS` timed forwards, each after an untimed one, per shape of
-    :func:`calibration_batches`; about 5 s on the default target on one core). Returns the seconds
+    :data:`CALIBRATION_REPEATS` timed forwards after an untimed one, per shape of
+    :func:`calibration_batches`; about 4 s on the default target on one core). Returns the seconds
     it took; ValueError when the arena or the context leaves too few shapes to fit (the estimator
     keeps its coefficients)."""
     started = time.perf_counter()
@@ -158,8 +159,7 @@ def calibrate(runner: ModelRunner, estimator: StepTimeEstimator, max_len: int) -
     if batches:  # the contexts read zeros, not the fresh arena's leftover bytes; then warm the kernels up
         runner.kv.data[..., : max(sum(s.total + 1 for s in b) for b in batches), :].zero_()
         time_batch(runner, batches[0])
-    estimator.seed([(shapes, statistics.median(time_batch(runner, shapes) for _ in range(CALIBRATION_REPEATS)))
-                    for shapes in batches])
+    estimator.seed([(shapes, time_batch(runner, shapes, CALIBRATION_REPEATS)) for shapes in batches])
     return time.perf_counter() - started
 
 
