@@ -239,12 +239,9 @@ class FleetMonitor:
         counts = [p["in_flight"] for p in self.history if p["t"] >= cut]
         counts.append(self.state.generator.admission.in_flight)
         in_flight = sum(counts) / len(counts)
-        weighted = 0.0
-        for r in per_verifier:
-            share = r["generated"] / generated
-            value = target_only_speedup(r, in_flight * share)
-            weighted += (value or 0.0) * share
-        return weighted
+        shares = [(r, r["generated"] / generated) for r in per_verifier]
+        values = [(target_only_speedup(r, in_flight * share), share) for r, share in shares]
+        return sum(v * share for v, share in values if v is not None) or None
 
     def _speed(self, tokens_s: float, per_forward: list[float], speedup: float | None,
                method: str) -> dict[str, Any]:
