@@ -11,7 +11,8 @@ model ends them (at most ``--max-tokens``):
 1. each draft's one-token step on the edge CPU (llama.cpp, one thread) against the target's on the
    server CPU (specfleet's runner): the step ratio;
 2. real fleets, all up at once and measured in turn (``bench.fleets.in_turn``): target-only; the
-   default fleet (what ``specfleet up`` runs: the target's Q4_1 and Q8_0 copies, 4 sessions each);
+   default fleet (what ``specfleet up`` runs: the target's Q4_1 and Q8_0 copies, 4 sessions each), and
+   the same without the verifier's measured guard (``unguarded``: the draft-length policy alone);
    each copy alone; and the poor drafters alone (the distilled small draft; prompt lookup);
 3. the issue's targets, each a ratio of this run;
 4. what the operator is shown: ``GET /v1/fleet``'s ``speedup_estimate`` (the dashboard's and
@@ -66,10 +67,14 @@ def scenarios(target: Path) -> dict[str, Scenario]:
         # the coordinator's default (--speculation auto), as specfleet up runs it
         return Scenario(name, drafters=1, draft=draft, drafter_flags=(*own, *flags), speculation="auto")
 
+    fleet, drafts = "default fleet (" + " + ".join(FLEET_WIDTHS) + ")", tuple(copy(w) for w in FLEET_WIDTHS)
     return {
         "target-only": Scenario("target-only"),
-        "default-fleet": Scenario("default fleet (" + " + ".join(FLEET_WIDTHS) + ")", drafters=len(FLEET_WIDTHS),
-                                  drafts=tuple(copy(w) for w in FLEET_WIDTHS), drafter_flags=own, speculation="auto"),
+        "default-fleet": Scenario(fleet, drafters=len(FLEET_WIDTHS), drafts=drafts, drafter_flags=own,
+                                  speculation="auto"),
+        # the baseline of the verifier's measured guard (services/verifier/allocation/pays.py): the policy alone
+        "unguarded": Scenario(fleet + ", policy alone", drafters=len(FLEET_WIDTHS), drafts=drafts, drafter_flags=own,
+                              speculation="auto", verifier_flags=("--speculation-guard", "false")),
         **{w.lower(): alone(f"{w} copy alone", copy(w)) for w in ("Q4_1", "Q8_0", "Q4_0")},
         "distilled": alone("distilled small draft alone", "models/draft-small"),
         "ngram": alone("prompt lookup alone", str(target), "--proposer", "ngram"),
@@ -231,8 +236,9 @@ def plot(rows: list[dict[str, Any]], path: Path, meta: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench edge-drafts", description=__doc__.splitlines()[0])
-    p.add_argument("--scenarios", default="target-only,default-fleet,q4_1,q8_0,q4_0,distilled,ngram",
-                   help="comma list of: target-only, default-fleet, q4_1, q8_0, q4_0, distilled, ngram")
+    p.add_argument("--scenarios", default="target-only,default-fleet,unguarded,q4_1,q8_0,q4_0,distilled,ngram",
+                   help="comma list of: target-only, default-fleet, unguarded (the default fleet without the "
+                        "verifier's measured guard), q4_1, q8_0, q4_0, distilled, ngram")
     p.add_argument("--gguf-step", default="", help=argparse.SUPPRESS)  # a pinned child: one draft's step
     p.add_argument("--prompt-from", default="", help=argparse.SUPPRESS)
     add_workload_flags(p, repeats=3, requests=8, max_tokens=128, concurrency=(1, 4, 16))

@@ -271,7 +271,11 @@ class TorchCore:
                 self.rounds.fail(req, f"verification failed: {exc}")
             self._timing.forward_end = 0.0  # the time to the next step is no gap of a step's period
             return
+        generated = self.metrics.generated_total
         self.rounds.close(step, verdicts)
+        live = self.table.requests.values()
+        self.budgets.served(len(live), self.metrics.generated_total - generated,
+                            sum(r.cached for r in live) / len(live) if live else 0.0)
         self.metrics.observe_step(step, scheduled, t0, t1, time.perf_counter(), self._timing.step_start, cpu1 - cpu0)
         self._observe_gap(t0, proc0, len(step.segments))
         self._timing.forward_cpu = proc1

@@ -11,6 +11,7 @@ import sys
 import torch
 
 from services.verifier.allocation import AllocationSettings, Allocator, GoodputTracker, make_allocator
+from services.verifier.allocation.pays import PaysGuard
 from services.verifier.batching import BatchLimits, make_batcher
 from services.verifier.batching.estimator import StepTimeEstimator
 from services.verifier.config import VerifierConfig, validate
@@ -94,12 +95,20 @@ def batch_limits(cfg: VerifierConfig) -> BatchLimits:
 
 def make_allocator_for(cfg: VerifierConfig, estimator: StepTimeEstimator) -> Allocator:
     b, most = cfg.budgets, cfg.rounds.max_draft_tokens
-    return make_allocator(b.allocation, AllocationSettings(
+    policy = make_allocator(b.allocation, AllocationSettings(
         cfg.rounds.draft_len, b.draft_capacity,
         min(most, b.smartspec_max_len) if b.allocation.startswith("smartspec") else most,
         b.allocation_seed if b.allocation_seed >= 0 else None,
         batch_limits(cfg)), estimator,
         estimator.overhead if cfg.budgets.smartspec_overhead else None)
+    if not (b.speculation_guard and b.allocation.startswith("smartspec")):
+        return policy
+
+    def target_only_step(sessions: float, context: float) -> float | None:
+        forward = estimator.target_only.predict(sessions, context)
+        return None if forward is None else forward + max(0.0, estimator.overhead.predict(sessions))
+
+    return PaysGuard(policy, target_only_step)
 
 
 def build(cfg: VerifierConfig, loop: asyncio.AbstractEventLoop) -> tuple[Hub, VerifierCore]:

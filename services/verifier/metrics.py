@@ -156,6 +156,11 @@ class VerifierMetrics:
         if budget != before:
             self.budget_changes.inc()
 
+    @property
+    def generated_total(self) -> int:
+        """Tokens committed since the start, rounds and fills alike."""
+        return int(self._totals["generated"])
+
     def count_generated(self, committed: int) -> None:
         """Tokens committed outside a verified round (a fill: decoded while the session's draft travelled)."""
         self._totals["generated"] += committed

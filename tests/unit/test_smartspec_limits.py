@@ -81,7 +81,8 @@ def test_a_draft_longer_than_the_token_limit_takes_a_forward_of_its_own() -> Non
 
 
 def test_the_verifier_and_the_simulator_give_smartspec_their_batch_limits() -> None:
-    cfg = from_flags(VerifierConfig, allocation="smartspec", max_batch_sessions=7, max_batch_tokens=99)
+    cfg = from_flags(VerifierConfig, allocation="smartspec", max_batch_sessions=7, max_batch_tokens=99,
+                     speculation_guard=False)
     alloc = make_allocator_for(cfg, StepTimeEstimator())
     assert isinstance(alloc, SmartSpecAllocator) and alloc.limits == BatchLimits(7, 99)
     d = DrafterSpec("d0", token_s=1e-3, round_s=2e-3, prefill_token_s=0.0, send_s=5e-4, concurrency=1)

@@ -14,6 +14,10 @@ for its sessions, 0 where the drafter's drafts cost more verifier time than they
 verifier's load is shared: every estimator prices its rounds at all live sessions (the tracker's),
 whoever drafts for them. New requests are wanted drafted for while any drafter's best length is
 above 0.
+
+The verifier checks this policy's choices against the clock (``pays.py``): at a load where the
+tokens it served fell below what target-only decoding would serve, speculation is switched off
+for a while, whatever the estimators predict.
 """
 
 from __future__ import annotations

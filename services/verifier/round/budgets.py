@@ -5,6 +5,7 @@ the simulator's verifier (``bench/sim``).
 
     open(session, drafter)   the session speculates: register it, return its first budget
     attach(session, drafter) register it (or its new drafter) without a budget yet
+    served(sessions, ...)    a step's live sessions and tokens committed (the measured guard's input)
     next(rounds)             a step's verified rounds: fold them into α̂ and X (GoodSpeed eqs. 3-4),
                              then the allocator's next budgets, capped at ``max_draft_tokens``
     hold(session, budget)    a budget decided outside the allocator (a paused drafter: 0)
@@ -47,6 +48,13 @@ class DraftBudgets:
         assigned = self.allocator.assign(rounds, self.tracker) if rounds else {}
         self.assign_s = time.perf_counter() - started
         return {sid: self.hold(sid, budget) for sid, budget in assigned.items()}
+
+    def served(self, sessions: int, committed: int, context: float) -> None:
+        """One step's serving (live sessions, tokens committed, their mean context), for a policy
+        that checks speculation against the clock (``allocation.pays``)."""
+        watch = getattr(self.allocator, "served", None)
+        if watch is not None:
+            watch(sessions, committed, context)
 
     def hold(self, session_id: str, budget: int) -> int:
         budget = min(budget, self.cap)

@@ -1,0 +1,199 @@
+"""Speculation only while it measurably pays: the rate served against target-only's, on the clock.
+
+SmartSpec (``smartspec.py``) picks each round's length from a model of goodput: the drafts'
+acceptance, the verifier's step by shape, the edge's draft waits. The model can be wrong in ways
+it cannot see. On an edge host whose one core runs two drafters, the coordinator and the clients,
+llama.cpp drafts a 4-session batch in 4× a 1-session step's time (compute-bound: 45 against 11.5
+ms for the Q4_1 copy), drafts arrive one after another, and the verifier runs a forward for each
+few of them; the waits it measured at one length say nothing of another, and once they expire it
+tries the longest length again. Measured on the default fleet (2026-12-02, the verifier on CPU 0,
+the rest on CPU 1): its chosen length swung between 0 and 8 every few seconds, and the fleet
+served 0.65-0.77× target-only's rate at 4 and 16 requests.
+
+This guard checks the model against the clock, which counts everything: the drafting, the
+network, the waits, the steps' overheads. Over each window of WINDOW_S seconds with speculation
+on, it compares the tokens the verifier committed per second with what target-only decoding
+would commit for the same sessions:
+
+    served / target-only = (tokens / seconds) / (C / T0(C, L))
+
+where C is the mean number of live sessions over the window, L their mean context, and T0 one
+target-only step of C sessions: the forward the verifier measured (``shared.target_only_cost``,
+from its start-up calibration and every one-token step) plus its own busy time between forwards
+(``estimator.overhead``). The dashboard's "est. speedup" is the same ratio, read at the coordinator.
+
+Below THRESHOLD, speculation is switched off at that load: every session's budget is 0 (the
+verifier decodes it without waiting for its drafter) and no new request is sent to a drafter
+(``draft_share`` 0: a coordinator in ``--speculation auto`` opens them target-only). Each load band
+of live sessions (1, 2-3, 4-7, ...) keeps its own verdict: on the default fleet speculation pays
+1.6-1.9x for one request and loses at four. After a hold it is tried again for another window;
+the hold doubles while the tries keep failing (HOLD_S up to MAX_HOLD_S) and halves after a window
+that paid (the first window after a hold is a mix: requests opened while speculation was off stay
+target-only to their end, so one paying window is weak evidence). With speculation on, the wrapped
+policy decides as before (its own k = 0 included).
+
+``--speculation-guard false`` is the baseline: the wrapped policy alone, as the papers run it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from services.verifier.allocation.base import Allocator, RoundStats, draft_share
+from services.verifier.allocation.draft_wait import band
+from services.verifier.allocation.tracker import GoodputTracker
+
+WINDOW_S = 2.5  # seconds of serving with speculation on that one verdict rests on
+MIN_TOKENS = 48  # ... and at least this many tokens committed in them
+THRESHOLD = 1.0  # served over target-only's rate below which speculation is switched off
+HOLD_S = 8.0  # the first time off; doubled for each further window that did not pay
+MAX_HOLD_S = 64.0
+#: a step after a gap longer than this starts the window afresh: the verifier sat idle, with no
+#: session to serve, which says nothing of speculation
+IDLE_GAP_S = 1.0
+#: the load a verdict applies to is the live sessions averaged over about this long: in a closed
+#: loop the count dips each time a request ends and the next one has not arrived yet
+LOAD_TAU_S = 1.0
+
+#: seconds of one target-only step of ``sessions`` sessions at ``context`` cached rows each (None: not known yet)
+StepCost = Callable[[float, float], "float | None"]
+
+
+@dataclass
+class _Band:
+    """What the guard knows of one load band (live sessions 1, 2-3, 4-7, ...)."""
+
+    off_until: float = 0.0  # speculation is off at this load until then
+    next_hold_s: float = HOLD_S
+    ratio: float = float("nan")  # the last window's served over target-only
+    switched_off: int = 0
+
+
+@dataclass
+class _Window:
+    """One window's sums: committed tokens, and sessions and context integrated over its seconds."""
+
+    start: float
+    last: float
+    tokens: int = 0
+    session_s: float = 0.0
+    context_s: float = 0.0
+
+    @property
+    def seconds(self) -> float:
+        return self.last - self.start
+
+
+def pays(tokens: int, seconds: float, mean_sessions: float, step_s: float) -> float:
+    """Served tokens/s over target-only's C / T0 for the same mean sessions (``step_s`` = T0)."""
+    if seconds <= 0 or mean_sessions <= 0 or step_s <= 0:
+        return float("nan")
+    return (tokens / seconds) / (mean_sessions / step_s)
+
+
+class PaysGuard:
+    """Wraps a draft-length policy (``Allocator``); switches speculation off while it does not pay,
+    at the load where it did not: each load band of live sessions (1, 2-3, 4-7, ...: ``draft_wait.band``)
+    keeps its own verdict and hold, since speculation that pays for one request may not for sixteen.
+    A band switched off switches off every higher one too (more sessions make target-only's batch
+    cheaper per token and the edge busier: speculation pays less), and the load is the live
+    sessions' moving average (LOAD_TAU_S), so that a closed loop's dips between requests do not
+    switch it back on.
+
+    The engine core calls :meth:`served` after every step and the allocator methods as for any
+    policy; the event loop reads :meth:`draft_share` and :meth:`beliefs` (reads only)."""
+
+    def __init__(self, inner: Allocator, target_only: StepCost, clock: Callable[[], float] = time.monotonic,
+                 window_s: float = WINDOW_S, threshold: float = THRESHOLD, hold_s: float = HOLD_S,
+                 max_hold_s: float = MAX_HOLD_S) -> None:
+        self.inner, self.name = inner, inner.name
+        self.target_only, self.clock = target_only, clock
+        self.window_s, self.threshold, self.hold_s, self.max_hold_s = window_s, threshold, hold_s, max_hold_s
+        self.bands: dict[int, _Band] = {}  # replaced whole when one changes: the event loop reads it
+        self.load = 0.0  # the live sessions' moving average
+        self._last_step = 0.0
+        self._window: _Window | None = None
+
+    # --- the allocator interface -----------------------------------------------------------
+
+    def on_at(self, sessions: float) -> bool:
+        """Whether speculation is on with ``sessions`` live: no band up to theirs is switched off."""
+        now, top = self.clock(), band(round(sessions))
+        return all(now >= known.off_until for b, known in list(self.bands.items()) if b <= top)
+
+    @property
+    def on(self) -> bool:
+        return self.on_at(self.load)
+
+    def initial(self, session_id: str, tracker: GoodputTracker) -> int:
+        budget = self.inner.initial(session_id, tracker)
+        return budget if self.on else 0
+
+    def assign(self, rounds: Sequence[RoundStats], tracker: GoodputTracker) -> dict[str, int]:
+        budgets = self.inner.assign(rounds, tracker)  # it learns from the rounds either way
+        return budgets if self.on else dict.fromkeys(budgets, 0)
+
+    def draft_share(self, tracker: GoodputTracker) -> float:
+        """The wrapped policy's share, or none while speculation is off at the present load."""
+        return draft_share(self.inner, tracker) if self.on else 0.0
+
+    @property
+    def last_k(self) -> int:
+        return int(getattr(self.inner, "last_k", 0)) if self.on else 0
+
+    @property
+    def last_goodput(self) -> float:
+        return float(getattr(self.inner, "last_goodput", 0.0))
+
+    def beliefs(self) -> dict[str, float]:
+        """The wrapped policy's beliefs, then per load band seen: the last window's served over
+        target-only (``pays_ratio_band3``: 4-7 live sessions) and the seconds it stays off."""
+        inner = getattr(self.inner, "beliefs", None)
+        out: dict[str, float] = dict(inner()) if callable(inner) else {}
+        now = self.clock()
+        out["pays_on"], out["pays_load"] = float(self.on), round(self.load, 2)
+        for b, known in sorted(self.bands.items()):
+            out[f"pays_ratio_band{b}"] = round(known.ratio, 4)
+            out[f"pays_off_left_s_band{b}"] = round(max(0.0, known.off_until - now), 3)
+            out[f"pays_switched_off_band{b}"] = float(known.switched_off)
+        return out
+
+    # --- the measurement -------------------------------------------------------------------
+
+    def served(self, sessions: int, committed: int, context: float) -> None:
+        """One step of the verifier: ``sessions`` live, ``committed`` tokens committed by it, at a
+        mean of ``context`` cached rows. Judges a full window while speculation is on."""
+        now = self.clock()
+        self.load += (sessions - self.load) * min(1.0, (now - self._last_step) / LOAD_TAU_S)
+        self._last_step = now
+        if sessions <= 0 or not self.on:
+            self._window = None  # idle, or off: the next window starts afresh
+            return
+        w = self._window
+        if w is None or now - w.last > IDLE_GAP_S:
+            self._window = _Window(now, now)
+            return
+        dt = now - w.last
+        w.last, w.tokens = now, w.tokens + committed
+        w.session_s += sessions * dt
+        w.context_s += sessions * context * dt
+        if w.seconds >= self.window_s and w.tokens >= MIN_TOKENS:
+            self._judge(w)
+            self._window = _Window(now, now)
+
+    def _judge(self, w: _Window) -> None:
+        mean = w.session_s / w.seconds
+        step_s = self.target_only(mean, w.context_s / w.session_s)
+        if step_s is None:
+            return  # target-only's step not measured yet: nothing to compare with
+        ratio = pays(w.tokens, w.seconds, mean, step_s)
+        b = band(round(mean))
+        known = self.bands.get(b, _Band(next_hold_s=self.hold_s))
+        if ratio >= self.threshold:
+            known = _Band(known.off_until, max(self.hold_s, known.next_hold_s / 2), ratio, known.switched_off)
+        else:
+            known = _Band(self.clock() + known.next_hold_s, min(self.max_hold_s, 2 * known.next_hold_s), ratio,
+                          known.switched_off + 1)
+        self.bands = {**self.bands, b: known}

@@ -1,0 +1,159 @@
+"""The verifier's measured guard (``allocation/pays.py``): speculation switched off at a load where the
+tokens served per second fell below target-only's rate for the same sessions, tried again after a
+hold that doubles while the tries fail; the wrapped policy decides otherwise."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from services.verifier.allocation import GoodputTracker, PerDrafterAllocator, RoundStats, SmartSpecAllocator
+from services.verifier.allocation.pays import HOLD_S, MAX_HOLD_S, PaysGuard, pays
+from services.verifier.batching.estimator import SegmentShape, StepTimeEstimator
+from services.verifier.config import VerifierConfig
+from services.verifier.main import make_allocator_for
+from shared.config import from_flags
+from tests.unit.test_drafting_switch import Clock
+
+STEP_S = 0.04  # target-only's step, whatever the sessions (the tests' T0)
+
+
+@pytest.mark.parametrize(("tokens", "seconds", "sessions", "step_s", "ratio"), [
+    (25, 1.0, 1.0, 0.04, 1.0),  # one session at target-only's pace
+    (50, 1.0, 1.0, 0.04, 2.0),  # twice as many tokens: speculation doubled it
+    (100, 1.0, 4.0, 0.04, 1.0),  # four sessions, one token each a step
+    (50, 1.0, 4.0, 0.04, 0.5),
+    (30, 2.0, 1.0, 0.08, 1.2),
+])
+def test_the_ratio_is_served_over_target_onlys_rate(tokens: int, seconds: float, sessions: float, step_s: float,
+                                                    ratio: float) -> None:
+    assert pays(tokens, seconds, sessions, step_s) == pytest.approx(ratio)
+
+
+@pytest.mark.parametrize(("seconds", "sessions", "step_s"), [(0.0, 1.0, 0.04), (1.0, 0.0, 0.04), (1.0, 1.0, 0.0)])
+def test_a_degenerate_window_has_no_ratio(seconds: float, sessions: float, step_s: float) -> None:
+    assert math.isnan(pays(10, seconds, sessions, step_s))
+
+
+class Inner:
+    """A policy that always wants 4 tokens and every request drafted for."""
+
+    name = "inner"
+    last_k, last_goodput = 4, 123.0
+
+    def initial(self, session_id: str, tracker: GoodputTracker) -> int:
+        return 4
+
+    def assign(self, rounds: list[RoundStats], tracker: GoodputTracker) -> dict[str, int]:
+        return {r.session_id: 4 for r in rounds}
+
+    def draft_share(self, tracker: GoodputTracker) -> float:
+        return 1.0
+
+    def beliefs(self) -> dict[str, float]:
+        return {"alpha": 0.9}
+
+
+def guard(clock: Clock, step_s: float | None = STEP_S) -> PaysGuard:
+    return PaysGuard(Inner(), lambda sessions, context: step_s, clock=clock)
+
+
+def serve(g: PaysGuard, clock: Clock, seconds: float, sessions: int, speedup: float, dt: float = STEP_S) -> None:
+    """Steps of ``dt`` with ``sessions`` live, committing ``speedup`` times target-only's tokens."""
+    for _ in range(round(seconds / dt)):
+        clock.now += dt
+        g.served(sessions, round(sessions * speedup * dt / STEP_S), 100.0)
+
+
+def rounds(*ids: str) -> list[RoundStats]:
+    return [RoundStats(sid, "d", 4, 2, 50) for sid in ids]
+
+
+def test_speculation_that_pays_stays_on_and_the_policy_decides() -> None:
+    clock, tracker = Clock(), GoodputTracker()
+    g = guard(clock)
+    serve(g, clock, 10.0, 1, 2.0)
+    assert g.on and g.assign(rounds("a"), tracker) == {"a": 4} and g.initial("a", tracker) == 4
+    assert g.draft_share(tracker) == 1.0 and g.last_k == 4 and g.last_goodput == 123.0
+    assert g.beliefs()["pays_ratio_band1"] == pytest.approx(2.0) and g.beliefs()["alpha"] == 0.9
+
+
+def test_speculation_that_loses_is_switched_off_for_a_hold_then_tried_again() -> None:
+    clock, tracker = Clock(), GoodputTracker()
+    g = guard(clock)
+    serve(g, clock, 3.0, 4, 0.6)
+    assert not g.on
+    assert g.assign(rounds("a", "b"), tracker) == {"a": 0, "b": 0}  # every session decodes target-only
+    assert g.initial("c", tracker) == 0 and g.draft_share(tracker) == 0.0 and g.last_k == 0
+    off = g.beliefs()["pays_off_left_s_band3"]
+    assert 0 < off <= HOLD_S
+    serve(g, clock, off + 0.1, 4, 1.0)  # the hold: target-only serving, nothing judged
+    assert g.on and g.bands[3].switched_off == 1
+
+
+def test_the_hold_doubles_while_tries_fail_up_to_its_cap_and_halves_after_one_that_paid() -> None:
+    clock = Clock()
+    g = guard(clock)
+    holds = []
+    for _ in range(6):
+        serve(g, clock, 2.6, 4, 0.5)  # a window of 2.5 s, judged 0.04 s before the end
+        assert not g.on
+        holds.append(g.bands[3].off_until - clock.now)
+        clock.now = g.bands[3].off_until
+    assert holds == pytest.approx([HOLD_S, 2 * HOLD_S, 4 * HOLD_S, MAX_HOLD_S, MAX_HOLD_S, MAX_HOLD_S], abs=0.1)
+    serve(g, clock, 2.6, 4, 1.5)
+    assert g.on and g.bands[3].next_hold_s == MAX_HOLD_S / 2
+
+
+def test_a_load_band_switched_off_switches_off_the_higher_ones_not_the_lower() -> None:
+    clock, tracker = Clock(), GoodputTracker()
+    g = guard(clock)
+    serve(g, clock, 3.0, 5, 0.5)  # 4-7 sessions: band 3
+    assert not g.on and not g.on_at(5) and not g.on_at(20)
+    assert g.on_at(1) and g.on_at(3)
+    serve(g, clock, 4.0, 1, 2.0)  # the load falls to one session: its moving average follows
+    assert g.load == pytest.approx(1.0, abs=0.1) and g.on and g.draft_share(tracker) == 1.0
+
+
+def test_an_idle_gap_starts_the_window_afresh() -> None:
+    clock = Clock()
+    g = guard(clock)
+    serve(g, clock, 2.0, 2, 0.5)
+    clock.now += 5.0  # no session: the verifier idled
+    serve(g, clock, 2.0, 2, 0.5)
+    assert g.on and not g.bands  # neither part held a whole window
+    serve(g, clock, 1.0, 2, 0.5)
+    assert not g.on
+
+
+def test_without_target_onlys_step_nothing_is_judged() -> None:
+    clock = Clock()
+    g = guard(clock, step_s=None)
+    serve(g, clock, 10.0, 4, 0.2)
+    assert g.on and not g.bands
+
+
+def test_the_verifier_guards_smartspec_by_default_and_not_when_asked() -> None:
+    est = StepTimeEstimator()
+    guarded = make_allocator_for(from_flags(VerifierConfig), est)
+    assert isinstance(guarded, PaysGuard) and isinstance(guarded.inner, PerDrafterAllocator)
+    assert guarded.name == "smartspec-per-drafter"
+    alone = make_allocator_for(from_flags(VerifierConfig, speculation_guard=False), est)
+    assert isinstance(alone, PerDrafterAllocator)
+    fixed = make_allocator_for(from_flags(VerifierConfig, allocation="fixed"), est)
+    assert not isinstance(fixed, PaysGuard)
+    single = make_allocator_for(from_flags(VerifierConfig, allocation="smartspec"), est)
+    assert isinstance(single, PaysGuard) and isinstance(single.inner, SmartSpecAllocator)
+
+
+def test_the_verifier_prices_target_only_with_its_measured_forwards_and_busy_time() -> None:
+    est = StepTimeEstimator()
+    g = make_allocator_for(from_flags(VerifierConfig), est)
+    assert isinstance(g, PaysGuard)
+    assert g.target_only(4, 100) is None  # no target-only forward measured yet
+    for cached in (50, 150):
+        est.target_only.observe([SegmentShape(1, cached)] * 4, 0.030 + 0.0001 * (cached - 100))
+    for n in (1, 8):
+        est.overhead.observe(n, 0.002)
+    assert g.target_only(4, 100) == pytest.approx(0.032, abs=1e-4)
