@@ -116,6 +116,17 @@ def test_a_load_band_switched_off_switches_off_the_higher_ones_not_the_lower() -
     assert g.load == pytest.approx(1.0, abs=0.1) and g.on and g.draft_share(tracker) == 1.0
 
 
+def test_an_idle_verifier_is_on_for_the_next_request_whatever_the_last_burst_was() -> None:
+    clock, tracker = Clock(), GoodputTracker()
+    g = guard(clock)
+    serve(g, clock, 3.0, 16, 0.5)
+    assert not g.on and g.draft_share(tracker) == 0.0
+    clock.now += 2.0  # the burst is over: no step since
+    assert g.on and g.draft_share(tracker) == 1.0
+    serve(g, clock, 0.2, 16, 0.5)  # the next burst: its load is still switched off
+    assert not g.on
+
+
 def test_an_idle_gap_starts_the_window_afresh() -> None:
     clock = Clock()
     g = guard(clock)

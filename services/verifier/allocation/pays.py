@@ -125,7 +125,11 @@ class PaysGuard:
 
     @property
     def on(self) -> bool:
-        return self.on_at(self.load)
+        """On at the present load: the moving average, or none once no step has run for IDLE_GAP_S (the
+        average is updated by steps, so an idle verifier's would still hold the last burst's load, and
+        the first request after a burst would be opened target-only)."""
+        idle = self.clock() - self._last_step > IDLE_GAP_S
+        return self.on_at(0.0 if idle else self.load)
 
     def initial(self, session_id: str, tracker: GoodputTracker) -> int:
         budget = self.inner.initial(session_id, tracker)
@@ -189,7 +193,7 @@ class PaysGuard:
         if step_s is None:
             return  # target-only's step not measured yet: nothing to compare with
         ratio = pays(w.tokens, w.seconds, mean, step_s)
-        b = band(round(mean))
+        b = band(round(self.load))  # the load ``on`` reads: a window judged off turns it off at once
         known = self.bands.get(b, _Band(next_hold_s=self.hold_s))
         if ratio >= self.threshold:
             known = _Band(known.off_until, max(self.hold_s, known.next_hold_s / 2), ratio, known.switched_off)
