@@ -101,7 +101,8 @@ def make_allocator_for(cfg: VerifierConfig, estimator: StepTimeEstimator) -> All
         b.allocation_seed if b.allocation_seed >= 0 else None,
         batch_limits(cfg)), estimator,
         estimator.overhead if cfg.budgets.smartspec_overhead else None)
-    if not (b.speculation_guard and b.allocation.startswith("smartspec")):
+    # the guard is fed by the torch core's steps (``DraftBudgets.served``); vLLM's core runs none of them
+    if not (b.speculation_guard and b.allocation.startswith("smartspec") and cfg.target.backend == "torch"):
         return policy
 
     def target_only_step(sessions: float, context: float) -> float | None:

@@ -156,6 +156,8 @@ def test_the_verifier_guards_smartspec_by_default_and_not_when_asked() -> None:
     assert not isinstance(fixed, PaysGuard)
     single = make_allocator_for(from_flags(VerifierConfig, allocation="smartspec"), est)
     assert isinstance(single, PaysGuard) and isinstance(single.inner, SmartSpecAllocator)
+    vllm = make_allocator_for(from_flags(VerifierConfig, backend="vllm"), est)  # its core feeds no guard
+    assert isinstance(vllm, PerDrafterAllocator)
 
 
 def test_the_verifier_prices_target_only_with_its_measured_forwards_and_busy_time() -> None:
