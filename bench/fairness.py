@@ -1,6 +1,7 @@
 """``python -m bench fairness``: heterogeneous drafters sharing a draft budget (GoodSpeed Fig. 4 shape).
 
-N drafters differ in draft model, prompt domain mix and RTT (each reaches the verifier through
+N drafters (by default the real family: the target's Q4_1 and Q4_0 GGUF copies, the distilled
+small draft and prompt lookup) differ in draft model, prompt domain mix and RTT (each reaches the verifier through
 a delay proxy of its own, ``bench.netns``). They share GoodSpeed's global budget C of draft
 tokens per round (``--capacity``) under Fixed-S (C/N each), Random-S and GoodSpeed's gradient
 scheduling, each in one real pinned fleet over the same seeded workload. Every drafter serves
@@ -32,10 +33,17 @@ from bench.edge import Edge
 from bench.fleets import BenchFleet, Scenario, add_workload_flags, prepare, run_meta, write_results
 from bench.profile import largest, smallest
 from bench.sweep import Point, sweep
+from shared.gguf_copies import copy_path
 
 POLICIES = ("fixed", "random", "goodspeed")
-#: drafter kinds: a draft model (smallest or largest of models/) or prompt lookup
-KINDS = ("small", "large", "ngram")
+#: drafter kinds: a distilled draft model (smallest or largest of models/), prompt lookup, or one
+#: of the target's GGUF copies (llama.cpp: the shipped Q4_1, and the widths ``fetch-model`` makes)
+GGUF_KINDS = {"q4_1": "Q4_1", "q8_0": "Q8_0", "q4_0": "Q4_0"}
+KINDS = ("small", "large", "ngram", *GGUF_KINDS)
+DISTILLED = Path("models")
+#: the default: the real family, heterogeneous (the shipped 4-bit copy, a lower-width copy, a
+#: distilled draft and prompt lookup), at 0, 10, 10 and 40 ms
+REAL_FAMILY = "q4_1@0,q4_0@10,small@10,ngram@40"
 
 
 def parse_drafters(text: str) -> list[tuple[str, float]]:
@@ -110,8 +118,13 @@ def settle_round(trace: list[tuple[int, float]], tolerance: float, window: int =
     return final, settled
 
 
-def scenario(policy: str, drafters: list[tuple[str, float]], drafts: list[Path], capacity: int) -> Scenario:
-    models = {"small": str(smallest(drafts)), "large": str(largest(drafts)), "ngram": str(smallest(drafts))}
+def scenario(policy: str, drafters: list[tuple[str, float]], drafts: list[Path], capacity: int,
+             target: Path) -> Scenario:
+    # prompt lookup reads the target's tokenizer; the distilled drafts are models/draft-*, the
+    # drafts specfleet up defaults to being the GGUF copies
+    distilled = sorted(DISTILLED.glob("draft-*")) or drafts
+    models = {"small": str(smallest(distilled)), "large": str(largest(distilled)), "ngram": str(target),
+              **{kind: str(copy_path(target, width)) for kind, width in GGUF_KINDS.items()}}
     return Scenario(policy, drafters=len(drafters), drafts=tuple(models[k] for k, _ in drafters),
                     per_drafter_flags=tuple(("--proposer", "ngram") if k == "ngram" else () for k, _ in drafters),
                     drafter_rtts=tuple(rtt for _, rtt in drafters), draft_len=max(1, capacity // len(drafters)),
@@ -151,6 +164,15 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], drafters: list[tu
                      f"{r['goodput_tok_s']:.1f} | " + " | ".join(f"{x:.1f}" for x in per)
                      + f" | {r['sum_log_x']:.3f} | {r['jain']:.3f} | {r['acceptance']:.3f} | "
                      f"{r['passes_per_token']:.3f} |")
+    lines += ["", "Where each policy's drafts went: each drafter's share of all drafted tokens, and its acceptance.",
+              "",
+              "| policy | " + " | ".join(f"{n} share / acceptance" for n in names) + " |",
+              "|---" * (1 + len(names)) + "|"]
+    for r in rows:
+        cells = [r.get("drafts_by_drafter", {}).get(f"drafter-{i + 1}") for i in range(len(names))]
+        lines.append(f"| {r['scenario']} | " + " | ".join("–" if c is None else
+                                                           f"{c['draft_share']:.2f} / {c['acceptance']:.3f}"
+                                                           for c in cells) + " |")
     return lines
 
 
@@ -160,7 +182,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (left, right, shares) = plt.subplots(1, 3, figsize=(16, 4))
     for r in rows:
         left.plot([t[0] for t in r["trace"]], [t[2] for t in r["trace"]], label=r["scenario"])
     left.set(xlabel="verified rounds (all drafters)", ylabel="U(x̄) = Σ log x̄ (tokens/s)",
@@ -174,6 +196,14 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     right.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], names)
     right.set(ylabel="committed tokens/s", title="goodput per drafter")
     right.legend()
+    for j, r in enumerate(rows):  # where the budget went, each bar labelled with the drafter's acceptance
+        cells = [r.get("drafts_by_drafter", {}).get(n, {"draft_share": 0.0, "acceptance": 0.0}) for n in names]
+        bars = shares.bar([i + j * width for i in range(len(names))], [c["draft_share"] for c in cells], width,
+                          label=r["scenario"])
+        shares.bar_label(bars, [f"{c['acceptance']:.2f}" for c in cells], fontsize=6)
+    shares.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], names)
+    shares.set(ylabel="share of drafted tokens", title="draft share per drafter (labels: acceptance)")
+    shares.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -181,8 +211,9 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench fairness", description=__doc__.splitlines()[0])
-    p.add_argument("--drafters", type=parse_drafters, default=parse_drafters("small@0,large@10,ngram@40"),
-                   help="comma list of KIND@RTT_MS per drafter, KIND in small, large, ngram")
+    p.add_argument("--drafters", type=parse_drafters, default=parse_drafters(REAL_FAMILY),
+                   help="comma list of KIND@RTT_MS per drafter, KIND in small, large (the distilled drafts), "
+                        "ngram, q4_1, q8_0, q4_0 (the target's GGUF copies)")
     p.add_argument("--policies", type=lambda s: s.split(","), default=list(POLICIES))
     p.add_argument("--capacity", type=int, default=12, help="GoodSpeed's C: draft tokens per round, all drafters")
     p.add_argument("--settle", type=float, default=0.1, help="convergence: U's rolling mean within this of its end")
@@ -190,8 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(domains=["code", "prose", "question"])
     args = p.parse_args(argv)
     edge, models, out = prepare(args)
-    rows = [run_policy(models.target, scenario(pol, args.drafters, models.drafts, args.capacity), args, edge)
-            for pol in args.policies]
+    rows = [run_policy(models.target, scenario(pol, args.drafters, models.drafts, args.capacity, models.target), args,
+                       edge) for pol in args.policies]
     meta = run_meta("fairness", argv, edge, capacity=args.capacity, drafters=args.drafters)
     plot(rows, out / "fairness.png")
     write_results(out, "fairness", {"meta": meta, "rows": rows}, markdown(meta, rows, args.drafters))

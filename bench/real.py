@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import sys
 import tempfile
@@ -57,6 +58,7 @@ from shared.up import resolve_models
 from training.evaluate_gguf import cpu_flag_summary
 
 STEM = "real-serving"
+STARSD_SESSIONS = 4
 #: the default fleet's speed over target-only at one request across the network: the issue's aims
 RTT_GOALS = {10.0: 1.8, 40.0: 1.4}
 DRAFT = Path("models/draft-small")  # the distilled small draft: transformers' assistant
@@ -80,10 +82,18 @@ def scenarios(target: Path) -> dict[str, Scenario]:
         return Scenario(name, drafters=len(drafts), drafts=drafts, drafter_flags=own, speculation="auto",
                         verifier_flags=verifier)
 
+    q4_1 = str(copy_path(target, "Q4_1"))
     return {"target-only": Scenario("target-only"),
             "default-fleet": spec(fleet),
             "vllm-target-only": Scenario("specfleet --backend vllm, target-only", verifier_flags=("--backend", "vllm")),
-            "vllm-fleet": spec(fleet + ", --backend vllm", "--backend", "vllm")}
+            "vllm-fleet": spec(fleet + ", --backend vllm", "--backend", "vllm"),
+            # StarSD's claim at equal edge cores: one drafter batching many sessions, against one
+            # drafter per session (every drafter on the same edge cores)
+            "shared-drafter": Scenario(f"one Q4_1 drafter, {STARSD_SESSIONS} sessions", drafters=1, draft=q4_1,
+                                       drafter_flags=("--max-sessions", str(STARSD_SESSIONS)), speculation="auto"),
+            "drafter-per-session": Scenario(f"{STARSD_SESSIONS} Q4_1 drafters, 1 session each",
+                                            drafters=STARSD_SESSIONS, draft=q4_1, drafter_flags=("--max-sessions", "1"),
+                                            speculation="auto")}
 
 
 def chat_ids(target: Path, prompts: list[str]) -> list[list[int]]:
@@ -144,7 +154,7 @@ def fmt(value: float | None, spec: str, suffix: str = "") -> str:
     return "–" if value is None or value != value else f"{value:{spec}}{suffix}"
 
 
-def write(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path) -> None:
+def write(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path, stem: str = STEM) -> None:
     out.mkdir(parents=True, exist_ok=True)
     fl = meta["floor"]
     lines = [f"Command: `{meta['command']}` ({meta['when']}; {meta['edge']}; {meta['cpu']}; target dtype "
@@ -153,10 +163,10 @@ def write(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path) -> None:
              f"The floor: {fl['weight_bytes'] / 1e6:.0f} MB of {fl['dtype']} weights a step at a GEMV's "
              f"{fl['gemv_gb_s']:.1f} GB/s on the server core: {meta['floor_tok_s']:.1f} tokens/s at the start, "
              f"{meta['floor_tok_s_end']:.1f} at the end.", "",
-             "Peers run one request at a time, offline, each alone on the server core (one thread); specfleet "
-             "serves through its coordinator's WebSocket with the edge emulated. llama.cpp's row is the 4-bit "
-             "copy, a different model: its answers are not the target's, and specfleet's are exactly the "
-             "target's.", "",
+             *(["Peers run one request at a time, offline, each alone on the server core (one thread); "
+                "specfleet serves through its coordinator's WebSocket with the edge emulated. llama.cpp's row is "
+                "the 4-bit copy, a different model: its answers are not the target's, and specfleet's are exactly "
+                "the target's.", ""] if any("peer" in r for r in rows) else []),
              "| serving | concurrency | tokens/s (median) | vs specfleet target-only | of the floor "
              "| TPOT p50 / p99 ms | TTFT p50 s | acceptance | tokens per target forward (a batch's counts once) |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -165,15 +175,18 @@ def write(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path) -> None:
                      f"{fmt(r['vs_target_only'], '.2f', 'x')} | {fmt(r['of_floor'], '.2f')} | "
                      f"{r['tpot_ms']['p50']:.1f} / {r['tpot_ms']['p99']:.1f} | {r['ttft_s_p50']:.2f} | "
                      f"{fmt(r.get('acceptance'), '.3f')} | {fmt(r.get('tokens_per_forward'), '.2f')} |")
-    write_results(out, STEM, {"meta": meta, "rows": rows}, lines)
-    throughput_latency(rows, out / f"{STEM}.png", f"The real target ({meta['dtype']}), edge emulated, "
+    write_results(out, stem, {"meta": meta, "rows": rows}, lines)
+    throughput_latency(rows, out / f"{stem}.png", f"The real target ({meta['dtype']}), edge emulated, "
                        f"{meta['when']}; {meta['cpu']}")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench real", description=__doc__.splitlines()[0])
     p.add_argument("--scenarios", default="target-only,default-fleet,vllm-fleet",
-                   help="comma list of specfleet fleets: target-only, default-fleet, vllm-target-only, vllm-fleet")
+                   help="comma list of specfleet fleets: target-only, default-fleet, vllm-target-only, vllm-fleet, "
+                        f"shared-drafter (one Q4_1 drafter, {STARSD_SESSIONS} sessions), drafter-per-session "
+                        f"({STARSD_SESSIONS} Q4_1 drafters, one session each)")
+    p.add_argument("--stem", default=STEM, help="the results' file name: <out>/<stem>.{json,md,png}")
     p.add_argument("--peers", default=",".join(PEERS), help=f"comma list of: {', '.join(PEERS)} (empty: none)")
     p.add_argument("--rtts", type=lambda s: [float(x) for x in s.split(",") if x], default=[],
                    help="comma list of added RTTs in ms: measure the default fleet across the network at each, "
@@ -199,12 +212,12 @@ def main(argv: list[str] | None = None) -> int:
     floor = measure_floor(target, dtype, edge.server_cpus)
     rows = serve_all(args, edge, target, chosen, peers, dtype)
     floor_end = measure_floor(target, dtype, edge.server_cpus)
-    meta = {"command": "python -m bench real " + " ".join(given_args(argv)), "when": time.strftime("%Y-%m-%d %H:%M"),
+    meta = {"command": "python -m bench real " + shlex.join(given_args(argv)), "when": time.strftime("%Y-%m-%d %H:%M"),
             "edge": edge.describe(), "cpu": cpu_flag_summary(), "dtype": dtype, "floor": floor,
             "floor_tok_s": floor["floor_tok_s"], "floor_tok_s_end": floor_end["floor_tok_s"],
             "requests": args.requests, "max_tokens": args.max_tokens, "repeats": args.repeats}
     write(with_ratios(rows, statistics.median([floor["floor_tok_s"], floor_end["floor_tok_s"]])), meta,
-          Path(args.out))
+          Path(args.out), args.stem)
     return 0
 
 
@@ -234,7 +247,7 @@ def across_network(args: argparse.Namespace, argv: list[str] | None, edge: Edge,
             base = {level: run.rates for sc, level, run in done if not sc.drafters}
             rows += [{**row(run, base, []), "rtt_ms": rtt if sc.drafters else 0.0, "network": run.network}
                      for sc, _, run in done]
-    meta = {"command": "python -m bench real " + " ".join(given_args(argv)), "when": time.strftime("%Y-%m-%d %H:%M"),
+    meta = {"command": "python -m bench real " + shlex.join(given_args(argv)), "when": time.strftime("%Y-%m-%d %H:%M"),
             "edge": edge.describe(), "cpu": cpu_flag_summary(), "dtype": dtype, "requests": args.requests,
             "max_tokens": args.max_tokens, "repeats": args.repeats}
     write_rtt(rows, meta, Path(args.out))

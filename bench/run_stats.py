@@ -57,6 +57,16 @@ def per_drafter_goodput(run: Run) -> dict[str, float]:
     return out
 
 
+def per_drafter_drafts(run: Run) -> dict[str, dict[str, float]]:
+    """Each drafter's acceptance (accepted over drafted tokens) and share of all drafted tokens
+    (under a shared budget, where the budget went)."""
+    drafted = {name: snap.value(f"{D}_drafted_tokens_total") for name, snap in sorted(run.metrics.items())
+               if name.startswith("drafter")}
+    total = sum(drafted.values())
+    return {name: {"acceptance": run.metrics[name].value(f"{D}_accepted_tokens_total") / n if n else 0.0,
+                   "draft_share": n / total if total else 0.0} for name, n in drafted.items()}
+
+
 def slo_by_class(verifier: Snapshot) -> dict[str, dict[str, float]]:
     """Per SLO class (tokens/s, or "none"): finished requests and the share that met the class."""
     counts: dict[str, dict[str, float]] = {}
@@ -95,7 +105,7 @@ def summary(run: Run) -> dict[str, Any]:
     steps = v.value(f"{V}_steps_total")
     drafters = per_drafter_goodput(run)
     return {
-        "goodput_tok_s": run.tokens_per_s, "goodput_by_drafter": drafters,
+        "goodput_tok_s": run.tokens_per_s, "goodput_by_drafter": drafters, "drafts_by_drafter": per_drafter_drafts(run),
         "acceptance": accepted / drafted if drafted else 0.0,
         "mean_accepted_per_round": v.value(f"{V}_accepted_tokens_total") / rounds if rounds else 0.0,
         "wasted_drafted": drafted - accepted, "passes_per_token": steps / committed if committed else 0.0,

@@ -14,7 +14,7 @@ from bench.fleets import Run
 from bench.peers import Answer, hf_peer, llamacpp_peer
 from bench.peers import main as peers_main
 from bench.plots import throughput_latency
-from bench.real import fmt, peer_row, tokens_per_forward, with_ratios
+from bench.real import STARSD_SESSIONS, fmt, peer_row, scenarios, tokens_per_forward, with_ratios
 from bench.scrape import Snapshot
 
 PROMPTS = [[5, 9, 11, 40, 7], [12, 13, 60, 3, 22, 8]]
@@ -121,3 +121,13 @@ def test_the_throughput_latency_picture_is_drawn(tmp_path: Path) -> None:
                                ("fleet", 1, 45.0, 21.0), ("peer", 1, 15.0, 65.0))]
     throughput_latency(rows, tmp_path / "p.png", "title")
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_starsds_two_fleets_serve_the_same_sessions_with_the_same_draft() -> None:
+    """One drafter batching 4 sessions against 4 drafters of one session each: the same Q4_1 copy."""
+    table = scenarios(Path("/m/target"))
+    shared, apart = table["shared-drafter"], table["drafter-per-session"]
+    assert shared.draft == apart.draft == "/m/target.Q4_1.gguf"
+    assert (shared.drafters, shared.drafter_flags) == (1, ("--max-sessions", str(STARSD_SESSIONS)))
+    assert (apart.drafters, apart.drafter_flags) == (STARSD_SESSIONS, ("--max-sessions", "1"))
+    assert table["vllm-fleet"].verifier_flags == ("--backend", "vllm") and not table["default-fleet"].verifier_flags

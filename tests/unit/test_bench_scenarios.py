@@ -14,7 +14,7 @@ from bench.capacity import NO_FILL
 from bench.capacity import scenarios as capacity_scenarios
 from bench.client import Outcome
 from bench.edge import Edge
-from bench.fairness import parse_drafters, settle_round
+from bench.fairness import REAL_FAMILY, parse_drafters, scenario, settle_round
 from bench.fleets import Run, bodies, fleet_spec
 from bench.load import requests_at
 from bench.run_stats import (
@@ -23,6 +23,7 @@ from bench.run_stats import (
     drafter_costs,
     fill_waits,
     jain,
+    per_drafter_drafts,
     per_drafter_goodput,
     round_breakdown,
     round_draft_ms_per_token,
@@ -76,6 +77,18 @@ def test_per_drafter_goodput_counts_each_round_and_its_accepted_drafts_over_the_
                                                      specfleet_drafter_accepted_tokens_total=30),
                                    "drafter-2": snap(specfleet_drafter_rounds_total=20)}, walls=[2.0, 3.0])
     assert per_drafter_goodput(run) == {"drafter-1": 8.0, "drafter-2": 4.0}
+
+
+def test_per_drafter_drafts_give_each_drafters_share_of_the_drafts_and_its_acceptance() -> None:
+    run = Run("s", 2, [1.0], [], {"verifier": Snapshot(),
+                                   "drafter-1": snap(specfleet_drafter_drafted_tokens_total=60,
+                                                     specfleet_drafter_accepted_tokens_total=54),
+                                   "drafter-2": snap(specfleet_drafter_drafted_tokens_total=20,
+                                                     specfleet_drafter_accepted_tokens_total=5),
+                                   "drafter-3": snap()})  # given no budget: drafted nothing
+    assert per_drafter_drafts(run) == {"drafter-1": {"acceptance": 0.9, "draft_share": 0.75},
+                                       "drafter-2": {"acceptance": 0.25, "draft_share": 0.25},
+                                       "drafter-3": {"acceptance": 0.0, "draft_share": 0.0}}
 
 
 def test_cpu_split_gives_each_service_and_the_client_over_the_window() -> None:
@@ -163,6 +176,23 @@ def test_fairness_drafters_parse_and_bad_ones_are_refused() -> None:
         parse_drafters("tiny@0,small@0")
     with pytest.raises(ValueError, match="at least 2"):
         parse_drafters("small@0")
+
+
+def test_fairness_kinds_map_to_the_real_familys_drafts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GGUF kinds are the target's copies beside it; small and large the distilled drafts of
+    models/ (not the GGUF drafts specfleet up defaults to); prompt lookup reads the target."""
+    for name in ("draft-small", "draft-large"):
+        (tmp_path / "models" / name).mkdir(parents=True)
+    monkeypatch.setattr("bench.fairness.DISTILLED", tmp_path / "models")
+    monkeypatch.setattr("bench.fairness.smallest", lambda paths: sorted(paths)[-1])  # draft-small
+    monkeypatch.setattr("bench.fairness.largest", lambda paths: sorted(paths)[0])  # draft-large
+    target = tmp_path / "m" / "target"
+    sc = scenario("goodspeed", parse_drafters(REAL_FAMILY + ",large@0,q8_0@0"), [], 12, target)
+    copy, distilled = target.parent / "target", tmp_path / "models"
+    assert sc.drafts == (f"{copy}.Q4_1.gguf", f"{copy}.Q4_0.gguf", str(distilled / "draft-small"), str(target),
+                         str(distilled / "draft-large"), f"{copy}.Q8_0.gguf")
+    assert sc.per_drafter_flags[3] == ("--proposer", "ngram") and not any(sc.per_drafter_flags[:3])
+    assert sc.drafter_rtts == (0.0, 10.0, 10.0, 40.0, 0.0, 0.0)
 
 
 def test_utility_settles_when_its_rolling_mean_stays_near_the_end() -> None:
