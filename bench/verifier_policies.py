@@ -338,8 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
     p.add_argument("--out", default="bench/results", help="results folder")
     p.add_argument("--target", default="", help="target model directory (default SmolLM2-135M-Instruct, fetched)")
-    p.add_argument("--drafts", default="", help="draft model directories (default models/draft-*); the smallest drafts "
-                   "(allocation's second drafter: the largest)")
+    p.add_argument("--drafts", default="", help="draft models (default: the target's GGUF copies when llama.cpp "
+                   "is installed, else models/draft-*); the smallest drafts (allocation's second drafter: the largest)")
     p.add_argument("--capacity", type=int, default=12, help="allocation: GoodSpeed's C")
     p.add_argument("--allocation-requests", type=int, default=24, help="allocation: requests (128 tokens) per run")
     p.add_argument("--allocation-repeats", type=int, default=3, help="allocation: runs per policy (median reported)")
