@@ -65,16 +65,16 @@ def scenarios(target: Path) -> dict[str, Scenario]:
 
     def alone(name: str, draft: str, *flags: str) -> Scenario:
         # the coordinator's default (--speculation auto), as specfleet up runs it
-        return Scenario(name, drafters=1, draft=draft, drafter_flags=(*own, *flags), speculation="auto")
+        return Scenario(name, drafters=1, draft=draft, drafter_flags=(*own, *flags), speculation="auto", allocation="")
 
     fleet, drafts = "default fleet (" + " + ".join(FLEET_WIDTHS) + ")", tuple(copy(w) for w in FLEET_WIDTHS)
     return {
         "target-only": Scenario("target-only"),
         "default-fleet": Scenario(fleet, drafters=len(FLEET_WIDTHS), drafts=drafts, drafter_flags=own,
-                                  speculation="auto"),
+                                  speculation="auto", allocation=""),
         # the baseline of the verifier's measured guard (services/verifier/allocation/pays.py): the policy alone
         "unguarded": Scenario(fleet + ", policy alone", drafters=len(FLEET_WIDTHS), drafts=drafts, drafter_flags=own,
-                              speculation="auto", verifier_flags=("--speculation-guard", "false")),
+                              speculation="auto", verifier_flags=("--speculation-guard", "false"), allocation=""),
         **{w.lower(): alone(f"{w} copy alone", copy(w)) for w in ("Q4_1", "Q8_0", "Q4_0")},
         "distilled": alone("distilled small draft alone", "models/draft-small"),
         "ngram": alone("prompt lookup alone", str(target), "--proposer", "ngram"),

@@ -92,6 +92,9 @@ class Scenario:
     rtt_ms: float | None = None  # the drafters' RTT for this scenario (None: the run's --rtt-ms)
     drafter_rtts: tuple[float, ...] = ()  # drafter i reaches the verifier at RTT entry i (its own delay proxy)
     speculation: str = ""  # the coordinator's --speculation (empty: on with drafters, else off)
+    #: the verifier's --allocation unless ``verifier_flags`` names one: a benchmark's "k = 4" is
+    #: Fixed-S at ``draft_len``; empty: the verifier's own default policy (as specfleet up runs it)
+    allocation: str = "fixed"
 
 
 @dataclass
@@ -149,7 +152,7 @@ def fleet_spec(target: Path, sc: Scenario, edge: Edge) -> tuple[FleetSpec, dict[
         target=target, drafts=[Path(d) for d in sc.drafts] or [Path(sc.draft)] * sc.drafters,
         coordinator_port=free_port(),
         verifier_port=free_port(), drafter_metrics_ports=ports, server_cpus=edge.server_cpus, edge_cpus=edge.edge_cpus,
-        verifier_flags=[*quiet, "--draft-len", str(sc.draft_len), *sc.verifier_flags],
+        verifier_flags=[*quiet, "--draft-len", str(sc.draft_len), *allocation_flags(sc), *sc.verifier_flags],
         coordinator_flags=[*quiet, "--speculation", sc.speculation or ("on" if sc.drafters else "off"),
                            "--max-in-flight", "0"],
         drafter_flags=[*quiet, "--max-sessions", "64", *sc.drafter_flags],
@@ -159,6 +162,14 @@ def fleet_spec(target: Path, sc: Scenario, edge: Edge) -> tuple[FleetSpec, dict[
             "coordinator": f"http://127.0.0.1:{spec.coordinator_port}/metrics",
             **{f"drafter-{i + 1}": f"http://127.0.0.1:{p}/metrics" for i, p in enumerate(ports)}}
     return spec, urls
+
+
+def allocation_flags(sc: Scenario) -> tuple[str, ...]:
+    """``--allocation <sc.allocation>``, unless the scenario's own verifier flags choose one or it
+    asks for the verifier's default."""
+    if not sc.allocation or "--allocation" in sc.verifier_flags:
+        return ()
+    return ("--allocation", sc.allocation)
 
 
 @contextmanager

@@ -80,7 +80,7 @@ def scenarios(target: Path) -> dict[str, Scenario]:
 
     def spec(name: str, *verifier: str) -> Scenario:
         return Scenario(name, drafters=len(drafts), drafts=drafts, drafter_flags=own, speculation="auto",
-                        verifier_flags=verifier)
+                        verifier_flags=verifier, allocation="")
 
     q4_1 = str(copy_path(target, "Q4_1"))
     return {"target-only": Scenario("target-only"),
@@ -90,10 +90,11 @@ def scenarios(target: Path) -> dict[str, Scenario]:
             # StarSD's claim at equal edge cores: one drafter batching many sessions, against one
             # drafter per session (every drafter on the same edge cores)
             "shared-drafter": Scenario(f"one Q4_1 drafter, {STARSD_SESSIONS} sessions", drafters=1, draft=q4_1,
-                                       drafter_flags=("--max-sessions", str(STARSD_SESSIONS)), speculation="auto"),
+                                       drafter_flags=("--max-sessions", str(STARSD_SESSIONS)), speculation="auto",
+                                       allocation=""),
             "drafter-per-session": Scenario(f"{STARSD_SESSIONS} Q4_1 drafters, 1 session each",
                                             drafters=STARSD_SESSIONS, draft=q4_1, drafter_flags=("--max-sessions", "1"),
-                                            speculation="auto")}
+                                            speculation="auto", allocation="")}
 
 
 def chat_ids(target: Path, prompts: list[str]) -> list[list[int]]:

@@ -15,7 +15,7 @@ from bench.capacity import scenarios as capacity_scenarios
 from bench.client import Outcome
 from bench.edge import Edge
 from bench.fairness import REAL_FAMILY, parse_drafters, scenario, settle_round
-from bench.fleets import Run, bodies, fleet_spec
+from bench.fleets import Run, Scenario, allocation_flags, bodies, fleet_spec
 from bench.load import requests_at
 from bench.run_stats import (
     client_slo_by_class,
@@ -512,3 +512,22 @@ def test_on_shared_edge_cores_a_drafters_costs_are_its_draft_models_cpu_seconds(
     assert [s.token_s / a.token_s for a, s in zip(alone.drafters, shared.drafters, strict=True)] == pytest.approx(
         [0.5, 1.0])
     assert edge_background(real_row(cpu=cpu)) == 0  # not recorded per drafter: no split
+
+
+@pytest.mark.parametrize(("scenario", "want"), [
+    (Scenario("k=4", drafters=1, draft="d", draft_len=4), ("--allocation", "fixed")),  # a benchmark's k is Fixed-S
+    (Scenario("own", drafters=1, draft="d", verifier_flags=("--allocation", "smartspec")), ()),
+    (Scenario("as specfleet up", drafters=1, draft="d", allocation=""), ()),  # the verifier's default policy
+])
+def test_a_scenarios_verifier_runs_fixed_k_unless_it_names_a_policy(scenario: Scenario, want: tuple[str, ...]) -> None:
+    assert allocation_flags(scenario) == want
+    flags = fleet_spec(Path("t"), scenario, Edge("", ""))[0].verifier_flags
+    assert flags.count("--allocation") == 1 - (scenario.allocation == "")
+
+
+def test_the_default_fleets_run_the_verifiers_default_policy() -> None:
+    from bench.edge_drafts import scenarios as edge_scenarios
+    from bench.real import scenarios as real_scenarios
+
+    fleets = [*edge_scenarios(Path("t")).values(), *real_scenarios(Path("t")).values()]
+    assert all(allocation_flags(sc) == () for sc in fleets if sc.drafters)
