@@ -1,0 +1,80 @@
+"""How the benchmarks build their fleets: each scenario's verifier policy (a benchmark's k is
+Fixed-S; the default fleets run the verifier's default), the fairness drafter kinds of the real
+family, the SLO fleets, and the edge drafters' queue address."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench.edge import Edge
+from bench.fairness import REAL_FAMILY, parse_drafters, scenario
+from bench.fleets import Scenario, allocation_flags, fleet_spec
+from bench.slo import scenarios as slo_scenarios
+from shared.fleet import FleetSpec, plan
+
+
+def test_fairness_drafters_parse_and_bad_ones_are_refused() -> None:
+    assert parse_drafters("small@0,large@10,ngram") == [("small", 0.0), ("large", 10.0), ("ngram", 0.0)]
+    with pytest.raises(ValueError, match="unknown drafter kind"):
+        parse_drafters("tiny@0,small@0")
+    with pytest.raises(ValueError, match="at least 2"):
+        parse_drafters("small@0")
+
+
+def test_fairness_kinds_map_to_the_real_familys_drafts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GGUF kinds are the target's copies beside it; small and large the distilled drafts of
+    models/ (not the GGUF drafts specfleet up defaults to); prompt lookup reads the target."""
+    for name in ("draft-small", "draft-large"):
+        (tmp_path / "models" / name).mkdir(parents=True)
+    monkeypatch.setattr("bench.fairness.DISTILLED", tmp_path / "models")
+    monkeypatch.setattr("bench.fairness.smallest", lambda paths: sorted(paths)[-1])  # draft-small
+    monkeypatch.setattr("bench.fairness.largest", lambda paths: sorted(paths)[0])  # draft-large
+    target = tmp_path / "m" / "target"
+    sc = scenario("goodspeed", parse_drafters(REAL_FAMILY + ",large@0,q8_0@0"), [], 12, target)
+    copy, distilled = target.parent / "target", tmp_path / "models"
+    assert sc.drafts == (f"{copy}.Q4_1.gguf", f"{copy}.Q4_0.gguf", str(distilled / "draft-small"), str(target),
+                         str(distilled / "draft-large"), f"{copy}.Q8_0.gguf")
+    assert sc.per_drafter_flags[3] == ("--proposer", "ngram") and not any(sc.per_drafter_flags[:3])
+    assert sc.drafter_rtts == (0.0, 10.0, 10.0, 40.0, 0.0, 0.0)
+
+
+def test_edge_drafters_reach_redis_through_the_edge_address() -> None:
+    spec = FleetSpec(target=Path("t"), drafts=[Path("d")],
+                     redis_url="redis://127.0.0.1:6379/0", edge_queue_addr="10.77.0.1:5555")
+    drafter = dict(plan(spec))["drafter-1"]
+    assert drafter[drafter.index("--queue-url") + 1] == "redis://10.77.0.1:5555/0"
+    coordinator = dict(plan(spec))["coordinator"]
+    assert coordinator[coordinator.index("--redis-url") + 1] == "redis://127.0.0.1:6379/0"
+
+
+def test_slo_fleets_differ_only_in_their_batching_and_take_every_session() -> None:
+    fcfs, wisp = slo_scenarios(Path("models/draft-small"), 4, "p.json", "ngram", 128, 60.0)
+    assert (fcfs.name, wisp.name) == ("fcfs", "wisp")
+    assert fcfs.verifier_flags == ("--batching", "fcfs", "--estimator-file", "p.json")
+    assert wisp.verifier_flags == ("--batching", "wisp", "--estimator-file", "p.json", "--wisp-network-ms", "60")
+    assert fcfs.drafter_flags == wisp.drafter_flags == ("--proposer", "ngram", "--max-sessions", "128")
+    spec, _ = fleet_spec(Path("models/target"), wisp, Edge(server_cpus="", edge_cpus=""))
+    flags = spec.drafter_flags
+    last = max(i for i, f in enumerate(flags) if f == "--max-sessions")
+    assert flags[last + 1] == "128"  # after the harness's own default: the last one wins
+
+
+@pytest.mark.parametrize(("scenario", "want"), [
+    (Scenario("k=4", drafters=1, draft="d", draft_len=4), ("--allocation", "fixed")),  # a benchmark's k is Fixed-S
+    (Scenario("own", drafters=1, draft="d", verifier_flags=("--allocation", "smartspec")), ()),
+    (Scenario("as specfleet up", drafters=1, draft="d", allocation=""), ()),  # the verifier's default policy
+])
+def test_a_scenarios_verifier_runs_fixed_k_unless_it_names_a_policy(scenario: Scenario, want: tuple[str, ...]) -> None:
+    assert allocation_flags(scenario) == want
+    flags = fleet_spec(Path("t"), scenario, Edge("", ""))[0].verifier_flags
+    assert flags.count("--allocation") == 1 - (scenario.allocation == "")
+
+
+def test_the_default_fleets_run_the_verifiers_default_policy() -> None:
+    from bench.edge_drafts import scenarios as edge_scenarios
+    from bench.real import scenarios as real_scenarios
+
+    fleets = [*edge_scenarios(Path("t")).values(), *real_scenarios(Path("t")).values()]
+    assert all(allocation_flags(sc) == () for sc in fleets if sc.drafters)
