@@ -39,14 +39,19 @@ def scenarios(draft: Path, k: int) -> list[Scenario]:
     return out
 
 
-def steps_per_token(run: Run) -> float:
+def forward_counts(run: Run, vllm: bool) -> tuple[float, float]:
+    """The verifier's forward passes (a batch's counts once) and generated tokens over the run,
+    from its /metrics: specfleet's step counter, or vLLM's ``iteration_tokens_total`` count."""
     v = run.metrics.get("verifier")
     if v is None:
-        return 0.0
-    if run.scenario.startswith("vllm"):
-        steps, tokens = v.total("vllm:iteration_tokens_total_count"), v.total("vllm:generation_tokens_total")
-    else:
-        steps, tokens = v.value("specfleet_verifier_steps_total"), v.value("specfleet_verifier_generated_tokens_total")
+        return 0.0, 0.0
+    if vllm:
+        return v.total("vllm:iteration_tokens_total_count"), v.total("vllm:generation_tokens_total")
+    return v.value("specfleet_verifier_steps_total"), v.value("specfleet_verifier_generated_tokens_total")
+
+
+def steps_per_token(run: Run) -> float:
+    steps, tokens = forward_counts(run, run.scenario.startswith("vllm"))
     return steps / tokens if tokens else 0.0
 
 

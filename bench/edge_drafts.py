@@ -34,7 +34,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +128,27 @@ async def load_watching_estimate(bf: BenchFleet, bodies: list[dict[str, Any]], c
     finally:
         done.set()
         await watcher
+
+
+#: in_turn's measure_one: one window of a fleet at a level, repeat i
+Window = Callable[[BenchFleet, Scenario, int, int], Run]
+
+
+def chat_window(args: argparse.Namespace, target: Path, bar: tqdm,
+                estimates: dict[tuple[str, int], list[float]] | None = None) -> Window:
+    """One measured window of a fleet (``bench.fleets.in_turn``'s ``measure_one``): repeat ``i``
+    answers its own slice of the held-out chat prompts (``--requests``, or ``conc`` when more) at
+    ``conc`` concurrent requests and ``--temperature``; ``estimates`` collects the dashboard's
+    readings per (scenario, concurrency)."""
+    def one(bf: BenchFleet, sc: Scenario, conc: int, i: int) -> Run:
+        n = max(args.requests, conc)
+        seen = [] if estimates is None else estimates.setdefault((sc.name, conc), [])
+        run = measure_chat(bf, sc, conc, heldout_prompts(n * (i + 1))[-n:], args.max_tokens, target.name,
+                           args.temperature, seen)
+        bar.update(1)
+        return run
+
+    return one
 
 
 def step_costs(target: Path, drafts: dict[str, str], edge: Edge) -> dict[str, float]:
@@ -256,15 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     total = len(chosen) * len(args.concurrency) * args.repeats
     estimates: dict[tuple[str, int], list[float]] = {}  # (scenario, concurrency) -> the dashboard's readings
     with tqdm(total=total, desc="bench edge-drafts", unit="run") as bar, tempfile.TemporaryDirectory() as logs:
-        def one(bf: BenchFleet, sc: Scenario, conc: int, i: int) -> Run:
-            prompts = heldout_prompts(max(args.requests, conc) * (i + 1))[-max(args.requests, conc):]
-            run = measure_chat(bf, sc, conc, prompts, args.max_tokens, target.name, args.temperature,
-                               estimates.setdefault((sc.name, conc), []))
-            bar.update(1)
-            return run
-
         done = in_turn(target, chosen, edge, Path(logs), args.concurrency, args.repeats, target.name,
-                       args.temperature, one, bar.set_postfix_str)
+                       args.temperature, chat_window(args, target, bar, estimates), bar.set_postfix_str)
     base = {level: run.rates for sc, level, run in done if sc.name == "target-only"}
     rows = [row(run, base, estimates.get((sc.name, level), [])) for sc, level, run in done]
     meta = {"command": "python -m bench edge-drafts " + " ".join(given_args(argv)),

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import secrets
+import shlex
 import statistics
 import sys
 import tempfile
@@ -324,7 +325,7 @@ def given_args(argv: list[str] | None) -> list[str]:
 
 def run_meta(command: str, argv: list[str] | None, edge: Edge, **extra: Any) -> dict[str, Any]:
     """What a results file says about its run: the command line, when, and the edge emulation."""
-    return {"command": f"python -m bench {command} " + " ".join(given_args(argv)),
+    return {"command": f"python -m bench {command} " + shlex.join(given_args(argv)),
             "when": time.strftime("%Y-%m-%d %H:%M"), "edge": edge.describe(), **extra}
 
 

@@ -34,22 +34,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import statistics
 import sys
 import tempfile
-import time
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
+from bench.backends import forward_counts
 from bench.client import percentiles
 from bench.edge import Edge, edge_from, run_pinned
-from bench.edge_drafts import FLEET_SESSIONS, heldout_prompts, measure_chat, row
-from bench.fleets import BenchFleet, Run, Scenario, add_workload_flags, given_args, in_turn, write_results
+from bench.edge_drafts import FLEET_SESSIONS, chat_window, heldout_prompts, row
+from bench.fleets import Run, Scenario, add_workload_flags, given_args, in_turn, run_meta, write_results
 from bench.peers import LOOKUP_TOKENS, NGRAM_CONFIG, PEERS
 from bench.plots import throughput_latency
 from shared.gguf_copies import FLEET_WIDTHS, copy_path
@@ -128,15 +126,8 @@ def peer_row(peer: str, result: dict[str, Any]) -> dict[str, Any]:
 
 
 def tokens_per_forward(run: Run, vllm: bool) -> float | None:
-    """Tokens the verifier committed per target forward (a batch's forward counts once), from its
-    /metrics: specfleet's step counter, or vLLM's ``iteration_tokens_total`` count."""
-    v = run.metrics.get("verifier")
-    if v is None:
-        return None
-    if vllm:
-        steps, tokens = v.total("vllm:iteration_tokens_total_count"), v.total("vllm:generation_tokens_total")
-    else:
-        steps, tokens = v.value("specfleet_verifier_steps_total"), v.value("specfleet_verifier_generated_tokens_total")
+    """Tokens the verifier committed per target forward (a batch's forward counts once)."""
+    steps, tokens = forward_counts(run, vllm)
     return tokens / steps if steps else None
 
 
@@ -205,33 +196,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.rtts:
         return across_network(args, argv, edge, target, dtype)
     table = scenarios(target)
-    chosen = [table[name] for name in args.scenarios.split(",") if name]
-    peers = [name for name in args.peers.split(",") if name]
-    unknown = [name for name in peers if name not in PEERS]
-    if unknown:
-        p.error(f"unknown peer(s) {', '.join(unknown)}: choose from {', '.join(PEERS)}")
+    names, peers = [n for n in args.scenarios.split(",") if n], [n for n in args.peers.split(",") if n]
+    for kind, given, known in (("scenario", names, table), ("peer", peers, PEERS)):
+        if unknown := [n for n in given if n not in known]:
+            p.error(f"unknown {kind}(s) {', '.join(unknown)}: choose from {', '.join(known)}")
+    chosen = [table[name] for name in names]
     floor = measure_floor(target, dtype, edge.server_cpus)
     rows = serve_all(args, edge, target, chosen, peers, dtype)
     floor_end = measure_floor(target, dtype, edge.server_cpus)
-    meta = {"command": "python -m bench real " + shlex.join(given_args(argv)), "when": time.strftime("%Y-%m-%d %H:%M"),
-            "edge": edge.describe(), "cpu": cpu_flag_summary(), "dtype": dtype, "floor": floor,
-            "floor_tok_s": floor["floor_tok_s"], "floor_tok_s_end": floor_end["floor_tok_s"],
-            "requests": args.requests, "max_tokens": args.max_tokens, "repeats": args.repeats}
+    meta = real_meta(args, argv, edge, dtype, floor=floor, floor_tok_s=floor["floor_tok_s"],
+                     floor_tok_s_end=floor_end["floor_tok_s"])
     write(with_ratios(rows, statistics.median([floor["floor_tok_s"], floor_end["floor_tok_s"]])), meta,
           Path(args.out), args.stem)
     return 0
 
 
-def chat_window(args: argparse.Namespace, target: Path, bar: tqdm) -> Callable[[BenchFleet, Scenario, int, int], Run]:
-    """One measured window of a fleet: repeat ``i`` answers its own slice of the held-out prompts
-    (``--requests``, or ``conc`` when more), greedy, at ``conc`` concurrent requests."""
-    def one(bf: BenchFleet, sc: Scenario, conc: int, i: int) -> Run:
-        n = max(args.requests, conc)
-        run = measure_chat(bf, sc, conc, heldout_prompts(n * (i + 1))[-n:], args.max_tokens, target.name, 0.0, [])
-        bar.update(1)
-        return run
-
-    return one
+def real_meta(args: argparse.Namespace, argv: list[str] | None, edge: Edge, dtype: str, **extra: Any) -> dict[str, Any]:
+    """What a results file says about its run: the command, when, the edge, the CPU, the dtype and
+    the workload."""
+    return run_meta("real", argv, edge, cpu=cpu_flag_summary(), dtype=dtype, requests=args.requests,
+                    max_tokens=args.max_tokens, repeats=args.repeats, **extra)
 
 
 def across_network(args: argparse.Namespace, argv: list[str] | None, edge: Edge, target: Path, dtype: str) -> int:
@@ -248,9 +232,7 @@ def across_network(args: argparse.Namespace, argv: list[str] | None, edge: Edge,
             base = {level: run.rates for sc, level, run in done if not sc.drafters}
             rows += [{**row(run, base, []), "rtt_ms": rtt if sc.drafters else 0.0, "network": run.network}
                      for sc, _, run in done]
-    meta = {"command": "python -m bench real " + shlex.join(given_args(argv)), "when": time.strftime("%Y-%m-%d %H:%M"),
-            "edge": edge.describe(), "cpu": cpu_flag_summary(), "dtype": dtype, "requests": args.requests,
-            "max_tokens": args.max_tokens, "repeats": args.repeats}
+    meta = real_meta(args, argv, edge, dtype)
     write_rtt(rows, meta, Path(args.out))
     return 0
 
