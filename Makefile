@@ -195,6 +195,7 @@ bench: install-vllm
 	$(BIN)/python -m bench sim --drafters 10,100,1000,3000 --cost cpu,h100 --allocation goodspeed --stem sim-goodspeed
 	$(BIN)/python -m bench sim-validate
 	$(BIN)/python -m bench sim-rtt
+	$(BIN)/python -m bench sim-jetson
 	@$(MAKE) --no-print-directory bench-report
 
 bench-report: install

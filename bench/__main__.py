@@ -1,6 +1,6 @@
 """``python -m bench <command>``: profile, serving, context, qwire, policies (make bench), costs,
 verifier-policies, backends, rtt, single, fairness, slo, load, capacity, sim, sim-validate, sim-rtt,
-invariance, report, oracle-record, gpu-check, edge-drafts, fidelity, decode, dashboard-picture, real."""
+sim-jetson, invariance, report, oracle-record, gpu-check, edge-drafts, fidelity, decode, dashboard-picture, real."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ COMMANDS = {"profile": "bench.profile", "serving": "bench.serving", "context": "
             "single": "bench.single", "fairness": "bench.fairness", "slo": "bench.slo", "load": "bench.load",
             "capacity": "bench.capacity", "report": "bench.report", "invariance": "bench.invariance",
             "sim": "bench.sim", "sim-validate": "bench.sim.validate", "sim-rtt": "bench.sim.rtt_sweep",
+            "sim-jetson": "bench.sim.jetson_h100",
             "oracle-record": "bench.oracle", "gpu-check": "bench.gpu_check", "edge-drafts": "bench.edge_drafts",
             "fidelity": "bench.fidelity", "decode": "bench.decode", "dashboard-picture": "bench.dashboard_picture",
             "real": "bench.real"}

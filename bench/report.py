@@ -79,6 +79,8 @@ SECTIONS = (
     Section("sim-validation", "The simulator against the real runs", "python -m bench sim-validate"),
     Section("sim-rtt", "Simulated: what the round trip changes about how to draft", "python -m bench sim-rtt",
             ("sim-rtt.png",)),
+    Section("sim-jetson-h100", "Simulated: Jetson-class drafters against one H100, published step costs",
+            "python -m bench sim-jetson"),
 )
 
 

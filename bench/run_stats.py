@@ -47,12 +47,16 @@ def sum_log(values: Sequence[float]) -> float:
 
 
 def per_drafter_goodput(run: Run) -> dict[str, float]:
-    """Committed tokens per second through each drafter over the run's measured time."""
+    """Committed tokens per second for each drafter's sessions over the run's measured time: all of
+    them, drafted rounds, rounds the verifier ran target-only (budget 0) and fills, as its drafter
+    counted them (``committed_tokens``); from a drafter that does not count them, its drafted rounds'
+    (one token a round, plus the accepted drafts), which leaves the others out."""
     seconds = sum(run.walls)
     out = {}
     for name, snap in sorted(run.metrics.items()):
         if name.startswith("drafter") and seconds > 0:
-            committed = snap.value(f"{D}_rounds_total") + snap.value(f"{D}_accepted_tokens_total")
+            committed = snap.value(f"{D}_committed_tokens_total") or \
+                snap.value(f"{D}_rounds_total") + snap.value(f"{D}_accepted_tokens_total")
             out[name] = committed / seconds
     return out
 

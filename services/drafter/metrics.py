@@ -27,6 +27,9 @@ class DrafterMetrics:
         self.phase = Histogram(f"{_P}_round_phase_seconds", "Round time by phase: worker_wait, draft, send, "
                                "verify_wait, round", ["phase"], buckets=_TIME, registry=r)
         self.rounds = Counter(f"{_P}_rounds", "Rounds played", registry=r)
+        self.committed = Counter(f"{_P}_committed_tokens", "Tokens the verifier committed for this drafter's "
+                                 "sessions: drafted rounds, rounds it ran target-only (budget 0) and fills",
+                                 registry=r)
         self.drafted = Counter(f"{_P}_drafted_tokens", "Draft tokens sent", registry=r)
         self.round_drafted = Counter(f"{_P}_round_drafted_tokens", "Draft tokens sent by rounds the draft model "
                                      "drafted then (not taken from a lookahead): what its round busy time, "

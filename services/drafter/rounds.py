@@ -175,7 +175,7 @@ class SessionRunner:
         proposal, started, ended = (ready, began, began) if ready is not None else await self._draft(session, k)
         early = None if presented else _drain_final(inbox)  # cancelled while we drafted? then do not send a dead draft
         if early is not None:
-            session.apply_verdict(early, drafted=0)
+            self._apply(session, early, drafted=0)
             return
         drafted = len(proposal.token_ids)
         # what the proposer was asked for: nothing once drafting failed; a draft from a lookahead, what that asked
@@ -206,11 +206,11 @@ class SessionRunner:
             return
         if reply.finished and reply.round != session.round:  # an unsolicited cancel
             session.lookahead.cancel()
-            session.apply_verdict(reply, drafted=0)
+            self._apply(session, reply, drafted=0)
             return
         if session.deterministic:  # runner-ups guess a deterministic verifier's token only
             self.odds.observe(proposal, reply, drafted)
-        new = session.apply_verdict(reply, drafted)
+        new = self._apply(session, reply, drafted)
         session.controller.end_round(drafted, min(reply.accepted, drafted), ended - started, verdict_at - sent)
         # settle first: it lets the lookahead that came true finish, so the commit finds all of its
         # rows in its cache and makes that cache the session's (draft_cache.SessionCaches.promote)
@@ -226,9 +226,16 @@ class SessionRunner:
         if isinstance(reply, ErrorFrame):
             await self._abandon(session, reply)
             return
-        new = session.apply_verdict(reply, drafted=0)
+        new = self._apply(session, reply, drafted=0)
         if session.finish_reason is None:
             self.worker.submit(self.proposer.commit, session.request_id, new, 0)
+
+    def _apply(self, session: DraftSession, verdict: Verdict, drafted: int) -> list[int]:
+        """Record a round's Verdict on its session, and count what it committed (every token of
+        the session's output passes here, whoever decoded it)."""
+        new = session.apply_verdict(verdict, drafted)
+        self.metrics.committed.inc(len(new))
+        return new
 
     def _observe_capacity(self, return_s: float, committed: int) -> None:
         capacity = self.batcher.capacity

@@ -76,6 +76,18 @@ def test_per_drafter_goodput_counts_each_round_and_its_accepted_drafts_over_the_
     assert per_drafter_goodput(run) == {"drafter-1": 8.0, "drafter-2": 4.0}
 
 
+def test_per_drafter_goodput_counts_every_token_its_sessions_got_where_the_drafter_counted_them() -> None:
+    """Rounds the verifier ran target-only (budget 0) and fills are in ``committed_tokens``, not in
+    the rounds: a drafter GoodSpeed gave no budget still served its sessions' tokens."""
+    run = Run("s", 2, [1.0], [], {"verifier": Snapshot(),
+                                   "drafter-1": snap(specfleet_drafter_rounds_total=10,
+                                                     specfleet_drafter_accepted_tokens_total=30,
+                                                     specfleet_drafter_committed_tokens_total=45),
+                                   "drafter-2": snap(specfleet_drafter_rounds_total=2,
+                                                     specfleet_drafter_committed_tokens_total=25)}, walls=[5.0])
+    assert per_drafter_goodput(run) == {"drafter-1": 9.0, "drafter-2": 5.0}
+
+
 def test_per_drafter_drafts_give_each_drafters_share_of_the_drafts_and_its_acceptance() -> None:
     run = Run("s", 2, [1.0], [], {"verifier": Snapshot(),
                                    "drafter-1": snap(specfleet_drafter_drafted_tokens_total=60,

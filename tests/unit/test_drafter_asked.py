@@ -24,7 +24,8 @@ PROMPT = [5, 6, 7, 8, 5, 6]  # "5 6" was seen before: lookup proposes 7 8 5 6 â€
 
 
 class ScriptedVerifier:
-    """The verifier link's send side: records each Draft and answers it with the next verdict."""
+    """The verifier link's send side: records each Draft and answers it with the next verdict (and,
+    as the verifier runs a round of budget 0 without a draft, the one after a verdict giving 0)."""
 
     def __init__(self, verdicts: list[Verdict]) -> None:
         self.inbox: asyncio.Queue[object] = asyncio.Queue()
@@ -34,7 +35,11 @@ class ScriptedVerifier:
     async def send(self, msg: object) -> None:
         assert isinstance(msg, Draft)
         self.sent.append(msg)
-        await self.inbox.put(self.verdicts.pop(0))
+        answer = self.verdicts.pop(0)
+        await self.inbox.put(answer)
+        while answer.draft_budget == 0 and not answer.finished and self.verdicts:
+            answer = self.verdicts.pop(0)
+            await self.inbox.put(answer)
 
 
 def verdict(rnd: int, accepted: int, tokens: list[int], budget: int, finished: bool = False) -> Verdict:
@@ -78,6 +83,19 @@ async def test_rounds_count_the_tokens_asked_for_and_those_the_ngram_found() -> 
     assert get("specfleet_drafter_asked_tokens_total") == 6.0
     assert get("specfleet_drafter_drafted_tokens_total") == get("specfleet_drafter_round_drafted_tokens_total") == 3.0
     assert get("specfleet_drafter_rounds_total") == 2.0
+    assert get("specfleet_drafter_committed_tokens_total") == 5.0
+
+
+@pytest.mark.asyncio
+async def test_a_round_the_verifier_runs_target_only_counts_its_tokens_though_no_draft_went() -> None:
+    """Budget 0 (GoodSpeed gave this drafter none): the verifier decodes the round alone, and its
+    token still counts for the drafter's sessions (a per-drafter goodput without it understates
+    the drafters the budget left out)."""
+    sent, runner = await play([verdict(0, 3, [7, 8, 5, 9], 0), verdict(1, 0, [4], 3)])
+    assert sent == [[7, 8, 5]]
+    get = runner.metrics.registry.get_sample_value
+    assert get("specfleet_drafter_rounds_total") == 1.0  # the drafted round alone
+    assert get("specfleet_drafter_committed_tokens_total") == 5.0
 
 
 @pytest.mark.asyncio

@@ -283,7 +283,9 @@ def test_calibration_batches_fit_the_arena_and_the_context(max_len: int, free_ro
 
 def test_calibrate_fits_the_served_runner(tiny_models: dict[str, Path]) -> None:
     """On the tiny target's batch-invariant runner, as the verifier serves it: a fitted estimator
-    that prices a wider step above a narrower one, and the arena left empty for serving."""
+    that prices a wider step above a narrower one, a target-only line for one session and for
+    eight, and the arena left empty for serving. (The two lines are measured times of a tiny
+    model, so which one is higher is noise: CI once saw 3.9 ms at eight under 7.2 ms at one.)"""
     from services.verifier.profile import calibrate
     from shared.models import load_model
     from shared.runner import ModelRunner
@@ -296,7 +298,7 @@ def test_calibrate_fits_the_served_runner(tiny_models: dict[str, Path]) -> None:
     assert est.fitted and est.coef != DEFAULT_COEF
     assert est.predict([SegmentShape(new=5, cached=128)] * 8) > est.predict([SegmentShape(new=1, cached=128)])
     wide, narrow = est.target_only.predict(8, 128), est.target_only.predict(1, 128)
-    assert wide is not None and narrow is not None and wide >= narrow > 0
+    assert wide is not None and narrow is not None and wide > 0 and narrow > 0
     assert runner.kv.allocate(runner.kv.tokens) is not None  # every slot given back
 
 
