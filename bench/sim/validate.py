@@ -47,7 +47,8 @@ Older results files lack some of these (the CPU split, lookahead time, link time
 histograms, the draft models' CPU time); their rows are simulated without them.
 
 Rows the simulator does not model are listed as skipped (the SLED-like baseline recomputes the
-whole context, which the simulator's verifier does not). Writes ``<out>/sim-validation.{json,md}``.
+whole context, which the simulator's verifier does not). Writes ``<out>/<stem>.{json,md}``
+(``--stem``, default ``sim-validation``).
 """
 
 from __future__ import annotations
@@ -449,6 +450,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="simulations per real repeat, with seeds 0 to this − 1; a row takes their median rate and "
                         "the mean latency over all their requests")
     p.add_argument("--out", default="bench/results")
+    p.add_argument("--stem", default="sim-validation", help="results file names: <stem>.json and <stem>.md")
     args = p.parse_args(argv)
     if args.seeds < 1:
         p.error(f"--seeds must be at least 1, got {args.seeds}")
@@ -472,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
             "seeds": args.seeds}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    write_results(out, "sim-validation", {"meta": meta, "rows": rows}, markdown(rows, meta, TOLERANCE))
+    write_results(out, args.stem, {"meta": meta, "rows": rows}, markdown(rows, meta, TOLERANCE))
     return 0
 
 

@@ -3,14 +3,17 @@ row's simulated rate depends on its draws, so a row takes their median rate."""
 
 from __future__ import annotations
 
+import json
 import statistics
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from bench.sim import simulate
 from bench.sim.validate import Knobs, compare, main, spec_of
+from services.verifier.batching.estimator import StepTimeEstimator
 from tests.unit.test_bench_scenarios import COEF, real_row
 
 META = {"drafters": [["small", 0], ["ngram", 40]], "capacity": 8}
@@ -41,3 +44,16 @@ def test_no_seeds_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["--seeds", "0"])
     assert "--seeds must be at least 1" in capsys.readouterr().err
+
+
+def test_a_validation_writes_under_its_stem(tmp_path: Path) -> None:
+    """``--stem``: the real family's validation beside the demo family's, neither overwriting the other."""
+    profile = tmp_path / "profile.json"
+    StepTimeEstimator(COEF).save(profile)
+    (tmp_path / "fairness.json").write_text(json.dumps({"meta": {**META, "when": "2026-12-02 19:24"},
+                                                        "rows": [row()]}))
+    assert main(["--results", str(tmp_path), "--sources", "fairness", "--estimator-file", str(profile),
+                 "--seeds", "1", "--stem", "sim-validation-real", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "sim-validation-real.json").read_text())
+    assert [r["scenario"] for r in data["rows"]] == [row()["scenario"]]
+    assert (tmp_path / "sim-validation-real.md").exists() and not (tmp_path / "sim-validation.md").exists()
