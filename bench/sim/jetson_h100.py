@@ -34,13 +34,13 @@ request). Writes ``<out>/sim-jetson-h100.{json,md}``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from bench.fleets import write_results
 from bench.sim.costs import CostSpec, GpuSpec, TransformerShape
 from bench.sim.engine import simulate
 from bench.sim.spec import DrafterSpec, Policies, SimSpec, VerifierSpec, number_list
@@ -130,7 +130,7 @@ def with_speedups(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
     gpu, (forward_s, row_s, prefill_s) = meta["gpu"], meta["jetson"]
     lines = [
         "# Jetson-class drafters against one H100 verifier (simulated, published step costs)", "",
@@ -155,7 +155,7 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         lines.append(f"| {r['drafters']} | {r['alpha']:.2f} | {r['rtt_ms']:g} | {r['mode']} | {r['goodput_tok_s']:.0f} "
                      f"| {f(r['speedup'], '.2f')}× | {f(r['tpot_ms'], '.1f')} | {f(r['latency_s'], '.2f')} "
                      f"| {r['mean_step_ms']:.1f} | {r['mean_batch']:.0f} | {f(r['acceptance'], '.2f')} |")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,13 +179,19 @@ def main(argv: list[str] | None = None) -> int:
     if "target-only" not in modes:
         modes.insert(0, "target-only")  # every speed-up needs its baseline
     started = time.perf_counter()
-    rows = []
+    rows: list[dict[str, Any]] = []
+    baselines: dict[tuple[int, float], dict[str, Any]] = {}
     for n in args.drafters:
         for alpha in args.alphas:
             for rtt in args.rtt_ms:
                 for mode in modes:
-                    rows.append(run(Point(n, alpha, rtt, mode), args))
-                    r = rows[-1]
+                    if mode == "target-only":  # no drafts, so no α: simulated once per fleet and RTT
+                        key = (n, rtt)
+                        baselines[key] = baselines.get(key) or run(Point(n, alpha, rtt, mode), args)
+                        r = {**baselines[key], "alpha": alpha}
+                    else:
+                        r = run(Point(n, alpha, rtt, mode), args)
+                    rows.append(r)
                     print(f"N={n} α={alpha:g} rtt={rtt:g} ms {mode}: {r['goodput_tok_s']:.0f} tok/s", flush=True)
     rows = with_speedups(rows)
     meta = {"command": "python -m bench sim-jetson " + " ".join(argv or []), "when": time.strftime("%Y-%m-%d %H:%M"),
@@ -194,9 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             "wall_s": time.perf_counter() - started}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "sim-jetson-h100.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-    (out / "sim-jetson-h100.md").write_text(markdown(rows, meta))
-    print(f"wrote {out / 'sim-jetson-h100.md'} in {meta['wall_s']:.1f} s")
+    write_results(out, "sim-jetson-h100", {"meta": meta, "rows": rows}, markdown(rows, meta))
     return 0
 
 
