@@ -86,6 +86,9 @@ def report(run: Run) -> str:
 
 
 def weight_bytes(model: Path) -> int:
+    """A draft's bytes of weights: its GGUF file's size, or its safetensors' in a model directory."""
+    if model.is_file():
+        return model.stat().st_size
     return sum(f.stat().st_size for f in model.glob("*.safetensors"))
 
 

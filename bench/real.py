@@ -48,7 +48,7 @@ from bench.client import percentiles
 from bench.edge import Edge, edge_from, run_pinned
 from bench.edge_drafts import FLEET_SESSIONS, chat_window, heldout_prompts, row
 from bench.fleets import Run, Scenario, add_workload_flags, given_args, in_turn, run_meta, write_results
-from bench.peers import LOOKUP_TOKENS, NGRAM_CONFIG, PEERS
+from bench.peers import HF_ASSISTANT, LOOKUP_TOKENS, NGRAM_CONFIG, PEERS
 from bench.plots import throughput_latency
 from shared.gguf_copies import FLEET_WIDTHS, copy_path
 from shared.models import load_tokenizer, resolve_dtype, stored_dtype
@@ -59,7 +59,6 @@ STEM = "real-serving"
 STARSD_SESSIONS = 4
 #: the default fleet's speed over target-only at one request across the network: the issue's aims
 RTT_GOALS = {10.0: 1.8, 40.0: 1.4}
-DRAFT = Path("models/draft-small")  # the distilled small draft: transformers' assistant
 PEER_NAMES = {
     "hf": "transformers generate, target alone",
     "hf-assisted": "transformers assisted generation (distilled small draft)",
@@ -108,7 +107,7 @@ def measure_floor(target: Path, dtype: str, cpus: str) -> dict[str, Any]:
 
 def run_peer(peer: str, target: Path, dtype: str, prompts_file: Path, max_tokens: int, cpus: str) -> dict[str, Any]:
     args = ["--peer", peer, "--model", str(target), "--prompts", str(prompts_file), "--dtype", dtype,
-            "--max-tokens", str(max_tokens), "--draft", str(DRAFT), "--gguf", str(copy_path(target, "Q4_1"))]
+            "--max-tokens", str(max_tokens), "--draft", str(HF_ASSISTANT), "--gguf", str(copy_path(target, "Q4_1"))]
     return dict(run_pinned("bench.peers", cpus, args))
 
 

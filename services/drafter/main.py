@@ -178,12 +178,13 @@ def proposer_kind(cfg: DrafterConfig) -> str:
 def _load(cfg: DrafterConfig) -> LoadedModel:
     m = cfg.draft_model
     kind = proposer_kind(cfg)
-    if kind == "gguf":
-        path = gguf_file(m.model)
-        if path is None:
-            raise ModelLoadError(f"--proposer gguf needs --model to be a .gguf file, got {m.model!r}")
+    path = gguf_file(m.model) if m.model else None
+    if kind == "gguf" and path is None:
+        raise ModelLoadError(f"--proposer gguf needs --model to be a .gguf file, got {m.model!r}")
+    model_free = kind in ("ngram", "oracle")
+    if path is not None and (kind == "gguf" or model_free):  # a model-free proposer reads only the GGUF's vocabulary
         return gguf_draft(read_gguf(path))
-    return load_vocabulary(m.model) if kind in ("ngram", "oracle") else load_model(m.model, m.device, m.dtype)
+    return load_vocabulary(m.model) if model_free else load_model(m.model, m.device, m.dtype)
 
 
 def _gguf_proposer(cfg: DrafterConfig, loaded: LoadedModel) -> GgufProposer:

@@ -23,24 +23,27 @@ from tests.integration.test_verifier import TOKEN, serving
 TIMEOUT_S = 60.0
 
 
-def drafter(url: str, model: Path) -> DrafterConfig:
+def drafter(url: str, model: Path, proposer: str = "auto") -> DrafterConfig:
     return from_flags(DrafterConfig, model=str(model), verifier_url=f"{url}/v1/drafter", auth_token=TOKEN,
-                      queue_url="memory://", node_id="gguf-drafter", torch_threads=1)
+                      queue_url="memory://", node_id="gguf-drafter", torch_threads=1, proposer=proposer)
+
+
+async def joins(url: str, cfg: DrafterConfig) -> None:
+    joined = asyncio.Event()
+    task = asyncio.create_task(serve_drafter(cfg, joined, queue=MemoryQueue()))
+    try:
+        await asyncio.wait_for(joined.wait(), TIMEOUT_S)  # the handshake passed
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 @pytest.mark.asyncio
 async def test_a_gguf_of_the_targets_ids_joins_and_another_is_refused_naming_both(
         tiny_models: dict[str, Path], tiny_ggufs: dict[str, Path]) -> None:
     async with serving(tiny_models) as verifier:
-        joined = asyncio.Event()
-        task = asyncio.create_task(serve_drafter(drafter(verifier.url, tiny_ggufs["target"]), joined,
-                                                 queue=MemoryQueue()))
-        try:
-            await asyncio.wait_for(joined.wait(), TIMEOUT_S)  # the handshake passed
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await joins(verifier.url, drafter(verifier.url, tiny_ggufs["target"]))
         with pytest.raises(LinkRefused) as info:
             await asyncio.wait_for(serve_drafter(drafter(verifier.url, tiny_ggufs["foreign"]), queue=MemoryQueue()),
                                    TIMEOUT_S)
@@ -49,6 +52,14 @@ async def test_a_gguf_of_the_targets_ids_joins_and_another_is_refused_naming_bot
     target = load_vocabulary(tiny_models["target"]).vocabulary
     assert target is not None
     assert draft in str(info.value) and target.summary in str(info.value)
+
+
+@pytest.mark.asyncio
+async def test_ngram_lookup_beside_a_gguf_copy_joins_on_the_ggufs_vocabulary(
+        tiny_models: dict[str, Path], tiny_ggufs: dict[str, Path]) -> None:
+    """A model-free proposer reads only the vocabulary of the GGUF named by --model (bench slo's fleets)."""
+    async with serving(tiny_models) as verifier:
+        await joins(verifier.url, drafter(verifier.url, tiny_ggufs["target"], "ngram"))
 
 
 def welcome(fingerprint: str, ids: str) -> Welcome:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from bench.single import per_token_alpha, speedup_bound
+from bench.peers import HF_ASSISTANT
+from bench.profile import largest, smallest, weight_bytes
+from bench.single import assistant_for, per_token_alpha, speedup_bound
 
 
 @pytest.mark.parametrize(("alpha", "k"), [(0.0, 4), (0.3, 4), (0.8, 4), (0.95, 6), (0.5, 1)])
@@ -22,3 +26,19 @@ def test_per_token_alpha_inverts_the_round_acceptance(alpha: float, k: int) -> N
 ])
 def test_speedup_bound(alpha: float, k: int, c: float, verify: float, want: float) -> None:
     assert speedup_bound(alpha, k, c, verify) == pytest.approx(want)
+
+
+def test_the_cheapest_draft_counts_a_gguf_copy_by_its_file(tmp_path: Path) -> None:
+    q4, q8, hf = tmp_path / "t.Q4_1.gguf", tmp_path / "t.Q8_0.gguf", tmp_path / "draft-small"
+    q8.write_bytes(b"x" * 300)
+    q4.write_bytes(b"x" * 200)
+    hf.mkdir()
+    (hf / "model.safetensors").write_bytes(b"x" * 100)
+    assert weight_bytes(q4) == 200 and weight_bytes(hf) == 100
+    assert smallest([q8, q4]) == q4 and largest([q4, q8]) == q8 and smallest([q8, q4, hf]) == hf
+
+
+@pytest.mark.parametrize(("draft", "want"), [(Path("m/t.Q4_1.gguf"), HF_ASSISTANT), (Path("models/draft-large"),
+                                                                                  Path("models/draft-large"))])
+def test_hf_assisted_generation_takes_the_distilled_draft_for_a_gguf_copy(draft: Path, want: Path) -> None:
+    assert assistant_for(draft) == want
