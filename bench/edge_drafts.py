@@ -75,6 +75,9 @@ def scenarios(target: Path) -> dict[str, Scenario]:
         # the baseline of the verifier's measured guard (services/verifier/allocation/pays.py): the policy alone
         "unguarded": Scenario(fleet + ", policy alone", drafters=len(FLEET_WIDTHS), drafts=drafts, drafter_flags=own,
                               speculation="auto", verifier_flags=("--speculation-guard", "false"), allocation=""),
+        # the baseline of filling in steps that verify others (services/verifier/fill.py: riders)
+        "no-riders": Scenario(fleet + ", no riders", drafters=len(FLEET_WIDTHS), drafts=drafts, drafter_flags=own,
+                              speculation="auto", verifier_flags=("--fill-riders", "false"), allocation=""),
         **{w.lower(): alone(f"{w} copy alone", copy(w)) for w in ("Q4_1", "Q8_0", "Q4_0")},
         "distilled": alone("distilled small draft alone", "models/draft-small"),
         "ngram": alone("prompt lookup alone", str(target), "--proposer", "ngram"),
@@ -259,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench edge-drafts", description=__doc__.splitlines()[0])
     p.add_argument("--scenarios", default="target-only,default-fleet,unguarded,q4_1,q8_0,q4_0,distilled,ngram",
                    help="comma list of: target-only, default-fleet, unguarded (the default fleet without the "
-                        "verifier's measured guard), q4_1, q8_0, q4_0, distilled, ngram")
+                        "verifier's measured guard), no-riders (the default fleet filling only in steps with nothing "
+                        "to verify), q4_1, q8_0, q4_0, distilled, ngram")
     p.add_argument("--gguf-step", default="", help=argparse.SUPPRESS)  # a pinned child: one draft's step
     p.add_argument("--prompt-from", default="", help=argparse.SUPPRESS)
     add_workload_flags(p, repeats=3, requests=8, max_tokens=128, concurrency=(1, 4, 16))

@@ -12,6 +12,8 @@ Every part starts real pinned fleets (the verifier on the server CPU, the rest o
 * **smartspec** (SmartSpec §5): target-only, fixed k for each of ``--smartspec-ks`` and
   SmartSpec at each load of ``--loads``: tokens/s and the ratio to target-only at the same load
   (SmartSpec's claim is against the best fixed k at each load, so it needs more than one).
+  SmartSpec runs as ``specfleet up`` runs it, the coordinator at ``--speculation auto`` (new
+  requests start target-only while SmartSpec wants no drafts, or while every drafter is busy).
 * **wisp** (WISP §5): FCFS and WISP batching at each load of ``--wisp-loads``, with the fleets of
   ``bench slo`` (an n-gram drafter, so that the verifier is the bottleneck), requests spread over
   4 SLO classes (``--slo-classes``, tokens/s): the share of requests that missed their class as
@@ -186,12 +188,12 @@ def smartspec_part(models: Any, args: argparse.Namespace, edge: Edge, logs: Path
     draft = str(smallest(models.drafts))
     scs = [Scenario("target-only"), *(Scenario(f"fixed k={k}", drafters=1, draft=draft, draft_len=k)
                                       for k in args.smartspec_ks),
-           Scenario("smartspec", drafters=1, draft=draft, draft_len=args.draft_len,
+           Scenario("smartspec", drafters=1, draft=draft, draft_len=args.draft_len, speculation="auto",
                     verifier_flags=("--allocation", "smartspec", *_estimator_flags(args)))]
     if args.smartspec_forward_only:
         scs.append(Scenario("smartspec forward-only", drafters=1, draft=draft, draft_len=args.draft_len,
-                            verifier_flags=("--allocation", "smartspec", "--smartspec-overhead", "false",
-                                            *_estimator_flags(args))))
+                            speculation="auto", verifier_flags=("--allocation", "smartspec", "--smartspec-overhead",
+                                                                "false", *_estimator_flags(args))))
     return serve_loads(models, scs, args.loads, edge, logs, args.max_tokens, args.repeats)
 
 

@@ -115,6 +115,9 @@ class RoundSection:
     fill: bool = opt(True, "when a step has no draft to verify, decode greedy and raced sessions whose drafts are on "
                            "their way (one token each; verifying their drafts would commit the same tokens), as long "
                            "as no draft is expected before the step would end (backend=torch)")
+    fill_riders: bool = opt(True, "with --fill: a step that verifies other sessions also decodes one token for each "
+                                  "waiting greedy or raced session it has room for (it runs anyway, and a draft that "
+                                  "comes during it waits for it); false: only steps with nothing to verify fill")
 
 
 @dataclass

@@ -142,7 +142,7 @@ def build(cfg: VerifierConfig, loop: asyncio.AbstractEventLoop) -> tuple[Hub, Ve
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from None
     scheduler = Scheduler(batcher, batch_limits(cfg), cfg.capacity.prefill_chunk,
-                          estimator, trim, tracker, fill=make_fill(cfg.rounds.fill))
+                          estimator, trim, tracker, fill=make_fill(cfg.rounds.fill, cfg.rounds.fill_riders))
     threaded = core_threaded(cfg.engine.core_mode)
 
     def deliver(results: list[Result]) -> None:

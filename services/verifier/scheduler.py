@@ -73,7 +73,9 @@ class Scheduler:
                   and (not hold or id(r) not in hold)]
         step = Step()
         self._add_verify(step, [r for r in active if self.verifiable(r)])
-        if not step.verify:
+        if step.verify:
+            self._add_riders(step, active)
+        else:
             self._add_fill(step, active)
         chosen = {id(req) for req, _ in step.verify}
         self._add_prefill(step, [r for r in active if r.to_prefill > 0 and id(r) not in chosen])
@@ -111,7 +113,17 @@ class Scheduler:
     def _add_fill(self, step: Step, active: list[Request]) -> None:
         """One target-only token for each waiting session the fill policy chooses."""
         limit = min(self.limits.max_sessions, self.limits.max_tokens)
-        for req in self.fill.choose(active, self.estimator, time.perf_counter(), limit):
+        self._fill_rows(step, self.fill.choose(active, self.estimator, time.perf_counter(), limit))
+
+    def _add_riders(self, step: Step, active: list[Request]) -> None:
+        """In a step that verifies anyway: one target-only token for the waiting sessions that fit
+        (without them, a session whose drafter is slow gets nothing until its draft comes)."""
+        room = min(self.limits.max_sessions - len(step.segments), self.limits.max_tokens - step.verify_tokens)
+        self._fill_rows(step, self.fill.riders(active, room))
+
+    @staticmethod
+    def _fill_rows(step: Step, reqs: list[Request]) -> None:
+        for req in reqs:
             assert req.slot is not None
             step.fill.append(req)
             step.segments.append(Segment(req.slot, req.committed[req.cached :], 0))

@@ -30,12 +30,14 @@ def test_smartspec_part_runs_one_fixed_k_fleet_per_length(monkeypatch: pytest.Mo
     assert [sc.draft_len for sc in scs[1:4]] == [2, 4, 6] and scs[0].drafters == 0
     assert scs[-1].draft_len == 3 and "smartspec" in scs[-1].verifier_flags
     assert "--smartspec-overhead" not in scs[-1].verifier_flags
+    # SmartSpec as specfleet up runs it; the fixed k fleets send every request to their drafter
+    assert scs[-1].speculation == "auto" and all(sc.speculation == "" for sc in scs[1:4])
     assert seen["loads"] == [1, 16]
     # the paper's forward-only model beside it, on request
     vp.smartspec_part(SimpleNamespace(drafts=[tmp_path]), argparse.Namespace(**{**vars(args),
                       "smartspec_forward_only": True}), SimpleNamespace(), tmp_path)
     extra = seen["scenarios"][-1]
-    assert extra.name == "smartspec forward-only"
+    assert extra.name == "smartspec forward-only" and extra.speculation == "auto"
     flags = list(extra.verifier_flags)
     assert flags[flags.index("--smartspec-overhead") + 1] == "false" and "smartspec" in flags
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from services.verifier.core_api import AddDraft, AddRequest, Filled, OutOfTurn, Rounded
-from services.verifier.fill import FillBeforeDrafts
+from services.verifier.fill import Fill, FillBeforeDrafts, make_fill
 from services.verifier.requests import Request, Status
 from services.verifier.round import filled_outcome, settled_drafts
 from shared.models import LoadedModel, load_model
@@ -137,6 +137,30 @@ def test_no_fill_when_a_draft_is_expected_before_the_step_would_end(target: Load
     h3.core.table.requests["s"].round.waiting_since = time.perf_counter() - 10.0 + 1e-6
     h3.turn()  # round 0's draft comes after the drafter ran the prompt: the verifier decodes on
     assert len(h3.of(Filled, "s")) == 1
+
+
+@pytest.mark.parametrize(("policy", "fills"), [(make_fill(True), True), (make_fill(True, riders=False), False),
+                                               (make_fill(False), False)])
+def test_a_waiting_session_rides_along_in_steps_that_verify_others(target: LoadedModel, policy: Fill,
+                                                                   fills: bool) -> None:
+    """A step that verifies another session runs anyway, so the waiting session gets its token in it
+    (with a slow drafter it would get none until its draft came); ``--fill-riders false`` and
+    ``--fill false`` add no rider."""
+    h, ref = started(target)
+    h.core.scheduler.fill = policy
+    other = prompt(11, 7)
+    h.core.submit(AddRequest("a", other, GREEDY, speculative=False))
+    h.turn(4)  # "a": admitted, then verified every step
+    assert h.tokens("a") and h.tokens("a") == greedy_reference(target.model, other, 24, set())[:len(h.tokens("a"))]
+    if not fills:
+        assert not h.of(Filled, "s")
+        return
+    assert everything(h) == ref[:len(everything(h))] and len(everything(h)) >= 3
+    h.core.submit(AddDraft("s", 0, ref[0:BUDGET], None, 0.0))
+    h.turn()
+    last = h.of(Rounded, "s")[-1]
+    assert isinstance(last, Rounded) and (last.drafted, last.accepted) == (BUDGET, BUDGET)
+    assert everything(h) == ref[:len(everything(h))]
 
 
 # --- the fill policy's clock ----------------------------------------------------------------------
