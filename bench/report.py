@@ -42,6 +42,9 @@ SECTIONS = (
     Section("edge-drafts-t1", "The real model: GGUF edge drafts at temperature 1",
             "python -m bench edge-drafts --temperature 1 --concurrency 1 --scenarios target-only,default-fleet,q4_1",
             ("edge-drafts-t1.png",)),
+    Section("riders/edge-drafts", "The verifier's riders: the default fleet with and without them, in one run",
+            "python -m bench edge-drafts --scenarios target-only,default-fleet,no-riders,ngram --concurrency 4,16 "
+            "--out bench/results/riders", ("riders/edge-drafts.png",)),
     Section("speedup-estimate/edge-drafts", "What the operator is shown: the dashboard's speedup estimate "
             "against the measured ratio",
             "python -m bench edge-drafts --scenarios target-only,default-fleet --concurrency 1,4 --repeats 2 "
