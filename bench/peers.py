@@ -34,9 +34,9 @@ from pathlib import Path
 from typing import Any, cast
 
 PEERS = ("hf", "hf-assisted", "hf-lookup", "vllm", "vllm-ngram", "llamacpp")
-#: prompt lookup's draft length: transformers' documented example value
 #: transformers' assistant for assisted generation: the distilled small draft (it cannot run a GGUF copy)
 HF_ASSISTANT = Path("models/draft-small")
+#: prompt lookup's draft length: transformers' documented example value
 LOOKUP_TOKENS = 10
 #: vLLM's n-gram speculation: tokens per draft and the n-gram sizes it matches (its documented example)
 NGRAM_CONFIG = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}

@@ -33,6 +33,7 @@ from bench.peers import HF_ASSISTANT
 from bench.policies import POLICIES
 from bench.profile import smallest
 from bench.serving import run_all
+from shared.gguf_files import gguf_file
 
 SINGLE_POLICIES = {name: flags for name, flags in POLICIES.items() if name != "wisp"}
 
@@ -61,7 +62,7 @@ def speedup_bound(alpha: float, k: int, c: float, verify_cost: float = 1.0) -> f
 def assistant_for(draft: Path) -> Path:
     """transformers' assistant beside ``draft``: the draft itself, or for a GGUF copy (which
     transformers cannot run) the distilled small draft, as ``bench real``'s hf-assisted peer."""
-    return HF_ASSISTANT if draft.suffix == ".gguf" else draft
+    return HF_ASSISTANT if gguf_file(draft) is not None else draft
 
 
 def measure_costs(target: Path, draft: Path, k: int, tokens: int, edge: Edge) -> dict[str, Any]:
@@ -69,10 +70,11 @@ def measure_costs(target: Path, draft: Path, k: int, tokens: int, edge: Edge) ->
     (edge CPU): a model directory's 1-token forward at 128 cached, or a GGUF copy's batch-1 decode
     step in llama.cpp after a held-out chat prompt."""
     prompts = [arg for p in PROMPTS[:4] for arg in ("--prompt-text", p)]
+    assistant = assistant_for(draft)
     server = run_pinned("bench.costs", edge.server_cpus, ["--model", str(target), "--decode", str(tokens),
                                                           "--shapes", f"1x128x1,1x128x{k + 1}", "--assistant",
-                                                          str(assistant_for(draft)), *prompts])
-    if draft.suffix == ".gguf":
+                                                          str(assistant), *prompts])
+    if assistant != draft:  # a GGUF copy: its step on llama.cpp
         drafting = run_pinned("bench.edge_drafts", edge.edge_cpus, ["--gguf-step", str(draft), "--prompt-from",
                                                                     str(target)])
         draft_ms = drafting["step_ms"]
@@ -81,7 +83,7 @@ def measure_costs(target: Path, draft: Path, k: int, tokens: int, edge: Edge) ->
         draft_ms = drafting["forward_ms"]["1x128x1"]
     t1, tk = server["forward_ms"]["1x128x1"], server["forward_ms"][f"1x128x{k + 1}"]
     return {"target": server, "draft": drafting, "c": draft_ms / t1, "verify_cost": tk / t1,
-            "assistant": str(assistant_for(draft))}
+            "assistant": str(assistant)}
 
 
 def scenarios(draft: Path, k: int, rtts: list[float]) -> list[Scenario]:
@@ -104,8 +106,9 @@ def rows_of(runs: list[Run], costs: dict[str, Any], k: int) -> list[dict[str, An
                     "bound_cpu_verify": speedup_bound(alpha, k, costs["c"], costs["verify_cost"])}
         rows.append(row)
     hf = costs["target"]
-    pair = "same pair" if costs.get("assistant", "") != str(HF_ASSISTANT) else f"assistant {HF_ASSISTANT.name}"
-    rows.append({"scenario": f"HF assisted generation ({pair}, server CPU)", "tokens_per_s": hf["hf_assisted_tok_s"],
+    assistant = Path(costs["assistant"]).name
+    rows.append({"scenario": f"HF assisted generation (assistant {assistant}, server CPU)",
+                 "tokens_per_s": hf["hf_assisted_tok_s"],
                  "speedup": hf["hf_assisted_tok_s"] / hf["hf_generate_tok_s"], "network": "one process",
                  "vs": "HF generate alone"})
     return rows
