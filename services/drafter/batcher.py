@@ -46,6 +46,7 @@ class DraftBatcher:
         self.capacity = Capacity()
         self._ready: list[tuple[DraftJob, float, asyncio.Future[tuple[Proposal, float, float]]]] = []
         self._wake = asyncio.Event()
+        self._shared_seen = 0  # the proposer's shared_prefix_tokens already counted in the metrics
 
     async def propose(self, job: DraftJob) -> tuple[Proposal, float, float]:
         """The job's proposal, and when its batch started and ended drafting."""
@@ -96,6 +97,7 @@ class DraftBatcher:
             return
         self.metrics.draft_busy.inc(ended - started)
         self.metrics.draft_cpu.inc(cpu)
+        self._count_shared()
         if batch[0][0].after.assume:  # a batch is all rounds or all lookaheads (_next_batch)
             self.metrics.lookahead_busy.inc(ended - started)
             self.metrics.lookahead_cpu.inc(cpu)
@@ -104,6 +106,14 @@ class DraftBatcher:
         for (_, _, fut), proposal in zip(batch, proposals, strict=True):
             if not fut.done():
                 fut.set_result((proposal, started, ended))
+
+    def _count_shared(self) -> None:
+        """Count the prompt rows the proposer took from other sessions (a draft-model proposer's
+        running ``shared_prefix_tokens``; model-free proposers have none)."""
+        shared = int(getattr(self.proposer, "shared_prefix_tokens", 0))
+        if shared > self._shared_seen:
+            self.metrics.shared_prefix.inc(shared - self._shared_seen)
+            self._shared_seen = shared
 
 
 def _timed(fn: Callable[..., list[Proposal]], *args: Any) -> tuple[list[Proposal], float, float, float]:

@@ -86,6 +86,10 @@ class SessionSection:
                                          "round's draft on the condition that the verdict in flight comes out as it "
                                          "assumed, so a lookahead that comes true costs no round trip (when the "
                                          "verifier takes them, and the controller reads no draft features)")
+    share_prefixes: bool = opt(True, "draft models: a session's draft cache takes the KV rows of the longest prefix of "
+                                     "its text that another session's cache holds (a shared system prompt; the last "
+                                     "closed session's cache is kept for it until its room is needed) instead of "
+                                     "computing them; false: every session prefills its whole prompt")
 
 
 @dataclass

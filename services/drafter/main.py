@@ -196,7 +196,8 @@ def _gguf_proposer(cfg: DrafterConfig, loaded: LoadedModel) -> GgufProposer:
     sequences = cfg.sessions.max_sessions + cfg.sessions.lookahead_branches + 1
     runner = LlamaRunner(info, budget, threads, sequences)
     p = cfg.proposal
-    return GgufProposer(runner, p.draft_mode, Nucleus(p.q_mass, p.q_max_entries))
+    return GgufProposer(runner, p.draft_mode, Nucleus(p.q_mass, p.q_max_entries),
+                        cfg.sessions.share_prefixes)
 
 
 async def _proposer(cfg: DrafterConfig, loaded: LoadedModel) -> Proposer:
@@ -213,7 +214,8 @@ async def _proposer(cfg: DrafterConfig, loaded: LoadedModel) -> Proposer:
         return OracleProposer(refs, cfg.proposal.oracle_alpha, loaded.vocab_size)
     runner = await asyncio.to_thread(ModelRunner, loaded, kv_budget_bytes(cfg, loaded), cfg.draft_model.runner)
     p = cfg.proposal
-    return DraftModelProposer(runner, loaded.eos_ids, p.draft_mode, Nucleus(p.q_mass, p.q_max_entries))
+    return DraftModelProposer(runner, loaded.eos_ids, p.draft_mode, Nucleus(p.q_mass, p.q_max_entries),
+                              cfg.sessions.share_prefixes)
 
 
 def lookahead_branches(cfg: DrafterConfig, proposer: Proposer) -> int:

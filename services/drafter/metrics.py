@@ -65,6 +65,9 @@ class DrafterMetrics:
                                      "batches (also in model_cpu)", registry=r)
         self.draft_idle = Counter(f"{_P}_model_idle_seconds", "Time the draft model waited for a ready session "
                                   "(StarSD's T_idle)", registry=r)
+        self.shared_prefix = Counter(f"{_P}_shared_prefix_tokens", "Tokens a session's draft cache took from "
+                                     "another session's (a shared system prompt, on a first draft) instead of "
+                                     "computing them", registry=r)
         self.job_wait = Histogram(f"{_P}_job_wait_seconds", "A ready session's wait for the draft model (StarSD's "
                                   "T_wait)", buckets=_TIME, registry=r)
         self.batch_size = Histogram(f"{_P}_draft_batch_sessions", "Sessions drafted together in one batch, by "

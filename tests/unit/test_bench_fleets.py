@@ -78,3 +78,22 @@ def test_the_default_fleets_run_the_verifiers_default_policy() -> None:
 
     fleets = [*edge_scenarios(Path("t")).values(), *real_scenarios(Path("t")).values()]
     assert all(allocation_flags(sc) == () for sc in fleets if sc.drafters)
+
+
+def test_a_runs_busy_shares_say_which_side_bounds_it() -> None:
+    from bench.edge_drafts import busy_shares
+    from bench.fleets import Run
+    from bench.scrape import Snapshot
+
+    def snap(**samples: float) -> Snapshot:
+        return Snapshot({(name, tuple(sorted(labels.items()))): v for name, (labels, v) in samples.items()})
+
+    metrics = {"verifier": snap(specfleet_verifier_step_seconds_sum=({"phase": "total"}, 6.0),
+                                process_cpu_seconds_total=({}, 7.0)),
+               "coordinator": snap(process_cpu_seconds_total=({}, 1.0)),
+               "drafter-1": snap(specfleet_drafter_model_busy_seconds_total=({}, 5.0),
+                                 process_cpu_seconds_total=({}, 6.0)),
+               "drafter-2": snap(specfleet_drafter_model_busy_seconds_total=({}, 2.0),
+                                 process_cpu_seconds_total=({}, 2.5))}
+    run = Run("fleet", 4, [10.0, 10.0], [], metrics, walls=[4.0, 6.0])
+    assert busy_shares(run) == pytest.approx({"verifier": 0.6, "draft_models": 0.7, "edge_services": 0.95})

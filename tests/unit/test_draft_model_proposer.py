@@ -3,14 +3,19 @@ a batch of sessions = each session alone. Its step features and controllers: tes
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections import Counter
 
 import pytest
 import torch
 
+from services.drafter.batcher import DraftBatcher
 from services.drafter.control.base import StepDecision
+from services.drafter.metrics import DrafterMetrics
 from services.drafter.proposers.base import EMPTY_PROPOSAL, DraftJob, JobSession, ProposerError
 from services.drafter.proposers.draft_model import DraftModelProposer
+from services.drafter.worker import ComputeWorker
 from shared.draft_q import Nucleus, dense, read
 from shared.models import LoadedModel
 from shared.penalties import apply_penalties
@@ -19,6 +24,7 @@ from shared.runner import ModelRunner
 from shared.sampling import probs_from_logits
 from tests.unit.draft_proposer_support import (
     BATCH_PROMPTS,
+    FULL_GREEDY,
     GREEDY,
     PROMPT,
     WARM,
@@ -49,6 +55,59 @@ def test_greedy_proposal_is_argmax_decoding(draft: LoadedModel) -> None:
     assert proposal.token_ids == reference_greedy(draft, PROMPT, 6)
     assert proposal.q is None
     assert proposal.steps == []  # no controller reads features, so none are computed
+
+
+@pytest.mark.parametrize("tail", [[90, 91, 92], [90], "a's draft"])
+def test_a_first_draft_copies_the_rows_another_session_holds(draft: LoadedModel, tail: list[int] | str) -> None:
+    """A session whose prompt starts as another's text does: its first draft copies that session's
+    rows of the common part (a's drafted rows too: a row depends only on the tokens up to it),
+    computes only the rest, and drafts what it drafts alone, also once a's rows are gone."""
+    proposer = make(draft)
+    proposer.start("a", PROMPT, 64)
+    sent = propose(proposer, "a", 3, FULL_GREEDY, gen(0)).token_ids
+    prompt = [*PROMPT, sent[0], 90] if tail == "a's draft" else [*PROMPT[:-1], *tail]
+    proposer.start("b", prompt, 64)
+    assert propose(proposer, "b", 4, FULL_GREEDY, gen(0)).token_ids == reference_greedy(draft, prompt, 4)
+    assert proposer.shared_prefix_tokens == (len(PROMPT) + 1 if tail == "a's draft" else len(PROMPT) - 1)
+    proposer.close("a")  # kept for its rows, until another closed session takes its place
+    proposer.start("c", [200, 14, 3], 64)
+    propose(proposer, "c", 2, GREEDY, gen(0))
+    proposer.close("c")
+    proposer.commit("b", [5], 0)
+    assert propose(proposer, "b", 4, FULL_GREEDY, gen(0)).token_ids == reference_greedy(draft, [*prompt, 5], 4)
+
+
+@pytest.mark.asyncio
+async def test_the_batcher_counts_the_rows_its_proposer_took_from_other_sessions(draft: LoadedModel) -> None:
+    metrics = DrafterMetrics()
+    proposer = make(draft)
+    batcher = DraftBatcher(proposer, ComputeWorker(inline=True), metrics)
+    task = asyncio.create_task(batcher.run())
+    try:
+        for sid in ("a", "b"):
+            proposer.start(sid, PROMPT, 64)
+            await batcher.propose(DraftJob(JobSession(sid, GREEDY, gen(0)), 2))
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    assert metrics.shared_prefix._value.get() == proposer.shared_prefix_tokens == len(PROMPT) - 1
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_one_request_after_another_shares_the_prompt_rows(draft: LoadedModel, share: bool) -> None:
+    """The last closed session's cache is kept as a donor: the next request's first draft copies
+    the prompt rows both have, and drafts what it drafts alone. ``--share-prefixes false`` (the
+    baseline) frees it and computes every row."""
+    proposer = make(draft, share_prefixes=share)
+    proposer.start("a", PROMPT, 64)
+    propose(proposer, "a", 3, GREEDY, gen(0))
+    proposer.close("a")
+    assert (proposer.runner.kv.reserved_tokens > 0) is share
+    prompt = [*PROMPT[:-1], 90, 91]
+    proposer.start("b", prompt, 64)
+    assert propose(proposer, "b", 4, FULL_GREEDY, gen(0)).token_ids == reference_greedy(draft, prompt, 4)
+    assert proposer.shared_prefix_tokens == (len(PROMPT) - 1 if share else 0)
 
 
 def test_greedy_mode_sends_ids_only_at_any_temperature(draft: LoadedModel) -> None:
@@ -300,8 +359,13 @@ def test_a_full_draft_kv_cache_disables_drafting_not_the_session(draft: LoadedMo
     big, small = proposer.propose([DraftJob(JobSession("big", GREEDY, gen(0)), 4), DraftJob(JobSession("small", GREEDY,
                                                                                                        gen(0)), 4)])
     assert big.token_ids == [] and len(small.token_ids) == 4
-    proposer.close("small")
-    assert runner.kv.reserved_tokens == 0
+    proposer.close("small")  # its cache stays as a prompt donor ...
+    kept = runner.kv.reserved_tokens
+    assert kept > 0
+    need = runner.kv.tokens - kept + 1  # ... until a session needs its room: one token more than is free
+    proposer.start("next", PROMPT, need - len(PROMPT) - MAX_DRAFT_TOKENS)
+    assert len(propose(proposer, "next", 4, GREEDY, gen(0)).token_ids) == 4
+    assert runner.kv.reserved_tokens == need and proposer.shared_prefix_tokens == 0
 
 
 def test_draft_length_is_clamped_to_context_and_wire_limit(draft: LoadedModel) -> None:

@@ -236,3 +236,26 @@ def test_a_controller_reads_each_tokens_features_and_stops_the_draft(draft_path:
     assert [s.position for s in controller.seen] == [0, 1, 2]
     assert all(0.0 < s.top1_prob <= 1.0 and s.token_prob == s.top1_prob for s in controller.seen)  # greedy
     assert all(s.spread.entropy > 0 for s in controller.seen)
+
+
+@pytest.mark.parametrize(("prompt", "shared"), [
+    ([*PROMPT[:-1], 90, 91, 92], len(PROMPT) - 1),  # the whole prompt but its last token
+    ([*PROMPT, 90], len(PROMPT)),  # a's cache holds its whole prompt (and drafts): all of b's but its last
+    ([*PROMPT[:3], 90, 91, 92, 93], 0),  # fewer than MIN_SHARED_PREFIX tokens in common: nothing
+])
+def test_a_first_draft_takes_the_prompt_rows_another_session_holds(draft_path: Path, hf_draft: LoadedModel,
+                                                                    prompt: list[int], shared: int) -> None:
+    """Sessions with a common system prompt: the second one's first draft tags the first one's cells
+    (no prefill of them), drafts what it drafts alone, and keeps drafting once the first has closed."""
+    p = make(draft_path)
+    p.start("a", PROMPT, 64)
+    one(p, "a", 3, FULL_GREEDY)
+    p.start("b", prompt, 64)
+    assert one(p, "b", 4, FULL_GREEDY) == reference_greedy(hf_draft, prompt, 4)
+    assert p.shared_prefix_tokens == shared
+    p.close("a")  # kept for its cells, until another closed session takes its place: a's tags go
+    p.start("c", [200, 14, 3], 64)
+    one(p, "c", 2)
+    p.close("c")
+    p.commit("b", [5], 0)
+    assert one(p, "b", 4, FULL_GREEDY) == reference_greedy(hf_draft, [*prompt, 5], 4)

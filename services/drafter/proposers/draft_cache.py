@@ -16,6 +16,7 @@ could serve a session instead, or when the session has stopped asking for them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from shared.prefix import common_prefix_len
@@ -48,6 +49,8 @@ class SessionCaches:
     main: KVCache | None
     spares: dict[int, KVCache] = field(default_factory=dict)
     idle_commits: int = 0  # commits since a branch job last ran
+    #: frees what the proposer keeps that a spare may take instead (the last closed session's cache)
+    make_room: Callable[[], None] | None = None
 
     def for_job(self, branch: int, context: list[int]) -> KVCache | None:
         """The cache a job drafts in, rolled back to ``context``: the main one, or spare ``branch``
@@ -72,6 +75,8 @@ class SessionCaches:
         """A spare as large as the main slot, only while a whole further session still fits."""
         assert self.main is not None
         size = self.main.slot.capacity
+        if self.arena.largest_free < 2 * size and self.make_room is not None:
+            self.make_room()
         if self.arena.largest_free < 2 * size:
             return None
         slot = self.arena.allocate(size)

@@ -50,8 +50,9 @@ class GgufProposer(DraftModelProposer):
 
     name = "gguf"
 
-    def __init__(self, runner: LlamaRunner, mode: str = "sampled", nucleus: Nucleus | None = None) -> None:
-        super().__init__(runner, runner.info.eos_ids, mode, nucleus)
+    def __init__(self, runner: LlamaRunner, mode: str = "sampled", nucleus: Nucleus | None = None,
+                 share_prefixes: bool = True) -> None:
+        super().__init__(runner, runner.info.eos_ids, mode, nucleus, share_prefixes)
         self.info: GgufInfo = runner.info
         #: lookahead branches pay only where an extra row of a forward is nearly free: llama.cpp on a GPU
         self.branches_pay = runner.gpu
