@@ -40,6 +40,7 @@ import torch
 
 from shared.models import load_model
 from shared.runner import ModelRunner, Segment
+from shared.runner.invariant import KEY_BLOCK
 from shared.runner.lean import LeanDecoder
 from shared.runner.matmul import Matmul, packing_available
 
@@ -223,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     loaded = load_model(args.model, dtype=args.dtype)
     shapes = [parse_shape(s) for s in args.shapes.split(",") if s]
-    need = max([b * (c + n + 1) for b, c, n in shapes] + [args.prompt_len + args.decode + 1]) + 64
+    need = max([b * (c + n + 1 + KEY_BLOCK) for b, c, n in shapes] + [args.prompt_len + args.decode + 1]) + 64
     runner = ModelRunner(loaded, need * kv_bytes(loaded), "auto", batch_invariant=args.batch_invariant)
     prompt = list(range(5, 5 + args.prompt_len))
     out: dict[str, Any] = {"model": args.model, "runner": runner.kind, **runner.describe()}

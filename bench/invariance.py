@@ -9,7 +9,9 @@ alone and batched. Runs alternate between the two runners, so noise from a share
 each number is a median. One torch thread, pinned to CPU 0 when the machine has two or more (the
 verifier's core in the benchmarks). Writes ``bench/results/invariance.{json,md}``; with
 ``ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2`` set (an AVX2 machine's kernels, emulated),
-``invariance-isa-limited.{json,md}``.
+``invariance-isa-limited.{json,md}``; on a machine without native bfloat16,
+``invariance-no-bf16.{json,md}``. The attention multiple is the row count batch-invariant
+attention pads a key block's rows to ("rows": one row at a time).
 """
 
 from __future__ import annotations
@@ -72,7 +74,8 @@ def measure(model_dir: Path, dtype: str, repeats: int) -> list[dict[str, Any]]:
         plain, inv = statistics.median(times[False]), statistics.median(times[True])
         rows.append({"dtype": dtype, "sessions": sessions, "new_tokens": new, "plain_ms": round(plain, 2),
                      "invariant_ms": round(inv, 2), "cost": round(inv / plain - 1, 4),
-                     "row_multiple": runners[True].row_multiple})
+                     "row_multiple": runners[True].row_multiple,
+                     "attention_multiple": runners[True].attention_multiple})
         print(f"{dtype} {sessions}x{new}: plain {plain:.2f} ms, invariant {inv:.2f} ms ({inv / plain - 1:+.1%})",
               flush=True)
     return rows
@@ -84,17 +87,18 @@ def write(rows: list[dict[str, Any]], model: str) -> None:
             "native_bf16": cpu_has_native_bf16(), "cpu": cpu_flag_summary(), "threads": 1,
             "isa_limits": {k: os.environ[k] for k in ISA_LIMITS if k in os.environ},
             "time": time.strftime("%Y-%m-%d %H:%M")}
-    stem = "invariance-isa-limited" if meta["isa_limits"] else "invariance"
+    stem = ("invariance-isa-limited" if meta["isa_limits"] else "invariance" if meta["native_bf16"]
+            else "invariance-no-bf16")
     (OUT / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     lines = [f"# What batch invariance costs ({meta['time']})", "",
              f"{model}, one forward at {CONTEXT} tokens of cached context per session, one thread, median "
              f"of alternating runs; {meta['cpu']}, native bfloat16: {meta['native_bf16']}"
              + (f"; kernels limited to {meta['isa_limits']} (an AVX2 machine emulated)" if meta["isa_limits"] else "")
              + ".", "",
-             "| dtype | sessions × new tokens | plain ms | invariant ms | cost | row multiple |",
-             "|---|---|---|---|---|---|"]
+             "| dtype | sessions × new tokens | plain ms | invariant ms | cost | row multiple | attention multiple |",
+             "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['dtype']} | {r['sessions']} × {r['new_tokens']} | {r['plain_ms']} | {r['invariant_ms']} | "
-              f"{r['cost']:+.1%} | {r['row_multiple']} |" for r in rows]
+              f"{r['cost']:+.1%} | {r['row_multiple']} | {r.get('attention_multiple', 0) or 'rows'} |" for r in rows]
     (OUT / f"{stem}.md").write_text("\n".join(lines) + "\n")
 
 

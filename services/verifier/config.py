@@ -67,8 +67,9 @@ class EngineSection:
     core_mode: str = opt("auto", "engine core: thread (overlaps network I/O with the model), inline (on the event "
                                  "loop; best with one CPU), auto (inline when pinned to one CPU)")
     batch_invariant: bool = opt(True, "compute every position's logits bitwise the same whatever the step's shape "
-                                      "(blocked attention, matmuls over enough rows), so speculation never changes "
-                                      "the text, in any dtype; proven at start-up (backend=torch, lean runner)")
+                                      "(attention over whole key blocks, matmuls over enough rows), so speculation "
+                                      "never changes the text, in any dtype; proven at start-up (backend=torch, lean "
+                                      "runner)")
     kv_cache_gb: float = opt(0.0, "KV cache in GiB; 0: 20%% of RAM, at most 2 GiB, on CPU; 80%% of free GPU memory")
     estimator_file: str = opt("", "step-time coefficients from `make profile-verifier` (refined online); empty: "
                                   "calibrate at start-up (see calibrate_estimator)")

@@ -31,6 +31,9 @@ class KVSlot:
     start: int
     capacity: int
     length: int = 0
+    #: rows ``[0, finite)`` hold finite numbers (written, copied or zeroed): the batch-invariant
+    #: attention reads a few masked rows past ``length`` (``shared.runner.invariant.clear_key_padding``)
+    finite: int = 0
 
     def truncate(self, length: int) -> None:
         """Roll back to ``length`` valid rows (rejected drafts are simply forgotten)."""
@@ -74,11 +77,17 @@ class SlotArena(Protocol):
 
 
 class KVArena:
-    def __init__(self, shape: KVShape, budget_bytes: int, device: torch.device | str = "cpu") -> None:
+    """``align``: every slot's capacity is rounded up to a multiple of it (the batch-invariant
+    attention reads each row's keys up to a block boundary, which must stay inside the slot)."""
+
+    def __init__(self, shape: KVShape, budget_bytes: int, device: torch.device | str = "cpu", align: int = 1) -> None:
         tokens = budget_bytes // shape.bytes_per_token
+        tokens -= tokens % align
         if tokens < 1:
-            raise KVError(f"a KV budget of {budget_bytes} bytes holds no token ({shape.bytes_per_token} bytes each)")
+            raise KVError(f"a KV budget of {budget_bytes} bytes holds no token ({shape.bytes_per_token} bytes each"
+                          + (f", {align} at a time)" if align > 1 else ")"))
         self.shape = shape
+        self.align = align
         self.tokens = int(tokens)
         # torch.empty: on CPU the pages are only committed as sessions write them.
         self.data = torch.empty((shape.layers, 2, shape.kv_heads, self.tokens, shape.head_dim),
@@ -92,6 +101,7 @@ class KVArena:
         """Reserve ``tokens`` contiguous rows, or None when no free range is large enough now."""
         if tokens < 1:
             raise KVError(f"a slot needs at least one token, asked for {tokens}")
+        tokens = self._aligned(tokens)
         if tokens > self.tokens:
             raise KVError(f"a session needing {tokens} tokens of KV cache can never fit: the arena holds "
                           f"{self.tokens} tokens ({self.budget_bytes / 2**30:.2f} GiB). Raise --kv-cache-gb "
@@ -133,6 +143,10 @@ class KVArena:
         a, b = dst.length, length
         self.data[:, :, :, dst.start + a : dst.start + b] = self.data[:, :, :, src.start + a : src.start + b]
         dst.length = length
+        dst.finite = max(dst.finite, length)
+
+    def _aligned(self, tokens: int) -> int:
+        return -(-tokens // self.align) * self.align
 
     # --- accounting ----------------------------------------------------------------------
 
@@ -153,7 +167,7 @@ class KVArena:
         return max((size for _, size in self._free), default=0)
 
     def fits(self, tokens: int) -> bool:
-        return tokens <= self.largest_free
+        return self._aligned(tokens) <= self.largest_free
 
     @property
     def sessions(self) -> int:

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
-from shared.runner.invariant import row_attention
+from shared.runner.invariant import GroupedPlan, group_rows, grouped_attention, row_attention
 from shared.runner.matmul import Matmul, matmul
 from shared.runner.step import StepPlan, paged_attention, write_kv
 
@@ -89,8 +89,9 @@ class LeanDecoder:
     """Forward of a supported decoder over a :class:`StepPlan`, writing keys/values to the arena.
 
     ``row_multiples`` (``(in, out)`` shape -> rows) makes it batch-invariant
-    (:mod:`shared.runner.invariant`): attention row by row, and each matmul over a multiple of its
-    shape's row count.
+    (:mod:`shared.runner.invariant`): each matmul over a multiple of its shape's row count, and
+    attention grouped by key block over a multiple of ``attention_multiple`` rows (row by row
+    where that is 0).
 
     ``activations`` is the dtype of everything but the weights' matmuls (the arena's): float32 over
     half-precision weights keeps the residual stream, the norms, rotary and attention in float32,
@@ -98,10 +99,11 @@ class LeanDecoder:
     what goes into a matmul (:func:`shared.runner.runner.activation_dtype`)."""
 
     def __init__(self, model: Any, row_multiples: dict[tuple[int, int], int] | None = None,
-                 activations: torch.dtype | None = None) -> None:
+                 activations: torch.dtype | None = None, attention_multiple: int = 0) -> None:
         cfg = model.config
         self.invariant = row_multiples is not None
         self.row_multiples = row_multiples or {}
+        self.attention_multiple = attention_multiple if self.invariant else 0
         self.adtype = activations or next(model.parameters()).dtype
 
         self.heads = cfg.num_attention_heads
@@ -165,8 +167,10 @@ class LeanDecoder:
         x = x.to(self.adtype)  # the residual stream
         cos, sin = self.rotary(x, plan.positions.unsqueeze(0))
         cos, sin = cos[0].unsqueeze(1), (sin[0] * self.rot_sign).unsqueeze(1)  # [T, 1, D]
+        grouped = (group_rows(plan.spans, self.attention_multiple, self.kv_heads, self.heads // self.kv_heads,
+                              self.adtype, x.device) if self.attention_multiple else None)
         for index, layer in enumerate(self.layers):
-            x = self._block(x, layer, cos, sin, plan, arena[index])
+            x = self._block(x, layer, cos, sin, plan, arena[index], grouped)
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -192,13 +196,15 @@ class LeanDecoder:
             exact += bias[top].to(self.adtype)
         logits.scatter_(1, top, exact.float())
 
-    def _attend(self, q: torch.Tensor, kv: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, kv: torch.Tensor, plan: StepPlan, grouped: GroupedPlan | None) -> torch.Tensor:
+        if grouped is not None:
+            return grouped_attention(q, kv, grouped, self.scale)
         if self.invariant:
             return row_attention(q, kv, plan, self.scale)
         return paged_attention(q, kv, plan, self.kv_heads, self.scale)
 
     def _block(self, x: torch.Tensor, w: _Layer, cos: torch.Tensor, sin: torch.Tensor, plan: StepPlan,
-               kv: torch.Tensor) -> torch.Tensor:
+               kv: torch.Tensor, grouped: GroupedPlan | None) -> torch.Tensor:
         tokens, heads, kv_heads, dim = x.shape[0], self.heads, self.kv_heads, self.head_dim
         qkv = w.qkv(F.rms_norm(x, (x.shape[-1],), w.norm_in, self.eps))
         qkv = qkv.to(self.adtype).view(tokens, heads + 2 * kv_heads, dim)
@@ -211,7 +217,7 @@ class LeanDecoder:
             qk = qkv[:, : heads + kv_heads]
         qk = qk * cos + qk.roll(dim // 2, -1) * sin  # rotary on queries and keys at once
         write_kv(kv, plan, qk[:, heads:], v)
-        attn = self._attend(qk[:, :heads], kv, plan)
+        attn = self._attend(qk[:, :heads], kv, plan, grouped)
         x = x + w.o(attn)
         gate_up = w.gate_up(F.rms_norm(x, (x.shape[-1],), w.norm_post, self.eps))
         return x + w.down(self.act(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :])

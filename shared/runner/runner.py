@@ -25,7 +25,7 @@ from shared.log import get_logger
 from shared.models import LoadedModel, ModelLoadError
 from shared.runner import lean
 from shared.runner.hf import HFDecoder
-from shared.runner.invariant import probe_row_multiples
+from shared.runner.invariant import KEY_BLOCK, clear_key_padding, probe_attention_multiple, probe_row_multiples
 from shared.runner.kv import KVArena, KVError, KVShape
 from shared.runner.step import Segment, StepPlan, commit_step, plan_step
 
@@ -103,13 +103,18 @@ class ModelRunner:
         #: the largest row multiple a matmul pads to (0: not invariant)
         self.row_multiple = max(multiples.values(), default=1) if multiples is not None else 0
         self.batch_invariant = batch_invariant
-        self.decoder: Decoder = (lean.LeanDecoder(model, multiples, self.shape.dtype) if self.kind == "lean"
-                                 else HFDecoder(model))
-        self.kv = KVArena(self.shape, kv_budget_bytes, self.device)
+        #: the row multiple batch-invariant attention pads a key block's rows to (0: row by row)
+        self.attention_multiple = (probe_attention_multiple(self.shape.kv_heads, self.groups, self.shape.head_dim,
+                                                            self.shape.dtype, self.device)
+                                   if batch_invariant else 0)
+        self.decoder: Decoder = (lean.LeanDecoder(model, multiples, self.shape.dtype, self.attention_multiple)
+                                 if self.kind == "lean" else HFDecoder(model))
+        self.kv = KVArena(self.shape, kv_budget_bytes, self.device, KEY_BLOCK if self.attention_multiple else 1)
         self._reference = model
         log.info("model runner ready", model=loaded.name, runner=self.kind, lean_unavailable=why_not or None,
                  dtype=_name(self.weight_dtype), activations=_name(self.shape.dtype), batch_invariant=batch_invariant,
-                 row_multiple=self.row_multiple or None, kv_tokens=self.kv.tokens,
+                 row_multiple=self.row_multiple or None, attention_multiple=self.attention_multiple or None,
+                 kv_tokens=self.kv.tokens,
                  kv_gib=round(self.kv.budget_bytes / 2**30, 3), kv_bytes_per_token=self.shape.bytes_per_token)
         if self_check:
             self.check_against_reference()
@@ -130,13 +135,16 @@ class ModelRunner:
     def describe(self) -> dict[str, object]:
         """What ``/status`` shows of the model's numerics."""
         return {"dtype": _name(self.weight_dtype), "activations": _name(self.shape.dtype), "runner": self.kind,
-                "batch_invariant": self.batch_invariant, "invariant_row_multiple": self.row_multiple}
+                "batch_invariant": self.batch_invariant, "invariant_row_multiple": self.row_multiple,
+                "invariant_attention_multiple": self.attention_multiple}
 
     @torch.inference_mode()
     def forward(self, segments: Sequence[Segment]) -> torch.Tensor | None:
         """One forward over every segment; logits ``[rows, V]`` (float32) for the rows asked for,
         in segment order, or None when no segment wants any. Every fed token is then cached."""
         plan = plan_step(segments, self.groups, self.shape.dtype, self.device)
+        if self.attention_multiple:
+            clear_key_padding(segments, self.kv)
         hidden = self.decoder.hidden(plan, self.kv.data)
         commit_step(segments)
         if plan.rows_wanted == 0:

@@ -141,7 +141,7 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, plan: StepPlan, kv_heads:
         rows = kv[:, :, span.kv_start : span.kv_start + span.kv_len]  # a view: [2, kv_heads, L, D]
         qs = q[start : start + n].view(n, kv_heads, groups, dim).permute(1, 2, 0, 3).reshape(kv_heads, groups * n, dim)
         scores = torch.baddbmm(span.mask, qs, rows[0].transpose(1, 2), alpha=scale)  # type: ignore[arg-type]
-        attn = torch.bmm(_softmax(scores), rows[1]).view(kv_heads, groups, n, dim)
+        attn = torch.bmm(softmax(scores), rows[1]).view(kv_heads, groups, n, dim)
         out[start : start + n].view(n, kv_heads, groups, dim).copy_(attn.permute(2, 0, 1, 3))
     return out
 
@@ -155,10 +155,10 @@ def attend_row(q: torch.Tensor, kv: torch.Tensor, kv_start: int, length: int, sc
     kv_heads, dim = kv.shape[1], q.shape[-1]
     rows = kv[:, :, kv_start : kv_start + length]  # a view: [2, kv_heads, L, D]
     scores = torch.baddbmm(no_bias, q.view(kv_heads, -1, dim), rows[0].transpose(1, 2), beta=0.0, alpha=scale)
-    torch.bmm(_softmax(scores), rows[1], out=out.view(kv_heads, -1, dim))
+    torch.bmm(softmax(scores), rows[1], out=out.view(kv_heads, -1, dim))
 
 
-def _softmax(scores: torch.Tensor) -> torch.Tensor:
+def softmax(scores: torch.Tensor) -> torch.Tensor:
     """Softmax over keys, in float32 for half-precision models (as transformers' eager attention)."""
     return scores.softmax(-1) if scores.dtype == torch.float32 else scores.softmax(-1, torch.float32).to(scores.dtype)
 

@@ -2,7 +2,7 @@
 
 Every Llama-family variant of the runner tests, in float32 and bfloat16: the same sequence is
 scored one token per step alone, then in steps of mixed widths beside other sessions (decoding,
-verifying, prefilling), and every logit must be equal bit for bit. The blocked attention must
+verifying, prefilling), and every logit must be equal bit for bit. The grouped attention must
 also still be attention: it matches transformers' forward to rounding.
 """
 
