@@ -36,6 +36,7 @@ from tqdm import tqdm
 from services.verifier.batching.estimator import FitReport, Sample, SegmentShape, StepTimeEstimator, evaluate, fit
 from shared.models import LoadedModel, ModelLoadError, load_model
 from shared.runner import ModelRunner, Segment
+from shared.runner.invariant import KEY_BLOCK
 from shared.runner.runner import kv_shape
 
 BATCH_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -83,7 +84,7 @@ def _shape(cached: int, new: int, max_len: int) -> SegmentShape:
 def make_runner(loaded: LoadedModel, batches: Sequence[Sequence[SegmentShape]]) -> ModelRunner:
     """A batch-invariant runner (as the verifier serves) whose arena holds the largest of
     ``batches``, every row random keys and values."""
-    rows = max(sum(s.total + 1 for s in b) for b in batches) + 64
+    rows = max(sum(s.total + 1 + KEY_BLOCK for s in b) for b in batches) + 64  # slots round up to whole blocks
     runner = ModelRunner(loaded, rows * kv_shape(loaded.model).bytes_per_token, "auto", batch_invariant=True)
     runner.kv.data.normal_(generator=torch.Generator(device=runner.device).manual_seed(0))
     return runner
