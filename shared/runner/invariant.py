@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.runner.kv import KVArena
+from shared.runner.kv import KVArena, round_up
 from shared.runner.matmul import Matmul, matmul
 from shared.runner.step import AttnSpan, Segment, StepPlan, attend_row, softmax
 
@@ -90,7 +90,7 @@ _ATTN_PROBE = ((0, 9), (3, 2), (13, 5), (40, 17), (100, 3), (127, 8))
 
 def block_keys(length: int) -> int:
     """The keys a row of this length attends over: its length rounded up to :data:`KEY_BLOCK`."""
-    return -(-length // KEY_BLOCK) * KEY_BLOCK
+    return round_up(length, KEY_BLOCK)
 
 
 @dataclass(frozen=True)
@@ -129,7 +129,7 @@ def group_rows(spans: Sequence[AttnSpan], multiple: int, kv_heads: int, heads_pe
             j = i + 1
             while j < span.n and block_keys(lengths[j]) == keys:
                 j += 1
-            rows = -(-(j - i) // multiple) * multiple
+            rows = round_up(j - i, multiple)
             groups.append(RowGroup(span.kv_start, keys, first, rows))
             seen.extend([*lengths[i:j], *[1] * (rows - (j - i))])
             base = first * kv_heads  # the block is [kv_heads, rows, ...]: head h of row r at base + h * rows + r

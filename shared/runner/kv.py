@@ -24,6 +24,11 @@ class KVError(RuntimeError):
     """A KV request can never be served (larger than the whole arena, bad sizes)."""
 
 
+def round_up(n: int, multiple: int) -> int:
+    """``n`` rounded up to a multiple of ``multiple`` (slot sizes, key blocks, padded rows)."""
+    return -(-n // multiple) * multiple
+
+
 @dataclass(eq=False)
 class KVSlot:
     """One session's range of arena rows. ``length`` rows at the front hold valid keys/values."""
@@ -101,7 +106,7 @@ class KVArena:
         """Reserve ``tokens`` contiguous rows, or None when no free range is large enough now."""
         if tokens < 1:
             raise KVError(f"a slot needs at least one token, asked for {tokens}")
-        tokens = self._aligned(tokens)
+        tokens = round_up(tokens, self.align)
         if tokens > self.tokens:
             raise KVError(f"a session needing {tokens} tokens of KV cache can never fit: the arena holds "
                           f"{self.tokens} tokens ({self.budget_bytes / 2**30:.2f} GiB). Raise --kv-cache-gb "
@@ -145,9 +150,6 @@ class KVArena:
         dst.length = length
         dst.finite = max(dst.finite, length)
 
-    def _aligned(self, tokens: int) -> int:
-        return -(-tokens // self.align) * self.align
-
     # --- accounting ----------------------------------------------------------------------
 
     @property
@@ -167,7 +169,7 @@ class KVArena:
         return max((size for _, size in self._free), default=0)
 
     def fits(self, tokens: int) -> bool:
-        return self._aligned(tokens) <= self.largest_free
+        return round_up(tokens, self.align) <= self.largest_free
 
     @property
     def sessions(self) -> int:

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from shared.log import get_logger
+from shared.runner.kv import round_up
 
 log = get_logger("runner.matmul")
 #: the row count oneDNN lays a reordered weight out for. Measured on one core: 1-row products cost
@@ -58,8 +59,8 @@ class Matmul:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.dtype)
-        rows, multiple = x.shape[0], self.multiple
-        padded = -(-rows // multiple) * multiple if multiple > 1 else rows
+        rows = x.shape[0]
+        padded = round_up(rows, self.multiple) if self.multiple > 1 else rows
         if padded != rows:
             grown = x.new_zeros((padded, x.shape[1]))
             grown[:rows] = x
