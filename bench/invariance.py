@@ -40,6 +40,15 @@ OUT = Path("bench/results")
 ISA_LIMITS = ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
 
 
+def machine_stem(base: str) -> str:
+    """The results file a runner benchmark on this machine writes: ``base`` on a CPU with native
+    bfloat16 (what dtype auto serves bfloat16 on), ``base-no-bf16`` on one without, and
+    ``base-isa-limited`` with :data:`ISA_LIMITS` set, so one kind of host never overwrites another's."""
+    if any(k in os.environ for k in ISA_LIMITS):
+        return f"{base}-isa-limited"
+    return base if cpu_has_native_bf16() else f"{base}-no-bf16"
+
+
 @torch.inference_mode()
 def step_ms(runner: ModelRunner, sessions: int, new: int) -> float:
     slots = [runner.kv.allocate(CONTEXT + new) for _ in range(sessions)]
@@ -87,8 +96,7 @@ def write(rows: list[dict[str, Any]], model: str) -> None:
             "native_bf16": cpu_has_native_bf16(), "cpu": cpu_flag_summary(), "threads": 1,
             "isa_limits": {k: os.environ[k] for k in ISA_LIMITS if k in os.environ},
             "time": time.strftime("%Y-%m-%d %H:%M")}
-    stem = ("invariance-isa-limited" if meta["isa_limits"] else "invariance" if meta["native_bf16"]
-            else "invariance-no-bf16")
+    stem = machine_stem("invariance")
     (OUT / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     lines = [f"# What batch invariance costs ({meta['time']})", "",
              f"{model}, one forward at {CONTEXT} tokens of cached context per session, one thread, median "

