@@ -28,8 +28,7 @@ import time
 from pathlib import Path
 from typing import Any, cast
 
-from bench.edge import run_pinned
-from bench.invariance import machine_stem
+from bench.edge import machine_stem, run_pinned
 from shared.model_import import DEFAULT_MODEL, fetch_model
 
 OUT = Path("bench/results")

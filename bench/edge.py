@@ -23,6 +23,20 @@ from typing import Any
 
 from shared.fleet import parse_cpus, pinned
 
+#: environment variables that limit oneDNN's and MKL's instruction sets (to measure an AVX2 machine's kernels)
+ISA_LIMITS = ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+
+
+def machine_stem(base: str) -> str:
+    """The results file a runner benchmark on this machine writes: ``base`` on a CPU with native
+    bfloat16 (what dtype auto serves bfloat16 on), ``base-no-bf16`` on one without, and
+    ``base-isa-limited`` with :data:`ISA_LIMITS` set, so one kind of host never overwrites another's."""
+    from shared.models import cpu_has_native_bf16  # torch: only when a benchmark writes its results
+
+    if any(k in os.environ for k in ISA_LIMITS):
+        return f"{base}-isa-limited"
+    return base if cpu_has_native_bf16() else f"{base}-no-bf16"
+
 
 @dataclass(frozen=True)
 class Edge:

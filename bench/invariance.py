@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from bench.edge import ISA_LIMITS, machine_stem
 from shared.model_import import DEFAULT_MODEL, fetch_model
 from shared.models import cpu_has_native_bf16, load_model
 from shared.runner import ModelRunner, Segment
@@ -36,19 +37,6 @@ from training.evaluate_gguf import cpu_flag_summary
 SHAPES = ((1, 1), (1, 5), (4, 1), (4, 5), (16, 1), (16, 5))
 CONTEXT = 128
 OUT = Path("bench/results")
-#: environment variables that limit oneDNN's and MKL's instruction sets (to measure an AVX2 machine's kernels)
-ISA_LIMITS = ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
-
-
-def machine_stem(base: str) -> str:
-    """The results file a runner benchmark on this machine writes: ``base`` on a CPU with native
-    bfloat16 (what dtype auto serves bfloat16 on), ``base-no-bf16`` on one without, and
-    ``base-isa-limited`` with :data:`ISA_LIMITS` set, so one kind of host never overwrites another's."""
-    if any(k in os.environ for k in ISA_LIMITS):
-        return f"{base}-isa-limited"
-    return base if cpu_has_native_bf16() else f"{base}-no-bf16"
-
-
 @torch.inference_mode()
 def step_ms(runner: ModelRunner, sessions: int, new: int) -> float:
     slots = [runner.kv.allocate(CONTEXT + new) for _ in range(sessions)]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-import bench.invariance
-from bench.invariance import ISA_LIMITS, machine_stem
+import shared.models
+from bench.edge import ISA_LIMITS, machine_stem
 
 
 @pytest.mark.parametrize(("native_bf16", "isa_limit", "stem"), [
@@ -20,5 +20,5 @@ def test_the_stem_names_the_kind_of_host(monkeypatch: pytest.MonkeyPatch, native
         monkeypatch.delenv(name, raising=False)
     if isa_limit:
         monkeypatch.setenv(isa_limit, "AVX2")
-    monkeypatch.setattr(bench.invariance, "cpu_has_native_bf16", lambda: native_bf16)
+    monkeypatch.setattr(shared.models, "cpu_has_native_bf16", lambda: native_bf16)
     assert machine_stem("decode") == stem
