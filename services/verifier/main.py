@@ -124,7 +124,7 @@ def build(cfg: VerifierConfig, loop: asyncio.AbstractEventLoop) -> tuple[Hub, Ve
              asked=cfg.target.dtype, native_bf16_cpu=cpu_has_native_bf16() if cfg.target.device == "cpu" else None)
     try:
         runner = ModelRunner(loaded, kv_budget_bytes(cfg), cfg.engine.runner,
-                             batch_invariant=cfg.engine.batch_invariant)
+                             batch_invariant=cfg.engine.batch_invariant, matmul=cfg.engine.matmul)
     except KVError as exc:
         raise ModelLoadError(f"cannot set up the KV cache: {exc}") from None
     hub, output, metrics = _hub(cfg, loaded)

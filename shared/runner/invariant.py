@@ -43,8 +43,8 @@ _CANDIDATES = (1, 2, 4, 8, 16, 32)
 
 
 @torch.inference_mode()
-def probe_row_multiples(shapes: list[tuple[int, int]], dtype: torch.dtype,
-                        device: torch.device) -> dict[tuple[int, int], int]:
+def probe_row_multiples(shapes: list[tuple[int, int]], dtype: torch.dtype, device: torch.device,
+                        kernel: str = "auto") -> dict[tuple[int, int], int]:
     """For each ``(in, out)`` shape, the smallest row multiple for which its matmul (the kernel the
     lean forward runs: :func:`shared.runner.matmul.matmul`) gives each row bitwise the same result
     at any position in any number of rows (rounded up to that multiple); 0 where none does. Each
@@ -52,7 +52,8 @@ def probe_row_multiples(shapes: list[tuple[int, int]], dtype: torch.dtype,
     gen = torch.Generator().manual_seed(0)
     found = {}
     for inp, out in dict.fromkeys(shapes):
-        weight = matmul(torch.randn((out, inp), generator=gen).mul_(0.05).to(device=device, dtype=dtype))
+        weight = matmul(torch.randn((out, inp), generator=gen).mul_(0.05).to(device=device, dtype=dtype),
+                        kernel=kernel)
         x = torch.randn((max(_PROBE_ROWS), inp), generator=gen).to(device=device, dtype=dtype)
         found[(inp, out)] = next((c for c in _CANDIDATES if _rows_invariant(weight, x, c)), 0)
     return found

@@ -99,8 +99,9 @@ class LeanDecoder:
     what goes into a matmul (:func:`shared.runner.runner.activation_dtype`)."""
 
     def __init__(self, model: Any, row_multiples: dict[tuple[int, int], int] | None = None,
-                 activations: torch.dtype | None = None, attention_multiple: int = 0) -> None:
+                 activations: torch.dtype | None = None, attention_multiple: int = 0, kernel: str = "auto") -> None:
         cfg = model.config
+        self.kernel = kernel  # the matmuls' (shared.runner.matmul.KERNELS)
         self.invariant = row_multiples is not None
         self.row_multiples = row_multiples or {}
         self.attention_multiple = attention_multiple if self.invariant else 0
@@ -153,7 +154,7 @@ class LeanDecoder:
     def _matmul(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Matmul:
         inp, out = weight.shape[1], weight.shape[0]
         multiple = self.row_multiples.get((inp, out), max(self.row_multiples.values(), default=0))
-        return matmul(weight, bias, multiple)
+        return matmul(weight, bias, multiple, self.kernel)
 
     def _small(self, weight: torch.Tensor) -> torch.Tensor:
         """A norm's weight in the activations' dtype (a copy of a few KB where that differs)."""

@@ -27,6 +27,7 @@ from shared.runner import lean
 from shared.runner.hf import HFDecoder
 from shared.runner.invariant import KEY_BLOCK, clear_key_padding, probe_attention_multiple, probe_row_multiples
 from shared.runner.kv import KVArena, KVError, KVShape
+from shared.runner.matmul import resolve_kernel
 from shared.runner.step import Segment, StepPlan, commit_step, plan_step
 
 log = get_logger("runner")
@@ -80,10 +81,12 @@ class ModelRunner:
     """``batch_invariant``: every position's logits are bitwise independent of the step's shape
     (:mod:`shared.runner.invariant`), proven on the model at start-up; the verifier's default.
     ``activations``: the activations' and KV cache's dtype, :func:`activation_dtype` when None (the
-    fidelity benchmark also runs half-precision activations, to measure what float32 ones buy)."""
+    fidelity benchmark also runs half-precision activations, to measure what float32 ones buy).
+    ``matmul``: the lean forward's matmul kernel (:data:`shared.runner.matmul.KERNELS`)."""
 
     def __init__(self, loaded: LoadedModel, kv_budget_bytes: int, kind: str = "auto", self_check: bool = True,
-                 batch_invariant: bool = False, activations: torch.dtype | None = None) -> None:
+                 batch_invariant: bool = False, activations: torch.dtype | None = None,
+                 matmul: str = "auto") -> None:
         if kind not in RUNNER_KINDS:
             raise ModelLoadError(f"runner must be one of {', '.join(RUNNER_KINDS)}, got {kind!r}")
         model = loaded.model
@@ -92,6 +95,10 @@ class ModelRunner:
         if activations is not None:
             self.shape = dataclasses.replace(self.shape, dtype=activations)
         self.weight_dtype = weight_dtype(model)
+        try:  # what the matmuls run on (a kernel named but unable to run here is refused now)
+            self.matmul = resolve_kernel(matmul, self.device, self.weight_dtype)
+        except ValueError as exc:
+            raise ModelLoadError(str(exc)) from None
         self.groups = model.config.num_attention_heads // self.shape.kv_heads
         self.vocab_size = loaded.vocab_size
         self.max_model_len = loaded.max_model_len
@@ -107,11 +114,13 @@ class ModelRunner:
         self.attention_multiple = (probe_attention_multiple(self.shape.kv_heads, self.groups, self.shape.head_dim,
                                                             self.shape.dtype, self.device)
                                    if batch_invariant else 0)
-        self.decoder: Decoder = (lean.LeanDecoder(model, multiples, self.shape.dtype, self.attention_multiple)
+        self.decoder: Decoder = (lean.LeanDecoder(model, multiples, self.shape.dtype, self.attention_multiple,
+                                                  self.matmul)
                                  if self.kind == "lean" else HFDecoder(model))
         self.kv = KVArena(self.shape, kv_budget_bytes, self.device, KEY_BLOCK if self.attention_multiple else 1)
         self._reference = model
         log.info("model runner ready", model=loaded.name, runner=self.kind, lean_unavailable=why_not or None,
+                 matmul=self.matmul if self.kind == "lean" else None,
                  dtype=_name(self.weight_dtype), activations=_name(self.shape.dtype), batch_invariant=batch_invariant,
                  row_multiple=self.row_multiple or None, attention_multiple=self.attention_multiple or None,
                  kv_tokens=self.kv.tokens,
@@ -125,7 +134,7 @@ class ModelRunner:
         if self.kind != "lean":
             raise ModelLoadError(f"batch invariance needs the lean runner, which cannot run {loaded.name}: "
                                  f"{why_not or '--runner hf was asked for'}; pass --batch-invariant false")
-        rows = probe_row_multiples(linear_shapes(loaded.model), self.weight_dtype, self.device)
+        rows = probe_row_multiples(linear_shapes(loaded.model), self.weight_dtype, self.device, self.matmul)
         if not all(rows.values()):
             raise ModelLoadError(f"this machine's {self.weight_dtype} matmuls give a row different results at every "
                                  "batch size probed, so speculation could change the text; try --dtype float32 "
@@ -135,7 +144,8 @@ class ModelRunner:
     def describe(self) -> dict[str, object]:
         """What ``/status`` shows of the model's numerics."""
         return {"dtype": _name(self.weight_dtype), "activations": _name(self.shape.dtype), "runner": self.kind,
-                "batch_invariant": self.batch_invariant, "invariant_row_multiple": self.row_multiple,
+                "matmul": self.matmul if self.kind == "lean" else None, "batch_invariant": self.batch_invariant,
+                "invariant_row_multiple": self.row_multiple,
                 "invariant_attention_multiple": self.attention_multiple}
 
     @torch.inference_mode()

@@ -89,3 +89,20 @@ def test_floor_reports_the_matmuls_alone(tiny_models: dict[str, Path], capsys: p
     assert main(["--model", str(tiny_models["target"]), "--floor", "--repeats", "2"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["floor"]["floor_tok_s"] > 0 and out["matmuls_tok_s"] > 0
+
+
+def test_bench_decode_shows_the_row_wise_kernel_beside_onednn(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from bench import decode
+
+    monkeypatch.setattr(decode, "OUT", tmp_path)
+    monkeypatch.setattr(decode, "machine_stem", lambda stem: stem)
+    floor = {"weight_bytes": 538e6, "dtype": "float32", "gemv_gb_s": 16.0, "gemv": "specfleet row-wise"}
+    text = decode.write({"floor": floor, "floor_tok_s": 30.0, "floor_tok_s_again": 29.0, "when": "now",
+                         "command": "python -m bench decode", "cpu": "avx2", "cpus": "0", "dtype": "float32",
+                         "activations": "float32", "tokens": 128, "matmul": "rowwise", "matmuls_tok_s": 24.0,
+                         "runner_invariant_tok_s": 15.0, "runner_plain_tok_s": 15.3, "transformers_tok_s": 9.0,
+                         "matmuls_onednn_tok_s": 12.0, "runner_invariant_onednn_tok_s": 10.0})
+    assert "| specfleet runner, batch-invariant (as served; rowwise matmuls) | 15.0 | 0.50 |" in text
+    assert "| specfleet runner's matmuls alone, oneDNN's kernels | 12.0 | 0.40 |" in text
+    assert "oneDNN's matmuls (`--matmul onednn`) | 10.0 | 0.33 |" in text
+    assert (tmp_path / "decode.json").exists()

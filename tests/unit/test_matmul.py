@@ -24,7 +24,7 @@ def test_a_plain_matmul_pads_rows_to_the_multiple_and_drops_them(rows: int, mult
 
     monkeypatch.setattr(matmul_mod.F, "linear", spy)
     weight, x = torch.randn(8, 6), torch.randn(rows, 6)
-    out = Matmul(weight, None, pack=False, multiple=multiple)(x)
+    out = Matmul(weight, None, "plain", multiple=multiple)(x)
     assert seen == [padded] and out.shape == (rows, 8)
     assert torch.allclose(out, x @ weight.T, atol=1e-5)
 
@@ -36,8 +36,8 @@ def test_a_packed_matmul_multiplies_by_the_weight_and_its_bias(dtype: torch.dtyp
     gen = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(40, 24, generator=gen).to(dtype), torch.randn(40, generator=gen).to(dtype)
     x = torch.randn(rows, 24, generator=gen)  # float32 activations: rounded to the weight's dtype first
-    packed = matmul(weight, bias, multiple)
-    assert packed.packed
+    packed = matmul(weight, bias, multiple, kernel="onednn")
+    assert packed.kind == "onednn"
     out = packed(x)
     want = torch.nn.functional.linear(x.to(dtype), weight, bias)
     assert out.dtype == dtype and out.shape == (rows, 40)

@@ -1,0 +1,87 @@
+"""specfleet's row-wise float32 kernel (shared.runner.rowwise): right, and batch-invariant by construction."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared.runner import rowwise
+from shared.runner.invariant import probe_row_multiples
+from shared.runner.matmul import matmul, resolve_kernel
+
+CPU = torch.device("cpu")
+needs_avx2 = pytest.mark.skipif(not {"avx2", "fma"} <= rowwise._cpu_flags(), reason="this CPU lacks AVX2/FMA")
+
+
+@needs_avx2
+@pytest.mark.parametrize("out,inp", [(1, 1), (7, 5), (16, 8), (17, 9), (32, 64), (33, 576), (100, 1536)])
+def test_it_multiplies_like_float64_and_each_row_alone_is_bitwise_the_same(out: int, inp: int) -> None:
+    gen = torch.Generator().manual_seed(out * 1000 + inp)
+    weight, x = torch.randn(out, inp, generator=gen), torch.randn(11, inp, generator=gen)
+    packed = rowwise.pack(weight)
+    full = rowwise.linear(x, packed, out)
+    want = x.double() @ weight.double().T
+    assert full.shape == (11, out)
+    assert torch.allclose(full.double(), want, rtol=1e-5, atol=1e-4 * inp**0.5)
+    for rows in range(1, 12):  # any step: the tile a row lands in (3, 2 or 1 rows) does not matter
+        assert torch.equal(rowwise.linear(x[:rows], packed, out), full[:rows])
+    assert all(torch.equal(rowwise.linear(x[i : i + 1], packed, out), full[i : i + 1]) for i in range(11))
+
+
+@needs_avx2
+def test_threads_and_strided_activations_change_no_bit() -> None:
+    gen = torch.Generator().manual_seed(1)
+    weight, x = torch.randn(200, 96, generator=gen), torch.randn(9, 192, generator=gen)[:, ::2]
+    packed = rowwise.pack(weight)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = rowwise.linear(x, packed, 200)
+        torch.set_num_threads(2)
+        two = rowwise.linear(x, packed, 200)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two) and torch.equal(one, rowwise.linear(x.contiguous(), packed, 200))
+
+
+@needs_avx2
+def test_zero_rows_and_bad_inputs() -> None:
+    packed = rowwise.pack(torch.randn(20, 8))
+    assert rowwise.linear(torch.empty(0, 8), packed, 20).shape == (0, 20)
+    with pytest.raises(RuntimeError, match="activations' width"):
+        rowwise.linear(torch.randn(2, 9), packed, 20)
+    with pytest.raises(RuntimeError, match="float32"):
+        rowwise.linear(torch.randn(2, 8).bfloat16(), packed, 20)
+
+
+@needs_avx2
+def test_auto_picks_it_for_float32_and_the_matmul_adds_the_bias_without_padding() -> None:
+    assert resolve_kernel("auto", CPU, torch.float32) == "rowwise"
+    weight, bias, x = torch.randn(40, 24), torch.randn(40), torch.randn(5, 24)
+    m = matmul(weight, bias, multiple=4)
+    assert m.kind == "rowwise" and m.packed
+    assert torch.allclose(m(x), torch.nn.functional.linear(x, weight, bias), atol=1e-5)
+    assert torch.equal(m(x[2:3]), m(x)[2:3])
+
+
+@needs_avx2
+def test_the_start_up_probe_finds_it_needs_no_padding() -> None:
+    assert probe_row_multiples([(64, 48), (48, 130)], torch.float32, CPU, "rowwise") == {(64, 48): 1, (48, 130): 1}
+
+
+def test_a_kernel_that_cannot_run_is_refused_by_name_and_skipped_by_auto(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match="must be one of"):
+        resolve_kernel("fast", CPU, torch.float32)
+    with pytest.raises(ValueError, match=r"float32 on a CPU, not torch\.bfloat16"):
+        resolve_kernel("rowwise", CPU, torch.bfloat16)
+    assert resolve_kernel("auto", CPU, torch.bfloat16) != "rowwise"
+    monkeypatch.setattr(rowwise, "_cpu_flags", lambda: {"sse2"})
+    monkeypatch.setattr(rowwise, "_told", [])
+    rowwise.why_unavailable.cache_clear()
+    try:
+        assert rowwise.why_unavailable() == "this CPU lacks avx2, fma"
+        with pytest.raises(ValueError, match="lacks avx2, fma; use --matmul auto"):
+            resolve_kernel("rowwise", CPU, torch.float32)
+        assert resolve_kernel("auto", CPU, torch.float32) in ("onednn", "plain")
+    finally:
+        rowwise.why_unavailable.cache_clear()
