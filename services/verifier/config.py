@@ -9,6 +9,7 @@ from services.verifier.batching import POLICIES as BATCHINGS
 from services.verifier.trim import POLICIES as TRIMS
 from shared.config import ConfigError, flag_name, flat, opt, section
 from shared.runner import RUNNER_KINDS
+from shared.runner.matmul import KERNELS
 
 
 @dataclass
@@ -73,7 +74,6 @@ class EngineSection:
                                       "(attention over whole key blocks, matmuls over enough rows), so speculation "
                                       "never changes the text, in any dtype; proven at start-up (backend=torch, lean "
                                       "runner)")
-    kv_cache_gb: float = opt(0.0, "KV cache in GiB; 0: 20%% of RAM, at most 2 GiB, on CPU; 80%% of free GPU memory")
     estimator_file: str = opt("", "step-time coefficients from `make profile-verifier` (refined online); empty: "
                                   "calibrate at start-up (see calibrate_estimator)")
     calibrate_estimator: bool = opt(True, "without an estimator file, time 16 batch shapes on the served runner "
@@ -90,6 +90,7 @@ class EngineSection:
 class CapacitySection:
     """capacity: sessions held, and a step's size"""
 
+    kv_cache_gb: float = opt(0.0, "KV cache in GiB; 0: 20%% of RAM, at most 2 GiB, on CPU; 80%% of free GPU memory")
     max_sessions: int = opt(256, "most sessions held at once (running or waiting); further ones are refused as busy")
     max_waiting: int = opt(256, "sessions held waiting for KV memory; beyond that new sessions are refused as busy")
     max_batch_sessions: int = opt(32, "most sessions verified in one batched forward pass")
@@ -191,7 +192,7 @@ CORE_MODES = ("auto", "thread", "inline")
 TRUST_MODES = ("trusted", "untrusted")
 #: the flags that take one of a few words, and those words
 CHOICES: dict[str, tuple[str, ...]] = {
-    "backend": BACKENDS, "sampling": SAMPLINGS, "core_mode": CORE_MODES, "runner": RUNNER_KINDS,
+    "backend": BACKENDS, "sampling": SAMPLINGS, "core_mode": CORE_MODES, "runner": RUNNER_KINDS, "matmul": KERNELS,
     "drafter_trust": TRUST_MODES, "allocation": ALLOCATIONS, "batching": BATCHINGS, "trim": TRIMS,
     "dtype": ("auto", "float32", "float16", "bfloat16"),
 }

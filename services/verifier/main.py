@@ -43,8 +43,8 @@ AUTO_KV_GPU_SHARE = 0.8
 
 
 def kv_budget_bytes(cfg: VerifierConfig) -> int:
-    if cfg.engine.kv_cache_gb > 0:
-        return int(cfg.engine.kv_cache_gb * 2**30)
+    if cfg.capacity.kv_cache_gb > 0:
+        return int(cfg.capacity.kv_cache_gb * 2**30)
     if cfg.target.device.startswith("cuda"):
         free, _ = torch.cuda.mem_get_info(torch.device(cfg.target.device))
         return int(free * AUTO_KV_GPU_SHARE)

@@ -1,6 +1,6 @@
 """specfleet's own float32 matmul for CPUs with AVX2 and FMA (``rowwise.cpp``), built once with
-torch's C++ extension builder (g++ and ninja) and cached: ``python -m shared.runner.rowwise``
-builds it ahead (``make deps`` does) and checks it.
+torch's C++ extension builder (g++ and ninja) and cached: ``specfleet build-kernels`` builds it
+ahead (``make install`` does) and checks it.
 
 Each output is one fused multiply-add chain over the inputs, in order, in one vector lane, so a
 row's result cannot depend on the other rows of the step: batch invariance needs no padding. The
@@ -112,7 +112,3 @@ def main() -> int:
         return 1
     print(f"checked: max error {err:.1e} against float64, row 4 of 7 bitwise equal alone")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

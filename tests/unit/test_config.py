@@ -176,6 +176,7 @@ def test_the_verifiers_defaults_with_a_model_are_valid() -> None:
     ({"backend": "tensorrt"}, "--backend must be one of torch, vllm, got 'tensorrt'"),
     ({"sampling": "greedy"}, "--sampling must be one of race, stream"),
     ({"core_mode": "fast"}, "--core-mode must be one of auto, thread, inline"),
+    ({"matmul": "mkl"}, "--matmul must be one of auto, rowwise, onednn, plain"),
     ({"allocation": "goodput"}, "--allocation must be one of fixed, random, goodspeed, smartspec"),
     ({"batching": "edf"}, "--batching must be one of fcfs, wisp"),
     ({"trim": "tail"}, "--trim must be one of none, adaspec"),
