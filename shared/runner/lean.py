@@ -4,7 +4,9 @@ It runs the loaded transformers model's own weights with a short, fixed sequence
 layer: one fused QKV matmul, rotary embedding on queries and keys together, one arena write,
 per-session attention, one fused gate/up matmul. Compared with the generic transformers forward
 it skips mask construction, cache objects and most small ops, which on a CPU are most of the
-cost of a small model. :func:`supports` says which configurations it implements exactly;
+cost of a small model. Where :func:`fused_reason` allows (float32 on specfleet's row-wise kernel,
+a SiLU MLP), each block is one C++ call instead (``rowwise.cpp``'s ``Layer``), which removes the
+per-op dispatch that was half of a 1-row step. :func:`supports` says which configurations it implements exactly;
 anything else runs through :mod:`shared.runner.hf`. The runner checks both against transformers
 at load time.
 """
@@ -18,8 +20,9 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
+from shared.runner import rowwise
 from shared.runner.invariant import GroupedPlan, group_rows, grouped_attention, row_attention
-from shared.runner.matmul import Matmul, matmul
+from shared.runner.matmul import Matmul, matmul, resolve_kernel
 from shared.runner.step import StepPlan, paged_attention, write_kv
 
 #: logits per row the head recomputes in float32 after its half-precision matmul (LeanDecoder._refine_top)
@@ -46,6 +49,22 @@ def supports(model: Any) -> str:
     if getattr(cfg, "partial_rotary_factor", 1.0) != 1.0:
         return "partial rotary embeddings are not implemented"
     return ""
+
+
+def fused_reason(model: Any, kernel: str, activations: torch.dtype) -> str:
+    """Empty when each block can run as one C++ call (:func:`shared.runner.rowwise.layer`): float32
+    or bfloat16 weights on the row-wise kernel, float32 activations, and a SiLU MLP; else why not (the block then
+    runs as torch ops, :meth:`LeanDecoder._block`)."""
+    cfg = model.config
+    dtype = next(model.parameters()).dtype
+    if kernel != "rowwise":
+        return f"the matmuls run on {kernel}, not the row-wise kernel"
+    if dtype not in (torch.float32, torch.bfloat16) or activations != torch.float32:
+        return f"the weights are {dtype} and the activations {activations}, not float32 or bfloat16 and float32"
+    if cfg.hidden_act != "silu":
+        return f"the activation is {cfg.hidden_act!r}, not silu"
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return "" if head_dim % 2 == 0 else "the head size is odd"
 
 
 def _fuse(modules: list[Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -83,6 +102,7 @@ class _Layer:
     down: Matmul
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
+    native: Any = None  # the whole block as one C++ call (rowwise.layer), where LeanDecoder.fused
 
 
 class LeanDecoder:
@@ -99,7 +119,8 @@ class LeanDecoder:
     what goes into a matmul (:func:`shared.runner.runner.activation_dtype`)."""
 
     def __init__(self, model: Any, row_multiples: dict[tuple[int, int], int] | None = None,
-                 activations: torch.dtype | None = None, attention_multiple: int = 0, kernel: str = "auto") -> None:
+                 activations: torch.dtype | None = None, attention_multiple: int = 0, kernel: str = "auto",
+                 fuse: bool = True) -> None:
         cfg = model.config
         self.kernel = kernel  # the matmuls' (shared.runner.matmul.KERNELS)
         self.invariant = row_multiples is not None
@@ -127,6 +148,9 @@ class LeanDecoder:
         half = self.head_dim // 2
         self.rot_sign = torch.cat([-torch.ones(half), torch.ones(self.head_dim - half)]).to(self.embed.device,
                                                                                           self.adtype)
+        #: each block one C++ call (``fused_reason``): every op row by row, so invariant as it stands
+        self.fused = fuse and not fused_reason(model, resolve_kernel(kernel, self.embed.device, self.embed.dtype),
+                                               self.adtype)
         self.layers = [self._layer(layer) for layer in base.layers]
 
     def _layer(self, layer: Any) -> _Layer:
@@ -135,7 +159,7 @@ class LeanDecoder:
         gu_w, gu_b = _fuse([mlp.gate_proj, mlp.up_proj])
         q_norm = getattr(attn, "q_norm", None)
         k_norm = getattr(attn, "k_norm", None)
-        return _Layer(
+        w = _Layer(
             norm_in=self._small(layer.input_layernorm.weight),
             norm_post=self._small(layer.post_attention_layernorm.weight),
             qkv=self._matmul(qkv_w, qkv_b), o=self._matmul(attn.o_proj.weight, attn.o_proj.bias),
@@ -143,6 +167,12 @@ class LeanDecoder:
             q_norm=self._small(q_norm.weight) if q_norm is not None else None,
             k_norm=self._small(k_norm.weight) if k_norm is not None else None,
         )
+        if self.fused:
+            w.native = rowwise.layer(w.norm_in, w.qkv.weight, w.qkv.bias, w.o.weight, w.o.bias, w.norm_post,
+                                     w.gate_up.weight, w.gate_up.bias, w.down.weight, w.down.bias, w.q_norm, w.k_norm,
+                                     heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim,
+                                     intermediate=self.intermediate, eps=self.eps, scale=self.scale)
+        return w
 
     def matmuls(self) -> list[Matmul]:
         """Every weight matrix's product, in the order a forward runs them (``bench.costs --floor``
@@ -167,6 +197,9 @@ class LeanDecoder:
             x = self.embed_up(x)
         x = x.to(self.adtype)  # the residual stream
         cos, sin = self.rotary(x, plan.positions.unsqueeze(0))
+        if self.fused:
+            return self._hidden_fused(x.contiguous(), cos[0].contiguous(), (sin[0] * self.rot_sign).contiguous(),
+                                      plan, arena)
         cos, sin = cos[0].unsqueeze(1), (sin[0] * self.rot_sign).unsqueeze(1)  # [T, 1, D]
         grouped = (group_rows(plan.spans, self.attention_multiple, self.kv_heads, self.heads // self.kv_heads,
                               self.adtype, x.device) if self.attention_multiple else None)
@@ -174,12 +207,19 @@ class LeanDecoder:
             x = self._block(x, layer, cos, sin, plan, arena[index], grouped)
         return x
 
+    def _hidden_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: StepPlan,
+                      arena: torch.Tensor) -> torch.Tensor:
+        spans = torch.tensor([(s.q_start, s.n, s.kv_start, s.kv_len) for s in plan.spans], dtype=torch.long)
+        for index, layer in enumerate(self.layers):
+            x = layer.native.forward(x, cos, sin, arena[index], plan.write_rows, spans)
+        return x
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         h = F.rms_norm(hidden, (hidden.shape[-1],), self.final_norm, self.eps)
         if self.head_down is not None:
             h = self.head_down(h)
         logits = self.lm_head(h).float()
-        if self.lm_head.dtype != self.adtype:
+        if self.lm_head.dtype != self.adtype and self.lm_head.kind != "rowwise":  # rowwise: float32 sums already
             self._refine_top(logits, h.to(self.adtype))
         return logits
 

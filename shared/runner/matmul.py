@@ -11,6 +11,11 @@ weights' memory doubles on a CPU.
 
 In float32, specfleet's own kernel (:mod:`shared.runner.rowwise`) is faster still at every row
 count measured (1 to 80 rows) and batch-invariant by construction; ``auto`` picks it where it builds.
+It also reads bfloat16 weights (widened in registers, float32 activations and sums): ``auto`` picks
+it for them where oneDNN has no native bfloat16 (AVX2: there oneDNN's bfloat16 is emulated, and
+``F.linear`` in bfloat16 was the only path), and keeps oneDNN's on CPUs with AVX512-BF16 or AMX,
+whose bfloat16 instructions multiply many rows faster than the kernel's float32 FMAs
+(``--matmul rowwise`` asks for it there; ``python -m bench decode`` compares the two).
 
 Rows: on oneDNN or ``F.linear``, a matmul over ``rows`` is run over ``rows`` rounded up to its
 ``multiple`` (zero rows pad it, then are dropped): with the multiple
@@ -50,8 +55,8 @@ def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 #: the kernels a lean forward's matmuls can run (``--matmul``): ``auto`` picks ``rowwise`` for
-#: float32 where it builds (:mod:`shared.runner.rowwise`), else ``onednn`` where oneDNN reorders
-#: the dtype, else ``plain`` (``F.linear``)
+#: float32, and for bfloat16 where oneDNN's is not native, where it builds (:mod:`shared.runner.rowwise`),
+#: else ``onednn`` where oneDNN reorders the dtype, else ``plain`` (``F.linear``)
 KERNELS = ("auto", "rowwise", "onednn", "plain")
 
 
@@ -77,10 +82,12 @@ class Matmul:
         return self.kind != "plain"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.to(self.dtype)
         if self.kind == "rowwise":  # a row's result never depends on the others': no padding
-            out = rowwise.linear(x, self.weight, self.out_features)
-            return out.add_(self.bias) if self.bias is not None else out
+            out = rowwise.linear(x.float(), self.weight, self.out_features)  # float32 sums, whatever the weight
+            if self.bias is not None:
+                out.add_(self.bias)
+            return out if x.dtype == torch.float32 else out.to(self.dtype)
+        x = x.to(self.dtype)
         rows = x.shape[0]
         padded = round_up(rows, self.multiple) if self.multiple > 1 else rows
         if padded != rows:
@@ -99,17 +106,19 @@ def resolve_kernel(kernel: str, device: torch.device, dtype: torch.dtype) -> str
     falls back quietly; a kernel asked for by name that cannot run here is an error."""
     if kernel not in KERNELS:
         raise ValueError(f"--matmul must be one of {', '.join(KERNELS)}, got {kernel!r}")
-    cpu_f32 = device.type == "cpu" and dtype == torch.float32
-    if kernel == "rowwise" and not (cpu_f32 and rowwise.available()):
-        why = rowwise.why_unavailable() if cpu_f32 else f"it multiplies float32 on a CPU, not {dtype} on {device}"
+    cpu = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+    if kernel == "rowwise" and not (cpu and rowwise.available()):
+        why = (rowwise.why_unavailable() if cpu else
+               f"it multiplies float32 or bfloat16 weights on a CPU, not {dtype} on {device}")
         raise ValueError(f"--matmul rowwise cannot run here: {why}; use --matmul auto")
     if kernel == "onednn" and not packing_available(device, dtype):
         raise ValueError(f"--matmul onednn cannot run {dtype} on {device} here; use --matmul auto")
     if kernel != "auto":
         return kernel
-    if cpu_f32 and rowwise.available():
+    native = packing_available(device, dtype)
+    if cpu and (dtype == torch.float32 or not native) and rowwise.available():
         return "rowwise"
-    return "onednn" if packing_available(device, dtype) else "plain"
+    return "onednn" if native else "plain"
 
 
 def matmul(weight: torch.Tensor, bias: torch.Tensor | None = None, multiple: int = 0, kernel: str = "auto") -> Matmul:

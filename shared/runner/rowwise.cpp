@@ -1,21 +1,41 @@
-// specfleet's row-wise float32 matmul (shared/runner/rowwise.py): out = x @ w.T, where every output
-// is ONE fused multiply-add chain over the inputs in ascending order, in one vector lane. Which tile
-// computes an output, how many rows the call holds and how many threads run it never change that
-// chain, so a row's result is bitwise the same in any batch: batch invariance by construction.
+// specfleet's row-wise float32 kernels (shared/runner/rowwise.py).
+//
+// The matmul: out = x @ w.T (float32 activations and sums; float32 or bfloat16 weights, the latter
+// widened exactly in registers, so half the bytes stream), where every output is ONE fused multiply-add chain over the inputs in
+// ascending order, in one vector lane. Which tile computes an output, how many rows the call holds
+// and how many threads run it never change that chain, so a row's result is bitwise the same in any
+// batch: batch invariance by construction.
 //
 // The weight is packed once into panels of 16 outputs, [panels, in, 16], so a 1-row product streams
 // each panel front to back (memory-bound decode), and a many-row one reuses a panel pair from cache
 // across row tiles of 3 (compute-bound verification): 3 rows x 32 outputs = 12 accumulators.
+//
+// The decoder layer (Layer, below): one call runs a Llama-family block's every op on these
+// matmuls, each row alone, in an order fixed by the row (see there).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <optional>
+#include <vector>
 
 namespace {
 
 constexpr int64_t kPanel = 16;
 
-template <int R, int PP>
-inline void tile(const float* p, const float* x, float* out, int64_t K, int64_t N, int64_t j0, int64_t ldp) {
+// 8 weights as float32: float32 ones as they are, bfloat16 ones (uint16 bits) widened exactly
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+template <int R, int PP, typename W>
+inline void tile(const W* p, const float* x, float* out, int64_t K, int64_t N, int64_t j0, int64_t ldp) {
   __m256 acc[R][PP * 2];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
@@ -25,8 +45,8 @@ inline void tile(const float* p, const float* x, float* out, int64_t K, int64_t 
     __m256 wv[PP * 2];
 #pragma GCC unroll 8
     for (int q = 0; q < PP; ++q) {
-      wv[2 * q] = _mm256_loadu_ps(p + q * ldp + k * kPanel);
-      wv[2 * q + 1] = _mm256_loadu_ps(p + q * ldp + k * kPanel + 8);
+      wv[2 * q] = load8(p + q * ldp + k * kPanel);
+      wv[2 * q + 1] = load8(p + q * ldp + k * kPanel + 8);
     }
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
@@ -53,9 +73,9 @@ inline void tile(const float* p, const float* x, float* out, int64_t K, int64_t 
 }
 
 // Every row against panels [q, q + PP): rows in tiles of 3, then the 1 or 2 left.
-template <int PP>
-void panels(const float* p, const float* x, float* out, int64_t R, int64_t K, int64_t N, int64_t q, int64_t ldp) {
-  const float* pq = p + q * ldp;
+template <int PP, typename W>
+void panels(const W* p, const float* x, float* out, int64_t R, int64_t K, int64_t N, int64_t q, int64_t ldp) {
+  const W* pq = p + q * ldp;
   const int64_t j0 = q * kPanel;
   int64_t r = 0;
   for (; r + 3 <= R; r += 3) tile<3, PP>(pq, x + r * K, out + r * N, K, N, j0, ldp);
@@ -66,26 +86,20 @@ void panels(const float* p, const float* x, float* out, int64_t R, int64_t K, in
 }  // namespace
 
 torch::Tensor pack(torch::Tensor w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat32 && w.device().is_cpu(),
-              "rowwise.pack wants a 2-D float32 CPU weight");
+  TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == torch::kFloat32 || w.scalar_type() == torch::kBFloat16) &&
+                  w.device().is_cpu(),
+              "rowwise.pack wants a 2-D float32 or bfloat16 CPU weight");
   const int64_t N = w.size(0), K = w.size(1), P = (N + kPanel - 1) / kPanel;
   auto padded = torch::zeros({P * kPanel, K}, w.options());
   padded.narrow(0, 0, N).copy_(w);
   return padded.view({P, kPanel, K}).transpose(1, 2).contiguous();
 }
 
-torch::Tensor linear(torch::Tensor x, torch::Tensor p, int64_t N) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.device().is_cpu(),
-              "rowwise.linear wants 2-D float32 CPU activations");
-  TORCH_CHECK(p.dim() == 3 && p.size(1) == x.size(1) && p.size(2) == kPanel && p.is_contiguous(),
-              "rowwise.linear wants a weight from rowwise.pack with the activations' width");
-  x = x.contiguous();
-  const int64_t R = x.size(0), K = x.size(1), P = p.size(0), ldp = K * kPanel;
-  auto out = torch::empty({R, N}, x.options());
-  if (R == 0 || N == 0) return out;
-  const float* xp = x.data_ptr<float>();
-  const float* pp = p.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+// out[R, N] = x[R, K] @ the packed weight's [N, K].T
+template <typename W>
+void linear_into(const float* xp, const W* pp, float* op, int64_t R, int64_t K, int64_t N, int64_t P) {
+  if (R == 0 || N == 0) return;
+  const int64_t ldp = K * kPanel;
   at::parallel_for(0, (P + 1) / 2, 1, [&](int64_t a, int64_t b) {
     for (int64_t t = a; t < b; ++t) {
       const int64_t q = 2 * t;
@@ -93,10 +107,321 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor p, int64_t N) {
       else panels<1>(pp, xp, op, R, K, N, q, ldp);
     }
   });
+}
+
+// a packed weight's product, on its dtype's loads (the activations and the sums float32 either way)
+void linear_packed(const float* xp, const torch::Tensor& p, float* op, int64_t R, int64_t K, int64_t N) {
+  if (p.scalar_type() == torch::kBFloat16)
+    linear_into(xp, reinterpret_cast<const uint16_t*>(p.data_ptr()), op, R, K, N, p.size(0));
+  else
+    linear_into(xp, p.data_ptr<float>(), op, R, K, N, p.size(0));
+}
+
+torch::Tensor linear(torch::Tensor x, torch::Tensor p, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.device().is_cpu(),
+              "rowwise.linear wants 2-D float32 CPU activations");
+  TORCH_CHECK(p.dim() == 3 && p.size(1) == x.size(1) && p.size(2) == kPanel && p.is_contiguous() &&
+                  (p.scalar_type() == torch::kFloat32 || p.scalar_type() == torch::kBFloat16),
+              "rowwise.linear wants a weight from rowwise.pack with the activations' width");
+  x = x.contiguous();
+  auto out = torch::empty({x.size(0), N}, x.options());
+  linear_packed(x.data_ptr<float>(), p, out.data_ptr<float>(), x.size(0), x.size(1), N);
   return out;
 }
+
+// --- a Llama-family decoder block in one call ---------------------------------------------------
+//
+// shared.runner.lean runs a block as ~15 torch ops (and far more ATen calls beneath them): on a small
+// model each costs microseconds of dispatch, which at one row is half of a decode step. Here the
+// whole block is one C++ call over the step's T rows:
+//
+//   h = rmsnorm(x) -> qkv = h @ Wqkv (+b) -> [q/k rmsnorm per head] -> rotary on q and k
+//   -> keys and values written to the arena -> attention of each row over its session's keys
+//   -> x += attn @ Wo (+b) -> h = rmsnorm(x) -> g, u = h @ Wgu (+b) -> x += (silu(g) * u) @ Wd (+b)
+//
+// Batch invariance by construction: every matmul is the row-wise kernel; the norms reduce one row,
+// each in lanes fixed by the width; attention computes each (row, head) alone over the keys its
+// position sees, in key order (a decode step's arithmetic, whatever else the step holds); the rest
+// is elementwise. No reduction's order depends on the number of rows, the sessions or the threads.
+
+namespace {
+
+// exp of 8 floats (Cephes' expf: 2^n times a degree-5 polynomial on [-ln2/2, ln2/2]; within 2 ulp of
+// std::exp on [-87, 88], clamped outside it). Elementwise, so a value's result never depends on its
+// neighbours; the loops below use it for whole groups of 8 and std::exp for a row's last few.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-87.3365447504f));
+  const __m256 n = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                                 _mm256_set1_ps(0.5f)));
+  x = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
+  x = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(c));
+  y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(y, _mm256_mul_ps(x, x)), x), _mm256_set1_ps(1.0f));
+  const __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2));
+}
+
+inline float lanes_sum(__m256 acc) {  // the 8 lanes, in a fixed order
+  alignas(32) float l[8];
+  _mm256_store_ps(l, acc);
+  return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+}
+
+// The sum of a[0..n) * b[0..n): 8 lanes, each in index order, then the lanes in a fixed order, then
+// the last n % 8 products in order.
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float s = lanes_sum(acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// dot(q, k_t, n) for 4 rows k_t = k + t * n at once: the same arithmetic per row as dot(), but four
+// independent chains, so the FMAs' latency overlaps (one chain at a time waits on each FMA)
+inline void dot4(const float* q, const float* k, int64_t n, float* out) {
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + i);
+#pragma GCC unroll 4
+    for (int t = 0; t < 4; ++t) acc[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + t * n + i), acc[t]);
+  }
+  for (int t = 0; t < 4; ++t) {
+    float s = lanes_sum(acc[t]);
+    for (int64_t r = i; r < n; ++r) s += q[r] * k[t * n + r];
+    out[t] = s;
+  }
+}
+
+// out[0..8 * NV) = sum over j in order of p[j] * v_j[0..8 * NV), v_j = v + j * stride: in registers
+template <int NV>
+inline void weighted_sum(const float* p, const float* v, int64_t len, int64_t stride, float* out) {
+  __m256 acc[NV];
+#pragma GCC unroll 8
+  for (int c = 0; c < NV; ++c) acc[c] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < len; ++j) {
+    const __m256 pv = _mm256_set1_ps(p[j]);
+#pragma GCC unroll 8
+    for (int c = 0; c < NV; ++c) acc[c] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + j * stride + 8 * c), acc[c]);
+  }
+#pragma GCC unroll 8
+  for (int c = 0; c < NV; ++c) _mm256_storeu_ps(out + 8 * c, acc[c]);
+}
+
+// out = x * rsqrt(mean(x^2) + eps) * w over one row of n (as torch's rms_norm: the scale, then the weight)
+inline void rmsnorm(const float* x, const float* w, float* out, int64_t n, double eps) {
+  const float r = 1.0f / std::sqrt(dot(x, x, n) / static_cast<float>(n) + static_cast<float>(eps));
+  for (int64_t i = 0; i < n; ++i) out[i] = (x[i] * r) * w[i];
+}
+
+// out = silu(g) * u = g / (1 + exp(-g)) * u, elementwise over n
+inline void silu_mul(const float* g, const float* u, float* out, int64_t n) {
+  const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 gv = _mm256_loadu_ps(g + i);
+    const __m256 silu = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, gv))));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
+  }
+  for (; i < n; ++i) out[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+}
+
+inline void add_bias(float* out, const std::optional<torch::Tensor>& bias, int64_t rows, int64_t n) {
+  if (!bias) return;
+  const float* b = bias->data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < n; ++j) out[r * n + j] += b[j];
+}
+
+// v = v * cos + rotate_half(v) * sin, where sin already carries rotate_half's sign (lean.py's rot_sign)
+inline void rotary(float* v, const float* cos, const float* sin, int64_t d, float* tmp) {
+  const int64_t half = d / 2;
+  for (int64_t i = 0; i < d; ++i) tmp[i] = v[i] * cos[i] + v[(i + half) % d] * sin[i];
+  std::memcpy(v, tmp, d * sizeof(float));
+}
+
+// One query row of one head over `len` keys/values (rows of [tokens, d]): softmax(q.k * scale) @ v.
+// Every score is dot()'s arithmetic, the softmax sums in key order, and each output element sums its
+// values in key order: fixed by the row's own query and length.
+void attend(const float* q, const float* keys, const float* values, int64_t len, int64_t d, float scale,
+            float* scores, float* out) {
+  int64_t j = 0;
+  for (; j + 4 <= len; j += 4) dot4(q, keys + j * d, d, scores + j);
+  for (; j < len; ++j) scores[j] = dot(q, keys + j * d, d);
+  float top = -INFINITY;
+  for (j = 0; j < len; ++j) {
+    scores[j] *= scale;
+    top = std::max(top, scores[j]);
+  }
+  for (j = 0; j + 8 <= len; j += 8)
+    _mm256_storeu_ps(scores + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + j), _mm256_set1_ps(top))));
+  for (; j < len; ++j) scores[j] = std::exp(scores[j] - top);
+  float sum = 0.0f;
+  for (j = 0; j < len; ++j) sum += scores[j];  // in key order
+  const float inv = 1.0f / sum;
+  for (j = 0; j < len; ++j) scores[j] *= inv;
+  int64_t i = 0;
+  for (; i + 64 <= d; i += 64) weighted_sum<8>(scores, values + i, len, d, out + i);
+  switch ((d - i) / 8) {
+    case 7: weighted_sum<7>(scores, values + i, len, d, out + i); break;
+    case 6: weighted_sum<6>(scores, values + i, len, d, out + i); break;
+    case 5: weighted_sum<5>(scores, values + i, len, d, out + i); break;
+    case 4: weighted_sum<4>(scores, values + i, len, d, out + i); break;
+    case 3: weighted_sum<3>(scores, values + i, len, d, out + i); break;
+    case 2: weighted_sum<2>(scores, values + i, len, d, out + i); break;
+    case 1: weighted_sum<1>(scores, values + i, len, d, out + i); break;
+    default: break;
+  }
+  for (i += (d - i) / 8 * 8; i < d; ++i) {  // the last d % 8 elements
+    float acc = 0.0f;
+    for (j = 0; j < len; ++j) acc += scores[j] * values[j * d + i];
+    out[i] = acc;
+  }
+}
+
+torch::Tensor checked(const torch::Tensor& t, const char* what) {
+  TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.device().is_cpu() && t.is_contiguous(),
+              "rowwise.Layer: ", what, " must be a contiguous float32 CPU tensor");
+  return t;
+}
+
+torch::Tensor packed(const torch::Tensor& t, const char* what) {
+  TORCH_CHECK((t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16) && t.device().is_cpu() &&
+                  t.is_contiguous() && t.dim() == 3 && t.size(2) == kPanel,
+              "rowwise.Layer: ", what, " must be a weight from rowwise.pack");
+  return t;
+}
+
+std::optional<torch::Tensor> checked(const std::optional<torch::Tensor>& t, const char* what) {
+  if (t) checked(*t, what);
+  return t;
+}
+
+}  // namespace
+
+struct Layer {
+  torch::Tensor norm_in, qkv, o, norm_post, gate_up, down;
+  std::optional<torch::Tensor> qkv_bias, o_bias, gu_bias, down_bias, q_norm, k_norm;
+  int64_t heads, kv_heads, dim, inter, hidden;
+  double eps;
+  float scale;
+
+  Layer(torch::Tensor norm_in_, torch::Tensor qkv_, std::optional<torch::Tensor> qkv_bias_, torch::Tensor o_,
+        std::optional<torch::Tensor> o_bias_, torch::Tensor norm_post_, torch::Tensor gate_up_,
+        std::optional<torch::Tensor> gu_bias_, torch::Tensor down_, std::optional<torch::Tensor> down_bias_,
+        std::optional<torch::Tensor> q_norm_, std::optional<torch::Tensor> k_norm_, int64_t heads_,
+        int64_t kv_heads_, int64_t dim_, int64_t inter_, double eps_, double scale_)
+      : norm_in(checked(norm_in_, "norm_in")), qkv(packed(qkv_, "qkv")), o(packed(o_, "o")),
+        norm_post(checked(norm_post_, "norm_post")), gate_up(packed(gate_up_, "gate_up")),
+        down(packed(down_, "down")), qkv_bias(checked(qkv_bias_, "qkv_bias")), o_bias(checked(o_bias_, "o_bias")),
+        gu_bias(checked(gu_bias_, "gu_bias")), down_bias(checked(down_bias_, "down_bias")),
+        q_norm(checked(q_norm_, "q_norm")), k_norm(checked(k_norm_, "k_norm")), heads(heads_),
+        kv_heads(kv_heads_), dim(dim_), inter(inter_), hidden(norm_in_.size(0)), eps(eps_),
+        scale(static_cast<float>(scale_)) {
+    TORCH_CHECK(heads % kv_heads == 0, "rowwise.Layer: heads must be a multiple of kv_heads");
+    TORCH_CHECK(qkv.size(1) == hidden && o.size(1) == heads * dim && gate_up.size(1) == hidden &&
+                    down.size(1) == inter && o.size(0) * kPanel >= hidden && down.size(0) * kPanel >= hidden,
+                "rowwise.Layer: the packed weights' shapes do not fit the hidden size ", hidden);
+  }
+
+  // x [T, hidden], updated in place; cos/sin [T, dim]; kv [2, kv_heads, tokens, dim] (one layer of the
+  // arena); rows [T]: the arena row each new key/value goes to; spans [S, 4]: (first row, rows, first
+  // arena row, keys seen by the last row) per session, rows in session order.
+  torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor kv, torch::Tensor rows,
+                        torch::Tensor spans) {
+    checked(x, "x"), checked(cos, "cos"), checked(sin, "sin"), checked(kv, "kv");
+    const int64_t T = x.size(0), width = (heads + 2 * kv_heads) * dim, tokens = kv.size(2);
+    TORCH_CHECK(x.size(1) == hidden && cos.size(0) == T && cos.size(1) == dim && kv.size(1) == kv_heads &&
+                    kv.size(3) == dim && rows.numel() == T && spans.dim() == 2 && spans.size(1) == 4,
+                "rowwise.Layer.forward: inputs of the wrong shape");
+    rows = rows.to(torch::kLong).contiguous();
+    spans = spans.to(torch::kLong).contiguous();
+    const int64_t* row = rows.data_ptr<int64_t>();
+    const int64_t* span = spans.data_ptr<int64_t>();
+    float* xp = x.data_ptr<float>();
+    auto opts = x.options();
+    auto h = torch::empty({T * std::max({hidden, heads * dim, inter})}, opts);  // each use packed [T, its width]
+    auto qkv_out = torch::empty({T, width}, opts);
+    auto gu = torch::empty({T, 2 * inter}, opts);
+    auto delta = torch::empty({T, hidden}, opts);
+    float* hp = h.data_ptr<float>();
+    float* qp = qkv_out.data_ptr<float>();
+    float* dp = delta.data_ptr<float>();
+
+    // attention's half: norm, q/k/v, rotary, the arena write
+    for (int64_t r = 0; r < T; ++r) rmsnorm(xp + r * hidden, norm_in.data_ptr<float>(), hp + r * hidden, hidden, eps);
+    linear_packed(hp, qkv, qp, T, hidden, width);
+    add_bias(qp, qkv_bias, T, width);
+    std::vector<float> tmp(dim);
+    float* keys = kv.data_ptr<float>();
+    float* values = keys + kv_heads * tokens * dim;
+    for (int64_t r = 0; r < T; ++r) {
+      TORCH_CHECK(0 <= row[r] && row[r] < tokens, "rowwise.Layer.forward: arena row out of range");
+      for (int64_t hd = 0; hd < heads + kv_heads; ++hd) {
+        float* v = qp + r * width + hd * dim;
+        const auto& norm = hd < heads ? q_norm : k_norm;
+        if (norm) rmsnorm(v, norm->data_ptr<float>(), v, dim, eps);
+        rotary(v, cos.data_ptr<float>() + r * dim, sin.data_ptr<float>() + r * dim, dim, tmp.data());
+      }
+      for (int64_t g = 0; g < kv_heads; ++g) {
+        std::memcpy(keys + (g * tokens + row[r]) * dim, qp + r * width + (heads + g) * dim, dim * sizeof(float));
+        std::memcpy(values + (g * tokens + row[r]) * dim, qp + r * width + (heads + kv_heads + g) * dim,
+                    dim * sizeof(float));
+      }
+    }
+    attention(qp, keys, values, span, spans.size(0), T, width, tokens, hp);
+    linear_packed(hp, o, dp, T, heads * dim, hidden);
+    add_bias(dp, o_bias, T, hidden);
+    for (int64_t i = 0; i < T * hidden; ++i) xp[i] += dp[i];
+
+    // the MLP's half
+    float* gp = gu.data_ptr<float>();
+    for (int64_t r = 0; r < T; ++r)
+      rmsnorm(xp + r * hidden, norm_post.data_ptr<float>(), hp + r * hidden, hidden, eps);
+    linear_packed(hp, gate_up, gp, T, hidden, 2 * inter);
+    add_bias(gp, gu_bias, T, 2 * inter);
+    for (int64_t r = 0; r < T; ++r) silu_mul(gp + r * 2 * inter, gp + r * 2 * inter + inter, hp + r * inter, inter);
+    linear_packed(hp, down, dp, T, inter, hidden);
+    add_bias(dp, down_bias, T, hidden);
+    for (int64_t i = 0; i < T * hidden; ++i) xp[i] += dp[i];
+    return x;
+  }
+
+ private:
+  // every row of every span over its session's keys: out [T, heads * dim]
+  void attention(const float* qp, const float* keys, const float* values, const int64_t* span, int64_t S, int64_t T,
+                 int64_t width, int64_t tokens, float* out) const {
+    const int64_t per_kv = heads / kv_heads;
+    int64_t longest = 1;
+    for (int64_t s = 0; s < S; ++s) longest = std::max(longest, span[4 * s + 3]);
+    std::vector<float> scores(longest);
+    for (int64_t s = 0; s < S; ++s) {
+      const int64_t first = span[4 * s], n = span[4 * s + 1], start = span[4 * s + 2], seen = span[4 * s + 3];
+      TORCH_CHECK(first >= 0 && n >= 1 && first + n <= T && start >= 0 && seen >= n && start + seen <= tokens,
+                  "rowwise.Layer.forward: a span outside the step or the arena");
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t r = first + i, len = seen - n + i + 1;
+        for (int64_t hd = 0; hd < heads; ++hd) {
+          const int64_t g = hd / per_kv;
+          attend(qp + r * width + hd * dim, keys + (g * tokens + start) * dim, values + (g * tokens + start) * dim,
+                 len, dim, scale, scores.data(), out + r * heads * dim + hd * dim);
+        }
+      }
+    }
+  }
+};
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "a float32 weight [out, in] packed into panels of 16 outputs");
   m.def("linear", &linear, "x @ w.T from a packed weight, each output one in-order FMA chain");
+  py::class_<Layer>(m, "Layer")
+      .def(py::init<torch::Tensor, torch::Tensor, std::optional<torch::Tensor>, torch::Tensor,
+                    std::optional<torch::Tensor>, torch::Tensor, torch::Tensor, std::optional<torch::Tensor>,
+                    torch::Tensor, std::optional<torch::Tensor>, std::optional<torch::Tensor>,
+                    std::optional<torch::Tensor>, int64_t, int64_t, int64_t, int64_t, double, double>())
+      .def("forward", &Layer::forward, "the block over the step's rows: x updated in place and returned");
 }

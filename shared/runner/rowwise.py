@@ -1,6 +1,8 @@
-"""specfleet's own float32 matmul for CPUs with AVX2 and FMA (``rowwise.cpp``), built once with
-torch's C++ extension builder (g++ and ninja) and cached: ``specfleet build-kernels`` builds it
-ahead (``make install`` does) and checks it.
+"""specfleet's own matmul for CPUs with AVX2 and FMA (``rowwise.cpp``), built once with torch's C++
+extension builder (g++ and ninja) and cached: ``specfleet build-kernels`` builds it ahead (``make
+install`` does) and checks it. Float32 activations and sums, over float32 or bfloat16 weights (the
+latter widened exactly in registers: half the bytes stream). The same file holds the fused decoder
+block, :func:`layer`, built on it.
 
 Each output is one fused multiply-add chain over the inputs, in order, in one vector lane, so a
 row's result cannot depend on the other rows of the step: batch invariance needs no padding. The
@@ -60,7 +62,7 @@ def available() -> bool:
     """Whether the kernel runs here; the first refusal is logged with its reason."""
     why = why_unavailable()
     if why and not _told:
-        log.warning("specfleet's row-wise float32 kernel is unavailable; using oneDNN's", reason=why)
+        log.warning("specfleet's row-wise kernel is unavailable; using oneDNN's", reason=why)
         _told.append(why)
     return not why
 
@@ -85,13 +87,32 @@ def _load() -> Any:
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` ([out, in], float32, CPU) packed for :func:`linear` (a copy: out rounded up to 16)."""
+    """``weight`` ([out, in], float32 or bfloat16, CPU) packed for :func:`linear` (a copy in its dtype:
+    out rounded up to 16)."""
     return _load().pack(weight.detach())
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
     """``x @ weight.T`` for a weight :func:`pack` packed; ``x`` is [rows, in] float32."""
     return _load().linear(x, packed, out_features)
+
+
+Tensor = torch.Tensor
+
+
+def layer(norm_in: Tensor, qkv: Tensor, qkv_bias: Tensor | None, o: Tensor, o_bias: Tensor | None, norm_post: Tensor,
+          gate_up: Tensor, gate_up_bias: Tensor | None, down: Tensor, down_bias: Tensor | None, q_norm: Tensor | None,
+          k_norm: Tensor | None, *, heads: int, kv_heads: int, head_dim: int, intermediate: int, eps: float,
+          scale: float) -> Any:
+    """A Llama-family decoder block run as one C++ call per step (``rowwise.cpp``'s ``Layer``): its
+    ``forward(x, cos, sin, kv, rows, spans)`` updates the residual stream ``x`` in place. The
+    matrices are :func:`pack`'s; the norms and biases float32, contiguous."""
+    def flat(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.detach().float().contiguous()
+
+    return _load().Layer(flat(norm_in), qkv, flat(qkv_bias), o, flat(o_bias), flat(norm_post), gate_up,
+                         flat(gate_up_bias), down, flat(down_bias), flat(q_norm), flat(k_norm), heads, kv_heads,
+                         head_dim, intermediate, eps, scale)
 
 
 def main() -> int:

@@ -82,11 +82,13 @@ class ModelRunner:
     (:mod:`shared.runner.invariant`), proven on the model at start-up; the verifier's default.
     ``activations``: the activations' and KV cache's dtype, :func:`activation_dtype` when None (the
     fidelity benchmark also runs half-precision activations, to measure what float32 ones buy).
-    ``matmul``: the lean forward's matmul kernel (:data:`shared.runner.matmul.KERNELS`)."""
+    ``matmul``: the lean forward's matmul kernel (:data:`shared.runner.matmul.KERNELS`).
+    ``fuse``: run each block as one C++ call where :func:`shared.runner.lean.fused_reason` allows
+    (False: as torch ops, which the benchmarks compare against)."""
 
     def __init__(self, loaded: LoadedModel, kv_budget_bytes: int, kind: str = "auto", self_check: bool = True,
                  batch_invariant: bool = False, activations: torch.dtype | None = None,
-                 matmul: str = "auto") -> None:
+                 matmul: str = "auto", fuse: bool = True) -> None:
         if kind not in RUNNER_KINDS:
             raise ModelLoadError(f"runner must be one of {', '.join(RUNNER_KINDS)}, got {kind!r}")
         model = loaded.model
@@ -110,17 +112,20 @@ class ModelRunner:
         #: the largest row multiple a matmul pads to (0: not invariant)
         self.row_multiple = max(multiples.values(), default=1) if multiples is not None else 0
         self.batch_invariant = batch_invariant
-        #: the row multiple batch-invariant attention pads a key block's rows to (0: row by row)
+        #: each block one C++ call, every row alone (lean.fused_reason says why not, where not)
+        self.fused = fuse and self.kind == "lean" and not lean.fused_reason(model, self.matmul, self.shape.dtype)
+        #: the row multiple batch-invariant attention pads a key block's rows to (0: row by row, as
+        #: the fused blocks always attend)
         self.attention_multiple = (probe_attention_multiple(self.shape.kv_heads, self.groups, self.shape.head_dim,
                                                             self.shape.dtype, self.device)
-                                   if batch_invariant else 0)
+                                   if batch_invariant and not self.fused else 0)
         self.decoder: Decoder = (lean.LeanDecoder(model, multiples, self.shape.dtype, self.attention_multiple,
-                                                  self.matmul)
+                                                  self.matmul, fuse=self.fused)
                                  if self.kind == "lean" else HFDecoder(model))
         self.kv = KVArena(self.shape, kv_budget_bytes, self.device, KEY_BLOCK if self.attention_multiple else 1)
         self._reference = model
         log.info("model runner ready", model=loaded.name, runner=self.kind, lean_unavailable=why_not or None,
-                 matmul=self.matmul if self.kind == "lean" else None,
+                 matmul=self.matmul if self.kind == "lean" else None, fused_blocks=self.fused,
                  dtype=_name(self.weight_dtype), activations=_name(self.shape.dtype), batch_invariant=batch_invariant,
                  row_multiple=self.row_multiple or None, attention_multiple=self.attention_multiple or None,
                  kv_tokens=self.kv.tokens,
@@ -144,7 +149,8 @@ class ModelRunner:
     def describe(self) -> dict[str, object]:
         """What ``/status`` shows of the model's numerics."""
         return {"dtype": _name(self.weight_dtype), "activations": _name(self.shape.dtype), "runner": self.kind,
-                "matmul": self.matmul if self.kind == "lean" else None, "batch_invariant": self.batch_invariant,
+                "matmul": self.matmul if self.kind == "lean" else None, "fused_blocks": self.fused,
+                "batch_invariant": self.batch_invariant,
                 "invariant_row_multiple": self.row_multiple,
                 "invariant_attention_multiple": self.attention_multiple}
 

@@ -323,16 +323,27 @@ def test_sampling_lossless_raced(tiny_models: dict[str, Path], target: LoadedMod
     """Race sampling (the default, shared.race): drafters race their own distribution, send ids, draft
     ahead and send their lookaheads before the verdicts; the verifier fills while drafts travel.
     Seeded and unseeded, the law of the first two tokens is the target's."""
-    port = free_port()
     spec = StackSpec(drafts=[tiny_models["draft-L2"]], max_sessions=CONCURRENCY,
-                     extra_drafter=["--pipeline-sessions", str(CONCURRENCY), "--metrics-port", str(port)])
+                     extra_drafter=["--pipeline-sessions", str(CONCURRENCY)])
     with run_stack(tiny_models["target"], spec, tmp_path) as stack:
         for seeded in (True, False):
-            p_values = run_sampling(stack, target, SAMPLING["topk-topp"], seeded=seeded)
+            p_values = run_sampling(stack, target, SAMPLING["topk-topp"], seeded=seeded, sockets=PIPELINED)
             assert min(p_values.values()) > 0.01, (seeded, p_values)
-        drafter = httpx.get(f"http://127.0.0.1:{port}/metrics").text
-        accepted = [ln for ln in drafter.splitlines() if ln.startswith("specfleet_drafter_accepted_tokens_total")]
-    assert accepted and float(accepted[0].split()[-1]) > 100, "raced drafts were hardly ever accepted"
+        metrics = httpx.get(stack.verifier_url + "/metrics").text
+    # Drafts the verifier judged, and those it kept. A race-coupled first draft is kept with
+    # probability at least alpha / (2 - alpha), alpha = sum min(p, q) (the coupling's bound; measured:
+    # 212 of 321 with alpha 0.71). Where the verifier outruns the drafter it decodes on (fills) and a
+    # late draft is never judged, so how many are judged depends on the host: a few hundred here.
+    judged, kept = (_counter(metrics, f"specfleet_verifier_{name}_tokens_total") for name in ("drafted", "accepted"))
+    alpha = first_token_overlap(target, load_model(tiny_models["draft-L2"]), SAMPLING["topk-topp"])
+    assert judged >= 50, f"only {judged} raced draft tokens reached the verifier in time"
+    assert kept > 0.5 * alpha / (2 - alpha) * judged, (kept, judged, alpha)
+
+
+def _counter(metrics: str, name: str) -> float:
+    line = next((ln for ln in metrics.splitlines() if ln.startswith(name + " ")), None)
+    assert line is not None, f"{name} is not exported"
+    return float(line.split()[-1])
 
 
 def race_reference(model: LoadedModel, prompt: list[int], params: SamplingParams) -> list[int]:

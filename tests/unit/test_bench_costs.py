@@ -101,8 +101,11 @@ def test_bench_decode_shows_the_row_wise_kernel_beside_onednn(tmp_path: Path, mo
                          "command": "python -m bench decode", "cpu": "avx2", "cpus": "0", "dtype": "float32",
                          "activations": "float32", "tokens": 128, "matmul": "rowwise", "matmuls_tok_s": 24.0,
                          "runner_invariant_tok_s": 15.0, "runner_plain_tok_s": 15.3, "transformers_tok_s": 9.0,
-                         "matmuls_onednn_tok_s": 12.0, "runner_invariant_onednn_tok_s": 10.0})
-    assert "| specfleet runner, batch-invariant (as served; rowwise matmuls) | 15.0 | 0.50 |" in text
-    assert "| specfleet runner's matmuls alone, oneDNN's kernels | 12.0 | 0.40 |" in text
+                         "matmuls_onednn_tok_s": 12.0, "runner_invariant_onednn_tok_s": 10.0,
+                         "fused_blocks": True, "runner_invariant_unfused_tok_s": 11.0})
+    assert ("| specfleet runner, batch-invariant (as served; rowwise matmuls; each block one C++ call) | 15.0 | 0.50 |"
+            in text)
+    assert "| specfleet runner, batch-invariant, each block as torch ops (the same matmuls) | 11.0 | 0.37 |" in text
+    assert "| specfleet runner's matmuls alone, oneDNN's kernel | 12.0 | 0.40 |" in text
     assert "oneDNN's matmuls (`--matmul onednn`) | 10.0 | 0.33 |" in text
     assert (tmp_path / "decode.json").exists()

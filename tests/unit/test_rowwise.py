@@ -72,9 +72,9 @@ def test_the_start_up_probe_finds_it_needs_no_padding() -> None:
 def test_a_kernel_that_cannot_run_is_refused_by_name_and_skipped_by_auto(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="must be one of"):
         resolve_kernel("fast", CPU, torch.float32)
-    with pytest.raises(ValueError, match=r"float32 on a CPU, not torch\.bfloat16"):
-        resolve_kernel("rowwise", CPU, torch.bfloat16)
-    assert resolve_kernel("auto", CPU, torch.bfloat16) != "rowwise"
+    with pytest.raises(ValueError, match=r"bfloat16 weights on a CPU, not torch\.float16"):
+        resolve_kernel("rowwise", CPU, torch.float16)
+    assert resolve_kernel("auto", CPU, torch.float16) != "rowwise"
     monkeypatch.setattr(rowwise, "_cpu_flags", lambda: {"sse2"})
     monkeypatch.setattr(rowwise, "_told", [])
     rowwise.why_unavailable.cache_clear()
@@ -85,3 +85,30 @@ def test_a_kernel_that_cannot_run_is_refused_by_name_and_skipped_by_auto(monkeyp
         assert resolve_kernel("auto", CPU, torch.float32) in ("onednn", "plain")
     finally:
         rowwise.why_unavailable.cache_clear()
+
+
+@needs_avx2
+@pytest.mark.parametrize("out,inp", [(7, 5), (33, 576), (100, 1536)])
+def test_bfloat16_weights_are_widened_exactly_and_summed_in_float32(out: int, inp: int) -> None:
+    gen = torch.Generator().manual_seed(out + inp)
+    weight, x = torch.randn(out, inp, generator=gen).bfloat16(), torch.randn(7, inp, generator=gen)
+    packed = rowwise.pack(weight)
+    assert packed.dtype == torch.bfloat16
+    got = rowwise.linear(x, packed, out)
+    assert got.dtype == torch.float32  # the activations are never rounded to bfloat16
+    assert torch.equal(got, rowwise.linear(x, rowwise.pack(weight.float()), out))  # the very float32 chain
+    assert all(torch.equal(rowwise.linear(x[i : i + 1], packed, out), got[i : i + 1]) for i in range(7))
+
+
+@needs_avx2
+def test_auto_picks_it_for_bfloat16_only_where_onednn_has_no_native_bfloat16(monkeypatch: pytest.MonkeyPatch) -> None:
+    from shared.runner import matmul as mm
+
+    monkeypatch.setattr(mm, "packing_available", lambda device, dtype: False)
+    assert resolve_kernel("auto", CPU, torch.bfloat16) == "rowwise"
+    monkeypatch.setattr(mm, "packing_available", lambda device, dtype: True)
+    assert resolve_kernel("auto", CPU, torch.bfloat16) == "onednn"
+    assert resolve_kernel("auto", CPU, torch.float32) == "rowwise"
+    assert resolve_kernel("rowwise", CPU, torch.bfloat16) == "rowwise"  # asked for by name
+    m = matmul(torch.randn(20, 8).bfloat16(), torch.randn(20).bfloat16(), kernel="rowwise")
+    assert m(torch.randn(3, 8)).dtype == torch.float32 and m(torch.randn(3, 8).bfloat16()).dtype == torch.bfloat16

@@ -141,7 +141,11 @@ def test_self_check_passes_and_cleans_up(kind: str) -> None:
 def test_self_check_catches_a_wrong_fused_weight() -> None:
     runner, _ = make_runner("qwen2", "lean")
     layer = runner.decoder.layers[1]
-    layer.qkv = matmul(layer.qkv.source * 1.05, layer.qkv.bias)  # a copy: the model keeps the right weights
+    wrong = matmul(layer.qkv.source * 1.05, layer.qkv.bias)  # a copy: the model keeps the right weights
+    if layer.native is not None:  # a fused block reads the packed weight itself
+        layer.qkv.weight.copy_(wrong.weight)
+    else:
+        layer.qkv = wrong
     with pytest.raises(ModelLoadError, match="the lean runner disagrees with transformers"):
         runner.check_against_reference()
     assert runner.kv.sessions == 0  # its slots are freed even so
@@ -158,8 +162,8 @@ def test_self_check_catches_a_wrong_rotary() -> None:
 def test_self_check_at_construction_catches_a_wrong_mask(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     no_mask = lambda n, past, groups, dtype, device: torch.zeros(groups * n, past + n, dtype=dtype)  # noqa: E731
     monkeypatch.setattr(step, "_causal_tail_mask", no_mask)  # new tokens would see later new tokens
-    with pytest.raises(ModelLoadError, match=f"the {kind} runner disagrees"):
-        ModelRunner(tiny_model("llama"), KV_BUDGET, kind=kind)
+    with pytest.raises(ModelLoadError, match=f"the {kind} runner disagrees"):  # torch ops: fused blocks mask in C++
+        ModelRunner(tiny_model("llama"), KV_BUDGET, kind=kind, fuse=False)
     ModelRunner(tiny_model("llama"), KV_BUDGET, kind=kind, self_check=False)  # built, unchecked, when asked
 
 
@@ -170,7 +174,7 @@ def test_self_check_catches_wrong_attention(kind: str, monkeypatch: pytest.Monke
     monkeypatch.setattr(module, "paged_attention", lambda q, kv, plan, kv_heads, scale: real(q, kv, plan, kv_heads,
                                                                                             scale * 0.5))
     with pytest.raises(ModelLoadError, match="disagrees"):
-        ModelRunner(tiny_model("mistral"), KV_BUDGET, kind=kind)
+        ModelRunner(tiny_model("mistral"), KV_BUDGET, kind=kind, fuse=False)
 
 
 # --- what the runner does to the transformers model -----------------------------------------
