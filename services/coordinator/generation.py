@@ -226,10 +226,12 @@ class Generator:
         self._metrics = metrics
         self._drafted = EvenShare()  # of new requests, the share the verifier wants drafted for
 
-    async def submit(self, req: GenerationRequest, slot: Slot | None = None, request_id: str = "") -> Submission:
+    async def submit(self, req: GenerationRequest, slot: Slot | None = None, request_id: str = "",
+                     send: bool = True) -> Submission:
         """Queue ``req`` (as ``request_id``, else a new id): 503 when no verifier is connected to serve
         it (Retry-After: it is reconnecting) or the queue is down, 429 (Retry-After) when the queue is
-        full. Takes over ``slot``: the Submission's close releases it, and so does a failure here."""
+        full. Takes over ``slot``: the Submission's close releases it, and so does a failure here.
+        ``send=False`` only subscribes: :meth:`send` sends it later (after its stream is recorded)."""
         if not self._link.connected:
             if slot is not None:
                 slot.release()
@@ -240,17 +242,26 @@ class Generator:
         opened = OpenSession(request_id=rid, prompt_ids=req.prompt_ids, params=req.params, origin=self._node_id,
                              speculative=False, slo_tokens_per_s=req.slo_tokens_per_s)
         sub = self._subscribed(opened, slot)
+        if send:
+            await self.send(req, sub)
+        return sub
+
+    async def send(self, req: GenerationRequest, sub: Submission) -> None:
+        """Send ``sub`` (a Submission of ``req`` subscribed by :meth:`submit`) to a drafter through
+        the queue, or target-only to the verifier; on a failure it is closed (releasing its slot)."""
         try:
+            if sub.opened is None:
+                raise ValueError(f"submission {sub.request_id} was not made by submit(): nothing to send")
             speculative = self.to_drafter()
             if speculative:
-                await self._enqueue(req, rid)
+                await self._enqueue(req, sub.request_id)
             else:
-                self._open_target_only(opened)
+                self._open_target_only(sub.opened)
             self._metrics.routed.labels("drafter" if speculative else "target_only").inc()
         except BaseException:
-            sub.close()  # releases the slot
+            sub.resumable = False  # never sent: nothing to keep for a resume
+            sub.close()
             raise
-        return sub
 
     def follow(self, opened: OpenSession, slot: Slot | None) -> Submission:
         """A Submission for a request opened before (here or by another coordinator), to adopt it.

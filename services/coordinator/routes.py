@@ -90,18 +90,23 @@ async def _new(kind: Kind, request: Request, timer: RequestTimer, client: str, i
 
 async def _made(kind: Kind, request: Request, timer: RequestTimer, client: str, rid: str,
                 idempotent: tuple[str, str] = ("", ""), body: dict[str, Any] | None = None) -> Response:
-    """Admit, queue and record request ``rid``, then answer it (``body``: read already)."""
+    """Admit, record and queue request ``rid``, then answer it (``body``: read already). The stream
+    is recorded before any choice goes out: a coordinator killed in between leaves nothing running
+    that a retry (Idempotency-Key) or resume elsewhere would not find."""
     state = state_of(request)
     req, first = await state.start(kind, (lambda: given(body)) if body is not None else lambda: _read_json(request),
-                                   client, rid)
+                                   client, rid, send=False)
+    subs = [first]
     try:
-        subs = [first, *await state.more_choices(req)]
+        subs += await state.more_choices(req, send=False)
+        responder = Responder(kind, rid, req.model, int(time.time()), req.mode,
+                              state.logprobs_formatter(kind, req.params), req.echo, len(req.prompt_ids))
     except BaseException:
-        first.close()
+        for sub in subs:
+            sub.close()
         raise
-    responder = Responder(kind, rid, req.model, int(time.time()), req.mode, state.logprobs_formatter(kind, req.params),
-                          req.echo, len(req.prompt_ids))
     record = await _record(state, client, req, subs, responder.created, idempotent)
+    await state.send(client, req, subs)
     return await _respond(request, subs, responder, timer, record)
 
 

@@ -48,12 +48,13 @@ class CoordinatorState:
         return min(self.model.max_model_len, verifier) if verifier > 0 else self.model.max_model_len
 
     async def start(
-        self, kind: Kind, load_body: Callable[[], Awaitable[dict[str, Any]]], client: str = "", request_id: str = ""
+        self, kind: Kind, load_body: Callable[[], Awaitable[dict[str, Any]]], client: str = "", request_id: str = "",
+        send: bool = True,
     ) -> tuple[GenerationRequest, Submission]:
         """Admit one request (429 over ``client``'s rate limit or at the in-flight cap, before its
         body is even read), then load, validate, charge ``client``'s token quota (every choice's
-        ``max_tokens``) and submit choice 0. The Submission owns the admission slot; on any failure
-        here the slot is already released."""
+        ``max_tokens``) and submit choice 0 (``send=False``: subscribed only, :meth:`send` sends
+        it). The Submission owns the admission slot; on any failure here the slot is already released."""
         self.limiter.admit(client)
         slot = self.generator.admission.admit()
         try:
@@ -63,23 +64,37 @@ class CoordinatorState:
             slot.release()
             raise
         try:
-            return req, await self.generator.submit(req, slot, request_id)
+            return req, await self.generator.submit(req, slot, request_id, send)
         except BaseException:  # refused before any work (verifier down, queue full): no quota spent
             self.limiter.refund(client, req.params.max_tokens * req.n)
             raise
 
-    async def more_choices(self, req: GenerationRequest) -> list[Submission]:
+    async def more_choices(self, req: GenerationRequest, send: bool = True) -> list[Submission]:
         """Submit choices 1..n-1 of ``req`` (choice 0 is :meth:`start`'s), each an independent
         session with its own admission slot. On failure, those already submitted are closed."""
         subs: list[Submission] = []
         try:
             for i in range(1, req.n):
-                subs.append(await self.generator.submit(req.choice(i), self.generator.admission.admit()))
+                subs.append(await self.generator.submit(req.choice(i), self.generator.admission.admit(), send=send))
         except BaseException:
             for s in subs:
                 s.close()
             raise
         return subs
+
+    async def send(self, client: str, req: GenerationRequest, subs: list[Submission]) -> None:
+        """Send the choices :meth:`start` and :meth:`more_choices` held (``send=False``), once the
+        stream is recorded: a coordinator killed in between then leaves no request running that its
+        client cannot resume. On a failure every choice is closed, and the quota refunded if none went out."""
+        for i, sub in enumerate(subs):
+            try:
+                await self.generator.send(req.choice(i), sub)
+            except BaseException:
+                for other in subs:
+                    other.close()
+                if i == 0:
+                    self.limiter.refund(client, req.params.max_tokens * req.n)
+                raise
 
     def authorized(self, authorization: str | None, browser: bool = False) -> bool:
         """True when no API key is configured, or the header is exactly 'Bearer <one of the keys>'.

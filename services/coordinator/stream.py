@@ -270,14 +270,15 @@ async def _start(state: CoordinatorState, conn: _Conn, frame: str | bytes
         state.limiter.admit(conn.client)
         return _taken(state, taken, NONE_YET)
     try:
-        req, sub = await state.start(kind, lambda: given(body), conn.client, rid)
-        formatter = state.logprobs_formatter(kind, req.params)
+        req, sub = await state.start(kind, lambda: given(body), conn.client, rid, send=False)
         try:
+            formatter = state.logprobs_formatter(kind, req.params)
             await state.resumes.record(conn.client, req, [sub], int(time.time()), key, websocket=True,
                                        body_print=body_print)
         except BaseException:
             sub.close()
             raise
+        await state.send(conn.client, req, [sub])  # recorded first: see routes._made
     except BaseException:
         if key:
             await state.resumes.unclaim(conn.client, key)

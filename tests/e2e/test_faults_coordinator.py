@@ -90,8 +90,9 @@ def test_a_killed_coordinators_clients_resume_through_the_other_and_lose_nothing
     target = load_model(tiny_models["target"])
     spec = StackSpec(drafts=[tiny_models["draft-L2"]], draft_mode="greedy", draft_len=3, max_sessions=4,
                      redis_url=redis_url, extra_drafter=["--queue-stream", STREAM],
-                     extra_coordinator=["--queue-stream", STREAM, "--api-keys", "test-key,other-key"],
-                     extra_verifier=["--orphan-grace-s", str(GRACE_S)])
+                     extra_coordinator=["--queue-stream", STREAM, "--api-keys", "test-key,other-key",
+                                        "--log-level", "info"],
+                     extra_verifier=["--orphan-grace-s", str(GRACE_S), "--log-level", "info"])
     sse_bodies = [body("S", i) for i in range(N_SSE)]
     ws_frames = [{"kind": "completion", **{k: v for k, v in body("W", i).items() if k != "stream"}}
                  for i in range(N_WS)]
@@ -117,7 +118,8 @@ def test_a_killed_coordinators_clients_resume_through_the_other_and_lose_nothing
         print(f"resumes per client: {resumed}")
         assert all(n >= 1 for n in resumed), "every client lost its coordinator and resumed"
         generated = generated_tokens(fleet) - before
-        assert generated == (N_SSE + N_WS) * MAX_TOKENS, "the verifier generated some tokens twice (or never)"
+        again = [ln for ln in (tmp_path / "coordinator-b.log").read_text().splitlines() if "made again" in ln]
+        assert generated == (N_SSE + N_WS) * MAX_TOKENS, f"the verifier generated some tokens twice (or never): {again}"
         assert wait_drained(redis.Redis.from_url(redis_url), 60) == 0, "queue entries stayed pending"
         assert "coordinator gone; its requests kept for a resume" in (tmp_path / "verifier.log").read_text()
         asyncio.run(bad_resumes(base_b, fleet))

@@ -75,8 +75,10 @@ class FakeVerifier:
         drafters: tuple[str, ...] = ("fake-drafter",),
         refuse: str = "",
         max_model_len: int = 512,
+        orphan_grace_s: float = 0.0,
     ) -> None:
         self.queue = queue
+        self.orphan_grace_s = orphan_grace_s  # > 0: the coordinator records streams for a resume
         self.tokenizer = tokenizer
         self.auth_token = auth_token
         self.fingerprint = fingerprint
@@ -143,7 +145,8 @@ class FakeVerifier:
             return
         await ws.send(encode(Welcome(node_id="fake-verifier", protocol_version=PROTOCOL_VERSION,
                                      target_model="target", tokenizer_fingerprint=self.fingerprint,
-                                     max_model_len=self.max_model_len, max_draft_tokens=8)))
+                                     max_model_len=self.max_model_len, max_draft_tokens=8,
+                                     orphan_grace_s=self.orphan_grace_s)))
         await ws.send(encode(FleetStatus(drafters=self.drafters, sessions=0, target_model="target")))
         self.frontends[hello.node_id] = ws
         try:
@@ -326,12 +329,13 @@ class InProcess:
 @contextlib.asynccontextmanager
 async def in_process(
     model: ModelInfo, *, consume: bool = True, max_depth: int = 1024, drafters: tuple[str, ...] = ("fake-drafter",),
-    **cfg: Any,
+    orphan_grace_s: float = 0.0, **cfg: Any,
 ) -> AsyncIterator[InProcess]:
     """The coordinator app (lifespan running) in this loop, against a FakeVerifier on loopback.
-    ``consume=False``: nothing takes requests off the queue; ``cfg``: CoordinatorConfig fields."""
+    ``consume=False``: nothing takes requests off the queue; ``orphan_grace_s`` > 0: streams are
+    recorded for a resume; ``cfg``: CoordinatorConfig fields."""
     queue = MemoryQueue(max_depth=max_depth)
-    fake = FakeVerifier(queue if consume else None, model.tokenizer, drafters=drafters)
+    fake = FakeVerifier(queue if consume else None, model.tokenizer, drafters=drafters, orphan_grace_s=orphan_grace_s)
     await fake.start()
     try:
         config = from_flags(CoordinatorConfig, model=model.root, verifier_url=fake.url, node_id="coord-inproc", **cfg)

@@ -16,6 +16,10 @@ from shared.model_import import DEFAULT_MODEL, fetch_model
 ROOT = Path(__file__).resolve().parents[2]
 #: the fleets of this tier run the verifier on both of CI's cores: the target's forwards are most of its time
 VERIFIER_FLAGS = ["--torch-threads", "2", "--dtype", os.environ.get("SPECFLEET_REAL_DTYPE", "auto")]
+#: ``make test-real-full`` (SPECFLEET_REAL_FULL=1) also runs the fleet checks through the distilled
+#: drafts; the default run checks the default fleet's GGUF copies only (the distilled drafts' code
+#: paths are the draft-model drafter's, which the e2e tier runs on tiny models)
+FULL = os.environ.get("SPECFLEET_REAL_FULL", "") == "1"
 
 
 @pytest.fixture(scope="session")

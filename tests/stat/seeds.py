@@ -17,6 +17,9 @@ from concurrent.futures import ProcessPoolExecutor
 import torch
 
 WORKERS = max(1, min(2, os.cpu_count() or 1))
+#: ``make test-stat-full`` (SPECFLEET_STAT_FULL=1): the controls, and the coupled-bonus check, at
+#: twice the seeds of the default run
+FULL = os.environ.get("SPECFLEET_STAT_FULL", "") == "1"
 
 
 def _one_thread() -> None:

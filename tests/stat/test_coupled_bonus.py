@@ -5,14 +5,14 @@ race keyed by (the request's bonus key, the round), and the drafter runs the sam
 own distribution to guess that token and draft on from it. The drafter therefore knows the race's
 variates; a guess that failed is dropped, and its lookahead drew from the drafting stream.
 
-This drives the real in-process code over 40,000 seeds (shared among the cores by
-tests.stat.seeds): the drafter's ``draft_token`` and ``guess_token``, and the verifier's
-``judge``, through rounds of 2 then 1 drafts, with the lookahead's continuation becoming the next
-draft when its guess came true, exactly as the session runner does. The target and draft are
-small first-order Markov chains with different laws. Each of the first three generated tokens
-must follow the target's law: with n = 40,000 a token of probability 0.2 has sigma 0.2
-percentage points, so a 1-point shift is 5 sigma. A control in which the verifier trusts the
-drafter's guess must be caught.
+This drives the real in-process code over 20,000 seeds (40,000 with ``make test-stat-full``;
+shared among the cores by tests.stat.seeds): the drafter's ``draft_token`` and ``guess_token``,
+and the verifier's ``judge``, through rounds of 2 then 1 drafts, with the lookahead's
+continuation becoming the next draft when its guess came true, exactly as the session runner
+does. The target and draft are small first-order Markov chains with different laws. Each of the
+first three generated tokens must follow the target's law: with n = 20,000 a token of probability
+0.2 has sigma 0.28 percentage points, so a 1-point shift is 3.5 sigma (5 at 40,000). A control
+in which the verifier trusts the drafter's guess must be caught.
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ import torch
 from services.verifier.judge import judge
 from shared.draft_q import Nucleus, check, draft_token, guess_token
 from shared.protocol import SamplingParams, SparseQ
-from tests.stat.seeds import over_seeds
+from tests.stat.seeds import FULL, over_seeds
 from tests.verifier_requests import make_request
 
-SEEDS = 40_000
-#: the control's shift is large: 5.4 sigma at 10,000 seeds (measured), about 7.7 at this count
-CONTROL_SEEDS = 20_000
+SEEDS = 40_000 if FULL else 20_000
+#: the control's shift is large: 5.4 sigma at 10,000 seeds (measured), about 7.7 at 20,000
+CONTROL_SEEDS = 20_000 if FULL else 10_000
 PROMPT = [0]
 PARAMS = SamplingParams(temperature=1.0, max_tokens=8)
 #: P[a] is the target's law of the token after token a; Q[a] the draft model's

@@ -31,12 +31,12 @@ from shared.draft_q import Nucleus, check, draft_token
 from shared.protocol import SamplingParams
 from shared.race import top_two
 from shared.sampling import make_generator, probs_from_logits
-from tests.stat.seeds import over_seeds
+from tests.stat.seeds import FULL, over_seeds
 from tests.verifier_requests import make_request
 
 SEEDS = 40_000
-#: the shared-seed control's shift is large: 5.2 sigma at 10,000 seeds (measured), about 7.4 at this count
-CONTROL_SEEDS = 20_000
+#: the shared-seed control's shift is large: 5.2 sigma at 10,000 seeds (measured), about 7.4 at 20,000
+CONTROL_SEEDS = 20_000 if FULL else 10_000
 V = 6
 K = 2  # drafts per round
 #: target logits for the round's k + 1 positions, and the draft's logits for its k positions
