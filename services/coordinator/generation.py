@@ -259,7 +259,6 @@ class Generator:
                 self._open_target_only(sub.opened)
             self._metrics.routed.labels("drafter" if speculative else "target_only").inc()
         except BaseException:
-            sub.resumable = False  # never sent: nothing to keep for a resume
             sub.close()
             raise
 

@@ -85,12 +85,14 @@ class CoordinatorState:
     async def send(self, client: str, req: GenerationRequest, subs: list[Submission]) -> None:
         """Send the choices :meth:`start` and :meth:`more_choices` held (``send=False``), once the
         stream is recorded: a coordinator killed in between then leaves no request running that its
-        client cannot resume. On a failure every choice is closed, and the quota refunded if none went out."""
+        client cannot resume. On a failure every choice is cancelled (its client gets the error, so none
+        is kept for a resume), and the quota refunded if none went out."""
         for i, sub in enumerate(subs):
             try:
                 await self.generator.send(req.choice(i), sub)
             except BaseException:
                 for other in subs:
+                    other.resumable = False
                     other.close()
                 if i == 0:
                     self.limiter.refund(client, req.params.max_tokens * req.n)

@@ -143,6 +143,8 @@ class TorchCore:
         if self._thread is not None:
             self._commands.put_nowait(None)  # a wake-up; _running is already False
             await asyncio.to_thread(self._thread.join, 30)
+        if self._thread is None or not self._thread.is_alive():  # the loop has ended: no step reads the KV again
+            self.runner.kv.release()
 
     def status(self) -> dict[str, object]:
         """The policies and their estimates as last published, for ``GET /status``."""

@@ -100,6 +100,14 @@ class KVArena:
         self._free: list[tuple[int, int]] = [(0, self.tokens)]  # sorted (start, size)
         self._slots: set[KVSlot] = set()
 
+    def release(self) -> None:
+        """Give the arena's memory back now, for good (a stopped verifier): its engine's objects
+        reference each other, so without this the buffer (up to 2 GiB by default) lived on until
+        the garbage collector's next full pass, and verifiers started in one process one after
+        another held one each (enough, ten of them, for a fork to fail with ENOMEM)."""
+        self.data = self.data.new_empty((0,))
+        self._free, self._slots = [], set()
+
     # --- allocation ----------------------------------------------------------------------
 
     def allocate(self, tokens: int) -> KVSlot | None:

@@ -16,7 +16,8 @@ import pytest
 
 from services.coordinator.model_info import ModelInfo
 from shared.protocol import QueuedRequest
-from tests.integration.coordinator_fakes import InProcess, RawWebSocket, in_process
+from shared.queue import QueueFull
+from tests.integration.coordinator_fakes import InProcess, RawWebSocket, in_process, until
 
 pytestmark = pytest.mark.asyncio
 COMP = "/v1/completions"
@@ -78,3 +79,24 @@ async def test_a_request_the_queue_refuses_is_closed_and_gives_its_slot_back(mod
         assert resp.status_code == 429, resp.text
         assert h.in_flight == 1 and len(h.state.link.routing.subs) == 1
         waiting.cancel()
+
+
+async def test_a_choice_the_queue_refuses_cancels_the_ones_already_sent(model: ModelInfo,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """n = 2, choice 1 refused by the queue: the client gets the 429, so choice 0, queued already,
+    is cancelled in the verifier rather than kept for a resume nobody will make."""
+    async with in_process(model, consume=False, orphan_grace_s=30.0) as h:
+        queued: list[str] = []
+        put = h.queue.put
+
+        async def second_refused(item: QueuedRequest) -> None:
+            if queued:
+                raise QueueFull("1 requests already wait for a drafter")
+            queued.append(item.request_id)
+            await put(item)
+
+        monkeypatch.setattr(h.queue, "put", second_refused)
+        resp = await h.http.post(COMP, json={"prompt": "hello", "max_tokens": 4, "stream": True, "n": 2})
+        assert resp.status_code == 429, resp.text
+        await until(lambda: queued[0] in h.fake.cancels)
+        assert h.in_flight == 0 and not h.state.link.routing.subs

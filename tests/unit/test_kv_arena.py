@@ -47,6 +47,14 @@ def test_a_budget_below_one_token_is_refused() -> None:
     assert KVArena(SHAPE, SHAPE.bytes_per_token).tokens == 1
 
 
+def test_release_gives_the_memory_back_and_refuses_every_slot_after() -> None:
+    kv = arena(100)
+    take(kv, 10)
+    kv.release()
+    assert kv.data.numel() == 0
+    assert kv.allocate(1) is None and kv.largest_free == 0 and kv.sessions == 0
+
+
 # --- allocation --------------------------------------------------------------------------
 
 
