@@ -176,13 +176,16 @@ def test_wisp_learns_from_verdicts_and_stays_greedy_identical(tiny_models: dict[
     """The WISP controller labels tokens from live verdicts, trains its predictor in the background
     mid-run and stops drafts with it, and the output stays the target's own."""
     samples = tmp_path / "wisp-samples.csv"
+    # no --fill: a verifier that decodes while drafts travel takes tokens the drafter would have labelled,
+    # the more the slower the host (CI: 58 labelled tokens with fill, against 130-480 here)
     spec = StackSpec(drafts=[tiny_models["draft-L2"]], max_sessions=CONCURRENCY, drafter_log_level="info",
+                     extra_verifier=["--fill", "false"],
                      extra_drafter=["--controller", "wisp", "--wisp-train-after", "40", "--wisp-samples",
                                     str(samples)])
     with run_stack(tiny_models["target"], spec, tmp_path / "logs") as stack:
         check_greedy(stack, target)
     rows = samples.read_text().splitlines()
-    assert rows[0].endswith(",accepted") and len(rows) > 80
+    assert rows[0].endswith(",accepted") and len(rows) - 1 > 2 * 40, "fewer labelled tokens than two trainings'"
     assert {r.rsplit(",", 1)[1] for r in rows[1:]} == {"0", "1"}
     drafter_log = next((tmp_path / "logs").glob("drafter*.log")).read_text()
     assert "WISP predictor trained" in drafter_log
