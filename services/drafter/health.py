@@ -78,9 +78,10 @@ class HealthServer:
         return bound
 
     async def _heartbeat(self) -> None:
+        period = min(1.0, self.stale_s / 4)  # a beat well within stale_s, so only a stuck loop reads as stale
         while True:
             self.heartbeat = time.monotonic()
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(period)
 
     def close(self) -> None:
         if self._beat is not None:

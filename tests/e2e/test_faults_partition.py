@@ -117,7 +117,9 @@ def test_a_partitioned_drafter_rejoins_without_double_serving(tiny_models: dict[
                     return list(await clients)
 
             async def partition() -> None:
+                deadline = time.monotonic() + 120
                 while committed_by(fleet.verifier_url, "drafter-1") < 20:
+                    assert time.monotonic() < deadline, "drafter-1 committed fewer than 20 tokens in 120 s"
                     await asyncio.sleep(0.05)
                 cut.partition()
                 await asyncio.sleep(PARTITION_S)

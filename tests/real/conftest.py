@@ -20,6 +20,9 @@ VERIFIER_FLAGS = ["--torch-threads", "2", "--dtype", os.environ.get("SPECFLEET_R
 #: drafts; the default run checks the default fleet's GGUF copies only (the distilled drafts' code
 #: paths are the draft-model drafter's, which the e2e tier runs on tiny models)
 FULL = os.environ.get("SPECFLEET_REAL_FULL", "") == "1"
+#: a real fleet's wait for /ready: its verifier takes about 50 s here (imports, the model, the step-time
+#: calibration), and CI's host is up to 4x slower with the image build beside it
+READY_S = 600.0
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,7 @@ from tests.e2e.greedy_streams import metric_value
 from tests.e2e.lossless_stats import chi_square_p
 from tests.e2e.stack import StackSpec, run_stack
 from tests.e2e.test_full_stack import stream_many
-from tests.real.conftest import FULL, ROOT, VERIFIER_FLAGS
+from tests.real.conftest import FULL, READY_S, ROOT, VERIFIER_FLAGS
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(1800)]
 DRAFT_BUDGET_BYTES = 32 * 1000 * 1000
@@ -72,7 +72,8 @@ def test_sampling_at_t1_through_a_draft_is_the_targets_law(smollm2: Path, commit
     path = committed_drafts[0] if draft == "draft-large" else copy_path(smollm2, draft)
     # no fill: the verifier waits for each request's first draft rather than decode its first token alone
     # while the drafter prefills the prompt (llama.cpp's prefill on a CPU takes longer than that token)
-    spec = StackSpec(drafts=[path], max_sessions=8, extra_verifier=[*VERIFIER_FLAGS, "--fill", "false"])
+    spec = StackSpec(drafts=[path], max_sessions=8, extra_verifier=[*VERIFIER_FLAGS, "--fill", "false"],
+                     ready_timeout_s=READY_S)
     with run_stack(smollm2, spec, tmp_path) as stack:
         for attempt in range(2):  # a correct sampler fails alpha = 0.01 once in 100; twice, 1e-4
             seeds = range(attempt * SAMPLES, (attempt + 1) * SAMPLES)

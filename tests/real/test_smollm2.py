@@ -28,7 +28,7 @@ from shared.runner import ModelRunner
 from shared.runner.runner import greedy_decode
 from tests.e2e.greedy_streams import metric_value
 from tests.e2e.stack import StackSpec, run_stack
-from tests.real.conftest import FULL, VERIFIER_FLAGS
+from tests.real.conftest import FULL, READY_S, VERIFIER_FLAGS
 from tests.unit.test_batch_invariance import PATTERNS, mixed_steps, one_token_steps
 from training.prompts import build_prompts, split_prompts
 from training.teacher import chat_ids
@@ -123,7 +123,8 @@ def _serve(target: Path, spec: StackSpec, log_dir: Path, prompts: list[str]) -> 
 @pytest.fixture(scope="module")
 def target_only(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[str]]:
     """Target-only serving's answers to the held-out prompts, one at a time and four at once."""
-    spec = StackSpec(drafts=[], extra_coordinator=["--speculation", "off"], extra_verifier=VERIFIER_FLAGS)
+    spec = StackSpec(drafts=[], extra_coordinator=["--speculation", "off"], extra_verifier=VERIFIER_FLAGS,
+                     ready_timeout_s=READY_S)
     alone, _ = _serve(smollm2, spec, tmp_path_factory.mktemp("alone"), _prompts())
     assert all(text for text in alone[1])
     assert alone[4] == alone[1], "target-only serving, 4 at once, differs from one at a time"
@@ -141,13 +142,13 @@ def _drafts(smollm2: Path, committed_drafts: list[Path], kind: str) -> StackSpec
 
     if kind == "gguf":
         drafts = [copy_path(smollm2, w) for w in FLEET_WIDTHS]
-        return StackSpec(drafts=drafts, max_sessions=4, extra_verifier=[*VERIFIER_FLAGS, "--allocation",
-                                                                        "smartspec-per-drafter"])
+        return StackSpec(drafts=drafts, max_sessions=4, ready_timeout_s=READY_S,
+                         extra_verifier=[*VERIFIER_FLAGS, "--allocation", "smartspec-per-drafter"])
     if committed_drafts:
         return StackSpec(drafts=committed_drafts[:2], draft_mode="greedy", max_sessions=4,
-                         extra_verifier=VERIFIER_FLAGS)
+                         extra_verifier=VERIFIER_FLAGS, ready_timeout_s=READY_S)
     return StackSpec(drafts=[smollm2], draft_mode="greedy", max_sessions=4, extra_verifier=VERIFIER_FLAGS,
-                     extra_drafter=["--proposer", "ngram"])
+                     extra_drafter=["--proposer", "ngram"], ready_timeout_s=READY_S)
 
 
 @pytest.mark.parametrize("kind", ["gguf", "distilled"] if FULL else ["gguf"])

@@ -72,8 +72,8 @@ def test_one_stream_takes_its_drafts(vllm_fleet: Stack, target: LoadedModel) -> 
     each token-identical to the target's greedy text, until both have happened."""
     body = {"model": "target", "prompt": "def parse(", "max_tokens": 64, "temperature": 0, "ignore_eos": True}
     ref = greedy_reference(target.model, prompt_ids(target, {"kind": "completion", **body}), 64, set())
-    seen = []
-    for _ in range(12):
+    seen, deadline = [], time.monotonic() + 240  # a loaded host lands fewer drafts: more requests until both
+    while time.monotonic() < deadline:
         resp = httpx.post(vllm_fleet.base_url + "/v1/completions", json=body, timeout=60).json()
         assert resp["choices"][0]["text"] == target.tokenizer.decode(ref, skip_special_tokens=True)
         seen.append(resp["specfleet"])
@@ -81,7 +81,7 @@ def test_one_stream_takes_its_drafts(vllm_fleet: Stack, target: LoadedModel) -> 
                        'specfleet_verifier_conditional_drafts_total{outcome="taken"}')
         if taken > 0 and any(s["accepted_tokens"] > 0 for s in seen):
             return
-    pytest.fail(f"vLLM took no draft, or no conditional one ({taken:.0f} taken), in 12 requests: {seen}")
+    pytest.fail(f"vLLM took no draft, or no conditional one ({taken:.0f} taken), in {len(seen)} requests: {seen}")
 
 
 def test_client_disconnect_cancels_the_vllm_request(vllm_fleet: Stack, target: LoadedModel) -> None:
