@@ -128,10 +128,16 @@ def test_a_partitioned_drafter_rejoins_without_double_serving(tiny_models: dict[
             check_greedy(target, [body("P", i) for i in range(10)], asyncio.run(run("P", 10, partition)))
             before = committed_by(fleet.verifier_url, "drafter-1")
             time.sleep(1.0)  # the healed drafter settles its late frames
-            check_greedy(target, [body("Q", i) for i in range(8)], asyncio.run(run("Q", 8)))
+            served = 10
+            for tag in ("Q", "R", "S"):  # a slow host may reconnect it after the first batch is taken
+                check_greedy(target, [body(tag, i) for i in range(8)], asyncio.run(run(tag, 8)))
+                served += 8
+                if committed_by(fleet.verifier_url, "drafter-1") > before:
+                    break
             assert committed_by(fleet.verifier_url, "drafter-1") > before, "the healed drafter serves nothing"
         moved = (tmp_path / "verifier.log").read_text().count("no draft in time; session continues target-only")
         gave_up = (tmp_path / "drafter-1.log").read_text().count("verifier rejected a draft")
         assert moved >= 1 or fill == "true", "the partition moved no session (it did not outlast the draft timeout)"
         assert gave_up <= moved, f"the healed drafter kept drafting for sessions that moved ({gave_up} > {moved})"
-        print(f"partition {PARTITION_S:g} s: 18/18 requests identical; sessions moved {moved}, given up {gave_up}")
+        print(f"partition {PARTITION_S:g} s: {served}/{served} requests identical; sessions moved {moved}, "
+              f"given up {gave_up}")
