@@ -27,6 +27,7 @@ import pytest
 from bench.browser import Page, chromium_binary, open_page
 from shared.fleet import Fleet
 from tests.conftest import free_port
+from tests.e2e.greedy_streams import sample_metric_async
 from tests.e2e.stack import StackSpec, run_stack
 from tests.k8s.monitoring_queries import SYNTHETIC, metric_names, queries
 
@@ -121,7 +122,7 @@ def live(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory)
 
 def test_every_metric_the_dashboards_and_alerts_query_is_exported(live: Live) -> None:
     """Each metric a Grafana panel or an alert selects is on some service's /metrics, after traffic."""
-    asyncio.run(_some_traffic(live.stack.base_url))
+    asyncio.run(_some_traffic(live.stack.base_url, live.drafter_metrics))
     exported: set[str] = set()
     for url in (live.stack.base_url, live.stack.verifier_url, *live.drafter_metrics):
         exported |= {line.split("{")[0].split(" ")[0] for line in httpx.get(f"{url}/metrics").text.splitlines()
@@ -131,10 +132,19 @@ def test_every_metric_the_dashboards_and_alerts_query_is_exported(live: Live) ->
     assert not missing, f"queried but exported by no service: {missing}"
 
 
-async def _some_traffic(base_url: str) -> None:
+async def _some_traffic(base_url: str, drafters: list[str]) -> None:
+    """3 s of traffic, and on until every drafter has played a round (its labelled series exist):
+    a slow host's few requests may all have gone to one drafter."""
     stop = asyncio.Event()
     load = asyncio.create_task(traffic(base_url, stop))
     await asyncio.sleep(3)
+    async with httpx.AsyncClient(timeout=5) as http:
+        for _ in range(300):
+            rounds = [await sample_metric_async(http, f"{url}/metrics", "specfleet_drafter_rounds_total")
+                      for url in drafters]
+            if all(r > 0 for r in rounds):
+                break
+            await asyncio.sleep(0.2)
     stop.set()
     assert await load > 0
 
