@@ -17,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,12 +139,11 @@ async def _some_traffic(base_url: str, drafters: list[str]) -> None:
     stop = asyncio.Event()
     load = asyncio.create_task(traffic(base_url, stop))
     await asyncio.sleep(3)
+    deadline = time.monotonic() + 60
     async with httpx.AsyncClient(timeout=5) as http:
-        for _ in range(300):
-            rounds = [await sample_metric_async(http, f"{url}/metrics", "specfleet_drafter_rounds_total")
-                      for url in drafters]
-            if all(r > 0 for r in rounds):
-                break
+        while time.monotonic() < deadline and not all(
+                [await sample_metric_async(http, f"{url}/metrics", "specfleet_drafter_rounds_total") > 0
+                 for url in drafters]):
             await asyncio.sleep(0.2)
     stop.set()
     assert await load > 0
