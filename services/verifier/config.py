@@ -65,10 +65,10 @@ class EngineSection:
     """the torch engine core"""
 
     runner: str = opt("auto", "model runner: auto (lean where the architecture allows), lean, hf")
-    matmul: str = opt("auto", "the lean runner's matmul kernel: auto (rowwise for float32, and for bfloat16 "
-                              "without native bfloat16, where it builds; else onednn, else plain), rowwise "
-                              "(specfleet's kernel: float32 sums, batch-invariant by construction, each block one "
-                              "C++ call; built once with g++), onednn (reordered weights), plain (F.linear)")
+    matmul: str = opt("auto", "the lean runner's matmul kernel: auto (rowwise where it builds; else onednn, "
+                              "else plain), rowwise (specfleet's kernel: float32 sums, batch-invariant by "
+                              "construction, each block one C++ call, bfloat16 on AVX512-BF16's dot product; built "
+                              "once with g++), onednn (reordered weights), plain (F.linear)")
     core_mode: str = opt("auto", "engine core: thread (overlaps network I/O with the model), inline (on the event "
                                  "loop; best with one CPU), auto (inline when pinned to one CPU)")
     batch_invariant: bool = opt(True, "compute every position's logits bitwise the same whatever the step's shape "

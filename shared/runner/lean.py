@@ -219,7 +219,7 @@ class LeanDecoder:
         if self.head_down is not None:
             h = self.head_down(h)
         logits = self.lm_head(h).float()
-        if self.lm_head.dtype != self.adtype and self.lm_head.kind != "rowwise":  # rowwise: float32 sums already
+        if self.lm_head.dtype != self.adtype and self.lm_head.rounds:  # else float32 chains already
             self._refine_top(logits, h.to(self.adtype))
         return logits
 

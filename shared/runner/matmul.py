@@ -11,11 +11,12 @@ weights' memory doubles on a CPU.
 
 In float32, specfleet's own kernel (:mod:`shared.runner.rowwise`) is faster still at every row
 count measured (1 to 80 rows) and batch-invariant by construction; ``auto`` picks it where it builds.
-It also reads bfloat16 weights (widened in registers, float32 activations and sums): ``auto`` picks
-it for them where oneDNN has no native bfloat16 (AVX2: there oneDNN's bfloat16 is emulated, and
-``F.linear`` in bfloat16 was the only path), and keeps oneDNN's on CPUs with AVX512-BF16 or AMX,
-whose bfloat16 instructions multiply many rows faster than the kernel's float32 FMAs
-(``--matmul rowwise`` asks for it there; ``python -m bench decode`` compares the two).
+It also multiplies bfloat16 weights, and ``auto`` picks it for them too: on a CPU with AVX512-BF16
+in bfloat16 pairs on the native dot product (measured on one core of an AVX512-BF16 EPYC, a
+batch-invariant step of SmolLM2-135M took 12.3 ms against oneDNN's 29.9 at 1 row, 44.0 against
+58.7 at 20 and 154.7 against 176.3 at 80, 2026-12-04); elsewhere widened in registers (AVX2, where
+oneDNN's bfloat16 is emulated and ``F.linear`` in bfloat16 was the only path). ``--matmul onednn``
+asks for oneDNN's; ``python -m bench decode`` compares the two.
 
 Rows: on oneDNN or ``F.linear``, a matmul over ``rows`` is run over ``rows`` rounded up to its
 ``multiple`` (zero rows pad it, then are dropped): with the multiple
@@ -55,8 +56,9 @@ def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 #: the kernels a lean forward's matmuls can run (``--matmul``): ``auto`` picks ``rowwise`` for
-#: float32, and for bfloat16 where oneDNN's is not native, where it builds (:mod:`shared.runner.rowwise`),
-#: else ``onednn`` where oneDNN reorders the dtype, else ``plain`` (``F.linear``)
+#: float32, and for bfloat16 where oneDNN's is not native or the kernel's bfloat16 pairs run (AVX512-BF16),
+#: where it builds (:mod:`shared.runner.rowwise`), else ``onednn`` where oneDNN reorders the dtype, else
+#: ``plain`` (``F.linear``)
 KERNELS = ("auto", "rowwise", "onednn", "plain")
 
 
@@ -75,6 +77,12 @@ class Matmul:
         self.weight: Any = (rowwise.pack(self.source) if kind == "rowwise" else
                             torch.ops.mkldnn._reorder_linear_weight(self.source, PACK_ROWS) if kind == "onednn" else
                             self.source)
+
+    @property
+    def rounds(self) -> bool:
+        """Whether the product rounds to the weights' dtype (its activations or its outputs): all but
+        the row-wise kernel's float32 chains over a float32 or a widened bfloat16 weight."""
+        return self.dtype != torch.float32 and (self.kind != "rowwise" or rowwise.is_pairs(self.weight))
 
     @property
     def packed(self) -> bool:
@@ -116,7 +124,7 @@ def resolve_kernel(kernel: str, device: torch.device, dtype: torch.dtype) -> str
     if kernel != "auto":
         return kernel
     native = packing_available(device, dtype)
-    if cpu and (dtype == torch.float32 or not native) and rowwise.available():
+    if cpu and rowwise.available() and (dtype == torch.float32 or not native or rowwise.pairs_available()):
         return "rowwise"
     return "onednn" if native else "plain"
 

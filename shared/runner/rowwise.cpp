@@ -10,6 +10,12 @@
 // each panel front to back (memory-bound decode), and a many-row one reuses a panel pair from cache
 // across row tiles of 3 (compute-bound verification): 3 rows x 32 outputs = 12 accumulators.
 //
+// On a CPU with AVX512-BF16, a bfloat16 weight is packed in pairs instead ([panels, in / 2, 16 x 2]),
+// and each output is ONE chain of vdpbf16ps over the input pairs in ascending order, in one 512-bit
+// lane, over the activations rounded to bfloat16 (as oneDNN's bfloat16 matmul rounds them): the
+// same invariance by construction, at the native dot product's rate for verification's many rows
+// and the weight's bytes for decode's one.
+//
 // The decoder layer (Layer, below): one call runs a Llama-family block's every op on these
 // matmuls, each row alone, in an order fixed by the row (see there).
 #include <torch/extension.h>
@@ -83,13 +89,107 @@ void panels(const W* p, const float* x, float* out, int64_t R, int64_t K, int64_
   if (R - r == 1) tile<1, PP>(pq, x + r * K, out + r * N, K, N, j0, ldp);
 }
 
+// --- bfloat16 pairs on AVX512-BF16 ------------------------------------------------------------
+//
+// The weight [P, K2, 16] in 32-bit words, each (w[j][2k] low, w[j][2k + 1] high); the activations
+// [R, K2] words, each (x[2k] low, x[2k + 1] high), rounded to bfloat16. acc += both products, per lane.
+
+#define SPECFLEET_BF16 __attribute__((target("avx512f,avx512bf16")))
+
+template <int R, int PP>
+SPECFLEET_BF16 void pair_tile(const uint32_t* p, const uint32_t* x, float* out, int64_t K2, int64_t N, int64_t j0,
+                              int64_t ldp) {
+  __m512 acc[R][PP];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int q = 0; q < PP; ++q) acc[r][q] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K2; ++k) {
+    __m512i wv[PP];
+#pragma GCC unroll 4
+    for (int q = 0; q < PP; ++q) wv[q] = _mm512_loadu_si512(p + q * ldp + k * kPanel);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m512i xv = _mm512_set1_epi32(static_cast<int>(x[r * K2 + k]));
+#pragma GCC unroll 4
+      for (int q = 0; q < PP; ++q) acc[r][q] = _mm512_dpbf16_ps(acc[r][q], (__m512bh)xv, (__m512bh)wv[q]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int q = 0; q < PP; ++q) {
+      const int64_t j = j0 + q * kPanel;
+      const int64_t left = std::min<int64_t>(kPanel, N - j);  // the last panel's padding outputs are dropped
+      _mm512_mask_storeu_ps(out + r * N + j, static_cast<__mmask16>((1u << left) - 1u), acc[r][q]);
+    }
+}
+
+// Every row against panels [q, q + PP): rows in tiles of 4, then the 1 to 3 left.
+template <int PP>
+SPECFLEET_BF16 void pair_panels(const uint32_t* p, const uint32_t* x, float* out, int64_t R, int64_t K2, int64_t N,
+                                int64_t q, int64_t ldp) {
+  const uint32_t* pq = p + q * ldp;
+  const int64_t j0 = q * kPanel;
+  int64_t r = 0;
+  for (; r + 4 <= R; r += 4) pair_tile<4, PP>(pq, x + r * K2, out + r * N, K2, N, j0, ldp);
+  if (R - r == 3) pair_tile<3, PP>(pq, x + r * K2, out + r * N, K2, N, j0, ldp);
+  if (R - r == 2) pair_tile<2, PP>(pq, x + r * K2, out + r * N, K2, N, j0, ldp);
+  if (R - r == 1) pair_tile<1, PP>(pq, x + r * K2, out + r * N, K2, N, j0, ldp);
+}
+
+SPECFLEET_BF16 void pair_group(const uint32_t* p, const uint32_t* x, float* out, int64_t R, int64_t K2, int64_t N,
+                               int64_t q, int64_t P, int64_t ldp) {
+  switch (std::min<int64_t>(4, P - q)) {
+    case 4: pair_panels<4>(p, x, out, R, K2, N, q, ldp); break;
+    case 3: pair_panels<3>(p, x, out, R, K2, N, q, ldp); break;
+    case 2: pair_panels<2>(p, x, out, R, K2, N, q, ldp); break;
+    default: pair_panels<1>(p, x, out, R, K2, N, q, ldp); break;
+  }
+}
+
+// float32 to bfloat16 bits, rounded to nearest even (as torch's .bfloat16())
+inline uint32_t bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;  // NaN stays NaN
+  return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+
+void pairs_into(const float* xp, const uint32_t* pp, float* op, int64_t R, int64_t K, int64_t N, int64_t P) {
+  if (R == 0 || N == 0) return;
+  const int64_t K2 = (K + 1) / 2, ldp = K2 * kPanel;
+  std::vector<uint32_t> x(R * K2, 0u);
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t k = 0; k < K; ++k) x[r * K2 + k / 2] |= bf16_bits(xp[r * K + k]) << (16 * (k % 2));
+  at::parallel_for(0, (P + 3) / 4, 1, [&](int64_t a, int64_t b) {
+    for (int64_t t = a; t < b; ++t) pair_group(pp, x.data(), op, R, K2, N, 4 * t, P, ldp);
+  });
+}
+
+// whether a packed weight is in pairs ([P, K2, 32] bfloat16) rather than panels ([P, K, 16])
+inline bool is_pairs(const torch::Tensor& p) { return p.size(2) == 2 * kPanel; }
+
+// whether a packed weight multiplies activations K wide
+inline bool fits(const torch::Tensor& p, int64_t K) { return p.size(1) == (is_pairs(p) ? (K + 1) / 2 : K); }
+
 }  // namespace
 
-torch::Tensor pack(torch::Tensor w) {
+bool pairs_supported() { return __builtin_cpu_supports("avx512bf16"); }
+
+torch::Tensor pack(torch::Tensor w, bool pairs) {
   TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == torch::kFloat32 || w.scalar_type() == torch::kBFloat16) &&
                   w.device().is_cpu(),
               "rowwise.pack wants a 2-D float32 or bfloat16 CPU weight");
+  TORCH_CHECK(!pairs || (w.scalar_type() == torch::kBFloat16 && pairs_supported()),
+              "rowwise.pack: pairs need a bfloat16 weight and a CPU with AVX512-BF16");
   const int64_t N = w.size(0), K = w.size(1), P = (N + kPanel - 1) / kPanel;
+  if (pairs) {
+    const int64_t K2 = (K + 1) / 2;
+    auto padded = torch::zeros({P * kPanel, 2 * K2}, w.options());
+    padded.narrow(0, 0, N).narrow(1, 0, K).copy_(w);
+    return padded.view({P, kPanel, K2, 2}).permute({0, 2, 1, 3}).contiguous().view({P, K2, 2 * kPanel});
+  }
   auto padded = torch::zeros({P * kPanel, K}, w.options());
   padded.narrow(0, 0, N).copy_(w);
   return padded.view({P, kPanel, K}).transpose(1, 2).contiguous();
@@ -111,7 +211,9 @@ void linear_into(const float* xp, const W* pp, float* op, int64_t R, int64_t K, 
 
 // a packed weight's product, on its dtype's loads (the activations and the sums float32 either way)
 void linear_packed(const float* xp, const torch::Tensor& p, float* op, int64_t R, int64_t K, int64_t N) {
-  if (p.scalar_type() == torch::kBFloat16)
+  if (is_pairs(p))
+    pairs_into(xp, reinterpret_cast<const uint32_t*>(p.data_ptr()), op, R, K, N, p.size(0));
+  else if (p.scalar_type() == torch::kBFloat16)
     linear_into(xp, reinterpret_cast<const uint16_t*>(p.data_ptr()), op, R, K, N, p.size(0));
   else
     linear_into(xp, p.data_ptr<float>(), op, R, K, N, p.size(0));
@@ -120,8 +222,10 @@ void linear_packed(const float* xp, const torch::Tensor& p, float* op, int64_t R
 torch::Tensor linear(torch::Tensor x, torch::Tensor p, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.device().is_cpu(),
               "rowwise.linear wants 2-D float32 CPU activations");
-  TORCH_CHECK(p.dim() == 3 && p.size(1) == x.size(1) && p.size(2) == kPanel && p.is_contiguous() &&
-                  (p.scalar_type() == torch::kFloat32 || p.scalar_type() == torch::kBFloat16),
+  TORCH_CHECK(p.dim() == 3 && p.is_contiguous() &&
+                  ((p.size(2) == kPanel && (p.scalar_type() == torch::kFloat32 || p.scalar_type() == torch::kBFloat16)) ||
+                   (is_pairs(p) && p.scalar_type() == torch::kBFloat16 && pairs_supported())) &&
+                  fits(p, x.size(1)),
               "rowwise.linear wants a weight from rowwise.pack with the activations' width");
   x = x.contiguous();
   auto out = torch::empty({x.size(0), N}, x.options());
@@ -291,7 +395,8 @@ torch::Tensor checked(const torch::Tensor& t, const char* what) {
 
 torch::Tensor packed(const torch::Tensor& t, const char* what) {
   TORCH_CHECK((t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16) && t.device().is_cpu() &&
-                  t.is_contiguous() && t.dim() == 3 && t.size(2) == kPanel,
+                  t.is_contiguous() && t.dim() == 3 &&
+                  (t.size(2) == kPanel || (is_pairs(t) && t.scalar_type() == torch::kBFloat16 && pairs_supported())),
               "rowwise.Layer: ", what, " must be a weight from rowwise.pack");
   return t;
 }
@@ -323,8 +428,8 @@ struct Layer {
         kv_heads(kv_heads_), dim(dim_), inter(inter_), hidden(norm_in_.size(0)), eps(eps_),
         scale(static_cast<float>(scale_)) {
     TORCH_CHECK(heads % kv_heads == 0, "rowwise.Layer: heads must be a multiple of kv_heads");
-    TORCH_CHECK(qkv.size(1) == hidden && o.size(1) == heads * dim && gate_up.size(1) == hidden &&
-                    down.size(1) == inter && o.size(0) * kPanel >= hidden && down.size(0) * kPanel >= hidden,
+    TORCH_CHECK(fits(qkv, hidden) && fits(o, heads * dim) && fits(gate_up, hidden) && fits(down, inter) &&
+                    o.size(0) * kPanel >= hidden && down.size(0) * kPanel >= hidden,
                 "rowwise.Layer: the packed weights' shapes do not fit the hidden size ", hidden);
   }
 
@@ -416,7 +521,9 @@ struct Layer {
 };
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("pack", &pack, "a float32 weight [out, in] packed into panels of 16 outputs");
+  m.def("pack", &pack, "a float32 or bfloat16 weight [out, in] packed into panels of 16 outputs (pairs: in "
+                       "bfloat16 input pairs, for AVX512-BF16)");
+  m.def("pairs_supported", &pairs_supported, "whether this CPU runs the bfloat16 pairs (AVX512-BF16)");
   m.def("linear", &linear, "x @ w.T from a packed weight, each output one in-order FMA chain");
   py::class_<Layer>(m, "Layer")
       .def(py::init<torch::Tensor, torch::Tensor, std::optional<torch::Tensor>, torch::Tensor,

@@ -1,8 +1,11 @@
 """specfleet's own matmul for CPUs with AVX2 and FMA (``rowwise.cpp``), built once with torch's C++
 extension builder (g++ and ninja) and cached: ``specfleet build-kernels`` builds it ahead (``make
 install`` does) and checks it. Float32 activations and sums, over float32 or bfloat16 weights (the
-latter widened exactly in registers: half the bytes stream). The same file holds the fused decoder
-block, :func:`layer`, built on it.
+latter widened exactly in registers: half the bytes stream). On a CPU with AVX512-BF16, bfloat16
+weights are packed in input pairs instead, each output one chain of the native bfloat16 dot product
+(``vdpbf16ps``) over activations rounded to bfloat16, as oneDNN's bfloat16 matmul rounds them: as
+invariant, at the weight's bytes for decode and near oneDNN's rate for verification's many rows.
+The same file holds the fused decoder block, :func:`layer`, built on it.
 
 Each output is one fused multiply-add chain over the inputs, in order, in one vector lane, so a
 row's result cannot depend on the other rows of the step: batch invariance needs no padding. The
@@ -86,10 +89,24 @@ def _load() -> Any:
     return load("specfleet_rowwise", [str(SOURCE)], extra_cflags=CFLAGS, build_directory=str(where), verbose=False)
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
+def pairs_available() -> bool:
+    """Whether bfloat16 weights multiply here as bfloat16 pairs on AVX512-BF16's dot product."""
+    return "avx512_bf16" in _cpu_flags() and bool(_load().pairs_supported())
+
+
+def pack(weight: torch.Tensor, pairs: bool | None = None) -> torch.Tensor:
     """``weight`` ([out, in], float32 or bfloat16, CPU) packed for :func:`linear` (a copy in its dtype:
-    out rounded up to 16)."""
-    return _load().pack(weight.detach())
+    out rounded up to 16). ``pairs`` (default: a bfloat16 weight where :func:`pairs_available`): packed
+    in input pairs for AVX512-BF16's dot product, which rounds the activations to bfloat16; otherwise
+    widened to float32 in registers, with float32 activations."""
+    if pairs is None:
+        pairs = weight.dtype == torch.bfloat16 and pairs_available()
+    return _load().pack(weight.detach(), pairs)
+
+
+def is_pairs(packed: torch.Tensor) -> bool:
+    """Whether :func:`pack` packed this weight in bfloat16 pairs."""
+    return packed.dim() == 3 and packed.shape[2] == 32
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:

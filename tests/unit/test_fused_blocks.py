@@ -120,9 +120,10 @@ def test_a_step_outside_the_arena_is_refused_not_read() -> None:
 
 
 @needs_avx2
-def test_bfloat16_weights_run_fused_as_their_float32_widening_does() -> None:
-    """bfloat16 weights on the row-wise kernel: float32 activations and sums, so a bfloat16 model's
-    logits are bitwise those of the same weights widened to float32."""
+def test_bfloat16_weights_run_fused_as_their_float32_widening_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bfloat16 weights on the row-wise kernel, widened (a CPU without AVX512-BF16): float32 activations
+    and sums, so a bfloat16 model's logits are bitwise those of the same weights widened to float32."""
+    monkeypatch.setattr(rowwise, "pairs_available", lambda: False)
     half = tiny_model("qwen3")
     half.model.to(torch.bfloat16)
     wide = tiny_model("qwen3")
@@ -132,6 +133,27 @@ def test_bfloat16_weights_run_fused_as_their_float32_widening_does() -> None:
     assert a.fused and a.describe()["dtype"] == "bfloat16" and a.describe()["activations"] == "float32"
     ids = token_ids(30, seed=5)
     assert torch.equal(_step(a, ids), _step(b, ids))
+
+
+@pytest.mark.skipif(not {"avx2", "fma", "avx512_bf16"} <= rowwise._cpu_flags(), reason="this CPU lacks AVX512-BF16")
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "llama-bias"])
+def test_bfloat16_pairs_run_fused_batch_invariant_and_as_the_torch_block(arch: str) -> None:
+    """bfloat16 weights on AVX512-BF16's dot product (the activations rounded to bfloat16 at each
+    matmul): each fused block computes what the torch-op block computes on the same kernel, and a
+    row's logits are bitwise the same alone or in a wider step."""
+    half = tiny_model(arch)
+    half.model.to(torch.bfloat16)
+    fused = ModelRunner(half, KV_BUDGET, "lean", batch_invariant=True)  # checks itself, bitwise
+    ops = ModelRunner(half, KV_BUDGET, "lean", fuse=False)
+    assert fused.matmul == "rowwise" and fused.fused and fused.row_multiple == 1 and not ops.fused
+    ids = token_ids(30, seed=9)
+    wide = _step(fused, ids)
+    assert_close(wide, _step(ops, ids), rtol=1e-4)
+    slot = fused.kv.allocate(40)
+    assert slot is not None
+    fused.forward([Segment(slot, ids[:20], 20)])
+    alone = [fused.forward([Segment(slot, [t], 0)]) for t in ids[20:25]]
+    assert torch.equal(torch.cat([r for r in alone if r is not None]), wide[:5])
 
 
 @needs_avx2
