@@ -73,6 +73,11 @@ class DelayProxy:
         self.refuse = False
         self._healed.set()
 
+    def drop(self) -> None:
+        """Drop every open connection now, as a link that fails once (new connections are accepted)."""
+        for task in list(self._tasks):
+            task.cancel()
+
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()

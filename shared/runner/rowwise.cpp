@@ -94,6 +94,8 @@ void panels(const W* p, const float* x, float* out, int64_t R, int64_t K, int64_
 // The weight [P, K2, 16] in 32-bit words, each (w[j][2k] low, w[j][2k + 1] high); the activations
 // [R, K2] words, each (x[2k] low, x[2k + 1] high), rounded to bfloat16. acc += both products, per lane.
 
+#if defined(__clang__) || __GNUC__ >= 10  // the compilers that know AVX512-BF16's intrinsics
+#define SPECFLEET_PAIRS 1
 #define SPECFLEET_BF16 __attribute__((target("avx512f,avx512bf16")))
 
 template <int R, int PP>
@@ -120,7 +122,7 @@ SPECFLEET_BF16 void pair_tile(const uint32_t* p, const uint32_t* x, float* out, 
 #pragma GCC unroll 4
     for (int q = 0; q < PP; ++q) {
       const int64_t j = j0 + q * kPanel;
-      const int64_t left = std::min<int64_t>(kPanel, N - j);  // the last panel's padding outputs are dropped
+      const int64_t left = std::clamp<int64_t>(N - j, 0, kPanel);  // the last panel's padding outputs are dropped
       _mm512_mask_storeu_ps(out + r * N + j, static_cast<__mmask16>((1u << left) - 1u), acc[r][q]);
     }
 }
@@ -148,6 +150,8 @@ SPECFLEET_BF16 void pair_group(const uint32_t* p, const uint32_t* x, float* out,
   }
 }
 
+#endif  // SPECFLEET_PAIRS
+
 // float32 to bfloat16 bits, rounded to nearest even (as torch's .bfloat16())
 inline uint32_t bf16_bits(float f) {
   uint32_t u;
@@ -156,39 +160,52 @@ inline uint32_t bf16_bits(float f) {
   return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
 }
 
+// out[R, N] = x[R, K] @ the pairs-packed weight's [N, K].T (K even)
 void pairs_into(const float* xp, const uint32_t* pp, float* op, int64_t R, int64_t K, int64_t N, int64_t P) {
+#ifdef SPECFLEET_PAIRS
   if (R == 0 || N == 0) return;
-  const int64_t K2 = (K + 1) / 2, ldp = K2 * kPanel;
-  std::vector<uint32_t> x(R * K2, 0u);
+  const int64_t K2 = K / 2, ldp = K2 * kPanel;
+  std::vector<uint32_t> x(R * K2);
   for (int64_t r = 0; r < R; ++r)
-    for (int64_t k = 0; k < K; ++k) x[r * K2 + k / 2] |= bf16_bits(xp[r * K + k]) << (16 * (k % 2));
+    for (int64_t k = 0; k < K2; ++k)
+      x[r * K2 + k] = bf16_bits(xp[r * K + 2 * k]) | (bf16_bits(xp[r * K + 2 * k + 1]) << 16);
   at::parallel_for(0, (P + 3) / 4, 1, [&](int64_t a, int64_t b) {
     for (int64_t t = a; t < b; ++t) pair_group(pp, x.data(), op, R, K2, N, 4 * t, P, ldp);
   });
+#else
+  TORCH_CHECK(false, "rowwise: this build has no bfloat16 pairs");
+#endif
 }
 
-// whether a packed weight is in pairs ([P, K2, 32] bfloat16) rather than panels ([P, K, 16])
+// whether a packed weight is in pairs ([P, K / 2, 32] bfloat16) rather than panels ([P, K, 16])
 inline bool is_pairs(const torch::Tensor& p) { return p.size(2) == 2 * kPanel; }
 
-// whether a packed weight multiplies activations K wide
-inline bool fits(const torch::Tensor& p, int64_t K) { return p.size(1) == (is_pairs(p) ? (K + 1) / 2 : K); }
+// whether a packed weight multiplies activations K wide into N outputs
+inline bool fits(const torch::Tensor& p, int64_t K, int64_t N) {
+  return (is_pairs(p) ? 2 * p.size(1) == K : p.size(1) == K) && p.size(0) == (N + kPanel - 1) / kPanel;
+}
 
 }  // namespace
 
-bool pairs_supported() { return __builtin_cpu_supports("avx512bf16"); }
+bool pairs_supported() {
+#ifdef SPECFLEET_PAIRS
+  return __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
 
 torch::Tensor pack(torch::Tensor w, bool pairs) {
   TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == torch::kFloat32 || w.scalar_type() == torch::kBFloat16) &&
                   w.device().is_cpu(),
               "rowwise.pack wants a 2-D float32 or bfloat16 CPU weight");
-  TORCH_CHECK(!pairs || (w.scalar_type() == torch::kBFloat16 && pairs_supported()),
-              "rowwise.pack: pairs need a bfloat16 weight and a CPU with AVX512-BF16");
+  TORCH_CHECK(!pairs || (w.scalar_type() == torch::kBFloat16 && w.size(1) % 2 == 0 && pairs_supported()),
+              "rowwise.pack: pairs need a bfloat16 weight of an even width and a CPU with AVX512-BF16");
   const int64_t N = w.size(0), K = w.size(1), P = (N + kPanel - 1) / kPanel;
   if (pairs) {
-    const int64_t K2 = (K + 1) / 2;
-    auto padded = torch::zeros({P * kPanel, 2 * K2}, w.options());
-    padded.narrow(0, 0, N).narrow(1, 0, K).copy_(w);
-    return padded.view({P, kPanel, K2, 2}).permute({0, 2, 1, 3}).contiguous().view({P, K2, 2 * kPanel});
+    auto padded = torch::zeros({P * kPanel, K}, w.options());
+    padded.narrow(0, 0, N).copy_(w);
+    return padded.view({P, kPanel, K / 2, 2}).permute({0, 2, 1, 3}).contiguous().view({P, K / 2, 2 * kPanel});
   }
   auto padded = torch::zeros({P * kPanel, K}, w.options());
   padded.narrow(0, 0, N).copy_(w);
@@ -225,8 +242,8 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor p, int64_t N) {
   TORCH_CHECK(p.dim() == 3 && p.is_contiguous() &&
                   ((p.size(2) == kPanel && (p.scalar_type() == torch::kFloat32 || p.scalar_type() == torch::kBFloat16)) ||
                    (is_pairs(p) && p.scalar_type() == torch::kBFloat16 && pairs_supported())) &&
-                  fits(p, x.size(1)),
-              "rowwise.linear wants a weight from rowwise.pack with the activations' width");
+                  fits(p, x.size(1), N),
+              "rowwise.linear wants a weight from rowwise.pack with the activations' width and N outputs");
   x = x.contiguous();
   auto out = torch::empty({x.size(0), N}, x.options());
   linear_packed(x.data_ptr<float>(), p, out.data_ptr<float>(), x.size(0), x.size(1), N);
@@ -428,8 +445,8 @@ struct Layer {
         kv_heads(kv_heads_), dim(dim_), inter(inter_), hidden(norm_in_.size(0)), eps(eps_),
         scale(static_cast<float>(scale_)) {
     TORCH_CHECK(heads % kv_heads == 0, "rowwise.Layer: heads must be a multiple of kv_heads");
-    TORCH_CHECK(fits(qkv, hidden) && fits(o, heads * dim) && fits(gate_up, hidden) && fits(down, inter) &&
-                    o.size(0) * kPanel >= hidden && down.size(0) * kPanel >= hidden,
+    TORCH_CHECK(fits(qkv, hidden, (heads + 2 * kv_heads) * dim) && fits(o, heads * dim, hidden) &&
+                    fits(gate_up, hidden, 2 * inter) && fits(down, inter, hidden),
                 "rowwise.Layer: the packed weights' shapes do not fit the hidden size ", hidden);
   }
 

@@ -89,18 +89,25 @@ def _load() -> Any:
     return load("specfleet_rowwise", [str(SOURCE)], extra_cflags=CFLAGS, build_directory=str(where), verbose=False)
 
 
+@functools.cache
 def pairs_available() -> bool:
     """Whether bfloat16 weights multiply here as bfloat16 pairs on AVX512-BF16's dot product."""
     return "avx512_bf16" in _cpu_flags() and bool(_load().pairs_supported())
 
 
+def pairs_preferred() -> bool:
+    """Whether ``--matmul auto`` runs bfloat16 weights on the pairs rather than oneDNN's: where they
+    run, but on CPUs with AMX, whose tiles oneDNN uses and which no run here has measured against them."""
+    return pairs_available() and "amx_bf16" not in _cpu_flags()
+
+
 def pack(weight: torch.Tensor, pairs: bool | None = None) -> torch.Tensor:
     """``weight`` ([out, in], float32 or bfloat16, CPU) packed for :func:`linear` (a copy in its dtype:
-    out rounded up to 16). ``pairs`` (default: a bfloat16 weight where :func:`pairs_available`): packed
-    in input pairs for AVX512-BF16's dot product, which rounds the activations to bfloat16; otherwise
-    widened to float32 in registers, with float32 activations."""
+    out rounded up to 16). ``pairs`` (default: a bfloat16 weight of an even width where
+    :func:`pairs_available`): packed in input pairs for AVX512-BF16's dot product, which rounds the
+    activations to bfloat16; otherwise widened to float32 in registers, with float32 activations."""
     if pairs is None:
-        pairs = weight.dtype == torch.bfloat16 and pairs_available()
+        pairs = weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and pairs_available()
     return _load().pack(weight.detach(), pairs)
 
 

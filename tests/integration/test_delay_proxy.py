@@ -83,6 +83,24 @@ async def test_a_link_that_drops_closes_the_connection(echo_port: int) -> None:
 
 
 @pytest.mark.asyncio
+async def test_drop_closes_the_open_connections_and_accepts_new_ones(echo_port: int) -> None:
+    proxy = DelayProxy(Link(), ("127.0.0.1", echo_port))
+    port = await proxy.start("127.0.0.1")
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        await round_trip(reader, writer, b"before")
+        proxy.drop()
+        assert await asyncio.wait_for(reader.read(10), 5) == b""  # EOF: the link dropped
+        again, rewriter = await asyncio.open_connection("127.0.0.1", port)
+        await round_trip(again, rewriter, b"after")
+        rewriter.close()
+        assert proxy.connections == 2
+    finally:
+        writer.close()
+        await proxy.close()
+
+
+@pytest.mark.asyncio
 async def test_a_partition_refuses_new_connections(echo_port: int) -> None:
     proxy = DelayProxy(Link(), ("127.0.0.1", echo_port))
     port = await proxy.start("127.0.0.1")

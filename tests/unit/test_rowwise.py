@@ -107,13 +107,23 @@ def test_auto_picks_it_for_bfloat16_unless_only_onednn_runs_it_natively(
         monkeypatch: pytest.MonkeyPatch, native: bool, pairs: bool, want: str) -> None:
     from shared.runner import matmul as mm
 
-    monkeypatch.setattr(mm, "packing_available", lambda device, dtype: native)
-    monkeypatch.setattr(rowwise, "pairs_available", lambda: pairs)
-    assert resolve_kernel("auto", CPU, torch.bfloat16) == want
-    assert resolve_kernel("auto", CPU, torch.float32) == "rowwise"
-    assert resolve_kernel("rowwise", CPU, torch.bfloat16) == "rowwise"  # asked for by name
+    with monkeypatch.context() as patch:
+        patch.setattr(mm, "packing_available", lambda device, dtype: native)
+        patch.setattr(rowwise, "pairs_preferred", lambda: pairs)
+        assert resolve_kernel("auto", CPU, torch.bfloat16) == want
+        assert resolve_kernel("auto", CPU, torch.float32) == "rowwise"
+        assert resolve_kernel("rowwise", CPU, torch.bfloat16) == "rowwise"  # asked for by name
     m = matmul(torch.randn(20, 8).bfloat16(), torch.randn(20).bfloat16(), kernel="rowwise")
     assert m(torch.randn(3, 8)).dtype == torch.float32 and m(torch.randn(3, 8).bfloat16()).dtype == torch.bfloat16
+
+
+@needs_avx2
+def test_auto_keeps_onednn_for_bfloat16_on_a_cpu_with_amx(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rowwise, "pairs_available", lambda: True)
+    monkeypatch.setattr(rowwise, "_cpu_flags", lambda: {"avx2", "fma", "avx512_bf16", "amx_bf16"})
+    assert not rowwise.pairs_preferred()
+    monkeypatch.setattr(rowwise, "_cpu_flags", lambda: {"avx2", "fma", "avx512_bf16"})
+    assert rowwise.pairs_preferred()
 
 
 needs_bf16_pairs = pytest.mark.skipif(not ({"avx2", "fma", "avx512_bf16"} <= rowwise._cpu_flags()),
@@ -121,36 +131,41 @@ needs_bf16_pairs = pytest.mark.skipif(not ({"avx2", "fma", "avx512_bf16"} <= row
 
 
 @needs_bf16_pairs
-@pytest.mark.parametrize("out,inp", [(1, 1), (7, 5), (16, 8), (17, 9), (33, 576), (100, 1536), (70, 63)])
+@pytest.mark.parametrize("out,inp", [(1, 2), (7, 6), (16, 8), (17, 10), (33, 576), (100, 1536), (70, 64)])
 def test_bfloat16_pairs_multiply_rounded_activations_and_each_row_alone_is_bitwise_the_same(out: int,
                                                                                              inp: int) -> None:
     gen = torch.Generator().manual_seed(out * 7 + inp)
     weight, x = torch.randn(out, inp, generator=gen).bfloat16(), torch.randn(11, inp, generator=gen)
     packed = rowwise.pack(weight)  # the default on this CPU
-    assert rowwise.pairs_available() and rowwise.is_pairs(packed) and packed.shape[1] == (inp + 1) // 2
-    full = rowwise.linear(x, packed, out)
+    assert rowwise.pairs_available() and rowwise.is_pairs(packed) and packed.shape[1] == inp // 2
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        full = rowwise.linear(x, packed, out)
+        torch.set_num_threads(4)
+        assert torch.equal(rowwise.linear(x, packed, out), full)
+    finally:
+        torch.set_num_threads(threads)
     want = x.bfloat16().double() @ weight.double().T  # the activations rounded as oneDNN's bfloat16 rounds them
     assert full.dtype == torch.float32
     assert torch.allclose(full.double(), want, rtol=1e-5, atol=1e-5 * inp**0.5)
     for rows in range(1, 12):  # any step: the tile a row lands in (4, 3, 2 or 1 rows) does not matter
         assert torch.equal(rowwise.linear(x[:rows], packed, out), full[:rows])
     assert all(torch.equal(rowwise.linear(x[i : i + 1], packed, out), full[i : i + 1]) for i in range(11))
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        assert torch.equal(rowwise.linear(x, packed, out), full)
-    finally:
-        torch.set_num_threads(threads)
 
 
 @needs_bf16_pairs
 def test_bfloat16_pairs_refuse_what_they_cannot_multiply() -> None:
-    with pytest.raises(RuntimeError, match="pairs need a bfloat16 weight"):
+    with pytest.raises(RuntimeError, match="pairs need a bfloat16 weight of an even width"):
         rowwise.pack(torch.randn(20, 8), pairs=True)
+    with pytest.raises(RuntimeError, match="pairs need a bfloat16 weight of an even width"):
+        rowwise.pack(torch.randn(20, 7).bfloat16(), pairs=True)
+    assert not rowwise.is_pairs(rowwise.pack(torch.randn(20, 7).bfloat16()))  # an odd width is widened
     packed = rowwise.pack(torch.randn(20, 8).bfloat16())
     assert rowwise.linear(torch.empty(0, 8), packed, 20).shape == (0, 20)
-    with pytest.raises(RuntimeError, match="activations' width"):
-        rowwise.linear(torch.randn(2, 10), packed, 20)
+    for width, out in ((10, 20), (7, 20), (8, 40), (8, 3)):  # a width or an output count it was not packed for
+        with pytest.raises(RuntimeError, match="activations' width and N outputs"):
+            rowwise.linear(torch.randn(2, width), packed, out)
     m = matmul(torch.randn(20, 8).bfloat16(), kernel="rowwise")
     assert rowwise.is_pairs(m.weight) and m.rounds  # so the LM head refines its top logits in float32
     assert not matmul(torch.randn(20, 8), kernel="rowwise").rounds
