@@ -77,10 +77,10 @@ def greedy_reference(model: torch.nn.Module, prompt_ids: list[int], max_new: int
     return out
 
 
-def _invariant_runner(loaded: LoadedModel, tokens: int) -> ModelRunner:
+def _invariant_runner(loaded: LoadedModel, tokens: int, matmul: str = "auto") -> ModelRunner:
     rows = -(-tokens // 64) * 64 + 3 * 64  # the prompt's slot, plus the three of the invariance self-check
     return ModelRunner(loaded, rows * kv_shape(loaded.model).bytes_per_token, kind="lean",
-                       self_check=False, batch_invariant=True)
+                       self_check=False, batch_invariant=True, matmul=matmul)
 
 
 @torch.inference_mode()
@@ -95,10 +95,11 @@ def invariant_logits(loaded: LoadedModel, prompt_ids: list[int]) -> torch.Tensor
 
 
 @torch.inference_mode()
-def invariant_greedy(loaded: LoadedModel, prompt_ids: list[int], max_new: int) -> list[int]:
+def invariant_greedy(loaded: LoadedModel, prompt_ids: list[int], max_new: int, matmul: str = "auto") -> list[int]:
     """Target-only greedy decoding as a batch-invariant verifier computes it (its logits do not depend
-    on the step's shape, so this is the verifier's own target-only text, in the model's dtype)."""
-    runner = _invariant_runner(loaded, len(prompt_ids) + max_new)
+    on the step's shape, so this is the verifier's own target-only text, in the model's dtype, on the
+    ``matmul`` kernel the verifier runs)."""
+    runner = _invariant_runner(loaded, len(prompt_ids) + max_new, matmul)
     slot = runner.kv.allocate(len(prompt_ids) + max_new)
     assert slot is not None
     logits = runner.forward([Segment(slot, prompt_ids, len(prompt_ids) - 1)])

@@ -65,16 +65,23 @@ def fleet() -> Iterator[Fleet]:
 
 
 @pytest.fixture(scope="module")
-def target() -> LoadedModel:
-    return load_model(fetch_model(DEFAULT_MODEL, ROOT / ".specfleet"))  # the model the images bake in
+def target(fleet: Fleet) -> LoadedModel:
+    """The model the images bake in; and the matmul kernel the verifier pod runs it on (its /status),
+    which the references here run too: an image without g++ has no row-wise kernel, and in bfloat16
+    another kernel's roundings flip some near-tied tokens."""
+    status = httpx.get(f"http://{fleet.ips['verifier']}:8100/status", timeout=10).json()
+    _POD["matmul"] = str(status.get("matmul") or "auto")
+    return load_model(fetch_model(DEFAULT_MODEL, ROOT / ".specfleet"))
 
 
-_REFERENCES: dict[tuple[str, str, bool], list[int]] = {}
+_POD: dict[str, str] = {"matmul": "auto"}
+_REFERENCES: dict[tuple[str, str, str, bool], list[int]] = {}
 
 
 def reference(target: LoadedModel, prompt: str, chat: bool) -> list[int]:
-    """Target-only greedy ids, computed once per prompt (in this process, beside the pods)."""
-    key = (target.name, prompt, chat)
+    """Target-only greedy ids, computed once per prompt (in this process, beside the pods, on the
+    verifier pod's matmul kernel)."""
+    key = (target.name, _POD["matmul"], prompt, chat)
     if key not in _REFERENCES:
         _REFERENCES[key] = _greedy(target, prompt, chat)
     return _REFERENCES[key]
@@ -87,7 +94,7 @@ def _greedy(target: LoadedModel, prompt: str, chat: bool) -> list[int]:
         ids = list(out["input_ids"] if hasattr(out, "keys") else out)
     else:
         ids = list(tok(prompt)["input_ids"])
-    return invariant_greedy(target, ids, MAX_TOKENS)
+    return invariant_greedy(target, ids, MAX_TOKENS, matmul=_POD["matmul"])
 
 
 def text_of(target: LoadedModel, ids: list[int]) -> str:
