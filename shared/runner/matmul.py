@@ -78,12 +78,9 @@ class Matmul:
         self.weight: Any = (rowwise.pack(self.source) if kind == "rowwise" else
                             torch.ops.mkldnn._reorder_linear_weight(self.source, PACK_ROWS) if kind == "onednn" else
                             self.source)
-
-    @property
-    def rounds(self) -> bool:
-        """Whether the product rounds to the weights' dtype (its activations or its outputs): all but
-        the row-wise kernel's float32 chains over a float32 or a widened bfloat16 weight."""
-        return self.dtype != torch.float32 and (self.kind != "rowwise" or rowwise.is_pairs(self.weight))
+        #: whether the product rounds to the weights' dtype (its activations or its outputs): all but the
+        #: row-wise kernel's float32 chains over a float32 or a widened bfloat16 weight
+        self.rounds = self.dtype != torch.float32 and (kind != "rowwise" or rowwise.is_pairs(self.weight))
 
     @property
     def packed(self) -> bool:

@@ -36,13 +36,14 @@ SOURCE = Path(__file__).with_name("rowwise.cpp")
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off"]  # no fast-math: the chain's order is the contract
 
 
-def _cpu_flags() -> set[str]:
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return set()
+        return frozenset()
     line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    return set(line.partition(":")[2].split())
+    return frozenset(line.partition(":")[2].split())
 
 
 @functools.cache
