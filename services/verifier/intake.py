@@ -345,10 +345,10 @@ class Intake:
                 continue
             self.output.end(route.request_id, "cancelled", f"coordinator {node_id} is gone")
             self._submit("", Finish(route.request_id))
-        if orphans:
-            log.warning("coordinator gone; its requests " + ("kept for a resume" if self.routes.keep_s > 0
-                                                               else "cancelled"),
-                        coordinator=node_id, requests=len(orphans), grace_s=self.routes.keep_s)
+        # logged with no open request too: its queued ones may still be opened (as orphans, or dropped)
+        log.warning("coordinator gone; its requests " + ("kept for a resume" if self.routes.keep_s > 0
+                                                           else "cancelled"),
+                    coordinator=node_id, requests=len(orphans), grace_s=self.routes.keep_s)
 
     def _cancel(self, conn_id: str, request_id: str) -> None:
         route = self.routes.get(request_id)

@@ -50,8 +50,12 @@ def target(tiny_models: dict[str, Path]) -> LoadedModel:
 
 @pytest.fixture(scope="module")
 def one_drafter(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """One drafter, ids-only drafts, the coordinator's in-process queue."""
-    spec = StackSpec(drafts=[tiny_models["draft-L2"]], draft_mode="greedy", max_sessions=CONCURRENCY)
+    """One drafter, ids-only drafts, the coordinator's in-process queue; the verifier does not fill
+    (every token is a verified draft's): where it outran one drafter of 24 sessions (a fast CI host),
+    filling decoded every token before its draft came, and no draft was ever accepted. Filling is
+    tested with every drafting policy and by the raced sampling test."""
+    spec = StackSpec(drafts=[tiny_models["draft-L2"]], draft_mode="greedy", max_sessions=CONCURRENCY,
+                     extra_verifier=["--fill", "false"])
     with run_stack(tiny_models["target"], spec, tmp_path_factory.mktemp("logs-one")) as stack:
         yield stack
 
