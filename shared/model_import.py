@@ -21,7 +21,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from shared.errors import ModelLoadError
 from shared.gguf_files import gguf_header, sha256_of
@@ -172,21 +172,18 @@ def gguf_architecture(path: Path) -> str:
     return architecture
 
 
-def import_gguf(path: Path, out: Path, dtype: torch.dtype | None = None, source: dict[str, str] | None = None,
-                ) -> Path:
-    """Convert a Llama-family GGUF file into a Hugging Face directory at ``out`` (atomically), stored in
-    ``dtype`` (bfloat16 unless given)."""
+def gguf_float_model(path: Path) -> Any:
+    """A Llama-family GGUF file's model as a plain transformers model in float32, in eval mode: every
+    weight dequantized exactly (a Q4_1 block's d * q + m), with no GGUF loader state left on it."""
     arch = gguf_architecture(path)
     if arch not in GGUF_ARCHITECTURES:
         raise ImportModelError(f"{path.name} is a {arch!r} model; specfleet imports {sorted(GGUF_ARCHITECTURES)}")
     import torch  # here, not at the top: `specfleet up` finds a fetched model without loading torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    dtype = dtype or torch.bfloat16
-    kwargs = {"gguf_file": path.name, "local_files_only": True}
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), **kwargs)
-        loaded = AutoModelForCausalLM.from_pretrained(str(path.parent), dtype=torch.float32, **kwargs)
+        loaded = AutoModelForCausalLM.from_pretrained(str(path.parent), dtype=torch.float32, gguf_file=path.name,
+                                                      local_files_only=True)
     except (OSError, ValueError, RuntimeError, KeyError) as exc:
         raise ImportModelError(f"transformers could not load {path.name}: {exc}") from None
     config = loaded.config.to_dict()
@@ -195,6 +192,23 @@ def import_gguf(path: Path, out: Path, dtype: torch.dtype | None = None, source:
     plain = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.float32)
     plain.load_state_dict(loaded.state_dict(), strict=True)
     plain.generation_config = loaded.generation_config
+    return plain.eval()
+
+
+def import_gguf(path: Path, out: Path, dtype: torch.dtype | None = None, source: dict[str, str] | None = None,
+                ) -> Path:
+    """Convert a Llama-family GGUF file into a Hugging Face directory at ``out`` (atomically), stored in
+    ``dtype`` (bfloat16 unless given)."""
+    import torch  # here, not at the top: `specfleet up` finds a fetched model without loading torch
+    from transformers import AutoTokenizer
+
+    arch = gguf_architecture(path)
+    dtype = dtype or torch.bfloat16
+    plain = gguf_float_model(path)  # the architecture checked first
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    except (OSError, ValueError, RuntimeError, KeyError) as exc:
+        raise ImportModelError(f"transformers could not load {path.name}: {exc}") from None
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     plain.to(dtype).save_pretrained(str(tmp))

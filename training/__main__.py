@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, m in report["models"].items():
         print(f"{name}: agreement {m['greedy_agreement']:.3f}, accept_t1 {m['accept_t1']:.3f}, accepted/round(k=4) "
               f"{m['mean_accepted_k4']:.2f}, step {m['step_ms']:.2f} ms = {m['step_ratio']:.3f}x, "
-              f"{m['weight_bytes'] / 1e6:.1f} MB")
+              f"{m.get('weight_bytes', m.get('bytes', 0)) / 1e6:.1f} MB")
     return 0
 
 

@@ -63,6 +63,15 @@ class ModelSection:
     kv_cache_gb: float = opt(0.0, "draft KV cache in GiB; 0 sizes it for max_sessions full-context sessions (at "
                                   "most 20%% of RAM; a GGUF draft's at most 1 GiB, which llama.cpp commits at start)")
     torch_threads: int = opt(0, "torch intra-op threads; 0 leaves torch's default")
+
+
+@dataclass
+class GgufSection:
+    """a GGUF draft: what runs it"""
+
+    gguf_backend: str = opt("auto", "what runs a GGUF draft: specfleet (its own 4-bit kernel: every matrix in Q4_1's "
+                                    "blocks, a Q4_1 file's kept exactly; lean architectures on a CPU with AVX2), "
+                                    "llama.cpp, or auto (specfleet for a Q4_1 file on a CPU, else llama.cpp)")
     threads: int = opt(0, "a GGUF draft's llama.cpp threads; 0: --torch-threads, or when that is 0 too, every CPU "
                           "this process may run on")
 
@@ -143,6 +152,7 @@ class DrafterConfig:
     security: SecuritySection = section(SecuritySection)
     node: NodeSection = section(NodeSection)
     draft_model: ModelSection = section(ModelSection)
+    gguf: GgufSection = section(GgufSection)
     sessions: SessionSection = section(SessionSection)
     proposal: ProposalSection = section(ProposalSection)
     control: ControlSection = section(ControlSection)

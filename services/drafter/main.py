@@ -42,7 +42,7 @@ from shared.models import LoadedModel, ModelLoadError, load_model, load_vocabula
 from shared.protocol import MAX_DRAFT_TOKENS, MAX_Q_ENTRIES, PROTOCOL_VERSION, Hello
 from shared.queue import RequestQueue, open_queue
 from shared.runner import ModelRunner
-from shared.runner.llama import LlamaRunner
+from shared.runner.gguf_backend import gguf_runner, resolve_backend
 from shared.runner.runner import kv_shape
 from shared.tls import TlsConfigError, client_context
 
@@ -189,14 +189,16 @@ def _load(cfg: DrafterConfig) -> LoadedModel:
 
 def _gguf_proposer(cfg: DrafterConfig, loaded: LoadedModel) -> GgufProposer:
     info = read_gguf(loaded.path)
-    threads = cfg.draft_model.threads or cfg.draft_model.torch_threads
+    threads = cfg.gguf.threads or cfg.draft_model.torch_threads
+    backend = resolve_backend(info, cfg.gguf.gguf_backend)
+    per_token = info.kv_bytes_per_token * (2 if backend == "specfleet" else 1)  # float32 keys there, float16 here
     budget = (int(cfg.draft_model.kv_cache_gb * 2**30) if cfg.draft_model.kv_cache_gb > 0
-              else min(GGUF_AUTO_KV_BYTES, _auto_kv_bytes(cfg, loaded.max_model_len, info.kv_bytes_per_token)))
+              else min(GGUF_AUTO_KV_BYTES, _auto_kv_bytes(cfg, loaded.max_model_len, per_token)))
     # a sequence per session, and spares for the lookahead branches of a session alone
     sequences = cfg.sessions.max_sessions + cfg.sessions.lookahead_branches + 1
-    runner = LlamaRunner(info, budget, threads, sequences)
+    runner = gguf_runner(info, budget, backend, threads, sequences)
     p = cfg.proposal
-    return GgufProposer(runner, p.draft_mode, Nucleus(p.q_mass, p.q_max_entries),
+    return GgufProposer(runner, info, p.draft_mode, Nucleus(p.q_mass, p.q_max_entries),
                         cfg.sessions.share_prefixes)
 
 

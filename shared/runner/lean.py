@@ -22,7 +22,7 @@ from transformers.activations import ACT2FN
 
 from shared.runner import rowwise
 from shared.runner.invariant import GroupedPlan, group_rows, grouped_attention, row_attention
-from shared.runner.matmul import Matmul, matmul, resolve_kernel
+from shared.runner.matmul import Q4, Matmul, matmul, resolve_kernel
 from shared.runner.step import StepPlan, paged_attention, write_kv
 
 #: logits per row the head recomputes in float32 after its half-precision matmul (LeanDecoder._refine_top)
@@ -57,7 +57,7 @@ def fused_reason(model: Any, kernel: str, activations: torch.dtype) -> str:
     runs as torch ops, :meth:`LeanDecoder._block`)."""
     cfg = model.config
     dtype = next(model.parameters()).dtype
-    if kernel != "rowwise":
+    if kernel not in ("rowwise", Q4):
         return f"the matmuls run on {kernel}, not the row-wise kernel"
     if dtype not in (torch.float32, torch.bfloat16) or activations != torch.float32:
         return f"the weights are {dtype} and the activations {activations}, not float32 or bfloat16 and float32"
@@ -219,12 +219,13 @@ class LeanDecoder:
         if self.head_down is not None:
             h = self.head_down(h)
         logits = self.lm_head(h).float()
-        if self.lm_head.dtype != self.adtype and self.lm_head.rounds:  # else float32 chains already
+        if self.lm_head.rounds and (self.lm_head.dtype != self.adtype or self.lm_head.kind == Q4):
             self._refine_top(logits, h.to(self.adtype))
         return logits
 
     def _refine_top(self, logits: torch.Tensor, h: torch.Tensor) -> None:
-        """Each row's :data:`REFINED` largest logits again, in the activations' dtype. A bfloat16
+        """Each row's :data:`REFINED` largest logits again, in the activations' dtype (over 4-bit blocks:
+        from the weight they were made from, so the draft's choice among them is the full weight's). A bfloat16
         matmul rounds its output: a logit near 25 to a multiple of 0.125, coarser than the margin
         between the top two tokens of many real steps (SmolLM2's first token of "What is the
         capital of France?": 25.36 against 25.26). Each refined logit is one dot product over the

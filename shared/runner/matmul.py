@@ -61,6 +61,9 @@ def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
 #: where it builds (:mod:`shared.runner.rowwise`), else ``onednn`` where oneDNN reorders the dtype, else
 #: ``plain`` (``F.linear``)
 KERNELS = ("auto", "rowwise", "onednn", "plain")
+#: a draft's matmuls in 4-bit blocks (``rowwise.pack_q4``: Q4_1's, as a GGUF file holds them) on the
+#: row-wise kernel's integer dot products; never the verifier's (its products are approximations)
+Q4 = "q4"
 
 
 class Matmul:
@@ -76,11 +79,13 @@ class Matmul:
         self.kind = kind
         self.source = weight.detach()  # the model's own weight (shares its storage)
         self.weight: Any = (rowwise.pack(self.source) if kind == "rowwise" else
+                            rowwise.pack_q4(self.source) if kind == Q4 else
                             torch.ops.mkldnn._reorder_linear_weight(self.source, PACK_ROWS) if kind == "onednn" else
                             self.source)
-        #: whether the product rounds to the weights' dtype (its activations or its outputs): all but the
-        #: row-wise kernel's float32 chains over a float32 or a widened bfloat16 weight
-        self.rounds = self.dtype != torch.float32 and (kind != "rowwise" or rowwise.is_pairs(self.weight))
+        #: whether the product rounds (its activations, its outputs or its weights): all but the row-wise
+        #: kernel's float32 chains over a float32 or a widened bfloat16 weight
+        self.rounds = kind == Q4 or (self.dtype != torch.float32
+                                     and (kind != "rowwise" or rowwise.is_pairs(self.weight)))
 
     @property
     def packed(self) -> bool:
@@ -88,7 +93,7 @@ class Matmul:
         return self.kind != "plain"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kind == "rowwise":  # a row's result never depends on the others': no padding
+        if self.kind in ("rowwise", Q4):  # a row's result never depends on the others': no padding
             out = rowwise.linear(x.float(), self.weight, self.out_features)  # float32 sums, whatever the weight
             if self.bias is not None:
                 out.add_(self.bias)
@@ -110,6 +115,12 @@ class Matmul:
 def resolve_kernel(kernel: str, device: torch.device, dtype: torch.dtype) -> str:
     """The kernel ``kernel`` (one of :data:`KERNELS`) means for ``dtype`` on ``device``. ``auto``
     falls back quietly; a kernel asked for by name that cannot run here is an error."""
+    if kernel == Q4:
+        why = (rowwise.q4_why_unavailable() if device.type == "cpu" and dtype == torch.float32 else
+               f"they quantize float32 weights on a CPU, not {dtype} on {device}")
+        if why:
+            raise ValueError(f"4-bit matmuls cannot run here: {why}")
+        return Q4
     if kernel not in KERNELS:
         raise ValueError(f"--matmul must be one of {', '.join(KERNELS)}, got {kernel!r}")
     cpu = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)

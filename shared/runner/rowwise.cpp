@@ -178,14 +178,26 @@ void pairs_into(const float* xp, const uint32_t* pp, float* op, int64_t R, int64
 }
 
 // whether a packed weight is in pairs ([P, K / 2, 32] bfloat16) rather than panels ([P, K, 16])
-inline bool is_pairs(const torch::Tensor& p) { return p.size(2) == 2 * kPanel; }
+inline bool is_pairs(const torch::Tensor& p) { return p.scalar_type() == torch::kBFloat16 && p.size(2) == 2 * kPanel; }
+
+// whether a packed weight is in 4-bit blocks ([P, K / 32, 320] bytes, quant4.cpp)
+inline bool is_q4(const torch::Tensor& p) { return p.scalar_type() == torch::kUInt8 && p.size(2) == 320; }
 
 // whether a packed weight multiplies activations K wide into N outputs
 inline bool fits(const torch::Tensor& p, int64_t K, int64_t N) {
-  return (is_pairs(p) ? 2 * p.size(1) == K : p.size(1) == K) && p.size(0) == (N + kPanel - 1) / kPanel;
+  const int64_t width = is_q4(p) ? 32 * p.size(1) : is_pairs(p) ? 2 * p.size(1) : p.size(1);
+  return width == K && p.size(0) == (N + kPanel - 1) / kPanel;
 }
 
+// whether ``p`` is a weight one of the packers made (rowwise.pack, rowwise.pack_q4) that runs here
+bool any_packed(const torch::Tensor& p);
+
 }  // namespace
+
+// quant4.cpp
+bool q4_vnni();
+void q4_into(const float* xp, const uint8_t* pp, float* op, int64_t R, int64_t K, int64_t N, int64_t P, bool wide);
+torch::Tensor q4_pack(torch::Tensor codes, torch::Tensor d, torch::Tensor m);
 
 bool pairs_supported() {
 #ifdef SPECFLEET_PAIRS
@@ -228,7 +240,10 @@ void linear_into(const float* xp, const W* pp, float* op, int64_t R, int64_t K, 
 
 // a packed weight's product, on its dtype's loads (the activations and the sums float32 either way)
 void linear_packed(const float* xp, const torch::Tensor& p, float* op, int64_t R, int64_t K, int64_t N) {
-  if (is_pairs(p))
+  static const bool wide = q4_vnni();
+  if (is_q4(p))
+    q4_into(xp, p.data_ptr<uint8_t>(), op, R, K, N, p.size(0), wide);
+  else if (is_pairs(p))
     pairs_into(xp, reinterpret_cast<const uint32_t*>(p.data_ptr()), op, R, K, N, p.size(0));
   else if (p.scalar_type() == torch::kBFloat16)
     linear_into(xp, reinterpret_cast<const uint16_t*>(p.data_ptr()), op, R, K, N, p.size(0));
@@ -236,14 +251,30 @@ void linear_packed(const float* xp, const torch::Tensor& p, float* op, int64_t R
     linear_into(xp, p.data_ptr<float>(), op, R, K, N, p.size(0));
 }
 
+namespace {
+bool any_packed(const torch::Tensor& p) {
+  return p.dim() == 3 && p.is_contiguous() && p.device().is_cpu() &&
+         ((p.size(2) == kPanel && (p.scalar_type() == torch::kFloat32 || p.scalar_type() == torch::kBFloat16)) ||
+          (is_pairs(p) && pairs_supported()) || is_q4(p));
+}
+}  // namespace
+
+// the 4-bit product on AVX2's instructions even where AVX512-VNNI runs (the tests: the same bits)
+torch::Tensor linear_q4(torch::Tensor x, torch::Tensor p, int64_t N, bool wide) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && is_q4(p) && p.is_contiguous() &&
+                  fits(p, x.size(1), N) && (!wide || q4_vnni()),
+              "rowwise.linear_q4 wants float32 activations and a weight from pack_q4 that fits them");
+  x = x.contiguous();
+  auto out = torch::empty({x.size(0), N}, x.options());
+  q4_into(x.data_ptr<float>(), p.data_ptr<uint8_t>(), out.data_ptr<float>(), x.size(0), x.size(1), N, p.size(0), wide);
+  return out;
+}
+
 torch::Tensor linear(torch::Tensor x, torch::Tensor p, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.device().is_cpu(),
               "rowwise.linear wants 2-D float32 CPU activations");
-  TORCH_CHECK(p.dim() == 3 && p.is_contiguous() &&
-                  ((p.size(2) == kPanel && (p.scalar_type() == torch::kFloat32 || p.scalar_type() == torch::kBFloat16)) ||
-                   (is_pairs(p) && p.scalar_type() == torch::kBFloat16 && pairs_supported())) &&
-                  fits(p, x.size(1), N),
-              "rowwise.linear wants a weight from rowwise.pack with the activations' width and N outputs");
+  TORCH_CHECK(any_packed(p) && fits(p, x.size(1), N),
+              "rowwise.linear wants a weight from rowwise.pack or pack_q4 with the activations' width and N outputs");
   x = x.contiguous();
   auto out = torch::empty({x.size(0), N}, x.options());
   linear_packed(x.data_ptr<float>(), p, out.data_ptr<float>(), x.size(0), x.size(1), N);
@@ -411,10 +442,7 @@ torch::Tensor checked(const torch::Tensor& t, const char* what) {
 }
 
 torch::Tensor packed(const torch::Tensor& t, const char* what) {
-  TORCH_CHECK((t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16) && t.device().is_cpu() &&
-                  t.is_contiguous() && t.dim() == 3 &&
-                  (t.size(2) == kPanel || (is_pairs(t) && t.scalar_type() == torch::kBFloat16 && pairs_supported())),
-              "rowwise.Layer: ", what, " must be a weight from rowwise.pack");
+  TORCH_CHECK(any_packed(t), "rowwise.Layer: ", what, " must be a weight from rowwise.pack or pack_q4");
   return t;
 }
 
@@ -542,6 +570,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        "bfloat16 input pairs, for AVX512-BF16)");
   m.def("pairs_supported", &pairs_supported, "whether this CPU runs the bfloat16 pairs (AVX512-BF16)");
   m.def("linear", &linear, "x @ w.T from a packed weight, each output one in-order FMA chain");
+  m.def("pack_q4", &q4_pack, "4-bit codes [N, K], scales and minimums [N, K / 32] (float16 bits) packed in panels");
+  m.def("q4_vnni", &q4_vnni, "whether the 4-bit product runs on AVX512-VNNI here (else on AVX2)");
+  m.def("linear_q4", &linear_q4, "x @ w.T from a pack_q4 weight, on AVX512-VNNI (wide) or AVX2");
   py::class_<Layer>(m, "Layer")
       .def(py::init<torch::Tensor, torch::Tensor, std::optional<torch::Tensor>, torch::Tensor,
                     std::optional<torch::Tensor>, torch::Tensor, torch::Tensor, std::optional<torch::Tensor>,

@@ -33,6 +33,7 @@ from shared.log import get_logger
 
 log = get_logger("runner.rowwise")
 SOURCE = Path(__file__).with_name("rowwise.cpp")
+SOURCES = [SOURCE, SOURCE.with_name("quant4.cpp")]  # quant4.cpp: the 4-bit weights (pack_q4)
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off"]  # no fast-math: the chain's order is the contract
 
 
@@ -87,7 +88,8 @@ def _load() -> Any:
 
     where = build_dir()
     where.mkdir(parents=True, exist_ok=True)
-    return load("specfleet_rowwise", [str(SOURCE)], extra_cflags=CFLAGS, build_directory=str(where), verbose=False)
+    return load("specfleet_rowwise", [str(s) for s in SOURCES], extra_cflags=CFLAGS, build_directory=str(where),
+                verbose=False)
 
 
 @functools.cache
@@ -114,7 +116,67 @@ def pack(weight: torch.Tensor, pairs: bool | None = None) -> torch.Tensor:
 
 def is_pairs(packed: torch.Tensor) -> bool:
     """Whether :func:`pack` packed this weight in bfloat16 pairs."""
-    return packed.dim() == 3 and packed.shape[2] == 32
+    return packed.dim() == 3 and packed.dtype == torch.bfloat16 and packed.shape[2] == 32
+
+
+#: inputs per 4-bit block (Q4_1's): a scale and a minimum each
+Q4_BLOCK = 32
+
+
+def q4_why_unavailable() -> str:
+    """Why 4-bit weights cannot multiply here ("" when they can): the kernel, and F16C's conversions."""
+    why = why_unavailable()
+    if not why and "f16c" not in _cpu_flags():
+        why = "this CPU lacks f16c"
+    return why
+
+
+def q4_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``weight`` [out, in] (in a multiple of 32) in Q4_1's blocks, as llama.cpp's quantizer makes them:
+    per 32 inputs of an output, m = the least weight and d = (the largest - m) / 15, both float16, and
+    codes q = round((w - m) / d), 0 to 15. Returns (codes uint8 [out, in], d, m float16 [out, in / 32]).
+    A weight that is itself Q4_1's dequantized (d * q + m in float32, as transformers loads a Q4_1
+    GGUF) gets its file's very blocks back: each block's least code is 0 and its largest 15."""
+    out, width = weight.shape
+    if width % Q4_BLOCK:
+        raise ValueError(f"4-bit blocks need a width that is a multiple of {Q4_BLOCK}, not {width}")
+    w = weight.detach().float().reshape(out, width // Q4_BLOCK, Q4_BLOCK)
+    lo, hi = w.amin(-1), w.amax(-1)
+    m = lo.half()
+    d = ((hi - m.float()) / 15).half()
+    inv = torch.where(d.float() > 0, 1 / d.float(), torch.zeros_like(lo))
+    codes = ((w - m.float().unsqueeze(-1)) * inv.unsqueeze(-1)).round().clamp(0, 15).to(torch.uint8)
+    return codes.reshape(out, width), d, m
+
+
+def pack_q4(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [out, in] in 4-bit blocks (:func:`q4_blocks`) packed for :func:`linear` and :func:`layer`:
+    its products quantize the activations to int8 per block of 32 (``quant4.cpp``)."""
+    codes, d, m = q4_blocks(weight)
+    return _load().pack_q4(codes, d.view(torch.int16), m.view(torch.int16))
+
+
+def q4_dequantized(weight: torch.Tensor) -> torch.Tensor:
+    """The float32 weight :func:`pack_q4` multiplies by: d * q + m per block."""
+    codes, d, m = q4_blocks(weight)
+    out, width = weight.shape
+    q = codes.reshape(out, width // Q4_BLOCK, Q4_BLOCK).float()
+    return (d.float().unsqueeze(-1) * q + m.float().unsqueeze(-1)).reshape(out, width)
+
+
+def is_q4(packed: torch.Tensor) -> bool:
+    """Whether :func:`pack_q4` packed this weight."""
+    return packed.dim() == 3 and packed.dtype == torch.uint8
+
+
+def linear_q4(x: torch.Tensor, packed: torch.Tensor, out_features: int, wide: bool) -> torch.Tensor:
+    """:func:`linear` of a 4-bit weight on AVX512-VNNI (``wide``, where :func:`q4_vnni`) or on AVX2."""
+    return _load().linear_q4(x, packed, out_features, wide)
+
+
+def q4_vnni() -> bool:
+    """Whether 4-bit products run on AVX512-VNNI here (else on AVX2: the same bits)."""
+    return bool(_load().q4_vnni())
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:

@@ -27,13 +27,15 @@ from shared.runner import lean
 from shared.runner.hf import HFDecoder
 from shared.runner.invariant import KEY_BLOCK, clear_key_padding, probe_attention_multiple, probe_row_multiples
 from shared.runner.kv import KVArena, KVError, KVShape
-from shared.runner.matmul import resolve_kernel
+from shared.runner.matmul import Q4, resolve_kernel
 from shared.runner.step import Segment, StepPlan, commit_step, plan_step
 
 log = get_logger("runner")
 RUNNER_KINDS = ("auto", "lean", "hf")
 #: the self-check's tolerance on |logits - reference|, relative to the reference's largest |logit|
 SELF_CHECK_RTOL = {torch.float32: 1e-3, torch.float16: 3e-2, torch.bfloat16: 6e-2}
+#: the same over 4-bit weights (a draft's): they and the int8 activations approximate the model's own
+Q4_SELF_CHECK_RTOL = 0.2
 
 
 class Decoder(Protocol):
@@ -101,6 +103,8 @@ class ModelRunner:
             self.matmul = resolve_kernel(matmul, self.device, self.weight_dtype)
         except ValueError as exc:
             raise ModelLoadError(str(exc)) from None
+        if self.matmul == Q4 and (odd := [i for i, _ in linear_shapes(model) if i % 32]):
+            raise ModelLoadError(f"4-bit matmuls need widths that are multiples of 32; {loaded.name} has {odd[0]}")
         self.groups = model.config.num_attention_heads // self.shape.kv_heads
         self.vocab_size = loaded.vocab_size
         self.max_model_len = loaded.max_model_len
@@ -108,6 +112,9 @@ class ModelRunner:
         if kind == "lean" and why_not:
             raise ModelLoadError(f"--runner lean cannot run {loaded.name}: {why_not}; use --runner hf")
         self.kind = "lean" if kind == "lean" or (kind == "auto" and not why_not) else "hf"
+        if self.matmul == Q4 and self.kind != "lean":
+            raise ModelLoadError(f"4-bit matmuls run in the lean runner, which cannot run {loaded.name}: "
+                                 f"{why_not or '--runner hf was asked for'}")
         multiples = self._invariant_rows(loaded, why_not) if batch_invariant else None
         #: the largest row multiple a matmul pads to (0: not invariant)
         self.row_multiple = max(multiples.values(), default=1) if multiples is not None else 0
@@ -223,7 +230,7 @@ class ModelRunner:
         assert got is not None
         want = torch.cat([ref[split:], ref[:split]])
         err = float((got - want).abs().max()) / max(1.0, float(want.abs().max()))
-        if err > SELF_CHECK_RTOL.get(self.weight_dtype, 6e-2):
+        if err > (Q4_SELF_CHECK_RTOL if self.matmul == Q4 else SELF_CHECK_RTOL.get(self.weight_dtype, 6e-2)):
             raise ModelLoadError(f"the {self.kind} runner disagrees with transformers on this model (relative error "
                                  f"{err:.2e}); try --runner hf, or serve it with the vLLM backend")
         return err

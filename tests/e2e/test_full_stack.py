@@ -164,13 +164,18 @@ def test_alternative_lookaheads_are_used_and_greedy_identical(tiny_models: dict[
     port = free_port()
     spec = StackSpec(drafts=[tiny_models["draft-L2"]], max_sessions=1, extra_verifier=["--fill", fill],
                      extra_drafter=["--lookahead-branches", "2", "--metrics-port", str(port)])
-    with run_stack(tiny_models["target"], spec, tmp_path) as stack:
-        check_greedy(stack, target)
-        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
-        verifier = httpx.get(stack.verifier_url + "/metrics").text
     from tests.e2e.greedy_streams import metric_value  # it imports this module
-    used = metric_value(metrics, "specfleet_drafter_alternative_lookaheads_used_total")
-    filled = metric_value(verifier, "specfleet_verifier_filled_tokens_total")
+
+    with run_stack(tiny_models["target"], spec, tmp_path) as stack:
+        for _ in range(3):  # a lookahead serves only if drafted before its verdict: on a loaded host (the whole
+            # suite on 2 cores) one pass of the prompts once used none, so up to two more passes may
+            check_greedy(stack, target)
+            metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+            verifier = httpx.get(stack.verifier_url + "/metrics").text
+            used = metric_value(metrics, "specfleet_drafter_alternative_lookaheads_used_total")
+            filled = metric_value(verifier, "specfleet_verifier_filled_tokens_total")
+            if used + filled > 0:
+                break
     if fill == "true":  # the verifier fills the rounds whose drafts travel longer than it decodes, the more
         # the slower the host, and leaves the drafter's lookaheads the rest: one or the other serves (on the
         # AVX2 host 3-4 lookaheads used idle, none once in 2 loaded; on a faster one none filled)

@@ -47,7 +47,8 @@ def hf_draft(tiny_models: dict[str, Path]) -> LoadedModel:
 
 
 def make(path: Path, budget: int = MiB, sequences: int = 16, **kwargs: object) -> GgufProposer:
-    return GgufProposer(LlamaRunner(read_gguf(path), budget, threads=1, sequences=sequences), **kwargs)  # type: ignore[arg-type]
+    info = read_gguf(path)
+    return GgufProposer(LlamaRunner(info, budget, threads=1, sequences=sequences), info, **kwargs)  # type: ignore[arg-type]
 
 
 def one(p: GgufProposer, sid: str, k: int, params: SamplingParams = GREEDY, seed: int = 0,

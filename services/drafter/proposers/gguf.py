@@ -1,11 +1,14 @@
-"""A GGUF file as the draft: the target's own weights in a few bits, run by llama.cpp.
+"""A GGUF file as the draft: the target's own weights in a few bits, run by specfleet's 4-bit kernel or llama.cpp.
 
 This is the edge drafter that pays without training: a 4-bit copy of the target agrees with it
 on almost every token, at a fraction of its step (``docs/models.md``; ML-SpecQD drafts the same
 way on CPUs). Any GGUF file whose token ids are the target's can draft.
 
-The proposer is the draft-model proposer (``draft_model.py``) over a llama.cpp runner
-(``shared.runner.llama``), so it keeps that proposer's whole contract:
+The proposer is the draft-model proposer (``draft_model.py``) over the file's runner: specfleet's lean
+runner with every matrix in 4-bit blocks (a Q4_1 file's by default, where it is 4 times llama.cpp's
+speed on a CPU), or llama.cpp (``shared.runner.llama``) for other files and GPUs; the choice is
+``--gguf-backend`` (``shared.runner.gguf_backend``). It keeps the draft-model proposer's whole contract
+(described here for llama.cpp; the specfleet backend is the draft-model proposer's own runner):
 
 * one llama.cpp context drafts for every session in one batch, one sequence per session
   (StarSD §3): each draft position of the batch is one ``llama_decode``;
@@ -34,6 +37,7 @@ from shared.draft_q import Nucleus
 from shared.gguf_files import GgufInfo
 from shared.models import LoadedModel
 from shared.runner.llama import LlamaRunner
+from shared.runner.step import SegmentRunner
 
 
 def gguf_draft(info: GgufInfo) -> LoadedModel:
@@ -46,18 +50,21 @@ def gguf_draft(info: GgufInfo) -> LoadedModel:
 
 
 class GgufProposer(DraftModelProposer):
-    """Drafts with a GGUF file on llama.cpp. Not thread-safe: the serving loop calls it from one worker."""
+    """Drafts with a GGUF file, on its backend (``shared.runner.gguf_backend``: specfleet's 4-bit kernel
+    or llama.cpp). Not thread-safe: the serving loop calls it from one worker."""
 
     name = "gguf"
 
-    def __init__(self, runner: LlamaRunner, mode: str = "sampled", nucleus: Nucleus | None = None,
+    def __init__(self, runner: SegmentRunner, info: GgufInfo, mode: str = "sampled", nucleus: Nucleus | None = None,
                  share_prefixes: bool = True) -> None:
-        super().__init__(runner, runner.info.eos_ids, mode, nucleus, share_prefixes)
-        self.info: GgufInfo = runner.info
-        #: lookahead branches pay only where an extra row of a forward is nearly free: llama.cpp on a GPU
-        self.branches_pay = runner.gpu
+        super().__init__(runner, info.eos_ids, mode, nucleus, share_prefixes)
+        self.info = info
+        self.backend = "llama.cpp" if isinstance(runner, LlamaRunner) else "specfleet"
+        #: lookahead branches pay only where an extra row of a forward is nearly free: llama.cpp on a GPU,
+        #: or specfleet's 4-bit kernel (4 rows cost 1.5 times 1 row's step: its integer products are cheap)
+        self.branches_pay = runner.gpu if isinstance(runner, LlamaRunner) else True
 
     def close_model(self) -> None:
-        """Free llama.cpp's context and weights (the drafter's shutdown)."""
-        assert isinstance(self.runner, LlamaRunner)
-        self.runner.close()
+        """Free llama.cpp's context and weights (the drafter's shutdown); the specfleet backend's go with it."""
+        if isinstance(self.runner, LlamaRunner):
+            self.runner.close()

@@ -1,0 +1,210 @@
+// specfleet's 4-bit matmul (shared/runner/rowwise.py: pack_q4, and the q4 weights of linear and Layer).
+//
+// A weight in Q4_1's blocks, as a GGUF file holds them: every 32 inputs of an output share a scale d
+// and a minimum m (float16), and each weight is d * q + m with q a 4-bit code, 0 to 15. Packed once into
+// panels of 16 outputs, [panels, in / 32, 320] bytes: per block, the 16 outputs' d, then their m, then
+// 256 bytes of codes, laid out so that one 512-bit load holds 16 outputs x 4 inputs x 2 (low and high
+// nibbles: input groups 2c and 2c + 1 of the block).
+//
+// The activations are quantized per row and block of 32 to int8 (as llama.cpp's Q8_1: dx = max |x| / 127,
+// qx = round(x / dx), sx = dx * sum(qx)), so each block's products are integer dot products:
+//   out[o] = sum over blocks b, in order, of (d[o,b] * dx[b]) * sum_i q[o,i] qx[i] + m[o,b] * sx[b]
+// The integer sums are exact, on AVX512-VNNI (vpdpbusd) or on AVX2 (vpmaddubsw, vpmaddwd) alike, and the
+// float steps are the same two fused multiply-adds per block in either, so both give the same bits,
+// and a row's result never depends on the other rows, the tiling or the threads.
+//
+// Decode reads 5/8 of a byte per weight (about 0.31 of bfloat16's), with a few integer instructions per
+// 64 weights: the memory's rate, where llama.cpp's own Q4_1 kernel ran at 9.5 GB/s on a core that
+// streams 26 (bench/results, edge-drafts, 2026-12-04).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kPanel = 16, kBlock = 32, kBlockBytes = 320;
+constexpr int kGroups = kBlock / 4;  // 4 inputs per 32-bit lane
+
+// One row's activations, quantized: codes [K], and per block its scale and its scaled code sum.
+struct Quantized {
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+};
+
+Quantized quantize(const float* x, int64_t R, int64_t K) {
+  const int64_t KB = K / kBlock;
+  Quantized out{std::vector<int8_t>(R * K), std::vector<float>(R * KB), std::vector<float>(R * KB)};
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t b = 0; b < KB; ++b) {
+      const float* xb = x + r * K + b * kBlock;
+      float amax = 0.0f;
+      for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
+      const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+      int sum = 0;
+      for (int i = 0; i < kBlock; ++i) {
+        const int v = std::clamp(static_cast<int>(std::nearbyint(xb[i] * inv)), -127, 127);
+        out.q[r * K + b * kBlock + i] = static_cast<int8_t>(v);
+        sum += v;
+      }
+      out.d[r * KB + b] = d;
+      out.s[r * KB + b] = d * static_cast<float>(sum);
+    }
+  return out;
+}
+
+inline int32_t group(const int8_t* q, int g) {  // 4 codes as one 32-bit lane
+  int32_t v;
+  std::memcpy(&v, q + 4 * g, sizeof v);
+  return v;
+}
+
+#define SPECFLEET_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define SPECFLEET_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni,f16c,fma")))
+
+// rows [0, R) of one panel (16 outputs, j0..), AVX2: two 8-output halves
+template <int R>
+SPECFLEET_AVX2 void tile2(const uint8_t* p, const Quantized& x, int64_t r0, float* out, int64_t K, int64_t N,
+                          int64_t j0) {
+  const int64_t KB = K / kBlock;
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < KB; ++b) {
+    const uint8_t* blk = p + b * kBlockBytes;
+    for (int h = 0; h < 2; ++h) {
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * h)));
+      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + 16 * h)));
+      __m256i w[kGroups];
+      for (int c = 0; c < kGroups / 2; ++c) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 + 64 * c + 32 * h));
+        w[2 * c] = _mm256_and_si256(v, low);
+        w[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      }
+      for (int r = 0; r < R; ++r) {
+        const int64_t row = r0 + r;
+        const int8_t* q = x.q.data() + row * K + b * kBlock;
+        __m256i part[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+        for (int g = 0; g < kGroups; ++g)
+          part[g % 2] = _mm256_add_epi32(
+              part[g % 2], _mm256_madd_epi16(_mm256_maddubs_epi16(w[g], _mm256_set1_epi32(group(q, g))), ones));
+        const __m256i isum = _mm256_add_epi32(part[0], part[1]);
+        const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(x.d[row * KB + b]));
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc[r][h]);
+        acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.s[row * KB + b]), acc[r][h]);
+      }
+    }
+  }
+  alignas(32) float buf[kPanel];
+  for (int r = 0; r < R; ++r) {
+    _mm256_store_ps(buf, acc[r][0]);
+    _mm256_store_ps(buf + 8, acc[r][1]);
+    const int64_t left = std::clamp<int64_t>(N - j0, 0, kPanel);  // the last panel's padding outputs are dropped
+    std::memcpy(out + (r0 + r) * N + j0, buf, left * sizeof(float));
+  }
+}
+
+// the same on AVX512-VNNI: the 16 outputs in one register, 4 inputs per vpdpbusd
+template <int R>
+SPECFLEET_VNNI void tile512(const uint8_t* p, const Quantized& x, int64_t r0, float* out, int64_t K, int64_t N,
+                            int64_t j0) {
+  const int64_t KB = K / kBlock;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < KB; ++b) {
+    const uint8_t* blk = p + b * kBlockBytes;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
+    __m512i w[kGroups];
+    for (int c = 0; c < kGroups / 2; ++c) {
+      const __m512i v = _mm512_loadu_si512(blk + 64 + 64 * c);
+      w[2 * c] = _mm512_and_si512(v, low);
+      w[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    }
+    __m512i part[R][2];  // two chains per row, every row's at once: vpdpbusd's latency overlaps (integers: exact)
+    for (int r = 0; r < R; ++r) part[r][0] = part[r][1] = _mm512_setzero_si512();
+    for (int g = 0; g < kGroups; ++g)
+      for (int r = 0; r < R; ++r) {
+        const int8_t* q = x.q.data() + (r0 + r) * K + b * kBlock;
+        part[r][g % 2] = _mm512_dpbusd_epi32(part[r][g % 2], w[g], _mm512_set1_epi32(group(q, g)));
+      }
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = r0 + r;
+      const __m512i isum = _mm512_add_epi32(part[r][0], part[r][1]);
+      const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(x.d[row * KB + b]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[r]);
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.s[row * KB + b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const int64_t left = std::clamp<int64_t>(N - j0, 0, kPanel);
+    _mm512_mask_storeu_ps(out + (r0 + r) * N + j0, static_cast<__mmask16>((1u << left) - 1u), acc[r]);
+  }
+}
+
+template <bool Wide>
+void panel(const uint8_t* p, const Quantized& x, float* out, int64_t R, int64_t K, int64_t N, int64_t j0) {
+  int64_t r = 0;
+  auto run = [&](auto rows) {
+    constexpr int n = decltype(rows)::value;
+    if constexpr (Wide) tile512<n>(p, x, r, out, K, N, j0);
+    else tile2<n>(p, x, r, out, K, N, j0);
+    r += n;
+  };
+  while (R - r >= 4) run(std::integral_constant<int, 4>{});
+  if (R - r == 3) run(std::integral_constant<int, 3>{});
+  if (R - r == 2) run(std::integral_constant<int, 2>{});
+  if (R - r == 1) run(std::integral_constant<int, 1>{});
+}
+
+}  // namespace
+
+bool q4_vnni() { return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw"); }
+
+// out[R, N] = x[R, K] @ the Q4-packed weight's [N, K].T; wide: AVX512-VNNI (else AVX2, the same bits)
+void q4_into(const float* xp, const uint8_t* pp, float* op, int64_t R, int64_t K, int64_t N, int64_t P, bool wide) {
+  if (R == 0 || N == 0) return;
+  const Quantized x = quantize(xp, R, K);
+  const int64_t ldp = (K / kBlock) * kBlockBytes;
+  at::parallel_for(0, P, 1, [&](int64_t a, int64_t b) {
+    for (int64_t q = a; q < b; ++q) {
+      if (wide) panel<true>(pp + q * ldp, x, op, R, K, N, q * kPanel);
+      else panel<false>(pp + q * ldp, x, op, R, K, N, q * kPanel);
+    }
+  });
+}
+
+// Q4_1 blocks of a float32 weight [N, K] (K a multiple of 32): codes [N, K] (0 to 15), d and m [N, K / 32]
+// as float16 bits, packed into panels of 16 outputs (``pack_q4`` in rowwise.py computes the blocks).
+torch::Tensor q4_pack(torch::Tensor codes, torch::Tensor d, torch::Tensor m) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == torch::kUInt8 && codes.size(1) % kBlock == 0 &&
+                  d.scalar_type() == torch::kInt16 && m.scalar_type() == torch::kInt16 &&
+                  d.size(0) == codes.size(0) && d.size(1) == codes.size(1) / kBlock && m.sizes() == d.sizes(),
+              "rowwise.pack_q4: codes [N, K] uint8 (K a multiple of 32), d and m [N, K / 32] float16 bits");
+  codes = codes.contiguous(), d = d.contiguous(), m = m.contiguous();
+  const int64_t N = codes.size(0), K = codes.size(1), KB = K / kBlock, P = (N + kPanel - 1) / kPanel;
+  auto out = torch::zeros({P, KB, kBlockBytes}, torch::kUInt8);
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  const int16_t* dp = d.data_ptr<int16_t>();
+  const int16_t* mp = m.data_ptr<int16_t>();
+  uint8_t* o = out.data_ptr<uint8_t>();
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t p = n / kPanel, lane = n % kPanel;
+    for (int64_t b = 0; b < KB; ++b) {
+      uint8_t* blk = o + (p * KB + b) * kBlockBytes;
+      std::memcpy(blk + 2 * lane, dp + n * KB + b, 2);
+      std::memcpy(blk + 32 + 2 * lane, mp + n * KB + b, 2);
+      for (int g = 0; g < kGroups; ++g)
+        for (int i = 0; i < 4; ++i) {
+          const uint8_t code = c[n * K + b * kBlock + 4 * g + i] & 0x0F;
+          blk[64 + 64 * (g / 2) + 4 * lane + i] |= static_cast<uint8_t>(g % 2 ? code << 4 : code);
+        }
+    }
+  }
+  return out;
+}

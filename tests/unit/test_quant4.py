@@ -1,0 +1,114 @@
+"""The 4-bit matmul (``shared/runner/quant4.cpp``) and the GGUF drafts it runs
+(``shared.runner.gguf_backend``): its products are the dequantized weight's over the activations
+quantized per block, bitwise the same on AVX2 and AVX512-VNNI, whatever the rows and threads; Q4_1
+blocks come back exactly from their own dequantized weights; a tiny Q4_1 GGUF drafts on it through the
+GGUF proposer as greedy decoding of its own logits."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.drafter.proposers.base import DraftJob, JobSession
+from services.drafter.proposers.gguf import GgufProposer, gguf_draft
+from shared.gguf_files import read_gguf
+from shared.gguf_write import write_llama_gguf
+from shared.models import ModelLoadError
+from shared.runner import ModelRunner, Segment, rowwise
+from shared.runner.gguf_backend import exact_matrices, q4_runner, resolve_backend
+from shared.runner.runner import greedy_decode
+from tests.unit.draft_proposer_support import FULL_GREEDY, PROMPT, gen
+
+pytestmark = pytest.mark.skipif(bool(rowwise.q4_why_unavailable()), reason="the 4-bit kernel cannot run here")
+
+
+def quantized_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x quantized per block of 32 (as Q8_1) times the dequantized weight, in float64."""
+    rows, width = x.shape
+    blocks = x.reshape(rows, width // 32, 32)
+    scale = blocks.abs().amax(-1) / 127
+    inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    codes = (blocks * inv.unsqueeze(-1)).round().clamp(-127, 127)
+    xq = (codes * scale.unsqueeze(-1)).reshape(rows, width)
+    return xq.double() @ rowwise.q4_dequantized(weight).double().T
+
+
+@pytest.mark.parametrize(("rows", "width", "out"), [(1, 32, 16), (3, 64, 40), (5, 576, 200), (9, 1536, 17)])
+def test_a_product_is_the_dequantized_weights_over_the_quantized_activations(rows: int, width: int, out: int) -> None:
+    g = torch.Generator().manual_seed(rows * width)
+    weight, x = torch.randn(out, width, generator=g), torch.randn(rows, width, generator=g)
+    got = rowwise.linear(x, rowwise.pack_q4(weight), out)
+    want = quantized_reference(x, weight)
+    assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max()) + 1e-5
+
+
+def test_avx2_and_avx512_vnni_give_the_same_bits_and_a_row_its_own() -> None:
+    g = torch.Generator().manual_seed(1)
+    weight, x = torch.randn(100, 576, generator=g), torch.randn(7, 576, generator=g)
+    packed = rowwise.pack_q4(weight)
+    narrow = rowwise.linear_q4(x, packed, 100, wide=False)
+    if rowwise.q4_vnni():
+        assert torch.equal(rowwise.linear_q4(x, packed, 100, wide=True), narrow)
+    assert torch.equal(rowwise.linear(x[4:5], packed, 100), narrow[4:5])
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = rowwise.linear(x, packed, 100)
+        torch.set_num_threads(4)
+        assert torch.equal(rowwise.linear(x, packed, 100), one)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_q4_1_blocks_come_back_from_their_own_dequantized_weight() -> None:
+    weight = torch.randn(48, 96, generator=torch.Generator().manual_seed(2))
+    once = rowwise.q4_dequantized(weight)
+    assert torch.equal(rowwise.q4_dequantized(once), once)
+    assert all(torch.equal(a, b) for a, b in zip(rowwise.q4_blocks(once), rowwise.q4_blocks(weight), strict=True))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        rowwise.pack_q4(torch.randn(4, 40))
+
+
+@pytest.fixture(scope="module")
+def q4_gguf(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_llama_gguf(tiny_models["target"], tmp_path_factory.mktemp("q4") / "target.Q4_1.gguf", "q4_1")
+
+
+def test_auto_runs_a_q4_1_file_on_the_kernel_and_keeps_its_blocks(q4_gguf: Path, tiny_ggufs: dict[str, Path]) -> None:
+    info = read_gguf(q4_gguf)
+    assert info.file_type == "Q4_1" and resolve_backend(info, "auto") in ("specfleet", "llama.cpp")
+    assert resolve_backend(read_gguf(tiny_ggufs["target"]), "auto") == "llama.cpp"  # a float32 file
+    with pytest.raises(ModelLoadError, match="--gguf-backend must be one of"):
+        resolve_backend(info, "onnx")
+    runner = q4_runner(info, 1 << 20)
+    assert runner.fused and runner.matmul == "q4"
+    kept, total = exact_matrices(runner._reference)
+    assert kept == total - 1  # every layer's matrix; the head is float32 in this file
+
+
+def test_a_q4_gguf_drafts_greedy_decoding_of_its_own_logits(q4_gguf: Path) -> None:
+    info = read_gguf(q4_gguf)
+    runner = q4_runner(info, 1 << 20)
+    proposer = GgufProposer(runner, info)
+    assert proposer.backend == "specfleet" and proposer.branches_pay
+    assert gguf_draft(info).fingerprint == proposer.info.vocabulary.fingerprint
+    proposer.start("a", PROMPT, 64)
+    (proposal,) = proposer.propose([DraftJob(JobSession("a", FULL_GREEDY, gen(0)), 6)])
+    assert proposal.token_ids == greedy_decode(runner, PROMPT, 6, set())
+    assert proposal.q is None and len(proposal.runner_up) == 6
+
+
+def test_fused_blocks_over_4_bits_match_the_torch_ops(q4_gguf: Path) -> None:
+    fused = q4_runner(read_gguf(q4_gguf), 1 << 20)
+    loaded = dataclasses.replace(gguf_draft(read_gguf(q4_gguf)), model=fused._reference)
+    ops = ModelRunner(loaded, 1 << 20, kind="lean", matmul="q4", fuse=False)
+    assert not ops.fused
+    logits = []
+    for runner in (fused, ops):
+        slot = runner.kv.allocate(len(PROMPT))
+        assert slot is not None
+        logits.append(runner.forward([Segment(slot, PROMPT, 0)]))
+    assert torch.allclose(logits[0], logits[1], atol=1e-4, rtol=1e-4)
