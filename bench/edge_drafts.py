@@ -73,6 +73,10 @@ def scenarios(target: Path) -> dict[str, Scenario]:
         "target-only": Scenario("target-only"),
         "default-fleet": Scenario(fleet, drafters=len(FLEET_WIDTHS), drafts=drafts, drafter_flags=own,
                                   speculation="auto", allocation=""),
+        # the Q8_0 copy on specfleet's 4-bit kernel too, requantized to Q4_1 blocks (shared.runner.gguf_backend)
+        "fleet-4bit": Scenario(fleet + ", both on the 4-bit kernel", drafters=len(FLEET_WIDTHS), drafts=drafts,
+                               drafter_flags=(*own, "--gguf-backend", "specfleet"), speculation="auto",
+                               allocation=""),
         # the baseline of the verifier's measured guard (services/verifier/allocation/pays.py): the policy alone
         "unguarded": Scenario(fleet + ", policy alone", drafters=len(FLEET_WIDTHS), drafts=drafts, drafter_flags=own,
                               speculation="auto", verifier_flags=("--speculation-guard", "false"), allocation=""),
@@ -257,7 +261,8 @@ def write(rows: list[dict[str, Any]], found: list[dict[str, Any]], meta: dict[st
              f"{meta['dtype']}).", "",
              f"One-token steps: target {meta['costs']['target']:.1f} ms on the server CPU; "
              + ", ".join(f"{k} {v:.1f} ms" for k, v in meta["costs"].items() if k != "target")
-             + " on the edge CPU (one thread; the Q4_1 copy on specfleet's 4-bit kernel, the others on llama.cpp).", "",
+             + " on the edge CPU (one thread, each on a drafter's default backend: the Q4_1 and Q8_0 copies on "
+             "specfleet's 4-bit kernel, the Q4_0 on llama.cpp).", "",
              "| scenario | concurrency | tokens/s (median) | runs | vs target-only (median of repeats) "
              "| the dashboard's est. speedup | acceptance | TPOT p50 / p99 ms | TTFT p50 s "
              "| busy: verifier / draft models / edge services |",
@@ -291,7 +296,8 @@ def plot(rows: list[dict[str, Any]], path: Path, meta: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench edge-drafts", description=__doc__.splitlines()[0])
     p.add_argument("--scenarios", default="target-only,default-fleet,unguarded,q4_1,q8_0,q4_0,distilled,ngram",
-                   help="comma list of: target-only, default-fleet, unguarded (the default fleet without the "
+                   help="comma list of: target-only, default-fleet, fleet-4bit (the default fleet with the Q8_0 copy "
+                        "on specfleet's 4-bit kernel too), unguarded (the default fleet without the "
                         "verifier's measured guard), no-riders (the default fleet filling only in steps with nothing "
                         "to verify), unshared (the default fleet's drafters prefilling every prompt whole), q4_1, "
                         "q8_0, q4_0, distilled, ngram")

@@ -178,7 +178,8 @@ def write_report(report: dict[str, Any], path: Path = MEASURED) -> None:
               "picture of a real 4-bit copy.", "",
               "specfleet's 4-bit kernel (`shared/runner/quant4.cpp`, `shared.runner.gguf_backend`) multiplies by the "
               "Q4_1 file's own blocks (every layer's matrix; the Q8_0 embedding, which is also the head, requantized "
-              "to Q4_1 with each row's 16 best logits recomputed from the file's weights) over activations quantized "
-              "to int8 per block of 32, as llama.cpp's Q8_1 does; its step includes the drafter's Python per step.",
+              "to Q4_1 with each row's 16 best logits recomputed from the file's weights), and a Q8_0 file's cut to "
+              "Q4_1, over activations quantized to int8 per block of 32, as llama.cpp's Q8_1 does; its step includes "
+              "the drafter's Python per step.",
               ""]
     (path.parent / "README.md").write_text("\n".join(lines))

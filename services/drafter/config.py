@@ -71,7 +71,8 @@ class GgufSection:
 
     gguf_backend: str = opt("auto", "what runs a GGUF draft: specfleet (its own 4-bit kernel: every matrix in Q4_1's "
                                     "blocks, a Q4_1 file's kept exactly; lean architectures on a CPU with AVX2), "
-                                    "llama.cpp, or auto (specfleet for a Q4_1 file on a CPU, else llama.cpp)")
+                                    "llama.cpp, or auto (specfleet for a Q4_1 or Q8_0 file on a CPU, the latter cut "
+                                    "to 4 bits, else llama.cpp)")
     threads: int = opt(0, "a GGUF draft's llama.cpp threads; 0: --torch-threads, or when that is 0 too, every CPU "
                           "this process may run on")
 

@@ -64,7 +64,10 @@ inline int32_t group(const int8_t* q, int g) {  // 4 codes as one 32-bit lane
 }
 
 #define SPECFLEET_AVX2 __attribute__((target("avx2,fma,f16c")))
+#if defined(__clang__) || __GNUC__ >= 8  // the compilers that know AVX512-VNNI's intrinsics
+#define SPECFLEET_Q4_VNNI 1
 #define SPECFLEET_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni,f16c,fma")))
+#endif
 
 // rows [0, R) of one panel (16 outputs, j0..), AVX2: two 8-output halves
 template <int R>
@@ -108,6 +111,7 @@ SPECFLEET_AVX2 void tile2(const uint8_t* p, const Quantized& x, int64_t r0, floa
   }
 }
 
+#ifdef SPECFLEET_Q4_VNNI
 // the same on AVX512-VNNI: the 16 outputs in one register, 4 inputs per vpdpbusd
 template <int R>
 SPECFLEET_VNNI void tile512(const uint8_t* p, const Quantized& x, int64_t r0, float* out, int64_t K, int64_t N,
@@ -146,14 +150,19 @@ SPECFLEET_VNNI void tile512(const uint8_t* p, const Quantized& x, int64_t r0, fl
     _mm512_mask_storeu_ps(out + (r0 + r) * N + j0, static_cast<__mmask16>((1u << left) - 1u), acc[r]);
   }
 }
+#endif  // SPECFLEET_Q4_VNNI
 
 template <bool Wide>
 void panel(const uint8_t* p, const Quantized& x, float* out, int64_t R, int64_t K, int64_t N, int64_t j0) {
   int64_t r = 0;
   auto run = [&](auto rows) {
     constexpr int n = decltype(rows)::value;
+#ifdef SPECFLEET_Q4_VNNI
     if constexpr (Wide) tile512<n>(p, x, r, out, K, N, j0);
     else tile2<n>(p, x, r, out, K, N, j0);
+#else
+    tile2<n>(p, x, r, out, K, N, j0);
+#endif
     r += n;
   };
   while (R - r >= 4) run(std::integral_constant<int, 4>{});
@@ -164,7 +173,13 @@ void panel(const uint8_t* p, const Quantized& x, float* out, int64_t R, int64_t 
 
 }  // namespace
 
-bool q4_vnni() { return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw"); }
+bool q4_vnni() {
+#ifdef SPECFLEET_Q4_VNNI
+  return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
+#else
+  return false;
+#endif
+}
 
 // out[R, N] = x[R, K] @ the Q4-packed weight's [N, K].T; wide: AVX512-VNNI (else AVX2, the same bits)
 void q4_into(const float* xp, const uint8_t* pp, float* op, int64_t R, int64_t K, int64_t N, int64_t P, bool wide) {

@@ -81,6 +81,8 @@ def test_auto_runs_a_q4_1_file_on_the_kernel_and_keeps_its_blocks(q4_gguf: Path,
     info = read_gguf(q4_gguf)
     assert info.file_type == "Q4_1" and resolve_backend(info, "auto") in ("specfleet", "llama.cpp")
     assert resolve_backend(read_gguf(tiny_ggufs["target"]), "auto") == "llama.cpp"  # a float32 file
+    assert resolve_backend(dataclasses.replace(info, file_type="Q4_0"), "auto") == "llama.cpp"  # cut to Q4_1, it loses
+    assert resolve_backend(dataclasses.replace(info, file_type="Q8_0"), "auto") == resolve_backend(info, "auto")
     with pytest.raises(ModelLoadError, match="--gguf-backend must be one of"):
         resolve_backend(info, "onnx")
     runner = q4_runner(info, 1 << 20)

@@ -5,8 +5,9 @@ on almost every token, at a fraction of its step (``docs/models.md``; ML-SpecQD 
 way on CPUs). Any GGUF file whose token ids are the target's can draft.
 
 The proposer is the draft-model proposer (``draft_model.py``) over the file's runner: specfleet's lean
-runner with every matrix in 4-bit blocks (a Q4_1 file's by default, where it is 4 times llama.cpp's
-speed on a CPU), or llama.cpp (``shared.runner.llama``) for other files and GPUs; the choice is
+runner with every matrix in 4-bit blocks (by default a Q4_1 file's own, or a Q8_0 file's cut to 4 bits:
+on a CPU 2 to 2.5 times llama.cpp's speed), or llama.cpp (``shared.runner.llama``) for other files and
+GPUs; the choice is
 ``--gguf-backend`` (``shared.runner.gguf_backend``). It keeps the draft-model proposer's whole contract
 (described here for llama.cpp; the specfleet backend is the draft-model proposer's own runner):
 
