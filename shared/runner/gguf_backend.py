@@ -53,6 +53,8 @@ def resolve_backend(info: GgufInfo, backend: str) -> str:
     """``specfleet`` or ``llama.cpp`` for ``info``'s file; a backend named that cannot run it is an error."""
     if backend not in GGUF_BACKENDS:
         raise ModelLoadError(f"--gguf-backend must be one of {', '.join(GGUF_BACKENDS)}, got {backend!r}")
+    if backend == "llama.cpp":
+        return backend
     why = _why_not_specfleet(info)
     if backend == "specfleet" and why:
         raise ModelLoadError(f"--gguf-backend specfleet cannot run {info.name}: {why}; use --gguf-backend llama.cpp")
@@ -72,10 +74,15 @@ def _why_not_specfleet(info: GgufInfo) -> str:
 
 
 def _llama_gpu() -> bool:
-    """Whether llama.cpp is installed here built for a GPU (then its drafts run there)."""
+    """Whether llama.cpp is installed here built for a GPU (then its drafts run there); False where it
+    cannot even load (the 4-bit kernel then drafts)."""
     from shared.llama_lib import gpu_present, llama_cpp_available, llama_cpp_module
 
-    return llama_cpp_available() and bool(gpu_present(llama_cpp_module()))
+    try:
+        return llama_cpp_available() and bool(gpu_present(llama_cpp_module()))
+    except Exception as exc:  # a broken llama.cpp install raises more than ImportError; auto does not need it
+        log.warning("llama.cpp could not be asked whether it runs on a GPU", reason=repr(exc)[:200])
+        return False
 
 
 def q4_runner(info: GgufInfo, kv_budget_bytes: int, self_check: bool = True) -> Any:
@@ -108,10 +115,19 @@ def exact_matrices(model: Any) -> tuple[int, int]:
 
 def gguf_runner(info: GgufInfo, kv_budget_bytes: int, backend: str = "auto", threads: int = 0,
                 sequences: int = 16) -> SegmentRunner:
-    """``info``'s draft on its backend (:func:`resolve_backend`)."""
-    if resolve_backend(info, backend) == "specfleet":
-        return q4_runner(info, kv_budget_bytes)
+    """``info``'s draft on its backend (:func:`resolve_backend`). Under ``auto``, a file the 4-bit kernel
+    cannot load (transformers refuses it, a width not a multiple of 32, the self-check) goes to llama.cpp,
+    with one log line."""
     from shared.runner.llama import LlamaRunner
+
+    if resolve_backend(info, backend) == "specfleet":
+        try:
+            return q4_runner(info, kv_budget_bytes)
+        except ModelLoadError as exc:
+            if backend != "auto":
+                raise
+            log.warning("the 4-bit kernel cannot run this GGUF draft; llama.cpp runs it", file=info.name,
+                        reason=str(exc)[:300])
 
     return LlamaRunner(info, kv_budget_bytes, threads, sequences)
 

@@ -43,11 +43,19 @@ Quantized quantize(const float* x, int64_t R, int64_t K) {
     for (int64_t b = 0; b < KB; ++b) {
       const float* xb = x + r * K + b * kBlock;
       float amax = 0.0f;
-      for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
-      const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+      bool finite = true;
+      for (int i = 0; i < kBlock; ++i) {
+        amax = std::max(amax, std::fabs(xb[i]));
+        finite = finite && std::isfinite(xb[i]);
+      }
+      float d = amax / 127.0f;
+      if (!finite) d = NAN;  // a NaN or an infinity in the block makes its outputs NaN, never a finite guess
+      else if (!std::isnormal(d)) d = 0.0f;  // a block of zeros, or too tiny for 1 / d: it adds nothing
+      const float inv = d > 0.0f ? 1.0f / d : 0.0f;
       int sum = 0;
       for (int i = 0; i < kBlock; ++i) {
-        const int v = std::clamp(static_cast<int>(std::nearbyint(xb[i] * inv)), -127, 127);
+        const float scaled = std::clamp(xb[i] * inv, -127.0f, 127.0f);  // in range before the conversion
+        const int v = d > 0.0f ? static_cast<int>(std::nearbyint(scaled)) : 0;
         out.q[r * K + b * kBlock + i] = static_cast<int8_t>(v);
         sum += v;
       }
@@ -198,6 +206,7 @@ void q4_into(const float* xp, const uint8_t* pp, float* op, int64_t R, int64_t K
 // as float16 bits, packed into panels of 16 outputs (``pack_q4`` in rowwise.py computes the blocks).
 torch::Tensor q4_pack(torch::Tensor codes, torch::Tensor d, torch::Tensor m) {
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == torch::kUInt8 && codes.size(1) % kBlock == 0 &&
+                  codes.device().is_cpu() && d.device().is_cpu() && m.device().is_cpu() && d.dim() == 2 &&
                   d.scalar_type() == torch::kInt16 && m.scalar_type() == torch::kInt16 &&
                   d.size(0) == codes.size(0) && d.size(1) == codes.size(1) / kBlock && m.sizes() == d.sizes(),
               "rowwise.pack_q4: codes [N, K] uint8 (K a multiple of 32), d and m [N, K / 32] float16 bits");

@@ -261,8 +261,8 @@ bool any_packed(const torch::Tensor& p) {
 
 // the 4-bit product on AVX2's instructions even where AVX512-VNNI runs (the tests: the same bits)
 torch::Tensor linear_q4(torch::Tensor x, torch::Tensor p, int64_t N, bool wide) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && is_q4(p) && p.is_contiguous() &&
-                  fits(p, x.size(1), N) && (!wide || q4_vnni()),
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.device().is_cpu() && any_packed(p) &&
+                  is_q4(p) && fits(p, x.size(1), N) && (!wide || q4_vnni()),
               "rowwise.linear_q4 wants float32 activations and a weight from pack_q4 that fits them");
   x = x.contiguous();
   auto out = torch::empty({x.size(0), N}, x.options());

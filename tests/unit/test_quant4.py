@@ -17,7 +17,7 @@ from services.drafter.proposers.gguf import GgufProposer, gguf_draft
 from shared.gguf_files import read_gguf
 from shared.gguf_write import write_llama_gguf
 from shared.models import ModelLoadError
-from shared.runner import ModelRunner, Segment, rowwise
+from shared.runner import ModelRunner, Segment, gguf_backend, rowwise
 from shared.runner.gguf_backend import exact_matrices, q4_runner, resolve_backend
 from shared.runner.runner import greedy_decode
 from tests.unit.draft_proposer_support import FULL_GREEDY, PROMPT, gen
@@ -45,14 +45,21 @@ def test_a_product_is_the_dequantized_weights_over_the_quantized_activations(row
     assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max()) + 1e-5
 
 
-def test_avx2_and_avx512_vnni_give_the_same_bits_and_a_row_its_own() -> None:
+@pytest.mark.skipif(not rowwise.q4_vnni(), reason="no AVX512-VNNI here to compare AVX2 with")
+def test_avx2_and_avx512_vnni_give_the_same_bits() -> None:
+    g = torch.Generator().manual_seed(1)
+    weight, x = torch.randn(100, 576, generator=g), torch.randn(7, 576, generator=g)
+    packed = rowwise.pack_q4(weight)
+    assert torch.equal(rowwise.linear_q4(x, packed, 100, wide=True), rowwise.linear_q4(x, packed, 100, wide=False))
+
+
+def test_a_row_gets_its_own_result_whatever_the_rows_and_threads() -> None:
     g = torch.Generator().manual_seed(1)
     weight, x = torch.randn(100, 576, generator=g), torch.randn(7, 576, generator=g)
     packed = rowwise.pack_q4(weight)
     narrow = rowwise.linear_q4(x, packed, 100, wide=False)
-    if rowwise.q4_vnni():
-        assert torch.equal(rowwise.linear_q4(x, packed, 100, wide=True), narrow)
-    assert torch.equal(rowwise.linear(x[4:5], packed, 100), narrow[4:5])
+    assert torch.equal(rowwise.linear_q4(x[4:5], packed, 100, wide=False), narrow[4:5])
+    assert torch.equal(rowwise.linear(x[4:5], packed, 100), rowwise.linear(x, packed, 100)[4:5])
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -61,6 +68,21 @@ def test_avx2_and_avx512_vnni_give_the_same_bits_and_a_row_its_own() -> None:
         assert torch.equal(rowwise.linear(x, packed, 100), one)
     finally:
         torch.set_num_threads(before)
+
+
+def test_tiny_activations_add_nothing_and_a_nan_shows() -> None:
+    weight = torch.randn(16, 64, generator=torch.Generator().manual_seed(3))
+    packed = rowwise.pack_q4(weight)
+    x = torch.full((3, 64), 1e-37)  # 1 / (max / 127) overflows: the block adds nothing, never a wrong sign
+    x[1, 5] = float("nan")
+    x[2, :32] = torch.randn(32)
+    out = rowwise.linear(x, packed, 16)
+    assert torch.equal(out[0], torch.zeros(16))
+    assert bool(out[1].isnan().all())
+    assert torch.allclose(out[2], quantized_reference(x[2:3].where(x[2:3].abs() > 1e-30, 0.0), weight)[0].float(),
+                          atol=1e-4)
+    with pytest.raises(RuntimeError, match="linear_q4 wants"):
+        rowwise.linear_q4(x, weight, 16, wide=False)
 
 
 def test_q4_1_blocks_come_back_from_their_own_dequantized_weight() -> None:
@@ -77,18 +99,40 @@ def q4_gguf(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFacto
     return write_llama_gguf(tiny_models["target"], tmp_path_factory.mktemp("q4") / "target.Q4_1.gguf", "q4_1")
 
 
-def test_auto_runs_a_q4_1_file_on_the_kernel_and_keeps_its_blocks(q4_gguf: Path, tiny_ggufs: dict[str, Path]) -> None:
+def test_auto_runs_a_q4_1_file_on_the_kernel_and_keeps_its_blocks(q4_gguf: Path, tiny_ggufs: dict[str, Path],
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     info = read_gguf(q4_gguf)
-    assert info.file_type == "Q4_1" and resolve_backend(info, "auto") in ("specfleet", "llama.cpp")
-    assert resolve_backend(read_gguf(tiny_ggufs["target"]), "auto") == "llama.cpp"  # a float32 file
+    monkeypatch.setattr(gguf_backend, "_llama_gpu", lambda: False)
+    assert info.file_type == "Q4_1" and resolve_backend(info, "auto") == "specfleet"
+    assert resolve_backend(dataclasses.replace(info, file_type="Q8_0"), "auto") == "specfleet"  # cut to 4 bits
     assert resolve_backend(dataclasses.replace(info, file_type="Q4_0"), "auto") == "llama.cpp"  # cut to Q4_1, it loses
-    assert resolve_backend(dataclasses.replace(info, file_type="Q8_0"), "auto") == resolve_backend(info, "auto")
+    assert resolve_backend(read_gguf(tiny_ggufs["target"]), "auto") == "llama.cpp"  # a float32 file
+    assert resolve_backend(info, "llama.cpp") == "llama.cpp"
+    monkeypatch.setattr(gguf_backend, "_llama_gpu", lambda: True)  # llama.cpp built for a GPU drafts there
+    assert resolve_backend(info, "auto") == "llama.cpp"
     with pytest.raises(ModelLoadError, match="--gguf-backend must be one of"):
         resolve_backend(info, "onnx")
     runner = q4_runner(info, 1 << 20)
     assert runner.fused and runner.matmul == "q4"
     kept, total = exact_matrices(runner._reference)
     assert kept == total - 1  # every layer's matrix; the head is float32 in this file
+
+
+def test_auto_falls_back_to_llama_cpp_where_the_kernel_cannot_load_the_file(q4_gguf: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("llama_cpp")
+    from shared.runner.llama import LlamaRunner
+
+    def refuse(*_: object, **__: object) -> None:
+        raise ModelLoadError("a width that is not a multiple of 32")
+
+    monkeypatch.setattr(gguf_backend, "_llama_gpu", lambda: False)
+    monkeypatch.setattr(gguf_backend, "q4_runner", refuse)
+    runner = gguf_backend.gguf_runner(read_gguf(q4_gguf), 1 << 20, "auto", threads=1, sequences=2)
+    assert isinstance(runner, LlamaRunner)
+    runner.close()
+    with pytest.raises(ModelLoadError, match="multiple of 32"):
+        gguf_backend.gguf_runner(read_gguf(q4_gguf), 1 << 20, "specfleet")
 
 
 def test_a_q4_gguf_drafts_greedy_decoding_of_its_own_logits(q4_gguf: Path) -> None:
