@@ -349,6 +349,32 @@ inline void dot4(const float* q, const float* k, int64_t n, float* out) {
   }
 }
 
+// The 8 lanes of each of a[0..8), in lanes_sum()'s order, as the 8 lanes of one vector: hadd pairs
+// lanes (0+1, 2+3) within each half, the second hadd adds those pairs, and the halves' sum adds the
+// result of lanes 0-3 to that of lanes 4-7, so each sum is ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)).
+inline __m256 lanes_sum8(const __m256* a) {
+  const __m256 lo = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 hi = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  const __m128 first = _mm_add_ps(_mm256_castps256_ps128(lo), _mm256_extractf128_ps(lo, 1));
+  const __m128 second = _mm_add_ps(_mm256_castps256_ps128(hi), _mm256_extractf128_ps(hi, 1));
+  return _mm256_set_m128(second, first);
+}
+
+// dot(q, k_t, n) for 8 rows k_t = k + t * n at once, n a multiple of 8: dot()'s arithmetic per row
+// (the same lanes, the same chains, lanes_sum()'s order), eight chains in flight, and the eight sums
+// reduced together rather than one by one
+inline void dot8(const float* q, const float* k, int64_t n, float* out) {
+  __m256 acc[8];
+#pragma GCC unroll 8
+  for (int t = 0; t < 8; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + i);
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; ++t) acc[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + t * n + i), acc[t]);
+  }
+  _mm256_storeu_ps(out, lanes_sum8(acc));
+}
+
 // out[0..8 * NV) = sum over j in order of p[j] * v_j[0..8 * NV), v_j = v + j * stride: in registers
 template <int NV>
 inline void weighted_sum(const float* p, const float* v, int64_t len, int64_t stride, float* out) {
@@ -402,10 +428,24 @@ inline void rotary(float* v, const float* cos, const float* sin, int64_t d, floa
 void attend(const float* q, const float* keys, const float* values, int64_t len, int64_t d, float scale,
             float* scores, float* out) {
   int64_t j = 0;
+  if (d % 8 == 0)
+    for (; j + 8 <= len; j += 8) dot8(q, keys + j * d, d, scores + j);
   for (; j + 4 <= len; j += 4) dot4(q, keys + j * d, d, scores + j);
   for (; j < len; ++j) scores[j] = dot(q, keys + j * d, d);
+  // scale, max, exp and the normalisation are elementwise (the max exact in any order); only the sum
+  // runs in key order, one add at a time
+  const __m256 scale8 = _mm256_set1_ps(scale);
+  __m256 top8 = _mm256_set1_ps(-INFINITY);
+  for (j = 0; j + 8 <= len; j += 8) {
+    const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(scores + j), scale8);
+    _mm256_storeu_ps(scores + j, v);
+    top8 = _mm256_max_ps(top8, v);
+  }
+  alignas(32) float tops[8];
+  _mm256_store_ps(tops, top8);
   float top = -INFINITY;
-  for (j = 0; j < len; ++j) {
+  for (const float t : tops) top = std::max(top, t);
+  for (; j < len; ++j) {
     scores[j] *= scale;
     top = std::max(top, scores[j]);
   }
@@ -415,7 +455,9 @@ void attend(const float* q, const float* keys, const float* values, int64_t len,
   float sum = 0.0f;
   for (j = 0; j < len; ++j) sum += scores[j];  // in key order
   const float inv = 1.0f / sum;
-  for (j = 0; j < len; ++j) scores[j] *= inv;
+  const __m256 inv8 = _mm256_set1_ps(inv);
+  for (j = 0; j + 8 <= len; j += 8) _mm256_storeu_ps(scores + j, _mm256_mul_ps(_mm256_loadu_ps(scores + j), inv8));
+  for (; j < len; ++j) scores[j] *= inv;
   int64_t i = 0;
   for (; i + 64 <= d; i += 64) weighted_sum<8>(scores, values + i, len, d, out + i);
   switch ((d - i) / 8) {
@@ -553,12 +595,15 @@ struct Layer {
       const int64_t first = span[4 * s], n = span[4 * s + 1], start = span[4 * s + 2], seen = span[4 * s + 3];
       TORCH_CHECK(first >= 0 && n >= 1 && first + n <= T && start >= 0 && seen >= n && start + seen <= tokens,
                   "rowwise.Layer.forward: a span outside the step or the arena");
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t r = first + i, len = seen - n + i + 1;
-        for (int64_t hd = 0; hd < heads; ++hd) {
-          const int64_t g = hd / per_kv;
-          attend(qp + r * width + hd * dim, keys + (g * tokens + start) * dim, values + (g * tokens + start) * dim,
-                 len, dim, scale, scores.data(), out + r * heads * dim + hd * dim);
+      // a key/value group's rows, for every row of the span and every head that reads them, while
+      // they are in cache (a row's arithmetic is the same in any order of the loops)
+      for (int64_t g = 0; g < kv_heads; ++g) {
+        const float* k = keys + (g * tokens + start) * dim;
+        const float* v = values + (g * tokens + start) * dim;
+        for (int64_t i = 0; i < n; ++i) {
+          const int64_t r = first + i, len = seen - n + i + 1;
+          for (int64_t hd = g * per_kv; hd < (g + 1) * per_kv; ++hd)
+            attend(qp + r * width + hd * dim, k, v, len, dim, scale, scores.data(), out + r * heads * dim + hd * dim);
         }
       }
     }
