@@ -19,7 +19,9 @@ instead", for the positions where that came true most often so far (``BranchOdds
 in a spare KV cache of the session (``proposers/draft_cache.py``) and all of them share the draft
 model's forwards; the verdict keeps the one whose outcome came true, if any, and the proposer
 makes its cache the session's. Each alternative adds a row to every lookahead forward, so only a
-few pay: on the demo pair one or two beat four (bench/RESULTS.md, greedy serving).
+few pay: on the demo pair one or two beat four (bench/RESULTS.md, greedy serving); and a position
+is only branched while its alternative comes true often enough to pay for its row
+(``BRANCH_MIN_ODDS``): a draft that agrees with the target almost always gets none.
 
 The draft model would sit idle during verification anyway, so a dropped lookahead costs only
 edge compute, and a batched lookahead rides along with other sessions' drafts.
@@ -67,8 +69,14 @@ from shared.calibration import ewma
 from shared.protocol import SparseQ, Verdict
 
 #: ``BranchOdds``: a position's hit rate before it is observed, and the moving average's weight
-ODDS_PRIOR = 0.1
+ODDS_PRIOR = 0.15
 ODDS_ALPHA = 0.05
+#: the least hit rate a position's alternative is drafted ahead at. An alternative adds a row to each of
+#: the lookahead's forwards and saves, when it comes true, a round's fresh draft and round trip: about a
+#: tenth of a round is where it pays. The target's own 4-bit copy (0.97 agreement) stays below it at
+#: every position, and at one request its drafter is the edge's bottleneck: bench profile, Q4_1 draft,
+#: paired runs: 176.7 and 144.2 tokens/s without alternatives, 148.7 and 130.6 with one
+BRANCH_MIN_ODDS = 0.1
 
 
 #: sends a branch's draft as the next round's conditional Draft: (its ``after``, the draft) -> whether
@@ -250,8 +258,10 @@ class BranchOdds:
             self.rate[j] = ewma(self.rate.get(j, ODDS_PRIOR), float(hit), ODDS_ALPHA)
 
     def pick(self, sent: Proposal, n: int) -> list[tuple[int, int]]:
-        """Up to ``n`` (j, runner-up) alternatives of ``sent``, likeliest first."""
-        ups = [(j, up) for j, up in enumerate(sent.runner_up[: len(sent.token_ids)]) if 0 <= up != sent.token_ids[j]]
+        """Up to ``n`` (j, runner-up) alternatives of ``sent``, likeliest first, of those that came
+        true at least :data:`BRANCH_MIN_ODDS` of the time."""
+        ups = [(j, up) for j, up in enumerate(sent.runner_up[: len(sent.token_ids)])
+               if 0 <= up != sent.token_ids[j] and self.rate.get(j, ODDS_PRIOR) >= BRANCH_MIN_ODDS]
         ups.sort(key=lambda alt: -self.rate.get(alt[0], ODDS_PRIOR))
         return ups[:n]
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from services.drafter.batcher import DraftBatcher
-from services.drafter.lookahead import ODDS_PRIOR, BranchOdds, Lookahead
+from services.drafter.lookahead import BRANCH_MIN_ODDS, ODDS_PRIOR, BranchOdds, Lookahead
 from services.drafter.metrics import DrafterMetrics
 from services.drafter.proposers.base import Continuation, DraftJob, JobSession, Proposal
 from services.drafter.proposers.draft_cache import SPARE_IDLE_COMMITS, KVCache, SessionCaches
@@ -218,6 +218,8 @@ def _sent(tokens: list[int], ups: list[int]) -> Proposal:
     ([([1, 2, 12], 2)] * 5 + [([10], 0)] * 10, 2, [(0, 10), (2, 12)]),
     ([([1, 2, 99], 2)] * 5, 1, [(0, 10)]),  # rejected at 2, but not for the runner-up: no hit there
     ([([1, 2, 3, 4, 5], 4)] * 5, 4, [(0, 10), (1, 11), (2, 12), (3, 13)]),  # all accepted: no hits anywhere
+    ([([1, 2, 3, 4, 5], 4)] * 30, 4, []),  # ... for long: no alternative is worth its row
+    ([([1, 2, 3, 4, 5], 4)] * 30 + [([10], 0)] * 8, 4, [(0, 10)]),  # until one comes true often again
 ])
 def test_branch_odds_pick_the_likeliest_rejections(verdicts: list[tuple[list[int], int]], n: int,
                                                    picked: list[tuple[int, int]]) -> None:
@@ -235,4 +237,4 @@ def test_branch_odds_skip_a_missing_or_useless_runner_up() -> None:
     assert odds.pick(_sent([1, 2], [5, 6]), 0) == []
     odds.observe(_sent([1, 2], [5, 6]), verdict([5], 0, finished=True), 2)
     assert odds.rate == {}  # a final verdict teaches nothing
-    assert ODDS_PRIOR < 1
+    assert BRANCH_MIN_ODDS <= ODDS_PRIOR < 1  # an unobserved position is branched
