@@ -27,6 +27,8 @@ from shared.runner.step import StepPlan, paged_attention, write_kv
 
 #: logits per row the head recomputes in float32 after its half-precision matmul (LeanDecoder._refine_top)
 REFINED = 16
+#: rotary rows made at once at first (:meth:`LeanDecoder._rope`; the table doubles as positions grow)
+ROPE_ROWS = 1024
 SUPPORTED_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "specfleet_llama"})
 STATIC_ROPE = frozenset({"default", "linear", "llama3", "yarn"})
 
@@ -148,6 +150,9 @@ class LeanDecoder:
         half = self.head_dim // 2
         self.rot_sign = torch.cat([-torch.ones(half), torch.ones(self.head_dim - half)]).to(self.embed.device,
                                                                                           self.adtype)
+        #: the rotary rows of positions 0.. (cos, and sin with rotate_half's sign), made by the model's own
+        #: rotary module for many positions at once and grown on demand (:meth:`_rope`)
+        self._cos = self._sin = torch.empty(0, self.head_dim, dtype=self.adtype, device=self.embed.device)
         #: each block one C++ call (``fused_reason``): every op row by row, so invariant as it stands
         self.fused = fuse and not fused_reason(model, resolve_kernel(kernel, self.embed.device, self.embed.dtype),
                                                self.adtype)
@@ -196,16 +201,27 @@ class LeanDecoder:
         if self.embed_up is not None:
             x = self.embed_up(x)
         x = x.to(self.adtype)  # the residual stream
-        cos, sin = self.rotary(x, plan.positions.unsqueeze(0))
+        cos, sin = self._rope(x, plan.positions)
         if self.fused:
-            return self._hidden_fused(x.contiguous(), cos[0].contiguous(), (sin[0] * self.rot_sign).contiguous(),
-                                      plan, arena)
-        cos, sin = cos[0].unsqueeze(1), (sin[0] * self.rot_sign).unsqueeze(1)  # [T, 1, D]
+            return self._hidden_fused(x.contiguous(), cos, sin, plan, arena)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D]
         grouped = (group_rows(plan.spans, self.attention_multiple, self.kv_heads, self.heads // self.kv_heads,
                               self.adtype, x.device) if self.attention_multiple else None)
         for index, layer in enumerate(self.layers):
             x = self._block(x, layer, cos, sin, plan, arena[index], grouped)
         return x
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary rows ``cos, sin`` ``[T, D]`` of ``positions`` (sin with rotate_half's sign): rows of
+        a table the model's rotary module made. A static rope's row is elementwise in its position
+        (one product of position and frequency, then cos or sin), so a row of the table is bitwise the
+        row a step's own call makes, without the module's dozen torch ops every step."""
+        need = int(positions.max()) + 1 if positions.numel() else 0
+        if need > self._cos.shape[0]:
+            upto = max(need, 2 * self._cos.shape[0], ROPE_ROWS)
+            cos, sin = self.rotary(x, torch.arange(upto, device=x.device).unsqueeze(0))
+            self._cos, self._sin = cos[0].contiguous(), (sin[0] * self.rot_sign).contiguous()
+        return self._cos.index_select(0, positions), self._sin.index_select(0, positions)
 
     def _hidden_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: StepPlan,
                       arena: torch.Tensor) -> torch.Tensor:

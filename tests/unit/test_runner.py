@@ -13,6 +13,7 @@ import torch
 from shared.runner import KVError, ModelRunner, Segment
 from tests.unit.runner_models import (
     ARCHS,
+    DEVICE,
     KV_BUDGET,
     assert_close,
     full_logits,
@@ -231,3 +232,17 @@ def test_bfloat16_activations_can_be_asked_for() -> None:
     got = runner.forward([Segment(slot, token_ids(6, seed=3), 0)])
     assert got is not None and got.dtype == torch.float32
     assert_close(got, full_logits(loaded.model, token_ids(6, seed=3)), rtol=5e-2)
+
+
+def test_the_rotary_table_is_bitwise_what_the_module_makes_per_step(arch: str) -> None:
+    """The lean decoder reads its rotary rows from a table (``LeanDecoder._rope``): each row must be
+    bitwise the model's rotary module's own for a step's positions, however the table grew."""
+    runner, _ = make_runner(arch, "lean")
+    decoder = runner.decoder
+    x = torch.zeros(1, 4, device=DEVICE, dtype=decoder.adtype)  # the module reads its dtype and device
+    for positions in ([0], [5, 6, 7], [3, 1029, 2100], list(range(40, 57))):
+        pos = torch.tensor(positions, device=DEVICE)
+        cos, sin = decoder._rope(x, pos)
+        want_cos, want_sin = decoder.rotary(x, pos.unsqueeze(0))
+        assert torch.equal(cos, want_cos[0]) and torch.equal(sin, want_sin[0] * decoder.rot_sign)
+    assert decoder._cos.shape[0] >= 2101
