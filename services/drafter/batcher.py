@@ -47,6 +47,7 @@ class DraftBatcher:
         self._ready: list[tuple[DraftJob, float, asyncio.Future[tuple[Proposal, float, float]]]] = []
         self._wake = asyncio.Event()
         self._shared_seen = 0  # the proposer's shared_prefix_tokens already counted in the metrics
+        self._looked_up_seen = (0, 0)  # ... and its looked_up, looked_up_kept
 
     async def propose(self, job: DraftJob) -> tuple[Proposal, float, float]:
         """The job's proposal, and when its batch started and ended drafting."""
@@ -109,11 +110,17 @@ class DraftBatcher:
 
     def _count_shared(self) -> None:
         """Count the prompt rows the proposer took from other sessions (a draft-model proposer's
-        running ``shared_prefix_tokens``; model-free proposers have none)."""
+        running ``shared_prefix_tokens``; model-free proposers have none), and its looked-up rows."""
         shared = int(getattr(self.proposer, "shared_prefix_tokens", 0))
         if shared > self._shared_seen:
             self.metrics.shared_prefix.inc(shared - self._shared_seen)
             self._shared_seen = shared
+        fed, kept = int(getattr(self.proposer, "looked_up", 0)), int(getattr(self.proposer, "looked_up_kept", 0))
+        if (fed, kept) != self._looked_up_seen:
+            was_fed, was_kept = self._looked_up_seen
+            self.metrics.looked_up.labels("kept").inc(kept - was_kept)
+            self.metrics.looked_up.labels("dropped").inc((fed - kept) - (was_fed - was_kept))
+            self._looked_up_seen = (fed, kept)
 
 
 def _timed(fn: Callable[..., list[Proposal]], *args: Any) -> tuple[list[Proposal], float, float, float]:

@@ -292,10 +292,11 @@ async def _one_token_at_a_time(batcher: DraftBatcher, job: DraftJob) -> tuple[Pr
     steps: list[StepFeatures] = []
     qs: list[SparseQ] | None = None
     started = ended = 0.0
-    for i in range(job.k):
-        guess = job.after.guess if i == 0 else None  # only the first token guesses the verifier's
+    while len(tokens) < job.k:
+        guess = job.after.guess if not tokens else None  # only the first token guesses the verifier's
         after = replace(job.after, assume=(*job.after.assume, *tokens), guess=guess)
-        step, began, ended = await batcher.propose(replace(job, k=1, after=after))
+        # one token a batch, and those that come free with it (a draft model's looked-up rows)
+        step, began, ended = await batcher.propose(replace(job, k=1, after=after, spare=job.k - len(tokens) - 1))
         started = started or began
         tokens += step.token_ids
         ups += step.runner_up

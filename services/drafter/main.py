@@ -120,6 +120,8 @@ def check_config(cfg: DrafterConfig, need_model: bool = True) -> None:
     if cfg.draft_model.compute_mode not in COMPUTE_MODES:
         problems.append(f"--compute-mode must be one of {', '.join(COMPUTE_MODES)}, "
                         f"got {cfg.draft_model.compute_mode!r}")
+    if not 0 <= cfg.draft_model.lookup_rows <= MAX_DRAFT_TOKENS:
+        problems.append(f"--lookup-rows must be in [0, {MAX_DRAFT_TOKENS}], got {cfg.draft_model.lookup_rows}")
     if not 0 <= cfg.node.metrics_port <= 65535:
         problems.append(f"--metrics-port must be in [0, 65535], got {cfg.node.metrics_port}")
     if cfg.node.log_level.lower() not in LOG_LEVELS:
@@ -199,7 +201,7 @@ def _gguf_proposer(cfg: DrafterConfig, loaded: LoadedModel) -> GgufProposer:
     runner = gguf_runner(info, budget, backend, threads, sequences)
     p = cfg.proposal
     return GgufProposer(runner, info, p.draft_mode, Nucleus(p.q_mass, p.q_max_entries),
-                        cfg.sessions.share_prefixes)
+                        cfg.sessions.share_prefixes, cfg.draft_model.lookup_rows)
 
 
 async def _proposer(cfg: DrafterConfig, loaded: LoadedModel) -> Proposer:
@@ -217,7 +219,7 @@ async def _proposer(cfg: DrafterConfig, loaded: LoadedModel) -> Proposer:
     runner = await asyncio.to_thread(ModelRunner, loaded, kv_budget_bytes(cfg, loaded), cfg.draft_model.runner)
     p = cfg.proposal
     return DraftModelProposer(runner, loaded.eos_ids, p.draft_mode, Nucleus(p.q_mass, p.q_max_entries),
-                              cfg.sessions.share_prefixes)
+                              cfg.sessions.share_prefixes, cfg.draft_model.lookup_rows)
 
 
 def lookahead_branches(cfg: DrafterConfig, proposer: Proposer) -> int:

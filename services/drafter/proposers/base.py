@@ -94,6 +94,9 @@ class DraftJob:
     features: bool = False
     #: ... with their entropy and logit spread (that later controller reads them: ``wants_spread``)
     spread: bool = False
+    #: tokens beyond ``k`` the proposer may add when they cost no forward of their own (a draft
+    #: model's looked-up rows): a lookahead drafted one token a batch takes what comes free
+    spare: int = 0
 
     @property
     def session_id(self) -> str:

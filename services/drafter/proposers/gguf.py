@@ -57,13 +57,15 @@ class GgufProposer(DraftModelProposer):
     name = "gguf"
 
     def __init__(self, runner: SegmentRunner, info: GgufInfo, mode: str = "sampled", nucleus: Nucleus | None = None,
-                 share_prefixes: bool = True) -> None:
-        super().__init__(runner, info.eos_ids, mode, nucleus, share_prefixes)
+                 share_prefixes: bool = True, lookup_rows: int = 0) -> None:
+        super().__init__(runner, info.eos_ids, mode, nucleus, share_prefixes, lookup_rows)
         self.info = info
         self.backend = "llama.cpp" if isinstance(runner, LlamaRunner) else "specfleet"
         #: lookahead branches pay only where an extra row of a forward is nearly free: llama.cpp on a GPU,
         #: or specfleet's 4-bit kernel (4 rows cost 1.5 times 1 row's step: its integer products are cheap)
         self.branches_pay = runner.gpu if isinstance(runner, LlamaRunner) else True
+        if not self.branches_pay:  # so do looked-up rows
+            self.lookup_rows = 0
 
     def close_model(self) -> None:
         """Free llama.cpp's context and weights (the drafter's shutdown); the specfleet backend's go with it."""

@@ -1,0 +1,119 @@
+"""Looked-up rows (``DraftModelProposer(lookup_rows=N)``): a greedy draft step also feeds the tokens
+prompt lookup guesses come next, and keeps those the draft model drafts too. The draft is the one
+drafting token by token gives, in fewer forwards, and the cache holds no row of a dropped guess."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from services.drafter.control.base import StepDecision
+from services.drafter.proposers.base import DraftJob, JobSession, Proposal
+from services.drafter.proposers.draft_model import DraftModelProposer
+from shared.models import LoadedModel
+from shared.protocol import SamplingParams
+from tests.unit.draft_proposer_support import FULL_GREEDY, WARM, StopAt, gen, make, reference_greedy, tiny_draft
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def draft(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    return tiny_draft(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def looping(draft: LoadedModel) -> list[int]:
+    """A prompt the draft model continues as it went on before: after [200, 14] the tiny draft
+    falls into the loop 190 193 197, so prompt lookup finds what it will draft."""
+    return [200, 14, *reference_greedy(draft, [200, 14], 20)]
+
+
+class Counting:
+    """Counts a runner's forwards (and the rows they feed)."""
+
+    def __init__(self, proposer: DraftModelProposer) -> None:
+        self.forwards = self.rows = 0
+        inner = proposer.runner.forward
+
+        def forward(segments: Any) -> Any:
+            self.forwards += 1
+            self.rows += sum(len(s.tokens) for s in segments)
+            return inner(segments)
+
+        proposer.runner.forward = forward  # type: ignore[method-assign]
+
+
+def job(session: str, k: int, params: SamplingParams = FULL_GREEDY, spare: int = 0, **kw: Any) -> DraftJob:
+    return DraftJob(JobSession(session, params, gen(0)), k, spare=spare, **kw)
+
+
+def one(proposer: DraftModelProposer, j: DraftJob) -> Proposal:
+    return proposer.propose([j])[0]
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_draft_with_looked_up_rows_is_the_draft_without_in_fewer_forwards(draft: LoadedModel, looping: list[int],
+                                                                           rows: int) -> None:
+    plain, looked = make(draft), make(draft, lookup_rows=rows)
+    counts = {}
+    for proposer in (plain, looked):
+        proposer.start("s", looping, 64)
+        counts[proposer] = Counting(proposer)
+        got = one(proposer, job("s", 12)).token_ids
+        assert got == reference_greedy(draft, looping, 12)
+    assert looked.looked_up_kept > 0 and looked.looked_up >= looked.looked_up_kept
+    assert counts[looked].forwards == counts[plain].forwards - looked.looked_up_kept
+    assert plain.looked_up == 0
+
+
+def test_the_cache_keeps_no_row_of_a_dropped_guess(draft: LoadedModel, looping: list[int]) -> None:
+    """After drafts whose guesses were partly dropped, and a verdict that keeps only some of the
+    draft, the next drafts are still the model's own (a stale row would change them)."""
+    p = make(draft, lookup_rows=3)
+    p.start("s", looping, 64)
+    sent = one(p, job("s", 8)).token_ids
+    assert p.cached_tokens("s") == len(looping) + len(sent) - 1  # every kept token but the last, unfed
+    p.commit("s", [*sent[:3], 7], 3)  # three accepted, then the verifier's own token
+    context = [*looping, *sent[:3], 7]
+    assert one(p, job("s", 8)).token_ids == reference_greedy(draft, context, 8)
+
+
+def test_a_lookahead_step_takes_the_tokens_that_come_free(draft: LoadedModel, looping: list[int]) -> None:
+    """k=1 with spare tokens (a lookahead drafted a token a batch): the step's token, and up to
+    ``spare`` more when guessed right; never more."""
+    p = make(draft, lookup_rows=3)
+    p.start("s", looping, 64)
+    want = reference_greedy(draft, looping, 4)
+    got = one(p, job("s", 1, spare=3)).token_ids
+    assert 1 <= len(got) <= 4 and got == want[: len(got)]
+    assert len(got) > 1  # the looping prompt guesses right
+    p2 = make(draft, lookup_rows=3)
+    p2.start("s", looping, 64)
+    assert one(p2, job("s", 1)).token_ids == want[:1]  # no spare: one token, as before
+
+
+@pytest.mark.parametrize("case", ["sampled", "watched", "k=1"])
+def test_no_rows_are_looked_up_where_a_step_must_be_its_own(draft: LoadedModel, looping: list[int],
+                                                             case: str) -> None:
+    """A sampled row draws from its stream, a watched one is screened token by token, and a step
+    with no room for a second token has nothing to gain: none feeds guesses."""
+    p = make(draft, lookup_rows=3)
+    p.start("s", looping, 64)
+    j = {"sampled": job("s", 6, WARM), "watched": job("s", 6, controller=StopAt(99, StepDecision.CONTINUE)),
+         "k=1": job("s", 1)}[case]
+    one(p, j)
+    assert p.looked_up == 0
+
+
+def test_an_end_token_ends_the_draft_even_when_guessed(draft: LoadedModel, looping: list[int]) -> None:
+    """The guessed rows never carry a draft past an end token."""
+    want = reference_greedy(draft, looping, 12)
+    end = want[5]
+    p = make(draft, lookup_rows=3)
+    p.start("s", looping, 64)
+    params = SamplingParams(temperature=0.0, max_tokens=64, stop_token_ids=[end])
+    got = one(p, job("s", 12, params))
+    assert got.token_ids == want[: want.index(end) + 1] and got.final
