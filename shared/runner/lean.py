@@ -150,8 +150,8 @@ class LeanDecoder:
         half = self.head_dim // 2
         self.rot_sign = torch.cat([-torch.ones(half), torch.ones(self.head_dim - half)]).to(self.embed.device,
                                                                                           self.adtype)
-        #: the rotary rows of positions 0.. (cos, and sin with rotate_half's sign), made by the model's own
-        #: rotary module for many positions at once and grown on demand (:meth:`_rope`)
+        #: the rotary rows of positions 0.. (cos and sin), made by the model's own rotary module for many
+        #: positions at once and grown on demand (:meth:`_rope`)
         self._cos = self._sin = torch.empty(0, self.head_dim, dtype=self.adtype, device=self.embed.device)
         #: each block one C++ call (``fused_reason``): every op row by row, so invariant as it stands
         self.fused = fuse and not fused_reason(model, resolve_kernel(kernel, self.embed.device, self.embed.dtype),
@@ -220,8 +220,8 @@ class LeanDecoder:
         if need > self._cos.shape[0]:
             upto = max(need, 2 * self._cos.shape[0], ROPE_ROWS)
             cos, sin = self.rotary(x, torch.arange(upto, device=x.device).unsqueeze(0))
-            self._cos, self._sin = cos[0].contiguous(), (sin[0] * self.rot_sign).contiguous()
-        return self._cos.index_select(0, positions), self._sin.index_select(0, positions)
+            self._cos, self._sin = cos[0].contiguous(), sin[0].contiguous()
+        return self._cos.index_select(0, positions), self._sin.index_select(0, positions) * self.rot_sign
 
     def _hidden_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: StepPlan,
                       arena: torch.Tensor) -> torch.Tensor:
