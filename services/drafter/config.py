@@ -65,7 +65,8 @@ class ModelSection:
     torch_threads: int = opt(0, "torch intra-op threads; 0 leaves torch's default")
     lookup_rows: int = opt(3, "a draft model's greedy step also feeds up to N tokens prompt lookup guesses come next, "
                               "and keeps those the model drafts too: several draft tokens from one forward "
-                              "(proposers/draft_model.py; not on llama.cpp on a CPU, where a row costs a step); 0: off")
+                              "(proposers/draft_model.py; not on llama.cpp on a CPU, where a row costs a step, nor for "
+                              "sessions whose step features a controller or --send-confidence reads); 0: off")
 
 
 @dataclass

@@ -153,6 +153,7 @@ class LeanDecoder:
         #: the rotary rows of positions 0.. (cos and sin), made by the model's own rotary module for many
         #: positions at once and grown on demand (:meth:`_rope`)
         self._cos = self._sin = torch.empty(0, self.head_dim, dtype=self.adtype, device=self.embed.device)
+        self.max_positions = int(getattr(cfg, "max_position_embeddings", 0) or 0)  # the table's size, at most
         #: each block one C++ call (``fused_reason``): every op row by row, so invariant as it stands
         self.fused = fuse and not fused_reason(model, resolve_kernel(kernel, self.embed.device, self.embed.dtype),
                                                self.adtype)
@@ -218,7 +219,8 @@ class LeanDecoder:
         row a step's own call makes, without the module's dozen torch ops every step."""
         need = int(positions.max()) + 1 if positions.numel() else 0
         if need > self._cos.shape[0]:
-            upto = max(need, 2 * self._cos.shape[0], ROPE_ROWS)
+            grown = max(2 * self._cos.shape[0], ROPE_ROWS)
+            upto = max(need, min(grown, self.max_positions) if self.max_positions > 0 else grown)
             cos, sin = self.rotary(x, torch.arange(upto, device=x.device).unsqueeze(0))
             self._cos, self._sin = cos[0].contiguous(), sin[0].contiguous()
         return self._cos.index_select(0, positions), self._sin.index_select(0, positions) * self.rot_sign

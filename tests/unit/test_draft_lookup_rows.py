@@ -117,3 +117,39 @@ def test_an_end_token_ends_the_draft_even_when_guessed(draft: LoadedModel, loopi
     params = SamplingParams(temperature=0.0, max_tokens=64, stop_token_ids=[end])
     got = one(p, job("s", 12, params))
     assert got.token_ids == want[: want.index(end) + 1] and got.final
+
+
+def test_a_dropped_guess_leaves_no_row_in_the_slot(draft: LoadedModel, looping: list[int]) -> None:
+    """The prompt's last two tokens occurred last before a stray 77, so prompt lookup guesses 77,
+    which the model does not draft: the guess is fed and dropped, and the slot is cut back to the
+    rows it keeps."""
+    altered = [*looping, 77, *looping[-2:]]
+    p = make(draft, lookup_rows=3)
+    p.start("s", altered, 64)
+    got = one(p, job("s", 10)).token_ids
+    assert got == reference_greedy(draft, altered, 10)
+    assert p.looked_up > p.looked_up_kept
+    main = p._sessions["s"].caches.main
+    assert main is not None and main.slot.length == len(main.cached) == len(altered) + len(got) - 1
+
+
+def test_sessions_with_and_without_guesses_draft_together_as_each_alone(draft: LoadedModel, looping: list[int]) -> None:
+    """One batch: a session with guesses, one with none to make (a fresh prompt), and a sampled one."""
+    p = make(draft, lookup_rows=3)
+    prompts = {"loop": looping, "plain": [9, 9, 130, 64, 3], "warm": [12, 40, 77]}
+    for sid, prompt in prompts.items():
+        p.start(sid, prompt, 64)
+    jobs = [job("loop", 8), job("plain", 5), job("warm", 4, WARM)]
+    got = p.propose(jobs)
+    assert got[0].token_ids == reference_greedy(draft, looping, 8)
+    assert got[1].token_ids == reference_greedy(draft, prompts["plain"], 5)
+    assert len(got[2].token_ids) == 4 and got[2].q is not None and len(got[2].q) == 4
+    assert p.looked_up_kept > 0
+
+
+@pytest.mark.parametrize("spare", [0, 1, 2])
+def test_a_step_never_takes_more_than_its_spare(draft: LoadedModel, looping: list[int], spare: int) -> None:
+    p = make(draft, lookup_rows=3)
+    p.start("s", looping, 64)
+    got = one(p, job("s", 1, spare=spare)).token_ids
+    assert got == reference_greedy(draft, looping, 1 + spare)  # the loop is guessed right: all of them

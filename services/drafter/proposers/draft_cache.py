@@ -36,7 +36,7 @@ class KVCache:
         """Cut back to what the cache shares with ``context``, keeping the last token out (its
         logits are what the next token is chosen from, so it must be fed)."""
         keep = min(common_prefix_len(self.cached, context), len(context) - 1)
-        if keep < len(self.cached):
+        if keep < len(self.cached) or self.slot.length > keep:  # (rows past ``cached``: a step that failed)
             self.slot.truncate(keep)
             del self.cached[keep:]
 

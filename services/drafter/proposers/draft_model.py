@@ -33,8 +33,9 @@ prompt lookup as the lower level). Where a row's logits depend on its own contex
 blocks, the 4-bit kernel, any batch-invariant runner) the tokens are exactly the ones drafting one
 at a time gives; only the rows of rejected guesses are rolled back. An offline count on the
 target's answers to the held-out chat prompts: three guesses from matches of 2 to 4 tokens, 1.49
-tokens a forward for 0.78 extra rows; in service on those prompts 10 to 13 % of the draft tokens
-came without a forward of their own, 35 % on code-like ones.
+tokens a forward for 0.78 extra rows; in service on those prompts 9 to 13 % of the committed tokens
+came without a forward of their own, 35 % on code-like ones. Rows that must be their own step get
+no guesses: sampled, raced or penalised ones, and those whose step features are read.
 
 Sessions are drafted in batches (StarSD §3): each draft position of every session in the batch
 is one packed forward of the draft model, so a batch of B sessions drafting k tokens costs k
