@@ -42,7 +42,10 @@ def run_stack(target: Path, spec: StackSpec, log_dir: Path) -> Iterator[Fleet]:
         # a known draft length (Fixed-S) for the mechanisms these tests check; extra_verifier may choose
         # another policy (the default, smartspec-per-drafter, adapts it: tests/real and the unit tests)
         verifier_flags=[*quiet, "--draft-len", str(spec.draft_len), "--allocation", "fixed", *spec.extra_verifier],
-        coordinator_flags=[*quiet, *spec.extra_coordinator],
+        # requests wait for a drafter (no target-only start after --queue-wait-s): these tests check
+        # speculation, and a drafter slow to claim its first request on a loaded host once left every
+        # request of a run to finish target-only before any was drafted; extra_coordinator may set it
+        coordinator_flags=[*quiet, "--queue-wait-s", "0", *spec.extra_coordinator],
         drafter_flags=["--log-level", spec.drafter_log_level, "--max-sessions", str(spec.max_sessions),
                        "--draft-mode", spec.draft_mode, "--q-mass", str(spec.q_mass),
                        "--q-max-entries", str(spec.q_max_entries), "--claim-idle-ms", "2000", *spec.extra_drafter],

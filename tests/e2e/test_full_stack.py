@@ -163,7 +163,8 @@ def test_alternative_lookaheads_are_used_and_greedy_identical(tiny_models: dict[
     exchange itself), with the verifier filling, or not, while drafts travel."""
     port = free_port()
     spec = StackSpec(drafts=[tiny_models["draft-L2"]], max_sessions=1, extra_verifier=["--fill", fill],
-                     extra_drafter=["--lookahead-branches", "2", "--metrics-port", str(port)])
+                     extra_drafter=["--lookahead-branches", "2", "--metrics-port", str(port)],
+                     extra_coordinator=["--queue-wait-s", "0.5"])  # the other requests start target-only
     from tests.e2e.greedy_streams import metric_value  # it imports this module
 
     with run_stack(tiny_models["target"], spec, tmp_path) as stack:
