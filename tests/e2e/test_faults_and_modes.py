@@ -111,9 +111,7 @@ def test_queued_requests_go_target_only_when_the_last_drafter_dies(tiny_models: 
     instead of leaving them to wait for a drafter that may never come."""
     target = load_model(tiny_models["target"])
     spec = StackSpec(drafts=[tiny_models["draft-L2"]], max_sessions=1, draft_len=2, drafter_log_level="info",
-                     # no --queue-wait-s: a drafter slow to open its first session (a loaded host) would
-                     # otherwise see the queued requests go target-only as "every drafter busy" first
-                     extra_coordinator=["--queue-fallback-s", "1", "--queue-wait-s", "0"])
+                     extra_coordinator=["--queue-fallback-s", "1"])  # the stack's --queue-wait-s 0: only the fallback
     with run_stack(tiny_models["target"], spec, tmp_path) as stack:
         victim = next(c for c in stack.supervisor.children if c.name == "drafter-1")
 
