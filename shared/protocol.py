@@ -410,6 +410,10 @@ class QueuePull(_Msg, tag="queue_pull", frozen=True):
     """Ask for up to ``max_items`` requests; the server answers when it has at least one."""
 
     max_items: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
+    #: the sessions the drafter can still take, this pull's included (0: not said, as before it was
+    #: sent): once every drafter's room is taken, a request queued beyond it starts target-only at
+    #: once instead of after ``--queue-wait-s`` (``services/coordinator/queue_fallback.py``)
+    room: Annotated[int, msgspec.Meta(ge=0, le=100_000)] = 0
 
 
 class QueueDelivery(_Msg, tag="queue_delivery", frozen=True):

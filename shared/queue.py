@@ -41,9 +41,12 @@ class RequestQueue(Protocol):
     async def put(self, request: QueuedRequest) -> None:
         """Append a request (producers: the coordinator); QueueFull when a bounded queue is full."""
 
-    async def get(self, consumer: str, max_items: int = 1, timeout_s: float | None = None) -> list[Delivery]:
+    async def get(self, consumer: str, max_items: int = 1, timeout_s: float | None = None,
+                  room: int = 0) -> list[Delivery]:
         """Up to max_items deliveries for this consumer; waits up to timeout_s (None: forever)
-        for at least one; returns [] on timeout."""
+        for at least one; returns [] on timeout. ``room``: the sessions the consumer can still
+        take, this call's included (0: not said); the in-process queue counts it, so that its
+        coordinator starts a request no drafter has room for at once (Redis ignores it)."""
 
     async def ack(self, consumer: str, delivery_id: str) -> None:
         """The request is finished: remove it for good."""

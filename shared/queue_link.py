@@ -79,7 +79,8 @@ class QueueLinkClient:
             "queue (memory://) or Redis (redis://)"
         )
 
-    async def get(self, consumer: str, max_items: int = 1, timeout_s: float | None = None) -> list[Delivery]:
+    async def get(self, consumer: str, max_items: int = 1, timeout_s: float | None = None,
+                  room: int = 0) -> list[Delivery]:
         if max_items < 1:
             raise ValueError(f"max_items must be >= 1, got {max_items}")
         self._bind(consumer)
@@ -95,7 +96,7 @@ class QueueLinkClient:
                     if not self._pull_outstanding:
                         # Marked before the send: the answer may arrive while send() awaits.
                         self._pull_outstanding = True
-                        if not await self._send(ws, QueuePull(max_items=min(max_items, _MAX_PULL))):
+                        if not await self._send(ws, QueuePull(max_items=min(max_items, _MAX_PULL), room=max(0, room))):
                             self._pull_outstanding = False
                     await self._wait_for_change(ws)
                 return self._hand_out(max_items)

@@ -21,6 +21,9 @@ Semantics match the Redis transport so that drafters cannot tell them apart:
   removes it wherever it is - held by another consumer after a re-delivery, or back in line
   after a release. A late ACK from a drafter whose link dropped therefore still prevents a
   duplicate generation.
+* Each consumer may say, with each ``get``, how many sessions it can still take (``room``);
+  ``room()`` sums what is left of it, so the coordinator can tell when every drafter is full
+  (``services/coordinator/queue_fallback.py``).
 """
 
 from __future__ import annotations
@@ -49,6 +52,9 @@ class MemoryQueue:
         self._ready: OrderedDict[str, QueuedRequest] = OrderedDict()
         self._held: dict[str, dict[str, QueuedRequest]] = {}  # consumer -> {delivery_id: request}
         self._owner: dict[str, str] = {}  # delivery_id -> consumer holding it
+        #: consumer -> the sessions it can still take (its last ``get``'s room less what it took
+        #: since); None: its last ``get`` did not say
+        self._room: dict[str, int | None] = {}
         self._instance = secrets.token_hex(4)
         self._next_id = 0
         self._changed = asyncio.Condition()
@@ -65,14 +71,17 @@ class MemoryQueue:
         self._ready[f"{self._instance}-{self._next_id}"] = request
         await self._notify()
 
-    async def get(self, consumer: str, max_items: int = 1, timeout_s: float | None = None) -> list[Delivery]:
-        """Wait up to ``timeout_s`` for at least one request; [] on timeout.
+    async def get(self, consumer: str, max_items: int = 1, timeout_s: float | None = None,
+                  room: int = 0) -> list[Delivery]:
+        """Wait up to ``timeout_s`` for at least one request; [] on timeout. ``room``: the
+        sessions ``consumer`` can still take, this call's included (0: not said).
 
         Cancellation-safe: requests are taken only after the wait has finished, with no
         suspension point in between, so a cancelled ``get`` never swallows a request.
         """
         if max_items < 1:
             raise ValueError(f"max_items must be >= 1, got {max_items}")
+        self._room[consumer] = room if room > 0 else None
         try:
             async with asyncio.timeout(timeout_s), self._changed:
                 await self._changed.wait_for(lambda: bool(self._ready) or self._closed)
@@ -99,6 +108,7 @@ class MemoryQueue:
 
     async def release(self, consumer: str) -> None:
         """Put the consumer's unacknowledged requests back at the front, oldest first."""
+        self._room.pop(consumer, None)
         held = self._held.pop(consumer, None)
         if not held:
             return
@@ -111,6 +121,18 @@ class MemoryQueue:
 
     async def depth(self) -> int:
         return len(self._ready)
+
+    def room(self) -> int | None:
+        """The sessions the consumers can still take, summed (0: every one is full); None while
+        no consumer has pulled yet or one did not say."""
+        left = list(self._room.values())
+        if not left or any(r is None for r in left):
+            return None
+        return sum(r for r in left if r is not None)
+
+    def waiting_ids(self) -> list[str]:
+        """The request ids not yet delivered, in the order consumers will get them."""
+        return [request.request_id for request in self._ready.values()]
 
     def in_flight(self) -> int:
         """Requests delivered but not yet acknowledged (for metrics)."""
@@ -129,6 +151,9 @@ class MemoryQueue:
             held[delivery_id] = request
             self._owner[delivery_id] = consumer
             out.append(Delivery(delivery_id, request))
+        left = self._room.get(consumer)
+        if left is not None:
+            self._room[consumer] = max(0, left - len(out))
         return out
 
     async def _notify(self) -> None:

@@ -97,8 +97,10 @@ class RedisStreamQueue:
         data = encode(request)
         await self._run(lambda: self._redis.xadd(self._stream, {FIELD: data}, maxlen=self._maxlen))
 
-    async def get(self, consumer: str, max_items: int = 1, timeout_s: float | None = None) -> list[Delivery]:
+    async def get(self, consumer: str, max_items: int = 1, timeout_s: float | None = None,
+                  room: int = 0) -> list[Delivery]:
         """Idle entries of dead consumers first, then new ones; [] when ``timeout_s`` passes.
+        ``room`` is not used: the coordinators do not see who reads the stream.
 
         If this call is cancelled while Redis is handing over new entries, they stay pending
         under ``consumer`` and come back through XAUTOCLAIM after ``claim_idle_ms``: delayed,

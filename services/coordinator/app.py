@@ -90,7 +90,8 @@ def create_app(
 
     monitor = state.fleet = FleetMonitor(state, urls, cfg.security.auth_token, verifier_tls)
     q = cfg.queue
-    fallback = (QueueFallback(link, q.queue_fallback_s, q.queue_wait_s, counter=metrics.queue_fallback)
+    fallback = (QueueFallback(link, q.queue_fallback_s, q.queue_wait_s, counter=metrics.queue_fallback,
+                              queue=queue if isinstance(queue, MemoryQueue) else None)
                 if cfg.target.speculation == "auto" and (q.queue_fallback_s or q.queue_wait_s) else None)
 
     @asynccontextmanager

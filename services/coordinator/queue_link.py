@@ -160,7 +160,7 @@ class _QueueLink:
         # Bounded, like everything a link buffers: a pull is answered only when the queue has work, so
         # a client could otherwise pile them up; deliveries per pull are capped by QueuePull.max_items
         # and each frame is sent (awaited) before the next pull is served.
-        self._pulls: asyncio.Queue[int] = asyncio.Queue(maxsize=MAX_OUTSTANDING_PULLS)
+        self._pulls: asyncio.Queue[tuple[int, int]] = asyncio.Queue(maxsize=MAX_OUTSTANDING_PULLS)  # (max_items, room)
         self._send_lock = asyncio.Lock()
 
     async def run(self) -> None:
@@ -206,7 +206,7 @@ class _QueueLink:
     async def _handle(self, msg: Message) -> None:
         if isinstance(msg, QueuePull):
             try:
-                self._pulls.put_nowait(msg.max_items)
+                self._pulls.put_nowait((msg.max_items, msg.room))
             except asyncio.QueueFull:
                 await self.send(
                     ErrorFrame(
@@ -242,9 +242,9 @@ class _QueueLink:
     async def _serve_pulls(self) -> None:
         """Answer pulls in order: each waits for at least one request, then sends them all."""
         while True:
-            max_items = await self._pulls.get()
+            max_items, room = await self._pulls.get()
             try:
-                deliveries = await self._queue.get(self._consumer, max_items, None)
+                deliveries = await self._queue.get(self._consumer, max_items, None, room)
             except QueueError as exc:
                 await self.send(ErrorFrame(code="queue_closed", message=str(exc)))
                 await self._close(GOING_AWAY, "queue closed")

@@ -147,7 +147,9 @@ class DrafterLoop:
             try:
                 # One at a time: drafters pulling side by side then take turns, instead of the
                 # first one with free slots swallowing the whole backlog.
-                deliveries = await self.queue.get(self.node_id, max_items=1, timeout_s=QUEUE_POLL_S)
+                # ``room`` tells an in-process queue how many more we take: once every drafter's
+                # is taken, its coordinator starts further requests target-only at once
+                deliveries = await self.queue.get(self.node_id, max_items=1, timeout_s=QUEUE_POLL_S, room=free)
             except QueueError as exc:
                 log.warning("queue unavailable; retrying", error=str(exc), retry_in_s=self.reconnect_s)
                 await asyncio.sleep(self.reconnect_s)

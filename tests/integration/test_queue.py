@@ -295,6 +295,23 @@ async def test_memory_ack_from_a_previous_coordinator_removes_nothing() -> None:
     assert ids(await after.get("drafter-2", timeout_s=1)) == ["r1"]
 
 
+async def test_memory_room_is_what_the_consumers_said_less_what_they_took() -> None:
+    q = MemoryQueue()
+    assert q.room() is None  # nobody has pulled: nothing known
+    for i in range(5):
+        await q.put(request(i))
+    await q.get("d1", max_items=1, timeout_s=1, room=2)
+    assert q.room() == 1 and q.waiting_ids() == ["r1", "r2", "r3", "r4"]
+    await q.get("d2", max_items=2, timeout_s=1, room=2)
+    assert q.room() == 1 + 0 and q.waiting_ids() == ["r3", "r4"]
+    await q.get("d1", max_items=1, timeout_s=1, room=1)  # its next pull says what is left
+    assert q.room() == 0  # every consumer full: r4 has nobody
+    await q.release("d2")  # gone: its room with it, its requests back in front
+    assert q.room() == 0 and q.waiting_ids() == ["r1", "r2", "r4"]
+    await q.get("d3", max_items=1, timeout_s=1)  # a consumer that does not say: unknown again
+    assert q.room() is None
+
+
 async def test_unreachable_redis_is_a_clear_error() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

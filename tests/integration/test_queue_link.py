@@ -123,6 +123,20 @@ async def test_fifo_and_max_items(link: tuple[MemoryQueue, str]) -> None:
     await client.close()
 
 
+async def test_a_pull_says_the_drafters_room(link: tuple[MemoryQueue, str]) -> None:
+    queue, url = link
+    client = QueueLinkClient(url, TOKEN)
+    for i in range(3):
+        await queue.put(request(i))
+    await client.get("drafter-a", timeout_s=5, room=2)
+    await eventually(lambda: queue.room() == 1)  # said 2, took 1
+    await client.get("drafter-a", timeout_s=5, room=1)
+    await eventually(lambda: queue.room() == 0 and queue.waiting_ids() == ["r2"])
+    await client.close()
+    await eventually(lambda: queue.room() is None)  # its link closed: released, nobody left
+    assert queue.waiting_ids() == ["r0", "r1", "r2"]
+
+
 @pytest.mark.parametrize("token", ["", "wrong"])
 async def test_wrong_token_is_refused(link: tuple[MemoryQueue, str], token: str) -> None:
     _, url = link

@@ -55,6 +55,54 @@ def test_a_request_no_busy_drafter_takes_within_the_wait_starts_target_only_once
     assert [fallback.tick(t) for t in (10.6, 11.0, 20.0)] == [0, 1, 0] and link.opened == ["a", "b"]
 
 
+@dataclass
+class Line:
+    """The in-process queue's view: the drafters' room left and the requests not yet delivered."""
+
+    left: int | None
+    ids: list[str] = field(default_factory=list)
+
+    def room(self) -> int | None:
+        return self.left
+
+    def waiting_ids(self) -> list[str]:
+        return self.ids
+
+
+@pytest.mark.parametrize(("left", "at_once"), [
+    (None, []),  # the drafters' room unknown: every request waits --queue-wait-s
+    (3, []),  # room for all three
+    (1, ["b", "c"]),  # the first in line waits for the drafter, the others start now
+    (0, ["a", "b", "c"]),  # every drafter full
+])
+def test_requests_beyond_the_drafters_room_start_target_only_at_once(left: int | None, at_once: list[str]) -> None:
+    link = Link(drafters=["d1"])
+    queue(link, "a", "b", "c")
+    fallback = QueueFallback(link, GRACE, wait_s=0.5, queue=Line(left, ["a", "b", "c"]))
+    assert fallback.tick(10.0) == len(at_once) and link.opened == at_once
+    assert fallback.tick(10.5) == 3 - len(at_once)  # the rest after the wait, as before
+    assert sorted(link.opened) == ["a", "b", "c"]
+
+
+def test_a_request_taken_over_is_not_counted_against_the_room() -> None:
+    link = Link(drafters=["d1"])
+    queue(link, "a", "b")
+    line = Line(0, ["a", "b"])
+    fallback = QueueFallback(link, GRACE, wait_s=0.5, queue=line)
+    assert fallback.tick(0.0) == 2
+    line.left = 1  # a drafter frees up: it takes "a", started target-only, first in line
+    queue(link, "c")
+    line.ids = ["a", "b", "c"]
+    assert fallback.tick(0.05) == 1 and link.opened == ["a", "b", "c"]  # past the room: c starts too
+
+
+def test_waiting_for_a_drafter_ignores_the_room() -> None:
+    link = Link(drafters=["d1"])
+    queue(link, "a")
+    fallback = QueueFallback(link, GRACE, wait_s=0.0, queue=Line(0, ["a"]))  # --queue-wait-s 0
+    assert [fallback.tick(t) for t in (0.0, 10.0)] == [0, 0]
+
+
 def test_a_request_a_drafter_took_is_not_opened_again() -> None:
     link = Link(drafters=["d1"])
     fallback = QueueFallback(link, GRACE, wait_s=0.5)
