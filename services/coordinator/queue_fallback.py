@@ -20,7 +20,9 @@ With the in-process queue the drafters say, with each pull, how many sessions th
 does not wait ``wait_s`` for nothing: it starts target-only at the next tick (every ``ROOM_TICK_S``).
 The requests that the drafters' room covers, the first in line, wait for them as before. Measured at
 16 requests on the Q4_1 copy alone (one drafter of 4 sessions), the other 12 had started 0.5 s
-late: a time to first token of 0.87-1.00 s against target-only serving's 0.35-0.48 s.
+late: a time to first token of 0.87-1.00 s against target-only serving's 0.35-0.48 s; with the room
+counted, 0.36-0.44 s. The default fleet at 16 requests went from 0.93x target-only (TTFT p50
+0.58 s) to 1.00x (0.36 s, as target-only's), `python -m bench edge-drafts`, 2026-12-05 14:53.
 
 Nothing is lost, and with one verifier nothing is computed twice: it serves a request id once.
 If a drafter opened the request first (its first event has not reached us yet), the verifier
