@@ -13,7 +13,7 @@ Links and who speaks on them:
   Release and Adopt (a client's stream moves between coordinators)
 * verifier -> frontend:  Welcome, Refused, TokenEvent, FleetStatus, ErrorFrame, Adopted
 * drafter  -> coordinator queue link (WebSocket ``/internal/queue``, only without Redis):
-  Hello, QueuePull, QueueAck;  coordinator -> drafter: Welcome, QueueDelivery
+  Hello, QueuePull, QueueRoom, QueueAck;  coordinator -> drafter: Welcome, QueueDelivery
 * Redis stream entries hold one encoded QueuedRequest each.
 
 A ``Batch`` frame carries several round-level messages for one peer (the Verdicts or
@@ -43,7 +43,8 @@ import msgspec
 #: stream survives its coordinator: another one adopts the request and replays its events)
 #: 10: Hello.vocabulary and .ids_fingerprint, Welcome.vocabulary and .ids_fingerprint (a drafter whose
 #: token ids are the target's joins, whatever its special tokens; a refusal names both vocabularies)
-PROTOCOL_VERSION = 10
+#: 11: QueuePull.room and QueueRoom (a coordinator starts a request no drafter has room for at once)
+PROTOCOL_VERSION = 11
 #: the most ``OpenSession.waited_s`` a verifier believes (a skewed clock must not make a request overdue for hours)
 MAX_WAITED_S = 600.0
 #: Largest frame any service accepts. A 32k-token prompt is ~200 KiB; sparse q for 64 draft
@@ -410,10 +411,17 @@ class QueuePull(_Msg, tag="queue_pull", frozen=True):
     """Ask for up to ``max_items`` requests; the server answers when it has at least one."""
 
     max_items: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
-    #: the sessions the drafter can still take, this pull's included (0: not said, as before it was
-    #: sent): once every drafter's room is taken, a request queued beyond it starts target-only at
-    #: once instead of after ``--queue-wait-s`` (``services/coordinator/queue_fallback.py``)
+    #: the sessions the drafter can still take, this pull's included (0: not said): once every
+    #: drafter's room is taken, a request queued beyond it starts target-only at once instead of
+    #: after ``--queue-wait-s`` (``services/coordinator/queue_fallback.py``)
     room: Annotated[int, msgspec.Meta(ge=0, le=100_000)] = 0
+
+
+class QueueRoom(_Msg, tag="queue_room", frozen=True):
+    """The sessions the drafter can take now, sent when that changed while its pull waits (a session
+    ended): the coordinator counts it as it counts ``QueuePull.room``, and nothing is delivered."""
+
+    room: Annotated[int, msgspec.Meta(ge=0, le=100_000)]
 
 
 class QueueDelivery(_Msg, tag="queue_delivery", frozen=True):
@@ -455,6 +463,7 @@ Message = (
     | TokenEvent
     | FleetStatus
     | QueuePull
+    | QueueRoom
     | QueueDelivery
     | QueueAck
     | Batch

@@ -41,6 +41,7 @@ from shared.protocol import (
     QueueDelivery,
     QueuedRequest,
     QueuePull,
+    QueueRoom,
     Refused,
     Welcome,
     decode,
@@ -51,6 +52,7 @@ from shared.tls import ssl_kwargs
 
 log = get_logger("queue.link")
 _MAX_PULL = 1024  # QueuePull.max_items bound in the protocol
+_MAX_ROOM = 100_000  # QueuePull.room's
 
 
 class QueueLinkClient:
@@ -69,6 +71,7 @@ class QueueLinkClient:
         self._held: set[str] = set()  # handed out to the caller, not yet acknowledged
         self._unsent_acks: list[str] = []
         self._pull_outstanding = False
+        self._said_room = 0  # the room the coordinator counts for us: the last said, less what it delivered since
         self._changed = asyncio.Condition()
         self._connect_lock = asyncio.Lock()
         self._closed = False
@@ -84,6 +87,7 @@ class QueueLinkClient:
         if max_items < 1:
             raise ValueError(f"max_items must be >= 1, got {max_items}")
         self._bind(consumer)
+        room = min(max(0, room), _MAX_ROOM)
         try:
             async with asyncio.timeout(timeout_s):
                 ws = await self._connected()
@@ -95,9 +99,12 @@ class QueueLinkClient:
                         )
                     if not self._pull_outstanding:
                         # Marked before the send: the answer may arrive while send() awaits.
-                        self._pull_outstanding = True
-                        if not await self._send(ws, QueuePull(max_items=min(max_items, _MAX_PULL), room=max(0, room))):
+                        self._pull_outstanding, self._said_room = True, room
+                        if not await self._send(ws, QueuePull(max_items=min(max_items, _MAX_PULL), room=room)):
                             self._pull_outstanding = False
+                    elif room and room != self._said_room:  # sessions ended while our pull waited
+                        self._said_room = room
+                        await self._send(ws, QueueRoom(room=room))
                     await self._wait_for_change(ws)
                 return self._hand_out(max_items)
         except TimeoutError:
@@ -204,7 +211,7 @@ class QueueLinkClient:
         log.info("queue link open", url=self._url, consumer=self._consumer, coordinator=reply.node_id)
         return ws
 
-    async def _send(self, ws: ClientConnection, msg: QueuePull | QueueAck) -> bool:
+    async def _send(self, ws: ClientConnection, msg: QueuePull | QueueRoom | QueueAck) -> bool:
         """Send one frame; False if the link is gone (the reader notices and cleans up)."""
         try:
             await ws.send(encode(msg))
@@ -229,6 +236,7 @@ class QueueLinkClient:
             return
         if isinstance(msg, QueueDelivery):
             self._pull_outstanding = False
+            self._said_room = max(0, self._said_room - 1)  # as the coordinator counts it
             if msg.delivery_id in self._held:
                 # Re-delivered after a reconnect while the caller still works on it: this link
                 # now holds it, and the caller's ACK will go here.

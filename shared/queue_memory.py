@@ -21,9 +21,10 @@ Semantics match the Redis transport so that drafters cannot tell them apart:
   removes it wherever it is - held by another consumer after a re-delivery, or back in line
   after a release. A late ACK from a drafter whose link dropped therefore still prevents a
   duplicate generation.
-* Each consumer may say, with each ``get``, how many sessions it can still take (``room``);
-  ``room()`` sums what is left of it, so the coordinator can tell when every drafter is full
-  (``services/coordinator/queue_fallback.py``).
+* Each consumer may say how many sessions it can still take (``get``'s ``room``, or
+  ``note_room``: the queue link notes a drafter's ``QueuePull.room`` and ``QueueRoom`` as they
+  arrive); ``room()`` sums what is left of it, so the coordinator can tell when every drafter is
+  full (``services/coordinator/queue_fallback.py``).
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ class MemoryQueue:
         """
         if max_items < 1:
             raise ValueError(f"max_items must be >= 1, got {max_items}")
-        self._room[consumer] = room if room > 0 else None
+        if room > 0 or consumer not in self._room:  # 0 says nothing new
+            self.note_room(consumer, room or None)
         try:
             async with asyncio.timeout(timeout_s), self._changed:
                 await self._changed.wait_for(lambda: bool(self._ready) or self._closed)
@@ -121,6 +123,10 @@ class MemoryQueue:
 
     async def depth(self) -> int:
         return len(self._ready)
+
+    def note_room(self, consumer: str, room: int | None) -> None:
+        """``consumer`` can take ``room`` more sessions (None: it does not say)."""
+        self._room[consumer] = room
 
     def room(self) -> int | None:
         """The sessions the consumers can still take, summed (0: every one is full); None while

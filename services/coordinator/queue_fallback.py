@@ -16,7 +16,8 @@ first token of 4.6 s against target-only serving's 1.0 s, and prompt lookup alon
 (`python -m bench edge-drafts`, 2026-12-02 00:34).
 
 With the in-process queue the drafters say, with each pull, how many sessions they can still take
-(``QueuePull.room``). A request queued beyond what is left of that room, every drafter being full,
+(``QueuePull.room``, and ``QueueRoom`` when sessions end while a pull waits: at the drafter's next
+poll, within a second). A request queued beyond what is left of that room, every drafter being full,
 does not wait ``wait_s`` for nothing: it starts target-only at the next tick (every ``ROOM_TICK_S``).
 The requests that the drafters' room covers, the first in line, wait for them as before. Measured at
 16 requests on the Q4_1 copy alone (one drafter of 4 sessions), the other 12 had started 0.5 s
@@ -119,7 +120,7 @@ class QueueFallback:
     def _beyond_room(self, waiting: set[str]) -> list[str]:
         """The ``waiting`` requests no drafter has room for: those in the queue's line past the
         sessions the drafters can still take (the first in line go to the drafters first)."""
-        room = self._queue.room() if self._queue is not None else None
+        room = self._queue.room() if self._queue is not None and waiting else None
         if room is None or self._queue is None:
             return []
         return [rid for rid in self._queue.waiting_ids()[room:] if rid in waiting]

@@ -8,7 +8,8 @@ through this WebSocket (client: ``shared/queue_link.py``). Per connection:
    a Refused frame saying what to fix and close code 1008 (policy violation); a per-drafter
    credential removed from the file closes the link within a second;
 2. QueuePull and QueueAck are served concurrently: a pull waits in the queue while ACKs for
-   earlier requests keep flowing;
+   earlier requests keep flowing; the room a pull or a QueueRoom says (the sessions the drafter can
+   still take) is noted in the MemoryQueue as it arrives;
 3. a malformed or unexpected frame gets an ErrorFrame and the link stays up;
 4. when the link ends, for whatever reason, every request delivered over it and not ACKed is
    released back to the front of the queue, so a crashed drafter loses no request;
@@ -41,12 +42,14 @@ from shared.protocol import (
     QueueAck,
     QueueDelivery,
     QueuePull,
+    QueueRoom,
     Refused,
     Welcome,
     decode,
     encode,
 )
 from shared.queue import QueueError, RequestQueue
+from shared.queue_memory import MemoryQueue
 
 log = get_logger("coordinator.queue_link")
 
@@ -160,7 +163,7 @@ class _QueueLink:
         # Bounded, like everything a link buffers: a pull is answered only when the queue has work, so
         # a client could otherwise pile them up; deliveries per pull are capped by QueuePull.max_items
         # and each frame is sent (awaited) before the next pull is served.
-        self._pulls: asyncio.Queue[tuple[int, int]] = asyncio.Queue(maxsize=MAX_OUTSTANDING_PULLS)  # (max_items, room)
+        self._pulls: asyncio.Queue[int] = asyncio.Queue(maxsize=MAX_OUTSTANDING_PULLS)
         self._send_lock = asyncio.Lock()
 
     async def run(self) -> None:
@@ -204,9 +207,15 @@ class _QueueLink:
             await self._handle(msg)
 
     async def _handle(self, msg: Message) -> None:
-        if isinstance(msg, QueuePull):
+        if isinstance(msg, QueuePull | QueueRoom):
+            # counted as it arrives: a pull may wait behind the one being served, and a QueueRoom
+            # updates the one that waits
+            if isinstance(self._queue, MemoryQueue):
+                self._queue.note_room(self._consumer, msg.room if isinstance(msg, QueueRoom) else msg.room or None)
+            if isinstance(msg, QueueRoom):
+                return
             try:
-                self._pulls.put_nowait((msg.max_items, msg.room))
+                self._pulls.put_nowait(msg.max_items)
             except asyncio.QueueFull:
                 await self.send(
                     ErrorFrame(
@@ -234,7 +243,8 @@ class _QueueLink:
                 ErrorFrame(
                     code="unexpected_frame",
                     message=(
-                        f"a {type(msg).__name__} frame is not valid on the queue link; send queue_pull or queue_ack"
+                        f"a {type(msg).__name__} frame is not valid on the queue link; "
+                        "send queue_pull, queue_room or queue_ack"
                     ),
                 )
             )
@@ -242,9 +252,9 @@ class _QueueLink:
     async def _serve_pulls(self) -> None:
         """Answer pulls in order: each waits for at least one request, then sends them all."""
         while True:
-            max_items, room = await self._pulls.get()
+            max_items = await self._pulls.get()
             try:
-                deliveries = await self._queue.get(self._consumer, max_items, None, room)
+                deliveries = await self._queue.get(self._consumer, max_items, None)
             except QueueError as exc:
                 await self.send(ErrorFrame(code="queue_closed", message=str(exc)))
                 await self._close(GOING_AWAY, "queue closed")

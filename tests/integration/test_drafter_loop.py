@@ -30,6 +30,7 @@ from services.drafter.sessions import DraftSession
 from shared.config import from_flags
 from shared.models import LoadedModel, load_model, make_tiny_family
 from shared.protocol import PROTOCOL_VERSION, Hello, QueuedRequest, SamplingParams
+from shared.queue import Delivery
 from shared.queue_memory import MemoryQueue
 from tests.integration.drafter_scripted_verifier import ScriptedVerifier, greedy_continuation
 
@@ -68,6 +69,13 @@ class RecordingQueue(MemoryQueue):
         super().__init__()
         self.acked: list[str] = []
         self.releases = 0
+        self.rooms: list[int] = []  # the room each get that brought a request said
+
+    async def get(self, consumer: str, max_items: int = 1, timeout_s: float | None = None,
+                  room: int = 0) -> list[Delivery]:
+        out = await super().get(consumer, max_items, timeout_s, room)
+        self.rooms += [room] if out else []
+        return out
 
     async def ack(self, consumer: str, delivery_id: str) -> None:
         self.acked.append(delivery_id)
@@ -126,6 +134,8 @@ async def test_sessions_commit_the_verifiers_tokens_and_ack(draft: LoadedModel) 
     assert (hello.role, hello.node_id, hello.protocol_version) == ("drafter", "drafter-test", PROTOCOL_VERSION)
     assert hello.tokenizer_fingerprint == draft.fingerprint and hello.max_sessions == 2
     assert verifier.concurrent_max == 2  # admission fills both slots, never more
+    # each pull says the sessions left: 2, then 1 beside the first session, then what ended
+    assert h.queue.rooms[:2] == [2, 1] and h.queue.rooms[2] in (1, 2)
     # each OpenSession says how long its request waited since the coordinator took it (v8): the third
     # request waited in the queue for one of the first two to end
     assert all(0.0 <= w < 30.0 for w in verifier.waited.values())

@@ -137,6 +137,19 @@ async def test_a_pull_says_the_drafters_room(link: tuple[MemoryQueue, str]) -> N
     assert queue.waiting_ids() == ["r0", "r1", "r2"]
 
 
+async def test_room_that_grows_while_a_pull_waits_is_said_at_the_next_poll(link: tuple[MemoryQueue, str]) -> None:
+    queue, url = link
+    client = QueueLinkClient(url, TOKEN)
+    assert await client.get("drafter-a", timeout_s=0.2, room=1) == []  # nothing queued: the pull waits
+    await eventually(lambda: queue.room() == 1)
+    assert await client.get("drafter-a", timeout_s=0.2, room=3) == []  # sessions ended meanwhile: QueueRoom
+    await eventually(lambda: queue.room() == 3)
+    await queue.put(request(0))  # the waiting pull takes it
+    await eventually(lambda: queue.room() == 2)
+    assert ids(await client.get("drafter-a", timeout_s=5, room=3)) == ["r0"]
+    await client.close()
+
+
 @pytest.mark.parametrize("token", ["", "wrong"])
 async def test_wrong_token_is_refused(link: tuple[MemoryQueue, str], token: str) -> None:
     _, url = link

@@ -52,6 +52,8 @@ SAMPLES: list[P.Message] = [
                  accepted_tokens=1, seq=3),
     P.FleetStatus(drafters=["drafter-1"], sessions=3, target_model="target"),
     P.QueuePull(max_items=8),
+    P.QueuePull(max_items=1, room=3),
+    P.QueueRoom(room=4),
     P.QueueDelivery(delivery_id="1-0", request=QREQ),
     P.QueueAck(delivery_id="1-0"),
     P.Batch(items=[P.Verdict(request_id="r1", round=0, accepted=0, token_ids=[4], finished=False, finish_reason=None,
