@@ -39,8 +39,7 @@ import msgspec
 #: 7: Draft.after and Welcome.conditional_drafts (a drafter sends a lookahead before the verdict it assumes);
 #: SessionOpened.race_key (race sampling: shared.race)
 #: 8: OpenSession.waited_s (a request's SLO clock starts when its coordinator took it, not at the verifier)
-#: 9: TokenEvent.seq, ResumeState.next_seq, Release, Adopt, Adopted and Welcome.orphan_grace_s (a client's
-#: stream survives its coordinator: another one adopts the request and replays its events)
+#: 9: TokenEvent.seq, ResumeState.next_seq, Release, Adopt, Adopted, Welcome.orphan_grace_s (streams survive)
 #: 10: Hello.vocabulary and .ids_fingerprint, Welcome.vocabulary and .ids_fingerprint (a drafter whose
 #: token ids are the target's joins, whatever its special tokens; a refusal names both vocabularies)
 #: 11: QueuePull.room and QueueRoom (a coordinator starts a request no drafter has room for at once)
@@ -411,15 +410,13 @@ class QueuePull(_Msg, tag="queue_pull", frozen=True):
     """Ask for up to ``max_items`` requests; the server answers when it has at least one."""
 
     max_items: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
-    #: the sessions the drafter can still take, this pull's included (0: not said): once every
-    #: drafter's room is taken, a request queued beyond it starts target-only at once instead of
-    #: after ``--queue-wait-s`` (``services/coordinator/queue_fallback.py``)
+    #: sessions the drafter can still take, this pull's included (0: not said); past every drafter's,
+    #: a queued request starts target-only at once (``services/coordinator/queue_fallback.py``)
     room: Annotated[int, msgspec.Meta(ge=0, le=100_000)] = 0
 
 
 class QueueRoom(_Msg, tag="queue_room", frozen=True):
-    """The sessions the drafter can take now, sent when that changed while its pull waits (a session
-    ended): the coordinator counts it as it counts ``QueuePull.room``, and nothing is delivered."""
+    """``QueuePull.room`` anew, when sessions ended while the pull waits; nothing is delivered."""
 
     room: Annotated[int, msgspec.Meta(ge=0, le=100_000)]
 
