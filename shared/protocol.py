@@ -32,8 +32,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-#: 5: Draft.pause_rounds; SamplingParams logprobs, penalties and structured output; TokenEvent.logprobs
-#: and .error_code;
+#: 5: Draft.pause_rounds; SamplingParams logprobs, penalties, structured output; TokenEvent.logprobs, .error_code;
 #: OpenSession.resume, ResumeDone and Welcome.instance (a coordinator re-opens its requests on a new verifier)
 #: 6: SessionOpened.bonus_key and Draft.guess_bonus (shared.coupling: sampled sessions draft ahead)
 #: 7: Draft.after and Welcome.conditional_drafts (a drafter sends a lookahead before the verdict it assumes);
@@ -43,7 +42,8 @@ import msgspec
 #: 10: Hello.vocabulary and .ids_fingerprint, Welcome.vocabulary and .ids_fingerprint (a drafter whose
 #: token ids are the target's joins, whatever its special tokens; a refusal names both vocabularies)
 #: 11: QueuePull.room and QueueRoom (a coordinator starts a request no drafter has room for at once)
-PROTOCOL_VERSION = 11
+#: 12: Hello.site (a coordinator fills one drafter of a machine before the next: shared/queue_memory.py)
+PROTOCOL_VERSION = 12
 #: the most ``OpenSession.waited_s`` a verifier believes (a skewed clock must not make a request overdue for hours)
 MAX_WAITED_S = 600.0
 #: Largest frame any service accepts. A 32k-token prompt is ~200 KiB; sparse q for 64 draft
@@ -171,6 +171,7 @@ class Hello(_Msg, tag="hello", frozen=True):
     #: vocabulary for people: a drafter with the target's token ids but other special tokens joins
     ids_fingerprint: Annotated[str, msgspec.Meta(max_length=64)] = ""
     vocabulary: Annotated[str, msgspec.Meta(max_length=256)] = ""
+    site: Annotated[str, msgspec.Meta(max_length=253)] = ""  # (v12) the machine a drafter drafts on
 
 
 class Welcome(_Msg, tag="welcome", frozen=True):
@@ -309,8 +310,7 @@ class Verdict(_Msg, tag="verdict", frozen=True):
     token_ids: list[TokenId]
     finished: bool
     finish_reason: FinishReason | None
-    #: tokens to draft for the next round; 0: send nothing, the verifier runs that round
-    #: target-only without waiting and sends its Verdict (which carries the next budget)
+    #: tokens to draft next round; 0: send nothing, the verifier runs it target-only at once (its Verdict has the next)
     draft_budget: int
 
 

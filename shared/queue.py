@@ -68,12 +68,14 @@ def open_queue(
     auth_token: str = "",
     claim_idle_ms: int = 30000,
     tls: ssl.SSLContext | None = None,
+    site: str = "",
 ) -> RequestQueue:
     """The queue transport for ``url`` (no I/O here: each transport connects on first use).
 
     ``memory://`` makes a new in-process queue; ``redis://``/``rediss://``/``unix://`` a Redis
     Streams queue on ``stream`` read through ``group``; ``ws://``/``wss://`` a consumer link to a
-    coordinator's ``/internal/queue`` (authenticated with ``auth_token``).
+    coordinator's ``/internal/queue`` (authenticated with ``auth_token``; ``site``: the machine the
+    consumer drafts on, see ``shared/queue_memory.py``).
     """
     scheme = url.partition("://")[0].lower() if "://" in url else ""
     if scheme == "memory":
@@ -87,7 +89,7 @@ def open_queue(
     if scheme in ("ws", "wss"):
         from shared.queue_link import QueueLinkClient
 
-        return QueueLinkClient(url, auth_token, tls=tls)
+        return QueueLinkClient(url, auth_token, tls=tls, site=site)
     raise QueueError(
         f"unsupported queue URL {url!r}: use redis://host:6379/0 (Redis Streams), "
         "ws://coordinator:8000/internal/queue (the coordinator's queue link) or memory:// (in-process)"

@@ -59,8 +59,9 @@ class QueueLinkClient:
     """RequestQueue (consumer side only) backed by a coordinator's ``/internal/queue``."""
 
     def __init__(self, url: str, auth_token: str = "", *, open_timeout_s: float = 10.0,
-                 tls: ssl.SSLContext | None = None) -> None:
+                 tls: ssl.SSLContext | None = None, site: str = "") -> None:
         self._url = url
+        self._site = site  # the machine this drafter drafts on (Hello.site)
         self._tls = tls  # wss://: the CA-pinned client context (shared.tls.client_context)
         self._auth_token = auth_token
         self._open_timeout_s = open_timeout_s
@@ -196,7 +197,7 @@ class QueueLinkClient:
 
     async def _handshake(self, ws: ClientConnection) -> ClientConnection:
         assert self._consumer is not None
-        hello = Hello(role="drafter", node_id=self._consumer, protocol_version=PROTOCOL_VERSION)
+        hello = Hello(role="drafter", node_id=self._consumer, protocol_version=PROTOCOL_VERSION, site=self._site)
         with contextlib.suppress(ConnectionClosed):  # refused already? the Refused frame waits below
             await ws.send(encode(hello))
         try:

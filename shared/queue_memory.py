@@ -25,12 +25,23 @@ Semantics match the Redis transport so that drafters cannot tell them apart:
   ``note_room``: the queue link notes a drafter's ``QueuePull.room`` and ``QueueRoom`` as they
   arrive); ``room()`` sums what is left of it, so the coordinator can tell when every drafter is
   full (``services/coordinator/queue_fallback.py``).
+* Whose turn: when several consumers wait, a request goes to the one that drafts on the least
+  loaded machine (its ``site``: the consumers of a site share its cores) and, within a site, to the
+  one that already holds the most (``_turn``). Drafters on separate machines so share the load;
+  drafters on one machine fill one batch before the next, since each batch reads its own copy of
+  the draft's weights a forward from the same cores (bench/results/edge-drafts.md: two drafters
+  of 2 sessions on one core ran at 0.90x target-only, one of 4 at 1.21x). A consumer that took a
+  request, or whose request finished (``note_finished``, or its ACK), less than ``TURN_GRACE_S``
+  ago and has room keeps its turn while its next pull is on the way; past that, any waiting
+  consumer takes the request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
+import time
 from collections import OrderedDict
 
 from shared.log import get_logger
@@ -40,6 +51,9 @@ from shared.queue import Delivery, QueueError, QueueFull
 log = get_logger("queue.memory")
 #: the default bound on waiting requests (the coordinator passes its --max-queue)
 DEFAULT_MAX_DEPTH = 1024
+#: how long a consumer that just took or finished a request (and has room) keeps its turn for its
+#: next pull (a drafter starts the session it took, on a busy core, before it pulls again)
+TURN_GRACE_S = 0.1
 
 
 class MemoryQueue:
@@ -56,6 +70,10 @@ class MemoryQueue:
         #: consumer -> the sessions it can still take (its last ``get``'s room less what it took
         #: since); None: its last ``get`` did not say
         self._room: dict[str, int | None] = {}
+        self._site: dict[str, str] = {}  # consumer -> the machine it drafts on (absent: its own)
+        self._waiting: dict[str, int] = {}  # consumer -> its gets waiting now, in the order they came
+        self._active_at: dict[str, float] = {}  # consumer -> when it last took or finished one (monotonic)
+        self._finishing: set[str] = set()  # held deliveries whose last token went out (note_finished)
         self._instance = secrets.token_hex(4)
         self._next_id = 0
         self._changed = asyncio.Condition()
@@ -86,9 +104,12 @@ class MemoryQueue:
             self.note_room(consumer, room or None)
         try:
             async with asyncio.timeout(timeout_s), self._changed:
-                await self._changed.wait_for(lambda: bool(self._ready) or self._closed)
-                self._check_open()
-                return self._take(consumer, max_items)
+                self._waiting[consumer] = self._waiting.get(consumer, 0) + 1
+                try:
+                    await self._await_turn(consumer)
+                    return self._take(consumer, max_items)
+                finally:
+                    self._leave(consumer)
         except TimeoutError:
             return []
 
@@ -103,6 +124,10 @@ class MemoryQueue:
         del held[delivery_id]
         if not held:
             del self._held[owner]
+        if delivery_id in self._finishing:
+            self._finishing.discard(delivery_id)
+        else:
+            self._free_one(owner)
         if owner != consumer:
             log.info(
                 "request acknowledged by another consumer", delivery_id=delivery_id, holder=owner, acked_by=consumer
@@ -111,11 +136,14 @@ class MemoryQueue:
     async def release(self, consumer: str) -> None:
         """Put the consumer's unacknowledged requests back at the front, oldest first."""
         self._room.pop(consumer, None)
+        self._site.pop(consumer, None)
+        self._active_at.pop(consumer, None)
         held = self._held.pop(consumer, None)
         if not held:
             return
         for delivery_id in sorted(held, key=_number, reverse=True):
             del self._owner[delivery_id]
+            self._finishing.discard(delivery_id)
             self._ready[delivery_id] = held[delivery_id]
             self._ready.move_to_end(delivery_id, last=False)
         log.info("released unacknowledged requests", consumer=consumer, count=len(held))
@@ -127,6 +155,24 @@ class MemoryQueue:
     def note_room(self, consumer: str, room: int | None) -> None:
         """``consumer`` can take ``room`` more sessions (None: it does not say)."""
         self._room[consumer] = room
+
+    def note_site(self, consumer: str, site: str) -> None:
+        """``consumer`` drafts on machine ``site`` ("": a machine of its own), with the others there."""
+        if site:
+            self._site[consumer] = site
+        else:
+            self._site.pop(consumer, None)
+
+    def note_finished(self, request_id: str) -> None:
+        """The coordinator relayed ``request_id``'s last token: its drafter ends the session and ACKs
+        it in a moment, so the room it frees, and its turn, count from now (a client's next request
+        may well arrive before that ACK)."""
+        for consumer, held in self._held.items():
+            for delivery_id, request in held.items():
+                if request.request_id == request_id and delivery_id not in self._finishing:
+                    self._finishing.add(delivery_id)
+                    self._free_one(consumer)
+                    return
 
     def room(self) -> int | None:
         """The sessions the consumers can still take, summed (0: every one is full); None while
@@ -149,6 +195,54 @@ class MemoryQueue:
         self._closed = True
         await self._notify()
 
+    async def _await_turn(self, consumer: str) -> None:
+        """Return (the condition's lock held) once a request waits and it is ``consumer``'s turn."""
+        while True:
+            self._check_open()
+            if self._ready:
+                whose, until = self._turn()
+                if whose == consumer:
+                    return
+                # another's turn: look again when something changes, or when its turn lapses
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(None if until is None else max(0.0, until - time.monotonic())):
+                        await self._changed.wait()
+            else:
+                await self._changed.wait()
+
+    def _turn(self) -> tuple[str | None, float | None]:
+        """Whose turn the next request is: the consumer on the least loaded site and, within a site,
+        the one holding the most; a waiting one before one still on its way back. With the time
+        that consumer's turn lapses (None: it is waiting, so it does not)."""
+        now = time.monotonic()
+        coming = [c for c, at in self._active_at.items()
+                  if c not in self._waiting and now - at < TURN_GRACE_S and (self._room.get(c) or 0) > 0]
+        candidates = [*self._waiting, *coming]  # waiting ones first, in the order they came
+        if not candidates:
+            return None, None
+        load: dict[str, int] = {}
+        for c, held in self._held.items():
+            load[self._site.get(c, c)] = load.get(self._site.get(c, c), 0) + len(held)
+
+        def key(c: str) -> tuple[int, int]:
+            return load.get(self._site.get(c, c), 0), -len(self._held.get(c, ()))
+
+        whose = min(candidates, key=key)  # min is stable: ties go to the first candidate
+        return whose, (None if whose in self._waiting else self._active_at[whose] + TURN_GRACE_S)
+
+    def _free_one(self, consumer: str) -> None:
+        """One of ``consumer``'s sessions ended: one more room, until its next pull says."""
+        left = self._room.get(consumer)
+        if left is not None:
+            self._room[consumer] = left + 1
+            self._active_at[consumer] = time.monotonic()
+
+    def _leave(self, consumer: str) -> None:
+        left = self._waiting.pop(consumer) - 1
+        if left:
+            self._waiting[consumer] = left
+        self._changed.notify_all()  # the turn may have passed to another waiting consumer
+
     def _take(self, consumer: str, max_items: int) -> list[Delivery]:
         out: list[Delivery] = []
         held = self._held.setdefault(consumer, {})
@@ -160,6 +254,7 @@ class MemoryQueue:
         left = self._room.get(consumer)
         if left is not None:
             self._room[consumer] = max(0, left - len(out))
+        self._active_at[consumer] = time.monotonic()
         return out
 
     async def _notify(self) -> None:

@@ -71,6 +71,8 @@ def create_app(
     if link is None and len(urls) > 1:  # several verifier replicas, with session affinity and failover
         link = VerifierPool(urls, node_id, cfg.security.auth_token, model.fingerprint, tls=verifier_tls)
     link = link or FrontendLink(urls[0], node_id, cfg.security.auth_token, model.fingerprint, tls=verifier_tls)
+    if isinstance(queue, MemoryQueue):  # a request's end frees its drafter's room at once (shared/queue_memory.py)
+        link.routing.on_finished = queue.note_finished
     metrics = CoordinatorMetrics()
     metrics.in_flight_limit.set(cfg.admission.max_in_flight)
     admission = InFlightLimit(cfg.admission.max_in_flight, cfg.admission.retry_after_s, metrics.in_flight)

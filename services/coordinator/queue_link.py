@@ -89,6 +89,8 @@ def make_queue_router(queue: RequestQueue, auth: Credentials | str, *, node_id: 
             await _refuse(websocket, "unauthorized", problem)
             return
         consumer = f"{hello.node_id}#{secrets.token_hex(4)}"
+        if isinstance(queue, MemoryQueue):
+            queue.note_site(consumer, hello.site)
         welcome = Welcome(
             node_id=node_id,
             protocol_version=PROTOCOL_VERSION,

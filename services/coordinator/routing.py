@@ -10,6 +10,7 @@ target-only open; events for it from any other replica are dropped and cancelled
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.coordinator.resume import ResumeLedger
@@ -37,6 +38,8 @@ class Routing:
     fallen_back: set[str] = field(default_factory=set)
     #: Adopt frames sent, by (request id, replica index): the future their Adopted answer resolves
     adopting: dict[tuple[str, int], asyncio.Future[Adopted]] = field(default_factory=dict)
+    #: called with a request's id as its last event is relayed (the in-process queue's note_finished)
+    on_finished: Callable[[str], None] | None = None
 
     def subscribe(self, request_id: str, opened: OpenSession | None) -> asyncio.Queue[Inbound]:
         if request_id in self.subs:
@@ -71,6 +74,8 @@ class Routing:
         self.ledger.relayed(event)
         if event.finished:
             self.where.pop(event.request_id, None)
+            if self.on_finished is not None:
+                self.on_finished(event.request_id)
 
     def declined_fallback(self, request_id: str, code: str) -> bool:
         """Whether an error for ``request_id`` only declines this coordinator's target-only open of

@@ -43,6 +43,10 @@ class NodeSection:
     """this drafter: its name, metrics and logs"""
 
     node_id: str = opt("", "this drafter's name; empty picks drafter-<hostname>-<pid>")
+    site: str = opt("", "the machine this drafter drafts on: the coordinator's queue gives a new request to a "
+                        "drafter on its least loaded site and, among the drafters of one site (they share its "
+                        "cores), to the one already serving the most, filling one batch before the next; empty: "
+                        "this host's name (in Kubernetes, the node's name suits)")
     metrics_port: int = opt(0, "serve Prometheus /metrics, and /health and /ready for probes, on this port (0: off)")
     metrics_host: str = opt("127.0.0.1", "interface for /metrics (0.0.0.0 in containers)")
     log_level: str = opt("info", "debug, info, warning, error")

@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from services.coordinator.model_info import ModelInfo
+from shared.protocol import TokenEvent
 from tests.integration.coordinator_fakes import InProcess, RawHttp, RawWebSocket, expected_text, in_process, until
 
 CHAT = "/v1/chat/completions"
@@ -294,6 +295,24 @@ async def test_full_queue_is_429_with_retry_after(model: ModelInfo) -> None:
         with contextlib.suppress(asyncio.CancelledError):
             await waiting
         await back_to_zero(h)
+
+
+async def test_a_requests_end_frees_its_drafters_room_before_the_ack(model: ModelInfo) -> None:
+    """The queue hears of a request's last token as the coordinator relays it, so a client's next
+    request may go to the drafter that is about to ACK (shared/queue_memory.py: whose turn)."""
+    async with in_process(model, consume=False, speculation="on") as h:
+        waiting = asyncio.create_task(h.http.post(COMP, json=body(COMP, "one")))
+        await until(lambda: len(h.queue.waiting_ids()) == 1)
+        [d] = await h.queue.get("drafter-1", timeout_s=1, room=1)
+        assert h.queue.room() == 0  # its one room is taken
+        rid = d.request.request_id
+        await h.fake.emit("coord-inproc", TokenEvent(
+            request_id=rid, origin="coord-inproc", token_ids=[10], text=" w0", finished=True, finish_reason="length",
+            prompt_tokens=len(d.request.prompt_ids), completion_tokens=1, seq=1))
+        assert (await waiting).status_code == 200
+        assert h.queue.room() == 1  # freed as the last token went out, before any ACK
+        await h.queue.ack("drafter-1", d.delivery_id)
+        assert h.queue.room() == 1 and h.queue.in_flight() == 0  # the ACK does not count it twice
 
 
 # --- bursts ---------------------------------------------------------------------------------------

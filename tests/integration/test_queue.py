@@ -19,7 +19,7 @@ from redis.asyncio import Redis
 
 from shared.protocol import Hello, QueuedRequest, SamplingParams, encode
 from shared.queue import Delivery, QueueError, RequestQueue
-from shared.queue_memory import MemoryQueue
+from shared.queue_memory import TURN_GRACE_S, MemoryQueue
 from shared.queue_redis import RedisStreamQueue
 
 pytestmark = pytest.mark.asyncio
@@ -310,6 +310,87 @@ async def test_memory_room_is_what_the_consumers_said_less_what_they_took() -> N
     assert q.room() == 0 and q.waiting_ids() == ["r1", "r2", "r4"]
     await q.get("d3", max_items=1, timeout_s=1)  # a consumer that does not say: unknown again
     assert q.room() is None
+
+
+async def waiting(q: MemoryQueue, consumer: str, room: int) -> asyncio.Task[list[Delivery]]:
+    task = asyncio.create_task(q.get(consumer, timeout_s=2, room=room))
+    await asyncio.sleep(0.01)  # it waits now
+    return task
+
+
+@pytest.mark.parametrize(("site_1", "site_2", "second_goes_to"), [
+    ("edge-box", "edge-box", "d1"),  # one machine: fill the drafter that serves already
+    ("", "", "d2"),  # a machine each (no site said): the idle one
+    ("box-a", "box-b", "d2"),
+])
+async def test_memory_turn_fills_one_drafter_of_a_machine_and_spreads_across_machines(
+        site_1: str, site_2: str, second_goes_to: str) -> None:
+    q = MemoryQueue()
+    q.note_site("d1", site_1)
+    q.note_site("d2", site_2)
+    await q.put(request(0))
+    assert ids(await q.get("d1", timeout_s=1, room=4)) == ["r0"]
+    await asyncio.sleep(TURN_GRACE_S * 2)  # d1's turn as the one coming back lapsed
+    d2 = await waiting(q, "d2", 4)  # d2 waits first
+    d1 = await waiting(q, "d1", 3)
+    await q.put(request(1))
+    done, pending = await asyncio.wait({d1, d2}, timeout=1, return_when=asyncio.FIRST_COMPLETED)
+    assert [ids(t.result()) for t in done] == [["r1"]] and (d1 in done) == (second_goes_to == "d1")
+    for task in pending:
+        task.cancel()
+
+
+async def test_memory_turn_waits_for_a_drafter_on_its_way_back_and_not_longer(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A burst on one machine: the drafter that took the first keeps its turn while its next pull
+    travels (TURN_GRACE_S); one that does not come back loses it."""
+    monkeypatch.setattr("shared.queue_memory.TURN_GRACE_S", 0.3)  # wide enough for a loaded machine
+    q = MemoryQueue()
+    for consumer in ("d1", "d2"):
+        q.note_site(consumer, "edge-box")
+    d2 = await waiting(q, "d2", 4)
+    for i in range(3):
+        await q.put(request(i))
+    assert ids(await d2) == ["r0"]
+    d1 = await waiting(q, "d1", 4)  # not d1's turn: d2 serves one and will pull again
+    assert not d1.done()
+    assert ids(await q.get("d2", timeout_s=1, room=3)) == ["r1"]  # d2 came back in time
+    started = time.monotonic()
+    assert ids(await asyncio.wait_for(d1, 1.5)) == ["r2"]  # d2 did not come back: d1 takes it
+    assert 0.2 < time.monotonic() - started < 1.0  # when d2's turn lapsed
+
+
+async def test_memory_turn_passes_a_full_drafter_by() -> None:
+    q = MemoryQueue()
+    for consumer in ("d1", "d2"):
+        q.note_site(consumer, "edge-box")
+    await q.put(request(0))
+    assert ids(await q.get("d1", timeout_s=1, room=1)) == ["r0"]  # d1 is full now
+    d2 = await waiting(q, "d2", 4)
+    await q.put(request(1))
+    assert ids(await asyncio.wait_for(d2, 0.5)) == ["r1"]  # at once: d1 has no room to come back with
+
+
+async def test_memory_a_finished_request_gives_its_drafter_the_turn_before_its_ack() -> None:
+    """A full drafter whose request just finished gets the next one: the client's next request
+    may come before the drafter's ACK, and must not go to the idle drafter of the same machine."""
+    q = MemoryQueue()
+    for consumer in ("d1", "d2"):
+        q.note_site(consumer, "edge-box")
+    for i in range(2):
+        await q.put(request(i))
+    first = await q.get("d1", max_items=2, timeout_s=1, room=2)
+    assert ids(first) == ["r0", "r1"] and q.room() == 0
+    await asyncio.sleep(TURN_GRACE_S * 2)
+    d2 = await waiting(q, "d2", 4)
+    q.note_finished("r0")  # its last token went out: d1 frees a room and comes back for more
+    q.note_finished("r0")  # said twice (a replayed final event): counted once
+    assert q.room() == 4 + 1
+    await q.put(request(2))
+    assert ids(await q.get("d1", timeout_s=1, room=1)) == ["r2"] and not d2.done()
+    await q.ack("d1", first[0].delivery_id)  # the ACK that follows does not free the room a second time
+    assert q.room() == 4 + 0
+    d2.cancel()
 
 
 async def test_unreachable_redis_is_a_clear_error() -> None:

@@ -137,6 +137,24 @@ async def test_a_pull_says_the_drafters_room(link: tuple[MemoryQueue, str]) -> N
     assert queue.waiting_ids() == ["r0", "r1", "r2"]
 
 
+async def test_drafters_of_one_site_fill_one_before_the_next(link: tuple[MemoryQueue, str]) -> None:
+    queue, url = link
+    a, b = QueueLinkClient(url, TOKEN, site="edge-box"), QueueLinkClient(url, TOKEN, site="edge-box")
+    await queue.put(request(0))
+    assert ids(await a.get("drafter-a", timeout_s=5, room=4)) == ["r0"]
+    pulls = [asyncio.create_task(c.get(name, timeout_s=5, room=r)) for c, name, r in ((b, "drafter-b", 4),
+                                                                                     (a, "drafter-a", 3))]
+    await eventually(lambda: queue.room() == 7)  # both pulls wait
+    await queue.put(request(1))
+    done, pending = await asyncio.wait(pulls, timeout=5, return_when=asyncio.FIRST_COMPLETED)
+    assert done == {pulls[1]} and ids(pulls[1].result()) == ["r1"]  # a, which serves already
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    await a.close()
+    await b.close()
+
+
 async def test_room_that_grows_while_a_pull_waits_is_said_at_the_next_poll(link: tuple[MemoryQueue, str]) -> None:
     queue, url = link
     client = QueueLinkClient(url, TOKEN)

@@ -25,7 +25,7 @@ QREQ = P.QueuedRequest(request_id="r1", prompt_ids=[1, 2, 3], params=PARAMS, ori
 SAMPLES: list[P.Message] = [
     QREQ,
     P.Hello(role="drafter", node_id="drafter-1", protocol_version=P.PROTOCOL_VERSION,
-            tokenizer_fingerprint="abcd", model="draft-L1", max_sessions=4),
+            tokenizer_fingerprint="abcd", model="draft-L1", max_sessions=4, site="edge-box"),
     P.Welcome(node_id="verifier", protocol_version=P.PROTOCOL_VERSION, target_model="target",
               tokenizer_fingerprint="abcd", max_model_len=512, max_draft_tokens=16, instance="0123abcd"),
     P.Refused(code="bad_version", message="peer speaks version 2, we speak 1"),
