@@ -23,8 +23,9 @@ Semantics match the Redis transport so that drafters cannot tell them apart:
   duplicate generation.
 * Each consumer may say how many sessions it can still take (``get``'s ``room``, or
   ``note_room``: the queue link notes a drafter's ``QueuePull.room`` and ``QueueRoom`` as they
-  arrive); ``room()`` sums what is left of it, so the coordinator can tell when every drafter is
-  full (``services/coordinator/queue_fallback.py``).
+  arrive); ``room()`` sums what is left of it (less what each took since, plus what finished
+  since: ``note_finished`` or the ACK), so the coordinator can tell when every drafter is full
+  (``services/coordinator/queue_fallback.py``).
 * Whose turn: when several consumers wait, a request goes to the one that drafts on the least
   loaded machine (its ``site``: the consumers of a site share its cores) and, within a site, to the
   one that already holds the most (``_turn``). Drafters on separate machines so share the load;
@@ -68,8 +69,9 @@ class MemoryQueue:
         self._held: dict[str, dict[str, QueuedRequest]] = {}  # consumer -> {delivery_id: request}
         self._owner: dict[str, str] = {}  # delivery_id -> consumer holding it
         #: consumer -> the sessions it can still take (its last ``get``'s room less what it took
-        #: since); None: its last ``get`` did not say
+        #: since, plus those of its requests that finished since); None: its last ``get`` did not say
         self._room: dict[str, int | None] = {}
+        self._most: dict[str, int] = {}  # consumer -> the most room it ever said (what it may free up to)
         self._site: dict[str, str] = {}  # consumer -> the machine it drafts on (absent: its own)
         self._waiting: dict[str, int] = {}  # consumer -> its gets waiting now, in the order they came
         self._active_at: dict[str, float] = {}  # consumer -> when it last took or finished one (monotonic)
@@ -132,14 +134,17 @@ class MemoryQueue:
             log.info(
                 "request acknowledged by another consumer", delivery_id=delivery_id, holder=owner, acked_by=consumer
             )
+        await self._notify()  # who holds the most changed: whose turn it is may have too
 
     async def release(self, consumer: str) -> None:
         """Put the consumer's unacknowledged requests back at the front, oldest first."""
         self._room.pop(consumer, None)
         self._site.pop(consumer, None)
         self._active_at.pop(consumer, None)
+        self._most.pop(consumer, None)
         held = self._held.pop(consumer, None)
         if not held:
+            await self._notify()  # it may have been the one whose turn the others waited out
             return
         for delivery_id in sorted(held, key=_number, reverse=True):
             del self._owner[delivery_id]
@@ -155,6 +160,8 @@ class MemoryQueue:
     def note_room(self, consumer: str, room: int | None) -> None:
         """``consumer`` can take ``room`` more sessions (None: it does not say)."""
         self._room[consumer] = room
+        if room is not None:
+            self._most[consumer] = max(room, self._most.get(consumer, 0))
 
     def note_site(self, consumer: str, site: str) -> None:
         """``consumer`` drafts on machine ``site`` ("": a machine of its own), with the others there."""
@@ -203,9 +210,11 @@ class MemoryQueue:
                 whose, until = self._turn()
                 if whose == consumer:
                     return
-                # another's turn: look again when something changes, or when its turn lapses
+                # another's turn: look again when something changes, or when its turn lapses (at
+                # the latest after TURN_GRACE_S: a change that notified nobody cannot strand a request)
+                wait_s = TURN_GRACE_S if until is None else min(TURN_GRACE_S, until - time.monotonic())
                 with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(None if until is None else max(0.0, until - time.monotonic())):
+                    async with asyncio.timeout(max(0.0, wait_s)):
                         await self._changed.wait()
             else:
                 await self._changed.wait()
@@ -220,12 +229,13 @@ class MemoryQueue:
         candidates = [*self._waiting, *coming]  # waiting ones first, in the order they came
         if not candidates:
             return None, None
+        serving = {c: sum(d not in self._finishing for d in held) for c, held in self._held.items()}
         load: dict[str, int] = {}
-        for c, held in self._held.items():
-            load[self._site.get(c, c)] = load.get(self._site.get(c, c), 0) + len(held)
+        for c, n in serving.items():
+            load[self._site.get(c, c)] = load.get(self._site.get(c, c), 0) + n
 
         def key(c: str) -> tuple[int, int]:
-            return load.get(self._site.get(c, c), 0), -len(self._held.get(c, ()))
+            return load.get(self._site.get(c, c), 0), -serving.get(c, 0)
 
         whose = min(candidates, key=key)  # min is stable: ties go to the first candidate
         return whose, (None if whose in self._waiting else self._active_at[whose] + TURN_GRACE_S)
@@ -233,8 +243,8 @@ class MemoryQueue:
     def _free_one(self, consumer: str) -> None:
         """One of ``consumer``'s sessions ended: one more room, until its next pull says."""
         left = self._room.get(consumer)
-        if left is not None:
-            self._room[consumer] = left + 1
+        if left is not None:  # never past the most it said (a slot its pull already counted)
+            self._room[consumer] = min(left + 1, self._most.get(consumer, left + 1))
             self._active_at[consumer] = time.monotonic()
 
     def _leave(self, consumer: str) -> None:

@@ -17,7 +17,8 @@ first token of 4.6 s against target-only serving's 1.0 s, and prompt lookup alon
 
 With the in-process queue the drafters say, with each pull, how many sessions they can still take
 (``QueuePull.room``, and ``QueueRoom`` when sessions end while a pull waits: at the drafter's next
-poll, within a second). A request queued beyond what is left of that room, every drafter being full,
+poll, within a second; the queue counts a session's room free already as its last token is
+relayed, ``MemoryQueue.note_finished``). A request queued beyond what is left of that room, every drafter being full,
 does not wait ``wait_s`` for nothing: it starts target-only at the next tick (every ``ROOM_TICK_S``).
 The requests that the drafters' room covers, the first in line, wait for them as before. Measured at
 16 requests on the Q4_1 copy alone (one drafter of 4 sessions), the other 12 had started 0.5 s

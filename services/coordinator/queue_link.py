@@ -9,7 +9,8 @@ through this WebSocket (client: ``shared/queue_link.py``). Per connection:
    credential removed from the file closes the link within a second;
 2. QueuePull and QueueAck are served concurrently: a pull waits in the queue while ACKs for
    earlier requests keep flowing; the room a pull or a QueueRoom says (the sessions the drafter can
-   still take) is noted in the MemoryQueue as it arrives;
+   still take) is noted in the MemoryQueue as it arrives, and so is the machine the Hello names
+   (``Hello.site``: the queue fills one drafter of a machine before the next);
 3. a malformed or unexpected frame gets an ErrorFrame and the link stays up;
 4. when the link ends, for whatever reason, every request delivered over it and not ACKed is
    released back to the front of the queue, so a crashed drafter loses no request;
@@ -89,8 +90,6 @@ def make_queue_router(queue: RequestQueue, auth: Credentials | str, *, node_id: 
             await _refuse(websocket, "unauthorized", problem)
             return
         consumer = f"{hello.node_id}#{secrets.token_hex(4)}"
-        if isinstance(queue, MemoryQueue):
-            queue.note_site(consumer, hello.site)
         welcome = Welcome(
             node_id=node_id,
             protocol_version=PROTOCOL_VERSION,
@@ -100,7 +99,7 @@ def make_queue_router(queue: RequestQueue, auth: Credentials | str, *, node_id: 
             max_draft_tokens=0,
         )
         link = _QueueLink(websocket, queue, consumer, credentials, identity,
-                          delivered_to if identity.name is not None else None)
+                          delivered_to if identity.name is not None else None, hello.site)
         if await link.send(welcome):
             await link.run()
 
@@ -155,8 +154,9 @@ class _QueueLink:
     """One accepted link: a receive loop and a pull server, and the release when it ends."""
 
     def __init__(self, ws: WebSocket, queue: RequestQueue, consumer: str, credentials: Credentials,
-                 identity: Identity, delivered_to: dict[str, str] | None) -> None:
+                 identity: Identity, delivered_to: dict[str, str] | None, site: str = "") -> None:
         self._ws = ws
+        self._site = site  # the machine the drafter drafts on (Hello.site): the queue's turns
         self._queue = queue
         self._consumer = consumer
         self._credentials = credentials
@@ -169,7 +169,9 @@ class _QueueLink:
         self._send_lock = asyncio.Lock()
 
     async def run(self) -> None:
-        log.info("queue link open", consumer=self._consumer, client=str(self._ws.client))
+        log.info("queue link open", consumer=self._consumer, client=str(self._ws.client), site=self._site)
+        if isinstance(self._queue, MemoryQueue):
+            self._queue.note_site(self._consumer, self._site)  # release() below forgets it
         receiver = asyncio.create_task(self._receive_loop(), name=f"queue-link-recv-{self._consumer}")
         puller = asyncio.create_task(self._serve_pulls(), name=f"queue-link-pull-{self._consumer}")
         tasks = {receiver, puller}

@@ -145,8 +145,9 @@ class DrafterLoop:
                 await self._slot_freed.wait()
                 continue
             try:
-                # One at a time: drafters pulling side by side then take turns, instead of the
-                # first one with free slots swallowing the whole backlog.
+                # One at a time: the coordinator's queue then picks which drafter takes each request
+                # (the one on the least loaded machine, and there the one serving the most), and
+                # drafters reading Redis take turns, instead of the first one swallowing the backlog.
                 # ``room`` tells an in-process queue how many more we take: once every drafter's
                 # is taken, its coordinator starts further requests target-only at once
                 deliveries = await self.queue.get(self.node_id, max_items=1, timeout_s=QUEUE_POLL_S, room=free)

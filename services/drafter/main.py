@@ -264,7 +264,7 @@ async def serve(
     links = cfg.links
     request_queue = queue or open_queue(links.queue_url, stream=links.queue_stream, group=links.queue_group,
                                         auth_token=cfg.security.auth_token, claim_idle_ms=links.claim_idle_ms,
-                                        tls=queue_tls, site=cfg.node.site or socket.gethostname())
+                                        tls=queue_tls, site=(cfg.node.site or socket.gethostname())[:253])
     hello = Hello(role="drafter", node_id=node_id, protocol_version=PROTOCOL_VERSION,
                   tokenizer_fingerprint=loaded.fingerprint, model=loaded.name[:128] or "draft",
                   max_sessions=cfg.sessions.max_sessions,

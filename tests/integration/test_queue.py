@@ -331,11 +331,12 @@ async def test_memory_turn_fills_one_drafter_of_a_machine_and_spreads_across_mac
     await q.put(request(0))
     assert ids(await q.get("d1", timeout_s=1, room=4)) == ["r0"]
     await asyncio.sleep(TURN_GRACE_S * 2)  # d1's turn as the one coming back lapsed
-    d2 = await waiting(q, "d2", 4)  # d2 waits first
-    d1 = await waiting(q, "d1", 3)
+    # the one it should go to waits second, so that first come, first served would fail
+    first, second = ("d2", "d1") if second_goes_to == "d1" else ("d1", "d2")
+    tasks = {name: await waiting(q, name, 4 if name == "d2" else 3) for name in (first, second)}
     await q.put(request(1))
-    done, pending = await asyncio.wait({d1, d2}, timeout=1, return_when=asyncio.FIRST_COMPLETED)
-    assert [ids(t.result()) for t in done] == [["r1"]] and (d1 in done) == (second_goes_to == "d1")
+    done, pending = await asyncio.wait(tasks.values(), timeout=1, return_when=asyncio.FIRST_COMPLETED)
+    assert done == {tasks[second_goes_to]} and ids(tasks[second_goes_to].result()) == ["r1"]
     for task in pending:
         task.cancel()
 
@@ -360,7 +361,8 @@ async def test_memory_turn_waits_for_a_drafter_on_its_way_back_and_not_longer(
     assert 0.2 < time.monotonic() - started < 1.0  # when d2's turn lapsed
 
 
-async def test_memory_turn_passes_a_full_drafter_by() -> None:
+async def test_memory_turn_passes_a_full_drafter_by(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("shared.queue_memory.TURN_GRACE_S", 5.0)  # waiting out a turn would show
     q = MemoryQueue()
     for consumer in ("d1", "d2"):
         q.note_site(consumer, "edge-box")
@@ -371,7 +373,8 @@ async def test_memory_turn_passes_a_full_drafter_by() -> None:
     assert ids(await asyncio.wait_for(d2, 0.5)) == ["r1"]  # at once: d1 has no room to come back with
 
 
-async def test_memory_a_finished_request_gives_its_drafter_the_turn_before_its_ack() -> None:
+async def test_memory_a_finished_request_gives_its_drafter_the_turn_before_its_ack(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """A full drafter whose request just finished gets the next one: the client's next request
     may come before the drafter's ACK, and must not go to the idle drafter of the same machine."""
     q = MemoryQueue()
@@ -383,10 +386,13 @@ async def test_memory_a_finished_request_gives_its_drafter_the_turn_before_its_a
     assert ids(first) == ["r0", "r1"] and q.room() == 0
     await asyncio.sleep(TURN_GRACE_S * 2)
     d2 = await waiting(q, "d2", 4)
+    monkeypatch.setattr("shared.queue_memory.TURN_GRACE_S", 5.0)  # d1's turn cannot lapse in this test
     q.note_finished("r0")  # its last token went out: d1 frees a room and comes back for more
     q.note_finished("r0")  # said twice (a replayed final event): counted once
     assert q.room() == 4 + 1
-    await q.put(request(2))
+    await q.put(request(2))  # while d1 is not waiting: d2 must leave it for d1
+    await asyncio.sleep(0.1)
+    assert q.waiting_ids() == ["r2"] and not d2.done()
     assert ids(await q.get("d1", timeout_s=1, room=1)) == ["r2"] and not d2.done()
     await q.ack("d1", first[0].delivery_id)  # the ACK that follows does not free the room a second time
     assert q.room() == 4 + 0

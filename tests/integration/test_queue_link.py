@@ -142,9 +142,11 @@ async def test_drafters_of_one_site_fill_one_before_the_next(link: tuple[MemoryQ
     a, b = QueueLinkClient(url, TOKEN, site="edge-box"), QueueLinkClient(url, TOKEN, site="edge-box")
     await queue.put(request(0))
     assert ids(await a.get("drafter-a", timeout_s=5, room=4)) == ["r0"]
+    assert await b.get("drafter-b", timeout_s=0.2, room=4) == []  # b's pull waits first: its link kept it
+    await eventually(lambda: queue.room() == 3 + 4)
     pulls = [asyncio.create_task(c.get(name, timeout_s=5, room=r)) for c, name, r in ((b, "drafter-b", 4),
                                                                                      (a, "drafter-a", 3))]
-    await eventually(lambda: queue.room() == 7)  # both pulls wait
+    await asyncio.sleep(0.3)  # a's pull arrives too (and a's turn as the one coming back lapses)
     await queue.put(request(1))
     done, pending = await asyncio.wait(pulls, timeout=5, return_when=asyncio.FIRST_COMPLETED)
     assert done == {pulls[1]} and ids(pulls[1].result()) == ["r1"]  # a, which serves already
