@@ -92,6 +92,22 @@ def test_speculation_that_loses_is_switched_off_for_a_hold_then_tried_again() ->
     assert g.on and g.bands[3].switched_off == 1
 
 
+@pytest.mark.parametrize(("target_only", "back_on"), [(0.5, True), (1.0, False)])
+def test_verdicts_compare_with_target_only_serving_as_measured_while_off(target_only: float, back_on: bool) -> None:
+    """Target-only serving reaches half the model's rate (prefills, turnover): speculation at 0.75
+    of the model then pays 1.5x, and is switched back on for good; where target-only reaches the
+    model's rate, 0.75 loses and the band goes off again."""
+    clock = Clock()
+    g = guard(clock)
+    serve(g, clock, 3.0, 4, 0.75)
+    assert not g.on and g.beliefs()["pays_baseline_band3"] == 1.0  # judged on the model alone
+    serve(g, clock, g.bands[3].off_until - clock.now + 0.1, 4, target_only)  # the hold: target-only
+    assert g.on and g.bands[3].baseline == pytest.approx(target_only, rel=0.05)
+    serve(g, clock, 6.0, 4, 0.75)
+    assert g.on == back_on
+    assert g.bands[3].ratio == pytest.approx(0.75 / target_only, rel=0.05)
+
+
 def test_the_hold_doubles_while_tries_fail_up_to_its_cap_and_halves_after_one_that_paid() -> None:
     clock = Clock()
     g = guard(clock)
