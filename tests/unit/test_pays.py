@@ -9,7 +9,7 @@ import math
 import pytest
 
 from services.verifier.allocation import GoodputTracker, PerDrafterAllocator, RoundStats, SmartSpecAllocator
-from services.verifier.allocation.pays import HOLD_S, MAX_HOLD_S, PaysGuard, pays
+from services.verifier.allocation.pays import BASELINE_RANGE, HOLD_S, MAX_HOLD_S, PaysGuard, pays
 from services.verifier.batching.estimator import SegmentShape, StepTimeEstimator
 from services.verifier.config import VerifierConfig
 from services.verifier.main import make_allocator_for
@@ -61,9 +61,12 @@ def guard(clock: Clock, step_s: float | None = STEP_S) -> PaysGuard:
 
 def serve(g: PaysGuard, clock: Clock, seconds: float, sessions: int, speedup: float, dt: float = STEP_S) -> None:
     """Steps of ``dt`` with ``sessions`` live, committing ``speedup`` times target-only's tokens."""
+    owed = 0.0  # tokens carried to the next step, so that any speedup is served exactly on average
     for _ in range(round(seconds / dt)):
         clock.now += dt
-        g.served(sessions, round(sessions * speedup * dt / STEP_S), 100.0)
+        owed += sessions * speedup * dt / STEP_S
+        g.served(sessions, int(owed), 100.0)
+        owed -= int(owed)
 
 
 def rounds(*ids: str) -> list[RoundStats]:
@@ -92,20 +95,39 @@ def test_speculation_that_loses_is_switched_off_for_a_hold_then_tried_again() ->
     assert g.on and g.bands[3].switched_off == 1
 
 
-@pytest.mark.parametrize(("target_only", "back_on"), [(0.5, True), (1.0, False)])
-def test_verdicts_compare_with_target_only_serving_as_measured_while_off(target_only: float, back_on: bool) -> None:
-    """Target-only serving reaches half the model's rate (prefills, turnover): speculation at 0.75
-    of the model then pays 1.5x, and is switched back on for good; where target-only reaches the
-    model's rate, 0.75 loses and the band goes off again."""
+@pytest.mark.parametrize(("target_only", "scale", "speculative", "back_on"), [
+    (0.625, 0.625, 0.75, True),  # target-only serving reaches 0.625 of the model: 0.75 of it pays 1.2x
+    (1.0, 1.0, 0.75, False),  # it reaches the model's rate: 0.75 loses
+    (0.25, BASELINE_RANGE[0], 0.5, False),  # 0.25 is held at the floor: 0.5 / 0.6 loses (0.5 / 0.25 would not)
+])
+def test_verdicts_compare_with_target_only_serving_as_measured_while_off(target_only: float, scale: float,
+                                                                        speculative: float, back_on: bool) -> None:
+    """While a band is off its target-only serving is measured against the model, and later
+    verdicts there divide by it; the first window after each switch is not used."""
     clock = Clock()
     g = guard(clock)
-    serve(g, clock, 3.0, 4, 0.75)
+    serve(g, clock, 3.0, 4, speculative)
     assert not g.on and g.beliefs()["pays_baseline_band3"] == 1.0  # judged on the model alone
     serve(g, clock, g.bands[3].off_until - clock.now + 0.1, 4, target_only)  # the hold: target-only
-    assert g.on and g.bands[3].baseline == pytest.approx(target_only, rel=0.05)
-    serve(g, clock, 6.0, 4, 0.75)
+    assert g.on and g.bands[3].baseline == pytest.approx(target_only, rel=0.1)
+    assert g.beliefs()["pays_baseline_band3"] == pytest.approx(scale, rel=0.03)
+    serve(g, clock, 5.2, 4, speculative)  # the window that straddles the switch, then one judged
     assert g.on == back_on
-    assert g.bands[3].ratio == pytest.approx(0.75 / target_only, rel=0.05)
+    assert g.bands[3].ratio == pytest.approx(speculative / scale, rel=0.03)
+
+
+def test_a_baseline_is_filed_under_the_band_its_window_served_and_not_from_a_ramp() -> None:
+    clock = Clock()
+    g = guard(clock)
+    serve(g, clock, 3.0, 2, 0.5)  # band 2 (2-3 sessions) loses: it and every band above are off
+    assert not g.on_at(2) and not g.on_at(5)
+    serve(g, clock, 5.1, 5, 0.75)  # target-only at 5 sessions (band 3) while band 2's hold runs
+    assert 3 in g.bands and g.bands[3].baseline == pytest.approx(0.75, rel=0.03)
+    assert g.bands[2].baseline != g.bands[2].baseline  # nothing measured at 2-3 sessions
+    for sessions in [4, 8] * 40:  # a load swinging across bands 3 and 4: no window of either
+        clock.now += STEP_S
+        g.served(sessions, sessions, 100.0)
+    assert 4 not in g.bands and g.bands[3].baseline == pytest.approx(0.75, rel=0.03)
 
 
 def test_the_hold_doubles_while_tries_fail_up_to_its_cap_and_halves_after_one_that_paid() -> None:
@@ -113,12 +135,13 @@ def test_the_hold_doubles_while_tries_fail_up_to_its_cap_and_halves_after_one_th
     g = guard(clock)
     holds = []
     for _ in range(6):
-        serve(g, clock, 2.6, 4, 0.5)  # a window of 2.5 s, judged 0.04 s before the end
+        # a window of 2.5 s, judged 0.04 s before the end; after a hold, the one before it is not used
+        serve(g, clock, 5.1 if holds else 2.6, 4, 0.5)
         assert not g.on
         holds.append(g.bands[3].off_until - clock.now)
         clock.now = g.bands[3].off_until
     assert holds == pytest.approx([HOLD_S, 2 * HOLD_S, 4 * HOLD_S, MAX_HOLD_S, MAX_HOLD_S, MAX_HOLD_S], abs=0.1)
-    serve(g, clock, 2.6, 4, 1.5)
+    serve(g, clock, 5.1, 4, 1.5)
     assert g.on and g.bands[3].next_hold_s == MAX_HOLD_S / 2
 
 

@@ -20,7 +20,8 @@ would commit for the same sessions:
 where C is the mean number of live sessions over the window, L their mean context, and T0 one
 target-only step of C sessions: the forward the verifier measured (``shared.target_only_cost``,
 from its start-up calibration and every one-token step) plus its own busy time between forwards
-(``estimator.overhead``). The dashboard's "est. speedup" is the same ratio, read at the coordinator.
+(``estimator.overhead``). The dashboard's "est. speedup" is this ratio on the model alone, read at
+the coordinator (without the baseline below).
 
 Below THRESHOLD, speculation is switched off at that load: every session's budget is 0 (the
 verifier decodes it without waiting for its drafter) and no new request is sent to a drafter
@@ -38,6 +39,10 @@ ratio read 0.65-0.90 of the one measured against target-only serving, so at 4 re
 fleet served 1.14-1.32x, it switched speculation off about half the runs (0.91x). So while a band
 is off, its target-only serving is measured against the same model (``baseline``), and each later
 verdict at that band divides by it: speculation is compared with target-only as it really runs.
+Only windows that stay within the band count, not the first after a switch (its sessions were
+still in the other regime), and the baseline is held within BASELINE_RANGE: a low one keeps a band
+on, where it would not be measured again. The model's busy time between forwards follows the
+regime it runs in (the last 512 steps), so the baseline also absorbs some of that shift.
 
 ``--speculation-guard false`` is the baseline: the wrapped policy alone, as the papers run it.
 """
@@ -65,6 +70,10 @@ IDLE_GAP_S = 1.0
 LOAD_TAU_S = 1.0
 #: weight of the newest target-only window in a band's ``baseline`` (an exponential average)
 BASELINE_WEIGHT = 0.5
+#: what a baseline may read: measured 0.65-0.92 on the default fleet (2026-12-05); never above 1, so
+#: the guard is never stricter than the model alone, and never so low that a window of prefills
+#: could keep a losing band on
+BASELINE_RANGE = (0.6, 1.0)
 
 #: seconds of one target-only step of ``sessions`` sessions at ``context`` cached rows each (None: not known yet)
 StepCost = Callable[[float, float], "float | None"]
@@ -83,8 +92,11 @@ class _Band:
 
     @property
     def scale(self) -> float:
-        """What a verdict divides by: the baseline, or 1 (the model as it is) until it is measured."""
-        return self.baseline if self.baseline == self.baseline else 1.0
+        """What a verdict divides by: the baseline within BASELINE_RANGE, or 1 (the model as it is)
+        until it is measured."""
+        if self.baseline != self.baseline:
+            return 1.0
+        return min(max(self.baseline, BASELINE_RANGE[0]), BASELINE_RANGE[1])
 
 
 @dataclass
@@ -96,6 +108,9 @@ class _Window:
     tokens: int = 0
     session_s: float = 0.0
     context_s: float = 0.0
+    fewest: int = 1 << 30  # the fewest and most live sessions of its steps
+    most: int = 0
+    straddles: bool = False  # it began as speculation switched on or off: read, not used
 
     @property
     def seconds(self) -> float:
@@ -132,6 +147,7 @@ class PaysGuard:
         self._last_step = 0.0
         self._window: _Window | None = None
         self._off_window: _Window | None = None  # target-only serving while off: the baseline
+        self._was_on = True
 
     # --- the allocator interface -----------------------------------------------------------
 
@@ -170,13 +186,15 @@ class PaysGuard:
 
     def beliefs(self) -> dict[str, float]:
         """The wrapped policy's beliefs, then per load band seen: the last window's served over
-        target-only (``pays_ratio_band3``: 4-7 live sessions) and the seconds it stays off."""
+        target-only as measured there (``pays_ratio_band3``: 4-7 live sessions), the seconds it stays
+        off, and the baseline it divides by (1: not measured)."""
         inner = getattr(self.inner, "beliefs", None)
         out: dict[str, float] = dict(inner()) if callable(inner) else {}
         now = self.clock()
         out["pays_on"], out["pays_load"] = float(self.on), round(self.load, 2)
         for b, known in sorted(self.bands.items()):
-            out[f"pays_ratio_band{b}"] = round(known.ratio, 4)
+            if known.ratio == known.ratio:  # a band only measured while off has no verdict (no NaN in JSON)
+                out[f"pays_ratio_band{b}"] = round(known.ratio, 4)
             out[f"pays_off_left_s_band{b}"] = round(max(0.0, known.off_until - now), 3)
             out[f"pays_switched_off_band{b}"] = float(known.switched_off)
             out[f"pays_baseline_band{b}"] = round(known.scale, 4)
@@ -186,32 +204,38 @@ class PaysGuard:
 
     def served(self, sessions: int, committed: int, context: float) -> None:
         """One step of the verifier: ``sessions`` live, ``committed`` tokens committed by it, at a
-        mean of ``context`` cached rows. Judges a full window while speculation is on."""
+        mean of ``context`` cached rows. Judges a full window while speculation is on, and measures
+        target-only serving (the baseline) in one while it is off."""
         now = self.clock()
         self.load += (sessions - self.load) * min(1.0, (now - self._last_step) / LOAD_TAU_S)
         self._last_step = now
         on = self.on
+        switched = on != self._was_on
         if sessions <= 0:
             self._window = self._off_window = None  # idle: the next windows start afresh
-            return
-        if on:
+        elif on:
             self._off_window = None
-            self._window = self._step(self._window, now, sessions, committed, context, self._judge)
+            self._window = self._step(self._window, now, sessions, committed, context, self._judge, switched)
         else:  # off: the next window starts afresh; this one measures target-only serving
             self._window = None
-            self._off_window = self._step(self._off_window, now, sessions, committed, context, self._measure)
+            self._off_window = self._step(self._off_window, now, sessions, committed, context, self._measure,
+                                          switched)
+        self._was_on = self.on  # after this step's verdict
 
     def _step(self, w: _Window | None, now: float, sessions: int, committed: int, context: float,
-              full: Callable[[_Window], None]) -> _Window:
-        """``w`` with one more step in it (a new window after a gap); ``full`` reads it once it is full."""
+              full: Callable[[_Window], None], switched: bool) -> _Window:
+        """``w`` with one more step in it (a new window after a gap, or straddling a switch); ``full``
+        reads it once it is full, unless it straddles."""
         if w is None or now - w.last > IDLE_GAP_S:
-            return _Window(now, now)
+            return _Window(now, now, straddles=switched or (w is not None and w.straddles and w.seconds == 0))
         dt = now - w.last
         w.last, w.tokens = now, w.tokens + committed
         w.session_s += sessions * dt
         w.context_s += sessions * context * dt
+        w.fewest, w.most = min(w.fewest, sessions), max(w.most, sessions)
         if w.seconds >= self.window_s and w.tokens >= MIN_TOKENS:
-            full(w)
+            if not w.straddles:
+                full(w)
             return _Window(now, now)
         return w
 
@@ -224,9 +248,9 @@ class PaysGuard:
     def _measure(self, w: _Window) -> None:
         """A full window of target-only serving (speculation off): the band's baseline."""
         ratio = self._ratio(w)
-        if ratio is None or not ratio > 0:
-            return
-        b = band(round(self.load))
+        b = band(w.most)
+        if ratio is None or not ratio > 0 or band(w.fewest) != b:
+            return  # no model yet, or a ramp across bands: not this band's target-only serving
         known = self.bands.get(b, _Band(next_hold_s=self.hold_s))
         was = known.baseline if known.baseline == known.baseline else ratio  # the first one as it is
         self.bands = {**self.bands, b: replace(known, baseline=was + BASELINE_WEIGHT * (ratio - was))}
@@ -239,9 +263,9 @@ class PaysGuard:
         known = self.bands.get(b, _Band(next_hold_s=self.hold_s))
         ratio = raw / known.scale  # against target-only serving as measured at this load, once it was
         if ratio >= self.threshold:
-            known = _Band(known.off_until, max(self.hold_s, known.next_hold_s / 2), ratio, known.switched_off,
-                          known.baseline)
+            known = replace(known, next_hold_s=max(self.hold_s, known.next_hold_s / 2), ratio=ratio)
         else:
-            known = _Band(self.clock() + known.next_hold_s, min(self.max_hold_s, 2 * known.next_hold_s), ratio,
-                          known.switched_off + 1, known.baseline)
+            known = replace(known, off_until=self.clock() + known.next_hold_s, ratio=ratio,
+                            next_hold_s=min(self.max_hold_s, 2 * known.next_hold_s),
+                            switched_off=known.switched_off + 1)
         self.bands = {**self.bands, b: known}
