@@ -75,7 +75,7 @@ def test_up_runs_until_sigterm_then_stops_every_child(tiny_models: dict[str, Pat
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.wait()
+            proc.communicate(timeout=60)  # reaps it and closes its pipes (else a later test sees them leak)
     assert proc.returncode == 0, "".join(lines) + rest
     assert "stopping every service" in rest
     for pid in re.findall(r"pid (\d+)", "".join(lines)):
@@ -141,7 +141,7 @@ def test_up_restarts_a_killed_drafter_and_resumes_its_sessions(tiny_models: dict
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.wait()
+            proc.communicate(timeout=60)  # reaps it and closes its pipes (else a later test sees them leak)
     target = load_model(tiny_models["target"])
     for body, (ids, _, done) in zip(sent, results, strict=True):
         assert ids == greedy_reference(target.model, prompt_ids(target, body), RESUME_TOKENS, set())
@@ -237,10 +237,12 @@ def test_up_restarts_a_killed_verifier_or_coordinator_and_every_request_complete
         async def run() -> list[tuple]:
             work = asyncio.create_task(stream_many(stack, sent))  # type: ignore[arg-type]
             async with httpx.AsyncClient(timeout=5) as http:
-                for _ in range(3000):  # kill once all 20 are admitted and the verifier is generating
-                    in_flight = await sample_metric_async(http, f"{base_url}/metrics",
-                                                          "specfleet_coordinator_requests_in_flight")
-                    if in_flight == 20 and await sample_metric_async(
+                for _ in range(3000):  # kill once all 20 are sent on (admitted is not enough: a request
+                    # admitted but not yet sent when the verifier dies gets a 503 to retry) and it generates
+                    routed = [await sample_metric_async(http, f"{base_url}/metrics",
+                                                        f'specfleet_coordinator_routed_total{{path="{path}"}}')
+                              for path in ("drafter", "target_only")]
+                    if sum(routed) == 20 and await sample_metric_async(
                             http, f"http://127.0.0.1:{verifier_port}/metrics", "specfleet_verifier_sessions") > 0:
                         break
                     await asyncio.sleep(0.01)
@@ -261,7 +263,7 @@ def test_up_restarts_a_killed_verifier_or_coordinator_and_every_request_complete
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.wait()
+            proc.communicate(timeout=60)  # reaps it and closes its pipes (else a later test sees them leak)
     target = load_model(tiny_models["target"])
     for body, (ids, _, done) in zip(sent, results, strict=True):
         assert ids == greedy_reference(target.model, prompt_ids(target, body), 256, set())
