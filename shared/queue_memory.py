@@ -43,7 +43,7 @@ import asyncio
 import contextlib
 import secrets
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 from shared.log import get_logger
 from shared.protocol import QueuedRequest
@@ -230,12 +230,12 @@ class MemoryQueue:
         if not candidates:
             return None, None
         serving = {c: sum(d not in self._finishing for d in held) for c, held in self._held.items()}
-        load: dict[str, int] = {}
+        load: Counter[str] = Counter()
         for c, n in serving.items():
-            load[self._site.get(c, c)] = load.get(self._site.get(c, c), 0) + n
+            load[self._site.get(c, c)] += n
 
         def key(c: str) -> tuple[int, int]:
-            return load.get(self._site.get(c, c), 0), -serving.get(c, 0)
+            return load[self._site.get(c, c)], -serving.get(c, 0)
 
         whose = min(candidates, key=key)  # min is stable: ties go to the first candidate
         return whose, (None if whose in self._waiting else self._active_at[whose] + TURN_GRACE_S)

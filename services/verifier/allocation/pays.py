@@ -227,7 +227,7 @@ class PaysGuard:
         """``w`` with one more step in it (a new window after a gap, or straddling a switch); ``full``
         reads it once it is full, unless it straddles."""
         if w is None or now - w.last > IDLE_GAP_S:
-            return _Window(now, now, straddles=switched or (w is not None and w.straddles and w.seconds == 0))
+            return _Window(now, now, straddles=switched)
         dt = now - w.last
         w.last, w.tokens = now, w.tokens + committed
         w.session_s += sessions * dt
