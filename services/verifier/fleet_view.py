@@ -47,6 +47,8 @@ def fleet_view(hub: Hub) -> dict[str, Any]:
         "estimator": (status.get("estimator") or {}).get("coef", {}),
         # a forward feeding each session one token: what the dashboard prices target-only with
         "target_only": (status.get("estimator") or {}).get("target_only"),
+        # ... and the busy time between its forwards, [at zero, per session] (the measured guard's price too)
+        "between_forwards": (status.get("estimator") or {}).get("between_forwards"),
         "kv": None if kv is None else {"budget_bytes": kv.budget_bytes, "reserved_bytes": kv.reserved_bytes,
                                        "cached_tokens": kv.cached_tokens, "sessions": kv.sessions,
                                        "waiting": kv.waiting},

@@ -22,7 +22,10 @@ def policy_status(allocator: Allocator, scheduler: Scheduler, tracker: GoodputTr
         "drafters": {name: asdict(s) for name, s in sorted(tracker.by_drafter().items())},
         "committed_by_drafter": dict(sorted(tracker.committed_by_drafter.items())),
         "estimator": {"fitted": estimator.fitted, "coef": dict(zip(FEATURES, estimator.coef, strict=True)),
-                      "target_only": estimator.target_only.table()},
+                      "target_only": estimator.target_only.table(),
+                      # busy seconds between forwards, e0 + e1 · sessions (None before any step)
+                      "between_forwards": ([estimator.overhead.e0, estimator.overhead.e1]
+                                           if estimator.overhead.points else None)},
         "last_batch_decision_s": scheduler.last_decision_s,
         "draft_share": draft_share(allocator, tracker),  # of new requests, wanted drafted for (FleetStatus)
     }

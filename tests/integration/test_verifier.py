@@ -406,6 +406,8 @@ async def test_fleet_view_needs_a_frontend_key_and_lists_each_drafter(verifier: 
     assert view["totals"]["decode_cached"] >= len(prompt) * view["totals"]["decode_segments"] > 0
     assert set(view["estimator"]) == {"sum_new", "sum_total_x_new", "sum_cached", "const"}
     assert {b for b, _, _ in view["target_only"]} >= {1, 2, 4, 8}  # calibrated at start-up
+    at_zero, per_session = view["between_forwards"]  # measured between the session's forwards
+    assert at_zero >= 0 and per_session >= 0 and at_zero + per_session > 0
     [row] = [d for d in view["drafters"] if d["node"] == "edge-7"]
     assert row["model"] == "test" and row["trusted"] is True
     assert row["drafted_tokens"] >= row["accepted_tokens"] > 0

@@ -97,3 +97,19 @@ def test_a_runs_busy_shares_say_which_side_bounds_it() -> None:
                                  process_cpu_seconds_total=({}, 2.5))}
     run = Run("fleet", 4, [10.0, 10.0], [], metrics, walls=[4.0, 6.0])
     assert busy_shares(run) == pytest.approx({"verifier": 0.6, "draft_models": 0.7, "edge_services": 0.95})
+
+
+@pytest.mark.parametrize(("estimate", "reads", "met"), [
+    (1.96, 13, True),  # 2026-12-05 20:45: 1.96x shown, 1.85x served
+    (1.54, 3, False),  # 18:55: 1.54x from three reads that spanned the idle second before the load
+    (0.80, 6, True),  # 15 % low at most
+    (2.20, 2, None),  # too few reads to judge: no check
+])
+def test_the_dashboards_estimate_is_checked_against_the_measured_ratio(estimate: float, reads: int,
+                                                                        met: bool | None) -> None:
+    from bench.edge_drafts import checks
+
+    fleet = {"scenario": "default fleet (Q4_1 + Q8_0)", "concurrency": 1, "ratio": 1.85 if estimate > 1 else 0.92,
+             "speedup_estimate": estimate, "speedup_estimate_reads": reads}
+    found = [c for c in checks([fleet], {}, 0.0) if c["name"].startswith("the dashboard's")]
+    assert [c["met"] for c in found] == ([] if met is None else [met])

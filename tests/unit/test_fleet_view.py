@@ -18,11 +18,11 @@ COST = [(1, 0.017, 1e-5), (4, 0.023, 1e-5)]
 
 def reading(t: float, instance: str = "a", drafters: list[dict[str, Any]] | None = None,
             per_token: float = 0.0, cost: list[tuple[int, float, float]] | None = None,
-            **totals: float) -> dict[str, Any]:
+            between: list[float] | None = None, **totals: float) -> dict[str, Any]:
     base = {"steps": 0.0, "decode_segments": 0.0, "decode_tokens": 0.0, "decode_cached": 0.0, "step_seconds": 0.0,
             "generated": 0.0, "drafted": 0.0, "accepted": 0.0}
     return {"time": t, "instance": instance, "totals": {**base, **totals}, "drafters": drafters or [],
-            "estimator": {"sum_new": per_token}, "target_only": cost}
+            "estimator": {"sum_new": per_token}, "target_only": cost, "between_forwards": between}
 
 
 def drafter(node: str, drafted: float, accepted: float, since: float = 0.0, alpha: float | None = None,
@@ -42,6 +42,9 @@ RATES = [
     ("priced-torch", reading(11, steps=10, decode_segments=10, decode_tokens=50, decode_cached=1280,
                              step_seconds=0.2, generated=30, cost=COST), reading(10),
      {"tokens_s": 30.0, "tokens_per_forward": 3.0, "step_ms": 20.0, "context": 128.0, "target_only": COST}),
+    ("priced-with-its-gaps", reading(11, steps=10, decode_segments=10, decode_cached=1280, step_seconds=0.2,
+                                     generated=30, cost=COST, between=[0.001, 0.0005]), reading(10),
+     {"context": 128.0, "between_forwards": [0.001, 0.0005]}),
     ("vllm-no-step-times", reading(11, steps=0, decode_segments=10, generated=25, cost=COST), reading(10),
      {"tokens_per_forward": 2.5}),
 ]
@@ -69,6 +72,12 @@ SPEEDUPS = [
      pytest.approx(200 * 0.024 / 4)),
     # fewer than one in flight on average (the window's tail): priced as one
     ("tail-of-a-run", {"tokens_s": 1 / 0.018, "target_only": COST, "context": 100.0}, 0.4, pytest.approx(1.0)),
+    # the verifier's busy time between forwards, 1 ms + 0.5 ms a session, is target-only's too:
+    # one token a 18 + 1.5 ms served back to back reads 1; 4 sessions at 24 + 3 ms
+    ("between-forwards", {"tokens_s": 1 / 0.0195, "target_only": COST, "context": 100.0,
+                          "between_forwards": [0.001, 0.0005]}, 1.0, pytest.approx(1.0)),
+    ("between-forwards-four", {"tokens_s": 200.0, "target_only": COST, "context": 100.0,
+                               "between_forwards": [0.001, 0.0005]}, 4.0, pytest.approx(200 * 0.027 / 4)),
     ("vllm-tau", {"tokens_s": 60.0, "tokens_per_forward": 2.5}, 1.0, 2.5),
 ]
 
