@@ -48,7 +48,7 @@ SECTIONS = (
     Section("speedup-estimate/edge-drafts", "What the operator is shown: the dashboard's speedup estimate "
             "against the measured ratio",
             "python -m bench edge-drafts --scenarios target-only,default-fleet --concurrency 1,4 --repeats 2 "
-            "--requests 12 --out bench/results/speedup-estimate", ("speedup-estimate/edge-drafts.png",)),
+            "--requests 24 --out bench/results/speedup-estimate", ("speedup-estimate/edge-drafts.png",)),
     Section("decode", "The verifier's runner: decoding at 1 request against the floor and vLLM-cpu",
             "python -m bench decode"),
     Section("decode-no-bf16", "The verifier's runner on a CPU without native bfloat16: decoding at 1 request "

@@ -9,19 +9,22 @@ over the last ``RATE_WINDOW_S`` seconds, so a slow read never makes a spike. The
 The estimated speedup over target-only decoding, per verifier over the rate window, compares the
 tokens the fleet served with what the verifier alone would serve the same requests:
 
-    C  = requests in flight, averaged over the window (each one session of a target-only step)
+    C  = requests in flight, averaged over the seconds the rates span (each one session of a
+         target-only step)
     L  = the mean context of a decoding session in the window's steps
-    T0 = the verifier's cost of a forward feeding C sessions one token each after L cached rows
-         (measured at its start-up and whenever it runs one, a line in L per session count,
-         interpolated in C: ``shared.target_only_cost``)
+    T0 = the verifier's cost of a target-only step of C sessions after L cached rows: the forward
+         feeding each one token (measured at its start-up and whenever it runs one, a line in L per
+         session count, interpolated in C: ``shared.target_only_cost``) plus its busy time between
+         forwards (a line in the sessions, ``between_forwards``: the measured guard's price too)
     speedup ≈ (tokens/s served) · T0 / C      (target-only serves C tokens a T0)
 
 The tokens served come from the clock, so the drafters' time, the network and a session waiting
 for its drafts count in the ratio (an earlier form, τ·T0/T from the measured step T, left them
-out and overstated it: ``bench edge-drafts`` records the estimate beside the measured ratio).
-Target-only's own time between forwards is left out of T0, so the estimate errs low. Under
-``--backend vllm`` nothing prices a target-only step and it is τ alone (tokens committed per
-decode segment), right only for a memory-bound verifier with drafts that are always on time.
+out and overstated it: ``bench edge-drafts`` records the estimate beside the measured ratio). The
+busy time between forwards is measured in the regime the verifier runs: a speculating verifier's
+stands in for target-only's. Under ``--backend vllm`` nothing prices a target-only step and it is
+τ alone (tokens committed per decode segment), right only for a memory-bound verifier with drafts
+that are always on time.
 """
 
 from __future__ import annotations
@@ -50,8 +53,8 @@ RATE_WINDOW_S = 5.0
 WINDOW_SLACK_S = 0.5  # a reading taken late by up to this still opens the window
 READ_TIMEOUT_S = 1.5
 SPEEDUP_METHOD = ("tokens/s served over what target-only would serve the same requests: C in flight, one token "
-                  "each per forward, priced by the verifier's measured target-only steps (drafting and network "
-                  "time count)")
+                  "each per step, priced by the verifier's measured target-only forwards and its busy time between "
+                  "forwards (drafting and network time count)")
 SPEEDUP_METHOD_TAU = ("tokens committed per decode segment (τ; --backend vllm has no step times to price a "
                       "target-only step; right only when the verifier is memory-bound and drafts are on time)")
 
