@@ -32,6 +32,7 @@ from shared.credentials import Credentials, CredentialsError
 from shared.log import get_logger, setup_logging
 from shared.models import LoadedModel, ModelLoadError, cpu_has_native_bf16, load_model, load_target_info
 from shared.runner import KVError, ModelRunner
+from shared.runner.runner import NotInvariantError
 from shared.tls import TlsConfigError, server_context
 
 log = get_logger("verifier")
@@ -112,6 +113,32 @@ def make_allocator_for(cfg: VerifierConfig, estimator: StepTimeEstimator) -> All
     return PaysGuard(policy, target_only_step)
 
 
+def load_runner(cfg: VerifierConfig) -> tuple[LoadedModel, ModelRunner]:
+    """The target and its runner. Under ``--dtype auto`` on a CPU, where bfloat16's matmuls are
+    batch-invariant at no row multiple (oneDNN's on a Xeon VM whose CPU lists AMX, 2026-12-05, in an
+    image without the compiler that builds the row-wise kernel), the target runs in float32, with
+    one log line, rather than not at all."""
+    loaded = load_model(cfg.target.model, cfg.target.device, cfg.target.dtype, cfg.target.max_model_len)
+    log.info("target dtype", dtype=str(next(loaded.model.parameters()).dtype).removeprefix("torch."),
+             asked=cfg.target.dtype, native_bf16_cpu=cpu_has_native_bf16() if cfg.target.device == "cpu" else None)
+    try:
+        return loaded, _runner(cfg, loaded)
+    except NotInvariantError as exc:
+        if cfg.target.dtype != "auto" or next(loaded.model.parameters()).dtype != torch.bfloat16:
+            raise
+        log.warning("bfloat16 matmuls are not batch-invariant here; the target runs in float32", reason=str(exc))
+    loaded = load_model(cfg.target.model, cfg.target.device, "float32", cfg.target.max_model_len)
+    return loaded, _runner(cfg, loaded)
+
+
+def _runner(cfg: VerifierConfig, loaded: LoadedModel) -> ModelRunner:
+    try:
+        return ModelRunner(loaded, kv_budget_bytes(cfg), cfg.engine.runner,
+                           batch_invariant=cfg.engine.batch_invariant, matmul=cfg.engine.matmul)
+    except KVError as exc:
+        raise ModelLoadError(f"cannot set up the KV cache: {exc}") from None
+
+
 def build(cfg: VerifierConfig, loop: asyncio.AbstractEventLoop) -> tuple[Hub, VerifierCore]:
     """Load the target and wire engine core, policies, output and hub together."""
     validate(cfg)  # ConfigError, before anything is loaded (main has checked already; callers in code may not)
@@ -119,14 +146,7 @@ def build(cfg: VerifierConfig, loop: asyncio.AbstractEventLoop) -> tuple[Hub, Ve
         return build_vllm(cfg)
     if cfg.target.torch_threads > 0:
         torch.set_num_threads(cfg.target.torch_threads)
-    loaded = load_model(cfg.target.model, cfg.target.device, cfg.target.dtype, cfg.target.max_model_len)
-    log.info("target dtype", dtype=str(next(loaded.model.parameters()).dtype).removeprefix("torch."),
-             asked=cfg.target.dtype, native_bf16_cpu=cpu_has_native_bf16() if cfg.target.device == "cpu" else None)
-    try:
-        runner = ModelRunner(loaded, kv_budget_bytes(cfg), cfg.engine.runner,
-                             batch_invariant=cfg.engine.batch_invariant, matmul=cfg.engine.matmul)
-    except KVError as exc:
-        raise ModelLoadError(f"cannot set up the KV cache: {exc}") from None
+    loaded, runner = load_runner(cfg)
     hub, output, metrics = _hub(cfg, loaded)
     hub.engine = EngineInfo("torch", loaded.name, str(next(loaded.model.parameters()).dtype).removeprefix("torch."),
                             cfg.target.device)

@@ -15,9 +15,11 @@ It also multiplies bfloat16 weights, and ``auto`` picks it for them too: on a CP
 in bfloat16 pairs on the native dot product (measured on one core of an AVX512-BF16 EPYC, a
 batch-invariant step of SmolLM2-135M took 12.3 ms against oneDNN's 29.9 at 1 row, 44.0 against
 58.7 at 20 and 154.7 against 176.3 at 80, 2026-12-04); elsewhere widened in registers (AVX2, where
-oneDNN's bfloat16 is emulated and ``F.linear`` in bfloat16 was the only path). On a CPU with AMX,
-whose tiles oneDNN multiplies on and which no run has measured against the pairs, ``auto`` keeps
-oneDNN's. ``--matmul onednn`` or ``rowwise`` asks for one; ``python -m bench decode`` compares them.
+oneDNN's bfloat16 is emulated and ``F.linear`` in bfloat16 was the only path). On a CPU that lists
+AMX too: on a Xeon VM whose CPU lists it (2026-12-05), oneDNN's bfloat16 matmuls gave a row different
+results at every row multiple probed on the real model (the verifier refused to start) and broke a
+tiny Qwen3's invariance at a 44-row step that the probe had passed, where the pairs ran at 46.7
+tokens/s. ``--matmul onednn`` or ``rowwise`` asks for one; ``python -m bench decode`` compares them.
 
 Rows: on oneDNN or ``F.linear``, a matmul over ``rows`` is run over ``rows`` rounded up to its
 ``multiple`` (zero rows pad it, then are dropped): with the multiple
@@ -133,7 +135,7 @@ def resolve_kernel(kernel: str, device: torch.device, dtype: torch.dtype) -> str
     if kernel != "auto":
         return kernel
     native = packing_available(device, dtype)
-    if cpu and rowwise.available() and (dtype == torch.float32 or not native or rowwise.pairs_preferred()):
+    if cpu and rowwise.available() and (dtype == torch.float32 or not native or rowwise.pairs_available()):
         return "rowwise"
     return "onednn" if native else "plain"
 

@@ -98,12 +98,6 @@ def pairs_available() -> bool:
     return "avx512_bf16" in _cpu_flags() and bool(_load().pairs_supported())
 
 
-def pairs_preferred() -> bool:
-    """Whether ``--matmul auto`` runs bfloat16 weights on the pairs rather than oneDNN's: where they
-    run, but on CPUs with AMX, whose tiles oneDNN uses and which no run here has measured against them."""
-    return pairs_available() and "amx_bf16" not in _cpu_flags()
-
-
 def pack(weight: torch.Tensor, pairs: bool | None = None) -> torch.Tensor:
     """``weight`` ([out, in], float32 or bfloat16, CPU) packed for :func:`linear` (a copy in its dtype:
     out rounded up to 16). ``pairs`` (default: a bfloat16 weight of an even width where

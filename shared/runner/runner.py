@@ -31,6 +31,12 @@ from shared.runner.matmul import Q4, resolve_kernel
 from shared.runner.step import Segment, StepPlan, commit_step, plan_step
 
 log = get_logger("runner")
+
+
+class NotInvariantError(ModelLoadError):
+    """This machine's matmuls in the model's dtype give a row different results at every row multiple probed."""
+
+
 RUNNER_KINDS = ("auto", "lean", "hf")
 #: the self-check's tolerance on |logits - reference|, relative to the reference's largest |logit|
 SELF_CHECK_RTOL = {torch.float32: 1e-3, torch.float16: 3e-2, torch.bfloat16: 6e-2}
@@ -148,7 +154,7 @@ class ModelRunner:
                                  f"{why_not or '--runner hf was asked for'}; pass --batch-invariant false")
         rows = probe_row_multiples(linear_shapes(loaded.model), self.weight_dtype, self.device, self.matmul)
         if not all(rows.values()):
-            raise ModelLoadError(f"this machine's {self.weight_dtype} matmuls give a row different results at every "
+            raise NotInvariantError(f"this machine's {self.weight_dtype} matmuls give a row different results at every "
                                  "batch size probed, so speculation could change the text; try --dtype float32 "
                                  "or bfloat16, or pass --batch-invariant false")
         return rows

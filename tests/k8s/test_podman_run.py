@@ -66,12 +66,13 @@ def fleet() -> Iterator[Fleet]:
 
 @pytest.fixture(scope="module")
 def target(fleet: Fleet) -> LoadedModel:
-    """The model the images bake in; and the matmul kernel the verifier pod runs it on (its /status),
-    which the references here run too: an image without g++ has no row-wise kernel, and in bfloat16
-    another kernel's roundings flip some near-tied tokens."""
+    """The model the images bake in, in the dtype and on the matmul kernel the verifier pod runs it
+    (its /status), which the references here run too: an image without g++ has no row-wise kernel, in
+    bfloat16 another kernel's roundings flip some near-tied tokens, and where oneDNN's bfloat16 is not
+    batch-invariant (a Xeon VM that lists AMX) the pod runs float32."""
     status = httpx.get(f"http://{fleet.ips['verifier']}:8100/status", timeout=10).json()
     _POD["matmul"] = str(status.get("matmul") or "auto")
-    return load_model(fetch_model(DEFAULT_MODEL, ROOT / ".specfleet"))
+    return load_model(fetch_model(DEFAULT_MODEL, ROOT / ".specfleet"), dtype=str(status.get("dtype") or "auto"))
 
 
 _POD: dict[str, str] = {"matmul": "auto"}
