@@ -68,7 +68,7 @@ build() {
     : >"$log"
     if amx_faults; then
         echo "this CPU lists AMX but faults on its instructions (a virtual machine's limit): building without AMX" \
-            >"$log"
+            >>"$log"
         cflags="$cflags $noamx" cxxflags="$cxxflags $noamx"
     fi
     if CFLAGS="$cflags" CXXFLAGS="$cxxflags" CMAKE_ARGS="${LLAMA_CMAKE_ARGS:-$flags}" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
@@ -116,6 +116,7 @@ install)
     fi
     read -r _ seconds 2>/dev/null <"$wheels/.build.status" && [ -n "${seconds:-}" ] && \
         echo "make install: llama.cpp built in $seconds s"
+    head -1 "$log" 2>/dev/null | grep -q "lists AMX" && echo "make install: $(head -1 "$log")"
     rm -f "$wheels/.build.status"
     # with its dependencies (diskcache, jinja2, ...: llama_cpp does not import without them); an older
     # llama-cpp-python goes first so that pip installs this wheel and leaves torch's numpy alone
