@@ -119,12 +119,14 @@ def load_runner(cfg: VerifierConfig) -> tuple[LoadedModel, ModelRunner]:
     image without the compiler that builds the row-wise kernel), the target runs in float32, with
     one log line, rather than not at all."""
     loaded = load_model(cfg.target.model, cfg.target.device, cfg.target.dtype, cfg.target.max_model_len)
-    log.info("target dtype", dtype=str(next(loaded.model.parameters()).dtype).removeprefix("torch."),
-             asked=cfg.target.dtype, native_bf16_cpu=cpu_has_native_bf16() if cfg.target.device == "cpu" else None)
+    dtype = next(loaded.model.parameters()).dtype
+    cpu = cfg.target.device == "cpu"
+    log.info("target dtype", dtype=str(dtype).removeprefix("torch."), asked=cfg.target.dtype,
+             native_bf16_cpu=cpu_has_native_bf16() if cpu else None)
     try:
         return loaded, _runner(cfg, loaded)
     except NotInvariantError as exc:
-        if cfg.target.dtype != "auto" or next(loaded.model.parameters()).dtype != torch.bfloat16:
+        if not (cpu and cfg.target.dtype == "auto" and dtype == torch.bfloat16):
             raise
         log.warning("bfloat16 matmuls are not batch-invariant here; the target runs in float32", reason=str(exc))
     loaded = load_model(cfg.target.model, cfg.target.device, "float32", cfg.target.max_model_len)

@@ -125,7 +125,8 @@ def test_auto_takes_the_pairs_on_a_cpu_that_lists_amx_too(monkeypatch: pytest.Mo
 
     monkeypatch.setattr(mm, "packing_available", lambda device, dtype: True)
     monkeypatch.setattr(rowwise, "pairs_available", lambda: True)
-    monkeypatch.setattr(rowwise, "_cpu_flags", lambda: frozenset({"avx512_bf16", "amx_bf16", "amx_tile"}))
+    amx = frozenset({"avx2", "fma", "avx512_bf16", "amx_bf16", "amx_tile"})
+    monkeypatch.setattr(rowwise, "_cpu_flags", lambda: amx)
     assert resolve_kernel("auto", CPU, torch.bfloat16) == "rowwise"
 
 
