@@ -15,7 +15,10 @@
 //
 // Decode reads 5/8 of a byte per weight (about 0.31 of bfloat16's), with a few integer instructions per
 // 64 weights: the memory's rate, where llama.cpp's own Q4_1 kernel ran at 9.5 GB/s on a core that
-// streams 26 (bench/results, edge-drafts, 2026-12-04).
+// streams 26 (bench/results, edge-drafts, 2026-12-04). One or two rows (a draft's step) run two panels at
+// once: two streams of the weight and twice the independent chains, so the loads overlap the integer
+// work. On a Xeon VM's core (2026-12-06; the SmolLM2 draft's 30 layers and head, 84 MB, one row) that
+// took AVX512-VNNI from 7.0-8.1 ms to 5.7-6.1 and AVX2 from 7.9-9.5 to 7.1-7.6, paired runs.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -77,86 +80,96 @@ inline int32_t group(const int8_t* q, int g) {  // 4 codes as one 32-bit lane
 #define SPECFLEET_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni,f16c,fma")))
 #endif
 
-// rows [0, R) of one panel (16 outputs, j0..), AVX2: two 8-output halves
-template <int R>
-SPECFLEET_AVX2 void tile2(const uint8_t* p, const Quantized& x, int64_t r0, float* out, int64_t K, int64_t N,
-                          int64_t j0) {
+// rows [0, R) of NP panels (16 outputs each, j0.., ldp bytes apart), AVX2: each panel in two 8-output halves
+template <int R, int NP>
+SPECFLEET_AVX2 void tile2(const uint8_t* p, int64_t ldp, const Quantized& x, int64_t r0, float* out, int64_t K,
+                          int64_t N, int64_t j0) {
   const int64_t KB = K / kBlock;
-  __m256 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  __m256 acc[NP][R][2];
+  for (int n = 0; n < NP; ++n)
+    for (int r = 0; r < R; ++r) acc[n][r][0] = acc[n][r][1] = _mm256_setzero_ps();
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  for (int64_t b = 0; b < KB; ++b) {
-    const uint8_t* blk = p + b * kBlockBytes;
-    for (int h = 0; h < 2; ++h) {
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * h)));
-      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + 16 * h)));
-      __m256i w[kGroups];
-      for (int c = 0; c < kGroups / 2; ++c) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 + 64 * c + 32 * h));
-        w[2 * c] = _mm256_and_si256(v, low);
-        w[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-      }
-      for (int r = 0; r < R; ++r) {
-        const int64_t row = r0 + r;
-        const int8_t* q = x.q.data() + row * K + b * kBlock;
-        __m256i part[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-        for (int g = 0; g < kGroups; ++g)
-          part[g % 2] = _mm256_add_epi32(
-              part[g % 2], _mm256_madd_epi16(_mm256_maddubs_epi16(w[g], _mm256_set1_epi32(group(q, g))), ones));
-        const __m256i isum = _mm256_add_epi32(part[0], part[1]);
-        const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(x.d[row * KB + b]));
-        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc[r][h]);
-        acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.s[row * KB + b]), acc[r][h]);
+  for (int64_t b = 0; b < KB; ++b)
+    for (int n = 0; n < NP; ++n) {
+      const uint8_t* blk = p + n * ldp + b * kBlockBytes;
+      for (int h = 0; h < 2; ++h) {
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * h)));
+        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + 16 * h)));
+        __m256i w[kGroups];
+        for (int c = 0; c < kGroups / 2; ++c) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 + 64 * c + 32 * h));
+          w[2 * c] = _mm256_and_si256(v, low);
+          w[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        }
+        for (int r = 0; r < R; ++r) {
+          const int64_t row = r0 + r;
+          const int8_t* q = x.q.data() + row * K + b * kBlock;
+          __m256i part[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+          for (int g = 0; g < kGroups; ++g)
+            part[g % 2] = _mm256_add_epi32(
+                part[g % 2], _mm256_madd_epi16(_mm256_maddubs_epi16(w[g], _mm256_set1_epi32(group(q, g))), ones));
+          const __m256i isum = _mm256_add_epi32(part[0], part[1]);
+          const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(x.d[row * KB + b]));
+          acc[n][r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc[n][r][h]);
+          acc[n][r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.s[row * KB + b]), acc[n][r][h]);
+        }
       }
     }
-  }
   alignas(32) float buf[kPanel];
-  for (int r = 0; r < R; ++r) {
-    _mm256_store_ps(buf, acc[r][0]);
-    _mm256_store_ps(buf + 8, acc[r][1]);
-    const int64_t left = std::clamp<int64_t>(N - j0, 0, kPanel);  // the last panel's padding outputs are dropped
-    std::memcpy(out + (r0 + r) * N + j0, buf, left * sizeof(float));
-  }
+  for (int n = 0; n < NP; ++n)
+    for (int r = 0; r < R; ++r) {
+      _mm256_store_ps(buf, acc[n][r][0]);
+      _mm256_store_ps(buf + 8, acc[n][r][1]);
+      const int64_t left = std::clamp<int64_t>(N - j0 - n * kPanel, 0, kPanel);  // the last panel's padding dropped
+      std::memcpy(out + (r0 + r) * N + j0 + n * kPanel, buf, left * sizeof(float));
+    }
 }
 
 #ifdef SPECFLEET_Q4_VNNI
-// the same on AVX512-VNNI: the 16 outputs in one register, 4 inputs per vpdpbusd
-template <int R>
-SPECFLEET_VNNI void tile512(const uint8_t* p, const Quantized& x, int64_t r0, float* out, int64_t K, int64_t N,
-                            int64_t j0) {
+// the same on AVX512-VNNI: 16 outputs in one register, 4 inputs per vpdpbusd, NP panels at once (two
+// streams, and independent chains, where few rows leave registers for them). A block's high nibbles are
+// multiplied as 16 * code (masked, not shifted: vpdpbusd's sums do not saturate) and divided back by 16,
+// exactly, once per block: the same integer sums
+template <int R, int NP>
+SPECFLEET_VNNI void tile512(const uint8_t* p, int64_t ldp, const Quantized& x, int64_t r0, float* out, int64_t K,
+                            int64_t N, int64_t j0) {
   const int64_t KB = K / kBlock;
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 acc[NP][R];
+  for (int n = 0; n < NP; ++n)
+    for (int r = 0; r < R; ++r) acc[n][r] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8(static_cast<char>(0xF0));
   for (int64_t b = 0; b < KB; ++b) {
-    const uint8_t* blk = p + b * kBlockBytes;
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
-    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
-    __m512i w[kGroups];
-    for (int c = 0; c < kGroups / 2; ++c) {
-      const __m512i v = _mm512_loadu_si512(blk + 64 + 64 * c);
-      w[2 * c] = _mm512_and_si512(v, low);
-      w[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-    }
-    __m512i part[R][2];  // two chains per row, every row's at once: vpdpbusd's latency overlaps (integers: exact)
-    for (int r = 0; r < R; ++r) part[r][0] = part[r][1] = _mm512_setzero_si512();
-    for (int g = 0; g < kGroups; ++g)
-      for (int r = 0; r < R; ++r) {
-        const int8_t* q = x.q.data() + (r0 + r) * K + b * kBlock;
-        part[r][g % 2] = _mm512_dpbusd_epi32(part[r][g % 2], w[g], _mm512_set1_epi32(group(q, g)));
+    for (int n = 0; n < NP; ++n) {
+      const uint8_t* blk = p + n * ldp + b * kBlockBytes;
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
+      __m512i w[kGroups];
+      for (int c = 0; c < kGroups / 2; ++c) {
+        const __m512i v = _mm512_loadu_si512(blk + 64 + 64 * c);
+        w[2 * c] = _mm512_and_si512(v, low);
+        w[2 * c + 1] = _mm512_and_si512(v, high);
       }
-    for (int r = 0; r < R; ++r) {
-      const int64_t row = r0 + r;
-      const __m512i isum = _mm512_add_epi32(part[r][0], part[r][1]);
-      const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(x.d[row * KB + b]));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[r]);
-      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.s[row * KB + b]), acc[r]);
+      __m512i part[R][2];  // per row: the low nibbles' chain and the high nibbles' (x 16); every row's at once
+      for (int r = 0; r < R; ++r) part[r][0] = part[r][1] = _mm512_setzero_si512();
+      for (int g = 0; g < kGroups; ++g)
+        for (int r = 0; r < R; ++r) {
+          const int8_t* q = x.q.data() + (r0 + r) * K + b * kBlock;
+          part[r][g % 2] = _mm512_dpbusd_epi32(part[r][g % 2], w[g], _mm512_set1_epi32(group(q, g)));
+        }
+      for (int r = 0; r < R; ++r) {
+        const int64_t row = r0 + r;
+        const __m512i isum = _mm512_add_epi32(part[r][0], _mm512_srai_epi32(part[r][1], 4));
+        const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(x.d[row * KB + b]));
+        acc[n][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[n][r]);
+        acc[n][r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.s[row * KB + b]), acc[n][r]);
+      }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    const int64_t left = std::clamp<int64_t>(N - j0, 0, kPanel);
-    _mm512_mask_storeu_ps(out + (r0 + r) * N + j0, static_cast<__mmask16>((1u << left) - 1u), acc[r]);
-  }
+  for (int n = 0; n < NP; ++n)
+    for (int r = 0; r < R; ++r) {
+      const int64_t left = std::clamp<int64_t>(N - j0 - n * kPanel, 0, kPanel);
+      _mm512_mask_storeu_ps(out + (r0 + r) * N + j0 + n * kPanel, static_cast<__mmask16>((1u << left) - 1u), acc[n][r]);
+    }
 }
 #endif  // SPECFLEET_Q4_VNNI
 
@@ -166,10 +179,10 @@ void panel(const uint8_t* p, const Quantized& x, float* out, int64_t R, int64_t 
   auto run = [&](auto rows) {
     constexpr int n = decltype(rows)::value;
 #ifdef SPECFLEET_Q4_VNNI
-    if constexpr (Wide) tile512<n>(p, x, r, out, K, N, j0);
-    else tile2<n>(p, x, r, out, K, N, j0);
+    if constexpr (Wide) tile512<n, 1>(p, 0, x, r, out, K, N, j0);
+    else tile2<n, 1>(p, 0, x, r, out, K, N, j0);
 #else
-    tile2<n>(p, x, r, out, K, N, j0);
+    tile2<n, 1>(p, 0, x, r, out, K, N, j0);
 #endif
     r += n;
   };
@@ -177,6 +190,20 @@ void panel(const uint8_t* p, const Quantized& x, float* out, int64_t R, int64_t 
   if (R - r == 3) run(std::integral_constant<int, 3>{});
   if (R - r == 2) run(std::integral_constant<int, 2>{});
   if (R - r == 1) run(std::integral_constant<int, 1>{});
+}
+
+// two panels (32 outputs, j0..) of R = 1 or 2 rows
+void pair(bool wide, int64_t R, const uint8_t* p, int64_t ldp, const Quantized& x, float* out, int64_t K, int64_t N,
+          int64_t j0) {
+#ifdef SPECFLEET_Q4_VNNI
+  if (wide) {
+    if (R == 2) tile512<2, 2>(p, ldp, x, 0, out, K, N, j0);
+    else tile512<1, 2>(p, ldp, x, 0, out, K, N, j0);
+    return;
+  }
+#endif
+  if (R == 2) tile2<2, 2>(p, ldp, x, 0, out, K, N, j0);
+  else tile2<1, 2>(p, ldp, x, 0, out, K, N, j0);
 }
 
 }  // namespace
@@ -194,6 +221,20 @@ void q4_into(const float* xp, const uint8_t* pp, float* op, int64_t R, int64_t K
   if (R == 0 || N == 0) return;
   const Quantized x = quantize(xp, R, K);
   const int64_t ldp = (K / kBlock) * kBlockBytes;
+  if (R <= 2) {  // decode: two panels at once (two streams of the weight, twice the chains)
+    at::parallel_for(0, (P + 1) / 2, 1, [&](int64_t a, int64_t b) {
+      for (int64_t t = a; t < b; ++t) {
+        const int64_t q = 2 * t;
+        if (q + 2 > P) {
+          if (wide) panel<true>(pp + q * ldp, x, op, R, K, N, q * kPanel);
+          else panel<false>(pp + q * ldp, x, op, R, K, N, q * kPanel);
+        } else {
+          pair(wide, R, pp + q * ldp, ldp, x, op, K, N, q * kPanel);
+        }
+      }
+    });
+    return;
+  }
   at::parallel_for(0, P, 1, [&](int64_t a, int64_t b) {
     for (int64_t q = a; q < b; ++q) {
       if (wide) panel<true>(pp + q * ldp, x, op, R, K, N, q * kPanel);

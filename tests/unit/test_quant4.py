@@ -36,7 +36,8 @@ def quantized_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return xq.double() @ rowwise.q4_dequantized(weight).double().T
 
 
-@pytest.mark.parametrize(("rows", "width", "out"), [(1, 32, 16), (3, 64, 40), (5, 576, 200), (9, 1536, 17)])
+@pytest.mark.parametrize(("rows", "width", "out"), [(1, 32, 16), (1, 576, 200), (2, 1536, 100), (3, 64, 40),
+                                                   (5, 576, 200), (9, 1536, 17)])
 def test_a_product_is_the_dequantized_weights_over_the_quantized_activations(rows: int, width: int, out: int) -> None:
     g = torch.Generator().manual_seed(rows * width)
     weight, x = torch.randn(out, width, generator=g), torch.randn(rows, width, generator=g)
@@ -46,11 +47,28 @@ def test_a_product_is_the_dequantized_weights_over_the_quantized_activations(row
 
 
 @pytest.mark.skipif(not rowwise.q4_vnni(), reason="no AVX512-VNNI here to compare AVX2 with")
-def test_avx2_and_avx512_vnni_give_the_same_bits() -> None:
-    g = torch.Generator().manual_seed(1)
-    weight, x = torch.randn(100, 576, generator=g), torch.randn(7, 576, generator=g)
+@pytest.mark.parametrize(("rows", "out"), [(1, 100), (1, 96), (2, 100), (2, 17), (3, 96), (7, 100)])
+def test_avx2_and_avx512_vnni_give_the_same_bits(rows: int, out: int) -> None:
+    # 1 and 2 rows run two panels at once on AVX512-VNNI (an odd last panel alone); more rows one panel
+    g = torch.Generator().manual_seed(rows * out)
+    weight, x = torch.randn(out, 576, generator=g), torch.randn(rows, 576, generator=g)
     packed = rowwise.pack_q4(weight)
-    assert torch.equal(rowwise.linear_q4(x, packed, 100, wide=True), rowwise.linear_q4(x, packed, 100, wide=False))
+    wide = rowwise.linear_q4(x, packed, out, wide=True)
+    assert torch.equal(wide, rowwise.linear_q4(x, packed, out, wide=False))
+    assert torch.equal(rowwise.linear_q4(x[-1:], packed, out, wide=True), wide[-1:])
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3])
+@pytest.mark.parametrize("wide", [False, True])
+def test_the_largest_codes_sum_exactly(wide: bool, rows: int) -> None:
+    # every weight code 0 or 15 and every activation code +-127: the high nibbles' sums are their largest
+    if wide and not rowwise.q4_vnni():
+        pytest.skip("no AVX512-VNNI here")
+    signs = torch.tensor([1.0, -1.0]).repeat(288)
+    weight = torch.stack([signs.roll(i) * 3 for i in range(32)])  # each block's codes 15 or 0 (d = 0.4, m = -3)
+    x = torch.stack([signs.abs(), -signs.abs(), signs])[:rows]
+    got = rowwise.linear_q4(x, rowwise.pack_q4(weight), 32, wide=wide)
+    assert torch.allclose(got.double(), quantized_reference(x, weight), rtol=1e-6, atol=1e-4)
 
 
 def test_a_row_gets_its_own_result_whatever_the_rows_and_threads() -> None:
