@@ -173,37 +173,27 @@ SPECFLEET_VNNI void tile512(const uint8_t* p, int64_t ldp, const Quantized& x, i
 }
 #endif  // SPECFLEET_Q4_VNNI
 
-template <bool Wide>
-void panel(const uint8_t* p, const Quantized& x, float* out, int64_t R, int64_t K, int64_t N, int64_t j0) {
+// rows [0, R) of NP panels (16 outputs each, j0..); two panels are only ever asked for 1 or 2 rows
+template <bool Wide, int NP>
+void panels(const uint8_t* p, int64_t ldp, const Quantized& x, float* out, int64_t R, int64_t K, int64_t N,
+            int64_t j0) {
   int64_t r = 0;
   auto run = [&](auto rows) {
     constexpr int n = decltype(rows)::value;
 #ifdef SPECFLEET_Q4_VNNI
-    if constexpr (Wide) tile512<n, 1>(p, 0, x, r, out, K, N, j0);
-    else tile2<n, 1>(p, 0, x, r, out, K, N, j0);
+    if constexpr (Wide) tile512<n, NP>(p, ldp, x, r, out, K, N, j0);
+    else tile2<n, NP>(p, ldp, x, r, out, K, N, j0);
 #else
-    tile2<n, 1>(p, 0, x, r, out, K, N, j0);
+    tile2<n, NP>(p, ldp, x, r, out, K, N, j0);
 #endif
     r += n;
   };
-  while (R - r >= 4) run(std::integral_constant<int, 4>{});
-  if (R - r == 3) run(std::integral_constant<int, 3>{});
+  if constexpr (NP == 1) {
+    while (R - r >= 4) run(std::integral_constant<int, 4>{});
+    if (R - r == 3) run(std::integral_constant<int, 3>{});
+  }
   if (R - r == 2) run(std::integral_constant<int, 2>{});
   if (R - r == 1) run(std::integral_constant<int, 1>{});
-}
-
-// two panels (32 outputs, j0..) of R = 1 or 2 rows
-void pair(bool wide, int64_t R, const uint8_t* p, int64_t ldp, const Quantized& x, float* out, int64_t K, int64_t N,
-          int64_t j0) {
-#ifdef SPECFLEET_Q4_VNNI
-  if (wide) {
-    if (R == 2) tile512<2, 2>(p, ldp, x, 0, out, K, N, j0);
-    else tile512<1, 2>(p, ldp, x, 0, out, K, N, j0);
-    return;
-  }
-#endif
-  if (R == 2) tile2<2, 2>(p, ldp, x, 0, out, K, N, j0);
-  else tile2<1, 2>(p, ldp, x, 0, out, K, N, j0);
 }
 
 }  // namespace
@@ -221,24 +211,19 @@ void q4_into(const float* xp, const uint8_t* pp, float* op, int64_t R, int64_t K
   if (R == 0 || N == 0) return;
   const Quantized x = quantize(xp, R, K);
   const int64_t ldp = (K / kBlock) * kBlockBytes;
-  if (R <= 2) {  // decode: two panels at once (two streams of the weight, twice the chains)
-    at::parallel_for(0, (P + 1) / 2, 1, [&](int64_t a, int64_t b) {
-      for (int64_t t = a; t < b; ++t) {
-        const int64_t q = 2 * t;
-        if (q + 2 > P) {
-          if (wide) panel<true>(pp + q * ldp, x, op, R, K, N, q * kPanel);
-          else panel<false>(pp + q * ldp, x, op, R, K, N, q * kPanel);
-        } else {
-          pair(wide, R, pp + q * ldp, ldp, x, op, K, N, q * kPanel);
-        }
+  const int64_t step = R <= 2 ? 2 : 1;  // decode's 1 or 2 rows: two panels at once (two streams, twice the chains)
+  at::parallel_for(0, (P + step - 1) / step, 1, [&](int64_t a, int64_t b) {
+    for (int64_t t = a; t < b; ++t) {
+      const int64_t q = step * t;
+      const uint8_t* pq = pp + q * ldp;
+      if (step == 2 && q + 2 <= P) {
+        if (wide) panels<true, 2>(pq, ldp, x, op, R, K, N, q * kPanel);
+        else panels<false, 2>(pq, ldp, x, op, R, K, N, q * kPanel);
+      } else if (wide) {
+        panels<true, 1>(pq, ldp, x, op, R, K, N, q * kPanel);
+      } else {
+        panels<false, 1>(pq, ldp, x, op, R, K, N, q * kPanel);
       }
-    });
-    return;
-  }
-  at::parallel_for(0, P, 1, [&](int64_t a, int64_t b) {
-    for (int64_t q = a; q < b; ++q) {
-      if (wide) panel<true>(pp + q * ldp, x, op, R, K, N, q * kPanel);
-      else panel<false>(pp + q * ldp, x, op, R, K, N, q * kPanel);
     }
   });
 }
