@@ -15,10 +15,14 @@
 //
 // Decode reads 5/8 of a byte per weight (about 0.31 of bfloat16's), with a few integer instructions per
 // 64 weights: the memory's rate, where llama.cpp's own Q4_1 kernel ran at 9.5 GB/s on a core that
-// streams 26 (bench/results, edge-drafts, 2026-12-04). One or two rows (a draft's step) run two panels at
-// once: two streams of the weight and twice the independent chains, so the loads overlap the integer
-// work. On a Xeon VM's core (2026-12-06; the SmolLM2 draft's 30 layers and head, 84 MB, one row) that
-// took AVX512-VNNI from 7.0-8.1 ms to 5.7-6.1 and AVX2 from 7.9-9.5 to 7.1-7.6, paired runs.
+// streams 26 (bench/results, edge-drafts, 2026-12-04). One row (a draft's step) runs four panels at once
+// and two rows two, each from its own quarter (half) of the weight: four (two) long sequential streams,
+// and as many independent chains, so the loads overlap the integer work. The SmolLM2 draft's 30 layers
+// and head (84 MB, one row, paired runs on one core), AVX512-VNNI / AVX2:
+//   one stream, one panel:             Xeon VM 7.0-8.1 / 7.9-9.5 ms; AVX512-BF16 EPYC 4.2-4.5 / 4.2-4.6 ms
+//   two adjacent panels:               Xeon VM 5.7-6.1 / 7.1-7.6 ms; EPYC 7.1-7.6 / 9.4-9.5 ms (its prefetch
+//                                      lost the streams, which swapped places every 2 panels)
+//   four streams (two for two rows):   EPYC 3.1-3.2 / 3.6 ms
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -80,10 +84,11 @@ inline int32_t group(const int8_t* q, int g) {  // 4 codes as one 32-bit lane
 #define SPECFLEET_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni,f16c,fma")))
 #endif
 
-// rows [0, R) of NP panels (16 outputs each, j0.., ldp bytes apart), AVX2: each panel in two 8-output halves
+// rows [0, R) of NP panels (16 outputs each, from j0, gap panels of ldp bytes apart), AVX2: each panel in two
+// 8-output halves
 template <int R, int NP>
-SPECFLEET_AVX2 void tile2(const uint8_t* p, int64_t ldp, const Quantized& x, int64_t r0, float* out, int64_t K,
-                          int64_t N, int64_t j0) {
+SPECFLEET_AVX2 void tile2(const uint8_t* p, int64_t ldp, int64_t gap, const Quantized& x, int64_t r0, float* out,
+                          int64_t K, int64_t N, int64_t j0) {
   const int64_t KB = K / kBlock;
   __m256 acc[NP][R][2];
   for (int n = 0; n < NP; ++n)
@@ -91,7 +96,7 @@ SPECFLEET_AVX2 void tile2(const uint8_t* p, int64_t ldp, const Quantized& x, int
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < KB; ++b)
     for (int n = 0; n < NP; ++n) {
-      const uint8_t* blk = p + n * ldp + b * kBlockBytes;
+      const uint8_t* blk = p + n * gap * ldp + b * kBlockBytes;
       for (int h = 0; h < 2; ++h) {
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * h)));
         const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + 16 * h)));
@@ -120,19 +125,19 @@ SPECFLEET_AVX2 void tile2(const uint8_t* p, int64_t ldp, const Quantized& x, int
     for (int r = 0; r < R; ++r) {
       _mm256_store_ps(buf, acc[n][r][0]);
       _mm256_store_ps(buf + 8, acc[n][r][1]);
-      const int64_t left = std::clamp<int64_t>(N - j0 - n * kPanel, 0, kPanel);  // the last panel's padding dropped
-      std::memcpy(out + (r0 + r) * N + j0 + n * kPanel, buf, left * sizeof(float));
+      const int64_t j = j0 + n * gap * kPanel, left = std::clamp<int64_t>(N - j, 0, kPanel);  // padding dropped
+      std::memcpy(out + (r0 + r) * N + j, buf, left * sizeof(float));
     }
 }
 
 #ifdef SPECFLEET_Q4_VNNI
-// the same on AVX512-VNNI: 16 outputs in one register, 4 inputs per vpdpbusd, NP panels at once (two
+// the same on AVX512-VNNI: 16 outputs in one register, 4 inputs per vpdpbusd, NP panels at once (NP
 // streams, and independent chains, where few rows leave registers for them). A block's high nibbles are
 // multiplied as 16 * code (masked, not shifted: vpdpbusd's sums do not saturate) and divided back by 16,
 // exactly, once per block: the same integer sums
 template <int R, int NP>
-SPECFLEET_VNNI void tile512(const uint8_t* p, int64_t ldp, const Quantized& x, int64_t r0, float* out, int64_t K,
-                            int64_t N, int64_t j0) {
+SPECFLEET_VNNI void tile512(const uint8_t* p, int64_t ldp, int64_t gap, const Quantized& x, int64_t r0,
+                            float* out, int64_t K, int64_t N, int64_t j0) {
   const int64_t KB = K / kBlock;
   __m512 acc[NP][R];
   for (int n = 0; n < NP; ++n)
@@ -140,7 +145,7 @@ SPECFLEET_VNNI void tile512(const uint8_t* p, int64_t ldp, const Quantized& x, i
   const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8(static_cast<char>(0xF0));
   for (int64_t b = 0; b < KB; ++b) {
     for (int n = 0; n < NP; ++n) {
-      const uint8_t* blk = p + n * ldp + b * kBlockBytes;
+      const uint8_t* blk = p + n * gap * ldp + b * kBlockBytes;
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
       const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
       __m512i w[kGroups];
@@ -167,24 +172,24 @@ SPECFLEET_VNNI void tile512(const uint8_t* p, int64_t ldp, const Quantized& x, i
   }
   for (int n = 0; n < NP; ++n)
     for (int r = 0; r < R; ++r) {
-      const int64_t left = std::clamp<int64_t>(N - j0 - n * kPanel, 0, kPanel);
-      _mm512_mask_storeu_ps(out + (r0 + r) * N + j0 + n * kPanel, static_cast<__mmask16>((1u << left) - 1u), acc[n][r]);
+      const int64_t j = j0 + n * gap * kPanel, left = std::clamp<int64_t>(N - j, 0, kPanel);
+      _mm512_mask_storeu_ps(out + (r0 + r) * N + j, static_cast<__mmask16>((1u << left) - 1u), acc[n][r]);
     }
 }
 #endif  // SPECFLEET_Q4_VNNI
 
-// rows [0, R) of NP panels (16 outputs each, j0..); two panels are only ever asked for 1 or 2 rows
+// rows [0, R) of NP panels (16 outputs each, j0.., gap panels apart): NP = 2 only for 1 or 2 rows, 4 for 1
 template <bool Wide, int NP>
-void panels(const uint8_t* p, int64_t ldp, const Quantized& x, float* out, int64_t R, int64_t K, int64_t N,
-            int64_t j0) {
+void panels(const uint8_t* p, int64_t ldp, int64_t gap, const Quantized& x, float* out, int64_t R, int64_t K,
+            int64_t N, int64_t j0) {
   int64_t r = 0;
   auto run = [&](auto rows) {
     constexpr int n = decltype(rows)::value;
 #ifdef SPECFLEET_Q4_VNNI
-    if constexpr (Wide) tile512<n, NP>(p, ldp, x, r, out, K, N, j0);
-    else tile2<n, NP>(p, ldp, x, r, out, K, N, j0);
+    if constexpr (Wide) tile512<n, NP>(p, ldp, gap, x, r, out, K, N, j0);
+    else tile2<n, NP>(p, ldp, gap, x, r, out, K, N, j0);
 #else
-    tile2<n, NP>(p, ldp, x, r, out, K, N, j0);
+    tile2<n, NP>(p, ldp, gap, x, r, out, K, N, j0);
 #endif
     r += n;
   };
@@ -192,8 +197,19 @@ void panels(const uint8_t* p, int64_t ldp, const Quantized& x, float* out, int64
     while (R - r >= 4) run(std::integral_constant<int, 4>{});
     if (R - r == 3) run(std::integral_constant<int, 3>{});
   }
-  if (R - r == 2) run(std::integral_constant<int, 2>{});
+  if constexpr (NP <= 2) {
+    if (R - r == 2) run(std::integral_constant<int, 2>{});
+  }
   if (R - r == 1) run(std::integral_constant<int, 1>{});
+}
+
+// np panels at once (4 for 1 row, 2 for 2 rows, else 1), gap panels apart
+template <bool Wide>
+void streams(int np, const uint8_t* p, int64_t ldp, int64_t gap, const Quantized& x, float* out, int64_t R,
+             int64_t K, int64_t N, int64_t j0) {
+  if (np == 4) panels<Wide, 4>(p, ldp, gap, x, out, R, K, N, j0);
+  else if (np == 2) panels<Wide, 2>(p, ldp, gap, x, out, R, K, N, j0);
+  else panels<Wide, 1>(p, ldp, 1, x, out, R, K, N, j0);
 }
 
 }  // namespace
@@ -211,19 +227,16 @@ void q4_into(const float* xp, const uint8_t* pp, float* op, int64_t R, int64_t K
   if (R == 0 || N == 0) return;
   const Quantized x = quantize(xp, R, K);
   const int64_t ldp = (K / kBlock) * kBlockBytes;
-  const int64_t step = R <= 2 ? 2 : 1;  // decode's 1 or 2 rows: two panels at once (two streams, twice the chains)
-  at::parallel_for(0, (P + step - 1) / step, 1, [&](int64_t a, int64_t b) {
+  // decode's 1 or 2 rows: S panels at once, one from each of S equal runs of the panels (S sequential
+  // streams of the weight, and S times the independent chains); the remainder's panels one at a time
+  const int S = R == 1 ? 4 : R == 2 ? 2 : 1;
+  const int64_t run = S > 1 ? P / S : 0;  // panels per stream
+  at::parallel_for(0, run ? run + P % S : P, 1, [&](int64_t a, int64_t b) {
     for (int64_t t = a; t < b; ++t) {
-      const int64_t q = step * t;
-      const uint8_t* pq = pp + q * ldp;
-      if (step == 2 && q + 2 <= P) {
-        if (wide) panels<true, 2>(pq, ldp, x, op, R, K, N, q * kPanel);
-        else panels<false, 2>(pq, ldp, x, op, R, K, N, q * kPanel);
-      } else if (wide) {
-        panels<true, 1>(pq, ldp, x, op, R, K, N, q * kPanel);
-      } else {
-        panels<false, 1>(pq, ldp, x, op, R, K, N, q * kPanel);
-      }
+      const int64_t q = t < run ? t : S * run + (t - run);
+      const int np = t < run ? S : 1;
+      if (wide) streams<true>(np, pp + q * ldp, ldp, run, x, op, R, K, N, q * kPanel);
+      else streams<false>(np, pp + q * ldp, ldp, run, x, op, R, K, N, q * kPanel);
     }
   });
 }

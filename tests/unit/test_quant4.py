@@ -47,9 +47,11 @@ def test_a_product_is_the_dequantized_weights_over_the_quantized_activations(row
 
 
 @pytest.mark.skipif(not rowwise.q4_vnni(), reason="no AVX512-VNNI here to compare AVX2 with")
-@pytest.mark.parametrize(("rows", "out"), [(1, 100), (1, 96), (2, 100), (2, 17), (3, 96), (7, 100)])
+@pytest.mark.parametrize(("rows", "out"), [(1, 100), (1, 96), (1, 64), (1, 144), (1, 48), (1, 17), (2, 100), (2, 17),
+                                           (2, 144), (3, 96), (7, 100)])
 def test_avx2_and_avx512_vnni_give_the_same_bits(rows: int, out: int) -> None:
-    # 1 and 2 rows run two panels at once on AVX512-VNNI (an odd last panel alone); more rows one panel
+    # 1 row runs four panels at once, from four runs of the panels, and 2 rows two, from two; the
+    # remainder's panels one at a time (7, 6, 4, 9, 3 and 2 panels); more rows one panel at a time
     g = torch.Generator().manual_seed(rows * out)
     weight, x = torch.randn(out, 576, generator=g), torch.randn(rows, 576, generator=g)
     packed = rowwise.pack_q4(weight)
