@@ -178,7 +178,8 @@ SPECFLEET_VNNI void tile512(const uint8_t* p, int64_t ldp, int64_t gap, const Qu
 }
 #endif  // SPECFLEET_Q4_VNNI
 
-// rows [0, R) of NP panels (16 outputs each, j0.., gap panels apart): NP = 2 only for 1 or 2 rows, 4 for 1
+// rows [0, R) of NP panels (16 outputs each, j0.., gap panels apart), in tiles of up to 4 rows for one panel,
+// 2 for two and 1 for four (the registers each leaves)
 template <bool Wide, int NP>
 void panels(const uint8_t* p, int64_t ldp, int64_t gap, const Quantized& x, float* out, int64_t R, int64_t K,
             int64_t N, int64_t j0) {
@@ -198,9 +199,9 @@ void panels(const uint8_t* p, int64_t ldp, int64_t gap, const Quantized& x, floa
     if (R - r == 3) run(std::integral_constant<int, 3>{});
   }
   if constexpr (NP <= 2) {
-    if (R - r == 2) run(std::integral_constant<int, 2>{});
+    while (R - r >= 2) run(std::integral_constant<int, 2>{});
   }
-  if (R - r == 1) run(std::integral_constant<int, 1>{});
+  while (R - r >= 1) run(std::integral_constant<int, 1>{});
 }
 
 // np panels at once (4 for 1 row, 2 for 2 rows, else 1), gap panels apart
@@ -209,7 +210,7 @@ void streams(int np, const uint8_t* p, int64_t ldp, int64_t gap, const Quantized
              int64_t K, int64_t N, int64_t j0) {
   if (np == 4) panels<Wide, 4>(p, ldp, gap, x, out, R, K, N, j0);
   else if (np == 2) panels<Wide, 2>(p, ldp, gap, x, out, R, K, N, j0);
-  else panels<Wide, 1>(p, ldp, 1, x, out, R, K, N, j0);
+  else panels<Wide, 1>(p, ldp, gap, x, out, R, K, N, j0);
 }
 
 }  // namespace
