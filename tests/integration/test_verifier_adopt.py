@@ -7,6 +7,7 @@ adopts is cancelled after the grace; a coordinator whose link drops takes its re
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -31,7 +32,6 @@ from shared.protocol import (
 )
 from tests.conftest import greedy_reference
 from tests.integration.test_verifier import TOKEN, Peer, Running, connect, serving
-from tests.integration.test_verifier_orphans import wait_sessions
 
 pytestmark = pytest.mark.asyncio
 
@@ -116,7 +116,7 @@ async def test_an_adopter_gets_a_request_a_drafter_opens_later(verifier: Running
 
 async def test_an_orphan_nobody_adopts_is_cancelled_after_the_grace_then_forgotten(
         tiny_models: dict[str, Path]) -> None:
-    grace = 0.5
+    grace = 1.0
     async with serving(tiny_models, resume_grace_s=0.0, draft_timeout_s=60.0, orphan_grace_s=grace,
                        fill=False) as running:
         fp = running.target.fingerprint
@@ -127,10 +127,13 @@ async def test_an_orphan_nobody_adopts_is_cancelled_after_the_grace_then_forgott
                 # a drafter that never drafts: the request waits (60 s) for its first draft
                 await drafter.send(OpenSession(request_id="r4", prompt_ids=PROMPT, params=LONG, origin="a"))
                 assert isinstance(await drafter.recv(SessionOpened, ErrorFrame, rid="r4"), SessionOpened)
-            await asyncio.sleep(grace / 2)
-            await wait_sessions(running.url, 1)  # a is gone; r4 is kept for a resume
+            gone = time.monotonic()
             verdict = await drafter.recv(Verdict, rid="r4", timeout=10)  # then cancelled: nobody adopted it
             assert verdict.finished and verdict.finish_reason == "cancelled"
+            # a is gone; r4 was kept for a resume for the grace (a sample of the sessions gauge half a grace
+            # in raced the cancellation on a loaded machine; the verifier may see the close a little
+            # before the client's context exits)
+            assert time.monotonic() - gone >= grace - 0.1
             async with connect(running.url, "frontend", node_id="b") as b:
                 await b.recv(Welcome)
                 await b.send(Adopt(request_id="r4"))
