@@ -46,7 +46,7 @@ from bench.client import Outcome, percentiles, run_load
 from bench.edge import Edge, edge_from, run_pinned
 from bench.fleets import BenchFleet, Run, Scenario, add_workload_flags, given_args, in_turn, write_results
 from bench.plots import bars_by_concurrency
-from bench.run_stats import cpu_split
+from bench.run_stats import D, cpu_split, drafter_snapshots
 from bench.scrape import diff_all
 from services.coordinator.fleet import RATE_WINDOW_S
 from shared.gguf_copies import FLEET_WIDTHS, MEASURED, copy_path
@@ -77,6 +77,10 @@ def scenarios(target: Path) -> dict[str, Scenario]:
         "target-only": Scenario("target-only"),
         "default-fleet": Scenario(fleet, drafters=len(FLEET_WIDTHS), drafts=drafts, drafter_flags=own,
                                   speculation="auto", allocation=""),
+        # the baseline of the drafters' default of drafting ahead at 2 sessions (--pipeline-sessions)
+        "fleet-ahead": Scenario(fleet + ", ahead at 4 sessions", drafters=len(FLEET_WIDTHS), drafts=drafts,
+                                drafter_flags=(*own, "--pipeline-sessions", str(FLEET_SESSIONS)), speculation="auto",
+                                allocation=""),
         # the Q8_0 copy on specfleet's 4-bit kernel too, requantized to Q4_1 blocks (shared.runner.gguf_backend)
         "fleet-4bit": Scenario(fleet + ", both on the 4-bit kernel", drafters=len(FLEET_WIDTHS), drafts=drafts,
                                drafter_flags=(*own, "--gguf-backend", "specfleet"), speculation="auto",
@@ -94,6 +98,10 @@ def scenarios(target: Path) -> dict[str, Scenario]:
         # the drafter drafting ahead (pipelining) at every session it holds, not only up to 2
         "q4_1-ahead": alone("Q4_1 copy alone, ahead at 4 sessions", copy("Q4_1"), "--pipeline-sessions",
                             str(FLEET_SESSIONS)),
+        # the paper's baseline of the verifier's length policy: Fixed-S at k (SmartSpec picks it by default)
+        **{f"q4_1-k{k}": Scenario(f"Q4_1 copy alone, Fixed-S k={k}", drafters=1, draft=copy("Q4_1"),
+                                  drafter_flags=own, speculation="auto", allocation="fixed", draft_len=k)
+           for k in (3, 5, 8)},
         "distilled": alone("distilled small draft alone", "models/draft-small"),
         "ngram": alone("prompt lookup alone", str(target), "--proposer", "ngram"),
     }
@@ -210,7 +218,7 @@ def row(run: Run, base: dict[int, list[float]], estimates: list[float]) -> dict[
             "ratio": statistics.median(ratios) if ratios else float("nan"), "acceptance": run.acceptance,
             "tpot_ms": percentiles(tpots, (50, 99)), "ttft_s_p50": percentiles([o.ttft_s for o in run.outcomes],
                                                                                (50,))["p50"],
-            "busy": busy_shares(run)}
+            "busy": busy_shares(run), "drafting": drafting(run)}
 
 
 def busy_shares(run: Run) -> dict[str, float]:
@@ -222,6 +230,29 @@ def busy_shares(run: Run) -> dict[str, float]:
     edge = sum(v for k, v in cpu.items() if k.startswith(("coordinator_", "drafter-")) and k.endswith("_s"))
     return {"verifier": cpu["verifier_steps_s"] / wall, "draft_models": cpu["draft_busy_s"] / wall,
             "edge_services": edge / wall}
+
+
+def drafting(run: Run) -> dict[str, float]:
+    """Where the drafters' work went, over every drafter: draft-model milliseconds per token the
+    verifier committed for their sessions, draft tokens sent and accepted per round, and the lookaheads
+    (rounds drafted ahead while the last was verified): how many per round, the share used, and the
+    share of the draft models' time they took; and the mean sessions a round's draft batch held."""
+    snaps = drafter_snapshots(run)
+
+    def total(name: str, **labels: str) -> float:
+        return sum(s.value(f"{D}_{name}", **labels) for s in snaps)
+
+    rounds, committed, busy = total("rounds_total"), total("committed_tokens_total"), total("model_busy_seconds_total")
+    batches = {n: total(f"draft_batch_sessions_{n}", kind="round") for n in ("sum", "count")}
+    ahead = {o: total("lookaheads_total", outcome=o) for o in ("used", "missed", "dropped")}
+    made = sum(ahead.values())
+    return {"busy_ms_per_committed": busy * 1e3 / committed if committed else 0.0,
+            "drafted_per_round": total("drafted_tokens_total") / rounds if rounds else 0.0,
+            "accepted_per_round": total("accepted_tokens_total") / rounds if rounds else 0.0,
+            "lookaheads_per_round": made / rounds if rounds else 0.0,
+            "lookaheads_used": ahead["used"] / made if made else 0.0,
+            "lookahead_busy_share": total("lookahead_busy_seconds_total") / busy if busy else 0.0,
+            "round_batch_sessions": batches["sum"] / batches["count"] if batches["count"] else 0.0}
 
 
 def checks(rows: list[dict[str, Any]], costs: dict[str, float], temperature: float) -> list[dict[str, Any]]:
@@ -293,11 +324,32 @@ def write(rows: list[dict[str, Any]], found: list[dict[str, Any]], meta: dict[st
     lines += ["", "Busy: the share of the run's wall time the verifier spent in steps (on its own core), the "
               "draft models spent drafting, and the coordinator's and drafters' processes used of the edge core "
               "(the load client's share of that core comes on top). Above about 0.9 that side bounds the run.",
-              "", "| target | measured | goal | met |", "|---|---|---|---|"]
+              ""]
+    lines += drafting_table(rows)
+    lines += ["| target | measured | goal | met |", "|---|---|---|---|"]
     lines += [f"| {c['name']} | {c['value']:.3f} | {c['goal']} | {'yes' if c['met'] else 'NO'} |" for c in found]
     lines += ["", "How each is computed:", ""] + [f"- {c['name']}: {c['how']}" for c in found]
     write_results(out, stem, {"meta": meta, "rows": rows, "targets": found}, lines)
     plot(rows, out / f"{stem}.png", meta)
+
+
+def drafting_table(rows: list[dict[str, Any]]) -> list[str]:
+    """The drafters' work per row that drafted (``drafting``), as markdown lines."""
+    shown = [r for r in rows if (r.get("drafting") or {}).get("drafted_per_round")]
+    if not shown:
+        return []
+    out = ["| scenario | concurrency | draft-model ms per committed token | drafted / accepted per round "
+           "| lookaheads per round | lookaheads used | lookaheads' share of drafting | sessions per round batch |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in shown:
+        d = r["drafting"]
+        out.append(f"| {r['scenario']} | {r['concurrency']} | {d['busy_ms_per_committed']:.2f} | "
+                   f"{d['drafted_per_round']:.2f} / {d['accepted_per_round']:.2f} | {d['lookaheads_per_round']:.2f} | "
+                   f"{d['lookaheads_used']:.2f} | {d['lookahead_busy_share']:.2f} | "
+                   f"{d.get('round_batch_sessions', 0.0):.2f} |")
+    return [*out, "", "Drafting: what the draft models spent per token the verifier committed for their sessions "
+            "(a round's draft, its lookahead drafted while the last round was verified, and every prompt's "
+            "prefill), and what became of the lookaheads.", ""]
 
 
 def _busy(b: dict[str, float] | None) -> str:
@@ -315,8 +367,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma list of: target-only, default-fleet, fleet-4bit (the default fleet with the Q8_0 copy "
                         "on specfleet's 4-bit kernel too), unguarded (the default fleet without the "
                         "verifier's measured guard), no-riders (the default fleet filling only in steps with nothing "
-                        "to verify), unshared (the default fleet's drafters prefilling every prompt whole), q4_1, "
-                        "q4_1-ahead (the Q4_1 copy drafting ahead at every session), q8_0, q4_0, distilled, ngram")
+                        "to verify), unshared (the default fleet's drafters prefilling every prompt whole), "
+                        "fleet-ahead (the default fleet drafting ahead at every session), q4_1, q4_1-ahead (the "
+                        "Q4_1 copy drafting ahead at every session), q4_1-k3, q4_1-k5, q4_1-k8 (the Q4_1 copy at a "
+                        "fixed draft length), q8_0, q4_0, distilled, ngram")
     p.add_argument("--gguf-step", default="", help=argparse.SUPPRESS)  # a pinned child: one draft's step
     p.add_argument("--prompt-from", default="", help=argparse.SUPPRESS)
     add_workload_flags(p, repeats=3, requests=8, max_tokens=128, concurrency=(1, 4, 16))

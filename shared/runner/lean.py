@@ -24,6 +24,7 @@ from shared.runner import rowwise
 from shared.runner.invariant import GroupedPlan, group_rows, grouped_attention, row_attention
 from shared.runner.matmul import Q4, Matmul, matmul, resolve_kernel
 from shared.runner.step import StepPlan, paged_attention, write_kv
+from shared.runner.topk import topk
 
 #: logits per row the head recomputes in float32 after its half-precision matmul (LeanDecoder._refine_top)
 REFINED = 16
@@ -250,7 +251,7 @@ class LeanDecoder:
         hidden size, reduced in the same order however many rows the step holds, so a row's logits
         still depend on the row alone (the runner's start-up invariance check covers it)."""
         head, bias = self.lm_head.source, self.lm_head.bias
-        top = logits.topk(REFINED, dim=-1).indices  # [rows, REFINED]
+        top = topk(logits, REFINED).indices  # [rows, REFINED]
         exact = (head[top].to(self.adtype) * h.unsqueeze(1)).sum(-1)
         if bias is not None:
             exact += bias[top].to(self.adtype)

@@ -77,7 +77,9 @@ def test_the_default_fleets_run_the_verifiers_default_policy() -> None:
     from bench.real import scenarios as real_scenarios
 
     fleets = [*edge_scenarios(Path("t")).values(), *real_scenarios(Path("t")).values()]
-    assert all(allocation_flags(sc) == () for sc in fleets if sc.drafters)
+    assert all(allocation_flags(sc) == () for sc in fleets if sc.drafters and "Fixed-S" not in sc.name)
+    baselines = [sc for sc in fleets if "Fixed-S" in sc.name]  # the length policy's baseline, named as such
+    assert baselines and all(allocation_flags(sc) == ("--allocation", "fixed") for sc in baselines)
 
 
 def test_a_runs_busy_shares_say_which_side_bounds_it() -> None:
@@ -97,6 +99,38 @@ def test_a_runs_busy_shares_say_which_side_bounds_it() -> None:
                                  process_cpu_seconds_total=({}, 2.5))}
     run = Run("fleet", 4, [10.0, 10.0], [], metrics, walls=[4.0, 6.0])
     assert busy_shares(run) == pytest.approx({"verifier": 0.6, "draft_models": 0.7, "edge_services": 0.95})
+
+
+def test_a_runs_drafting_says_what_the_draft_models_spent_per_committed_token() -> None:
+    from bench.edge_drafts import drafting, drafting_table
+    from bench.fleets import Run
+    from bench.scrape import Snapshot
+
+    def drafter(busy: float, ahead_busy: float, rounds: float, committed: float, drafted: float, accepted: float,
+                used: float, missed: float, dropped: float) -> Snapshot:
+        p = "specfleet_drafter_"
+        plain = {"model_busy_seconds_total": busy, "lookahead_busy_seconds_total": ahead_busy, "rounds_total": rounds,
+                 "committed_tokens_total": committed, "drafted_tokens_total": drafted,
+                 "accepted_tokens_total": accepted}
+        out = Snapshot({(p + k, ()): v for k, v in plain.items()})
+        for outcome, v in (("used", used), ("missed", missed), ("dropped", dropped)):
+            out[(p + "lookaheads_total", (("outcome", outcome),))] = v
+        out[(p + "draft_batch_sessions_sum", (("kind", "round"),))] = rounds * 1.5
+        out[(p + "draft_batch_sessions_count", (("kind", "round"),))] = rounds
+        return out
+
+    metrics = {"verifier": Snapshot(), "drafter-1": drafter(3.0, 1.0, 100, 600, 500, 450, 60, 20, 10),
+               "drafter-2": drafter(1.0, 1.0, 100, 400, 300, 250, 10, 5, 15)}
+    found = drafting(Run("fleet", 1, [1.0], [], metrics, walls=[1.0]))
+    assert found == pytest.approx({"busy_ms_per_committed": 4.0, "drafted_per_round": 4.0,
+                                   "accepted_per_round": 3.5, "lookaheads_per_round": 0.6,
+                                   "lookaheads_used": 70 / 120, "lookahead_busy_share": 0.5,
+                                   "round_batch_sessions": 1.5})
+    rows = [{"scenario": "target-only", "concurrency": 1, "drafting": drafting(Run("t", 1, [1.0], [], {}, [1.0]))},
+            {"scenario": "fleet", "concurrency": 1, "drafting": found}]
+    table = drafting_table(rows)
+    assert [line.split(" | ")[:3] for line in table if line.startswith("| fleet")] == [["| fleet", "1", "4.00"]]
+    assert drafting_table(rows[:1]) == []
 
 
 @pytest.mark.parametrize(("estimate", "reads", "met"), [

@@ -81,6 +81,7 @@ from shared.protocol import MAX_DRAFT_TOKENS, SparseQ
 from shared.race import top_two
 from shared.runner import KVSlot, Segment
 from shared.runner.step import SegmentRunner
+from shared.runner.topk import topk
 from shared.sampling import is_greedy, probs_from_logits
 
 DRAFT_MODES = ("sampled", "greedy")
@@ -239,7 +240,7 @@ class DraftModelProposer:
                 logits = self.runner.forward([Segment(d.cache.slot, [*d.feed, *d.guesses], len(d.feed) - 1)
                                               for d in live])
                 assert logits is not None
-                top = logits.topk(min(2, logits.shape[-1]), -1)  # every greedy row in one op
+                top = topk(logits, min(2, logits.shape[-1]))  # every greedy row in one op
                 top2 = top.indices.tolist()
                 first = _first_rows(live)  # each session's row for its own token; its guesses' follow
                 picks = [self._pick(d, logits[row], top2[row]) for row, d in zip(first, live, strict=True)]
@@ -308,7 +309,7 @@ class DraftModelProposer:
         """Choose the next token of one session from its logits row (``top2``: its two best ids)."""
         if d.mode.penalised:
             logits = _penalise(d, logits)
-            top2 = logits.topk(len(top2)).indices.tolist()
+            top2 = topk(logits.unsqueeze(0), len(top2)).indices[0].tolist()
         if d.mode.raced:
             assert d.job.session.race_key is not None
             key = d.job.session.race_key
@@ -414,7 +415,7 @@ def _step_features(live: Sequence[_Drafting], picks: Sequence[_Pick], logits: to
         return out
     if any(live[i].mode.penalised for i in want):  # the rows picks chose from are not all the step's
         rows = torch.stack([picks[i].logits for i in want]).float()
-        top = rows.topk(min(2, rows.shape[-1]), dim=-1).values
+        top = topk(rows, min(2, rows.shape[-1])).values
     elif len(want) < len(live):
         index = torch.tensor(want, device=logits.device)
         rows, top = logits.index_select(0, index).float(), top.index_select(0, index).float()
