@@ -37,6 +37,9 @@ from shared.log import get_logger
 
 log = get_logger("coordinator.resumption")
 CLAIM_WAIT_S = 5.0  # an Idempotency-Key retry waits this long for the first request's record
+#: a coordinator just started knows whether streams resume (the verifier's grace) only once a verifier
+#: has welcomed it: a resume waits this long for that, then gets a 503 to retry
+WELCOME_WAIT_S = 10.0
 
 
 @dataclass
@@ -116,6 +119,17 @@ class Resumes:
         except StoreError as exc:
             log.warning("finished answer not kept for retries", request_id=record.request_id, error=str(exc))
 
+    async def _heard_verifier(self) -> None:
+        """Wait (up to WELCOME_WAIT_S) until a verifier has welcomed this coordinator: before that,
+        ``enabled`` cannot tell whether streams resume, and a client resuming at a coordinator just
+        restarted would be told its stream is unknown. 503 past the wait."""
+        links = self._link.links if isinstance(self._link, VerifierPool) else [self._link]
+        deadline = asyncio.get_running_loop().time() + WELCOME_WAIT_S
+        while not any(link.welcome is not None for link in links):
+            if asyncio.get_running_loop().time() >= deadline:
+                raise service_unavailable("no verifier has connected to this coordinator yet; retry shortly", 1)
+            await asyncio.sleep(0.05)
+
     async def claim(self, client: str, idempotency_key: str, request_id: str) -> str | None:
         """The request already bound to this Idempotency-Key of this client, or None (bound to ``request_id`` now)."""
         if not self.enabled:
@@ -188,6 +202,7 @@ class Resumes:
         log.info("stream cancelled by its client", request_id=request_id)
 
     async def _find(self, request_id: str, client: str, wait_s: float = 0.0) -> StreamRecord:
+        await self._heard_verifier()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
         while True:
