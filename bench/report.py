@@ -52,6 +52,9 @@ SECTIONS = (
     Section("xeon-vm/edge-drafts", "The default fleet on a second host: a Xeon VM whose CPU lists AMX",
             "python -m bench edge-drafts --scenarios target-only,default-fleet,fleet-ahead,q4_1 --repeats 3 "
             "--requests 24 --out bench/results/xeon-vm", ("xeon-vm/edge-drafts.png",)),
+    Section("xeon-vm/edge-drafts-t1", "The default fleet at temperature 1 on the Xeon VM",
+            "python -m bench edge-drafts --temperature 1 --concurrency 1 --scenarios target-only,default-fleet "
+            "--repeats 3 --out bench/results/xeon-vm", ("xeon-vm/edge-drafts-t1.png",)),
     Section("ahead/edge-drafts", "Drafting ahead at 4 sessions: the Q4_1 copy with --pipeline-sessions 4 "
             "against its default (2), at 4 requests",
             "python -m bench edge-drafts --scenarios target-only,q4_1,q4_1-ahead --concurrency 4 --repeats 3 "
