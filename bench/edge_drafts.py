@@ -46,8 +46,8 @@ from bench.client import Outcome, percentiles, run_load
 from bench.edge import Edge, edge_from, run_pinned
 from bench.fleets import BenchFleet, Run, Scenario, add_workload_flags, given_args, in_turn, write_results
 from bench.plots import bars_by_concurrency
-from bench.run_stats import D, cpu_split, drafter_snapshots
-from bench.scrape import diff_all
+from bench.run_stats import D, cpu_split, drafter_costs, drafter_snapshots
+from bench.scrape import diff_all, merged
 from services.coordinator.fleet import RATE_WINDOW_S
 from shared.gguf_copies import FLEET_WIDTHS, MEASURED, copy_path
 from shared.models import resolve_dtype, stored_dtype
@@ -67,40 +67,37 @@ def scenarios(target: Path) -> dict[str, Scenario]:
         return str(copy_path(target, width))
 
     own = ("--max-sessions", str(FLEET_SESSIONS))
+    ahead = ("--pipeline-sessions", str(FLEET_SESSIONS))  # drafting ahead at every session, not only up to 2
 
-    def alone(name: str, draft: str, *flags: str) -> Scenario:
-        # the coordinator's default (--speculation auto), as specfleet up runs it
-        return Scenario(name, drafters=1, draft=draft, drafter_flags=(*own, *flags), speculation="auto", allocation="")
+    # every fleet at the coordinator's default (--speculation auto) and the verifier's own policy, as
+    # specfleet up runs them, unless a baseline says otherwise
+    def alone(name: str, draft: str, *flags: str, allocation: str = "", draft_len: int = 4) -> Scenario:
+        return Scenario(name, drafters=1, draft=draft, drafter_flags=(*own, *flags), speculation="auto",
+                        allocation=allocation, draft_len=draft_len)
 
     fleet, drafts = "default fleet (" + " + ".join(FLEET_WIDTHS) + ")", tuple(copy(w) for w in FLEET_WIDTHS)
+
+    def default_fleet(suffix: str = "", *flags: str, verifier: tuple[str, ...] = ()) -> Scenario:
+        return Scenario(fleet + suffix, drafters=len(FLEET_WIDTHS), drafts=drafts, drafter_flags=(*own, *flags),
+                        speculation="auto", verifier_flags=verifier, allocation="")
+
     return {
         "target-only": Scenario("target-only"),
-        "default-fleet": Scenario(fleet, drafters=len(FLEET_WIDTHS), drafts=drafts, drafter_flags=own,
-                                  speculation="auto", allocation=""),
+        "default-fleet": default_fleet(),
         # the baseline of the drafters' default of drafting ahead at 2 sessions (--pipeline-sessions)
-        "fleet-ahead": Scenario(fleet + ", ahead at 4 sessions", drafters=len(FLEET_WIDTHS), drafts=drafts,
-                                drafter_flags=(*own, "--pipeline-sessions", str(FLEET_SESSIONS)), speculation="auto",
-                                allocation=""),
+        "fleet-ahead": default_fleet(", ahead at 4 sessions", *ahead),
         # the Q8_0 copy on specfleet's 4-bit kernel too, requantized to Q4_1 blocks (shared.runner.gguf_backend)
-        "fleet-4bit": Scenario(fleet + ", both on the 4-bit kernel", drafters=len(FLEET_WIDTHS), drafts=drafts,
-                               drafter_flags=(*own, "--gguf-backend", "specfleet"), speculation="auto",
-                               allocation=""),
+        "fleet-4bit": default_fleet(", both on the 4-bit kernel", "--gguf-backend", "specfleet"),
         # the baseline of the verifier's measured guard (services/verifier/allocation/pays.py): the policy alone
-        "unguarded": Scenario(fleet + ", policy alone", drafters=len(FLEET_WIDTHS), drafts=drafts, drafter_flags=own,
-                              speculation="auto", verifier_flags=("--speculation-guard", "false"), allocation=""),
+        "unguarded": default_fleet(", policy alone", verifier=("--speculation-guard", "false")),
         # the baseline of filling in steps that verify others (services/verifier/fill.py: riders)
-        "no-riders": Scenario(fleet + ", no riders", drafters=len(FLEET_WIDTHS), drafts=drafts, drafter_flags=own,
-                              speculation="auto", verifier_flags=("--fill-riders", "false"), allocation=""),
+        "no-riders": default_fleet(", no riders", verifier=("--fill-riders", "false")),
         # the baseline of the drafters' shared prompt rows (services/drafter/proposers/draft_model.py)
-        "unshared": Scenario(fleet + ", prompts unshared", drafters=len(FLEET_WIDTHS), drafts=drafts,
-                             drafter_flags=(*own, "--share-prefixes", "false"), speculation="auto", allocation=""),
+        "unshared": default_fleet(", prompts unshared", "--share-prefixes", "false"),
         **{w.lower(): alone(f"{w} copy alone", copy(w)) for w in ("Q4_1", "Q8_0", "Q4_0")},
-        # the drafter drafting ahead (pipelining) at every session it holds, not only up to 2
-        "q4_1-ahead": alone("Q4_1 copy alone, ahead at 4 sessions", copy("Q4_1"), "--pipeline-sessions",
-                            str(FLEET_SESSIONS)),
+        "q4_1-ahead": alone("Q4_1 copy alone, ahead at 4 sessions", copy("Q4_1"), *ahead),
         # the paper's baseline of the verifier's length policy: Fixed-S at k (SmartSpec picks it by default)
-        **{f"q4_1-k{k}": Scenario(f"Q4_1 copy alone, Fixed-S k={k}", drafters=1, draft=copy("Q4_1"),
-                                  drafter_flags=own, speculation="auto", allocation="fixed", draft_len=k)
+        **{f"q4_1-k{k}": alone(f"Q4_1 copy alone, Fixed-S k={k}", copy("Q4_1"), allocation="fixed", draft_len=k)
            for k in (3, 5, 8)},
         "distilled": alone("distilled small draft alone", "models/draft-small"),
         "ngram": alone("prompt lookup alone", str(target), "--proposer", "ngram"),
@@ -233,26 +230,23 @@ def busy_shares(run: Run) -> dict[str, float]:
 
 
 def drafting(run: Run) -> dict[str, float]:
-    """Where the drafters' work went, over every drafter: draft-model milliseconds per token the
-    verifier committed for their sessions, draft tokens sent and accepted per round, and the lookaheads
-    (rounds drafted ahead while the last was verified): how many per round, the share used, and the
-    share of the draft models' time they took; and the mean sessions a round's draft batch held."""
-    snaps = drafter_snapshots(run)
+    """Where the drafters' work went, over every drafter (their metrics summed; ``drafter_costs``):
+    draft-model milliseconds per token the verifier committed for their sessions, draft tokens sent and
+    accepted per round, and the lookaheads (rounds drafted ahead while the last was verified): how many
+    per round, the share used, and the share of the draft models' time they took; and the mean sessions
+    a round's draft batch held."""
+    snap = merged(drafter_snapshots(run))
+    c, committed = drafter_costs(snap), snap.value(f"{D}_committed_tokens_total")
 
-    def total(name: str, **labels: str) -> float:
-        return sum(s.value(f"{D}_{name}", **labels) for s in snaps)
+    def share(part: float, whole: float) -> float:
+        return part / whole if whole else 0.0
 
-    rounds, committed, busy = total("rounds_total"), total("committed_tokens_total"), total("model_busy_seconds_total")
-    batches = {n: total(f"draft_batch_sessions_{n}", kind="round") for n in ("sum", "count")}
-    ahead = {o: total("lookaheads_total", outcome=o) for o in ("used", "missed", "dropped")}
-    made = sum(ahead.values())
-    return {"busy_ms_per_committed": busy * 1e3 / committed if committed else 0.0,
-            "drafted_per_round": total("drafted_tokens_total") / rounds if rounds else 0.0,
-            "accepted_per_round": total("accepted_tokens_total") / rounds if rounds else 0.0,
-            "lookaheads_per_round": made / rounds if rounds else 0.0,
-            "lookaheads_used": ahead["used"] / made if made else 0.0,
-            "lookahead_busy_share": total("lookahead_busy_seconds_total") / busy if busy else 0.0,
-            "round_batch_sessions": batches["sum"] / batches["count"] if batches["count"] else 0.0}
+    return {"busy_ms_per_committed": share(c["model_busy_s"] * 1e3, committed),
+            "drafted_per_round": c["drafted_per_round"], "accepted_per_round": c["accepted_per_round"],
+            "lookaheads_per_round": share(c["lookaheads"], c["rounds"]),
+            "lookaheads_used": share(c["lookaheads_used"], c["lookaheads"]),
+            "lookahead_busy_share": share(c["lookahead_busy_s"], c["model_busy_s"]),
+            "round_batch_sessions": c["batch_sessions"]}
 
 
 def checks(rows: list[dict[str, Any]], costs: dict[str, float], temperature: float) -> list[dict[str, Any]]:

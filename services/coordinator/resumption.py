@@ -123,9 +123,8 @@ class Resumes:
         """Wait (up to WELCOME_WAIT_S) until a verifier has welcomed this coordinator: before that,
         ``enabled`` cannot tell whether streams resume, and a client resuming at a coordinator just
         restarted would be told its stream is unknown. 503 past the wait."""
-        links = self._link.links if isinstance(self._link, VerifierPool) else [self._link]
         deadline = asyncio.get_running_loop().time() + WELCOME_WAIT_S
-        while not any(link.welcome is not None for link in links):
+        while not self._link.welcomed:
             if asyncio.get_running_loop().time() >= deadline:
                 raise service_unavailable("no verifier has connected to this coordinator yet; retry shortly", 1)
             await asyncio.sleep(0.05)

@@ -143,6 +143,11 @@ class FrontendLink:
         self._routing.forget(request_id, queue)
 
     @property
+    def welcomed(self) -> bool:
+        """Whether the verifier has welcomed this coordinator (since it started): before that its grace is unknown."""
+        return self.welcome is not None
+
+    @property
     def grace_s(self) -> float:
         """How long the verifier keeps a released request for a resume (``Welcome.orphan_grace_s``)."""
         return self.welcome.orphan_grace_s if self.welcome is not None else 0.0

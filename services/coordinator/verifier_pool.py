@@ -85,8 +85,12 @@ class VerifierPool:
         self._routing.forget(request_id, queue)
 
     @property
+    def welcomed(self) -> bool:
+        return any(link.welcomed for link in self.links)
+
+    @property
     def grace_s(self) -> float:
-        return min((link.grace_s for link in self.links if link.welcome is not None), default=0.0)
+        return min((link.grace_s for link in self.links if link.welcomed), default=0.0)
 
     def release_nowait(self, request_id: str) -> None:
         """Release on the replica serving the request (on every connected one while none does yet)."""

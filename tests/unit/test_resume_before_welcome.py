@@ -25,6 +25,10 @@ class Link(SimpleNamespace):
     """The verifier link as Resumes reads it: the Welcome (None until one came) and its grace."""
 
     @property
+    def welcomed(self) -> bool:
+        return self.welcome is not None
+
+    @property
     def grace_s(self) -> float:
         return 0.0 if self.welcome is None else self.welcome.orphan_grace_s
 
