@@ -78,6 +78,19 @@ inline int32_t group(const int8_t* q, int g) {  // 4 codes as one 32-bit lane
   return v;
 }
 
+// Ask for the block kPrefetch blocks ahead in the same stream (a panel's blocks, then the next panel's: the
+// stream's next) while this one is multiplied. The hardware's prefetcher alone left the 4-bit product at
+// 4.6 ms for the SmolLM2 draft's 30 layers and head on one core of the Xeon VM (one row, AVX512-VNNI), about
+// 1.4x the 3.4 ms that streaming its 84 MB takes there; 8 blocks ahead (2.5 KB a stream) took it to 3.4 ms,
+// and 2 rows from 6.0 to 3.8 (2, 4, 12, 16 and 24 blocks ahead: 3.8-3.9, 3.5, 3.4, 3.4-3.5, 3.6-3.7 ms).
+// A prefetch never faults: past the weight's end (its last blocks') it is simply dropped.
+constexpr int64_t kPrefetch = 8;
+inline void prefetch_ahead(const uint8_t* blk) {
+#pragma GCC unroll 5
+  for (int64_t c = 0; c < kBlockBytes; c += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetch * kBlockBytes + c), _MM_HINT_T0);
+}
+
 #define SPECFLEET_AVX2 __attribute__((target("avx2,fma,f16c")))
 #if defined(__clang__) || __GNUC__ >= 8  // the compilers that know AVX512-VNNI's intrinsics
 #define SPECFLEET_Q4_VNNI 1
@@ -97,6 +110,7 @@ SPECFLEET_AVX2 void tile2(const uint8_t* p, int64_t ldp, int64_t gap, const Quan
   for (int64_t b = 0; b < KB; ++b)
     for (int n = 0; n < NP; ++n) {
       const uint8_t* blk = p + n * gap * ldp + b * kBlockBytes;
+      prefetch_ahead(blk);
       for (int h = 0; h < 2; ++h) {
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * h)));
         const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + 16 * h)));
@@ -146,6 +160,7 @@ SPECFLEET_VNNI void tile512(const uint8_t* p, int64_t ldp, int64_t gap, const Qu
   for (int64_t b = 0; b < KB; ++b) {
     for (int n = 0; n < NP; ++n) {
       const uint8_t* blk = p + n * gap * ldp + b * kBlockBytes;
+      prefetch_ahead(blk);
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
       const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
       __m512i w[kGroups];
