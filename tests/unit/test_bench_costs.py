@@ -109,3 +109,27 @@ def test_bench_decode_shows_the_row_wise_kernel_beside_onednn(tmp_path: Path, mo
     assert "| specfleet runner's matmuls alone, oneDNN's kernel | 12.0 | 0.40 |" in text
     assert "oneDNN's matmuls (`--matmul onednn`) | 10.0 | 0.33 |" in text
     assert (tmp_path / "decode.json").exists()
+
+
+def test_bench_decode_reports_a_kernel_the_runner_refused_and_raises_other_failures(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from bench import decode
+
+    why = ("this machine's torch.bfloat16 matmuls give a row different results at every batch size probed, so "
+           "speculation could change the text")
+    failed = f"bench.costs failed (1):\nTraceback ...\nshared.runner.runner.NotInvariantError: {why}\n"
+    assert decode.refusal(failed) == why
+    with pytest.raises(RuntimeError, match="MemoryError"):
+        decode.refusal("bench.costs failed (1):\nTraceback ...\nMemoryError: out of memory\n")
+
+    monkeypatch.setattr(decode, "OUT", tmp_path)
+    monkeypatch.setattr(decode, "machine_stem", lambda stem: stem)
+    floor = {"weight_bytes": 269e6, "dtype": "bfloat16", "gemv_gb_s": 25.0, "gemv": "specfleet row-wise"}
+    text = decode.write({"floor": floor, "floor_tok_s": 90.0, "floor_tok_s_again": 91.0, "when": "now",
+                         "command": "python -m bench decode", "cpu": "avx512_bf16", "cpus": "0",
+                         "dtype": "bfloat16", "activations": "float32", "tokens": 128, "matmul": "rowwise",
+                         "runner_invariant_tok_s": 50.0, "runner_plain_tok_s": 51.0, "transformers_tok_s": 20.0,
+                         "refused_onednn": why})
+    refused = f"`--matmul onednn` was not measured: the runner refused to serve batch-invariant on it here ({why})."
+    assert refused in text
+    assert "oneDNN's matmuls" not in text
