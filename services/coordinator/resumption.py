@@ -123,11 +123,8 @@ class Resumes:
         """Wait (up to WELCOME_WAIT_S) until a verifier has welcomed this coordinator: before that,
         ``enabled`` cannot tell whether streams resume, and a client resuming at a coordinator just
         restarted would be told its stream is unknown. 503 past the wait."""
-        deadline = asyncio.get_running_loop().time() + WELCOME_WAIT_S
-        while not self._link.welcomed:
-            if asyncio.get_running_loop().time() >= deadline:
-                raise service_unavailable("no verifier has connected to this coordinator yet; retry shortly", 1)
-            await asyncio.sleep(0.05)
+        if not self._link.welcomed and not await self._link.wait_connected(WELCOME_WAIT_S):
+            raise service_unavailable("no verifier has connected to this coordinator yet; retry shortly", 1)
 
     async def claim(self, client: str, idempotency_key: str, request_id: str) -> str | None:
         """The request already bound to this Idempotency-Key of this client, or None (bound to ``request_id`` now)."""

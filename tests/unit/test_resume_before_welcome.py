@@ -22,7 +22,7 @@ CLIENT = "Bearer k"
 
 
 class Link(SimpleNamespace):
-    """The verifier link as Resumes reads it: the Welcome (None until one came) and its grace."""
+    """The verifier link as Resumes reads it: the Welcome (None until one came), its grace, and the wait for it."""
 
     @property
     def welcomed(self) -> bool:
@@ -31,6 +31,16 @@ class Link(SimpleNamespace):
     @property
     def grace_s(self) -> float:
         return 0.0 if self.welcome is None else self.welcome.orphan_grace_s
+
+    async def wait_connected(self, timeout_s: float) -> bool:
+        """True once welcomed, False after ``timeout_s`` (as the real link's)."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                while not self.welcomed:
+                    await asyncio.sleep(0.01)
+        except TimeoutError:
+            return False
+        return True
 
 
 async def resume_when_welcomed_after(delay_s: float | None) -> tuple[float, ApiError]:
