@@ -174,7 +174,7 @@ inline uint32_t bf16_bits(float f) {
   return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
 }
 
-// out[R, N] = x[R, K] @ the pairs-packed weight's [N, K].T (K even)
+// out[R, N] = x[R, K] @ the pairs-packed weight's [N, K].T (K even), on the dot product's chains
 void pairs_into(const float* xp, const uint32_t* pp, float* op, int64_t R, int64_t K, int64_t N, int64_t P) {
 #ifdef SPECFLEET_PAIRS
   if (R == 0 || N == 0) return;
@@ -207,6 +207,11 @@ inline bool fits(const torch::Tensor& p, int64_t K, int64_t N) {
 bool any_packed(const torch::Tensor& p);
 
 }  // namespace
+
+// amx.cpp
+bool amx_supported();
+bool amx_fits(int64_t K);
+void amx_pairs_into(const float* xp, const uint16_t* pp, float* op, int64_t R, int64_t K, int64_t N, int64_t P);
 
 // quant4.cpp
 bool q4_vnni();
@@ -257,6 +262,8 @@ void linear_packed(const float* xp, const torch::Tensor& p, float* op, int64_t R
   static const bool wide = q4_vnni();
   if (is_q4(p))
     q4_into(xp, p.data_ptr<uint8_t>(), op, R, K, N, p.size(0), wide);
+  else if (is_pairs(p) && amx_supported() && amx_fits(K))  // the host's one kernel for every row count
+    amx_pairs_into(xp, reinterpret_cast<const uint16_t*>(p.data_ptr()), op, R, K, N, p.size(0));
   else if (is_pairs(p))
     pairs_into(xp, reinterpret_cast<const uint32_t*>(p.data_ptr()), op, R, K, N, p.size(0));
   else if (p.scalar_type() == torch::kBFloat16)
@@ -281,6 +288,23 @@ torch::Tensor linear_q4(torch::Tensor x, torch::Tensor p, int64_t N, bool wide) 
   x = x.contiguous();
   auto out = torch::empty({x.size(0), N}, x.options());
   q4_into(x.data_ptr<float>(), p.data_ptr<uint8_t>(), out.data_ptr<float>(), x.size(0), x.size(1), N, p.size(0), wide);
+  return out;
+}
+
+// the pairs' product on the dot product's chains even where AMX runs, or on AMX (the tests: each invariant)
+torch::Tensor linear_pairs(torch::Tensor x, torch::Tensor p, int64_t N, bool amx) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.device().is_cpu() && any_packed(p) &&
+                  is_pairs(p) && fits(p, x.size(1), N) && (!amx || (amx_supported() && amx_fits(x.size(1)))),
+              "rowwise.linear_pairs wants float32 activations and a pairs weight that fits them (amx: where it runs)");
+  x = x.contiguous();
+  auto out = torch::empty({x.size(0), N}, x.options());
+  const auto* pp = p.data_ptr();
+  if (amx)
+    amx_pairs_into(x.data_ptr<float>(), static_cast<const uint16_t*>(pp), out.data_ptr<float>(), x.size(0), x.size(1),
+                   N, p.size(0));
+  else
+    pairs_into(x.data_ptr<float>(), static_cast<const uint32_t*>(pp), out.data_ptr<float>(), x.size(0), x.size(1), N,
+               p.size(0));
   return out;
 }
 
@@ -631,6 +655,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "x @ w.T from a packed weight, each output one in-order FMA chain");
   m.def("pack_q4", &q4_pack, "4-bit codes [N, K], scales and minimums [N, K / 32] (float16 bits) packed in panels");
   m.def("q4_vnni", &q4_vnni, "whether the 4-bit product runs on AVX512-VNNI here (else on AVX2)");
+  m.def("amx_supported", &amx_supported, "whether bfloat16 pairs multiply on AMX here (every row count)");
+  m.def("linear_pairs", &linear_pairs, "x @ w.T from a pairs weight, on AMX (amx) or the dot product's chains");
   m.def("linear_q4", &linear_q4, "x @ w.T from a pack_q4 weight, on AVX512-VNNI (wide) or AVX2");
   py::class_<Layer>(m, "Layer")
       .def(py::init<torch::Tensor, torch::Tensor, std::optional<torch::Tensor>, torch::Tensor,

@@ -4,7 +4,9 @@ install`` does) and checks it. Float32 activations and sums, over float32 or bfl
 latter widened exactly in registers: half the bytes stream). On a CPU with AVX512-BF16, bfloat16
 weights are packed in input pairs instead, each output one chain of the native bfloat16 dot product
 (``vdpbf16ps``) over activations rounded to bfloat16, as oneDNN's bfloat16 matmul rounds them: as
-invariant, at the weight's bytes for decode and near oneDNN's rate for verification's many rows.
+invariant, at the weight's bytes for decode and near oneDNN's rate for verification's many rows. On a
+CPU with AMX too, the same packed pairs multiply on its tiles (``amx.cpp``) at every row count, so
+verification's many rows cost about the weight's bytes as well.
 The same file holds the fused decoder block, :func:`layer`, built on it.
 
 Each output is one fused multiply-add chain over the inputs, in order, in one vector lane, so a
@@ -33,7 +35,7 @@ from shared.log import get_logger
 
 log = get_logger("runner.rowwise")
 SOURCE = Path(__file__).with_name("rowwise.cpp")
-SOURCES = [SOURCE, SOURCE.with_name("quant4.cpp")]  # quant4.cpp: the 4-bit weights (pack_q4)
+SOURCES = [SOURCE, SOURCE.with_name("quant4.cpp"), SOURCE.with_name("amx.cpp")]  # the 4-bit weights; AMX
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off"]  # no fast-math: the chain's order is the contract
 
 
@@ -96,6 +98,20 @@ def _load() -> Any:
 def pairs_available() -> bool:
     """Whether bfloat16 weights multiply here as bfloat16 pairs on AVX512-BF16's dot product."""
     return "avx512_bf16" in _cpu_flags() and bool(_load().pairs_supported())
+
+
+@functools.cache
+def amx_available() -> bool:
+    """Whether bfloat16 pairs multiply on AMX here (``amx.cpp``), at every row count: a CPU that lists
+    AMX-BF16, where Linux grants the process its tiles. A verification's many rows then cost about what
+    one row does (the weight's bytes), where the dot product's chains grow with the rows."""
+    return pairs_available() and "amx_bf16" in _cpu_flags() and bool(_load().amx_supported())
+
+
+def linear_pairs(x: torch.Tensor, packed: torch.Tensor, out_features: int, amx: bool) -> torch.Tensor:
+    """:func:`linear` of a pairs weight on AMX (``amx``, where :func:`amx_available`) or on the dot
+    product's chains: each batch-invariant, in bits of its own."""
+    return _load().linear_pairs(x, packed, out_features, amx)
 
 
 def pack(weight: torch.Tensor, pairs: bool | None = None) -> torch.Tensor:

@@ -23,7 +23,7 @@ import torch
 
 from shared.log import get_logger
 from shared.models import LoadedModel, ModelLoadError
-from shared.runner import lean
+from shared.runner import lean, rowwise
 from shared.runner.hf import HFDecoder
 from shared.runner.invariant import KEY_BLOCK, clear_key_padding, probe_attention_multiple, probe_row_multiples
 from shared.runner.kv import KVArena, KVError, KVShape
@@ -139,6 +139,7 @@ class ModelRunner:
         self._reference = model
         log.info("model runner ready", model=loaded.name, runner=self.kind, lean_unavailable=why_not or None,
                  matmul=self.matmul if self.kind == "lean" else None, fused_blocks=self.fused,
+                 bfloat16_pairs_on=_pairs_on(self.matmul, self.weight_dtype) if self.kind == "lean" else None,
                  dtype=_name(self.weight_dtype), activations=_name(self.shape.dtype), batch_invariant=batch_invariant,
                  row_multiple=self.row_multiple or None, attention_multiple=self.attention_multiple or None,
                  kv_tokens=self.kv.tokens,
@@ -260,6 +261,13 @@ def greedy_decode(runner: ModelRunner, prompt: Sequence[int], tokens: int, eos: 
         return out
     finally:
         runner.kv.free(slot)
+
+
+def _pairs_on(kernel: str, dtype: torch.dtype) -> str | None:
+    """What the row-wise kernel multiplies bfloat16 pairs on here (None: no pairs in this runner)."""
+    if kernel != "rowwise" or dtype != torch.bfloat16 or not rowwise.pairs_available():
+        return None
+    return "amx" if rowwise.amx_available() else "avx512_bf16"
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -158,6 +158,58 @@ def test_bfloat16_pairs_multiply_rounded_activations_and_each_row_alone_is_bitwi
     assert all(torch.equal(rowwise.linear(x[i : i + 1], packed, out), full[i : i + 1]) for i in range(11))
 
 
+needs_amx = pytest.mark.skipif(not ({"avx2", "fma", "avx512_bf16", "amx_bf16"} <= rowwise._cpu_flags()),
+                               reason="this CPU lacks AMX-BF16")
+
+
+def _kernels() -> list[bool]:
+    """The pairs' kernels this CPU runs: the dot product's chains, and AMX where it runs."""
+    return [False, True] if rowwise.amx_available() else [False]
+
+
+@needs_bf16_pairs
+@pytest.mark.parametrize("out,inp", [(5, 32), (16, 64), (70, 96), (100, 576), (49, 1536)])
+def test_each_pairs_kernel_is_bitwise_the_same_for_a_row_in_any_step(out: int, inp: int) -> None:
+    """Both of the pairs' kernels, over 40 rows (AMX's blocks of 16: whole, and one of 8 rows) and
+    outputs that end mid-panel: a row's result alone, in any step and on any threads is the same."""
+    gen = torch.Generator().manual_seed(out * 11 + inp)
+    weight, x = torch.randn(out, inp, generator=gen).bfloat16(), torch.randn(40, inp, generator=gen)
+    packed = rowwise.pack(weight)
+    want = x.bfloat16().double() @ weight.double().T
+    threads = torch.get_num_threads()
+    for amx in _kernels():
+        try:
+            torch.set_num_threads(1)
+            full = rowwise.linear_pairs(x, packed, out, amx)
+            torch.set_num_threads(3)
+            assert torch.equal(rowwise.linear_pairs(x, packed, out, amx), full)
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.allclose(full.double(), want, rtol=1e-5, atol=1e-5 * inp**0.5), amx
+        for rows in (1, 2, 9, 15, 16, 17, 31, 33, 40):
+            assert torch.equal(rowwise.linear_pairs(x[:rows], packed, out, amx), full[:rows]), (amx, rows)
+        assert all(torch.equal(rowwise.linear_pairs(x[i : i + 1], packed, out, amx), full[i : i + 1])
+                   for i in range(0, 40, 3))
+
+
+@needs_amx
+def test_amx_multiplies_every_pairs_weight_whose_width_fills_its_tiles() -> None:
+    """Where AMX runs, it is the one kernel for a weight 32k inputs wide at every row count; a weight of
+    another even width keeps the chains at every row count (so its rows stay invariant too)."""
+    assert rowwise.amx_available()
+    gen = torch.Generator().manual_seed(3)
+    for inp, amx in ((64, True), (576, True), (48, False), (10, False)):
+        packed = rowwise.pack(torch.randn(30, inp, generator=gen).bfloat16())
+        x = torch.randn(9, inp, generator=gen)
+        for rows in (1, 9):
+            assert torch.equal(rowwise.linear(x[:rows], packed, 30), rowwise.linear_pairs(x[:rows], packed, 30, amx))
+    packed = rowwise.pack(torch.randn(30, 48).bfloat16())
+    with pytest.raises(RuntimeError, match="amx: where it runs"):
+        rowwise.linear_pairs(torch.randn(2, 48), packed, 30, True)
+    wide = rowwise.pack(torch.randn(30, 64).bfloat16())
+    assert rowwise.linear_pairs(torch.empty(0, 64), wide, 30, True).shape == (0, 30)
+
+
 @needs_bf16_pairs
 def test_bfloat16_pairs_refuse_what_they_cannot_multiply() -> None:
     with pytest.raises(RuntimeError, match="pairs need a bfloat16 weight of an even width"):
