@@ -648,20 +648,25 @@ struct Layer {
   }
 };
 
+// The products and the block run without the GIL (their arguments are converted before and the result after):
+// a drafter's event loop then takes a verdict off the network while its compute thread is in a forward, rather
+// than waiting for Python's switch interval (5 ms) and the call's end. They touch no Python object.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using no_gil = py::call_guard<py::gil_scoped_release>;
   m.def("pack", &pack, "a float32 or bfloat16 weight [out, in] packed into panels of 16 outputs (pairs: in "
                        "bfloat16 input pairs, for AVX512-BF16)");
   m.def("pairs_supported", &pairs_supported, "whether this CPU runs the bfloat16 pairs (AVX512-BF16)");
-  m.def("linear", &linear, "x @ w.T from a packed weight, each output one in-order FMA chain");
+  m.def("linear", &linear, no_gil(), "x @ w.T from a packed weight, each output one in-order FMA chain");
   m.def("pack_q4", &q4_pack, "4-bit codes [N, K], scales and minimums [N, K / 32] (float16 bits) packed in panels");
   m.def("q4_vnni", &q4_vnni, "whether the 4-bit product runs on AVX512-VNNI here (else on AVX2)");
   m.def("amx_supported", &amx_supported, "whether bfloat16 pairs multiply on AMX here (every row count)");
-  m.def("linear_pairs", &linear_pairs, "x @ w.T from a pairs weight, on AMX (amx) or the dot product's chains");
-  m.def("linear_q4", &linear_q4, "x @ w.T from a pack_q4 weight, on AVX512-VNNI (wide) or AVX2");
+  m.def("linear_pairs", &linear_pairs, no_gil(),
+        "x @ w.T from a pairs weight, on AMX (amx) or the dot product's chains");
+  m.def("linear_q4", &linear_q4, no_gil(), "x @ w.T from a pack_q4 weight, on AVX512-VNNI (wide) or AVX2");
   py::class_<Layer>(m, "Layer")
       .def(py::init<torch::Tensor, torch::Tensor, std::optional<torch::Tensor>, torch::Tensor,
                     std::optional<torch::Tensor>, torch::Tensor, torch::Tensor, std::optional<torch::Tensor>,
                     torch::Tensor, std::optional<torch::Tensor>, std::optional<torch::Tensor>,
                     std::optional<torch::Tensor>, int64_t, int64_t, int64_t, int64_t, double, double>())
-      .def("forward", &Layer::forward, "the block over the step's rows: x updated in place and returned");
+      .def("forward", &Layer::forward, no_gil(), "the block over the step's rows: x updated in place and returned");
 }

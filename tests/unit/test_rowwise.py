@@ -225,3 +225,40 @@ def test_bfloat16_pairs_refuse_what_they_cannot_multiply() -> None:
     m = matmul(torch.randn(20, 8).bfloat16(), kernel="rowwise")
     assert rowwise.is_pairs(m.weight) and m.rounds  # so the LM head refines its top logits in float32
     assert not matmul(torch.randn(20, 8), kernel="rowwise").rounds
+
+
+@needs_avx2
+def test_the_products_run_without_the_gil() -> None:
+    """A drafter's event loop must take a verdict off the network while its compute thread is in a forward:
+    another Python thread keeps running through the kernel's calls. With the GIL held there, that thread
+    would stop for each whole call: its longest pause would be a call's length."""
+    import itertools
+    import threading
+    import time
+
+    gen = torch.Generator().manual_seed(5)
+    packed, x = rowwise.pack(torch.randn(4096, 1536, generator=gen)), torch.randn(256, 1536, generator=gen)
+    ticks: list[float] = []
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+
+    spinner = threading.Thread(target=spin)
+    spinner.start()
+    try:
+        time.sleep(0.01)
+        spans = []
+        for _ in range(3):
+            began = time.perf_counter()
+            rowwise.linear(x, packed, 4096)
+            spans.append((began, time.perf_counter()))
+    finally:
+        stop.set()
+        spinner.join()
+    for began, ended in spans:
+        inside = [began, *(t for t in ticks if began < t < ended), ended]
+        pause = max(b - a for a, b in itertools.pairwise(inside))
+        call_ms = (ended - began) * 1e3
+        assert pause * 1e3 < 0.5 * call_ms, f"another thread paused {pause * 1e3:.1f} ms of a {call_ms:.1f} ms call"
