@@ -69,9 +69,10 @@ help:
 
 install: $(STAMP) $(LLAMA_STAMP) $(KERNEL_STAMP)
 
-# the verifier's row-wise float32 kernel (shared/runner/rowwise.py), built once with g++ (about a
-# minute) and checked; where it cannot build, the verifier uses oneDNN's kernels and says why.
-$(KERNEL_STAMP): $(STAMP) shared/runner/rowwise.cpp
+# the verifier's row-wise kernel (shared/runner/rowwise.py: rowwise.cpp, the 4-bit quant4.cpp, AMX's
+# amx.cpp), built once with g++ (about a minute) and checked; where it cannot build, the verifier uses
+# oneDNN's kernels and says why.
+$(KERNEL_STAMP): $(STAMP) $(wildcard shared/runner/*.cpp)
 	@$(BIN)/specfleet build-kernels || echo "make install: the row-wise kernel did not build; the verifier will use oneDNN's"
 	@touch $@
 
