@@ -102,10 +102,10 @@ def pairs_available() -> bool:
 
 @functools.cache
 def amx_available() -> bool:
-    """Whether bfloat16 pairs multiply on AMX here (``amx.cpp``), at every row count: a CPU that lists
-    AMX-BF16, where Linux grants the process its tiles. A verification's many rows then cost about what
+    """Whether bfloat16 pairs multiply on AMX here (``amx.cpp``), at every row count: a CPU whose CPUID
+    lists AMX-BF16, where Linux grants the process its tiles. A verification's many rows then cost about what
     one row does (the weight's bytes), where the dot product's chains grow with the rows."""
-    return pairs_available() and "amx_bf16" in _cpu_flags() and bool(_load().amx_supported())
+    return pairs_available() and bool(_load().amx_supported())  # the kernel's own test: what it dispatches on
 
 
 def linear_pairs(x: torch.Tensor, packed: torch.Tensor, out_features: int, amx: bool) -> torch.Tensor:
