@@ -26,7 +26,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <vector>
 
 #if defined(__x86_64__) && (defined(__clang__) || __GNUC__ >= 11)  // the compilers that know AMX's intrinsics
 #define SPECFLEET_AMX 1
@@ -114,14 +113,6 @@ bool cpu_lists_amx() {
 }
 #endif  // SPECFLEET_AMX
 
-// float32 to bfloat16 bits, rounded to nearest even (as rowwise.cpp's pairs round their activations)
-inline uint16_t bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // NaN stays NaN
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
 }  // namespace
 
 // Whether the pairs run on AMX here: the CPU lists it and Linux grants this process its tile state
@@ -139,16 +130,14 @@ bool amx_supported() {
 // another width keeps the pairs' dot product at every row count, so its rows stay invariant too.
 bool amx_fits(int64_t K) { return K % (2 * kPairs) == 0; }
 
-// out[R, N] = x[R, K] @ the pairs-packed weight's [N, K].T on AMX (amx_supported() and amx_fits(K))
-void amx_pairs_into(const float* xp, const uint16_t* pp, float* op, int64_t R, int64_t K, int64_t N, int64_t P) {
+// out[R, N] = x[R, K] @ the pairs-packed weight's [N, K].T on AMX (amx_supported() and amx_fits(K)), from
+// the activations already rounded to bfloat16 (rowwise.cpp's bf16_pairs): a [Rp, K], rows R to Rp (the next
+// multiple of 16) zeros
+void amx_pairs_into(const uint16_t* a, const uint16_t* pp, float* op, int64_t R, int64_t K, int64_t N, int64_t P) {
 #ifdef SPECFLEET_AMX
-  if (R == 0 || N == 0) return;
-  TORCH_CHECK(amx_supported() && amx_fits(K), "rowwise: AMX cannot multiply this weight here");
-  const int64_t K2 = K / 2, ldp = K2 * 2 * kPanel, Rp = (R + 15) / 16 * 16;
-  std::vector<uint16_t> a(Rp * K, 0);  // the rows past R stay zero
-  for (int64_t i = 0; i < R * K; ++i) a[i] = bf16(xp[i]);
+  const int64_t K2 = K / 2, ldp = K2 * 2 * kPanel;
   at::parallel_for(0, (P + kGroup - 1) / kGroup, 1, [&](int64_t first, int64_t last) {
-    groups(pp, a.data(), op, R, K2, N, P, ldp, first, last);
+    groups(pp, a, op, R, K2, N, P, ldp, first, last);
   });
 #else
   TORCH_CHECK(false, "rowwise: this build has no AMX");

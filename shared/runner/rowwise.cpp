@@ -174,15 +174,23 @@ inline uint32_t bf16_bits(float f) {
   return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
 }
 
+// x [R, K] (K even) rounded to bfloat16, as input pairs: each word (x[2k] low, x[2k + 1] high), which is
+// also the row-major bfloat16 matrix AMX's A tiles read; rows R to Rp are zeros
+std::vector<uint32_t> bf16_pairs(const float* xp, int64_t R, int64_t K, int64_t Rp) {
+  const int64_t K2 = K / 2;
+  std::vector<uint32_t> x(Rp * K2, 0);
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t k = 0; k < K2; ++k)
+      x[r * K2 + k] = bf16_bits(xp[r * K + 2 * k]) | (bf16_bits(xp[r * K + 2 * k + 1]) << 16);
+  return x;
+}
+
 // out[R, N] = x[R, K] @ the pairs-packed weight's [N, K].T (K even), on the dot product's chains
 void pairs_into(const float* xp, const uint32_t* pp, float* op, int64_t R, int64_t K, int64_t N, int64_t P) {
 #ifdef SPECFLEET_PAIRS
   if (R == 0 || N == 0) return;
   const int64_t K2 = K / 2, ldp = K2 * kPanel;
-  std::vector<uint32_t> x(R * K2);
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t k = 0; k < K2; ++k)
-      x[r * K2 + k] = bf16_bits(xp[r * K + 2 * k]) | (bf16_bits(xp[r * K + 2 * k + 1]) << 16);
+  const std::vector<uint32_t> x = bf16_pairs(xp, R, K, R);
   at::parallel_for(0, (P + 3) / 4, 1, [&](int64_t a, int64_t b) {
     for (int64_t t = a; t < b; ++t) pair_group(pp, x.data(), op, R, K2, N, 4 * t, P, ldp);
   });
@@ -211,7 +219,17 @@ bool any_packed(const torch::Tensor& p);
 // amx.cpp
 bool amx_supported();
 bool amx_fits(int64_t K);
-void amx_pairs_into(const float* xp, const uint16_t* pp, float* op, int64_t R, int64_t K, int64_t N, int64_t P);
+void amx_pairs_into(const uint16_t* a, const uint16_t* pp, float* op, int64_t R, int64_t K, int64_t N, int64_t P);
+
+// the same product on AMX's tiles (amx.cpp), over the activations rounded as the pairs round them, in rows
+// padded to AMX's 16
+void amx_into(const float* xp, const torch::Tensor& p, float* op, int64_t R, int64_t K, int64_t N) {
+  TORCH_CHECK(amx_supported() && amx_fits(K), "rowwise: AMX cannot multiply this weight here");
+  if (R == 0 || N == 0) return;
+  const std::vector<uint32_t> a = bf16_pairs(xp, R, K, (R + 15) / 16 * 16);
+  amx_pairs_into(reinterpret_cast<const uint16_t*>(a.data()), reinterpret_cast<const uint16_t*>(p.data_ptr()), op, R,
+                 K, N, p.size(0));
+}
 
 // quant4.cpp
 bool q4_vnni();
@@ -263,7 +281,7 @@ void linear_packed(const float* xp, const torch::Tensor& p, float* op, int64_t R
   if (is_q4(p))
     q4_into(xp, p.data_ptr<uint8_t>(), op, R, K, N, p.size(0), wide);
   else if (is_pairs(p) && amx_supported() && amx_fits(K))  // the host's one kernel for every row count
-    amx_pairs_into(xp, reinterpret_cast<const uint16_t*>(p.data_ptr()), op, R, K, N, p.size(0));
+    amx_into(xp, p, op, R, K, N);
   else if (is_pairs(p))
     pairs_into(xp, reinterpret_cast<const uint32_t*>(p.data_ptr()), op, R, K, N, p.size(0));
   else if (p.scalar_type() == torch::kBFloat16)
@@ -298,13 +316,11 @@ torch::Tensor linear_pairs(torch::Tensor x, torch::Tensor p, int64_t N, bool amx
               "rowwise.linear_pairs wants float32 activations and a pairs weight that fits them (amx: where it runs)");
   x = x.contiguous();
   auto out = torch::empty({x.size(0), N}, x.options());
-  const auto* pp = p.data_ptr();
   if (amx)
-    amx_pairs_into(x.data_ptr<float>(), static_cast<const uint16_t*>(pp), out.data_ptr<float>(), x.size(0), x.size(1),
-                   N, p.size(0));
+    amx_into(x.data_ptr<float>(), p, out.data_ptr<float>(), x.size(0), x.size(1), N);
   else
-    pairs_into(x.data_ptr<float>(), static_cast<const uint32_t*>(pp), out.data_ptr<float>(), x.size(0), x.size(1), N,
-               p.size(0));
+    pairs_into(x.data_ptr<float>(), reinterpret_cast<const uint32_t*>(p.data_ptr()), out.data_ptr<float>(), x.size(0),
+               x.size(1), N, p.size(0));
   return out;
 }
 
