@@ -58,9 +58,9 @@ def logged(child: Child, text: str, deadline: float, missing: str) -> bool:
 
 
 def wait_logged(children: list[Child], text: str, timeout_s: float = 60.0) -> None:
-    """Wait until every child's log holds ``text`` (e.g. each drafter connected to the verifier:
-    the coordinator is ready as soon as one is, and a drafter that connects late may find every
-    request claimed by the others)."""
+    """Wait until every child's log holds ``text`` (e.g. each drafter connected to the verifier
+    and to the coordinator's queue: the coordinator is ready as soon as one drafter is, and a
+    drafter that connects late may find every request claimed by the others)."""
     deadline = time.monotonic() + timeout_s
     for child in children:
         while not logged(child, text, deadline, f"never logged {text!r}"):
@@ -87,8 +87,12 @@ def test_killed_drafter_loses_no_request(tiny_models: dict[str, Path], tiny_gguf
     spec = StackSpec(drafts=drafts, max_sessions=6, draft_len=2, drafter_log_level="info")
     with run_stack(tiny_models["target"], spec, tmp_path) as stack:
         victim = next(c for c in stack.supervisor.children if c.name == "drafter-1")
-        wait_logged([c for c in stack.supervisor.children if c.name.startswith("drafter")],
-                    "connected to the verifier")
+        drafters = [c for c in stack.supervisor.children if c.name.startswith("drafter")]
+        # both links of both drafters: a drafter whose queue link opens late (its first try can
+        # come before the coordinator listens, and it retries a second later) finds every
+        # request served by the other, as the tiny models finish 12 x 300 tokens in under a second
+        wait_logged(drafters, "connected to the verifier")
+        wait_logged(drafters, "queue link open")
 
         async def run() -> list[tuple]:
             work = asyncio.create_task(stream_many(stack, sent))
