@@ -37,38 +37,64 @@ namespace {
 constexpr int64_t kPanel = 16, kBlock = 32, kBlockBytes = 320;
 constexpr int kGroups = kBlock / 4;  // 4 inputs per 32-bit lane
 
+#define SPECFLEET_AVX2 __attribute__((target("avx2,fma,f16c")))
+
 // One row's activations, quantized: codes [K], and per block its scale and its scaled code sum.
 struct Quantized {
   std::vector<int8_t> q;
   std::vector<float> d, s;
 };
 
+// One block of 32: its codes, and its scale (returned) and scaled code sum. The AVX2 lanes take the same
+// steps as the scalar loop (|x|'s max is exact in any order, the sum of codes is an exact integer, and
+// vroundps's nearest-even is nearbyint's in the default rounding mode), so the bits are the scalar's.
+SPECFLEET_AVX2 float quantize_block(const float* xb, int8_t* q, float* s) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 top = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+  for (int i = 0; i < kBlock; i += 8) {
+    const __m256 v = _mm256_loadu_ps(xb + i);
+    top = _mm256_max_ps(top, _mm256_andnot_ps(sign, v));
+    bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_sub_ps(v, v), _mm256_setzero_ps(), _CMP_NEQ_UQ));  // NaN or inf
+  }
+  alignas(32) float tops[8];
+  _mm256_store_ps(tops, top);
+  float amax = 0.0f;
+  for (const float t : tops) amax = std::max(amax, t);
+  float d = amax / 127.0f;
+  if (_mm256_movemask_ps(bad)) d = NAN;  // a NaN or an infinity in the block makes its outputs NaN, never a finite guess
+  else if (!std::isnormal(d)) d = 0.0f;  // a block of zeros, or too tiny for 1 / d: it adds nothing
+  if (!(d > 0.0f)) {
+    std::memset(q, 0, kBlock);
+    *s = d * 0.0f;
+    return d;
+  }
+  const __m256 inv = _mm256_set1_ps(1.0f / d), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+  __m256i sum = _mm256_setzero_si256();
+  for (int i = 0; i < kBlock; i += 8) {
+    const __m256 scaled = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + i), inv), lo), hi);
+    const __m256i v = _mm256_cvtps_epi32(_mm256_round_ps(scaled, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    sum = _mm256_add_epi32(sum, v);
+    alignas(32) int32_t lanes[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), v);
+    for (int j = 0; j < 8; ++j) q[i + j] = static_cast<int8_t>(lanes[j]);
+  }
+  alignas(32) int32_t sums[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(sums), sum);
+  int total = 0;
+  for (const int v : sums) total += v;
+  *s = d * static_cast<float>(total);
+  return d;
+}
+
+// activations quantized per row and block of 32 to int8 (as llama.cpp's Q8_1: dx = max |x| / 127,
+// qx = round(x / dx), sx = dx * sum(qx))
 Quantized quantize(const float* x, int64_t R, int64_t K) {
   const int64_t KB = K / kBlock;
   Quantized out{std::vector<int8_t>(R * K), std::vector<float>(R * KB), std::vector<float>(R * KB)};
   for (int64_t r = 0; r < R; ++r)
-    for (int64_t b = 0; b < KB; ++b) {
-      const float* xb = x + r * K + b * kBlock;
-      float amax = 0.0f;
-      bool finite = true;
-      for (int i = 0; i < kBlock; ++i) {
-        amax = std::max(amax, std::fabs(xb[i]));
-        finite = finite && std::isfinite(xb[i]);
-      }
-      float d = amax / 127.0f;
-      if (!finite) d = NAN;  // a NaN or an infinity in the block makes its outputs NaN, never a finite guess
-      else if (!std::isnormal(d)) d = 0.0f;  // a block of zeros, or too tiny for 1 / d: it adds nothing
-      const float inv = d > 0.0f ? 1.0f / d : 0.0f;
-      int sum = 0;
-      for (int i = 0; i < kBlock; ++i) {
-        const float scaled = std::clamp(xb[i] * inv, -127.0f, 127.0f);  // in range before the conversion
-        const int v = d > 0.0f ? static_cast<int>(std::nearbyint(scaled)) : 0;
-        out.q[r * K + b * kBlock + i] = static_cast<int8_t>(v);
-        sum += v;
-      }
-      out.d[r * KB + b] = d;
-      out.s[r * KB + b] = d * static_cast<float>(sum);
-    }
+    for (int64_t b = 0; b < KB; ++b)
+      out.d[r * KB + b] = quantize_block(x + r * K + b * kBlock, out.q.data() + r * K + b * kBlock,
+                                         out.s.data() + r * KB + b);
   return out;
 }
 
@@ -91,7 +117,6 @@ inline void prefetch_ahead(const uint8_t* blk) {
     _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetch * kBlockBytes + c), _MM_HINT_T0);
 }
 
-#define SPECFLEET_AVX2 __attribute__((target("avx2,fma,f16c")))
 #if defined(__clang__) || __GNUC__ >= 8  // the compilers that know AVX512-VNNI's intrinsics
 #define SPECFLEET_Q4_VNNI 1
 #define SPECFLEET_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni,f16c,fma")))

@@ -471,8 +471,9 @@ inline void add_bias(float* out, const std::optional<torch::Tensor>& bias, int64
 
 // v = v * cos + rotate_half(v) * sin, where sin already carries rotate_half's sign (lean.py's rot_sign)
 inline void rotary(float* v, const float* cos, const float* sin, int64_t d, float* tmp) {
-  const int64_t half = d / 2;
-  for (int64_t i = 0; i < d; ++i) tmp[i] = v[i] * cos[i] + v[(i + half) % d] * sin[i];
+  const int64_t half = d / 2;  // v[(i + half) % d] in two runs: no division per element
+  for (int64_t i = 0; i < d - half; ++i) tmp[i] = v[i] * cos[i] + v[i + half] * sin[i];
+  for (int64_t i = d - half; i < d; ++i) tmp[i] = v[i] * cos[i] + v[i - (d - half)] * sin[i];
   std::memcpy(v, tmp, d * sizeof(float));
 }
 
