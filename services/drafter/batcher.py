@@ -11,9 +11,17 @@ the batcher and awaits the proposal. The batcher's loop is short:
            draft position for the whole batch, on the compute worker;
         3. hand each session its proposal.
 
-Sessions whose verdicts come back while a batch is drafting form the next batch, so the draft
-model stays busy as long as any session is ready, and network I/O (on the event loop) never
-waits for it. Lookaheads (``lookahead.py``) only use time the model would otherwise idle.
+With a stepping proposer (the draft model's, ``proposers/base.py``) a batch of rounds runs one
+forward at a time, and between forwards the event loop reads the verdicts that came meanwhile:
+their sessions' next rounds join the batch at its next forward, and each session gets its draft
+as soon as it is done (continuous batching, as vLLM's scheduler does for the target). Without it,
+a verdict that came while a batch drafted waited for the batch's end (a whole round: k forwards,
+and on one CPU the event loop itself was blocked), and the sessions split into batches that took
+turns, each of fewer rows: at 4 sessions on an edge core, two batches of about 2 (a row costs far
+less in a larger batch). With other proposers, sessions whose verdicts come back while a batch is
+drafting form the next batch. Either way the draft model stays busy as long as any session is
+ready, and network I/O (on the event loop) never waits for it. Lookaheads (``lookahead.py``) only
+use time the model would otherwise idle.
 The metrics give StarSD's quantities: the draft model's idle fraction (T_idle), each job's
 wait for the model (T_wait) and the batch sizes; ``capacity`` turns the batch timings into
 StarSD's per-session service time S.
@@ -28,12 +36,14 @@ from typing import Any
 
 from services.drafter.control.capacity import Capacity
 from services.drafter.metrics import DrafterMetrics
-from services.drafter.proposers.base import DraftJob, Proposal, Proposer
+from services.drafter.proposers.base import DraftJob, DraftRun, Proposal, Proposer, SteppingProposer
 from services.drafter.worker import ComputeWorker
 from shared.event_loop import let_io_in
 from shared.log import get_logger
 
 log = get_logger("drafter.batcher")
+#: a job, when it became ready, and the future its session awaits
+Ready = tuple[DraftJob, float, "asyncio.Future[tuple[Proposal, float, float]]"]
 
 
 class DraftBatcher:
@@ -82,10 +92,12 @@ class DraftBatcher:
         self._ready = [item for item in self._ready if id(item) not in taken]
         return batch
 
-    async def _draft(self, batch: list[tuple[DraftJob, float, asyncio.Future[tuple[Proposal, float, float]]]],
-                     began: float) -> None:
+    async def _draft(self, batch: list[Ready], began: float) -> None:
         for _, queued, _ in batch:
             self.metrics.job_wait.observe(began - queued)
+        if isinstance(self.proposer, SteppingProposer) and not batch[0][0].after.assume:
+            await self._draft_steps(self.proposer, batch)
+            return
         self.metrics.batch_size.labels("lookahead" if batch[0][0].after.assume else "round").observe(len(batch))
         try:
             proposals, started, ended, cpu = await self.worker.run(_timed, self.proposer.propose,
@@ -108,6 +120,58 @@ class DraftBatcher:
             if not fut.done():
                 fut.set_result((proposal, started, ended))
 
+    async def _draft_steps(self, proposer: SteppingProposer, batch: list[Ready]) -> None:
+        """A batch of rounds one forward at a time: after each, the rounds that became ready join it,
+        and the finished ones get their drafts."""
+        waiting = {id(job): (fut, 0.0) for job, _, fut in batch}
+        try:
+            run: DraftRun = await self.worker.run(proposer.begin, [job for job, _, _ in batch])
+            busy = 0.0
+            self._hand_out(run, waiting, time.perf_counter())  # the jobs that draft nothing
+            while not run.done:
+                started, ended, cpu = await self.worker.run(_timed_step, proposer.step, run)
+                busy += ended - started
+                self.metrics.draft_busy.inc(ended - started)
+                self.metrics.draft_cpu.inc(cpu)
+                waiting = {key: (fut, at or started) for key, (fut, at) in waiting.items()}
+                self._hand_out(run, waiting, ended)
+                if run.done:
+                    break
+                await let_io_in(handoffs=1)  # verdicts that came during the forward; their sessions' rounds join
+                joining = self._take_rounds(self.max_batch - len(run.live))
+                if joining:
+                    now = time.perf_counter()
+                    for job, queued, fut in joining:
+                        self.metrics.job_wait.observe(now - queued)
+                        waiting[id(job)] = (fut, 0.0)
+                    await self.worker.run(proposer.join, run, [job for job, _, _ in joining])
+        except Exception as exc:  # every session of the batch goes on without drafts (rounds.py)
+            log.exception("batched drafting failed", sessions=len(waiting))
+            for fut, _ in waiting.values():
+                if not fut.done():
+                    fut.set_exception(exc)
+            return
+        self.metrics.batch_size.labels("round").observe(len(run.jobs))
+        self.capacity.observe_batch(busy, len(run.jobs))
+
+    def _hand_out(self, run: DraftRun, waiting: dict[int, tuple[asyncio.Future[tuple[Proposal, float, float]], float]],
+                  ended: float) -> None:
+        """Give each job that finished its proposal, with when it began drafting and when it ended (after
+        counting the rows the proposer took from other sessions: a session's next call may read them)."""
+        self._count_shared()
+        for job, proposal in run.take_finished():
+            fut, started = waiting.pop(id(job))
+            if not fut.done():
+                fut.set_result((proposal, started or ended, ended))
+
+    def _take_rounds(self, room: int) -> list[Ready]:
+        """Up to ``room`` ready rounds (never lookaheads: they only fill idle time), oldest first."""
+        self._ready = [item for item in self._ready if not item[2].done()]
+        rounds = [item for item in self._ready if not item[0].after.assume][: max(0, room)]
+        taken = {id(item) for item in rounds}
+        self._ready = [item for item in self._ready if id(item) not in taken]
+        return rounds
+
     def _count_shared(self) -> None:
         """Count the prompt rows the proposer took from other sessions (a draft-model proposer's
         running ``shared_prefix_tokens``; model-free proposers have none), and its looked-up rows."""
@@ -121,6 +185,13 @@ class DraftBatcher:
             self.metrics.looked_up.labels("kept").inc(kept - was_kept)
             self.metrics.looked_up.labels("dropped").inc((fed - kept) - (was_fed - was_kept))
             self._looked_up_seen = (fed, kept)
+
+
+def _timed_step(fn: Callable[[DraftRun], None], run: DraftRun) -> tuple[float, float, float]:
+    """:func:`_timed` for one step of a run."""
+    started, cpu = time.perf_counter(), time.thread_time()
+    fn(run)
+    return started, time.perf_counter(), time.thread_time() - cpu
 
 
 def _timed(fn: Callable[..., list[Proposal]], *args: Any) -> tuple[list[Proposal], float, float, float]:

@@ -5,7 +5,10 @@ from its single compute worker thread, so implementations need no locking; calls
 session come strictly in order: ``start``, then rounds of ``propose`` / ``commit``, then
 ``close``.
 
-``propose`` takes a batch of jobs, one per session, and drafts them together.
+``propose`` takes a batch of jobs, one per session, and drafts them together. A stepping proposer
+(:class:`SteppingProposer`, the draft model's) also drafts a batch one forward at a time
+(``begin``, ``step``, ``join``): the batcher then lets the sessions whose verdicts came meanwhile
+join the batch at its next forward, and hands each session its draft as soon as it is done.
 ``commit`` hands over the tokens the verifier committed after a round (the accepted drafts,
 then its own token); the proposer rolls back whatever it had speculated past them.
 """
@@ -14,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -127,3 +130,48 @@ class Proposer(Protocol):
 
     def close(self, session_id: str) -> None:
         """Forget the session (idempotent)."""
+
+
+@dataclass
+class DraftRun:
+    """A batch a :class:`SteppingProposer` drafts one forward at a time: jobs join between forwards,
+    and each job's proposal is set as soon as its session leaves the batch."""
+
+    jobs: list[DraftJob] = field(default_factory=list)
+    proposals: list[Proposal | None] = field(default_factory=list)  # None: still drafting
+    live: list[Any] = field(default_factory=list)  # the proposer's state of each job still drafting
+    fresh: list[int] = field(default_factory=list)  # jobs finished since the last ``take_finished``
+
+    def add(self, job: DraftJob) -> int:
+        self.jobs.append(job)
+        self.proposals.append(None)
+        return len(self.jobs) - 1
+
+    def finish(self, index: int, proposal: Proposal) -> None:
+        self.proposals[index] = proposal
+        self.fresh.append(index)
+
+    def take_finished(self) -> list[tuple[DraftJob, Proposal]]:
+        """The jobs finished since the last call, with their proposals."""
+        done, self.fresh = self.fresh, []
+        return [(self.jobs[i], p) for i in done if (p := self.proposals[i]) is not None]
+
+    @property
+    def done(self) -> bool:
+        return not self.live
+
+
+@runtime_checkable
+class SteppingProposer(Protocol):
+    """A proposer whose batches can be drafted one forward at a time (on the compute worker, like
+    every proposer call; ``start``, ``commit`` and ``close`` of other sessions may come between the
+    steps, and a session closed mid-batch leaves it at the next step)."""
+
+    def begin(self, jobs: Sequence[DraftJob]) -> DraftRun:
+        """A run of ``jobs``; no forward yet."""
+
+    def join(self, run: DraftRun, jobs: Sequence[DraftJob]) -> None:
+        """``jobs`` join ``run`` at its next forward."""
+
+    def step(self, run: DraftRun) -> None:
+        """One forward for every job still drafting in ``run``."""

@@ -70,7 +70,7 @@ from typing import NamedTuple
 import torch
 
 from services.drafter.control.base import DraftController, Spread, StepDecision, StepFeatures
-from services.drafter.proposers.base import EMPTY_PROPOSAL, DraftJob, Proposal, ProposerError
+from services.drafter.proposers.base import EMPTY_PROPOSAL, DraftJob, DraftRun, Proposal, ProposerError
 from services.drafter.proposers.draft_cache import KVCache, SessionCaches
 from services.drafter.proposers.ngram import lookup
 from shared.draft_q import Nucleus, draft_token, guess_token
@@ -100,6 +100,8 @@ class _SessionCache:
     committed: list[int]
     caches: SessionCaches  # the main KV cache (None: no room) and the spares for branch lookaheads
     disabled: str = ""  # why this session cannot be drafted for; empty: it can
+    drafting: int = 0  # its drafts in a run now (a stepped run lets a close come between forwards)
+    closed: bool = False  # closed: its caches go back once no run drafts for it
 
 
 class _Mode(NamedTuple):
@@ -196,6 +198,11 @@ class DraftModelProposer:
         state = self._sessions.pop(session_id, None)
         if state is None:
             return
+        state.closed = True
+        if not state.drafting:  # else its draft leaves the run at the next step, and gives the caches back then
+            self._release(state)
+
+    def _release(self, state: _SessionCache) -> None:
         main, state.caches.main = state.caches.main, None
         state.caches.close()  # the spares
         if main is not None and main.cached and self.share_prefixes:
@@ -231,34 +238,63 @@ class DraftModelProposer:
 
     def propose(self, jobs: Sequence[DraftJob]) -> list[Proposal]:
         """Draft every job's session together: one forward per draft position for all of them."""
-        drafts = [d for i, job in enumerate(jobs) if (d := self._begin(i, job)) is not None]
-        live = drafts
+        run = self.begin(jobs)
+        while not run.done:
+            self.step(run)
+        return [p if p is not None else EMPTY_PROPOSAL for p in run.proposals]
+
+    def begin(self, jobs: Sequence[DraftJob]) -> DraftRun:
+        run = DraftRun()
+        self.join(run, jobs)
+        return run
+
+    def join(self, run: DraftRun, jobs: Sequence[DraftJob]) -> None:
+        for job in jobs:
+            index = run.add(job)
+            d = self._begin(index, job)
+            if d is None:
+                run.finish(index, EMPTY_PROPOSAL)
+            else:
+                d.state.drafting += 1
+                run.live.append(d)
+
+    def step(self, run: DraftRun) -> None:
+        """One forward for the run's live sessions (sessions closed since the last one leave first)."""
+        for d in [d for d in run.live if d.state.closed]:
+            self._leave(run, d)
+        live: list[_Drafting] = run.live
+        if not live:
+            return
         with torch.inference_mode():
-            while live:
-                for d in live:
-                    d.guesses = self._look_up(d)
-                logits = self.runner.forward([Segment(d.cache.slot, [*d.feed, *d.guesses], len(d.feed) - 1)
-                                              for d in live])
-                assert logits is not None
-                top = topk(logits, min(2, logits.shape[-1]))  # every greedy row in one op
-                top2 = top.indices.tolist()
-                first = _first_rows(live)  # each session's row for its own token; its guesses' follow
-                picks = [self._pick(d, logits[row], top2[row]) for row, d in zip(first, live, strict=True)]
-                heads = logits if len(first) == len(logits) else logits[first]
-                values = top.values if len(first) == len(logits) else top.values[first]
-                for row, d, pick, step in zip(first, live, picks, _step_features(live, picks, heads, values),
-                                              strict=True):
-                    d.cache.cached.extend(d.feed)
-                    self._take(d, pick, step)
-                    if d.guesses:
-                        self._keep_guesses(d, logits, top2, row)
-                live = [d for d in live if not d.done]
-        out = [EMPTY_PROPOSAL] * len(jobs)
-        for d in drafts:
-            sampled = d.mode.sampled
-            out[d.index] = Proposal(token_ids=d.tokens, q=d.qs if sampled else None, steps=d.steps, final=d.final,
-                                    runner_up=[] if sampled else d.runner_up)
-        return out
+            for d in live:
+                d.guesses = self._look_up(d)
+            logits = self.runner.forward([Segment(d.cache.slot, [*d.feed, *d.guesses], len(d.feed) - 1)
+                                          for d in live])
+            assert logits is not None
+            top = topk(logits, min(2, logits.shape[-1]))  # every greedy row in one op
+            top2 = top.indices.tolist()
+            first = _first_rows(live)  # each session's row for its own token; its guesses' follow
+            picks = [self._pick(d, logits[row], top2[row]) for row, d in zip(first, live, strict=True)]
+            heads = logits if len(first) == len(logits) else logits[first]
+            values = top.values if len(first) == len(logits) else top.values[first]
+            for row, d, pick, step in zip(first, live, picks, _step_features(live, picks, heads, values),
+                                          strict=True):
+                d.cache.cached.extend(d.feed)
+                self._take(d, pick, step)
+                if d.guesses:
+                    self._keep_guesses(d, logits, top2, row)
+        for d in [d for d in live if d.done]:
+            self._leave(run, d)
+
+    def _leave(self, run: DraftRun, d: _Drafting) -> None:
+        """``d`` leaves the run with its proposal; a session closed meanwhile gives its caches back now."""
+        run.live.remove(d)
+        sampled = d.mode.sampled
+        run.finish(d.index, Proposal(token_ids=d.tokens, q=d.qs if sampled else None, steps=d.steps, final=d.final,
+                                     runner_up=[] if sampled else d.runner_up))
+        d.state.drafting -= 1
+        if d.state.closed and not d.state.drafting:
+            self._release(d.state)
 
     def _begin(self, index: int, job: DraftJob) -> _Drafting | None:
         """Roll the session's cache back to its committed sequence; None when it drafts nothing."""

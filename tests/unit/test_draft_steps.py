@@ -1,0 +1,126 @@
+"""Continuous batching at the drafter: a stepping proposer's run (one forward at a time) lets
+sessions join between forwards and hands each its draft as soon as it is done, with the same
+tokens as drafting alone; a session closed mid-run leaves at the next forward; the batcher lets a
+round that became ready while a batch drafts join it instead of waiting for the batch's end."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+import torch
+
+from services.drafter.batcher import DraftBatcher
+from services.drafter.metrics import DrafterMetrics
+from services.drafter.proposers.base import DraftJob, DraftRun, JobSession, SteppingProposer
+from services.drafter.proposers.draft_model import DraftModelProposer
+from services.drafter.worker import ComputeWorker
+from shared.draft_q import read
+from shared.models import LoadedModel
+from shared.runner.kv import KVArena
+from tests.unit.draft_proposer_support import BATCH_PROMPTS, GREEDY, WARM, gen, make, reference_greedy, tiny_draft
+
+torch.set_num_threads(1)
+
+FP16_RTOL = 2e-3  # a q's float16 probabilities (test_draft_model_proposer)
+
+
+@pytest.fixture(scope="module")
+def draft(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    return tiny_draft(tmp_path_factory)
+
+
+def job(sid: str, k: int, seed: int = 0, sampled: bool = False) -> DraftJob:
+    return DraftJob(JobSession(sid, WARM if sampled else GREEDY, gen(seed)), k)
+
+
+def started(draft: LoadedModel) -> DraftModelProposer:
+    proposer = make(draft)
+    for sid, prompt in BATCH_PROMPTS.items():
+        proposer.start(sid, prompt, 64)
+    return proposer
+
+
+@pytest.mark.parametrize("after", [0, 1, 3])
+def test_a_session_joining_a_run_drafts_what_it_drafts_alone(draft: LoadedModel, after: int) -> None:
+    """"b" joins after ``after`` forwards of "a" and "c" (a sampled one among them): every draft,
+    and every q, is the one of a batch of the job alone, and the short one finishes first."""
+    proposer = started(draft)
+    assert isinstance(proposer, SteppingProposer)
+    run = proposer.begin([job("a", 6), job("c", 2, seed=3, sampled=True)])
+    finished: list[str] = []
+    for _ in range(after):
+        proposer.step(run)
+        finished += [j.session_id for j, _ in run.take_finished()]
+    proposer.join(run, [job("b", 4)])
+    while not run.done:
+        proposer.step(run)
+        finished += [j.session_id for j, _ in run.take_finished()]
+    got = {j.session_id: p for j, p in zip(run.jobs, run.proposals, strict=True) if p is not None}
+    alone = started(draft)
+    for sid, j in (("a", job("a", 6)), ("c", job("c", 2, seed=3, sampled=True)), ("b", job("b", 4))):
+        want = alone.propose([j])[0]
+        assert got[sid].token_ids == want.token_ids
+        assert (got[sid].q is None) == (want.q is None)
+        for qa, qb in zip(got[sid].q or [], want.q or [], strict=True):
+            (ids_a, probs_a), (ids_b, probs_b) = read(qa), read(qb)
+            assert ids_a.tolist() == ids_b.tolist()
+            torch.testing.assert_close(probs_a, probs_b, rtol=FP16_RTOL, atol=1e-6)
+    assert got["a"].token_ids == reference_greedy(draft, BATCH_PROMPTS["a"], 6)
+    assert finished[0] == "c" and sorted(finished) == ["a", "b", "c"]
+
+
+def test_a_session_closed_mid_run_leaves_at_the_next_forward_and_frees_its_cache(draft: LoadedModel) -> None:
+    proposer = make(draft, share_prefixes=False)  # a closed session's cache is freed, not kept for its rows
+    for sid, prompt in BATCH_PROMPTS.items():
+        proposer.start(sid, prompt, 64)
+    run = proposer.begin([job("a", 5), job("b", 5)])
+    proposer.step(run)
+    kv = proposer.runner.kv
+    assert isinstance(kv, KVArena)
+    reserved = kv.reserved_tokens
+    proposer.close("b")  # between forwards (its verdict ended the request)
+    assert len(run.live) == 2 and kv.reserved_tokens == reserved  # still the run's cache
+    proposer.step(run)
+    assert [d.job.session_id for d in run.live] == ["a"]
+    assert kv.reserved_tokens < reserved
+    left = dict((j.session_id, p) for j, p in run.take_finished())
+    assert len(left["b"].token_ids) == 1  # what it had when it left
+    while not run.done:
+        proposer.step(run)
+    assert run.proposals[0] is not None
+    assert run.proposals[0].token_ids == reference_greedy(draft, BATCH_PROMPTS["a"], 5)
+
+
+@pytest.mark.asyncio
+async def test_a_round_ready_while_a_batch_drafts_joins_it(draft: LoadedModel) -> None:
+    """Inline compute (the event loop blocked during each forward, as on one CPU): "b" becomes
+    ready after "a"'s first forward, joins at the next one, and gets its 2 tokens while "a" still
+    drafts its 6. The batcher once had it wait for "a"'s batch to end."""
+    proposer = started(draft)
+    metrics = DrafterMetrics()
+    batcher = DraftBatcher(proposer, ComputeWorker(inline=True), metrics)
+    first_forward = asyncio.Event()
+    step = proposer.step
+
+    def counted(run: DraftRun) -> None:
+        step(run)
+        first_forward.set()
+
+    proposer.step = counted  # type: ignore[method-assign]
+    task = asyncio.create_task(batcher.run())
+    try:
+        a = asyncio.create_task(batcher.propose(job("a", 6)))
+        await first_forward.wait()
+        b_proposal, b_started, b_ended = await batcher.propose(job("b", 2))
+        a_proposal, a_started, a_ended = await a
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    assert a_started < b_started and b_ended < a_ended
+    assert b_proposal.token_ids == reference_greedy(draft, BATCH_PROMPTS["b"], 2)
+    assert a_proposal.token_ids == reference_greedy(draft, BATCH_PROMPTS["a"], 6)
+    sizes = metrics.batch_size.labels("round")
+    assert sizes._sum.get() == 2  # one batch, of both rounds
