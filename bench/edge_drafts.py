@@ -333,7 +333,7 @@ def drafting_table(rows: list[dict[str, Any]]) -> list[str]:
     if not shown:
         return []
     out = ["| scenario | concurrency | draft-model ms per committed token | drafted / accepted per round "
-           "| lookaheads per round | lookaheads used | lookaheads' share of drafting | sessions per round batch |",
+           "| lookaheads per round | lookaheads used | lookaheads' share of drafting | sessions per round forward |",
            "|---|---|---|---|---|---|---|---|"]
     for r in shown:
         d = r["drafting"]

@@ -129,6 +129,7 @@ class DraftBatcher:
             busy = 0.0
             self._hand_out(run, waiting, time.perf_counter())  # the jobs that draft nothing
             while not run.done:
+                self.metrics.batch_size.labels("round").observe(len(run.live))  # this forward's sessions
                 started, ended, cpu = await self.worker.run(_timed_step, proposer.step, run)
                 busy += ended - started
                 self.metrics.draft_busy.inc(ended - started)
@@ -151,7 +152,6 @@ class DraftBatcher:
                 if not fut.done():
                     fut.set_exception(exc)
             return
-        self.metrics.batch_size.labels("round").observe(len(run.jobs))
         self.capacity.observe_batch(busy, len(run.jobs))
 
     def _hand_out(self, run: DraftRun, waiting: dict[int, tuple[asyncio.Future[tuple[Proposal, float, float]], float]],

@@ -73,8 +73,9 @@ class DrafterMetrics:
                                  "them too, without a forward of their own) or dropped", ["outcome"], registry=r)
         self.job_wait = Histogram(f"{_P}_job_wait_seconds", "A ready session's wait for the draft model (StarSD's "
                                   "T_wait)", buckets=_TIME, registry=r)
-        self.batch_size = Histogram(f"{_P}_draft_batch_sessions", "Sessions drafted together in one batch, by "
-                                    "kind: round or lookahead", ["kind"],
+        self.batch_size = Histogram(f"{_P}_draft_batch_sessions", "Sessions drafted together in one forward "
+                                    "(a batch of rounds runs forward by forward, sessions joining and leaving) or "
+                                    "batch (lookaheads), by kind: round or lookahead", ["kind"],
                                     buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64), registry=r)
 
     def observe_round(self, worker_wait: float, draft: float, send: float, verify_wait: float, asked: int,
