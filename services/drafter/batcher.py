@@ -121,55 +121,76 @@ class DraftBatcher:
                 fut.set_result((proposal, started, ended))
 
     async def _draft_steps(self, proposer: SteppingProposer, batch: list[Ready]) -> None:
-        """A batch of rounds one forward at a time: after each, the rounds that became ready join it,
-        and the finished ones get their drafts."""
+        """A batch of rounds one forward at a time: after each, the finished ones get their drafts and
+        the rounds that became ready join. A run cut short (an error; the task cancelled when the
+        verifier link drops) is abandoned, so its sessions' caches go back."""
         waiting = {id(job): (fut, 0.0) for job, _, fut in batch}
+        run: DraftRun | None = None
         try:
-            run: DraftRun = await self.worker.run(proposer.begin, [job for job, _, _ in batch])
-            busy = 0.0
+            run = await self.worker.run(proposer.begin, [job for job, _, _ in batch])
             self._hand_out(run, waiting, time.perf_counter())  # the jobs that draft nothing
+            busy = 0.0  # drafting time since the service time was last observed
             while not run.done:
-                self.metrics.batch_size.labels("round").observe(len(run.live))  # this forward's sessions
-                started, ended, cpu = await self.worker.run(_timed_step, proposer.step, run)
+                rows, started, ended, cpu = await self.worker.run(_timed_step, proposer.step, run)
+                if rows:
+                    self.metrics.batch_size.labels("round").observe(rows)  # this forward's sessions
                 busy += ended - started
                 self.metrics.draft_busy.inc(ended - started)
                 self.metrics.draft_cpu.inc(cpu)
                 waiting = {key: (fut, at or started) for key, (fut, at) in waiting.items()}
-                self._hand_out(run, waiting, ended)
-                if run.done:
-                    break
-                await let_io_in(handoffs=1)  # verdicts that came during the forward; their sessions' rounds join
-                joining = self._take_rounds(self.max_batch - len(run.live))
-                if joining:
-                    now = time.perf_counter()
-                    for job, queued, fut in joining:
-                        self.metrics.job_wait.observe(now - queued)
-                        waiting[id(job)] = (fut, 0.0)
-                    await self.worker.run(proposer.join, run, [job for job, _, _ in joining])
+                if served := self._hand_out(run, waiting, ended):
+                    self.capacity.observe_batch(busy, served)
+                    busy = 0.0
+                if not run.done:
+                    await self._join(proposer, run, waiting)
         except Exception as exc:  # every session of the batch goes on without drafts (rounds.py)
             log.exception("batched drafting failed", sessions=len(waiting))
             for fut, _ in waiting.values():
                 if not fut.done():
                     fut.set_exception(exc)
+        finally:
+            if run is not None and not run.done:
+                self.worker.submit(proposer.abandon, run)  # after a forward still running, if any
+            for fut, _ in waiting.values():
+                fut.cancel()  # a no-op for those done
+
+    async def _join(self, proposer: SteppingProposer, run: DraftRun,
+                    waiting: dict[int, tuple[asyncio.Future[tuple[Proposal, float, float]], float]]) -> None:
+        """Let the verdicts that came during the forward in, and their sessions' rounds join ``run``."""
+        await let_io_in(handoffs=1)
+        joining = self._take_rounds(self.max_batch - len(run.live))
+        if not joining:
             return
-        self.capacity.observe_batch(busy, len(run.jobs))
+        now = time.perf_counter()
+        for job, queued, fut in joining:
+            self.metrics.job_wait.observe(now - queued)
+            waiting[id(job)] = (fut, 0.0)
+        await self.worker.run(proposer.join, run, [job for job, _, _ in joining])
+        self._hand_out(run, waiting, time.perf_counter())  # the joiners that draft nothing
 
     def _hand_out(self, run: DraftRun, waiting: dict[int, tuple[asyncio.Future[tuple[Proposal, float, float]], float]],
-                  ended: float) -> None:
+                  ended: float) -> int:
         """Give each job that finished its proposal, with when it began drafting and when it ended (after
-        counting the rows the proposer took from other sessions: a session's next call may read them)."""
+        counting the rows the proposer took from other sessions: a session's next call may read them);
+        how many drafted something."""
         self._count_shared()
+        served = 0
         for job, proposal in run.take_finished():
             fut, started = waiting.pop(id(job))
+            served += bool(proposal.token_ids)
             if not fut.done():
                 fut.set_result((proposal, started or ended, ended))
+        return served
 
     def _take_rounds(self, room: int) -> list[Ready]:
-        """Up to ``room`` ready rounds (never lookaheads: they only fill idle time), oldest first."""
+        """Up to ``room`` ready rounds, oldest first; none while a lookahead waits. Lookaheads never join
+        (they only fill idle time), so a run stops taking rounds and ends within a round's forwards once
+        one waits: a session may be waiting for its lookahead to settle before its next round."""
         self._ready = [item for item in self._ready if not item[2].done()]
-        rounds = [item for item in self._ready if not item[0].after.assume][: max(0, room)]
-        taken = {id(item) for item in rounds}
-        self._ready = [item for item in self._ready if id(item) not in taken]
+        if any(item[0].after.assume for item in self._ready):
+            return []
+        rounds = self._ready[: max(0, room)]
+        self._ready = self._ready[len(rounds):]
         return rounds
 
     def _count_shared(self) -> None:
@@ -187,11 +208,11 @@ class DraftBatcher:
             self._looked_up_seen = (fed, kept)
 
 
-def _timed_step(fn: Callable[[DraftRun], None], run: DraftRun) -> tuple[float, float, float]:
-    """:func:`_timed` for one step of a run."""
+def _timed_step(fn: Callable[[DraftRun], int], run: DraftRun) -> tuple[int, float, float, float]:
+    """:func:`_timed` for one step of a run: the sessions it drafted for, and its times."""
     started, cpu = time.perf_counter(), time.thread_time()
-    fn(run)
-    return started, time.perf_counter(), time.thread_time() - cpu
+    rows = fn(run)
+    return rows, started, time.perf_counter(), time.thread_time() - cpu
 
 
 def _timed(fn: Callable[..., list[Proposal]], *args: Any) -> tuple[list[Proposal], float, float, float]:

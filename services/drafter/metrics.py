@@ -4,8 +4,9 @@ A round, seen from the drafter: wait for the draft model (``worker_wait``: StarS
 T_wait), draft (``draft``: the batch's forwards and sampling), send the Draft (``send``), then
 wait for the Verdict (``verify_wait``: both network legs plus the verifier's queue, forward and
 publish). ``round`` is the whole of it. The model's busy and idle seconds give its idle fraction
-(T_idle); ``draft_batch_sessions`` how many sessions each batch drafted (rounds and lookaheads
-apart). Served on ``--metrics-port`` (0 leaves it off).
+(T_idle); ``draft_batch_sessions`` how many sessions each forward of a round batch drafted (a batch
+of rounds runs forward by forward, sessions joining and leaving), and each lookahead batch. Served
+on ``--metrics-port`` (0 leaves it off).
 """
 
 from __future__ import annotations

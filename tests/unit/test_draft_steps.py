@@ -7,13 +7,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from dataclasses import replace
 
 import pytest
 import torch
 
 from services.drafter.batcher import DraftBatcher
 from services.drafter.metrics import DrafterMetrics
-from services.drafter.proposers.base import DraftJob, DraftRun, JobSession, SteppingProposer
+from services.drafter.proposers.base import (
+    Continuation,
+    DraftJob,
+    DraftRun,
+    JobSession,
+    Proposal,
+    SteppingProposer,
+)
 from services.drafter.proposers.draft_model import DraftModelProposer
 from services.drafter.worker import ComputeWorker
 from shared.draft_q import read
@@ -49,15 +57,17 @@ def test_a_session_joining_a_run_drafts_what_it_drafts_alone(draft: LoadedModel,
     proposer = started(draft)
     assert isinstance(proposer, SteppingProposer)
     run = proposer.begin([job("a", 6), job("c", 2, seed=3, sampled=True)])
-    finished: list[str] = []
-    for _ in range(after):
+    got: dict[str, Proposal] = {}
+
+    def step() -> None:
         proposer.step(run)
-        finished += [j.session_id for j, _ in run.take_finished()]
+        got.update((j.session_id, p) for j, p in run.take_finished())
+
+    for _ in range(after):
+        step()
     proposer.join(run, [job("b", 4)])
     while not run.done:
-        proposer.step(run)
-        finished += [j.session_id for j, _ in run.take_finished()]
-    got = {j.session_id: p for j, p in zip(run.jobs, run.proposals, strict=True) if p is not None}
+        step()
     alone = started(draft)
     for sid, j in (("a", job("a", 6)), ("c", job("c", 2, seed=3, sampled=True)), ("b", job("b", 4))):
         want = alone.propose([j])[0]
@@ -68,7 +78,7 @@ def test_a_session_joining_a_run_drafts_what_it_drafts_alone(draft: LoadedModel,
             assert ids_a.tolist() == ids_b.tolist()
             torch.testing.assert_close(probs_a, probs_b, rtol=FP16_RTOL, atol=1e-6)
     assert got["a"].token_ids == reference_greedy(draft, BATCH_PROMPTS["a"], 6)
-    assert finished[0] == "c" and sorted(finished) == ["a", "b", "c"]
+    assert next(iter(got)) == "c" and sorted(got) == ["a", "b", "c"]  # in the order they finished
 
 
 def test_a_session_closed_mid_run_leaves_at_the_next_forward_and_frees_its_cache(draft: LoadedModel) -> None:
@@ -89,8 +99,27 @@ def test_a_session_closed_mid_run_leaves_at_the_next_forward_and_frees_its_cache
     assert len(left["b"].token_ids) == 1  # what it had when it left
     while not run.done:
         proposer.step(run)
-    assert run.proposals[0] is not None
-    assert run.proposals[0].token_ids == reference_greedy(draft, BATCH_PROMPTS["a"], 5)
+    [(a, proposal)] = run.take_finished()
+    assert a.session_id == "a" and proposal.token_ids == reference_greedy(draft, BATCH_PROMPTS["a"], 5)
+
+
+def test_an_abandoned_run_gives_back_the_caches_of_its_closed_sessions(draft: LoadedModel) -> None:
+    """A run cut short (the verifier link lost mid-batch): its sessions are closed, before or after
+    the run is abandoned, and every cache goes back."""
+    proposer = make(draft, share_prefixes=False)
+    kv = proposer.runner.kv
+    assert isinstance(kv, KVArena)
+    empty = kv.reserved_tokens
+    for sid, prompt in BATCH_PROMPTS.items():
+        proposer.start(sid, prompt, 64)
+    run = proposer.begin([job("a", 5), job("b", 5)])
+    proposer.step(run)
+    proposer.close("a")  # before the abandon: it waits for the run
+    proposer.abandon(run)
+    assert run.done and run.take_finished() == []
+    proposer.close("b")  # after it
+    proposer.close("c")
+    assert kv.reserved_tokens == empty
 
 
 @pytest.mark.asyncio
@@ -104,9 +133,10 @@ async def test_a_round_ready_while_a_batch_drafts_joins_it(draft: LoadedModel) -
     first_forward = asyncio.Event()
     step = proposer.step
 
-    def counted(run: DraftRun) -> None:
-        step(run)
+    def counted(run: DraftRun) -> int:
+        rows = step(run)
         first_forward.set()
+        return rows
 
     proposer.step = counted  # type: ignore[method-assign]
     task = asyncio.create_task(batcher.run())
@@ -126,3 +156,70 @@ async def test_a_round_ready_while_a_batch_drafts_joins_it(draft: LoadedModel) -
     forwards = [s for m in metrics.batch_size.collect() for s in m.samples
                 if s.labels.get("kind") == "round" and s.name.endswith(("_count", "_sum"))]
     assert sorted(s.value for s in forwards) == [6, 8]
+
+
+@pytest.mark.asyncio
+async def test_a_cancelled_batcher_abandons_its_run(draft: LoadedModel) -> None:
+    """The drafter cancels its batcher when the verifier link drops mid-batch, then closes every
+    session: the run is abandoned, the sessions' futures cancelled, and every cache goes back."""
+    proposer = make(draft, share_prefixes=False)
+    kv = proposer.runner.kv
+    assert isinstance(kv, KVArena)
+    empty = kv.reserved_tokens
+    for sid, prompt in BATCH_PROMPTS.items():
+        proposer.start(sid, prompt, 64)
+    batcher = DraftBatcher(proposer, ComputeWorker(inline=True), DrafterMetrics())
+    first_forward = asyncio.Event()
+    step = proposer.step
+
+    def counted(run: DraftRun) -> int:
+        rows = step(run)
+        first_forward.set()
+        return rows
+
+    proposer.step = counted  # type: ignore[method-assign]
+    task = asyncio.create_task(batcher.run())
+    drafts = [asyncio.create_task(batcher.propose(job(sid, 8))) for sid in ("a", "b")]
+    await first_forward.wait()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    await asyncio.wait(drafts)
+    assert all(d.cancelled() for d in drafts)
+    for sid in BATCH_PROMPTS:
+        proposer.close(sid)
+    assert kv.reserved_tokens == empty
+
+
+@pytest.mark.asyncio
+async def test_no_round_joins_while_a_lookahead_waits(draft: LoadedModel) -> None:
+    """A lookahead waiting for the model ends the run's joining, so that it runs within a round's
+    forwards (a session may be waiting for its lookahead before its next round): "b", ready after
+    the lookahead, does not join "a"'s run."""
+    proposer = started(draft)
+    batcher = DraftBatcher(proposer, ComputeWorker(inline=True), DrafterMetrics())
+    first_forward = asyncio.Event()
+    step = proposer.step
+
+    def counted(run: DraftRun) -> int:
+        rows = step(run)
+        first_forward.set()
+        return rows
+
+    proposer.step = counted  # type: ignore[method-assign]
+    task = asyncio.create_task(batcher.run())
+    try:
+        a = asyncio.create_task(batcher.propose(job("a", 4)))
+        await first_forward.wait()
+        after = Continuation(base=len(BATCH_PROMPTS["c"]), assume=(5,))
+        ahead = asyncio.create_task(batcher.propose(replace(job("c", 1), after=after)))
+        await asyncio.sleep(0)
+        _, b_started, _ = await batcher.propose(job("b", 2))
+        _, _, a_ended = await a
+        _, ahead_started, ahead_ended = await ahead
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    # "b" did not join "a"'s run; the run ended, and then, rounds first, "b" and the lookahead ran
+    assert a_ended <= b_started <= ahead_started <= ahead_ended

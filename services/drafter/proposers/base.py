@@ -135,26 +135,17 @@ class Proposer(Protocol):
 @dataclass
 class DraftRun:
     """A batch a :class:`SteppingProposer` drafts one forward at a time: jobs join between forwards,
-    and each job's proposal is set as soon as its session leaves the batch."""
+    and each job's proposal is ready as soon as its session leaves the batch. The run keeps only its
+    live jobs and the proposals not yet taken, however long it lasts."""
 
-    jobs: list[DraftJob] = field(default_factory=list)
-    proposals: list[Proposal | None] = field(default_factory=list)  # None: still drafting
     live: list[Any] = field(default_factory=list)  # the proposer's state of each job still drafting
-    fresh: list[int] = field(default_factory=list)  # jobs finished since the last ``take_finished``
-
-    def add(self, job: DraftJob) -> int:
-        self.jobs.append(job)
-        self.proposals.append(None)
-        return len(self.jobs) - 1
-
-    def finish(self, index: int, proposal: Proposal) -> None:
-        self.proposals[index] = proposal
-        self.fresh.append(index)
+    finished: list[tuple[DraftJob, Proposal]] = field(default_factory=list)  # since the last take_finished
+    joined: int = 0  # jobs that joined over the run's life
 
     def take_finished(self) -> list[tuple[DraftJob, Proposal]]:
         """The jobs finished since the last call, with their proposals."""
-        done, self.fresh = self.fresh, []
-        return [(self.jobs[i], p) for i in done if (p := self.proposals[i]) is not None]
+        done, self.finished = self.finished, []
+        return done
 
     @property
     def done(self) -> bool:
@@ -165,7 +156,8 @@ class DraftRun:
 class SteppingProposer(Protocol):
     """A proposer whose batches can be drafted one forward at a time (on the compute worker, like
     every proposer call; ``start``, ``commit`` and ``close`` of other sessions may come between the
-    steps, and a session closed mid-batch leaves it at the next step)."""
+    steps, and a session closed mid-batch leaves it at the next step). A run that will not be stepped
+    to its end (an error, the verifier link lost) must be abandoned, or its sessions' caches stay taken."""
 
     def begin(self, jobs: Sequence[DraftJob]) -> DraftRun:
         """A run of ``jobs``; no forward yet."""
@@ -173,5 +165,9 @@ class SteppingProposer(Protocol):
     def join(self, run: DraftRun, jobs: Sequence[DraftJob]) -> None:
         """``jobs`` join ``run`` at its next forward."""
 
-    def step(self, run: DraftRun) -> None:
-        """One forward for every job still drafting in ``run``."""
+    def step(self, run: DraftRun) -> int:
+        """One forward for every job still drafting in ``run``; how many sessions it drafted for."""
+
+    def abandon(self, run: DraftRun) -> None:
+        """Drop the run's live jobs without proposals, and give back the caches of the sessions closed
+        meanwhile."""

@@ -120,7 +120,7 @@ class _Mode(NamedTuple):
 class _Drafting:
     """One session's draft in progress within a batched ``propose``."""
 
-    index: int  # the job's position in the batch
+    index: int  # the job's number in its run (in join order)
     job: DraftJob
     state: _SessionCache
     cache: KVCache  # the main cache, or a spare for a branch lookahead (``DraftJob.branch``)
@@ -239,9 +239,17 @@ class DraftModelProposer:
     def propose(self, jobs: Sequence[DraftJob]) -> list[Proposal]:
         """Draft every job's session together: one forward per draft position for all of them."""
         run = self.begin(jobs)
-        while not run.done:
-            self.step(run)
-        return [p if p is not None else EMPTY_PROPOSAL for p in run.proposals]
+        got: dict[int, Proposal] = {}
+        try:
+            while True:
+                got.update((id(job), proposal) for job, proposal in run.take_finished())
+                if run.done:
+                    break
+                self.step(run)
+        finally:
+            if not run.done:  # the forward raised
+                self.abandon(run)
+        return [got.get(id(job), EMPTY_PROPOSAL) for job in jobs]
 
     def begin(self, jobs: Sequence[DraftJob]) -> DraftRun:
         run = DraftRun()
@@ -250,21 +258,21 @@ class DraftModelProposer:
 
     def join(self, run: DraftRun, jobs: Sequence[DraftJob]) -> None:
         for job in jobs:
-            index = run.add(job)
-            d = self._begin(index, job)
+            d = self._begin(run.joined, job)
+            run.joined += 1
             if d is None:
-                run.finish(index, EMPTY_PROPOSAL)
+                run.finished.append((job, EMPTY_PROPOSAL))
             else:
                 d.state.drafting += 1
                 run.live.append(d)
 
-    def step(self, run: DraftRun) -> None:
+    def step(self, run: DraftRun) -> int:
         """One forward for the run's live sessions (sessions closed since the last one leave first)."""
         for d in [d for d in run.live if d.state.closed]:
             self._leave(run, d)
-        live: list[_Drafting] = run.live
+        live: list[_Drafting] = list(run.live)
         if not live:
-            return
+            return 0
         with torch.inference_mode():
             for d in live:
                 d.guesses = self._look_up(d)
@@ -285,13 +293,21 @@ class DraftModelProposer:
                     self._keep_guesses(d, logits, top2, row)
         for d in [d for d in live if d.done]:
             self._leave(run, d)
+        return len(live)
 
-    def _leave(self, run: DraftRun, d: _Drafting) -> None:
-        """``d`` leaves the run with its proposal; a session closed meanwhile gives its caches back now."""
+    def abandon(self, run: DraftRun) -> None:
+        for d in list(run.live):
+            self._leave(run, d, keep=False)
+        run.finished.clear()
+
+    def _leave(self, run: DraftRun, d: _Drafting, keep: bool = True) -> None:
+        """``d`` leaves the run (with its proposal, if ``keep``); a session closed meanwhile gives its
+        caches back now."""
         run.live.remove(d)
-        sampled = d.mode.sampled
-        run.finish(d.index, Proposal(token_ids=d.tokens, q=d.qs if sampled else None, steps=d.steps, final=d.final,
-                                     runner_up=[] if sampled else d.runner_up))
+        if keep:
+            sampled = d.mode.sampled
+            run.finished.append((d.job, Proposal(token_ids=d.tokens, q=d.qs if sampled else None, steps=d.steps,
+                                                 final=d.final, runner_up=[] if sampled else d.runner_up)))
         d.state.drafting -= 1
         if d.state.closed and not d.state.drafting:
             self._release(d.state)
