@@ -84,6 +84,9 @@ SECTIONS = (
                 "--temperature 1 --concurrency 1 --scenarios target-only,default-fleet --repeats 3"),
     edge_drafts("steps-final/edge-drafts", "Continuous batching at the drafter after its review: the default fleet "
                 "at 1, 4 and 16 requests", "--scenarios target-only,default-fleet,q4_1 --repeats 3 --requests 24"),
+    edge_drafts("steps-final/edge-drafts-t1", "Continuous batching at the drafter after its review: the default "
+                "fleet at temperature 1",
+                "--temperature 1 --concurrency 1 --scenarios target-only,default-fleet --repeats 3"),
     Section("steps/edge-drafts-16", "Continuous batching at the drafter: the default fleet at 16 requests, again",
             "python -m bench edge-drafts --scenarios target-only,default-fleet,q4_1 --concurrency 16 --repeats 3 "
             "--requests 24 --out bench/results/steps (then renamed edge-drafts-16)", ("steps/edge-drafts-16.png",)),
