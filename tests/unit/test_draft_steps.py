@@ -50,6 +50,21 @@ def started(draft: LoadedModel) -> DraftModelProposer:
     return proposer
 
 
+def after_each_forward(proposer: DraftModelProposer) -> asyncio.Event:
+    """An event set after each of the proposer's forwards (with inline compute the test's coroutine
+    then runs between two forwards, as a verdict's reader does)."""
+    forwarded = asyncio.Event()
+    step = proposer.step
+
+    def counted(run: DraftRun) -> int:
+        rows = step(run)
+        forwarded.set()
+        return rows
+
+    proposer.step = counted  # type: ignore[method-assign]
+    return forwarded
+
+
 @pytest.mark.parametrize("after", [0, 1, 3])
 def test_a_session_joining_a_run_drafts_what_it_drafts_alone(draft: LoadedModel, after: int) -> None:
     """"b" joins after ``after`` forwards of "a" and "c" (a sampled one among them): every draft,
@@ -130,15 +145,7 @@ async def test_a_round_ready_while_a_batch_drafts_joins_it(draft: LoadedModel) -
     proposer = started(draft)
     metrics = DrafterMetrics()
     batcher = DraftBatcher(proposer, ComputeWorker(inline=True), metrics)
-    first_forward = asyncio.Event()
-    step = proposer.step
-
-    def counted(run: DraftRun) -> int:
-        rows = step(run)
-        first_forward.set()
-        return rows
-
-    proposer.step = counted  # type: ignore[method-assign]
+    first_forward = after_each_forward(proposer)
     task = asyncio.create_task(batcher.run())
     try:
         a = asyncio.create_task(batcher.propose(job("a", 6)))
@@ -169,15 +176,7 @@ async def test_a_cancelled_batcher_abandons_its_run(draft: LoadedModel) -> None:
     for sid, prompt in BATCH_PROMPTS.items():
         proposer.start(sid, prompt, 64)
     batcher = DraftBatcher(proposer, ComputeWorker(inline=True), DrafterMetrics())
-    first_forward = asyncio.Event()
-    step = proposer.step
-
-    def counted(run: DraftRun) -> int:
-        rows = step(run)
-        first_forward.set()
-        return rows
-
-    proposer.step = counted  # type: ignore[method-assign]
+    first_forward = after_each_forward(proposer)
     task = asyncio.create_task(batcher.run())
     drafts = [asyncio.create_task(batcher.propose(job(sid, 8))) for sid in ("a", "b")]
     await first_forward.wait()
@@ -198,15 +197,7 @@ async def test_no_round_joins_while_a_lookahead_waits(draft: LoadedModel) -> Non
     the lookahead, does not join "a"'s run."""
     proposer = started(draft)
     batcher = DraftBatcher(proposer, ComputeWorker(inline=True), DrafterMetrics())
-    first_forward = asyncio.Event()
-    step = proposer.step
-
-    def counted(run: DraftRun) -> int:
-        rows = step(run)
-        first_forward.set()
-        return rows
-
-    proposer.step = counted  # type: ignore[method-assign]
+    first_forward = after_each_forward(proposer)
     task = asyncio.create_task(batcher.run())
     try:
         a = asyncio.create_task(batcher.propose(job("a", 4)))
