@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from services.drafter.control.capacity import Capacity
 from services.drafter.metrics import DrafterMetrics
@@ -42,8 +42,13 @@ from shared.event_loop import let_io_in
 from shared.log import get_logger
 
 log = get_logger("drafter.batcher")
-#: a job, when it became ready, and the future its session awaits
-Ready = tuple[DraftJob, float, "asyncio.Future[tuple[Proposal, float, float]]"]
+T = TypeVar("T")
+#: what a session awaits for its job: the proposal, and when its drafting started and ended
+Pending = asyncio.Future[tuple[Proposal, float, float]]
+#: a job, when it became ready, and its future
+Ready = tuple[DraftJob, float, Pending]
+#: a stepped run's jobs by id: their futures, and when each began drafting (0: not yet)
+Waiting = dict[int, tuple[Pending, float]]
 
 
 class DraftBatcher:
@@ -54,14 +59,14 @@ class DraftBatcher:
         self.metrics = metrics or DrafterMetrics()
         self.max_batch = max_batch
         self.capacity = Capacity()
-        self._ready: list[tuple[DraftJob, float, asyncio.Future[tuple[Proposal, float, float]]]] = []
+        self._ready: list[Ready] = []
         self._wake = asyncio.Event()
         self._shared_seen = 0  # the proposer's shared_prefix_tokens already counted in the metrics
         self._looked_up_seen = (0, 0)  # ... and its looked_up, looked_up_kept
 
     async def propose(self, job: DraftJob) -> tuple[Proposal, float, float]:
         """The job's proposal, and when its batch started and ended drafting."""
-        fut: asyncio.Future[tuple[Proposal, float, float]] = asyncio.get_running_loop().create_future()
+        fut: Pending = asyncio.get_running_loop().create_future()
         self._ready.append((job, time.perf_counter(), fut))
         self._wake.set()
         return await fut
@@ -81,7 +86,7 @@ class DraftBatcher:
                 await self._draft(batch, began)
             idle_since = time.perf_counter()
 
-    def _next_batch(self) -> list[tuple[DraftJob, float, asyncio.Future[tuple[Proposal, float, float]]]]:
+    def _next_batch(self) -> list[Ready]:
         """Up to ``max_batch`` ready jobs, oldest first. Lookaheads (jobs that assume a draft in
         flight) only fill time the draft model would otherwise idle: they run when no round is
         waiting to be drafted, never beside one, so they cannot slow a real round down."""
@@ -124,20 +129,22 @@ class DraftBatcher:
         """A batch of rounds one forward at a time: after each, the finished ones get their drafts and
         the rounds that became ready join. A run cut short (an error; the task cancelled when the
         verifier link drops) is abandoned, so its sessions' caches go back."""
-        waiting = {id(job): (fut, 0.0) for job, _, fut in batch}
+        waiting: Waiting = {id(job): (fut, 0.0) for job, _, fut in batch}
         run: DraftRun | None = None
         try:
             run = await self.worker.run(proposer.begin, [job for job, _, _ in batch])
             self._hand_out(run, waiting, time.perf_counter())  # the jobs that draft nothing
             busy = 0.0  # drafting time since the service time was last observed
             while not run.done:
-                rows, started, ended, cpu = await self.worker.run(_timed_step, proposer.step, run)
+                rows, started, ended, cpu = await self.worker.run(_timed, proposer.step, run)
                 if rows:
                     self.metrics.batch_size.labels("round").observe(rows)  # this forward's sessions
                 busy += ended - started
                 self.metrics.draft_busy.inc(ended - started)
                 self.metrics.draft_cpu.inc(cpu)
-                waiting = {key: (fut, at or started) for key, (fut, at) in waiting.items()}
+                for key, (fut, at) in waiting.items():  # the joiners began with this forward
+                    if not at:
+                        waiting[key] = (fut, started)
                 if served := self._hand_out(run, waiting, ended):
                     self.capacity.observe_batch(busy, served)
                     busy = 0.0
@@ -154,8 +161,7 @@ class DraftBatcher:
             for fut, _ in waiting.values():
                 fut.cancel()  # a no-op for those done
 
-    async def _join(self, proposer: SteppingProposer, run: DraftRun,
-                    waiting: dict[int, tuple[asyncio.Future[tuple[Proposal, float, float]], float]]) -> None:
+    async def _join(self, proposer: SteppingProposer, run: DraftRun, waiting: Waiting) -> None:
         """Let the verdicts that came during the forward in, and their sessions' rounds join ``run``."""
         await let_io_in(handoffs=1)
         joining = self._take_rounds(self.max_batch - len(run.live))
@@ -168,8 +174,7 @@ class DraftBatcher:
         await self.worker.run(proposer.join, run, [job for job, _, _ in joining])
         self._hand_out(run, waiting, time.perf_counter())  # the joiners that draft nothing
 
-    def _hand_out(self, run: DraftRun, waiting: dict[int, tuple[asyncio.Future[tuple[Proposal, float, float]], float]],
-                  ended: float) -> int:
+    def _hand_out(self, run: DraftRun, waiting: Waiting, ended: float) -> int:
         """Give each job that finished its proposal, with when it began drafting and when it ended (after
         counting the rows the proposer took from other sessions: a session's next call may read them);
         how many drafted something."""
@@ -208,14 +213,7 @@ class DraftBatcher:
             self._looked_up_seen = (fed, kept)
 
 
-def _timed_step(fn: Callable[[DraftRun], int], run: DraftRun) -> tuple[int, float, float, float]:
-    """:func:`_timed` for one step of a run: the sessions it drafted for, and its times."""
-    started, cpu = time.perf_counter(), time.thread_time()
-    rows = fn(run)
-    return rows, started, time.perf_counter(), time.thread_time() - cpu
-
-
-def _timed(fn: Callable[..., list[Proposal]], *args: Any) -> tuple[list[Proposal], float, float, float]:
+def _timed(fn: Callable[..., T], *args: Any) -> tuple[T, float, float, float]:
     """Run ``fn`` (on the compute worker) and say when it started and ended, and the CPU seconds
     its thread spent on it (less than the wall time when other work shares the core)."""
     started, cpu = time.perf_counter(), time.thread_time()

@@ -50,6 +50,18 @@ def started(draft: LoadedModel) -> DraftModelProposer:
     return proposer
 
 
+def freeing(draft: LoadedModel) -> tuple[DraftModelProposer, KVArena, int]:
+    """A started proposer whose closed sessions' caches are freed (not kept for their rows), its arena,
+    and how many tokens the arena held reserved before the sessions started."""
+    proposer = make(draft, share_prefixes=False)
+    kv = proposer.runner.kv
+    assert isinstance(kv, KVArena)
+    empty = kv.reserved_tokens
+    for sid, prompt in BATCH_PROMPTS.items():
+        proposer.start(sid, prompt, 64)
+    return proposer, kv, empty
+
+
 def after_each_forward(proposer: DraftModelProposer) -> asyncio.Event:
     """An event set after each of the proposer's forwards (with inline compute the test's coroutine
     then runs between two forwards, as a verdict's reader does)."""
@@ -97,13 +109,9 @@ def test_a_session_joining_a_run_drafts_what_it_drafts_alone(draft: LoadedModel,
 
 
 def test_a_session_closed_mid_run_leaves_at_the_next_forward_and_frees_its_cache(draft: LoadedModel) -> None:
-    proposer = make(draft, share_prefixes=False)  # a closed session's cache is freed, not kept for its rows
-    for sid, prompt in BATCH_PROMPTS.items():
-        proposer.start(sid, prompt, 64)
+    proposer, kv, _ = freeing(draft)
     run = proposer.begin([job("a", 5), job("b", 5)])
     proposer.step(run)
-    kv = proposer.runner.kv
-    assert isinstance(kv, KVArena)
     reserved = kv.reserved_tokens
     proposer.close("b")  # between forwards (its verdict ended the request)
     assert len(run.live) == 2 and kv.reserved_tokens == reserved  # still the run's cache
@@ -121,12 +129,7 @@ def test_a_session_closed_mid_run_leaves_at_the_next_forward_and_frees_its_cache
 def test_an_abandoned_run_gives_back_the_caches_of_its_closed_sessions(draft: LoadedModel) -> None:
     """A run cut short (the verifier link lost mid-batch): its sessions are closed, before or after
     the run is abandoned, and every cache goes back."""
-    proposer = make(draft, share_prefixes=False)
-    kv = proposer.runner.kv
-    assert isinstance(kv, KVArena)
-    empty = kv.reserved_tokens
-    for sid, prompt in BATCH_PROMPTS.items():
-        proposer.start(sid, prompt, 64)
+    proposer, kv, empty = freeing(draft)
     run = proposer.begin([job("a", 5), job("b", 5)])
     proposer.step(run)
     proposer.close("a")  # before the abandon: it waits for the run
@@ -169,12 +172,7 @@ async def test_a_round_ready_while_a_batch_drafts_joins_it(draft: LoadedModel) -
 async def test_a_cancelled_batcher_abandons_its_run(draft: LoadedModel) -> None:
     """The drafter cancels its batcher when the verifier link drops mid-batch, then closes every
     session: the run is abandoned, the sessions' futures cancelled, and every cache goes back."""
-    proposer = make(draft, share_prefixes=False)
-    kv = proposer.runner.kv
-    assert isinstance(kv, KVArena)
-    empty = kv.reserved_tokens
-    for sid, prompt in BATCH_PROMPTS.items():
-        proposer.start(sid, prompt, 64)
+    proposer, kv, empty = freeing(draft)
     batcher = DraftBatcher(proposer, ComputeWorker(inline=True), DrafterMetrics())
     first_forward = after_each_forward(proposer)
     task = asyncio.create_task(batcher.run())

@@ -140,7 +140,6 @@ class DraftRun:
 
     live: list[Any] = field(default_factory=list)  # the proposer's state of each job still drafting
     finished: list[tuple[DraftJob, Proposal]] = field(default_factory=list)  # since the last take_finished
-    joined: int = 0  # jobs that joined over the run's life
 
     def take_finished(self) -> list[tuple[DraftJob, Proposal]]:
         """The jobs finished since the last call, with their proposals."""

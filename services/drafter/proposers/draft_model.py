@@ -120,7 +120,6 @@ class _Mode(NamedTuple):
 class _Drafting:
     """One session's draft in progress within a batched ``propose``."""
 
-    index: int  # the job's number in its run (in join order)
     job: DraftJob
     state: _SessionCache
     cache: KVCache  # the main cache, or a spare for a branch lookahead (``DraftJob.branch``)
@@ -258,8 +257,7 @@ class DraftModelProposer:
 
     def join(self, run: DraftRun, jobs: Sequence[DraftJob]) -> None:
         for job in jobs:
-            d = self._begin(run.joined, job)
-            run.joined += 1
+            d = self._begin(job)
             if d is None:
                 run.finished.append((job, EMPTY_PROPOSAL))
             else:
@@ -312,7 +310,7 @@ class DraftModelProposer:
         if d.state.closed and not d.state.drafting:
             self._release(d.state)
 
-    def _begin(self, index: int, job: DraftJob) -> _Drafting | None:
+    def _begin(self, job: DraftJob) -> _Drafting | None:
         """Roll the session's cache back to its committed sequence; None when it drafts nothing."""
         state = self._sessions.get(job.session_id)
         if state is None:  # closed while its job waited
@@ -332,7 +330,7 @@ class DraftModelProposer:
         spread = (watch is not None and watch.wants_spread) or job.spread
         mode = _Mode(sampled and not raced, raced, enders, watch, watch is not None or job.features, spread,
                      has_penalties(job.params))
-        return _Drafting(index, job, state, cache, k, mode, feed=context[len(cache.cached):], context=context,
+        return _Drafting(job, state, cache, k, mode, feed=context[len(cache.cached):], context=context,
                          limit=limit)
 
     def _look_up(self, d: _Drafting) -> list[int]:
