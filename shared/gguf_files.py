@@ -109,13 +109,17 @@ class _Metadata:
         kind = self._take("<I")
         return name, shape, kind, self._take("<Q")  # the last: its offset in the data section
 
+    @property
+    def data_start(self) -> int:
+        """Where the tensors' data section begins: after the tensor table, at the file's alignment."""
+        align = int(self.fields.get("general.alignment", 32))
+        return -(-self.at // align) * align
+
     def check_whole(self) -> None:
         """ModelLoadError unless every tensor's bytes are in the file (a download cut short is not)."""
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-        align = int(self.fields.get("general.alignment", 32))
-        start = -(-self.at // align) * align
-        end = start
+        start = end = self.data_start
         for _, shape, kind, offset in self.tensors:
             block, size = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
             elements = 1

@@ -8,7 +8,7 @@ specfleet's lean runner with every matrix in Q4_1's blocks (``rowwise.pack_q4``,
 weights at 5/8 of a byte each, multiplied by integer dot products at the memory's rate, 2.9 ms a
 step there (0.24 of the target's).
 
-* The file is loaded by transformers, dequantized to float32 (``shared.model_import.gguf_float_model``),
+* The file is read and dequantized to float32 (``shared.gguf_weights``: transformers' model, bit for bit),
   and every matrix is cut back into Q4_1 blocks. A Q4_1 block dequantized holds its code 0 and its
   code 15, so this gives back the file's very blocks: the draft multiplies by the file's own weights
   (:func:`q4_runner` checks it, matrix by matrix, and says how many came back exactly). Matrices of

@@ -55,3 +55,13 @@ def test_a_copy_predicts_the_targets_own_next_token_almost_always(smollm2: Path,
     assert logits is not None and logits.shape[0] == len(answer)
     agree = sum(int(a) == b for a, b in zip(logits.argmax(-1).tolist(), answer, strict=True)) / len(answer)
     assert agree >= 0.85, agree
+
+
+def test_the_shipped_file_reads_as_transformers_reads_it(smollm2: Path) -> None:
+    """specfleet's GGUF reader (the drafters' and the import's) against transformers' own loader, on the
+    real file: the same config, weights, buffers and logits, bit for bit."""
+    from shared.model_import import gguf_float_model
+    from tests.unit.test_gguf_weights import assert_same_model, transformers_model
+
+    path = copy_path(smollm2, SHIPPED)
+    assert_same_model(gguf_float_model(path), transformers_model(path))
