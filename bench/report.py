@@ -65,6 +65,10 @@ SECTIONS = (
     edge_drafts("draft-length/edge-drafts", "The verifier's draft lengths against Fixed-S: the Q4_1 copy alone at "
                 "1 and 4 requests",
                 "--scenarios target-only,q4_1,q4_1-k3,q4_1-k5,q4_1-k8 --concurrency 1,4 --repeats 2 --requests 16"),
+    edge_drafts("draft-length/edge-drafts-t1", "The verifier's draft lengths against Fixed-S at temperature 1: the "
+                "default fleet and the Q4_1 copy alone at 1 request",
+                "--temperature 1 --concurrency 1 --scenarios target-only,default-fleet,q4_1,q4_1-k3,q4_1-k5 "
+                "--repeats 2"),
     edge_drafts("prefetch/edge-drafts", "The weights asked for ahead: the default fleet once both kernels prefetch",
                 "--scenarios target-only,default-fleet,q4_1 --repeats 3 --requests 24"),
     edge_drafts("prefetch/edge-drafts-t1", "The weights asked for ahead: the default fleet at temperature 1",
@@ -90,6 +94,10 @@ SECTIONS = (
     Section("steps/edge-drafts-16", "Continuous batching at the drafter: the default fleet at 16 requests, again",
             "python -m bench edge-drafts --scenarios target-only,default-fleet,q4_1 --concurrency 16 --repeats 3 "
             "--requests 24 --out bench/results/steps (then renamed edge-drafts-16)", ("steps/edge-drafts-16.png",)),
+    edge_drafts("probes/edge-drafts", "Tried and reverted: SmartSpec's length probes, greedy, at 1, 4 and 16 "
+                "requests", "--scenarios target-only,default-fleet,q4_1 --repeats 3 --requests 24"),
+    edge_drafts("probes/edge-drafts-t1", "Tried and reverted: SmartSpec's length probes at temperature 1",
+                "--temperature 1 --concurrency 1 --scenarios target-only,default-fleet,q4_1 --repeats 3"),
     edge_drafts("poor/edge-drafts", "A poor drafter alone never slows the fleet: the distilled small draft and "
                 "prompt lookup at 1 and 16 requests",
                 "--scenarios target-only,distilled,ngram --concurrency 1,16 --repeats 3 --requests 16"),
