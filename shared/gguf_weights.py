@@ -5,7 +5,7 @@ slowly: its reader builds a numpy view per metadata entry (seconds for SmolLM2's
 vocabulary), it builds gguf's tensor-name table once per module (397 times), and it initializes
 two models at random. A drafter on the Q4_1 copy of SmolLM2-135M spent 12.7 s of one core there
 before it could draft (and 57 s at ``specfleet up``, two drafters and the verifier starting on 2
-cores). Here the same steps take about 2 s:
+cores). Here the same steps take about 1 s:
 
 * the metadata and tensor table come from ``shared.gguf_files`` (``struct``, one pass);
 * the config is transformers' own mapping of the metadata (``GGUF_TO_TRANSFORMERS_MAPPING``),
@@ -16,12 +16,17 @@ cores). Here the same steps take about 2 s:
   llama.cpp's interleaved rotary pairs to the halves transformers' rotary embedding uses;
 * the names are gguf's own table (``get_tensor_name_map``), built once.
 
-``tests/unit/test_gguf_weights.py`` checks that the config, the generation config and every weight
-are bitwise what transformers' loader gives, on float32, float16 and Q4_1 files.
+``tests/unit/test_gguf_weights.py`` checks that the config, the generation config, every weight and
+buffer and the logits are bitwise what transformers' loader gives (its model copied into a plain one, as
+specfleet imported GGUF files before), on llama files in float32, float16 and Q4_1, with and without a
+head of their own, and on a qwen2 file. One deliberate difference: a ``llama`` file that does not say
+its KV head count gets its key rows put back with the attention head count, as llama.cpp and the
+config both assume (transformers' loader leaves them interleaved, and its model attends wrongly).
 """
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any, cast
 
@@ -33,6 +38,8 @@ from shared.gguf_files import gguf_header
 #: the GGUF architectures whose query and key rows llama.cpp's converter interleaved (transformers'
 #: loader undoes it for these alone)
 PERMUTED = frozenset({"llama"})
+#: transformers' ``no_init_weights`` swaps torch's initializers for the whole process: one model at a time
+_NO_INIT = threading.Lock()
 
 
 def gguf_config(fields: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
@@ -76,7 +83,7 @@ def _tensor(data: np.ndarray, start: int, shape: list[int], kind: int) -> np.nda
     qtype = GGMLQuantizationType(kind)
     block, size = GGML_QUANT_SIZES[qtype]
     row_bytes = shape[0] // block * size
-    rows = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
+    rows = int(np.prod(shape[1:], dtype=np.int64))
     raw = data[start : start + rows * row_bytes].reshape(*reversed(shape[1:]), row_bytes)
     return np.asarray(dequantize(raw, qtype), dtype=np.float32)
 
@@ -87,10 +94,8 @@ def gguf_float_weights(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray
     fields = header.fields
     config = gguf_config(fields, {name for name, *_ in header.tensors})
     data = np.memmap(path, dtype=np.uint8, mode="r")
-    counts = {"attn_q": config.get("num_attention_heads"), "attn_k": config.get("num_key_value_heads")}
-    # transformers' loader leaves the rows as they are where the file does not say both head counts
-    heads = {part: int(n) for part, n in counts.items() if n is not None}
-    permuted = str(fields["general.architecture"]) in PERMUTED and len(heads) == 2
+    permuted = str(fields["general.architecture"]) in PERMUTED
+    heads = _head_counts(config, path) if permuted else {}
     tensors: dict[str, np.ndarray] = {}
     for name, shape, kind, offset in header.tensors:
         weight = _tensor(data, header.data_start + offset, shape, kind)
@@ -100,6 +105,17 @@ def gguf_float_weights(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray
         tensors[name] = np.array(weight, copy=True) if np.may_share_memory(weight, data) else weight
     del data
     return config, tensors
+
+
+def _head_counts(config: dict[str, Any], path: Path) -> dict[str, int]:
+    """The heads a ``llama`` file's query and key rows are interleaved by: its attention heads, and its KV
+    heads (the attention heads where it does not say, as llama.cpp and the config assume)."""
+    heads, kv_heads = config.get("num_attention_heads"), config.get("num_key_value_heads")
+    kv_heads = heads if kv_heads is None else kv_heads
+    if not isinstance(heads, int) or not isinstance(kv_heads, int) or heads < 1 or kv_heads < 1:
+        raise ModelLoadError(f"{path.name}: its head counts ({heads!r}, KV {kv_heads!r}) are not positive integers; "
+                             "the file's metadata is corrupt")
+    return {"attn_q": heads, "attn_k": kv_heads}
 
 
 def gguf_float_model(path: Path) -> Any:
@@ -112,10 +128,12 @@ def gguf_float_model(path: Path) -> Any:
     from transformers.initialization import no_init_weights
 
     config, tensors = gguf_float_weights(path)
-    with no_init_weights():  # every weight is loaded below: no random draws first (1.3 s for SmolLM2-135M)
+    with _NO_INIT, no_init_weights():  # every weight is loaded below: no random draws first (1.3 s for SmolLM2)
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.float32)
     model.tie_weights()  # what the skipped init_weights does after it draws
-    arch = next(key for key, value in MODEL_ARCH_NAMES.items() if value == model.config.model_type)
+    arch = next((key for key, value in MODEL_ARCH_NAMES.items() if value == model.config.model_type), None)
+    if arch is None:
+        raise ModelLoadError(f"{path.name}: the gguf package names no tensors for a {model.config.model_type!r} model")
     names = get_tensor_name_map(arch, model.config.num_hidden_layers)
     state: dict[str, torch.Tensor] = {}
     for hf_name, param in model.state_dict().items():

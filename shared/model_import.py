@@ -184,7 +184,7 @@ def gguf_float_model(path: Path) -> Any:
         return read_model(path)
     except ModelLoadError as exc:
         raise ImportModelError(str(exc)) from None
-    except (OSError, ValueError, RuntimeError, KeyError, StopIteration) as exc:
+    except (OSError, ValueError, RuntimeError, KeyError, TypeError, IndexError, ZeroDivisionError) as exc:
         raise ImportModelError(f"{path.name} could not be read as a {arch!r} model: {exc}") from None
 
 

@@ -57,11 +57,13 @@ def test_a_copy_predicts_the_targets_own_next_token_almost_always(smollm2: Path,
     assert agree >= 0.85, agree
 
 
-def test_the_shipped_file_reads_as_transformers_reads_it(smollm2: Path) -> None:
+@pytest.mark.parametrize("width", [SHIPPED, "Q8_0"])
+def test_the_real_copies_read_as_transformers_reads_them(smollm2: Path, width: str) -> None:
     """specfleet's GGUF reader (the drafters' and the import's) against transformers' own loader, on the
-    real file: the same config, weights, buffers and logits, bit for bit."""
+    real files (the shipped one, and the default fleet's other): the same config, weights, buffers and
+    logits, bit for bit."""
     from shared.model_import import gguf_float_model
     from tests.unit.test_gguf_weights import assert_same_model, transformers_model
 
-    path = copy_path(smollm2, SHIPPED)
+    path = copy_path(smollm2, width)
     assert_same_model(gguf_float_model(path), transformers_model(path))

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from shared.gguf_weights import _unpermute, gguf_config
+from shared.errors import ModelLoadError
+from shared.gguf_weights import _head_counts, _unpermute, gguf_config
 from shared.gguf_write import permute_rotary, write_llama_gguf
 from shared.model_import import ImportModelError, gguf_float_model
 
@@ -79,20 +80,84 @@ def test_the_config_maps_as_transformers_maps_it(fields: dict[str, Any], tensors
     assert gguf_config(fields, tensors) == expected
 
 
-def test_a_file_missing_a_weight_is_one_clear_line(tiny_models: dict[str, Path], tmp_path: Path) -> None:
-    whole = gguf.GGUFReader(str(write_llama_gguf(tiny_models["target"], tmp_path / "whole.gguf")))
-    cut = tmp_path / "cut.gguf"
-    writer = gguf.GGUFWriter(str(cut), "llama")
+def rewritten(source: Path, out: Path, arch: str = "llama", drop: tuple[str, ...] = (),
+              extra: dict[str, np.ndarray] | None = None, keys_dropped: tuple[str, ...] = ()) -> Path:
+    """``source`` (a llama GGUF file) written again as an ``arch`` file (its metadata keys renamed),
+    without the tensors ``drop`` names and the metadata keys ``keys_dropped`` names, with ``extra`` tensors."""
+    whole = gguf.GGUFReader(str(source))
+    writer = gguf.GGUFWriter(str(out), arch)
     for field in whole.fields.values():
-        if not field.name.startswith(("GGUF.", "general.architecture")):
+        if not field.name.startswith(("GGUF.", "general.architecture", *keys_dropped)):
             sub = gguf.GGUFValueType(field.types[-1]) if len(field.types) > 1 else None
-            writer.add_key_value(field.name, field.contents(), gguf.GGUFValueType(field.types[0]), sub_type=sub)
+            name = f"{arch}.{field.name.removeprefix('llama.')}" if field.name.startswith("llama.") else field.name
+            writer.add_key_value(name, field.contents(), gguf.GGUFValueType(field.types[0]), sub_type=sub)
     for tensor in whole.tensors:
-        if tensor.name != "blk.0.ffn_up.weight":
+        if tensor.name not in drop:
             writer.add_tensor(tensor.name, np.array(tensor.data))
+    for name, array in (extra or {}).items():
+        writer.add_tensor(name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return out
+
+
+def test_a_file_without_a_head_of_its_own_is_tied_as_transformers_ties_it(tiny_models: dict[str, Path],
+                                                                          tmp_path: Path) -> None:
+    whole = write_llama_gguf(tiny_models["target"], tmp_path / "whole.gguf")
+    tied = rewritten(whole, tmp_path / "tied.gguf", drop=("output.weight",))
+    ours = gguf_float_model(tied)
+    assert ours.config.tie_word_embeddings and ours.lm_head.weight is ours.model.embed_tokens.weight
+    assert_same_model(ours, transformers_model(tied))
+
+
+def test_a_qwen2_file_keeps_its_rows_and_biases_as_transformers_does(tiny_models: dict[str, Path],
+                                                                     tmp_path: Path) -> None:
+    """A qwen2 file's query and key rows are not interleaved (llama.cpp's converter leaves them), and
+    its query, key and value projections have biases."""
+    whole = write_llama_gguf(tiny_models["target"], tmp_path / "whole.gguf")
+    shapes = {t.name: t.data.shape for t in gguf.GGUFReader(str(whole)).tensors}
+    rng = np.random.default_rng(0)
+    biases = {f"blk.{i}.attn_{p}.bias": rng.standard_normal((shapes[f"blk.{i}.attn_{p}.weight"][0],), np.float32)
+              for i in range(sum(n.endswith("attn_norm.weight") for n in shapes)) for p in "qkv"}
+    qwen = rewritten(whole, tmp_path / "qwen2.gguf", arch="qwen2", extra=biases)
+    ours = gguf_float_model(qwen)
+    assert ours.config.model_type == "qwen2"
+    assert torch.equal(ours.model.layers[0].self_attn.q_proj.bias, torch.from_numpy(biases["blk.0.attn_q.bias"]))
+    assert_same_model(ours, transformers_model(qwen))
+
+
+def test_a_file_missing_a_weight_is_one_clear_line(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    whole = write_llama_gguf(tiny_models["target"], tmp_path / "whole.gguf")
+    cut = rewritten(whole, tmp_path / "cut.gguf", drop=("blk.0.ffn_up.weight",))
     with pytest.raises(ImportModelError, match=r"model\.layers\.0\.mlp\.up_proj\.weight .* is missing"):
         gguf_float_model(cut)
+
+
+@pytest.mark.parametrize(("config", "want"), [
+    ({"num_attention_heads": 9, "num_key_value_heads": 3}, {"attn_q": 9, "attn_k": 3}),
+    ({"num_attention_heads": 4}, {"attn_q": 4, "attn_k": 4}),  # no KV count: llama.cpp's and the config's default
+    ({"num_attention_heads": 0}, None),
+    ({"num_key_value_heads": 2}, None),
+    ({"num_attention_heads": [4], "num_key_value_heads": 4}, None),
+])
+def test_a_llama_files_rows_are_put_back_by_its_head_counts(config: dict[str, Any],
+                                                            want: dict[str, int] | None) -> None:
+    """Transformers' loader leaves the rows interleaved where the file does not say its KV heads (its model
+    then attends wrongly); here the attention heads stand in, as llama.cpp and the config assume."""
+    if want is None:
+        with pytest.raises(ModelLoadError, match=r"head counts .* corrupt"):
+            _head_counts(config, Path("x.gguf"))
+    else:
+        assert _head_counts(config, Path("x.gguf")) == want
+
+
+def test_a_file_that_contradicts_its_head_counts_is_one_clear_line(tiny_models: dict[str, Path],
+                                                                   tmp_path: Path) -> None:
+    """The tiny target has 2 heads and 1 KV head; without its KV count the key projections are half
+    the width the config then expects."""
+    whole = write_llama_gguf(tiny_models["target"], tmp_path / "whole.gguf")
+    no_kv = rewritten(whole, tmp_path / "no-kv.gguf", keys_dropped=("llama.attention.head_count_kv",))
+    with pytest.raises(ImportModelError, match=r"k_proj\.weight .* is shaped"):
+        gguf_float_model(no_kv)
