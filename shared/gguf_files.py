@@ -58,7 +58,7 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<
 _STRING, _ARRAY = 8, 9
 
 
-class _Metadata:
+class GgufHeader:
     """A GGUF file's header, key-value metadata and tensor table, parsed with ``struct`` (the
     ``gguf`` package's reader builds a numpy view per vocabulary entry: seconds for a 49k-token
     vocabulary, where this takes a few hundred milliseconds)."""
@@ -131,14 +131,14 @@ class _Metadata:
                                  f"{self.path.stat().st_size}; make or download it again")
 
 
-def gguf_header(path: Path) -> _Metadata:
+def gguf_header(path: Path) -> GgufHeader:
     """A whole GGUF file's metadata and tensor table; ModelLoadError (one line: what to do) for a file
     that is missing, not GGUF, corrupt or cut short."""
     if not path.is_file():
         raise ModelLoadError(f"GGUF file {path} does not exist: point --model (SPECFLEET_MODEL) at a .gguf file "
                              "(`specfleet fetch-model` makes the default target's copies)")
     try:
-        header = _Metadata(path)
+        header = GgufHeader(path)
         header.check_whole()
     except (ValueError, KeyError, OSError, EOFError, struct.error) as exc:
         raise ModelLoadError(f"{path} is truncated or corrupt ({type(exc).__name__}: {exc}); make or download it "
@@ -146,14 +146,14 @@ def gguf_header(path: Path) -> _Metadata:
     return header
 
 
-def _scalar(reader: _Metadata, key: str, default: Any = None) -> Any:
+def _scalar(reader: GgufHeader, key: str, default: Any = None) -> Any:
     value = reader.fields.get(key, default)
     if value is None:
         raise ModelLoadError(f"{reader.path} has no {key!r} in its metadata: it is not a model llama.cpp runs")
     return value
 
 
-def _strings(reader: _Metadata, key: str) -> list[str]:
+def _strings(reader: GgufHeader, key: str) -> list[str]:
     value = reader.fields.get(key)
     if not isinstance(value, list) or not value:
         raise ModelLoadError(f"{reader.path} carries no vocabulary ({key!r}): a draft must carry its tokenizer")
@@ -202,7 +202,7 @@ def _unpadded(tokens: list[str]) -> list[str]:
     return tokens[:end]
 
 
-def _file_type(reader: _Metadata) -> str:
+def _file_type(reader: GgufHeader) -> str:
     """The type most of the file's 2-D tensors are stored in (what its name usually says: Q4_1, ...)."""
     from gguf import GGMLQuantizationType
 

@@ -33,7 +33,7 @@ from typing import Any, cast
 import numpy as np
 
 from shared.errors import ModelLoadError
-from shared.gguf_files import gguf_header
+from shared.gguf_files import GgufHeader, gguf_header
 
 #: the GGUF architectures whose query and key rows llama.cpp's converter interleaved (transformers'
 #: loader undoes it for these alone)
@@ -88,9 +88,10 @@ def _tensor(data: np.ndarray, start: int, shape: list[int], kind: int) -> np.nda
     return np.asarray(dequantize(raw, qtype), dtype=np.float32)
 
 
-def gguf_float_weights(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """A GGUF file's config dict and its tensors by gguf name, each float32 and owned (not the map)."""
-    header = gguf_header(path)
+def gguf_float_weights(path: Path, header: GgufHeader | None = None) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """A GGUF file's config dict and its tensors by gguf name, each float32 and owned (not the map);
+    ``header``: the file's, when the caller has parsed it already."""
+    header = header or gguf_header(path)
     fields = header.fields
     config = gguf_config(fields, {name for name, *_ in header.tensors})
     data = np.memmap(path, dtype=np.uint8, mode="r")
@@ -118,7 +119,7 @@ def _head_counts(config: dict[str, Any], path: Path) -> dict[str, int]:
     return {"attn_q": heads, "attn_k": kv_heads}
 
 
-def gguf_float_model(path: Path) -> Any:
+def gguf_float_model(path: Path, header: GgufHeader | None = None) -> Any:
     """``path``'s model as a plain transformers model in float32, in eval mode, its weights the file's
     dequantized exactly (a Q4_1 block's d * q + m). ModelLoadError if a weight is missing or misshapen."""
     import torch
@@ -127,7 +128,7 @@ def gguf_float_model(path: Path) -> Any:
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
-    config, tensors = gguf_float_weights(path)
+    config, tensors = gguf_float_weights(path, header)
     with _NO_INIT, no_init_weights():  # every weight is loaded below: no random draws first (1.3 s for SmolLM2)
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.float32)
     model.tie_weights()  # what the skipped init_weights does after it draws

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shared.errors import ModelLoadError
-from shared.gguf_files import gguf_header, sha256_of
+from shared.gguf_files import GgufHeader, gguf_header, sha256_of
 
 if TYPE_CHECKING:
     import torch
@@ -163,25 +163,35 @@ def _package_file(known: KnownModel) -> Path | None:
 
 def gguf_architecture(path: Path) -> str:
     """The ``general.architecture`` of a GGUF file; ImportModelError if it is not a whole GGUF file."""
+    return _architecture(_whole_header(path))
+
+
+def _whole_header(path: Path) -> GgufHeader:
     try:
-        architecture = gguf_header(path).fields.get("general.architecture")
+        return gguf_header(path)
     except ModelLoadError as exc:
         raise ImportModelError(str(exc)) from None
+
+
+def _architecture(header: GgufHeader) -> str:
+    architecture = header.fields.get("general.architecture")
     if not isinstance(architecture, str):
-        raise ImportModelError(f"{path} names no general.architecture; it is not a model file")
+        raise ImportModelError(f"{header.path} names no general.architecture; it is not a model file")
     return architecture
 
 
-def gguf_float_model(path: Path) -> Any:
+def gguf_float_model(path: Path, header: GgufHeader | None = None) -> Any:
     """A Llama-family GGUF file's model as a plain transformers model in float32, in eval mode: every
-    weight dequantized exactly (a Q4_1 block's d * q + m), read by ``shared.gguf_weights``."""
-    arch = gguf_architecture(path)
+    weight dequantized exactly (a Q4_1 block's d * q + m), read by ``shared.gguf_weights`` (``header``:
+    the file's, when the caller has parsed it already)."""
+    header = header or _whole_header(path)
+    arch = _architecture(header)
     if arch not in GGUF_ARCHITECTURES:
         raise ImportModelError(f"{path.name} is a {arch!r} model; specfleet imports {sorted(GGUF_ARCHITECTURES)}")
     from shared.gguf_weights import gguf_float_model as read_model  # torch here, not at the top (see above)
 
     try:
-        return read_model(path)
+        return read_model(path, header)
     except ModelLoadError as exc:
         raise ImportModelError(str(exc)) from None
     except (OSError, ValueError, RuntimeError, KeyError, TypeError, IndexError, ZeroDivisionError) as exc:
@@ -195,9 +205,10 @@ def import_gguf(path: Path, out: Path, dtype: torch.dtype | None = None, source:
     import torch  # here, not at the top: `specfleet up` finds a fetched model without loading torch
     from transformers import AutoTokenizer
 
-    arch = gguf_architecture(path)
+    header = _whole_header(path)
+    arch = _architecture(header)
     dtype = dtype or torch.bfloat16
-    plain = gguf_float_model(path)  # the architecture checked first
+    plain = gguf_float_model(path, header)  # the architecture checked first
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     except (OSError, ValueError, RuntimeError, KeyError) as exc:
