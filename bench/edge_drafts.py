@@ -90,6 +90,8 @@ def scenarios(target: Path) -> dict[str, Scenario]:
         "fleet-4bit": default_fleet(", both on the 4-bit kernel", "--gguf-backend", "specfleet"),
         # the baseline of the verifier's measured guard (services/verifier/allocation/pays.py): the policy alone
         "unguarded": default_fleet(", policy alone", verifier=("--speculation-guard", "false")),
+        # the baseline of SmartSpec's draft waits priced from the drafters' timings (allocation/draft_wait.py)
+        "untimed": default_fleet(", waits untimed", verifier=("--smartspec-timed-waits", "false")),
         # the baseline of filling in steps that verify others (services/verifier/fill.py: riders)
         "no-riders": default_fleet(", no riders", verifier=("--fill-riders", "false")),
         # the baseline of the drafters' shared prompt rows (services/drafter/proposers/draft_model.py)
@@ -360,11 +362,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scenarios", default="target-only,default-fleet,unguarded,q4_1,q8_0,q4_0,distilled,ngram",
                    help="comma list of: target-only, default-fleet, fleet-4bit (the default fleet with the Q8_0 copy "
                         "on specfleet's 4-bit kernel too), unguarded (the default fleet without the "
-                        "verifier's measured guard), no-riders (the default fleet filling only in steps with nothing "
-                        "to verify), unshared (the default fleet's drafters prefilling every prompt whole), "
-                        "fleet-ahead (the default fleet drafting ahead at every session), q4_1, q4_1-ahead (the "
-                        "Q4_1 copy drafting ahead at every session), q4_1-k3, q4_1-k5, q4_1-k8 (the Q4_1 copy at a "
-                        "fixed draft length), q8_0, q4_0, distilled, ngram")
+                        "verifier's measured guard), untimed (the default fleet with SmartSpec's draft waits not "
+                        "priced from the drafters' timings), no-riders (the default fleet filling only in steps "
+                        "with nothing to verify), unshared (the default fleet's drafters prefilling every prompt "
+                        "whole), fleet-ahead (the default fleet drafting ahead at every session), q4_1, q4_1-ahead "
+                        "(the Q4_1 copy drafting ahead at every session), q4_1-k3, q4_1-k5, q4_1-k8 (the Q4_1 copy "
+                        "at a fixed draft length), q8_0, q4_0, distilled, ngram")
     p.add_argument("--gguf-step", default="", help=argparse.SUPPRESS)  # a pinned child: one draft's step
     p.add_argument("--prompt-from", default="", help=argparse.SUPPRESS)
     add_workload_flags(p, repeats=3, requests=8, max_tokens=128, concurrency=(1, 4, 16))

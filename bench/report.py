@@ -98,6 +98,12 @@ SECTIONS = (
                 "requests", "--scenarios target-only,default-fleet,q4_1 --repeats 3 --requests 24"),
     edge_drafts("probes/edge-drafts-t1", "Tried and reverted: SmartSpec's length probes at temperature 1",
                 "--temperature 1 --concurrency 1 --scenarios target-only,default-fleet,q4_1 --repeats 3"),
+    edge_drafts("timed-waits/edge-drafts-t1", "SmartSpec's draft waits priced from the drafters' timings, at "
+                "temperature 1: the default fleet against the same fleet untimed and Fixed-S k = 3",
+                "--temperature 1 --concurrency 1 --scenarios target-only,default-fleet,untimed,q4_1-k3 --repeats 3"),
+    edge_drafts("timed-waits/edge-drafts", "SmartSpec's draft waits priced from the drafters' timings, greedy: the "
+                "default fleet against the same fleet untimed at 1, 4 and 16 requests",
+                "--concurrency 1,4,16 --scenarios target-only,default-fleet,untimed --repeats 2"),
     edge_drafts("poor/edge-drafts", "A poor drafter alone never slows the fleet: the distilled small draft and "
                 "prompt lookup at 1 and 16 requests",
                 "--scenarios target-only,distilled,ngram --concurrency 1,16 --repeats 3 --requests 16"),

@@ -43,7 +43,7 @@ import msgspec
 #: token ids are the target's joins, whatever its special tokens; a refusal names both vocabularies)
 #: 11: QueuePull.room and QueueRoom (a coordinator starts a request no drafter has room for at once)
 #: 12: Hello.site (a coordinator fills one drafter of a machine before the next: shared/queue_memory.py)
-PROTOCOL_VERSION = 12
+PROTOCOL_VERSION = 13
 #: the most ``OpenSession.waited_s`` a verifier believes (a skewed clock must not make a request overdue for hours)
 MAX_WAITED_S = 600.0
 #: Largest frame any service accepts. A 32k-token prompt is ~200 KiB; sparse q for 64 draft
@@ -292,6 +292,12 @@ class Draft(_Msg, tag="draft", frozen=True):
     #: (the drafter's lookahead guessed them); otherwise the verifier drops it without a word, and
     #: the drafter, seeing the Verdict, drafts the round afresh
     after: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_DRAFT_TOKENS + 1)] | None = None
+    #: (v13) seconds the drafter's forwards took to draft these tokens (0: not timed, as for a
+    #: lookahead's); with ``ahead``, what SmartSpec prices a draft's wait from (``draft_wait.Timed``)
+    drafting_s: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
+    #: (v13) drafted during the previous round's verification (a lookahead that came true), and sent
+    #: after its Verdict; a conditional draft (``after``) is one too
+    ahead: bool = False
 
 
 class Verdict(_Msg, tag="verdict", frozen=True):

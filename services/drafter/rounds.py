@@ -189,7 +189,7 @@ class SessionRunner:
         if not presented:
             await self.link.send(Draft(request_id=rid, round=session.round, token_ids=proposal.token_ids,
                                        q=proposal.q, confidence=_confidence(proposal), pause_rounds=pause,
-                                       guess_bonus=guess))
+                                       guess_bonus=guess, drafting_s=ended - started, ahead=ready is not None))
         sent = time.perf_counter()
         if ahead:
             self._look_ahead(session, proposal, k, guess)

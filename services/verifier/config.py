@@ -89,7 +89,7 @@ class EngineSection:
 
 @dataclass
 class CapacitySection:
-    """capacity: sessions held, and a step's size"""
+    """capacity: sessions held, a step's size, and a round's drafts"""
 
     kv_cache_gb: float = opt(0.0, "KV cache in GiB; 0: 20%% of RAM, at most 2 GiB, on CPU; 80%% of free GPU memory")
     max_sessions: int = opt(256, "most sessions held at once (running or waiting); further ones are refused as busy")
@@ -97,6 +97,8 @@ class CapacitySection:
     max_batch_sessions: int = opt(32, "most sessions verified in one batched forward pass")
     max_batch_tokens: int = opt(2048, "most tokens in one forward pass (rounds' new tokens plus prefill chunks)")
     prefill_chunk: int = opt(256, "most prompt tokens prefilled in a step that also verifies rounds (chunked prefill)")
+    draft_capacity: int = opt(0, "GoodSpeed's C: draft tokens per round over all sessions (fixed gives C/N each, "
+                                 "random a random split); 0: --draft-len per speculating session")
 
 
 @dataclass
@@ -137,14 +139,16 @@ class AllocationSection:
                                                    "rate over every session; 0 turns speculation off), "
                                                    "smartspec-per-drafter (the same on each drafter's own acceptance "
                                                    "and draft waits, so a poor drafter is asked for nothing)")
-    draft_capacity: int = opt(0, "GoodSpeed's C: draft tokens per round over all sessions (fixed gives C/N each, "
-                                 "random a random split); 0: --draft-len per speculating session")
     goodspeed_eta: float = opt(0.1, "GoodSpeed's η: smoothing of each session's acceptance estimate α̂ (eq. 3)")
     goodspeed_beta: float = opt(0.5, "GoodSpeed's β: smoothing of each session's goodput X (eq. 4)")
     smartspec_max_len: int = opt(8, "SmartSpec's V: the longest proposal length it considers")
     smartspec_overhead: bool = opt(True, "SmartSpec prices a round with the verifier's measured busy time between "
                                          "forwards (per step and per session) as well as the forward; false: the "
                                          "paper's forward-only batch time")
+    smartspec_timed_waits: bool = opt(True, "SmartSpec prices a draft's wait from the drafter's own timing of its "
+                                            "drafts (network, drafting per token, lookaheads that finish within "
+                                            "the verification); false: a measured level per load plus a slope in "
+                                            "the draft's length, which reads 0 while every draft has one length")
     speculation_guard: bool = opt(True, "with a smartspec allocation: switch speculation off (every budget 0, no "
                                         "new request drafted for) at a load (live sessions 1, 2-3, 4-7, ...) where "
                                         "the tokens served per second fell below what target-only decoding of the "

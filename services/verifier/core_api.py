@@ -73,6 +73,8 @@ class AddDraft:
     asks: DraftAsks = field(default_factory=DraftAsks)
     #: a conditional draft (``Draft.after``): only if round ``round - 1`` commits exactly these tokens
     after: tuple[int, ...] | None = None
+    drafting_s: float = 0.0  # the drafter's time drafting it (Draft.drafting_s; 0: not timed)
+    ahead: bool = False  # a lookahead drafted it (Draft.ahead, or a conditional draft)
 
 
 @dataclass(frozen=True)

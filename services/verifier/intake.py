@@ -242,7 +242,8 @@ class Intake:
         guess = msg.guess_bonus and self.trusted(conn_id)
         after = tuple(msg.after) if msg.after is not None else None
         self._submit(conn_id, AddDraft(rid, msg.round, list(msg.token_ids), q, received_at, confidence,
-                                       DraftAsks(msg.pause_rounds, guess), after))
+                                       DraftAsks(msg.pause_rounds, guess), after, msg.drafting_s,
+                                       msg.ahead or after is not None))
         return None
 
     def _detach(self, conn_id: str, request_id: str) -> None:

@@ -97,11 +97,11 @@ def batch_limits(cfg: VerifierConfig) -> BatchLimits:
 def make_allocator_for(cfg: VerifierConfig, estimator: StepTimeEstimator) -> Allocator:
     b, most = cfg.budgets, cfg.rounds.max_draft_tokens
     policy = make_allocator(b.allocation, AllocationSettings(
-        cfg.rounds.draft_len, b.draft_capacity,
+        cfg.rounds.draft_len, cfg.capacity.draft_capacity,
         min(most, b.smartspec_max_len) if b.allocation.startswith("smartspec") else most,
         b.allocation_seed if b.allocation_seed >= 0 else None,
-        batch_limits(cfg)), estimator,
-        estimator.overhead if cfg.budgets.smartspec_overhead else None)
+        batch_limits(cfg), b.smartspec_timed_waits), estimator,
+        estimator.overhead if b.smartspec_overhead else None)
     # the guard is fed by the torch core's steps (``DraftBudgets.served``); vLLM's core runs none of them
     if not (b.speculation_guard and b.allocation.startswith("smartspec") and cfg.target.backend == "torch"):
         return policy

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from pathlib import Path
 
@@ -49,20 +50,26 @@ def verdict(rnd: int, token: int, budget: int) -> Verdict:
                    finish_reason=None, draft_budget=budget)
 
 
-@pytest.mark.asyncio
-async def test_a_declined_round_asks_for_a_pause_and_the_paused_rounds_send_nothing(
-        tiny_models: dict[str, Path]) -> None:
+def one_session(tiny_models: dict[str, Path], controller: object,
+             settings: RoundSettings) -> tuple[DraftSession, RecordingLink, SessionRunner, DraftBatcher]:
+    """One greedy session of request "r" (prompt 1, 2, 3) on the tiny draft, its rounds run inline."""
     req = QueuedRequest(request_id="r", prompt_ids=[1, 2, 3], params=SamplingParams(temperature=0.0, max_tokens=64),
                         origin="c", model="m", created_at=time.time())
-    session = DraftSession.from_delivery(Delivery("1", req), declining_controller())  # type: ignore[arg-type]
-    session.budget = 4
-    link = RecordingLink()
+    session = DraftSession.from_delivery(Delivery("1", req), controller)  # type: ignore[arg-type]
     draft = load_model(tiny_models["draft-L1"])
     proposer = DraftModelProposer(ModelRunner(draft, 4 * draft.max_model_len * 1024, self_check=False), draft.eos_ids)
     proposer.start("r", list(req.prompt_ids), req.params.max_tokens)
     worker = ComputeWorker(inline=True)
-    runner = SessionRunner(link, proposer, worker, DraftBatcher(proposer, worker),  # type: ignore[arg-type]
-                           RoundSettings(max_draft_tokens=8))
+    batcher = DraftBatcher(proposer, worker)
+    link = RecordingLink()
+    return session, link, SessionRunner(link, proposer, worker, batcher, settings), batcher  # type: ignore[arg-type]
+
+
+@pytest.mark.asyncio
+async def test_a_declined_round_asks_for_a_pause_and_the_paused_rounds_send_nothing(
+        tiny_models: dict[str, Path]) -> None:
+    session, link, runner, _ = one_session(tiny_models, declining_controller(), RoundSettings(max_draft_tokens=8))
+    session.budget = 4
     inbox: asyncio.Queue[object] = asyncio.Queue()
     await inbox.put(verdict(0, 50, budget=0))  # the verifier grants the pause: budget 0 for the next rounds
     await runner._round(session, inbox)  # type: ignore[arg-type]
@@ -72,3 +79,26 @@ async def test_a_declined_round_asks_for_a_pause_and_the_paused_rounds_send_noth
         await runner._round(session, inbox)  # type: ignore[arg-type]
     assert len(link.sent) == 1
     assert session.committed == [1, 2, 3, 50, 51, 52, 53] and session.budget == 4
+
+
+@pytest.mark.asyncio
+async def test_a_fresh_draft_carries_the_drafters_time_drafting_it(tiny_models: dict[str, Path]) -> None:
+    """``Draft.drafting_s``: the draft model's time for this draft, which SmartSpec prices the wait
+    for a length by (``draft_wait.Timed``); not drafted ahead."""
+    session, link, runner, batcher = one_session(tiny_models, make_controller("fixed"),
+                                                 RoundSettings(max_draft_tokens=8, pipeline_sessions=0))  # no lookahead
+    session.budget = 3
+    inbox: asyncio.Queue[object] = asyncio.Queue()
+    await inbox.put(verdict(0, 50, budget=3))
+    drafting = asyncio.create_task(batcher.run())
+    try:
+        began = time.perf_counter()
+        await runner._round(session, inbox)  # type: ignore[arg-type]
+        took = time.perf_counter() - began
+    finally:
+        drafting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await drafting
+    sent = link.sent[0]
+    assert isinstance(sent, Draft) and len(sent.token_ids) == 3 and not sent.ahead
+    assert 0 < sent.drafting_s <= took

@@ -352,6 +352,33 @@ def test_the_tracker_learns_each_rounds_acceptance(target: LoadedModel) -> None:
     assert est.alpha in matched and est.goodput == pytest.approx((1 - t.beta) * t.goodput0 + t.beta * 2)
 
 
+class Recording(FixedAllocator):
+    """Fixed-S at 3, keeping every round it is shown."""
+
+    def __init__(self) -> None:
+        super().__init__(3)
+        self.seen: list[RoundStats] = []
+
+    def assign(self, rounds: Sequence[RoundStats], tracker: GoodputTracker) -> dict[str, int]:
+        self.seen.extend(rounds)
+        return super().assign(rounds, tracker)
+
+
+def test_the_drafters_timing_of_a_draft_reaches_the_allocation(target: LoadedModel) -> None:
+    """``Draft.drafting_s`` and ``Draft.ahead`` (via AddDraft) are in the round SmartSpec prices."""
+    alloc = Recording()
+    h = Harness(target, allocator=alloc)
+    p = prompt(8, 9)
+    ref = greedy_reference(target.model, p, GREEDY.max_tokens, target.eos_ids)
+    h.core.submit(AddRequest("s", p, GREEDY, speculative=True, drafter="edge-1"))
+    h.turn()
+    h.core.submit(AddDraft("s", 0, ref[:3], None, 0.0, drafting_s=0.021))
+    h.turn()
+    h.core.submit(AddDraft("s", 1, ref[4:7], None, 0.0, ahead=True))
+    h.turn()
+    assert [(r.drafted, r.drafting_s, r.ahead) for r in alloc.seen] == [(3, 0.021, False), (3, 0.0, True)]
+
+
 def test_the_gap_between_forwards_is_measured_while_sessions_run_not_across_idleness(target: LoadedModel) -> None:
     """The trim's gap (ConfidenceTrim.gap_s): from one forward's end to the next one's start, while
     sessions run. A pause with no session at all is idleness between requests: it must not count."""

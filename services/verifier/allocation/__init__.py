@@ -24,6 +24,7 @@ class AllocationSettings:
     max_len: int = 16  # no session gets more (SmartSpec's V)
     seed: int | None = None  # Random-S
     limits: BatchLimits | None = None  # the verifier's batch limits, which SmartSpec prices (None: unlimited)
+    timed_waits: bool = True  # SmartSpec prices the draft waits from the drafter's timings (draft_wait.Timed)
 
 
 def make_allocator(name: str, settings: AllocationSettings, model: StepTimeModel | None = None,
@@ -42,7 +43,8 @@ def make_allocator(name: str, settings: AllocationSettings, model: StepTimeModel
         priced = model
 
         def smartspec() -> SmartSpecAllocator:
-            return SmartSpecAllocator(priced, s.draft_len, s.max_len, overhead=overhead, limits=s.limits)
+            return SmartSpecAllocator(priced, s.draft_len, s.max_len, overhead=overhead, limits=s.limits,
+                                      timed_waits=s.timed_waits)
 
         return smartspec() if name == "smartspec" else PerDrafterAllocator(smartspec)
     raise ValueError(f"unknown allocation policy {name!r}; choose one of {', '.join(POLICIES)}")

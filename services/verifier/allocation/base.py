@@ -32,6 +32,8 @@ class RoundStats:
     context_len: int  # committed tokens after the round
     accept_prob: float = 0.0  # Σ min(1, p/q) over the drafted tokens (GoodSpeed eq. 3's numerator)
     draft_wait_s: float = 0.0  # verdict out -> this round's draft in (drafting plus both network legs)
+    drafting_s: float = 0.0  # the drafter's own time drafting it (Draft.drafting_s; 0: not timed)
+    ahead: bool = False  # drafted during the previous round's verification (a lookahead that came true)
 
 
 class Allocator(Protocol):

@@ -96,9 +96,15 @@ class PerDrafterAllocator:
         return max(alloc.draft_share(tracker) for alloc in recent)
 
     def beliefs(self) -> dict[str, float]:
-        """Each drafter's α and chosen length (``alpha.<drafter>``, ``k.<drafter>``)."""
+        """Each drafter's α and chosen length (``alpha.<drafter>``, ``k.<drafter>``), and per load band
+        the parts of its draft waits when its drafter times them (``wait_net_s.<drafter>.band<b>``,
+        ``wait_per_token_s...``, ``wait_ahead...``)."""
         out: dict[str, float] = {}
         for name, alloc in sorted(list(self.drafters.items())):
             out[f"alpha.{name}"] = round(alloc.alpha(), 4)
             out[f"k.{name}"] = float(alloc.last_k)
+            for b, t in sorted(alloc.wait.timed.items()):  # its draft waits' drafter-timed parts (draft_wait.Timed)
+                out |= {f"wait_net_s.{name}.band{b}": round(t.net, 6), f"wait_rest_s.{name}.band{b}": round(t.rest, 6),
+                        f"wait_per_token_s.{name}.band{b}": round(t.per_token, 6),
+                        f"wait_ahead.{name}.band{b}": round(t.ahead, 4)}
         return out

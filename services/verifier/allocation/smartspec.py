@@ -35,9 +35,18 @@ waits it decided on expire instead (``draft_wait.WAIT_HORIZON_S``), and speculat
   session drafted nothing in its previous round is left out: a first round (its draft also paid
   the drafter's prefill) and the first drafted round after a pause (the drafter caught up on the
   tokens decoded without it). While every measured round has the same length the slope is 0:
-  the per-token drafting cost shows once lengths differ. With k = 0 no draft is awaited and it
-  is 0. Unlike the paper's colocated drafter, an edge drafter does not take the verifier's time:
-  while one session's draft is made, the verifier verifies the others' (see :func:`goodputs`).
+  the per-token drafting cost shows once lengths differ. So when the drafter times its drafts
+  (``Draft.drafting_s``), the wait is priced from its parts instead: network, drafting per token,
+  and the lookaheads that draft the next round during this one's verification and so cost no
+  wait when they are done in time (``draft_wait.Timed``). Until BAND_MIN of a drafter's fresh
+  drafts are timed, the length is held (the slope is unknown), and the first length chosen on
+  the timings is chosen afresh; a timed choice then changes for TIMED_MARGIN more goodput. A
+  round also takes time that neither its wait nor its priced verification holds (the event
+  loops, the Verdict's way out): measured as each session's time between its rounds less both,
+  it is added to the round, and to the lookahead's head start (``Timed.rest``). With k = 0 no
+  draft is awaited and it is 0. Unlike the paper's colocated drafter, an edge drafter does not
+  take the verifier's time: while one session's draft is made, the verifier verifies the
+  others' (see :func:`goodputs`).
 * The paper's batch holds every running request. Here a step holds only the sessions whose
   drafts are in, so the length is chosen for all live sessions (target-only ones share the
   steps too), and it changes only for a predicted gain of SWITCH_MARGIN or more. Past the
@@ -77,6 +86,11 @@ PROBE_STEPS = 4
 #: otherwise flip it from step to step (at 16 requests, 5 runs: 1.08x target-only with 5 %,
 #: 1.14x with 20 %)
 SWITCH_MARGIN = 0.2
+#: the margin while the drafter's own timings price the waits (``draft_wait.Timed``): its parts are
+#: averages over up to BAND_WINDOW rounds of TIMED_HORIZON_S, steadier than the waits of the last
+#: WAIT_HORIZON_S, and 0.2 held a length chosen on the first few timings (T = 1, one request: k = 8
+#: kept where the parts priced k = 3 1.18x better)
+TIMED_MARGIN = 0.05
 ALPHA_TESTS = 1024  # the tested drafts α is estimated over (whole steps, the newest kept)
 
 
@@ -104,7 +118,11 @@ def goodputs(alpha: float, sessions: int, context: int, max_len: int, model: Ste
         one = SegmentShape(new=1 + k, cached=context)
         per_step = sessions if limits is None else min(limits.max_sessions, limits.max_tokens // (1 + k))
         everyone = verify_all(model, one, sessions, per_step, overhead)
-        seconds = max(everyone, wait.predict(k, sessions) + model.predict([one]) + extra_one)
+        # a lookahead drafts while the session's own step is verified (draft_wait.Timed)
+        head_start = verify_all(model, one, min(sessions, max(1, per_step)), per_step, overhead)
+        waited = wait.predict(k, sessions, alpha, head_start)
+        rest = wait.rest(sessions) if k > 0 else 0.0  # a speculating round's own (plain decoding's is in overhead)
+        seconds = max(everyone, waited + model.predict([one]) + extra_one + rest)
         out.append(sessions * expected_tokens(alpha, k) / max(seconds, 1e-9))
     return out
 
@@ -143,7 +161,7 @@ class SmartSpecAllocator:
 
     def __init__(self, model: StepTimeModel, draft_len: int, max_len: int = 8, window: int = 16,
                  alpha0: float = 0.5, overhead: RecentLine | None = None,
-                 limits: BatchLimits | None = None) -> None:
+                 limits: BatchLimits | None = None, timed_waits: bool = True) -> None:
         if draft_len < 0 or max_len < 0 or window < 1:
             raise ValueError("draft_len and max_len must be >= 0 and window >= 1")
         self.model, self.max_len, self.alpha0 = model, max_len, alpha0
@@ -154,9 +172,11 @@ class SmartSpecAllocator:
         self._off_steps = 0
         self._chosen: int | None = None  # the length the estimates last chose (probes aside)
         self._context = 0  # the mean context of the last verified batch
-        self._drafted: dict[str, int] = {}  # drafts in each live session's previous verified round
+        #: each live session's previous verified round: (drafts, whether all were accepted, when it ended)
+        self._drafted: dict[str, tuple[int, bool, float]] = {}
         self.last_goodput = 0.0
         self.wait = DraftWaitModel()
+        self.timed_waits = timed_waits  # False: the drafters' timings are not used (the level-and-slope waits)
         self._tests: deque[tuple[int, int]] = deque()  # (accepted, tested) of recent drafted steps
         self._sums = (0, 0)  # their (accepted, tested), replaced whole: the event loop reads it
         self._steps = 0  # drafted steps seen: ``window`` of them are the evidence to decide on
@@ -184,6 +204,10 @@ class SmartSpecAllocator:
         slope, levels = self.wait.fit
         out |= {"draft_wait_band_slope_s": round(slope, 6)}
         out |= {f"draft_wait_band{b}_s": round(v, 6) for b, v in sorted(levels.items())}
+        for b, t in sorted(self.wait.timed.items()):  # the drafter-timed parts (draft_wait.Timed)
+            out |= {f"draft_wait_band{b}_net_s": round(t.net, 6), f"draft_wait_band{b}_rest_s": round(t.rest, 6),
+                    f"draft_wait_band{b}_per_token_s": round(t.per_token, 6),
+                    f"draft_wait_band{b}_ahead": round(t.ahead, 4)}
         out["live_peak"] = float(self.peak())  # the most live sessions of a step in the last WAIT_HORIZON_S
         if self.overhead is not None:
             out |= {"overhead_e0_s": round(self.overhead.e0, 6), "overhead_e1_s": round(self.overhead.e1, 7)}
@@ -191,15 +215,19 @@ class SmartSpecAllocator:
 
     def assign(self, rounds: Sequence[RoundStats], tracker: GoodputTracker) -> dict[str, int]:
         accepted = tested = 0
-        live = max(len(rounds), len(tracker.sessions))
+        live, now = max(len(rounds), len(tracker.sessions)), self.wait.clock()
         self._note_load(live)
         for r in rounds:
             # not a first round, nor the first after a pause, nor a probe's: a probe's drafter
             # drafts only now and then, and waited longer (at 6 requests/s: 9 ms, against 5-7 ms
             # while speculating), which would keep speculation off
-            if self._drafted.get(r.session_id, 0) > 0 and self._chosen != 0:
+            before, full, then = self._drafted.get(r.session_id, (0, False, now))
+            if before > 0 and self._chosen != 0 and self.timed_waits:
+                rest = now - then - r.draft_wait_s - self._priced(r, len(rounds))
+                self.wait.observe(r.drafted, r.draft_wait_s, live, r.drafting_s, r.ahead, full, rest)
+            elif before > 0 and self._chosen != 0:
                 self.wait.observe(r.drafted, r.draft_wait_s, live)
-            self._drafted[r.session_id] = r.drafted
+            self._drafted[r.session_id] = (r.drafted, 0 < r.drafted <= r.accepted, now)
             accepted += r.accepted
             tested += judged(r.drafted, r.accepted)
         self.wait.expire()
@@ -212,14 +240,23 @@ class SmartSpecAllocator:
         # the paper's batch holds every running request; here a step holds the sessions whose
         # drafts are in, so plan for all live sessions, at this batch's mean context
         self._context = sum(r.context_len for r in rounds) // len(rounds)
+        if self.wait.timing():  # too few timed drafts to price a length by yet: hold it, choose none
+            self._chosen, self.last_k = None, self.explore_k
+            return {r.session_id: self.explore_k for r in rounds}
         k, self.last_goodput = best_length(self.alpha(), live, self._context, self.max_len, self.model,
-                                           self.wait, self._chosen, SWITCH_MARGIN, self.overhead, self.limits)
+                                           self.wait, self._chosen, TIMED_MARGIN if self.wait.timed else SWITCH_MARGIN,
+                                           self.overhead, self.limits)
         self._chosen = k
         self._off_steps = self._off_steps + 1 if k == 0 else 0
         if self._steps < self.window or self._off_steps % PROBE_EVERY >= PROBE_EVERY - PROBE_STEPS:
             k = self.explore_k  # too little evidence yet, or a probe of a switched-off speculation
         self.last_k = k
         return {r.session_id: k for r in rounds}
+
+    def _priced(self, r: RoundStats, batch: int) -> float:
+        """A round's verification as priced: its forward in a step of ``batch``, and the busy time around it."""
+        one = SegmentShape(new=1 + r.drafted, cached=r.context_len)
+        return self.model.predict([one]) + (self.overhead.predict(batch) if self.overhead else 0.0)
 
     def peak(self) -> int:
         """The most live sessions of a step with a speculating round in the last WAIT_HORIZON_S

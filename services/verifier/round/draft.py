@@ -26,6 +26,8 @@ class SettledDraft:
     #: the token after a fully accepted draft is drawn by the keyed race (shared.coupling)
     guess_bonus: bool = False
     wait_s: float = 0.0  # how long the round waited for it
+    drafting_s: float = 0.0  # the drafter's time drafting it (0: not timed)
+    ahead: bool = False  # a lookahead drafted it, during the previous round's verification
 
 
 def settle(ids: list[int], q: list[CheckedQ] | None, confidence: list[float] | None, budget: int,

@@ -67,7 +67,8 @@ class RoundLifecycle:
         self.metrics.draft_wait.observe(wait)
         if cmd.after is None:  # a conditional one was there before the round: it says nothing of the wait
             self.metrics.observe_fill_wait(req.drafter, wait, self.fill.observe(req.drafter, wait))
-        r.take(cmd.token_ids, cmd.q, cmd.confidence, wait_s=wait, guess_bonus=guess)
+        r.take(cmd.token_ids, cmd.q, cmd.confidence, wait_s=wait, guess_bonus=guess, drafting_s=cmd.drafting_s,
+               ahead=cmd.ahead)
         req.mark_ready()
 
     # --- after the forward -------------------------------------------------------------------
@@ -159,4 +160,4 @@ def _round_stats(req: Request, verified: int, v: Judgement) -> RoundStats:
     """What the allocator learns from a verified round (the fill's matches included)."""
     drafted, accepted, accept_prob = req.round.outcome(verified, v.accepted, v.accept_prob)
     return RoundStats(req.request_id, req.drafter or None, drafted, accepted, len(req.committed), accept_prob,
-                      req.round.draft.wait_s)
+                      req.round.draft.wait_s, req.round.draft.drafting_s, req.round.draft.ahead)

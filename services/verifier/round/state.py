@@ -25,10 +25,12 @@ class Round:
     waiting_since: float = field(default_factory=time.perf_counter)  # when it began waiting for its draft
 
     def take(self, ids: list[int], q: list[CheckedQ] | None, confidence: list[float] | None, *, wait_s: float,
-             guess_bonus: bool) -> None:
-        """Its draft arrived ``wait_s`` after the round began waiting: settle it against the fill."""
+             guess_bonus: bool, drafting_s: float = 0.0, ahead: bool = False) -> None:
+        """Its draft arrived ``wait_s`` after the round began waiting: settle it against the fill.
+        ``drafting_s`` and ``ahead``: how the drafter made it (``AddDraft``)."""
         self.draft = settle(ids, q, confidence, self.budget, self.fill)
         self.draft.wait_s, self.draft.guess_bonus = wait_s, guess_bonus
+        self.draft.drafting_s, self.draft.ahead = drafting_s, ahead
 
     def outcome(self, verified: int, accepted: int, accept_prob: float) -> tuple[int, int, float]:
         """(drafted, accepted, Σ acceptance probability) of the round as a whole (``filled_outcome``)."""

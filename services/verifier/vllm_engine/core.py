@@ -157,7 +157,7 @@ class VllmCore:
                 self.metrics.conditional.labels(offered).inc()
             if offered != "taken":
                 return
-        elif not session.take_draft(cmd.round, cmd.token_ids, cmd.received_at):
+        elif not session.take_draft(cmd.round, cmd.token_ids, cmd.received_at, cmd.drafting_s, cmd.ahead):
             return  # a round vLLM already ended without it: the drafter has (or will get) that Verdict
         self.metrics.draft_wait.observe(session.draft_wait_s)
         self._propose(session)
@@ -289,7 +289,8 @@ class VllmCore:
 
     def _next_budget(self, session: LiveSession, done: Resolved) -> int:
         stats = RoundStats(session.request_id, session.drafter or None, done.drafted, done.accepted,
-                           session.base_len, float(done.accepted), session.draft_wait_s)
+                           session.base_len, float(done.accepted), session.draft_wait_s, session.drafting_s,
+                           session.ahead)
         self.metrics.count_drafter(session.drafter, done.drafted, done.accepted)
         budget = self.budgets.next([stats]).get(session.request_id)
         return budget if budget is not None else self.budgets.hold(session.request_id, 0)  # none assigned: 0

@@ -56,6 +56,7 @@ class LiveSession:
         self.draft: list[int] | None = None  # the current round's draft (None: not arrived)
         self.draft_at = draft_at  # when the current round began waiting for its draft
         self.draft_wait_s = 0.0
+        self.drafting_s, self.ahead = 0.0, False  # how the drafter made the current draft (AddDraft)
         self.last: tuple[int, ...] = ()  # the tokens the previous round committed
         self.upcoming: Upcoming[list[int]] = Upcoming()  # conditional drafts for the next round
 
@@ -64,12 +65,13 @@ class LiveSession:
         """The context length (prompt included) the current round's draft rests on."""
         return self.prompt_len + len(self.published)
 
-    def take_draft(self, round_: int, ids: list[int], now: float) -> bool:
+    def take_draft(self, round_: int, ids: list[int], now: float, drafting_s: float = 0.0, ahead: bool = False) -> bool:
         """Record the round's draft; False when it is stale (its round already ended) or a duplicate."""
         if round_ != self.round or self.draft is not None or not self.speculative:
             return False
         self.draft = ids[: max(0, self.budget)]
         self.draft_wait_s = max(0.0, now - self.draft_at)
+        self.drafting_s, self.ahead = drafting_s, ahead
         return True
 
     def offer(self, round_: int, after: tuple[int, ...], ids: list[int], now: float) -> Offered:
@@ -79,7 +81,7 @@ class LiveSession:
         placed = self.upcoming.place(round_, self.round, after, self.last, ids, holds=self.speculative,
                                      takes=self.speculative and self.draft is None)
         if placed == "taken":
-            self.take_draft(round_, ids, now)
+            self.take_draft(round_, ids, now, ahead=True)
         return placed
 
     def promote(self) -> tuple[bool, int]:
@@ -89,6 +91,7 @@ class LiveSession:
         if came_true is None or not self.speculative or self.budget <= 0:
             return False, held
         self.draft, self.draft_wait_s = came_true[: self.budget], 0.0
+        self.drafting_s, self.ahead = 0.0, True
         return True, held - 1
 
     def detach(self) -> None:
