@@ -32,17 +32,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-#: 5: Draft.pause_rounds; SamplingParams logprobs, penalties, structured output; TokenEvent.logprobs, .error_code;
-#: OpenSession.resume, ResumeDone and Welcome.instance (a coordinator re-opens its requests on a new verifier)
-#: 6: SessionOpened.bonus_key and Draft.guess_bonus (shared.coupling: sampled sessions draft ahead)
-#: 7: Draft.after and Welcome.conditional_drafts (a drafter sends a lookahead before the verdict it assumes);
-#: SessionOpened.race_key (race sampling: shared.race)
-#: 8: OpenSession.waited_s (a request's SLO clock starts when its coordinator took it, not at the verifier)
-#: 9: TokenEvent.seq, ResumeState.next_seq, Release, Adopt, Adopted, Welcome.orphan_grace_s (streams survive)
-#: 10: Hello.vocabulary and .ids_fingerprint, Welcome.vocabulary and .ids_fingerprint (a drafter whose
-#: token ids are the target's joins, whatever its special tokens; a refusal names both vocabularies)
-#: 11: QueuePull.room and QueueRoom (a coordinator starts a request no drafter has room for at once)
-#: 12: Hello.site (a coordinator fills one drafter of a machine before the next: shared/queue_memory.py)
+#: what each version added: docs/protocol.md
 PROTOCOL_VERSION = 13
 #: the most ``OpenSession.waited_s`` a verifier believes (a skewed clock must not make a request overdue for hours)
 MAX_WAITED_S = 600.0

@@ -215,7 +215,7 @@ def test_the_timed_parts_outlive_the_waits_horizon_but_not_their_own() -> None:
     assert wait.predict(4, 1, alpha=1.0, head_start=0.035) == pytest.approx(0.0)
     clock.now = 5.1 + TIMED_HORIZON_S
     wait.expire()
-    assert not wait.timed and not wait._timed_bands
+    assert not wait.timed and not wait._rounds
 
 
 def edge_round(k: int, full: bool, ahead: bool, net: float, per_token: float, verify: float) -> RoundStats:

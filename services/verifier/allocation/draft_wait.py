@@ -143,8 +143,8 @@ class DraftWaitModel(RecentLine):
         super().__init__(window, refit_every)
         self.horizon_s, self.clock, self.band_window = horizon_s, clock, band_window
         self._times: deque[float] = deque(maxlen=window)  # when each of ``points`` was measured
-        self._bands: dict[int, deque[WaitSample]] = {}
-        self._timed_bands: dict[int, deque[WaitSample]] = {}  # the same over TIMED_HORIZON_S
+        #: each band's last ``band_window`` rounds, over TIMED_HORIZON_S (``_bands``: those of ``horizon_s``)
+        self._rounds: dict[int, deque[WaitSample]] = {}
         self.fit: tuple[float, dict[int, float]] = (0.0, {})  # (slope within bands, level per band)
         self.timed: dict[int, Timed] = {}  # per band with enough drafts the drafter timed: the parts
 
@@ -159,20 +159,19 @@ class DraftWaitModel(RecentLine):
             self._times.append(now)
             rest = rest_s if rest_s is not None and math.isfinite(rest_s) else None
             sample = WaitSample(now, x, y, max(0.0, drafting_s), ahead, after_full, rest)
-            self._bands.setdefault(band(sessions), deque(maxlen=self.band_window)).append(sample)
-            self._timed_bands.setdefault(band(sessions), deque(maxlen=self.band_window)).append(sample)
+            self._rounds.setdefault(band(sessions), deque(maxlen=self.band_window)).append(sample)
             super().observe(x, y)
 
     def expire(self) -> None:
-        """Drop the waits measured more than ``horizon_s`` ago (the engine core's thread only)."""
+        """Drop the waits measured more than ``horizon_s`` ago, and the rounds the timed parts rest on
+        after TIMED_HORIZON_S (the engine core's thread only)."""
         now = self.clock()
         cutoff = now - self.horizon_s
         while self._times and self._times[0] < cutoff:
             self._times.popleft()
             self.points.popleft()
             self._since += 1  # a refit every ``refit_every`` changes, as for new points
-        _expire(self._bands, cutoff)
-        _expire(self._timed_bands, now - max(self.horizon_s, TIMED_HORIZON_S))
+        _expire(self._rounds, now - max(self.horizon_s, TIMED_HORIZON_S))
         if not self.points:
             self.e0 = self.e1 = 0.0
             self.fit, self.timed = (0.0, {}), {}
@@ -190,7 +189,7 @@ class DraftWaitModel(RecentLine):
     def timing(self) -> bool:
         """The drafter times its drafts, but too few fresh ones yet to price its waits by (no
         :class:`Timed` band): the slope in k is then unknown."""
-        return not self.timed and any(s.drafting_s > 0 for r in self._timed_bands.values() for s in r)
+        return not self.timed and any(s.drafting_s > 0 for r in self._rounds.values() for s in r)
 
     def stale(self) -> bool:
         """No wait measured in the last ``horizon_s`` (a read: safe from the event loop)."""
@@ -214,16 +213,22 @@ class DraftWaitModel(RecentLine):
             return self.timed[nearest(self.timed, b)].wait(x, alpha, head_start)
         return levels[nearest(levels, b)] + slope * x
 
+    @property
+    def _bands(self) -> dict[int, list[WaitSample]]:
+        """Each band's rounds of the last ``horizon_s`` (the bands with any)."""
+        cutoff = self.clock() - self.horizon_s
+        recent = {b: [s for s in r if s.when >= cutoff] for b, r in self._rounds.items()}
+        return {b: r for b, r in recent.items() if r}
+
     def _refit(self) -> None:
         super()._refit()
-        # a band's deque is never empty: observe appends to it, and expire drops it once emptied
-        means = {b: (len(r), sum(s.k for s in r) / len(r), sum(s.wait for s in r) / len(r))
-                 for b, r in self._bands.items()}
-        sxx = sum((s.k - means[b][1]) ** 2 for b, r in self._bands.items() for s in r)
-        sxy = sum((s.k - means[b][1]) * (s.wait - means[b][2]) for b, r in self._bands.items() for s in r)
+        bands = self._bands
+        means = {b: (len(r), sum(s.k for s in r) / len(r), sum(s.wait for s in r) / len(r)) for b, r in bands.items()}
+        sxx = sum((s.k - means[b][1]) ** 2 for b, r in bands.items() for s in r)
+        sxy = sum((s.k - means[b][1]) * (s.wait - means[b][2]) for b, r in bands.items() for s in r)
         slope = max(0.0, sxy / sxx) if sxx > 0 else 0.0
         self.fit = (slope, {b: max(0.0, my - slope * mk) for b, (n, mk, my) in means.items() if n >= BAND_MIN})
-        timed = {b: timed_fit(r) for b, r in self._timed_bands.items()}
+        timed = {b: timed_fit(r) for b, r in self._rounds.items()}
         self.timed = {b: t for b, t in timed.items() if t is not None}
 
 
