@@ -3,7 +3,8 @@ drafter can guess it at temperature > 0 (pipelined drafting for sampled requests
 
 The verifier draws that token by the *exponential race*: with E_x independent Exp(1) variates,
 one per vocabulary entry, the winner ``argmax_x p(x) / E_x`` is an exact sample of p (it is the
-Gumbel-max trick: -log E_x are Gumbel variates). The E_x come from a generator seeded by
+Gumbel-max trick: -log E_x are Gumbel variates), run in two levels as ``shared.race`` runs it (a
+race over blocks of tokens, then within the winning block). The E_x come from generators seeded by
 (the request's bonus key, the round), and the verifier gives the key to the session's drafter.
 The drafter, having sent a draft, guesses the verifier's token the same way from its own
 distribution q at the bonus position: ``argmax_x q(x) / E_x``. When p and q are
@@ -21,8 +22,8 @@ have variates of their own. So the bonus token is an exact sample of p given the
 drawn by inverting p's CDF.
 
 A round uses the race only when its Draft asks for it (``Draft.guess_bonus``) and the verifier
-verifies the whole draft (a trimmed draft's bonus is not where the drafter guessed): V variates
-per round cost more than the single uniform of an inverted CDF on a large vocabulary. Only
+verifies the whole draft (a trimmed draft's bonus is not where the drafter guessed): a race's
+variates cost more than the single uniform of an inverted CDF. Only
 unseeded sampled requests race: a seeded request's stream must not depend on whether a
 lookahead ran.
 """
@@ -33,7 +34,7 @@ import secrets
 
 import torch
 
-from shared.race import keyed_exponentials
+from shared.race import blocks, finishers
 
 
 def new_bonus_key() -> int:
@@ -41,11 +42,8 @@ def new_bonus_key() -> int:
     return secrets.randbits(63)
 
 
-def race_noise(key: int, round_: int, vocab: int) -> torch.Tensor:
-    """The Exp(1) variates of one round (float64, one per vocabulary entry)."""
-    return keyed_exponentials(f"{key}:{round_}", vocab)
-
-
-def race_winner(probs: torch.Tensor, noise: torch.Tensor) -> int:
-    """``argmax_x probs(x) / noise(x)``: an exact sample of ``probs`` (weights need not sum to 1)."""
-    return int((probs.detach().to("cpu", torch.float64) / noise).argmax())
+def race_winner(probs: torch.Tensor, key: int, round_: int) -> int:
+    """The winner of round ``round_``'s race (keyed by ``key``) over ``probs [V]``, in two levels as
+    ``shared.race`` races: an exact sample of ``probs`` (weights need not sum to 1)."""
+    rows = blocks(probs)
+    return finishers(rows, rows.sum(-1), f"{key}:{round_}")[0]

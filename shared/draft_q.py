@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from shared.coupling import race_noise, race_winner
+from shared.coupling import race_winner
 from shared.protocol import MAX_Q_ENTRIES, SamplingParams, SparseQ
 from shared.sampling import probs_from_logits, sample
 
@@ -141,8 +141,7 @@ def guess_token(logits: torch.Tensor, params: SamplingParams, race: tuple[int, i
     """Guess the verifier's coupled bonus token (``shared.coupling``): the winner of the race keyed
     by ``race`` = (key, round) over the request's full distribution. No draw from the drafting
     stream, and no q: a guess is never sent as a draft (the verifier's own token replaces it)."""
-    probs = probs_from_logits(logits, params)
-    return race_winner(probs, race_noise(*race, probs.shape[-1]))
+    return race_winner(probs_from_logits(logits, params), *race)
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from typing import Annotated, Literal
 import msgspec
 
 #: what each version added: docs/protocol.md
-PROTOCOL_VERSION = 13
+PROTOCOL_VERSION = 14
 #: the most ``OpenSession.waited_s`` a verifier believes (a skewed clock must not make a request overdue for hours)
 MAX_WAITED_S = 600.0
 #: Largest frame any service accepts. A 32k-token prompt is ~200 KiB; sparse q for 64 draft

@@ -26,7 +26,7 @@ import torch
 from services.verifier.logprobs import round_logprobs
 from services.verifier.requests import Request
 from shared.acceptance import accepted_prefix, one_hot, residual, verify_greedy
-from shared.coupling import race_noise, race_winner
+from shared.coupling import race_winner
 from shared.penalties import apply_penalties, has_penalties
 from shared.protocol import TokenLogprob
 from shared.race import winners
@@ -163,7 +163,7 @@ def _own_token(req: Request, row: torch.Tensor, race: bool) -> int:
     """The verifier's token from ``row`` (a residual, or the bonus row): by the keyed race of the
     round when ``race``, else from the request's stream."""
     if race:
-        return race_winner(row, race_noise(req.sampler.bonus_key, req.round.number, row.shape[-1]))
+        return race_winner(row, req.sampler.bonus_key, req.round.number)
     return sample(row, req.sampler.gen)
 
 

@@ -9,7 +9,7 @@ import torch
 from services.verifier.judge import judge
 from services.verifier.requests import Request
 from shared.protocol import SamplingParams
-from shared.race import noise, race_key, top_two, winners
+from shared.race import BLOCK, keyed_exponentials, label, race_key, top_two, winners
 from shared.sampling import probs_from_logits
 from tests.verifier_requests import make_request
 
@@ -34,12 +34,23 @@ def test_only_sampled_requests_under_race_sampling_are_raced() -> None:
     assert stream.sampler.race_key is None and not stream.deterministic
 
 
-def test_the_variates_depend_on_key_and_position_and_agree_across_vocabulary_sizes() -> None:
-    """A draft model with a smaller (unpadded) vocabulary races over a prefix of the same variates."""
-    e = noise(11, 40, 4096)
-    assert torch.equal(e, noise(11, 40, 4096)) and torch.equal(e[:1000], noise(11, 40, 1000))
-    assert not torch.equal(e, noise(11, 41, 4096)) and not torch.equal(e, noise(12, 40, 4096))
+def test_the_variates_depend_on_key_and_position() -> None:
+    e = keyed_exponentials(label(11, 40), 4096)
+    assert torch.equal(e, keyed_exponentials(label(11, 40), 4096))
+    assert torch.equal(e[:1000], keyed_exponentials(label(11, 40), 1000))
+    assert not torch.equal(e, keyed_exponentials(label(11, 41), 4096))
+    assert not torch.equal(e, keyed_exponentials(label(12, 40), 4096))
     assert bool((e > 0).all()) and e.dtype == torch.float64
+
+
+def test_a_smaller_vocabulary_races_over_the_same_blocks_and_variates() -> None:
+    """A draft model's unpadded vocabulary is zero-padded to whole blocks: the same race as a
+    padded one whose extra entries are 0."""
+    p = torch.softmax(torch.randn(3 * BLOCK + 17, generator=torch.Generator().manual_seed(1)), -1)
+    padded = torch.cat([p, torch.zeros(2 * BLOCK)])
+    for n in range(50):
+        assert winners(p.unsqueeze(0), 5, [n]) == winners(padded.unsqueeze(0), 5, [n])
+        assert top_two(p, 5, n) == top_two(padded, 5, n)
 
 
 def test_the_race_samples_its_distribution_and_never_an_excluded_token() -> None:
@@ -49,10 +60,26 @@ def test_the_race_samples_its_distribution_and_never_an_excluded_token() -> None
     assert counts[2] == 0 and torch.allclose(counts, p[0], atol=0.03)  # sigma <= 0.0064: a 4.7-sigma band
 
 
-def test_top_two_is_the_winner_then_the_next_best_score() -> None:
-    p = torch.softmax(torch.randn(V, generator=torch.Generator().manual_seed(0)), -1)
-    first, second = top_two(p, 3, 9)
-    assert first == winners(p.unsqueeze(0), 3, [9])[0] and second != first
+@pytest.mark.parametrize("vocab", [V, 5 * BLOCK + 3])
+def test_top_two_is_the_winner_then_the_winner_without_it(vocab: int) -> None:
+    """The runner-up is the token that wins the same race (the same variates) when the winner is
+    left out: in its block, or in the block that then wins."""
+    p = torch.softmax(torch.randn(vocab, generator=torch.Generator().manual_seed(0)) * 3, -1)
+    for n in range(200):
+        first, second = top_two(p, 3, n)
+        assert first == winners(p.unsqueeze(0), 3, [n])[0] and second != first
+        assert second == winners(p.index_fill(0, torch.tensor([first]), 0.0).unsqueeze(0), 3, [n])[0]
+
+
+def test_the_two_level_race_samples_a_distribution_across_blocks() -> None:
+    """Mass in three blocks, one of them with two tokens: each token wins as often as its weight."""
+    p = torch.zeros(4 * BLOCK)
+    tokens = [3, BLOCK + 7, BLOCK + 200, 3 * BLOCK + 1]
+    p[tokens] = torch.tensor([0.2, 0.3, 0.1, 0.4])
+    won = torch.tensor(winners(p.expand(8000, -1), 9, range(8000)))
+    counts = torch.stack([(won == t).sum() for t in tokens]) / 8000
+    assert int(sum((won == t).sum() for t in tokens)) == 8000  # never a token of weight 0
+    assert torch.allclose(counts, p[tokens], atol=0.025)  # sigma <= 0.0055: a 4.5-sigma band
 
 
 @pytest.mark.parametrize("hits", [0, 1, 2, 3])
