@@ -104,6 +104,12 @@ SECTIONS = (
     edge_drafts("timed-waits/edge-drafts", "SmartSpec's draft waits priced from the drafters' timings, greedy: the "
                 "default fleet against the same fleet untimed at 1, 4 and 16 requests",
                 "--concurrency 1,4,16 --scenarios target-only,default-fleet,untimed --repeats 2"),
+    edge_drafts("two-level-races/edge-drafts-t1", "Races in two levels, at temperature 1: the default fleet and "
+                "Fixed-S k = 3", "--temperature 1 --concurrency 1 --scenarios target-only,default-fleet,q4_1-k3 "
+                "--repeats 3"),
+    edge_drafts("two-level-races/edge-drafts", "Greedy at 1, 4 and 16 requests, the day of the two-level races: the "
+                "default fleet and the Q4_1 copy alone",
+                "--concurrency 1,4,16 --scenarios target-only,default-fleet,q4_1 --repeats 2"),
     edge_drafts("poor/edge-drafts", "A poor drafter alone never slows the fleet: the distilled small draft and "
                 "prompt lookup at 1 and 16 requests",
                 "--scenarios target-only,distilled,ngram --concurrency 1,16 --repeats 3 --requests 16"),
