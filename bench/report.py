@@ -134,6 +134,12 @@ SECTIONS = (
     Section("policies", "Drafting policies", "python -m bench policies"),
     Section("wisp-predictor", "WISP's rejection predictor (from the policies run)", "python -m bench policies"),
     Section("verifier-policies", "Verifier policies", "python -m bench verifier-policies", ("goodspeed-utility.png",)),
+    Section("real-allocation/verifier-policies", "GoodSpeed against Fixed-S and Random-S on the real family: the "
+            "Q4_1 and Q8_0 copies and prompt lookup under one budget",
+            "python -m bench verifier-policies --parts allocation --out bench/results/real-allocation",
+            ("real-allocation/goodspeed-utility.png",)),
+    Section("real-smartspec/verifier-policies", "SmartSpec against target-only and Fixed-S on the real family, 1 to 64 "
+            "requests", "python -m bench verifier-policies --parts smartspec --out bench/results/real-smartspec"),
     Section("backends", "Verifier backends: torch vs vLLM", "python -m bench backends"),
     Section("rtt", "Speculation over an emulated edge network", "python -m bench rtt", ("rtt.png",)),
     Section("fairness", "Fairness: heterogeneous drafters under one budget", "python -m bench fairness",
