@@ -140,6 +140,8 @@ SECTIONS = (
             ("real-allocation/goodspeed-utility.png",)),
     Section("real-smartspec/verifier-policies", "SmartSpec against target-only and Fixed-S on the real family, 1 to 64 "
             "requests", "python -m bench verifier-policies --parts smartspec --out bench/results/real-smartspec"),
+    Section("real-trim/verifier-policies", "AdaSpec's trim against fixed k on the real family, at 1 and 16 requests",
+            "python -m bench verifier-policies --parts trim --out bench/results/real-trim"),
     Section("backends", "Verifier backends: torch vs vLLM", "python -m bench backends"),
     Section("rtt", "Speculation over an emulated edge network", "python -m bench rtt", ("rtt.png",)),
     Section("fairness", "Fairness: heterogeneous drafters under one budget", "python -m bench fairness",
