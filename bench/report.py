@@ -155,6 +155,9 @@ SECTIONS = (
             "bench/results/amx/verifier-profile-smollm2.json --out bench/results/amx (then renamed slo-fine)",
             ("amx/slo-fine.png",)),
     Section("load", "Load: speculation policies by arrival rate", "python -m bench load", ("load.png",)),
+    Section("real-load/load", "Load on the real family: speculation policies by arrival rate, 4 to 10 requests/s",
+            "python -m bench load --rates 4,6,8,10 --repeats 2 --estimator-file "
+            "bench/results/amx/verifier-profile-smollm2.json --out bench/results/real-load", ("real-load/load.png",)),
     Section("load-varying", "Load on a bursty trace (AdaSpec Fig. 1, trace 1 shape)",
             "python -m bench load --trace varying", ("load-varying.png",)),
     Section("capacity", "Capacity at equal server cores", "python -m bench capacity", ("capacity.png",)),
