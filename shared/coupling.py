@@ -34,7 +34,7 @@ import secrets
 
 import torch
 
-from shared.race import blocks, finishers
+from shared.race import finishers
 
 
 def new_bonus_key() -> int:
@@ -45,5 +45,4 @@ def new_bonus_key() -> int:
 def race_winner(probs: torch.Tensor, key: int, round_: int) -> int:
     """The winner of round ``round_``'s race (keyed by ``key``) over ``probs [V]``, in two levels as
     ``shared.race`` races: an exact sample of ``probs`` (weights need not sum to 1)."""
-    rows = blocks(probs)
-    return finishers(rows, rows.sum(-1), f"{key}:{round_}")[0]
+    return finishers(probs, f"{key}:{round_}")[0]

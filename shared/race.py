@@ -84,10 +84,15 @@ def blocks(probs: torch.Tensor) -> torch.Tensor:
     return p.unflatten(-1, (-1, BLOCK))
 
 
-def finishers(rows: torch.Tensor, masses: torch.Tensor, tag: str, places: int = 1) -> list[int]:
-    """The winner of the race keyed ``tag`` over one distribution (``rows [B, BLOCK]`` from
-    :func:`blocks`, ``masses [B]`` their sums), and with ``places`` = 2 the runner-up: the token
-    that wins when the winner is left out (the same variates)."""
+def finishers(probs: torch.Tensor, tag: str, places: int = 1) -> list[int]:
+    """The winner of the race keyed ``tag`` over one distribution ``probs [V]``, and with ``places``
+    = 2 the runner-up: the token that wins when the winner is left out (the same variates)."""
+    rows = blocks(probs)
+    return _finish(rows, rows.sum(-1), tag, places)
+
+
+def _finish(rows: torch.Tensor, masses: torch.Tensor, tag: str, places: int) -> list[int]:
+    """:func:`finishers` over ``rows [B, BLOCK]`` from :func:`blocks` and ``masses [B]``, their sums."""
     block_e = keyed_exponentials(tag, masses.shape[0])
     scores = masses / block_e
     first = int(scores.argmax())
@@ -110,13 +115,12 @@ def winners(probs: torch.Tensor, key: int, positions: Sequence[int]) -> list[int
     if probs.shape[0] == 0:
         return []
     rows = blocks(probs)
-    masses = rows.sum(-1)
-    return [finishers(rows[i], masses[i], label(key, n))[0] for i, n in enumerate(positions)]
+    masses = rows.sum(-1)  # every row's blocks in one op
+    return [_finish(rows[i], masses[i], label(key, n), 1)[0] for i, n in enumerate(positions)]
 
 
 def top_two(probs: torch.Tensor, key: int, position: int) -> tuple[int, int]:
     """The winner of one row and its runner-up (the token that wins if the winner is not the
     verifier's: a drafter's best guess at the verifier's token after a rejection)."""
-    rows = blocks(probs)
-    first, second = finishers(rows, rows.sum(-1), label(key, position), places=2)
+    first, second = finishers(probs, label(key, position), places=2)
     return first, second

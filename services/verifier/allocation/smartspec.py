@@ -213,6 +213,14 @@ class SmartSpecAllocator:
             out |= {"overhead_e0_s": round(self.overhead.e0, 6), "overhead_e1_s": round(self.overhead.e1, 7)}
         return out
 
+    def _observe_wait(self, r: RoundStats, live: int, full: bool, rest: float) -> None:
+        """One round's draft wait into the wait model: with the drafter's timings, or (``timed_waits``
+        off) the wait alone."""
+        if self.timed_waits:
+            self.wait.observe(r.drafted, r.draft_wait_s, live, r.drafting_s, r.ahead, full, rest)
+        else:
+            self.wait.observe(r.drafted, r.draft_wait_s, live)
+
     def assign(self, rounds: Sequence[RoundStats], tracker: GoodputTracker) -> dict[str, int]:
         accepted = tested = 0
         live, now = max(len(rounds), len(tracker.sessions)), self.wait.clock()
@@ -222,11 +230,8 @@ class SmartSpecAllocator:
             # drafts only now and then, and waited longer (at 6 requests/s: 9 ms, against 5-7 ms
             # while speculating), which would keep speculation off
             before, full, then = self._drafted.get(r.session_id, (0, False, now))
-            if before > 0 and self._chosen != 0 and self.timed_waits:
-                rest = now - then - r.draft_wait_s - self._priced(r, len(rounds))
-                self.wait.observe(r.drafted, r.draft_wait_s, live, r.drafting_s, r.ahead, full, rest)
-            elif before > 0 and self._chosen != 0:
-                self.wait.observe(r.drafted, r.draft_wait_s, live)
+            if before > 0 and self._chosen != 0:
+                self._observe_wait(r, live, full, now - then - r.draft_wait_s - self._priced(r, len(rounds)))
             self._drafted[r.session_id] = (r.drafted, 0 < r.drafted <= r.accepted, now)
             accepted += r.accepted
             tested += judged(r.drafted, r.accepted)
