@@ -45,7 +45,7 @@ from tqdm import tqdm
 from bench.client import Outcome, percentiles, run_load
 from bench.edge import Edge, edge_from, run_pinned
 from bench.fleets import BenchFleet, Run, Scenario, add_workload_flags, given_args, in_turn, write_results
-from bench.plots import bars_by_concurrency
+from bench.plots import bars_by_concurrency, throughput_latency
 from bench.run_stats import D, cpu_split, drafter_costs, drafter_snapshots
 from bench.scrape import diff_all, merged
 from services.coordinator.fleet import RATE_WINDOW_S
@@ -353,8 +353,12 @@ def _busy(b: dict[str, float] | None) -> str:
 
 
 def plot(rows: list[dict[str, Any]], path: Path, meta: dict[str, Any]) -> None:
-    bars_by_concurrency(rows, "ratio", path, "tokens/s over target-only (same run)",
-                        f"GGUF edge drafts, T={meta['temperature']:g}, {meta['dtype']} target, edge emulated", 1.0)
+    """The ratios to target-only as bars (``path``) and, over more than one concurrency, tokens/s
+    against TPOT p50 and p99 for each fleet (``<stem>-latency.png`` beside it)."""
+    title = f"GGUF edge drafts, T={meta['temperature']:g}, {meta['dtype']} target, edge emulated"
+    bars_by_concurrency(rows, "ratio", path, "tokens/s over target-only (same run)", title, 1.0)
+    if len({r["concurrency"] for r in rows}) > 1:
+        throughput_latency(rows, path.with_name(f"{path.stem}-latency.png"), f"{title} ({meta['when']})")
 
 
 def main(argv: list[str] | None = None) -> int:

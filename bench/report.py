@@ -34,7 +34,7 @@ def edge_drafts(stem: str, title: str, flags: str) -> Section:
     folder = stem.rpartition("/")[0]
     command = " ".join(part for part in ("python -m bench edge-drafts", flags,
                                          f"--out bench/results/{folder}" if folder else "") if part)
-    return Section(stem, title, command, (f"{stem}.png",))
+    return Section(stem, title, command, (f"{stem}.png", f"{stem}-latency.png"))
 
 
 SECTIONS = (

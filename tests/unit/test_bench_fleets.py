@@ -147,3 +147,16 @@ def test_the_dashboards_estimate_is_checked_against_the_measured_ratio(estimate:
              "speedup_estimate": estimate, "speedup_estimate_reads": reads}
     found = [c for c in checks([fleet], {}, 0.0) if c["name"].startswith("the dashboard's")]
     assert [c["met"] for c in found] == ([] if met is None else [met])
+
+
+@pytest.mark.parametrize(("levels", "latency"), [((1, 4, 16), True), ((1,), False)])
+def test_edge_drafts_plot_adds_the_latency_picture_over_several_loads(tmp_path: Path, levels: tuple[int, ...],
+                                                                       latency: bool) -> None:
+    from bench.edge_drafts import plot
+
+    rows = [{"scenario": name, "concurrency": c, "ratio": 1.0 + i, "tokens_per_s": 40.0 * c * (1 + i),
+             "tpot_ms": {"p50": 20.0 + c, "p99": 25.0 + c}} for i, name in enumerate(("target-only", "fleet"))
+            for c in levels]
+    plot(rows, tmp_path / "edge-drafts.png", {"temperature": 0.0, "dtype": "bfloat16", "when": "2026-12-07 04:00"})
+    assert (tmp_path / "edge-drafts.png").stat().st_size > 0
+    assert (tmp_path / "edge-drafts-latency.png").exists() is latency
