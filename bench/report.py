@@ -169,8 +169,8 @@ SECTIONS = (
             ("sim-goodspeed.png",)),
     Section("sim-validation", "The simulator against the real runs", "python -m bench sim-validate"),
     Section("sim-validation-real", "The simulator refit on the real family, against its fairness run",
-            "python -m bench sim-validate --sources fairness --estimator-file "
-            "bench/results/verifier-profile-smollm2.json --stem sim-validation-real"),
+            "python -m bench sim-validate --sources fairness --fill --estimator-file "
+            "bench/results/amx/verifier-profile-smollm2.json --stem sim-validation-real"),
     Section("sim-rtt", "Simulated: what the round trip changes about how to draft", "python -m bench sim-rtt",
             ("sim-rtt.png",)),
     Section("sim-jetson-h100", "Simulated: Jetson-class drafters against one H100, published step costs",

@@ -140,9 +140,12 @@ class VerifierSpec:
     step_overhead_s: float = 5e-4  # per step: event loop, scheduling bookkeeping
     round_overhead_s: float = 5e-5  # per session verified in a step: judging, (de)serialising its messages
     #: decode sessions whose drafts travel when a step has nothing to verify, as the real verifier
-    #: does by default (``--fill``); off by default here: with it the simulator fills more than the
-    #: real verifier does and misses the real runs (bench/commentary/sim-validation.md)
+    #: does by default (``--fill``); off by default here: with it the simulator filled more than the
+    #: real verifier of the runs before 2026-12-03 did and missed them (bench/commentary/sim-validation.md)
     fill: bool = False
+    #: with ``fill``: also decode them as riders in steps that verify others (the real
+    #: ``--fill-riders``, its default since 2026-12-03); False: only in steps with nothing to verify
+    riders: bool = True
 
 
 @dataclass(frozen=True)

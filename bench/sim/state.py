@@ -221,3 +221,5 @@ class Step:
     seconds: float
     select_s: float
     fill: bool = False  # a fill step: one target-only token for each, while their drafts travel
+    #: waiting sessions decoded one token each in a step that verifies the others (``Fill.riders``)
+    riders: tuple[Session, ...] = ()

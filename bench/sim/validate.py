@@ -31,8 +31,10 @@ profile says, simulates it, and compares goodput (committed tokens/s) and mean r
   them in turn (``DrafterSpec.send_rows``, at the drafter's measured mean batch);
 * the step scale uses the run's mean tokens per session-step where it recorded them (the real
   verifier's fill steps, one token each, among them), and the loop's CPU is spread over verified
-  rounds and filled tokens; the simulated verifier fills too with ``--fill`` (the real one does
-  by default; with it the simulator fills more than the real runs did, so it is off).
+  rounds and filled tokens; the simulated verifier fills too with ``--fill``, in steps with
+  nothing to verify and as riders in steps that verify others, as the real one has by default
+  since 2026-12-03 (for runs before that, which took no riders, the simulator filled more than
+  they did, so it is off by default).
 
 Two switches model this machine's shared edge core (both off by default):
 
@@ -433,9 +435,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="a draft-model forward's fixed cost in rows' worth (`python -m bench.costs --draft-batches`); "
                         "0: a batch's draft cost is proportional to its rows")
     p.add_argument("--fill", action="store_true",
-                   help="simulate the verifier filling while drafts travel, as the real runs' verifiers did "
-                        "(off by default: with it the simulator fills more than they did and misses by more; "
-                        f"never for '{NO_FILL}' rows, whose verifier did not fill)")
+                   help="simulate the verifier filling while drafts travel, riders included, as the real runs' "
+                        "verifiers have by default since 2026-12-03 (off by default: for the runs before, "
+                        f"without riders, the simulator filled more than they did; never for '{NO_FILL}' rows, "
+                        "whose verifier did not fill)")
     p.add_argument("--jitter-ms", type=float, default=0.0,
                    help="a uniform extra delay in [0, this] on each simulated draft and verdict, one way (the real "
                         "runs' links had none configured; their event loops spread frames by an unmeasured amount)")

@@ -20,7 +20,9 @@ copies of them):
 * filling (``VerifierSpec.fill``; ``Scheduler._add_fill``, ``RoundLifecycle._fill``,
   ``round.draft.settle``): with nothing ready to verify, the real :class:`FillBeforeDrafts` picks
   waiting sessions past their first round to decode one token each, and when none may go now the
-  verifier looks again once a waiting draft turns late. A draft that arrives during its
+  verifier looks again once a waiting draft turns late; a step that verifies others takes the
+  waiting sessions that fit as riders, one token each (``Scheduler._add_riders``, the real
+  ``Fill.riders``; ``VerifierSpec.riders``). A draft that arrives during its
   session's fill step is taken when the step ends; its leading drafts are matched against the
   fill (a draft token equals the target's exactly when it is accepted) and settled or verified by
   the real ``settled_drafts`` and ``filled_outcome``. A session the fill finishes ends its round
@@ -84,7 +86,7 @@ class SimVerifier:
         self.budgets = DraftBudgets(self.allocator, self.tracker, p.max_draft_tokens)  # the real bookkeeping
         self.max_draft = p.max_draft_tokens
         self.ready: dict[str, tuple[Session, Candidate]] = {}
-        self.fill = make_fill(v.fill and spec.speculative)  # the real fill policy
+        self.fill = make_fill(v.fill and spec.speculative, v.riders)  # the real fill policy
         self.waiting: dict[str, Session] = {}  # sessions whose round waits for its draft
         self.filling: set[str] = set()  # sessions of the fill step in flight
         #: their drafts, which arrived during it: taken when it ends (a conditional one with its lookahead)
@@ -188,7 +190,12 @@ class SimVerifier:
         select_s = time.perf_counter() - started
         picked = [self.ready.pop(sid) for sid in chosen]
         shapes = [SegmentShape(new=c.new_tokens, cached=c.cached) for _, c in picked]
-        self._start(tuple(s for s, _ in picked), shapes, now, select_s)
+        fed = sum(c.new_tokens for _, c in picked)
+        room = min(self.limits.max_sessions - len(picked), self.limits.max_tokens - fed)
+        riders = tuple(self.fill.riders(list(self.waiting.values()), room))  # ``Scheduler._add_riders``
+        self.filling = {s.sid for s in riders}
+        shapes += [SegmentShape(new=1, cached=s.cached) for s in riders]
+        self._start(tuple(s for s, _ in picked), shapes, now, select_s, riders=riders)
 
     def _try_fill(self, now: float) -> None:
         """One token for each waiting session the real fill policy picks; when it picks none, look
@@ -212,12 +219,13 @@ class SimVerifier:
         self._start(tuple(chosen), shapes, now, select_s, fill=True)
 
     def _start(self, sessions: tuple[Session, ...], shapes: list[SegmentShape], now: float, select_s: float,
-               fill: bool = False) -> None:
-        overhead = self.v.step_overhead_s + self.v.round_overhead_s * len(sessions)
-        self.overhead.observe(len(sessions), overhead)
+               fill: bool = False, riders: tuple[Session, ...] = ()) -> None:
+        rows = len(sessions) + len(riders)
+        overhead = self.v.step_overhead_s + self.v.round_overhead_s * rows
+        self.overhead.observe(rows, overhead)
         seconds = self.cost.predict(shapes) + overhead
         self.busy = True
-        self.events.push(now + seconds, Kind.STEP_END, Step(sessions, seconds, select_s, fill))
+        self.events.push(now + seconds, Kind.STEP_END, Step(sessions, seconds, select_s, fill, riders))
 
     def end_step(self, step: Step, now: float) -> None:
         """The forward pass finished: judge, commit, allocate and send the verdicts (a fill step:
@@ -231,14 +239,20 @@ class SimVerifier:
                   for s, drafted, accepted, prob in judged if s.speculative and not s.finished]
         budgets = self.budgets.next(rounds)
         self._note_budgets()
-        self.rec.step(len(step.sessions), step.seconds, step.select_s, self.budgets.assign_s)
+        self.rec.step(len(step.sessions) + len(step.riders), step.seconds, step.select_s, self.budgets.assign_s)
         for s, drafted, accepted, _ in judged:
             self._publish(s, drafted, accepted, budgets.get(s.sid, 0), now)
+        self._commit_fills(step.riders, now)
 
     def _end_fill(self, step: Step, now: float) -> None:
         self.rec.step(len(step.sessions), step.seconds, step.select_s, 0.0)
+        self._commit_fills(step.sessions, now)
+
+    def _commit_fills(self, sessions: tuple[Session, ...], now: float) -> None:
+        """One target-only token for each session filled (a fill step's, or a step's riders), then
+        the drafts that arrived for them meanwhile."""
         self.filling = set()
-        for s in step.sessions:
+        for s in sessions:
             s.cached += 1  # the step fed its last token and decoded one more
             s.generated += 1
             s.filled += 1

@@ -37,7 +37,7 @@ first, as far as the batch limits allow (``Fill.riders``): a row costs far less 
 riders a session whose drafter is slow got no token at all while others were verified: with 16
 requests and SmartSpec at budget 0 in 97 % of rounds, the few drafted rounds waited for catch-up
 drafts and the fleet served 0.60x target-only (``python -m bench verifier-policies --parts
-smartspec``, 2026-12-02). The simulator's verifier does not take riders.
+smartspec``, 2026-12-02). The simulator's verifier takes them too (``bench/sim/verifier.py``).
 
 ``FillBeforeDrafts`` is this policy; ``NeverFill`` (``--fill false``) is the baseline, a step with
 nothing to verify waiting for a draft. Both sit behind ``Fill``, which the scheduler and the
