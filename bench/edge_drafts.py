@@ -92,6 +92,8 @@ def scenarios(target: Path) -> dict[str, Scenario]:
         "unguarded": default_fleet(", policy alone", verifier=("--speculation-guard", "false")),
         # the baseline of SmartSpec's draft waits priced from the drafters' timings (allocation/draft_wait.py)
         "untimed": default_fleet(", waits untimed", verifier=("--smartspec-timed-waits", "false")),
+        # the baseline of filling at all (services/verifier/fill.py): the verifier idles while drafts travel
+        "no-fill": default_fleet(", no fill", verifier=("--fill", "false")),
         # the baseline of filling in steps that verify others (services/verifier/fill.py: riders)
         "no-riders": default_fleet(", no riders", verifier=("--fill-riders", "false")),
         # the baseline of the drafters' shared prompt rows (services/drafter/proposers/draft_model.py)
@@ -367,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma list of: target-only, default-fleet, fleet-4bit (the default fleet with the Q8_0 copy "
                         "on specfleet's 4-bit kernel too), unguarded (the default fleet without the "
                         "verifier's measured guard), untimed (the default fleet with SmartSpec's draft waits not "
-                        "priced from the drafters' timings), no-riders (the default fleet filling only in steps "
+                        "priced from the drafters' timings), no-fill (the default fleet never filling), no-riders (the "
+                        "default fleet filling only in steps "
                         "with nothing to verify), unshared (the default fleet's drafters prefilling every prompt "
                         "whole), fleet-ahead (the default fleet drafting ahead at every session), q4_1, q4_1-ahead "
                         "(the Q4_1 copy drafting ahead at every session), q4_1-k3, q4_1-k5, q4_1-k8 (the Q4_1 copy "

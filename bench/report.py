@@ -110,6 +110,11 @@ SECTIONS = (
     edge_drafts("two-level-races/edge-drafts", "Greedy at 1, 4 and 16 requests, the day of the two-level races: the "
                 "default fleet and the Q4_1 copy alone",
                 "--concurrency 1,4,16 --scenarios target-only,default-fleet,q4_1 --repeats 2"),
+    edge_drafts("no-fill/edge-drafts-t1", "Filling off, at temperature 1: the default fleet with and without it at "
+                "1 request",
+                "--temperature 1 --concurrency 1 --scenarios target-only,default-fleet,no-fill --repeats 3"),
+    edge_drafts("no-fill/edge-drafts", "Filling off, greedy: the default fleet with and without it at 1 and 4 "
+                "requests", "--concurrency 1,4 --scenarios target-only,default-fleet,no-fill --repeats 2"),
     edge_drafts("poor/edge-drafts", "A poor drafter alone never slows the fleet: the distilled small draft and "
                 "prompt lookup at 1 and 16 requests",
                 "--scenarios target-only,distilled,ngram --concurrency 1,16 --repeats 3 --requests 16"),
@@ -127,7 +132,9 @@ SECTIONS = (
     Section("invariance-isa-limited", "What batch invariance costs with an AVX2 machine's kernels",
             "ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 python -m bench invariance --dtypes float32"),
     Section("single", "One stream: every way of serving it", "python -m bench single"),
-    Section("serving", "Greedy serving", "python -m bench serving --concurrency 1,2,4,8,16", ("serving.png",)),
+    Section("serving", "Greedy serving, each feature off alone: the Q4_1 copy as the one drafter",
+            "python -m bench serving --draft .specfleet/models/smollm2-135m-instruct.Q4_1.gguf --concurrency 1,4,16 "
+            "--repeats 2", ("serving.png",)),
     Section("serving-t1", "Temperature 1", "python -m bench serving --temperature 1", ("serving-t1.png",)),
     Section("context", "Step time against context length", "python -m bench context", ("context.png",)),
     Section("qwire", "q on the wire", "python -m bench qwire"),

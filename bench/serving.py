@@ -56,9 +56,18 @@ def raw_costs(target: Path, draft: Path, k: int, edge: Edge) -> dict[str, Any]:
     shapes = f"1x128x1,1x128x{k + 1},16x128x1,16x128x{k + 1}"
     server = run_pinned("bench.costs", edge.server_cpus, ["--model", str(target), "--decode", "128",
                                                           "--shapes", shapes, "--hf-shapes", "--floor"])
-    draft_costs = run_pinned("bench.costs", edge.edge_cpus, ["--model", str(draft), "--decode", "128",
-                                                             "--shapes", "1x128x1"])
-    return {"target": server, "draft": draft_costs}
+    return {"target": server, "draft": draft_cost(target, draft, edge)}
+
+
+def draft_cost(target: Path, draft: Path, edge: Edge) -> dict[str, Any]:
+    """The draft's one-row forward on the edge CPU: a model directory's at 128 tokens of context
+    (``bench.costs``), a GGUF file's batch-1 step after a chat prompt on the backend a drafter runs
+    it on (``bench.edge_drafts --gguf-step``), as ``forward_ms["1x128x1"]`` either way."""
+    if draft.suffix == ".gguf":
+        step = run_pinned("bench.edge_drafts", edge.edge_cpus, ["--gguf-step", str(draft), "--prompt-from",
+                                                                str(target)])
+        return {"forward_ms": {"1x128x1": step["step_ms"]}, "gguf_step": True}
+    return run_pinned("bench.costs", edge.edge_cpus, ["--model", str(draft), "--decode", "128", "--shapes", "1x128x1"])
 
 
 def scenarios(draft: Path, k: int, branches: Sequence[int] = (), temperature: float = 0.0) -> list[Scenario]:
@@ -163,7 +172,8 @@ def plot(rows: list[dict[str, Any]], path: Path, temperature: float) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.serving", description=__doc__.splitlines()[0])
     p.add_argument("--draft-len", type=int, default=4)
-    p.add_argument("--draft", default="", help="draft model dir (default: the smallest draft beside the target)")
+    p.add_argument("--draft", default="", help="draft model dir or GGUF file (default: the smallest draft beside "
+                                               "the target)")
     p.add_argument("--lookahead-branches", type=lambda s: [int(x) for x in s.split(",") if x], default=[],
                    help="also measure the drafter with each of these --lookahead-branches (its default is 1)")
     add_workload_flags(p, concurrency=(1, 4, 16))  # --temperature T != 0 writes serving-t<T>.*
