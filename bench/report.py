@@ -135,7 +135,9 @@ SECTIONS = (
     Section("serving", "Greedy serving, each feature off alone: the Q4_1 copy as the one drafter",
             "python -m bench serving --draft .specfleet/models/smollm2-135m-instruct.Q4_1.gguf --concurrency 1,4,16 "
             "--repeats 2", ("serving.png",)),
-    Section("serving-t1", "Temperature 1", "python -m bench serving --temperature 1", ("serving-t1.png",)),
+    Section("serving-t1", "Temperature 1, each feature off alone: the Q4_1 copy as the one drafter",
+            "python -m bench serving --temperature 1 --draft .specfleet/models/smollm2-135m-instruct.Q4_1.gguf "
+            "--concurrency 1,4,16 --repeats 2", ("serving-t1.png",)),
     Section("context", "Step time against context length", "python -m bench context", ("context.png",)),
     Section("qwire", "q on the wire", "python -m bench qwire"),
     Section("policies", "Drafting policies", "python -m bench policies"),
