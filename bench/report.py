@@ -110,6 +110,11 @@ SECTIONS = (
     edge_drafts("two-level-races/edge-drafts", "Greedy at 1, 4 and 16 requests, the day of the two-level races: the "
                 "default fleet and the Q4_1 copy alone",
                 "--concurrency 1,4,16 --scenarios target-only,default-fleet,q4_1 --repeats 2"),
+    Section("two-level-races/edge-drafts-16", "The default fleet at 16 requests, again, on the code of the two-level "
+            "races",
+            "python -m bench edge-drafts --concurrency 16 --scenarios target-only,default-fleet,q4_1 --repeats 3 "
+            "--out bench/results/two-level-races (then renamed edge-drafts-16)",
+            ("two-level-races/edge-drafts-16.png",)),
     edge_drafts("no-fill/edge-drafts-t1", "Filling off, at temperature 1: the default fleet with and without it at "
                 "1 request",
                 "--temperature 1 --concurrency 1 --scenarios target-only,default-fleet,no-fill --repeats 3"),
