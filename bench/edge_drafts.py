@@ -184,9 +184,14 @@ def step_costs(target: Path, drafts: dict[str, str], edge: Edge) -> dict[str, fl
                                                           "--shapes", "1x128x1"])
     out = {"target": 1000.0 / server["runner_decode_tok_s"]}
     for name, path in drafts.items():
-        out[name] = run_pinned("bench.edge_drafts", edge.edge_cpus, ["--gguf-step", path, "--prompt-from",
-                                                                     str(target)])["step_ms"]
+        out[name] = gguf_step_ms(target, path, edge)
     return out
+
+
+def gguf_step_ms(target: Path, path: str, edge: Edge) -> float:
+    """:func:`gguf_step` of the GGUF file ``path`` in a child pinned to the edge CPU, in ms."""
+    return float(run_pinned("bench.edge_drafts", edge.edge_cpus, ["--gguf-step", path, "--prompt-from",
+                                                                  str(target)])["step_ms"])
 
 
 def gguf_step(path: str, target: str) -> dict[str, float]:

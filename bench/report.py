@@ -30,10 +30,12 @@ class Section:
 
 
 def edge_drafts(stem: str, title: str, flags: str) -> Section:
-    """A ``python -m bench edge-drafts`` section: where it writes (``--out``) and its plot follow from ``stem``."""
-    folder = stem.rpartition("/")[0]
+    """A ``python -m bench edge-drafts`` section: where it writes (``--out``) and its plots follow from
+    ``stem``; a file name other than the bench's own (``edge-drafts``, ``edge-drafts-t1``) was renamed."""
+    folder, _, name = stem.rpartition("/")
+    renamed = f"(then renamed {name})" if name not in ("edge-drafts", "edge-drafts-t1") else ""
     command = " ".join(part for part in ("python -m bench edge-drafts", flags,
-                                         f"--out bench/results/{folder}" if folder else "") if part)
+                                         f"--out bench/results/{folder}" if folder else "", renamed) if part)
     return Section(stem, title, command, (f"{stem}.png", f"{stem}-latency.png"))
 
 
@@ -91,9 +93,8 @@ SECTIONS = (
     edge_drafts("steps-final/edge-drafts-t1", "Continuous batching at the drafter after its review: the default "
                 "fleet at temperature 1",
                 "--temperature 1 --concurrency 1 --scenarios target-only,default-fleet --repeats 3"),
-    Section("steps/edge-drafts-16", "Continuous batching at the drafter: the default fleet at 16 requests, again",
-            "python -m bench edge-drafts --scenarios target-only,default-fleet,q4_1 --concurrency 16 --repeats 3 "
-            "--requests 24 --out bench/results/steps (then renamed edge-drafts-16)", ("steps/edge-drafts-16.png",)),
+    edge_drafts("steps/edge-drafts-16", "Continuous batching at the drafter: the default fleet at 16 requests, again",
+                "--scenarios target-only,default-fleet,q4_1 --concurrency 16 --repeats 3 --requests 24"),
     edge_drafts("probes/edge-drafts", "Tried and reverted: SmartSpec's length probes, greedy, at 1, 4 and 16 "
                 "requests", "--scenarios target-only,default-fleet,q4_1 --repeats 3 --requests 24"),
     edge_drafts("probes/edge-drafts-t1", "Tried and reverted: SmartSpec's length probes at temperature 1",
@@ -110,11 +111,8 @@ SECTIONS = (
     edge_drafts("two-level-races/edge-drafts", "Greedy at 1, 4 and 16 requests, the day of the two-level races: the "
                 "default fleet and the Q4_1 copy alone",
                 "--concurrency 1,4,16 --scenarios target-only,default-fleet,q4_1 --repeats 2"),
-    Section("two-level-races/edge-drafts-16", "The default fleet at 16 requests, again, on the code of the two-level "
-            "races",
-            "python -m bench edge-drafts --concurrency 16 --scenarios target-only,default-fleet,q4_1 --repeats 3 "
-            "--out bench/results/two-level-races (then renamed edge-drafts-16)",
-            ("two-level-races/edge-drafts-16.png",)),
+    edge_drafts("two-level-races/edge-drafts-16", "The default fleet at 16 requests, again, on the code of the "
+                "two-level races", "--concurrency 16 --scenarios target-only,default-fleet,q4_1 --repeats 3"),
     edge_drafts("no-fill/edge-drafts-t1", "Filling off, at temperature 1: the default fleet with and without it at "
                 "1 request",
                 "--temperature 1 --concurrency 1 --scenarios target-only,default-fleet,no-fill --repeats 3"),

@@ -34,6 +34,7 @@ from typing import Any
 from tqdm import tqdm
 
 from bench.edge import Edge, edge_from, run_pinned
+from bench.edge_drafts import gguf_step_ms
 from bench.fleets import (
     BenchFleet,
     Run,
@@ -64,9 +65,7 @@ def draft_cost(target: Path, draft: Path, edge: Edge) -> dict[str, Any]:
     (``bench.costs``), a GGUF file's batch-1 step after a chat prompt on the backend a drafter runs
     it on (``bench.edge_drafts --gguf-step``), as ``forward_ms["1x128x1"]`` either way."""
     if draft.suffix == ".gguf":
-        step = run_pinned("bench.edge_drafts", edge.edge_cpus, ["--gguf-step", str(draft), "--prompt-from",
-                                                                str(target)])
-        return {"forward_ms": {"1x128x1": step["step_ms"]}, "gguf_step": True}
+        return {"forward_ms": {"1x128x1": gguf_step_ms(target, str(draft), edge)}, "gguf_step": True}
     return run_pinned("bench.costs", edge.edge_cpus, ["--model", str(draft), "--decode", "128", "--shapes", "1x128x1"])
 
 
