@@ -4,7 +4,8 @@ The forward pass returns logits rows for every verified session, back to back: f
 with k drafts, k + 1 rows (its last committed token, then each draft). Work is vectorised over
 the whole batch where the maths allows:
 
-* one argmax over every row serves all greedy sessions (no softmax, no copy);
+* one argmax over every row serves all greedy sessions (no softmax, no copy; numpy's, which is
+  vectorised: ``shared.runner.topk.row_argmax``);
 * a raced session (``shared.race``) is judged as a greedy one, against each row's race winner;
 * one call turns the sampled sessions' rows into their distributions, each row with its own
   temperature, top-k and top-p; one gather reads p(x) of every drafted token;
@@ -30,6 +31,7 @@ from shared.coupling import race_winner
 from shared.penalties import apply_penalties, has_penalties
 from shared.protocol import TokenLogprob
 from shared.race import winners
+from shared.runner.topk import row_argmax
 from shared.sampling import probs_from_logit_rows, sample
 
 
@@ -55,7 +57,7 @@ def judge(batch: Sequence[tuple[Request, list[int]]], raw: torch.Tensor) -> list
     out: list[Judgement | None] = [None] * len(batch)
     greedy = [i for i, (req, _) in enumerate(batch) if req.greedy]
     if greedy:
-        argmax = logits.argmax(-1).tolist()
+        argmax = row_argmax(logits)
         for i in greedy:
             drafts = batch[i][1]
             out[i] = _against(drafts, argmax[starts[i] : starts[i] + len(drafts) + 1])

@@ -9,6 +9,11 @@ Through the chunks' maxima (:func:`topk`) it took 31-38 µs for one row and 50-7
 values and their order are ``torch.topk``'s; where two logits tie exactly, either index may come
 first (as with ``torch.topk``, whose order among ties is unspecified), and the choice depends on
 the row alone.
+
+:func:`row_argmax` is each row's largest as Python ints, through numpy's vectorised argmax: the
+verifier's greedy verdicts take one over every row of a step. ``torch.argmax`` over 21 rows of
+49,152 float32 logits took 2.96 ms on one core of the Xeon VM (2026-12-07, flags as above),
+numpy's 0.33 ms, against a 16-request step of about 42 ms.
 """
 
 from __future__ import annotations
@@ -45,3 +50,14 @@ def topk(logits: torch.Tensor, k: int) -> TopK:
     inside = blocks[torch.arange(rows, device=logits.device).unsqueeze(1), best]  # [rows, k, CHUNK]
     top = inside.view(rows, -1).topk(k, dim=-1)
     return TopK(top.values, best.gather(1, top.indices // CHUNK) * CHUNK + top.indices % CHUNK)
+
+
+def row_argmax(logits: torch.Tensor) -> list[int]:
+    """Each row's index of its largest logit, ``[rows, V]`` -> ``rows`` ints: ``torch.argmax``'s
+    answer (the first of exact ties; a NaN counts as the largest, the first NaN as torch's), through
+    numpy where the tensor is a CPU float one (module docstring), else ``torch.argmax`` itself."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
+        picked: list[int] = logits.detach().numpy().argmax(-1).tolist()
+        return picked
+    picked = logits.argmax(-1).tolist()
+    return picked

@@ -1,11 +1,12 @@
-"""The two-pass top-k: torch.topk's values, in its order, with indices that point at them."""
+"""The two-pass top-k: torch.topk's values, in its order, with indices that point at them; and
+row_argmax: torch.argmax's answer."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from shared.runner.topk import CHUNK, MIN_CHUNKS, topk
+from shared.runner.topk import CHUNK, MIN_CHUNKS, row_argmax, topk
 
 
 @pytest.mark.parametrize(("rows", "width", "k"), [
@@ -49,3 +50,33 @@ def test_ties_give_distinct_indices_that_depend_on_the_row_alone() -> None:
     assert sorted(alone.indices[0].tolist()) == [7, 5000, 30000, 49151]
     beside = topk(torch.cat([torch.randn(2, 49152), row]), 4)
     assert torch.equal(beside.indices[2], alone.indices[0])
+
+
+def _argmax_case(name: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(5, 49152, generator=g)
+    if name == "ties":  # the first of exact ties, as torch.argmax
+        logits[:, [9, 700, 40000]] = 50.0
+    elif name == "nan":  # a NaN is the largest: the first one
+        logits[1, [300, 20]] = float("nan")
+    elif name == "-inf":  # a row masked whole (a grammar that allows nothing)
+        logits[2] = float("-inf")
+    elif name == "strided":
+        logits = torch.randn(49152, 5, generator=g).T
+    elif name == "bfloat16":  # numpy has no bfloat16: torch.argmax itself
+        logits = logits.bfloat16()
+    elif name == "float64":
+        logits = logits.double()
+    return logits
+
+
+@pytest.mark.parametrize("name", ["plain", "ties", "nan", "-inf", "strided", "bfloat16", "float64"])
+def test_row_argmax_is_torchs_argmax(name: str) -> None:
+    logits = _argmax_case(name)
+    got = row_argmax(logits)
+    assert got == logits.argmax(-1).tolist()
+    assert all(type(i) is int for i in got)
+    if name == "ties":
+        assert got == [9] * 5
+    if name == "nan":
+        assert got[1] == 20
