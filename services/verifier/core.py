@@ -39,6 +39,7 @@ from services.verifier.core_api import (
     Attach,
     Command,
     CoreBusy,
+    CoreDied,
     Deliver,
     Detach,
     Finish,
@@ -107,6 +108,7 @@ class TorchCore:
         self._thread: threading.Thread | None = None
         self._task: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None  # inline mode: set by submit()
+        self._died: asyncio.Future[None] | None = None  # failed() waits on it; set when the loop dies
         self._timing = _Timing()
         self._snapshot = Snapshot()
         self._changed = False  # something happened since the last snapshot
@@ -117,14 +119,27 @@ class TorchCore:
     def start(self) -> None:
         """Start serving: a thread of its own, or (inline) a task on the running event loop."""
         self._running = True
+        self._died = asyncio.get_running_loop().create_future()
         log.info("engine core started", mode="thread" if self.threaded else "inline",
                  allocation=self.allocator.name, batching=self.scheduler.batcher.name, trim=self.scheduler.trim.name)
+        loop = asyncio.get_running_loop()
         if self.threaded:
-            self._thread = threading.Thread(target=self._run_thread, name="verifier-core", daemon=True)
+            self._thread = threading.Thread(target=self._run_thread, args=(loop,), name="verifier-core", daemon=True)
             self._thread.start()
         else:
             self._wake = asyncio.Event()
-            self._task = asyncio.get_running_loop().create_task(self._run_inline(), name="verifier-core")
+            self._task = loop.create_task(self._run_inline(), name="verifier-core")
+            self._task.add_done_callback(lambda t: self._died_of(None if t.cancelled() else t.exception()))
+
+    async def failed(self) -> None:
+        assert self._died is not None, "start() first"
+        await asyncio.shield(self._died)
+
+    def _died_of(self, exc: BaseException | None) -> None:
+        """The loop ended (event loop thread): an error while still running fails :meth:`failed`."""
+        if exc is None or not self._running or self._died is None or self._died.done():
+            return
+        self._died.set_exception(CoreDied(f"the verifier's engine core stopped: {exc!r}"))
 
     def submit(self, command: Command) -> None:
         if not isinstance(command, Detach | Attach | Finish) and self._commands.qsize() >= self.limits.max_commands:
@@ -139,7 +154,7 @@ class TorchCore:
         if self._wake is not None:
             self._wake.set()
         if self._task is not None:
-            await self._task
+            await asyncio.gather(self._task, return_exceptions=True)  # its error went to failed()
         if self._thread is not None:
             self._commands.put_nowait(None)  # a wake-up; _running is already False
             await asyncio.to_thread(self._thread.join, 30)
@@ -158,21 +173,30 @@ class TorchCore:
 
     # --- the loop ------------------------------------------------------------------------
 
-    def _run_thread(self) -> None:
-        while self._running:
-            self._iterate(self._idle_s())
+    def _run_thread(self, loop: asyncio.AbstractEventLoop) -> None:
+        try:
+            while self._running:
+                self._iterate(self._idle_s())
+        except Exception as exc:  # told to the event loop, whose failed() ends the verifier
+            log.exception("the engine core stopped with an error; the verifier exits")
+            with contextlib.suppress(RuntimeError):  # the event loop has closed: nobody is left to tell
+                loop.call_soon_threadsafe(self._died_of, exc)
 
     async def _run_inline(self) -> None:
         assert self._wake is not None
-        while self._running:
-            idle_s = self._idle_s()
-            if idle_s > 0 and self._commands.empty():
-                self._wake.clear()
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(idle_s):
-                        await self._wake.wait()
-            self._iterate(0.0)
-            await let_io_in()  # read the frames that arrived during the step, send this step's results
+        try:
+            while self._running:
+                idle_s = self._idle_s()
+                if idle_s > 0 and self._commands.empty():
+                    self._wake.clear()
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(idle_s):
+                            await self._wake.wait()
+                self._iterate(0.0)
+                await let_io_in()  # read the frames that arrived during the step, send this step's results
+        except Exception:  # the task's done callback tells failed()
+            log.exception("the engine core stopped with an error; the verifier exits")
+            raise
 
     def _iterate(self, block_s: float) -> None:
         """One turn of the loop: inputs (waiting up to ``block_s`` for one), admission, at most

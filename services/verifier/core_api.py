@@ -246,6 +246,11 @@ class VerifierCore(Protocol):
     async def aclose(self) -> None:
         """Stop serving and wait for the core to wind down."""
 
+    async def failed(self) -> None:
+        """Wait while the core serves; raise :class:`CoreDied` if its loop stops on its own (an error
+        in a step). The verifier then exits, so its supervisor restarts it and the coordinators
+        re-open their requests there, rather than serving sockets while nothing steps."""
+
     # What the event loop reads of the core: a snapshot the core published (the torch core's runs
     # on another thread; the event loop never reads its live state).
 
@@ -261,3 +266,7 @@ class VerifierCore(Protocol):
 
 class CoreBusy(RuntimeError):
     """The core's command queue is full: the verifier is overloaded; retry later."""
+
+
+class CoreDied(RuntimeError):
+    """The engine core's loop stopped with an error while the verifier was serving."""

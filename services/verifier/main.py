@@ -16,7 +16,7 @@ from services.verifier.batching import BatchLimits, make_batcher
 from services.verifier.batching.estimator import StepTimeEstimator
 from services.verifier.config import VerifierConfig, validate
 from services.verifier.core import CoreLimits, TorchCore
-from services.verifier.core_api import Result, VerifierCore
+from services.verifier.core_api import CoreDied, Result, VerifierCore
 from services.verifier.fill import make_fill
 from services.verifier.fleet_view import EngineInfo
 from services.verifier.intake import Intake
@@ -236,7 +236,8 @@ async def serve(cfg: VerifierConfig, ready: asyncio.Event | None = None) -> None
     port = server.sockets[0].getsockname()[1] if server.sockets else cfg.server.port
     log.info("verifier listening", host=cfg.server.host, port=port, tls=tls is not None, model=hub.welcome.target_model,
              max_model_len=hub.welcome.max_model_len)
-    tasks = [asyncio.create_task(fleet_status_loop(hub)), asyncio.create_task(revocation_loop(hub))]
+    tasks = [asyncio.create_task(fleet_status_loop(hub)), asyncio.create_task(revocation_loop(hub)),
+             asyncio.create_task(core.failed())]  # a core that died ends the verifier (CoreDied)
     if ready is not None:
         ready.set()
     stop = asyncio.Event()
@@ -272,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     except ModelLoadError as exc:
         log.error("cannot start", reason=str(exc))
         return 2
+    except CoreDied as exc:  # logged with its cause where it died; exit for the supervisor to restart
+        print(f"specfleet verifier: {exc}; exiting so that it is restarted", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         pass
     return 0

@@ -17,7 +17,10 @@ import websockets
 from websockets.asyncio.client import ClientConnection
 
 from services.verifier.config import VerifierConfig
+from services.verifier.core import TorchCore
+from services.verifier.core_api import CoreDied
 from services.verifier.main import serve
+from services.verifier.scheduler import Step
 from shared.config import from_flags
 from shared.models import LoadedModel, load_model
 from shared.protocol import (
@@ -411,3 +414,26 @@ async def test_fleet_view_needs_a_frontend_key_and_lists_each_drafter(verifier: 
     [row] = [d for d in view["drafters"] if d["node"] == "edge-7"]
     assert row["model"] == "test" and row["trusted"] is True
     assert row["drafted_tokens"] >= row["accepted_tokens"] > 0
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("core_mode", ["thread", "inline"])
+async def test_a_core_that_dies_ends_the_verifier(tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
+                                                  core_mode: str) -> None:
+    """An error in a step (injected here) ends ``serve`` with CoreDied, so the process exits and is
+    restarted, instead of serving sockets while no step runs (a request's stream would hang)."""
+
+    def broken(self: TorchCore, step: Step, scheduled: float) -> None:
+        raise RuntimeError("injected step failure")
+
+    monkeypatch.setattr(TorchCore, "_step", broken)
+    port = free_port()
+    cfg = from_flags(VerifierConfig, port=port, model=str(tiny_models["target"]), auth_token=TOKEN, core_mode=core_mode)
+    ready = asyncio.Event()
+    task = asyncio.create_task(serve(cfg, ready))
+    await asyncio.wait_for(ready.wait(), 60)
+    async with connect(f"ws://127.0.0.1:{port}", "frontend") as fe:
+        await fe.send(OpenSession(request_id="doomed", prompt_ids=[3, 40, 41], params=GREEDY, origin="test-frontend",
+                                  speculative=False))
+        with pytest.raises(CoreDied, match="injected step failure"):
+            await asyncio.wait_for(task, 30)

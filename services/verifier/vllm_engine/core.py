@@ -103,6 +103,11 @@ class VllmCore:
             self._finish(command.request_id)
         self._schedule_flush()
 
+    async def failed(self) -> None:
+        """Never returns: this core has no loop of its own to die; vLLM's errors fail the requests
+        they hit (``_generate``)."""
+        await asyncio.get_running_loop().create_future()
+
     async def aclose(self) -> None:
         """Abort every request, then shut vLLM's engine process down."""
         self._closing = True
