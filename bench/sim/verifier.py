@@ -193,6 +193,7 @@ class SimVerifier:
         fed = sum(c.new_tokens for _, c in picked)
         room = min(self.limits.max_sessions - len(picked), self.limits.max_tokens - fed)
         riders = tuple(self.fill.riders(list(self.waiting.values()), room))  # ``Scheduler._add_riders``
+        riders = riders[: self.batcher.riders_fit([s.cached for s in riders])]
         self.filling = {s.sid for s in riders}
         shapes += [SegmentShape(new=1, cached=s.cached) for s in riders]
         self._start(tuple(s for s, _ in picked), shapes, now, select_s, riders=riders)

@@ -117,9 +117,11 @@ class Scheduler:
 
     def _add_riders(self, step: Step, active: list[Request]) -> None:
         """In a step that verifies anyway: one target-only token for the waiting sessions that fit
-        (without them, a session whose drafter is slow gets nothing until its draft comes)."""
+        the step's limits and the batch policy's deadlines (without them, a session whose drafter is
+        slow gets nothing until its draft comes)."""
         room = min(self.limits.max_sessions - len(step.segments), self.limits.max_tokens - step.verify_tokens)
-        self._fill_rows(step, self.fill.riders(active, room))
+        riders = self.fill.riders(active, room)
+        self._fill_rows(step, riders[: self.batcher.riders_fit([r.cached for r in riders])])
 
     @staticmethod
     def _fill_rows(step: Step, reqs: list[Request]) -> None:

@@ -9,10 +9,12 @@ that Verdict commits its ``after``. Either way, the tokens are the target's gree
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
+from services.verifier.batching import FcfsBatcher
 from services.verifier.core_api import AddDraft, AddRequest, Filled, OutOfTurn, Rounded
 from services.verifier.fill import Fill, FillBeforeDrafts, make_fill
 from services.verifier.requests import Request, Status
@@ -161,6 +163,22 @@ def test_a_waiting_session_rides_along_in_steps_that_verify_others(target: Loade
     last = h.of(Rounded, "s")[-1]
     assert isinstance(last, Rounded) and (last.drafted, last.accepted) == (BUDGET, BUDGET)
     assert everything(h) == ref[:len(everything(h))]
+
+
+class _NoRoomForRiders(FcfsBatcher):
+    """FCFS whose batches take no rider, as WISP's when any rider would end the step after a deadline."""
+
+    def riders_fit(self, cached: Sequence[int]) -> int:
+        return 0
+
+
+def test_riders_are_only_those_the_batch_policy_fits(target: LoadedModel) -> None:
+    """The scheduler asks the batch policy how many riders its batch takes (WISP: within its deadline)."""
+    h, _ = started(target)
+    h.core.scheduler.batcher = _NoRoomForRiders()
+    h.core.submit(AddRequest("a", prompt(11, 7), GREEDY, speculative=False))
+    h.turn(4)
+    assert h.tokens("a") and not h.of(Filled, "s")
 
 
 # --- the fill policy's clock ----------------------------------------------------------------------

@@ -126,6 +126,26 @@ LIMIT_CASES = [
 ]
 
 
+RIDER_CASES = [
+    pytest.param([due("tight", 104.0)], LinearTime(), [0, 0, 0, 0], 2, id="until-the-deadline"),  # 102 + 1 a rider
+    pytest.param([due("tight", 104.0)], LinearTime(c=0.5), [2, 2, 0], 1, id="cached-rows-count"),  # 102 + 2 a rider
+    pytest.param([due("tight", 102.0)], LinearTime(), [0], 0, id="none-at-the-deadline"),
+    pytest.param([be("free")], LinearTime(), [0] * 50, 50, id="best-effort-binds-nothing"),
+    pytest.param([due("late", 90.0)], LinearTime(), [0] * 5, 5, id="a-late-member-binds-nothing"),
+    pytest.param([], LinearTime(), [0, 0], 2, id="no-batch-yet"),
+]
+
+
+@pytest.mark.parametrize(("ready", "model", "cached", "fit"), RIDER_CASES)
+def test_riders_fit_within_the_batchs_tightest_deadline(ready: list[Candidate], model: LinearTime, cached: list[int],
+                                                        fit: int) -> None:
+    """Riders (one token each in the step, ``Scheduler._add_riders``) go through FeasibleAdd too."""
+    batcher = wisp(model=model)
+    batcher.select(ready, ROOMY)
+    assert batcher.riders_fit(cached) == fit
+    assert FcfsBatcher().riders_fit(cached) == len(cached)
+
+
 @pytest.mark.parametrize(("ready", "limits", "kv", "expected", "stop"), LIMIT_CASES)
 def test_limits(ready: list[Candidate], limits: BatchLimits, kv: int | None, expected: list[str],
                 stop: str | None) -> None:

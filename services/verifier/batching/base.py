@@ -52,6 +52,10 @@ class BatchPolicy(Protocol):
     def select(self, ready: Sequence[Candidate], limits: BatchLimits) -> list[str]:
         """Session ids to verify together now (non-empty whenever ``ready`` is), in admission order."""
 
+    def riders_fit(self, cached: Sequence[int]) -> int:
+        """How many riders the last selected batch takes: sessions decoded one token each in the same
+        step (``Scheduler._add_riders``), ``cached`` their KV rows, in the order offered."""
+
 
 def slo_met(arrived_at: float, generated: float, slo_tokens_per_s: float | None, now: float) -> bool:
     """Whether a request that arrived at ``arrived_at`` and has committed ``generated`` output tokens

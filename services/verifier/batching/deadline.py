@@ -51,6 +51,12 @@ only when every critical candidate was admitted. Our interpretations:
 * Stopping at the first violation (rather than skipping) can leave smaller candidates behind, and
   a low-utility best-effort request can wait long under sustained load: that is Alg. 1's greedy.
 
+**Riders.** The scheduler may decode, in the same step, sessions still waiting for their drafts
+(``Scheduler._add_riders``). Each is one more row of the step, so :meth:`DeadlineBatcher.riders_fit`
+puts them through the same ``FeasibleAdd`` against the batch's tightest deadline: riders that would
+make the step end after it are left out (a rider is a session's extra token, never worth a
+member's deadline).
+
 **Cost.** Ranking n candidates is arithmetic on the model's affine coefficients (eq. 19, read off
 by four probes per decision), then a heap selection of the first ``max_sessions + 1``: O(n log k).
 Each tentative batch is checked with one ``predict_sums`` call on running sums (ΣL_new,
@@ -165,10 +171,11 @@ class DeadlineBatcher:
         self.network_s = network_s
         self.last_critical = 0
         self.last_stop: str | None = None
+        self._last: _Batch | None = None  # the last batch selected, for its riders
 
     def select(self, ready: Sequence[Candidate], limits: BatchLimits) -> list[str]:
         """Alg. 1 at dispatch epoch t_k = ``clock()``: session ids in admission order."""
-        self.last_critical, self.last_stop = 0, None
+        self.last_critical, self.last_stop, self._last = 0, None, None
         if not ready:
             return []
         now = self.clock()
@@ -180,7 +187,21 @@ class DeadlineBatcher:
                 if self.last_stop is not None:
                     break
             batch.add(ready[i], binding)
+        self._last = batch
         return batch.ids
+
+    def riders_fit(self, cached: Sequence[int]) -> int:
+        """How many of the riders (one new token each over ``cached`` KV rows, in order) the last batch
+        takes with its predicted end still within its tightest deadline (module docstring)."""
+        batch = self._last
+        if batch is None or batch.tight == math.inf:
+            return len(cached)
+        new, total_new, rows = batch.new, batch.total_new, batch.cached
+        for taken, k in enumerate(cached):
+            new, total_new, rows = new + 1, total_new + k + 1, rows + k
+            if batch.now + self.model.predict_sums(new, total_new, rows) > batch.tight:
+                return taken
+        return len(cached)
 
     def _rank(self, ready: Sequence[Candidate], now: float, k: int) -> list[_Ranked]:
         """Alg. 1 lines 10–17: critical candidates by EDF, then the rest by decreasing utility; only

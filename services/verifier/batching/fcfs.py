@@ -21,3 +21,6 @@ class FcfsBatcher:
             chosen.append(cand.session_id)
             tokens += cand.new_tokens
         return chosen
+
+    def riders_fit(self, cached: Sequence[int]) -> int:
+        return len(cached)  # any the step's limits allow
