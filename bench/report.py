@@ -112,7 +112,7 @@ SECTIONS = (
                 "default fleet and the Q4_1 copy alone",
                 "--concurrency 1,4,16 --scenarios target-only,default-fleet,q4_1 --repeats 2"),
     edge_drafts("two-level-races/edge-drafts-16", "The default fleet at 16 requests, again, on the code of the "
-                "two-level races", "--concurrency 16 --scenarios target-only,default-fleet,q4_1 --repeats 3"),
+                "two-level races and after", "--concurrency 16 --scenarios target-only,default-fleet --repeats 3"),
     edge_drafts("no-fill/edge-drafts-t1", "Filling off, at temperature 1: the default fleet with and without it at "
                 "1 request",
                 "--temperature 1 --concurrency 1 --scenarios target-only,default-fleet,no-fill --repeats 3"),
