@@ -119,10 +119,10 @@ class TorchCore:
     def start(self) -> None:
         """Start serving: a thread of its own, or (inline) a task on the running event loop."""
         self._running = True
-        self._died = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        self._died = loop.create_future()
         log.info("engine core started", mode="thread" if self.threaded else "inline",
                  allocation=self.allocator.name, batching=self.scheduler.batcher.name, trim=self.scheduler.trim.name)
-        loop = asyncio.get_running_loop()
         if self.threaded:
             self._thread = threading.Thread(target=self._run_thread, args=(loop,), name="verifier-core", daemon=True)
             self._thread.start()
