@@ -62,6 +62,7 @@ from services.verifier.batching import BatchLimits, Candidate, DeadlineBatcher, 
 from services.verifier.batching.estimator import SegmentShape, overhead_line
 from services.verifier.fill import make_fill
 from services.verifier.round import DraftBudgets, filled_outcome, settled_drafts
+from services.verifier.scheduler import choose_riders
 
 
 class SimVerifier:
@@ -190,10 +191,8 @@ class SimVerifier:
         select_s = time.perf_counter() - started
         picked = [self.ready.pop(sid) for sid in chosen]
         shapes = [SegmentShape(new=c.new_tokens, cached=c.cached) for _, c in picked]
-        fed = sum(c.new_tokens for _, c in picked)
-        room = min(self.limits.max_sessions - len(picked), self.limits.max_tokens - fed)
-        riders = tuple(self.fill.riders(list(self.waiting.values()), room))  # ``Scheduler._add_riders``
-        riders = riders[: self.batcher.riders_fit([s.cached for s in riders])]
+        riders = tuple(choose_riders(self.fill, self.batcher, self.limits, list(self.waiting.values()), len(picked),
+                                     sum(c.new_tokens for _, c in picked)))  # as ``Scheduler._add_riders``
         self.filling = {s.sid for s in riders}
         shapes += [SegmentShape(new=1, cached=s.cached) for s in riders]
         self._start(tuple(s for s, _ in picked), shapes, now, select_s, riders=riders)

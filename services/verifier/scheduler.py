@@ -21,14 +21,14 @@ Each step has a token budget (``max_tokens``) and a session budget (``max_sessio
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from services.verifier.allocation.base import expected_tokens
 from services.verifier.allocation.tracker import GoodputTracker
 from services.verifier.batching import BatchLimits, BatchPolicy, Candidate, SloClock
 from services.verifier.batching.estimator import SegmentShape, StepTimeEstimator
-from services.verifier.fill import Fill, FillBeforeDrafts
+from services.verifier.fill import Fill, FillBeforeDrafts, W
 from services.verifier.requests import Request, Status
 from services.verifier.trim import TrimItem, TrimPolicy, make_trim
 from shared.runner import Segment
@@ -46,6 +46,15 @@ class Step:
 
     def __bool__(self) -> bool:
         return bool(self.segments)
+
+
+def choose_riders(fill: Fill, batcher: BatchPolicy, limits: BatchLimits, waiting: Sequence[W], sessions: int,
+                  tokens: int) -> list[W]:
+    """The riders of a step that verifies ``sessions`` sessions of ``tokens`` tokens: the waiting sessions
+    the fill policy picks within the step's limits, as many of them as the batch policy's batch takes
+    (WISP: within its deadline). The real scheduler's and the simulator's."""
+    riders = fill.riders(waiting, min(limits.max_sessions - sessions, limits.max_tokens - tokens))
+    return riders[: batcher.riders_fit([r.cached for r in riders])]
 
 
 class Scheduler:
@@ -119,9 +128,8 @@ class Scheduler:
         """In a step that verifies anyway: one target-only token for the waiting sessions that fit
         the step's limits and the batch policy's deadlines (without them, a session whose drafter is
         slow gets nothing until its draft comes)."""
-        room = min(self.limits.max_sessions - len(step.segments), self.limits.max_tokens - step.verify_tokens)
-        riders = self.fill.riders(active, room)
-        self._fill_rows(step, riders[: self.batcher.riders_fit([r.cached for r in riders])])
+        self._fill_rows(step, choose_riders(self.fill, self.batcher, self.limits, active, len(step.segments),
+                                            step.verify_tokens))
 
     @staticmethod
     def _fill_rows(step: Step, reqs: list[Request]) -> None:

@@ -69,7 +69,7 @@ import heapq
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from services.verifier.batching.base import BatchLimits, Candidate
@@ -128,14 +128,21 @@ class _Batch:
     tight: float = math.inf  # tightest deadline among members that can still meet theirs
 
     def add(self, cand: Candidate, binding: float) -> None:
-        n = cand.new_tokens
         self.ids.append(cand.session_id)
-        self.tokens += n
+        self.tokens += cand.new_tokens
         self.kv += cand.kv_tokens
-        self.new += n
-        self.total_new += (cand.cached + n) * n
-        self.cached += cand.cached
+        self.grow(cand.new_tokens, cand.cached)
         self.tight = min(self.tight, binding)
+
+    def grow(self, n: int, cached: int) -> None:
+        """The time model's sums with one more segment: ``n`` new tokens over ``cached`` KV rows."""
+        self.new += n
+        self.total_new += (cached + n) * n
+        self.cached += cached
+
+    def ends_with(self, model: SumsTimeModel, n: int, cached: int) -> float:
+        """When the step would end with that segment added (eq. 15's now + T̂(B ∪ {i}))."""
+        return self.now + model.predict_sums(self.new + n, self.total_new + (cached + n) * n, self.cached + cached)
 
 
 class DeadlineBatcher:
@@ -193,14 +200,13 @@ class DeadlineBatcher:
     def riders_fit(self, cached: Sequence[int]) -> int:
         """How many of the riders (one new token each over ``cached`` KV rows, in order) the last batch
         takes with its predicted end still within its tightest deadline (module docstring)."""
-        batch = self._last
-        if batch is None or batch.tight == math.inf:
+        if self._last is None or self._last.tight == math.inf:
             return len(cached)
-        new, total_new, rows = batch.new, batch.total_new, batch.cached
+        batch = replace(self._last, ids=[])  # the sums grow; the batch selected stays as it was
         for taken, k in enumerate(cached):
-            new, total_new, rows = new + 1, total_new + k + 1, rows + k
-            if batch.now + self.model.predict_sums(new, total_new, rows) > batch.tight:
+            if batch.ends_with(self.model, 1, k) > batch.tight:
                 return taken
+            batch.grow(1, k)
         return len(cached)
 
     def _rank(self, ready: Sequence[Candidate], now: float, k: int) -> list[_Ranked]:
@@ -235,8 +241,6 @@ class DeadlineBatcher:
             return "tokens"
         if self.kv_budget_tokens is not None and batch.kv + cand.kv_tokens > self.kv_budget_tokens:
             return "kv"
-        n, k = cand.new_tokens, cand.cached
-        t = self.model.predict_sums(batch.new + n, batch.total_new + (k + n) * n, batch.cached + k)
-        if batch.now + t > min(batch.tight, binding):
+        if batch.ends_with(self.model, cand.new_tokens, cand.cached) > min(batch.tight, binding):
             return "deadline"
         return None
