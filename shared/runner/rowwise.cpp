@@ -375,30 +375,38 @@ inline float lanes_sum(__m256 acc) {  // the 8 lanes, in a fixed order
   return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
 }
 
+// 8 (1) values of a KV row as float32 (load8 above for a float32 arena, the verifier's), or of a float16
+// arena (a 4-bit draft's: half the bytes that attention streams; F16C widens exactly)
+inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline float load1(const float* p) { return *p; }
+inline float load1(const at::Half* p) { return static_cast<float>(*p); }
+
 // The sum of a[0..n) * b[0..n): 8 lanes, each in index order, then the lanes in a fixed order, then
 // the last n % 8 products in order.
-inline float dot(const float* a, const float* b, int64_t n) {
+template <typename B>
+inline float dot(const float* a, const B* b, int64_t n) {
   __m256 acc = _mm256_setzero_ps();
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), acc);
   float s = lanes_sum(acc);
-  for (; i < n; ++i) s += a[i] * b[i];
+  for (; i < n; ++i) s += a[i] * load1(b + i);
   return s;
 }
 
 // dot(q, k_t, n) for 4 rows k_t = k + t * n at once: the same arithmetic per row as dot(), but four
 // independent chains, so the FMAs' latency overlaps (one chain at a time waits on each FMA)
-inline void dot4(const float* q, const float* k, int64_t n, float* out) {
+template <typename K>
+inline void dot4(const float* q, const K* k, int64_t n, float* out) {
   __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m256 qv = _mm256_loadu_ps(q + i);
 #pragma GCC unroll 4
-    for (int t = 0; t < 4; ++t) acc[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + t * n + i), acc[t]);
+    for (int t = 0; t < 4; ++t) acc[t] = _mm256_fmadd_ps(qv, load8(k + t * n + i), acc[t]);
   }
   for (int t = 0; t < 4; ++t) {
     float s = lanes_sum(acc[t]);
-    for (int64_t r = i; r < n; ++r) s += q[r] * k[t * n + r];
+    for (int64_t r = i; r < n; ++r) s += q[r] * load1(k + t * n + r);
     out[t] = s;
   }
 }
@@ -417,28 +425,29 @@ inline __m256 lanes_sum8(const __m256* a) {
 // dot(q, k_t, n) for 8 rows k_t = k + t * n at once, n a multiple of 8: dot()'s arithmetic per row
 // (the same lanes, the same chains, lanes_sum()'s order), eight chains in flight, and the eight sums
 // reduced together rather than one by one
-inline void dot8(const float* q, const float* k, int64_t n, float* out) {
+template <typename K>
+inline void dot8(const float* q, const K* k, int64_t n, float* out) {
   __m256 acc[8];
 #pragma GCC unroll 8
   for (int t = 0; t < 8; ++t) acc[t] = _mm256_setzero_ps();
   for (int64_t i = 0; i < n; i += 8) {
     const __m256 qv = _mm256_loadu_ps(q + i);
 #pragma GCC unroll 8
-    for (int t = 0; t < 8; ++t) acc[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + t * n + i), acc[t]);
+    for (int t = 0; t < 8; ++t) acc[t] = _mm256_fmadd_ps(qv, load8(k + t * n + i), acc[t]);
   }
   _mm256_storeu_ps(out, lanes_sum8(acc));
 }
 
 // out[0..8 * NV) = sum over j in order of p[j] * v_j[0..8 * NV), v_j = v + j * stride: in registers
-template <int NV>
-inline void weighted_sum(const float* p, const float* v, int64_t len, int64_t stride, float* out) {
+template <int NV, typename V>
+inline void weighted_sum(const float* p, const V* v, int64_t len, int64_t stride, float* out) {
   __m256 acc[NV];
 #pragma GCC unroll 8
   for (int c = 0; c < NV; ++c) acc[c] = _mm256_setzero_ps();
   for (int64_t j = 0; j < len; ++j) {
     const __m256 pv = _mm256_set1_ps(p[j]);
 #pragma GCC unroll 8
-    for (int c = 0; c < NV; ++c) acc[c] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + j * stride + 8 * c), acc[c]);
+    for (int c = 0; c < NV; ++c) acc[c] = _mm256_fmadd_ps(pv, load8(v + j * stride + 8 * c), acc[c]);
   }
 #pragma GCC unroll 8
   for (int c = 0; c < NV; ++c) _mm256_storeu_ps(out + 8 * c, acc[c]);
@@ -480,7 +489,8 @@ inline void rotary(float* v, const float* cos, const float* sin, int64_t d, floa
 // One query row of one head over `len` keys/values (rows of [tokens, d]): softmax(q.k * scale) @ v.
 // Every score is dot()'s arithmetic, the softmax sums in key order, and each output element sums its
 // values in key order: fixed by the row's own query and length.
-void attend(const float* q, const float* keys, const float* values, int64_t len, int64_t d, float scale,
+template <typename KV>
+void attend(const float* q, const KV* keys, const KV* values, int64_t len, int64_t d, float scale,
             float* scores, float* out) {
   int64_t j = 0;
   if (d % 8 == 0)
@@ -514,20 +524,20 @@ void attend(const float* q, const float* keys, const float* values, int64_t len,
   for (j = 0; j + 8 <= len; j += 8) _mm256_storeu_ps(scores + j, _mm256_mul_ps(_mm256_loadu_ps(scores + j), inv8));
   for (; j < len; ++j) scores[j] *= inv;
   int64_t i = 0;
-  for (; i + 64 <= d; i += 64) weighted_sum<8>(scores, values + i, len, d, out + i);
+  for (; i + 64 <= d; i += 64) weighted_sum<8, KV>(scores, values + i, len, d, out + i);
   switch ((d - i) / 8) {
-    case 7: weighted_sum<7>(scores, values + i, len, d, out + i); break;
-    case 6: weighted_sum<6>(scores, values + i, len, d, out + i); break;
-    case 5: weighted_sum<5>(scores, values + i, len, d, out + i); break;
-    case 4: weighted_sum<4>(scores, values + i, len, d, out + i); break;
-    case 3: weighted_sum<3>(scores, values + i, len, d, out + i); break;
-    case 2: weighted_sum<2>(scores, values + i, len, d, out + i); break;
-    case 1: weighted_sum<1>(scores, values + i, len, d, out + i); break;
+    case 7: weighted_sum<7, KV>(scores, values + i, len, d, out + i); break;
+    case 6: weighted_sum<6, KV>(scores, values + i, len, d, out + i); break;
+    case 5: weighted_sum<5, KV>(scores, values + i, len, d, out + i); break;
+    case 4: weighted_sum<4, KV>(scores, values + i, len, d, out + i); break;
+    case 3: weighted_sum<3, KV>(scores, values + i, len, d, out + i); break;
+    case 2: weighted_sum<2, KV>(scores, values + i, len, d, out + i); break;
+    case 1: weighted_sum<1, KV>(scores, values + i, len, d, out + i); break;
     default: break;
   }
   for (i += (d - i) / 8 * 8; i < d; ++i) {  // the last d % 8 elements
     float acc = 0.0f;
-    for (j = 0; j < len; ++j) acc += scores[j] * values[j * d + i];
+    for (j = 0; j < len; ++j) acc += scores[j] * load1(values + j * d + i);
     out[i] = acc;
   }
 }
@@ -576,11 +586,14 @@ struct Layer {
   }
 
   // x [T, hidden], updated in place; cos/sin [T, dim]; kv [2, kv_heads, tokens, dim] (one layer of the
-  // arena); rows [T]: the arena row each new key/value goes to; spans [S, 4]: (first row, rows, first
+  // arena: float32, or float16 for a draft, each new key and value rounded to it once); rows [T]: the arena row each new key/value goes to; spans [S, 4]: (first row, rows, first
   // arena row, keys seen by the last row) per session, rows in session order.
   torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor kv, torch::Tensor rows,
                         torch::Tensor spans) {
-    checked(x, "x"), checked(cos, "cos"), checked(sin, "sin"), checked(kv, "kv");
+    checked(x, "x"), checked(cos, "cos"), checked(sin, "sin");
+    const bool half = kv.scalar_type() == torch::kHalf;
+    TORCH_CHECK((half || kv.scalar_type() == torch::kFloat32) && kv.device().is_cpu() && kv.is_contiguous(),
+                "rowwise.Layer: kv must be a contiguous float32 or float16 CPU tensor");
     const int64_t T = x.size(0), width = (heads + 2 * kv_heads) * dim, tokens = kv.size(2);
     TORCH_CHECK(x.size(1) == hidden && cos.size(0) == T && cos.size(1) == dim && kv.size(1) == kv_heads &&
                     kv.size(3) == dim && rows.numel() == T && spans.dim() == 2 && spans.size(1) == 4,
@@ -604,8 +617,6 @@ struct Layer {
     linear_packed(hp, qkv, qp, T, hidden, width);
     add_bias(qp, qkv_bias, T, width);
     std::vector<float> tmp(dim);
-    float* keys = kv.data_ptr<float>();
-    float* values = keys + kv_heads * tokens * dim;
     for (int64_t r = 0; r < T; ++r) {
       TORCH_CHECK(0 <= row[r] && row[r] < tokens, "rowwise.Layer.forward: arena row out of range");
       for (int64_t hd = 0; hd < heads + kv_heads; ++hd) {
@@ -614,13 +625,16 @@ struct Layer {
         if (norm) rmsnorm(v, norm->data_ptr<float>(), v, dim, eps);
         rotary(v, cos.data_ptr<float>() + r * dim, sin.data_ptr<float>() + r * dim, dim, tmp.data());
       }
-      for (int64_t g = 0; g < kv_heads; ++g) {
-        std::memcpy(keys + (g * tokens + row[r]) * dim, qp + r * width + (heads + g) * dim, dim * sizeof(float));
-        std::memcpy(values + (g * tokens + row[r]) * dim, qp + r * width + (heads + kv_heads + g) * dim,
-                    dim * sizeof(float));
-      }
     }
-    attention(qp, keys, values, span, spans.size(0), T, width, tokens, hp);
+    if (half) {
+      at::Half* keys = kv.data_ptr<at::Half>();
+      write_kv(qp, keys, keys + kv_heads * tokens * dim, row, T, width, tokens);
+      attention(qp, keys, keys + kv_heads * tokens * dim, span, spans.size(0), T, width, tokens, hp);
+    } else {
+      float* keys = kv.data_ptr<float>();
+      write_kv(qp, keys, keys + kv_heads * tokens * dim, row, T, width, tokens);
+      attention(qp, keys, keys + kv_heads * tokens * dim, span, spans.size(0), T, width, tokens, hp);
+    }
     linear_packed(hp, o, dp, T, heads * dim, hidden);
     add_bias(dp, o_bias, T, hidden);
     for (int64_t i = 0; i < T * hidden; ++i) xp[i] += dp[i];
@@ -639,8 +653,23 @@ struct Layer {
   }
 
  private:
+  // each row's new keys and values (its q/k/v row's last 2 * kv_heads heads) to its arena row, in the arena's type
+  template <typename KV>
+  void write_kv(const float* qp, KV* keys, KV* values, const int64_t* row, int64_t T, int64_t width,
+                int64_t tokens) const {
+    for (int64_t r = 0; r < T; ++r)
+      for (int64_t g = 0; g < kv_heads; ++g) {
+        const float* k = qp + r * width + (heads + g) * dim;
+        const float* v = qp + r * width + (heads + kv_heads + g) * dim;
+        KV* kd = keys + (g * tokens + row[r]) * dim;
+        KV* vd = values + (g * tokens + row[r]) * dim;
+        for (int64_t i = 0; i < dim; ++i) kd[i] = static_cast<KV>(k[i]), vd[i] = static_cast<KV>(v[i]);
+      }
+  }
+
   // every row of every span over its session's keys: out [T, heads * dim]
-  void attention(const float* qp, const float* keys, const float* values, const int64_t* span, int64_t S, int64_t T,
+  template <typename KV>
+  void attention(const float* qp, const KV* keys, const KV* values, const int64_t* span, int64_t S, int64_t T,
                  int64_t width, int64_t tokens, float* out) const {
     const int64_t per_kv = heads / kv_heads;
     int64_t longest = 1;
@@ -653,8 +682,8 @@ struct Layer {
       // a key/value group's rows, for every row of the span and every head that reads them, while
       // they are in cache (a row's arithmetic is the same in any order of the loops)
       for (int64_t g = 0; g < kv_heads; ++g) {
-        const float* k = keys + (g * tokens + start) * dim;
-        const float* v = values + (g * tokens + start) * dim;
+        const KV* k = keys + (g * tokens + start) * dim;
+        const KV* v = values + (g * tokens + start) * dim;
         for (int64_t i = 0; i < n; ++i) {
           const int64_t r = first + i, len = seen - n + i + 1;
           for (int64_t hd = g * per_kv; hd < (g + 1) * per_kv; ++hd)

@@ -92,11 +92,14 @@ class ModelRunner:
     fidelity benchmark also runs half-precision activations, to measure what float32 ones buy).
     ``matmul``: the lean forward's matmul kernel (:data:`shared.runner.matmul.KERNELS`).
     ``fuse``: run each block as one C++ call where :func:`shared.runner.lean.fused_reason` allows
-    (False: as torch ops, which the benchmarks compare against)."""
+    (False: as torch ops, which the benchmarks compare against).
+    ``kv_dtype``: float16 keeps the KV cache in float16 under float32 activations, where the blocks are
+    fused (``rowwise.Layer`` converts as it writes and reads); the 4-bit draft's (``gguf_backend.q4_runner``).
+    None: the activations' dtype."""
 
     def __init__(self, loaded: LoadedModel, kv_budget_bytes: int, kind: str = "auto", self_check: bool = True,
                  batch_invariant: bool = False, activations: torch.dtype | None = None,
-                 matmul: str = "auto", fuse: bool = True) -> None:
+                 matmul: str = "auto", fuse: bool = True, kv_dtype: torch.dtype | None = None) -> None:
         if kind not in RUNNER_KINDS:
             raise ModelLoadError(f"runner must be one of {', '.join(RUNNER_KINDS)}, got {kind!r}")
         model = loaded.model
@@ -104,6 +107,7 @@ class ModelRunner:
         self.shape = kv_shape(model)
         if activations is not None:
             self.shape = dataclasses.replace(self.shape, dtype=activations)
+        self.activations = self.shape.dtype  # of a forward's rows; self.shape.dtype becomes the KV cache's below
         self.weight_dtype = weight_dtype(model)
         try:  # what the matmuls run on (a kernel named but unable to run here is refused now)
             self.matmul = resolve_kernel(matmul, self.device, self.weight_dtype)
@@ -126,21 +130,24 @@ class ModelRunner:
         self.row_multiple = max(multiples.values(), default=1) if multiples is not None else 0
         self.batch_invariant = batch_invariant
         #: each block one C++ call, every row alone (lean.fused_reason says why not, where not)
-        self.fused = fuse and self.kind == "lean" and not lean.fused_reason(model, self.matmul, self.shape.dtype)
+        self.fused = fuse and self.kind == "lean" and not lean.fused_reason(model, self.matmul, self.activations)
         #: the row multiple batch-invariant attention pads a key block's rows to (0: row by row, as
         #: the fused blocks always attend)
         self.attention_multiple = (probe_attention_multiple(self.shape.kv_heads, self.groups, self.shape.head_dim,
-                                                            self.shape.dtype, self.device)
+                                                            self.activations, self.device)
                                    if batch_invariant and not self.fused else 0)
-        self.decoder: Decoder = (lean.LeanDecoder(model, multiples, self.shape.dtype, self.attention_multiple,
+        self.decoder: Decoder = (lean.LeanDecoder(model, multiples, self.activations, self.attention_multiple,
                                                   self.matmul, fuse=self.fused)
                                  if self.kind == "lean" else HFDecoder(model))
+        if kv_dtype == torch.float16 and self.fused:  # only the fused blocks read a float16 cache
+            self.shape = dataclasses.replace(self.shape, dtype=kv_dtype)
         self.kv = KVArena(self.shape, kv_budget_bytes, self.device, KEY_BLOCK if self.attention_multiple else 1)
         self._reference = model
         log.info("model runner ready", model=loaded.name, runner=self.kind, lean_unavailable=why_not or None,
                  matmul=self.matmul if self.kind == "lean" else None, fused_blocks=self.fused,
                  bfloat16_pairs_on=_pairs_on(self.matmul, self.weight_dtype) if self.kind == "lean" else None,
-                 dtype=_name(self.weight_dtype), activations=_name(self.shape.dtype), batch_invariant=batch_invariant,
+                 dtype=_name(self.weight_dtype), activations=_name(self.activations), kv_cache=_name(self.shape.dtype),
+                 batch_invariant=batch_invariant,
                  row_multiple=self.row_multiple or None, attention_multiple=self.attention_multiple or None,
                  kv_tokens=self.kv.tokens,
                  kv_gib=round(self.kv.budget_bytes / 2**30, 3), kv_bytes_per_token=self.shape.bytes_per_token)
@@ -162,7 +169,8 @@ class ModelRunner:
 
     def describe(self) -> dict[str, object]:
         """What ``/status`` shows of the model's numerics."""
-        return {"dtype": _name(self.weight_dtype), "activations": _name(self.shape.dtype), "runner": self.kind,
+        return {"dtype": _name(self.weight_dtype), "activations": _name(self.activations),
+                "kv_cache": _name(self.shape.dtype), "runner": self.kind,
                 "matmul": self.matmul if self.kind == "lean" else None, "fused_blocks": self.fused,
                 "batch_invariant": self.batch_invariant,
                 "invariant_row_multiple": self.row_multiple,
@@ -172,7 +180,7 @@ class ModelRunner:
     def forward(self, segments: Sequence[Segment]) -> torch.Tensor | None:
         """One forward over every segment; logits ``[rows, V]`` (float32) for the rows asked for,
         in segment order, or None when no segment wants any. Every fed token is then cached."""
-        plan = plan_step(segments, self.groups, self.shape.dtype, self.device)
+        plan = plan_step(segments, self.groups, self.activations, self.device)
         if self.attention_multiple:
             clear_key_padding(segments, self.kv)
         hidden = self.decoder.hidden(plan, self.kv.data)

@@ -167,14 +167,32 @@ def test_a_q4_gguf_drafts_greedy_decoding_of_its_own_logits(q4_gguf: Path) -> No
     assert proposal.q is None and len(proposal.runner_up) == 6
 
 
+def _prompt_then_decode(runner: ModelRunner, steps: int = 4) -> torch.Tensor:
+    """The prompt's logits, then ``steps`` one-token steps' (each over the cached keys and values)."""
+    slot = runner.kv.allocate(len(PROMPT) + steps)
+    assert slot is not None
+    rows = [runner.forward([Segment(slot, PROMPT, 0)])]
+    for t in range(steps):
+        rows.append(runner.forward([Segment(slot, [PROMPT[t]], 0)]))
+    runner.kv.free(slot)
+    return torch.cat([r for r in rows if r is not None])
+
+
 def test_fused_blocks_over_4_bits_match_the_torch_ops(q4_gguf: Path) -> None:
-    fused = q4_runner(read_gguf(q4_gguf), 1 << 20)
-    loaded = dataclasses.replace(gguf_draft(read_gguf(q4_gguf)), model=fused._reference)
+    draft = q4_runner(read_gguf(q4_gguf), 1 << 20)
+    loaded = dataclasses.replace(gguf_draft(read_gguf(q4_gguf)), model=draft._reference)
+    fused = ModelRunner(loaded, 1 << 20, kind="lean", matmul="q4")  # a float32 cache, as the ops keep
     ops = ModelRunner(loaded, 1 << 20, kind="lean", matmul="q4", fuse=False)
-    assert not ops.fused
-    logits = []
-    for runner in (fused, ops):
-        slot = runner.kv.allocate(len(PROMPT))
-        assert slot is not None
-        logits.append(runner.forward([Segment(slot, PROMPT, 0)]))
-    assert torch.allclose(logits[0], logits[1], atol=1e-4, rtol=1e-4)
+    assert fused.fused and not ops.fused and fused.kv.data.dtype == ops.kv.data.dtype == torch.float32
+    assert torch.allclose(_prompt_then_decode(fused), _prompt_then_decode(ops), atol=1e-4, rtol=1e-4)
+
+
+def test_the_4_bit_draft_keeps_its_cache_in_float16(q4_gguf: Path) -> None:
+    draft = q4_runner(read_gguf(q4_gguf), 1 << 20)
+    loaded = dataclasses.replace(gguf_draft(read_gguf(q4_gguf)), model=draft._reference)
+    full = ModelRunner(loaded, 1 << 20, kind="lean", matmul="q4")
+    assert draft.kv.data.dtype == torch.float16 and draft.describe()["kv_cache"] == "float16"
+    assert draft.kv.tokens == 2 * full.kv.tokens  # the same bytes hold twice the tokens
+    half, single = _prompt_then_decode(draft), _prompt_then_decode(full)
+    assert not torch.equal(half, single)  # the keys and values really were rounded
+    assert float((half - single).abs().max()) <= 3e-2 * float(single.abs().max())  # 0.011 seen

@@ -79,8 +79,8 @@ def test_a_kernel_that_cannot_run_is_refused_by_name_and_skipped_by_auto(monkeyp
     monkeypatch.setattr(rowwise, "_told", [])
     rowwise.why_unavailable.cache_clear()
     try:
-        assert rowwise.why_unavailable() == "this CPU lacks avx2, fma"
-        with pytest.raises(ValueError, match="lacks avx2, fma; use --matmul auto"):
+        assert rowwise.why_unavailable() == "this CPU lacks avx2, f16c, fma"
+        with pytest.raises(ValueError, match="lacks avx2, f16c, fma; use --matmul auto"):
             resolve_kernel("rowwise", CPU, torch.float32)
         assert resolve_kernel("auto", CPU, torch.float32) in ("onednn", "plain")
     finally:
