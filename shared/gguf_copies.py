@@ -76,6 +76,15 @@ def write_cards(target_dir: Path, copies: dict[str, Path], force: bool = False) 
             card.chmod(0o644)
 
 
+def refresh_cards(target_dir: Path) -> None:
+    """The cards of the copies already beside ``target_dir``, rewritten where the measurements are newer
+    (a checkout that pulled new ``models/gguf/MEASUREMENTS.json`` keeps its copies, not their old cards)."""
+    try:
+        write_cards(target_dir, {w: p for w in WIDTHS if (p := copy_path(target_dir, w)).is_file()})
+    except OSError as exc:  # a read-only models volume: the copies serve as they are
+        log.warning("the GGUF copies' cards could not be rewritten", target=str(target_dir), reason=str(exc))
+
+
 def quantize(src: Path, dst: Path, width: str, threads: int = 2) -> None:
     """``dst``: ``src`` requantized to ``width`` by llama.cpp's own quantizer."""
     from shared.llama_lib import llama_cpp_module

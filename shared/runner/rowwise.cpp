@@ -586,8 +586,9 @@ struct Layer {
   }
 
   // x [T, hidden], updated in place; cos/sin [T, dim]; kv [2, kv_heads, tokens, dim] (one layer of the
-  // arena: float32, or float16 for a draft, each new key and value rounded to it once); rows [T]: the arena row each new key/value goes to; spans [S, 4]: (first row, rows, first
-  // arena row, keys seen by the last row) per session, rows in session order.
+  // arena: float32, or float16 for a draft, each new key and value rounded to it once); rows [T]: the
+  // arena row each new key/value goes to; spans [S, 4]: (first row, rows, first arena row, keys seen by
+  // the last row) per session, rows in session order.
   torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor kv, torch::Tensor rows,
                         torch::Tensor spans) {
     checked(x, "x"), checked(cos, "cos"), checked(sin, "sin");

@@ -213,3 +213,17 @@ def test_plan_devices() -> None:
     args = build_parser().parse_args(["--drafter-device", "cuda"])  # prompt lookup has no model to place
     lookup = dict(plan(args, Models(Path("/m/target"), []), Ports(coordinator=8000, verifier=8100)))
     assert "--device" not in lookup["drafter-1"]
+
+
+def test_a_second_fetch_rewrites_the_cards_the_measurements_outdate(tmp_path: Path) -> None:
+    import os
+
+    from shared.gguf_copies import MEASURED, WIDTHS, copy_path
+    from shared.model_import import fetch_model
+
+    target = _fetched(tmp_path / ".specfleet")
+    stale, fresh = (copy_path(target, w).with_suffix(".md") for w in WIDTHS[:2])
+    os.utime(stale, (0, MEASURED.stat().st_mtime - 60))  # written before the measurements it shows
+    assert fetch_model("smollm2-135m-instruct", tmp_path / ".specfleet") == target
+    assert f"a {WIDTHS[0]} GGUF copy of smollm2-135m-instruct" in stale.read_text()
+    assert fresh.read_text() == "card"  # newer than the measurements: left as it is
