@@ -28,13 +28,13 @@ def step_ms(path: str, kv: str, rows: int, context: int, steps: int) -> float:
     import torch
 
     from shared.gguf_files import read_gguf
-    from shared.runner.gguf_backend import KV_CACHE_DTYPES, q4_runner
+    from shared.runner.gguf_backend import kv_cache_dtype, q4_runner
     from shared.runner.step import Segment
 
     torch.set_num_threads(1)
     info = read_gguf(path)
     runner = q4_runner(info, rows * (context + steps + 1) * info.kv_bytes_per_token * 2, self_check=False,
-                       kv_dtype=KV_CACHE_DTYPES[kv])
+                       kv_dtype=kv_cache_dtype(kv))
     prompt = [100 + (i % 20000) for i in range(context)]
     slots = [runner.kv.allocate(context + steps + 1) for _ in range(rows)]
     for slot in slots:

@@ -42,7 +42,7 @@ from shared.models import LoadedModel, ModelLoadError, load_model, load_vocabula
 from shared.protocol import MAX_DRAFT_TOKENS, MAX_Q_ENTRIES, PROTOCOL_VERSION, Hello
 from shared.queue import RequestQueue, open_queue
 from shared.runner import ModelRunner
-from shared.runner.gguf_backend import KV_CACHE_DTYPES, gguf_runner, resolve_backend
+from shared.runner.gguf_backend import gguf_runner, kv_cache_dtype, resolve_backend
 from shared.runner.runner import kv_shape
 from shared.tls import TlsConfigError, client_context
 
@@ -193,12 +193,9 @@ def _gguf_proposer(cfg: DrafterConfig, loaded: LoadedModel) -> GgufProposer:
     info = read_gguf(loaded.path)
     threads = cfg.gguf.threads or cfg.draft_model.torch_threads
     backend = resolve_backend(info, cfg.gguf.gguf_backend)
-    kv_dtype = KV_CACHE_DTYPES.get(cfg.gguf.gguf_kv_cache)
-    if kv_dtype is None:
-        raise ModelLoadError(f"--gguf-kv-cache must be one of {', '.join(KV_CACHE_DTYPES)}, "
-                             f"got {cfg.gguf.gguf_kv_cache!r}")
+    kv_dtype = kv_cache_dtype(cfg.gguf.gguf_kv_cache)
     # llama.cpp's cache is float16 (GgufInfo.kv_bytes_per_token); the 4-bit kernel's as --gguf-kv-cache says
-    per_token = info.kv_bytes_per_token * (2 if backend == "specfleet" and cfg.gguf.gguf_kv_cache == "float32" else 1)
+    per_token = info.kv_bytes_per_token * (kv_dtype.itemsize // 2 if backend == "specfleet" else 1)
     budget = (int(cfg.draft_model.kv_cache_gb * 2**30) if cfg.draft_model.kv_cache_gb > 0
               else min(GGUF_AUTO_KV_BYTES, _auto_kv_bytes(cfg, loaded.max_model_len, per_token)))
     # a sequence per session, and spares for the lookahead branches of a session alone

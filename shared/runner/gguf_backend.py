@@ -54,6 +54,13 @@ AUTO_FILE_TYPES = frozenset({"Q4_1", "Q8_0"})
 KV_CACHE_DTYPES = {"float16": torch.float16, "float32": torch.float32}
 
 
+def kv_cache_dtype(name: str) -> torch.dtype:
+    """``--gguf-kv-cache``'s dtype; any other name is an error that lists the choices."""
+    if name not in KV_CACHE_DTYPES:
+        raise ModelLoadError(f"--gguf-kv-cache must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
+    return KV_CACHE_DTYPES[name]
+
+
 def resolve_backend(info: GgufInfo, backend: str) -> str:
     """``specfleet`` or ``llama.cpp`` for ``info``'s file; a backend named that cannot run it is an error."""
     if backend not in GGUF_BACKENDS:
@@ -75,7 +82,7 @@ def _why_not_specfleet(info: GgufInfo) -> str:
 
     if info.architecture not in GGUF_ARCHITECTURES:
         return f"its architecture {info.architecture!r} is not one of {sorted(GGUF_ARCHITECTURES)}"
-    return rowwise.q4_why_unavailable()
+    return rowwise.why_unavailable()
 
 
 def _llama_gpu() -> bool:

@@ -121,7 +121,7 @@ def resolve_kernel(kernel: str, device: torch.device, dtype: torch.dtype) -> str
     """The kernel ``kernel`` (one of :data:`KERNELS`) means for ``dtype`` on ``device``. ``auto``
     falls back quietly; a kernel asked for by name that cannot run here is an error."""
     if kernel == Q4:
-        why = (rowwise.q4_why_unavailable() if device.type == "cpu" and dtype == torch.float32 else
+        why = (rowwise.why_unavailable() if device.type == "cpu" and dtype == torch.float32 else
                f"they quantize float32 weights on a CPU, not {dtype} on {device}")
         if why:
             raise ValueError(f"4-bit matmuls cannot run here: {why}")

@@ -133,11 +133,6 @@ def is_pairs(packed: torch.Tensor) -> bool:
 Q4_BLOCK = 32
 
 
-def q4_why_unavailable() -> str:
-    """Why 4-bit weights cannot multiply here ("" when they can): the kernel's (F16C's conversions included)."""
-    return why_unavailable()
-
-
 def q4_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``weight`` [out, in] (in a multiple of 32) in Q4_1's blocks, as llama.cpp's quantizer makes them:
     per 32 inputs of an output, m = the least weight and d = (the largest - m) / 15, both float16, and

@@ -22,7 +22,7 @@ from shared.runner.gguf_backend import exact_matrices, q4_runner, resolve_backen
 from shared.runner.runner import greedy_decode
 from tests.unit.draft_proposer_support import FULL_GREEDY, PROMPT, gen
 
-pytestmark = pytest.mark.skipif(bool(rowwise.q4_why_unavailable()), reason="the 4-bit kernel cannot run here")
+pytestmark = pytest.mark.skipif(bool(rowwise.why_unavailable()), reason="the 4-bit kernel cannot run here")
 
 
 def quantized_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -196,3 +196,13 @@ def test_the_4_bit_draft_keeps_its_cache_in_float16(q4_gguf: Path) -> None:
     half, single = _prompt_then_decode(draft), _prompt_then_decode(full)
     assert not torch.equal(half, single)  # the keys and values really were rounded
     assert float((half - single).abs().max()) <= 3e-2 * float(single.abs().max())  # 0.011 seen
+
+
+@pytest.mark.parametrize("name,want", [("float16", torch.float16), ("float32", torch.float32), ("bfloat16", None),
+                                       ("", None)])
+def test_the_kv_cache_flag_names_its_dtype_or_lists_the_choices(name: str, want: torch.dtype | None) -> None:
+    if want is not None:
+        assert gguf_backend.kv_cache_dtype(name) == want
+        return
+    with pytest.raises(ModelLoadError, match="--gguf-kv-cache must be one of float16, float32"):
+        gguf_backend.kv_cache_dtype(name)
