@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "draft-steps.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
-    lines = [f"Command: `{meta['command']}` ({meta['when']}; {meta['edge']}; CPU flags {meta['cpu_flags']}; the "
+    lines = [f"Command: `{meta['command']}` ({meta['when']}; {meta['edge']}; {meta['cpu_flags']}; the "
              f"{args.width} copy on specfleet's 4-bit kernel, one thread).", "",
              "| rows | context | KV cache | step ms | ms a row |", "|---|---|---|---|---|"]
     lines += [f"| {r['rows']} | {r['context']} | {r['kv_cache']} | {r['step_ms']:.2f} | {r['row_ms']:.2f} |"

