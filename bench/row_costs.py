@@ -146,7 +146,7 @@ def _nth(seconds: Sequence[float], rows: int) -> float:
 
 
 def measured_agreement(width: str) -> float:
-    measured = json.loads(Path("models/gguf/MEASUREMENTS.json").read_text())
+    measured = json.loads((Path(__file__).resolve().parents[1] / "models/gguf/MEASUREMENTS.json").read_text())
     return float(measured["models"][width]["greedy_agreement"])
 
 
