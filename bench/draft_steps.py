@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.edge import add_edge_flags, edge_from, run_pinned
+from bench.fleets import run_meta, write_results
 from shared.gguf_copies import copy_path
 from shared.up import resolve_models
 from training.evaluate_gguf import cpu_flag_summary
@@ -75,18 +76,15 @@ def main(argv: list[str] | None = None) -> int:
                 results.append({"rows": rows, "context": context, "kv_cache": kv, "step_ms": ms, "row_ms": ms / rows})
                 print(f"rows {rows:2d}, context {context:4d}, {kv}: {ms:6.2f} ms a step, {ms / rows:5.2f} a row",
                       flush=True)
-    command = "python -m bench draft-steps " + " ".join(argv if argv is not None else [])
-    meta = {"when": time.strftime("%Y-%m-%d %H:%M"), "cpu_flags": cpu_flag_summary(), "width": args.width,
-            "edge": edge.describe(), "command": command.strip()}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "draft-steps.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
-    lines = [f"Command: `{meta['command']}` ({meta['when']}; {meta['edge']}; {meta['cpu_flags']}; the "
+    meta = run_meta("draft-steps", argv, edge, cpu=cpu_flag_summary(), width=args.width)
+    lines = [f"Command: `{meta['command']}` ({meta['when']}; {meta['edge']}; {meta['cpu']}; the "
              f"{args.width} copy on specfleet's 4-bit kernel, one thread).", "",
              "| rows | context | KV cache | step ms | ms a row |", "|---|---|---|---|---|"]
     lines += [f"| {r['rows']} | {r['context']} | {r['kv_cache']} | {r['step_ms']:.2f} | {r['row_ms']:.2f} |"
               for r in results]
-    (out / "draft-steps.md").write_text("\n".join(lines) + "\n")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_results(out, "draft-steps", {"meta": meta, "results": results}, lines)
     return 0
 
 

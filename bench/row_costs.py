@@ -31,14 +31,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-from bench.edge import add_edge_flags, edge_from, run_pinned
+from bench.edge import Edge, add_edge_flags, edge_from, run_pinned
+from bench.fleets import run_meta, write_results
 from shared.gguf_copies import copy_path
 from shared.up import resolve_models
 from training.evaluate_gguf import cpu_flag_summary
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{s:2d} sessions: ceiling {c.ratio:.2f}x at k = {c.k} (verifier {c.verifier_ms:.2f}, edge "
               f"{c.edge_ms:.2f} ms a token, target-only {c.target_only_ms:.2f}); drafts free: {c.verifier_alone:.2f}x",
               flush=True)
-    write(Path(args.out), args, argv, edge.describe(), alpha, results)
+    write(Path(args.out), args, argv, edge, alpha, results)
     return 0
 
 
@@ -150,15 +150,12 @@ def measured_agreement(width: str) -> float:
     return float(measured["models"][width]["greedy_agreement"])
 
 
-def write(out: Path, args: argparse.Namespace, argv: list[str] | None, edge: str, alpha: float,
+def write(out: Path, args: argparse.Namespace, argv: list[str] | None, edge: Edge, alpha: float,
           results: list[dict[str, Any]]) -> None:
-    command = ("python -m bench row-costs " + " ".join(argv if argv is not None else [])).strip()
-    meta = {"when": time.strftime("%Y-%m-%d %H:%M"), "cpu_flags": cpu_flag_summary(), "width": args.width,
-            "edge": edge, "command": command, "context": args.context, "alpha": alpha}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "row-costs.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
+    meta = run_meta("row-costs", argv, edge, cpu=cpu_flag_summary(), width=args.width, context=args.context,
+                    alpha=alpha)
     ks = range(1, args.max_k + 2)
-    lines = [f"Command: `{command}` ({meta['when']}; {edge}; {meta['cpu_flags']}; the target in the "
+    lines = [f"Command: `{meta['command']}` ({meta['when']}; {meta['edge']}; {meta['cpu']}; the target in the "
              f"verifier's runner, dtype auto; the {args.width} copy on specfleet's 4-bit kernel, float16 KV cache; "
              f"{args.context} tokens cached per session; α = {alpha:.3f}).", "",
              "| sessions | draft step ms | ceiling | at k | verifier ms a token (target-only / drafting) | edge ms a "
@@ -169,7 +166,8 @@ def write(out: Path, args: argparse.Namespace, argv: list[str] | None, edge: str
     lines += ["", "The verification, milliseconds, by rows fed each session (1: target-only):", "",
               "| sessions | " + " | ".join(str(k) for k in ks) + " |", "|---|" + "---|" * len(ks)]
     lines += [f"| {r['sessions']} | " + " | ".join(f"{v:.1f}" for v in r["verify_ms"]) + " |" for r in results]
-    (out / "row-costs.md").write_text("\n".join(lines) + "\n")
+    out.mkdir(parents=True, exist_ok=True)
+    write_results(out, "row-costs", {"meta": meta, "results": results}, lines)
 
 
 if __name__ == "__main__":

@@ -3,13 +3,17 @@ ceiling bench row-costs puts on speculation from each core's measured row costs.
 
 from __future__ import annotations
 
+import argparse
+import json
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 
+from bench.edge import Edge
 from bench.peers import HF_ASSISTANT
 from bench.profile import largest, smallest, weight_bytes
-from bench.row_costs import ceiling, tokens_per_round
+from bench.row_costs import ceiling, tokens_per_round, write
 from bench.single import assistant_for, per_token_alpha, speedup_bound
 
 
@@ -75,3 +79,16 @@ def test_the_ceiling_counts_a_step_of_many_sessions_per_token() -> None:
     assert c.target_only_ms == pytest.approx(3.5)
     assert c.verifier_ms == pytest.approx(46 / 36)
     assert c.edge_ms == 0.0
+
+
+def test_row_costs_writes_the_ceiling_and_the_verification_grid(tmp_path: Path) -> None:
+    c = ceiling(1, step, 0.005, 0.98, max_k=2)
+    row = {**asdict(c), "draft_step_ms": 5.0, "verify_ms": [11.0, 12.0, 13.0]}
+    args = argparse.Namespace(width="Q4_1", context=200, max_k=2)
+    write(tmp_path, args, ["--max-k", "2"], Edge("0", "1"), 0.98, [row])
+    md = (tmp_path / "row-costs.md").read_text()
+    assert "`python -m bench row-costs --max-k 2`" in md and "α = 0.980" in md
+    assert f"| 1 | 5.00 | {c.ratio:.2f}x | {c.k} |" in md
+    assert "| 1 | 11.0 | 12.0 | 13.0 |" in md
+    data = json.loads((tmp_path / "row-costs.json").read_text())
+    assert data["meta"]["alpha"] == 0.98 and data["results"][0]["k"] == c.k
