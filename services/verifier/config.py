@@ -152,9 +152,9 @@ class AllocationSection:
     speculation_guard: bool = opt(True, "with a smartspec allocation: switch speculation off (every budget 0, no "
                                         "new request drafted for) at a load (live sessions 1, 2-3, 4-7, ...) where "
                                         "the tokens served per second fell below what target-only decoding of the "
-                                        "same sessions would serve (2.5 s windows, priced by the verifier's own "
-                                        "target-only steps), and try again after 8-64 s (backend=torch); false: the "
-                                        "policy alone")
+                                        "same sessions would serve (2.5 s windows averaged since it came on there, "
+                                        "priced by the verifier's own target-only steps), and try again after "
+                                        "8-64 s (backend=torch); false: the policy alone")
     allocation_seed: int = opt(-1, "allocation=random: seed of the random splits (-1: unseeded)")
 
 

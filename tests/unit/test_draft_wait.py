@@ -246,3 +246,20 @@ def test_smartspec_leaves_the_longest_length_once_the_drafter_times_its_drafts()
     assert run(timed=False) == 8
     assert 2 <= run(timed=True) <= 5
     assert run(timed=True, timed_waits=False) == 8  # --smartspec-timed-waits false: the timings are not used
+
+
+@pytest.mark.parametrize(("verify_s", "want_rest"), [(None, 0.070), (0.100, 0.020)])
+def test_a_rounds_unpriced_time_leaves_out_what_the_core_measured_from_draft_to_verdict(
+        verify_s: float | None, want_rest: float) -> None:
+    """A session's rounds 0.15 s apart: 0.03 s waiting for its draft, then 0.10 s from its draft in
+    to its verdict (behind the other sessions' forwards and in a forward shared with them), against
+    0.05 s priced for its segment alone. Measured by the core, those 0.10 s are not ``rest``: the
+    verifier's work for every session is priced once already (``verify_all``)."""
+    clock = Clock()
+    alloc = SmartSpecAllocator(Linear(0.050, 0.0), draft_len=4, max_len=8)
+    alloc.wait = DraftWaitModel(refit_every=1, clock=clock)
+    tracker = tracker_with(1)
+    for _ in range(4 * BAND_MIN):
+        clock.now += 0.15
+        alloc.assign([RoundStats("s0", "d", 4, 4, 300, 0.0, 0.03, 0.02, False, verify_s)], tracker)
+    assert alloc.wait.rest(1) == pytest.approx(want_rest)

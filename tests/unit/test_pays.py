@@ -9,7 +9,7 @@ import math
 import pytest
 
 from services.verifier.allocation import GoodputTracker, PerDrafterAllocator, RoundStats, SmartSpecAllocator
-from services.verifier.allocation.pays import BASELINE_RANGE, HOLD_S, MAX_HOLD_S, PaysGuard, pays
+from services.verifier.allocation.pays import BASELINE_RANGE, HOLD_S, MAX_HOLD_S, WINDOW_S, PaysGuard, pays
 from services.verifier.batching.estimator import SegmentShape, StepTimeEstimator
 from services.verifier.config import VerifierConfig
 from services.verifier.main import make_allocator_for
@@ -175,6 +175,47 @@ def test_an_idle_gap_starts_the_window_afresh() -> None:
     assert g.on and not g.bands  # neither part held a whole window
     serve(g, clock, 1.0, 2, 0.5)
     assert not g.on
+
+
+@pytest.mark.parametrize(("speedups", "on"), [
+    ([1.3, 1.3, 0.94], True),  # a dip after windows that paid: their average holds
+    ([1.3, 0.9, 0.8], False),  # a lasting drop: the average falls below 1 on its second window
+    ([0.94], False),  # the first window since it came on decides alone
+    ([1.1, 1.3, 1.3, 0.6], False),  # a dip deep enough outweighs them
+])
+def test_a_verdict_reads_the_windows_since_speculation_came_on_averaged(speedups: list[float], on: bool) -> None:
+    clock = Clock()
+    g = guard(clock)
+    for speedup in speedups:
+        serve(g, clock, WINDOW_S + STEP_S, 4, speedup)
+    assert g.on == on
+    assert g.bands[3].ratio == pytest.approx(speedups[-1], rel=0.05)  # windows and calls need not align
+
+
+def test_after_a_hold_the_first_window_decides_alone() -> None:
+    clock = Clock()
+    g = guard(clock)
+    serve(g, clock, WINDOW_S + STEP_S, 4, 0.8)
+    assert not g.on
+    serve(g, clock, HOLD_S + STEP_S, 4, 1.0)  # the hold, target-only
+    serve(g, clock, 2 * (WINDOW_S + STEP_S), 4, 1.1)  # the window straddling the switch, then one that pays
+    assert g.on and g.bands[3].running == pytest.approx(1.1, rel=0.03)
+
+
+@pytest.mark.parametrize(("start", "end", "judged"), [(1, 4, False), (16, 64, False), (2, 4, True), (12, 16, True),
+                                                       (16, 16, True)])
+def test_a_window_in_which_the_load_grew_two_bands_is_not_judged(start: int, end: int, judged: bool) -> None:
+    """A burst's ramp (its prefills, its first rounds) reads low whatever serves it; a steady load, or
+    one that grew within a band or into the next, is judged."""
+    clock = Clock()
+    g = guard(clock)
+    steps = round(WINDOW_S / STEP_S) + 2
+    for i in range(steps):
+        clock.now += STEP_S
+        sessions = start + (end - start) * i // (steps - 1)
+        g.served(sessions, round(sessions * 0.5), 100.0)  # half target-only's rate: a loss if judged
+    assert (not g.on_at(end)) == judged
+    assert bool(g.bands) == judged
 
 
 def test_without_target_onlys_step_nothing_is_judged() -> None:

@@ -34,6 +34,9 @@ class RoundStats:
     draft_wait_s: float = 0.0  # verdict out -> this round's draft in (drafting plus both network legs)
     drafting_s: float = 0.0  # the drafter's own time drafting it (Draft.drafting_s; 0: not timed)
     ahead: bool = False  # drafted during the previous round's verification (a lookahead that came true)
+    #: its draft in the engine core -> its verdict judged: the verifier's queue and its step's forward,
+    #: the other sessions' share of them included (None: not measured)
+    verify_s: float | None = None
 
 
 class Allocator(Protocol):

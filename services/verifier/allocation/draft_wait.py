@@ -99,9 +99,8 @@ class WaitSample:
     drafting_s: float = 0.0  # the drafter's forwards for it (0: not timed)
     ahead: bool = False  # drafted by a lookahead, during the previous round's verification
     after_full: bool = False  # the session's previous round accepted its whole draft
-    #: the round's time beyond its wait and its verification as priced (the step-time model and
-    #: the busy time between forwards): the verifier's event loop, the Verdict's way out, a step
-    #: begun before the draft came; None: not measured
+    #: the round's time beyond its wait and its verification (as the core measured it, draft in to
+    #: verdict, else as priced): the Verdict's way out, the draft's way into the core; None: not measured
     rest: float | None = None
 
 

@@ -23,6 +23,8 @@ from its start-up calibration and every one-token step) plus its own busy time b
 (``estimator.overhead``). The dashboard's "est. speedup" is this ratio on the model alone, read at
 the coordinator (without the baseline below).
 
+The verdict reads the windows since speculation last came on at that load, averaged (RATIO_WEIGHT),
+so the first window decides alone and a later dip must outweigh the windows that paid before it.
 Below THRESHOLD, speculation is switched off at that load: every session's budget is 0 (the
 verifier decodes it without waiting for its drafter) and no new request is sent to a drafter
 (``draft_share`` 0: a coordinator in ``--speculation auto`` opens them target-only). Each load band
@@ -42,7 +44,10 @@ verdict at that band divides by it: speculation is compared with target-only as 
 Only windows that stay within the band count, not the first after a switch (its sessions were
 still in the other regime), and the baseline is held within BASELINE_RANGE: a low one keeps a band
 on, where it would not be measured again. The model's busy time between forwards follows the
-regime it runs in (the last 512 steps), so the baseline also absorbs some of that shift.
+regime it runs in (the last 512 steps), so the baseline also absorbs some of that shift. Nor is a
+window judged in which the load grew two bands or more (``_Window.ramp``): at 64 requests the first
+window held their prefills as they ramped up and read 0.69, before any baseline there, and switched
+speculation off for its hold, where Fixed-S k = 4 served 1.18x target-only (2026-12-07, EPYC).
 
 ``--speculation-guard false`` is the baseline: the wrapped policy alone, as the papers run it.
 """
@@ -70,6 +75,10 @@ IDLE_GAP_S = 1.0
 LOAD_TAU_S = 1.0
 #: weight of the newest target-only window in a band's ``baseline`` (an exponential average)
 BASELINE_WEIGHT = 0.5
+#: weight of the newest window in the ratio a verdict reads, over the windows since speculation came
+#: on at the band: at 64 requests one window in five read 0.94-1.00 between windows of 1.22-1.37, as
+#: requests ended and the next ones prefilled, and each such one switched speculation off for a hold
+RATIO_WEIGHT = 0.5
 #: what a baseline may read: measured 0.65-0.92 on the default fleet (2026-12-05); never above 1, so
 #: the guard is never stricter than the model alone, and never so low that a window of prefills
 #: could keep a losing band on
@@ -86,6 +95,9 @@ class _Band:
     off_until: float = 0.0  # speculation is off at this load until then
     next_hold_s: float = HOLD_S
     ratio: float = float("nan")  # the last window's served over target-only
+    #: the windows' ratios since speculation last came on here, averaged (RATIO_WEIGHT: the newest's
+    #: weight; nan: none yet): what a verdict reads
+    running: float = float("nan")
     switched_off: int = 0
     #: target-only serving's own rate over the model's, measured while off (nan: not yet)
     baseline: float = float("nan")
@@ -111,6 +123,14 @@ class _Window:
     fewest: int = 1 << 30  # the fewest and most live sessions of its steps
     most: int = 0
     straddles: bool = False  # it began as speculation switched on or off: read, not used
+    first: int = 0  # the live sessions at its first step
+
+    @property
+    def ramp(self) -> bool:
+        """The load grew two bands or more within it (1 to 4 sessions, 16 to 64): a burst's prefills
+        and first rounds, which target-only serving pays too, but which a window of steady target-only
+        serving (the baseline) does not hold."""
+        return band(self.most) - band(max(1, self.first)) >= 2
 
     @property
     def seconds(self) -> float:
@@ -186,7 +206,8 @@ class PaysGuard:
 
     def beliefs(self) -> dict[str, float]:
         """The wrapped policy's beliefs, then per load band seen: the last window's served over
-        target-only as measured there (``pays_ratio_band3``: 4-7 live sessions), the seconds it stays
+        target-only as measured there (``pays_ratio_band3``: 4-7 live sessions) and the windows' average
+        since it came on there (``pays_running_band3``: what the verdict read), the seconds it stays
         off, and the baseline it divides by (1: not measured)."""
         inner = getattr(self.inner, "beliefs", None)
         out: dict[str, float] = dict(inner()) if callable(inner) else {}
@@ -195,6 +216,8 @@ class PaysGuard:
         for b, known in sorted(self.bands.items()):
             if known.ratio == known.ratio:  # a band only measured while off has no verdict (no NaN in JSON)
                 out[f"pays_ratio_band{b}"] = round(known.ratio, 4)
+            if known.running == known.running:
+                out[f"pays_running_band{b}"] = round(known.running, 4)
             out[f"pays_off_left_s_band{b}"] = round(max(0.0, known.off_until - now), 3)
             out[f"pays_switched_off_band{b}"] = float(known.switched_off)
             out[f"pays_baseline_band{b}"] = round(known.scale, 4)
@@ -227,7 +250,7 @@ class PaysGuard:
         """``w`` with one more step in it (a new window after a gap, or straddling a switch); ``full``
         reads it once it is full, unless it straddles."""
         if w is None or now - w.last > IDLE_GAP_S:
-            return _Window(now, now, straddles=switched)
+            return _Window(now, now, straddles=switched, first=sessions)
         dt = now - w.last
         w.last, w.tokens = now, w.tokens + committed
         w.session_s += sessions * dt
@@ -236,7 +259,7 @@ class PaysGuard:
         if w.seconds >= self.window_s and w.tokens >= MIN_TOKENS:
             if not w.straddles:
                 full(w)
-            return _Window(now, now)
+            return _Window(now, now, first=sessions)
         return w
 
     def _ratio(self, w: _Window) -> float | None:
@@ -257,15 +280,18 @@ class PaysGuard:
 
     def _judge(self, w: _Window) -> None:
         raw = self._ratio(w)
-        if raw is None:
-            return  # target-only's step not measured yet: nothing to compare with
+        if raw is None or w.ramp:
+            return  # target-only's step not measured yet: nothing to compare with; or a ramp (above)
         b = band(round(self.load))  # the load ``on`` reads: a window judged off turns it off at once
         known = self.bands.get(b, _Band(next_hold_s=self.hold_s))
         ratio = raw / known.scale  # against target-only serving as measured at this load, once it was
-        if ratio >= self.threshold:
-            known = replace(known, next_hold_s=max(self.hold_s, known.next_hold_s / 2), ratio=ratio)
+        was = known.running if known.running == known.running else ratio  # the first since it came on: as it is
+        running = was + RATIO_WEIGHT * (ratio - was)
+        if running >= self.threshold:
+            known = replace(known, next_hold_s=max(self.hold_s, known.next_hold_s / 2), ratio=ratio,
+                            running=running)
         else:
-            known = replace(known, off_until=self.clock() + known.next_hold_s, ratio=ratio,
+            known = replace(known, off_until=self.clock() + known.next_hold_s, ratio=ratio, running=float("nan"),
                             next_hold_s=min(self.max_hold_s, 2 * known.next_hold_s),
                             switched_off=known.switched_off + 1)
         self.bands = {**self.bands, b: known}

@@ -12,6 +12,7 @@ Results go to the core's outbox; finished requests go back to the request table.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from services.verifier.allocation import RoundStats
@@ -159,5 +160,6 @@ class RoundLifecycle:
 def _round_stats(req: Request, verified: int, v: Judgement) -> RoundStats:
     """What the allocator learns from a verified round (the fill's matches included)."""
     drafted, accepted, accept_prob = req.round.outcome(verified, v.accepted, v.accept_prob)
+    verify_s = time.perf_counter() - req.ready_since if req.ready_since > 0 else None
     return RoundStats(req.request_id, req.drafter or None, drafted, accepted, len(req.committed), accept_prob,
-                      req.round.draft.wait_s, req.round.draft.drafting_s, req.round.draft.ahead)
+                      req.round.draft.wait_s, req.round.draft.drafting_s, req.round.draft.ahead, verify_s)
