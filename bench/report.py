@@ -146,11 +146,21 @@ SECTIONS = (
     edge_drafts("epyc/edge-drafts-16-threshold95", "Tried and reverted: the measured guard's threshold at 0.95, "
                 "16 requests in runs of 48 on the EPYC", "--concurrency 16 --scenarios target-only,default-fleet,"
                 "unguarded --repeats 3 --requests 48"),
+    edge_drafts("epyc/edge-drafts-16-pipeline", "16 requests in runs of 48 on the EPYC, with SmartSpec's rounds "
+                "priced as a pipeline and the guard's verdicts averaged", "--concurrency 16 --scenarios target-only,"
+                "default-fleet,unguarded --repeats 3 --requests 48"),
+    edge_drafts("epyc/edge-drafts-1-4-pipeline", "1 and 4 requests on the EPYC, with SmartSpec's rounds priced as "
+                "a pipeline", "--concurrency 1,4 --scenarios target-only,default-fleet --repeats 3 --requests 16"),
+    edge_drafts("epyc/edge-drafts-1-pipeline", "1 request on the EPYC in five repeats, with SmartSpec's rounds priced "
+                "as a pipeline", "--concurrency 1 --scenarios target-only,default-fleet --repeats 5"),
     edge_drafts("epyc/edge-drafts-4-k", "4 requests on the EPYC: the verifier's length policy beside Fixed-S",
                 "--concurrency 4 --scenarios target-only,default-fleet,q4_1,q4_1-k3,q4_1-k5 --repeats 3 --requests 24"),
     Section("epyc/smartspec/verifier-policies", "SmartSpec against target-only and Fixed-S k = 4 on the EPYC, 1 to "
             "64 requests", "python -m bench verifier-policies --parts smartspec --smartspec-ks 4 --out "
             "bench/results/epyc/smartspec"),
+    Section("epyc/smartspec-pipeline/verifier-policies", "SmartSpec on the EPYC, 1 to 64 requests, with a round's unpriced "
+            "time measured from the core and the guard's verdicts averaged", "python -m bench verifier-policies "
+            "--parts smartspec --smartspec-ks 4 --out bench/results/epyc/smartspec-pipeline"),
     Section("epyc/smartspec-64/verifier-policies", "SmartSpec at 64 requests on the EPYC, with what switched its "
             "drafting off", "python -m bench verifier-policies --parts smartspec --smartspec-ks 4 --loads 64 "
             "--repeats 1 --out bench/results/epyc/smartspec-64"),
