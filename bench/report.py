@@ -149,6 +149,9 @@ SECTIONS = (
     edge_drafts("epyc/edge-drafts-16-pipeline", "16 requests in runs of 48 on the EPYC, with SmartSpec's rounds "
                 "priced as a pipeline and the guard's verdicts averaged", "--concurrency 16 --scenarios target-only,"
                 "default-fleet,unguarded --repeats 3 --requests 48"),
+    edge_drafts("epyc/edge-drafts-16-ramps", "16 requests in runs of 48 on the EPYC, with the guard skipping a "
+                "burst's ramp and drain", "--concurrency 16 --scenarios target-only,default-fleet --repeats 3 "
+                "--requests 48"),
     edge_drafts("epyc/edge-drafts-1-4-pipeline", "1 and 4 requests on the EPYC, with SmartSpec's rounds priced as "
                 "a pipeline", "--concurrency 1,4 --scenarios target-only,default-fleet --repeats 3 --requests 16"),
     edge_drafts("epyc/edge-drafts-1-pipeline", "1 request on the EPYC in five repeats, with SmartSpec's rounds priced "
@@ -158,9 +161,13 @@ SECTIONS = (
     Section("epyc/smartspec/verifier-policies", "SmartSpec against target-only and Fixed-S k = 4 on the EPYC, 1 to "
             "64 requests", "python -m bench verifier-policies --parts smartspec --smartspec-ks 4 --out "
             "bench/results/epyc/smartspec"),
-    Section("epyc/smartspec-pipeline/verifier-policies", "SmartSpec on the EPYC, 1 to 64 requests, with a round's unpriced "
-            "time measured from the core and the guard's verdicts averaged", "python -m bench verifier-policies "
-            "--parts smartspec --smartspec-ks 4 --out bench/results/epyc/smartspec-pipeline"),
+    Section("epyc/smartspec-pipeline/verifier-policies", "SmartSpec on the EPYC, 1 to 64 requests, with a round's "
+            "unpriced time measured from the core and the guard's verdicts averaged",
+            "python -m bench verifier-policies --parts smartspec --smartspec-ks 4 --out "
+            "bench/results/epyc/smartspec-pipeline"),
+    Section("epyc/smartspec-ramps/verifier-policies", "SmartSpec on the EPYC, 1 to 64 requests, with the guard "
+            "skipping a burst's drain as well as its ramp", "python -m bench verifier-policies --parts smartspec "
+            "--smartspec-ks 4 --out bench/results/epyc/smartspec-ramps"),
     Section("epyc/smartspec-64/verifier-policies", "SmartSpec at 64 requests on the EPYC, with what switched its "
             "drafting off", "python -m bench verifier-policies --parts smartspec --smartspec-ks 4 --loads 64 "
             "--repeats 1 --out bench/results/epyc/smartspec-64"),

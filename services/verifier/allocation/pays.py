@@ -45,9 +45,10 @@ Only windows that stay within the band count, not the first after a switch (its 
 still in the other regime), and the baseline is held within BASELINE_RANGE: a low one keeps a band
 on, where it would not be measured again. The model's busy time between forwards follows the
 regime it runs in (the last 512 steps), so the baseline also absorbs some of that shift. Nor is a
-window judged in which the load grew two bands or more (``_Window.ramp``): at 64 requests the first
+window judged in which the load moved two bands or more (``_Window.ramp``): at 64 requests the first
 window held their prefills as they ramped up and read 0.69, before any baseline there, and switched
-speculation off for its hold, where Fixed-S k = 4 served 1.18x target-only (2026-12-07, EPYC).
+speculation off for its hold, where Fixed-S k = 4 served 1.18x target-only (2026-12-07, EPYC); a burst's
+drain reads low too, and a band switched off there switches off every band above it.
 
 ``--speculation-guard false`` is the baseline: the wrapped policy alone, as the papers run it.
 """
@@ -123,14 +124,13 @@ class _Window:
     fewest: int = 1 << 30  # the fewest and most live sessions of its steps
     most: int = 0
     straddles: bool = False  # it began as speculation switched on or off: read, not used
-    first: int = 0  # the live sessions at its first step
 
     @property
     def ramp(self) -> bool:
-        """The load grew two bands or more within it (1 to 4 sessions, 16 to 64): a burst's prefills
-        and first rounds, which target-only serving pays too, but which a window of steady target-only
-        serving (the baseline) does not hold."""
-        return band(self.most) - band(max(1, self.first)) >= 2
+        """The load moved two bands or more within it (1 to 4 sessions, 16 to 64, or back): a burst's
+        prefills and first rounds, or its last requests draining, which target-only serving pays too,
+        but which a window of steady target-only serving (the baseline) does not hold."""
+        return band(self.most) - band(max(1, self.fewest)) >= 2
 
     @property
     def seconds(self) -> float:
@@ -250,7 +250,7 @@ class PaysGuard:
         """``w`` with one more step in it (a new window after a gap, or straddling a switch); ``full``
         reads it once it is full, unless it straddles."""
         if w is None or now - w.last > IDLE_GAP_S:
-            return _Window(now, now, straddles=switched, first=sessions)
+            return _Window(now, now, fewest=sessions, most=sessions, straddles=switched)
         dt = now - w.last
         w.last, w.tokens = now, w.tokens + committed
         w.session_s += sessions * dt
@@ -259,7 +259,7 @@ class PaysGuard:
         if w.seconds >= self.window_s and w.tokens >= MIN_TOKENS:
             if not w.straddles:
                 full(w)
-            return _Window(now, now, first=sessions)
+            return _Window(now, now, fewest=sessions, most=sessions)
         return w
 
     def _ratio(self, w: _Window) -> float | None:
