@@ -365,7 +365,8 @@ class Recording(FixedAllocator):
 
 
 def test_the_drafters_timing_of_a_draft_reaches_the_allocation(target: LoadedModel) -> None:
-    """``Draft.drafting_s`` and ``Draft.ahead`` (via AddDraft) are in the round SmartSpec prices."""
+    """``Draft.drafting_s`` and ``Draft.ahead`` (via AddDraft) are in the round SmartSpec prices, with
+    the core's measure of its verification (``RoundStats.verify_s``)."""
     alloc = Recording()
     h = Harness(target, allocator=alloc)
     p = prompt(8, 9)
@@ -377,6 +378,8 @@ def test_the_drafters_timing_of_a_draft_reaches_the_allocation(target: LoadedMod
     h.core.submit(AddDraft("s", 1, ref[4:7], None, 0.0, ahead=True))
     h.turn()
     assert [(r.drafted, r.drafting_s, r.ahead) for r in alloc.seen] == [(3, 0.021, False), (3, 0.0, True)]
+    # and the core's own time from each draft's arrival to its verdict (SmartSpec's ``rest`` leaves it out)
+    assert all(r.verify_s is not None and 0.0 < r.verify_s < 60.0 for r in alloc.seen)
 
 
 def test_the_gap_between_forwards_is_measured_while_sessions_run_not_across_idleness(target: LoadedModel) -> None:
