@@ -152,6 +152,9 @@ SECTIONS = (
     edge_drafts("epyc/edge-drafts-16-ramps", "16 requests in runs of 48 on the EPYC, with the guard skipping a "
                 "burst's ramp and drain", "--concurrency 16 --scenarios target-only,default-fleet --repeats 3 "
                 "--requests 48"),
+    edge_drafts("epyc/edge-drafts-poor-ramps", "A poor drafter alone on the EPYC after the guard's change: the "
+                "distilled small draft and prompt lookup at 1 and 16 requests", "--scenarios target-only,distilled,"
+                "ngram --concurrency 1,16 --repeats 3 --requests 16"),
     edge_drafts("epyc/edge-drafts-1-4-pipeline", "1 and 4 requests on the EPYC, with SmartSpec's rounds priced as "
                 "a pipeline", "--concurrency 1,4 --scenarios target-only,default-fleet --repeats 3 --requests 16"),
     edge_drafts("epyc/edge-drafts-1-pipeline", "1 request on the EPYC in five repeats, with SmartSpec's rounds priced "
