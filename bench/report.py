@@ -155,6 +155,8 @@ SECTIONS = (
     edge_drafts("epyc/edge-drafts-poor-ramps", "A poor drafter alone on the EPYC after the guard's change: the "
                 "distilled small draft and prompt lookup at 1 and 16 requests", "--scenarios target-only,distilled,"
                 "ngram --concurrency 1,16 --repeats 3 --requests 16"),
+    edge_drafts("epyc/edge-drafts-t1-ramps", "Temperature 1 at one request on the EPYC after the guard's change",
+                "--temperature 1 --concurrency 1 --scenarios target-only,default-fleet --repeats 3"),
     edge_drafts("epyc/edge-drafts-1-4-pipeline", "1 and 4 requests on the EPYC, with SmartSpec's rounds priced as "
                 "a pipeline", "--concurrency 1,4 --scenarios target-only,default-fleet --repeats 3 --requests 16"),
     edge_drafts("epyc/edge-drafts-1-pipeline", "1 request on the EPYC in five repeats, with SmartSpec's rounds priced "
