@@ -82,9 +82,7 @@ def main(argv: list[str] | None = None) -> int:
              "| rows | context | KV cache | step ms | ms a row |", "|---|---|---|---|---|"]
     lines += [f"| {r['rows']} | {r['context']} | {r['kv_cache']} | {r['step_ms']:.2f} | {r['row_ms']:.2f} |"
               for r in results]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    write_results(out, "draft-steps", {"meta": meta, "results": results}, lines)
+    write_results(Path(args.out), "draft-steps", {"meta": meta, "results": results}, lines)
     return 0
 
 

@@ -331,6 +331,7 @@ def run_meta(command: str, argv: list[str] | None, edge: Edge, **extra: Any) -> 
 
 def write_results(out: Path, stem: str, data: dict[str, Any], lines: list[str]) -> None:
     """``<out>/<stem>.json`` (the data) and ``<out>/<stem>.md`` (the table), and print the table."""
+    out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.json").write_text(json.dumps(data, indent=2))
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

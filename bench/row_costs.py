@@ -166,7 +166,6 @@ def write(out: Path, args: argparse.Namespace, argv: list[str] | None, edge: Edg
     lines += ["", "The verification, milliseconds, by rows fed each session (1: target-only):", "",
               "| sessions | " + " | ".join(str(k) for k in ks) + " |", "|---|" + "---|" * len(ks)]
     lines += [f"| {r['sessions']} | " + " | ".join(f"{v:.1f}" for v in r["verify_ms"]) + " |" for r in results]
-    out.mkdir(parents=True, exist_ok=True)
     write_results(out, "row-costs", {"meta": meta, "results": results}, lines)
 
 
