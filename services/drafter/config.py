@@ -70,7 +70,7 @@ class ModelSection:
     lookup_rows: int = opt(3, "a draft model's greedy step also feeds up to N tokens prompt lookup guesses come next, "
                               "and keeps those the model drafts too: several draft tokens from one forward "
                               "(proposers/draft_model.py; not on llama.cpp on a CPU, where a row costs a step, nor for "
-                              "sessions whose step features a controller or --send-confidence reads); 0: off")
+                              "sessions a controller watches token by token); 0: off")
 
 
 @dataclass

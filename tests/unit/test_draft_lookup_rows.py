@@ -153,3 +153,23 @@ def test_a_step_never_takes_more_than_its_spare(draft: LoadedModel, looping: lis
     p.start("s", looping, 64)
     got = one(p, job("s", 1, spare=spare)).token_ids
     assert got == reference_greedy(draft, looping, 1 + spare)  # the loop is guessed right: all of them
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_row_that_only_sends_its_features_keeps_its_guesses_each_with_its_own_features(
+        draft: LoadedModel, looping: list[int], rows: int) -> None:
+    """``--send-confidence`` (features read by the verifier, no controller watching): the draft and every
+    token's probabilities are those of drafting one row at a time, in fewer forwards."""
+    plain, looked = make(draft), make(draft, lookup_rows=rows)
+    got = {}
+    for proposer in (plain, looked):
+        proposer.start("s", looping, 64)
+        got[proposer] = one(proposer, job("s", 12, features=True))
+    assert got[looked].token_ids == got[plain].token_ids == reference_greedy(draft, looping, 12)
+    assert looked.looked_up_kept > 0
+    mine, theirs = got[looked].steps, got[plain].steps
+    assert len(mine) == len(theirs) == 12
+    for a, b in zip(mine, theirs, strict=True):
+        assert (a.position, a.token_id, a.rows) == (b.position, b.token_id, b.rows)
+        assert a.token_prob == pytest.approx(b.token_prob, abs=1e-5)
+        assert (a.top1_prob, a.top2_prob) == pytest.approx((b.top1_prob, b.top2_prob), abs=1e-5)

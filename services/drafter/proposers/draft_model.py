@@ -35,7 +35,8 @@ at a time gives; only the rows of rejected guesses are rolled back. An offline c
 target's answers to the held-out chat prompts: three guesses from matches of 2 to 4 tokens, 1.49
 tokens a forward for 0.78 extra rows; in service on those prompts 9 to 13 % of the committed tokens
 came without a forward of their own, 35 % on code-like ones. Rows that must be their own step get
-no guesses: sampled, raced or penalised ones, and those whose step features are read.
+no guesses: sampled, raced or penalised ones, and those a controller watches token by token. A row
+whose features are only sent on (``--send-confidence``) keeps its guesses, each with its row's features.
 
 Sessions are drafted in batches (StarSD §3): each draft position of every session in the batch
 is one packed forward of the draft model, so a batch of B sessions drafting k tokens costs k
@@ -64,7 +65,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import torch
@@ -288,7 +289,7 @@ class DraftModelProposer:
                 d.cache.cached.extend(d.feed)
                 self._take(d, pick, step)
                 if d.guesses:
-                    self._keep_guesses(d, logits, top2, row)
+                    self._keep_guesses(d, logits, top2, top.values, row)
         for d in [d for d in live if d.done]:
             self._leave(run, d)
         return len(live)
@@ -335,23 +336,33 @@ class DraftModelProposer:
 
     def _look_up(self, d: _Drafting) -> list[int]:
         """The tokens prompt lookup guesses follow this step's (none for a row that samples, is
-        penalised or is watched token by token, or with no room left)."""
+        penalised or is watched token by token, or with no room left). A row whose features are only
+        sent on (``--send-confidence``, a lookahead screened later) gets its guesses: each kept guess's
+        row gives its features as its own step would."""
         room = min(self.lookup_rows, d.limit - len(d.tokens) - 1)
-        if room <= 0 or d.mode.sampled or d.mode.raced or d.mode.penalised or d.mode.features:
+        if room <= 0 or d.mode.sampled or d.mode.raced or d.mode.penalised or d.mode.watch is not None:
             return []
         guesses = lookup([*d.context, *d.tokens], room, LOOKUP_MAX_N, LOOKUP_MIN_N)
         self.looked_up += len(guesses)
         return guesses
 
-    def _keep_guesses(self, d: _Drafting, logits: torch.Tensor, top2: list[list[int]], row: int) -> None:
+    def _keep_guesses(self, d: _Drafting, logits: torch.Tensor, top2: list[list[int]], values: torch.Tensor,
+                      row: int) -> None:
         """After ``_take`` of the step's own token: while the token just drafted is the next guess, that
-        guess's row (already fed) gives the token after it. The slot then drops the rows of the rest."""
+        guess's row (already fed) gives the token after it, with its features when the row wants them
+        (``values``: every row's two best logits). The slot then drops the rows of the rest."""
         for j, guess in enumerate(d.guesses):
             if d.final or len(d.tokens) >= d.limit or d.tokens[-1] != guess:
                 break
             d.cache.cached.append(guess)  # its keys and values are the ones feeding it would write
             self.looked_up_kept += 1
-            self._take(d, self._pick(d, logits[row + 1 + j], top2[row + 1 + j]), None)
+            at = row + 1 + j
+            pick = self._pick(d, logits[at], top2[at])
+            step = None
+            if d.mode.features:  # its own step's batch, of which it came free
+                own = _step_features([d], [pick], logits[at : at + 1], values[at : at + 1])[0]
+                step = replace(own, rows=d.steps[-1].rows) if own is not None and d.steps else own
+            self._take(d, pick, step)
         d.cache.slot.truncate(len(d.cache.cached))
         d.done = d.final or len(d.tokens) >= d.k
 
