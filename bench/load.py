@@ -8,7 +8,8 @@ edge network, whose namespace is the process's): no
 speculation (target-only), fixed k for each k of ``--ks``, SmartSpec (the verifier picks the
 length, 0 turning speculation off, from its step-time estimator; its coordinator runs
 ``--speculation auto``, which then opens new requests target-only) and AdaSpec (the drafter's
-efficiency-based stop within a budget of the largest k). Reported: mean request latency and
+efficiency-based stop within a budget of the largest k; with ``--trim`` also the verifier's
+trim of the largest k, alone and with that stop: AdaSpec whole). Reported: mean request latency and
 the speedup over no speculation at the same rate (its mean latency over the setup's), TTFT
 and TPOT percentiles, and the rest of ``bench.run_stats``. The claim under test: at high load
 speculation (SmartSpec, AdaSpec) never loses to no speculation. Writes ``<out>/load.{json,md,png}``.
@@ -27,14 +28,23 @@ from bench.sim.costs import DEFAULT_PROFILE
 from bench.sweep import Point, cell, in_turn_unless_networked, sweep
 
 
-def scenarios(draft: Path, ks: list[int], estimator: str) -> list[Scenario]:
+def scenarios(draft: Path, ks: list[int], estimator: str, trim: bool = False) -> list[Scenario]:
+    """The setups; with ``trim`` also AdaSpec's verifier trim of the largest k (the drafter sends its
+    confidences) and AdaSpec whole (the drafter's stop and the verifier's trim)."""
     est = ("--estimator-file", estimator) if estimator else ()
     top = max(ks)
-    return [Scenario("no speculation"),
-            *[Scenario(f"fixed k={k}", drafters=1, draft=str(draft), draft_len=k) for k in ks],
-            Scenario("smartspec", drafters=1, draft=str(draft), draft_len=top, speculation="auto",
-                     verifier_flags=("--allocation", "smartspec", "--smartspec-max-len", str(top), *est)),
-            Scenario("adaspec", drafters=1, draft=str(draft), draft_len=top, drafter_flags=("--controller", "adaspec"))]
+    setups = [Scenario("no speculation"),
+              *[Scenario(f"fixed k={k}", drafters=1, draft=str(draft), draft_len=k) for k in ks],
+              Scenario("smartspec", drafters=1, draft=str(draft), draft_len=top, speculation="auto",
+                       verifier_flags=("--allocation", "smartspec", "--smartspec-max-len", str(top), *est)),
+              Scenario("adaspec", drafters=1, draft=str(draft), draft_len=top,
+                       drafter_flags=("--controller", "adaspec"))]
+    if trim:
+        setups += [Scenario("adaspec trim", drafters=1, draft=str(draft), draft_len=top,
+                            drafter_flags=("--send-confidence", "true"), verifier_flags=("--trim", "adaspec", *est)),
+                   Scenario("adaspec + trim", drafters=1, draft=str(draft), draft_len=top,
+                            drafter_flags=("--controller", "adaspec"), verifier_flags=("--trim", "adaspec", *est))]
+    return setups
 
 
 def speedups(rows: list[dict[str, Any]]) -> None:
@@ -106,12 +116,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=4.0,
                    help="each repeat's arrivals span at least this long: at each rate, the larger of --requests "
                         "and rate x seconds requests (so that the high rates reach a steady queue)")
+    p.add_argument("--trim", action="store_true",
+                   help="also AdaSpec's verifier trim of the largest k, alone and with AdaSpec's drafter stop")
     add_workload_flags(p, repeats=3, requests=32, max_tokens=64)
     args = p.parse_args(argv)
     edge, models, out = prepare(args)
     points = [Point(f"{x:g} req/s", 0, requests_at(x, args.requests, args.seconds), x) for x in args.rates]
-    rows = sweep(models.target, scenarios(smallest(models.drafts), args.ks, args.estimator_file), points, args, edge,
-                 "bench load", interleave=in_turn_unless_networked(edge))
+    rows = sweep(models.target, scenarios(smallest(models.drafts), args.ks, args.estimator_file, args.trim), points,
+                 args, edge, "bench load", interleave=in_turn_unless_networked(edge))
     speedups(rows)
     meta = run_meta("load", argv, edge, trace=args.trace, rates=args.rates)
     plot(rows, args.rates, out / f"load{'' if args.trace == 'poisson' else '-' + args.trace}.png")

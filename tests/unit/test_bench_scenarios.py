@@ -16,6 +16,7 @@ from bench.client import Outcome
 from bench.fairness import settle_round
 from bench.fleets import Run, bodies
 from bench.load import requests_at
+from bench.load import scenarios as load_scenarios
 from bench.run_stats import (
     client_slo_by_class,
     cpu_split,
@@ -475,3 +476,17 @@ def test_on_shared_edge_cores_a_drafters_costs_are_its_draft_models_cpu_seconds(
     assert [s.token_s / a.token_s for a, s in zip(alone.drafters, shared.drafters, strict=True)] == pytest.approx(
         [0.5, 1.0])
     assert edge_background(real_row(cpu=cpu)) == 0  # not recorded per drafter: no split
+
+
+def test_bench_load_runs_adaspecs_trim_alone_and_whole_only_when_asked(tmp_path: Path) -> None:
+    plain = load_scenarios(tmp_path, [2, 6], "")
+    assert [sc.name for sc in plain] == ["no speculation", "fixed k=2", "fixed k=6", "smartspec", "adaspec"]
+    assert not any("--trim" in sc.verifier_flags for sc in plain)
+    with_trim = load_scenarios(tmp_path, [2, 6], "est.json", trim=True)
+    assert [sc.name for sc in with_trim[5:]] == ["adaspec trim", "adaspec + trim"]
+    trim, whole = with_trim[5:]
+    assert trim.draft_len == whole.draft_len == 6  # the trim cuts the largest k
+    assert list(trim.drafter_flags) == ["--send-confidence", "true"]
+    assert list(whole.drafter_flags) == ["--controller", "adaspec"]
+    for sc in (trim, whole):
+        assert list(sc.verifier_flags) == ["--trim", "adaspec", "--estimator-file", "est.json"]

@@ -81,3 +81,70 @@ def test_slo_counts_are_the_clients_with_the_verifiers_change_over_a_run_beside(
                                                     "verifier_counted": 8.0}
     idle = vp._slo_counts([], before - before)
     assert idle["slo_counted"] == 0 and math.isnan(idle["violated"]) and math.isnan(idle["violated_at_verifier"])
+
+
+def _trim_args(**over: Any) -> argparse.Namespace:
+    return argparse.Namespace(**{"trim_ks": [2, 6], "trim_loads": [1, 16], "trim_fleet": "one", "max_tokens": 8,
+                                 "repeats": 1, "estimator_file": "", **over})
+
+
+def _trim_scenarios(monkeypatch: pytest.MonkeyPatch, models: Any, args: argparse.Namespace,
+                    tmp_path: Path) -> list[Any]:
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr(vp, "serve_loads", lambda models, scs, loads, *rest: seen.update(scs=scs, loads=loads) or {})
+    vp.trim_part(models, args, SimpleNamespace(), tmp_path)
+    assert seen["loads"] == args.trim_loads
+    return list(seen["scs"])
+
+
+def test_the_trim_part_runs_target_only_the_fixed_ks_and_adaspec_on_one_drafter(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(vp, "smallest", lambda drafts: drafts[0])
+    scs = _trim_scenarios(monkeypatch, SimpleNamespace(drafts=[tmp_path / "q4"]), _trim_args(), tmp_path)
+    assert [sc.name for sc in scs] == ["target-only", "fixed k=2", "fixed k=6", "adaspec trim (k=6)",
+                                       "adaspec drafter + trim (k=6)"]
+    assert scs[0].drafters == 0 and all(sc.drafters == 1 and sc.draft == str(tmp_path / "q4") for sc in scs[1:])
+    assert [sc.draft_len for sc in scs[1:]] == [2, 6, 6, 6]
+    trim, whole = scs[3], scs[4]
+    assert "--send-confidence" in trim.drafter_flags and "--controller" not in trim.drafter_flags
+    assert list(whole.drafter_flags) == ["--controller", "adaspec"]
+    assert all(list(sc.verifier_flags[:2]) == ["--trim", "adaspec"] for sc in (trim, whole))
+    assert not any("--trim" in sc.verifier_flags for sc in scs[:3])
+
+
+def test_the_trim_parts_mixed_fleet_is_four_drafters_of_different_acceptance_sharing_the_load(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    target = tmp_path / "smollm2"
+    target.mkdir()
+    monkeypatch.chdir(tmp_path)
+    models = SimpleNamespace(target=target, drafts=[])
+    with pytest.raises(SystemExit, match=r"smollm2\.Q4_1\.gguf.*fetch-model"):
+        _trim_scenarios(monkeypatch, models, _trim_args(trim_fleet="mixed"), tmp_path)
+    for width in ("Q4_1", "Q4_0"):
+        (tmp_path / f"smollm2.{width}.gguf").write_bytes(b"")
+    (tmp_path / "models" / "draft-small").mkdir(parents=True)
+    scs = _trim_scenarios(monkeypatch, models, _trim_args(trim_fleet="mixed", trim_loads=[4, 14]), tmp_path)
+    assert scs[0].drafters == 0
+    for sc in scs[1:]:
+        copies = [str(tmp_path / f"smollm2.{width}.gguf") for width in ("Q4_1", "Q4_0")]
+        assert sc.drafters == 4 and sc.drafts == (*copies, "models/draft-small", str(target))
+        # each drafter takes at most a quarter of the largest load (rounded up); the fourth drafts by prompt lookup
+        assert [list(f) for f in sc.per_drafter_flags] == [["--max-sessions", "4"]] * 3 + [
+            ["--max-sessions", "4", "--proposer", "ngram"]]
+
+
+def test_the_trim_parts_readings_come_from_every_repeat() -> None:
+    def run(rate: float, drafted: int, accepted: int, trimmed: float) -> dict[str, float]:
+        return {"tokens_per_s": rate, "violated": float("nan"), "slo_counted": 0.0, "drafted": drafted,
+                "accepted": accepted, "trimmed": trimmed, "wall_s": 10.0, "verifier_steps_s": 9.0,
+                "draft_busy_s": 4.0}
+    row = vp._summary([run(100.0, 60, 30, 10.0), run(120.0, 40, 30, 0.0)])
+    assert row["acceptance"] == 0.6 and row["trimmed_share"] == pytest.approx(10 / 110)
+    assert row["verifier_busy"] == 0.9 and row["draft_busy"] == 0.4 and row["tokens_per_s"] == 110.0
+    base = vp._summary([run(100.0, 0, 0, 0.0)])
+    assert math.isnan(base["acceptance"]) and math.isnan(base["trimmed_share"])
+    meta = {"when": "now", "edge": "pinned", "parts": {"trim": {"command": "python -m bench verifier-policies x"}}}
+    text = vp.markdown({"meta": meta, "trim": {"target-only": {"16": base}, "adaspec trim (k=6)": {"16": row}}})
+    assert "`python -m bench verifier-policies x`" in text and "| adaspec trim (k=6) | 110.0 (1.10x) |" in text
+    assert "adaspec trim (k=6) @16: acceptance 0.60, trimmed 9%, verifier busy 0.90" in text
+    assert "target-only @16" not in text
