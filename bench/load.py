@@ -40,11 +40,16 @@ def scenarios(draft: Path, ks: list[int], estimator: str, trim: bool = False) ->
               Scenario("adaspec", drafters=1, draft=str(draft), draft_len=top,
                        drafter_flags=("--controller", "adaspec"))]
     if trim:
-        setups += [Scenario("adaspec trim", drafters=1, draft=str(draft), draft_len=top,
-                            drafter_flags=("--send-confidence", "true"), verifier_flags=("--trim", "adaspec", *est)),
-                   Scenario("adaspec + trim", drafters=1, draft=str(draft), draft_len=top,
-                            drafter_flags=("--controller", "adaspec"), verifier_flags=("--trim", "adaspec", *est))]
+        setups += adaspec_trims(top, est, ("adaspec trim", "adaspec + trim"), drafters=1, draft=str(draft))
     return setups
+
+
+def adaspec_trims(k: int, est: tuple[str, ...], names: tuple[str, str], **fleet: Any) -> list[Scenario]:
+    """AdaSpec's verifier trim of ``k`` drafts (the drafters send their confidences), and AdaSpec whole
+    (its drafter's stop as well, §4-5.1 and §5.2-5.3), named ``names``, on the ``Scenario`` fields ``fleet``."""
+    trim = ("--trim", "adaspec", *est)
+    return [Scenario(names[0], draft_len=k, drafter_flags=("--send-confidence", "true"), verifier_flags=trim, **fleet),
+            Scenario(names[1], draft_len=k, drafter_flags=("--controller", "adaspec"), verifier_flags=trim, **fleet)]
 
 
 def speedups(rows: list[dict[str, Any]]) -> None:

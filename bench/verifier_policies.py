@@ -44,6 +44,7 @@ from bench.client import Outcome, run_load
 from bench.edge import Edge, add_edge_flags, edge_from
 from bench.fairness import Sample, settle_round, tracing_utility
 from bench.fleets import PROMPTS, BenchFleet, Scenario, bench_fleet, bodies, given_args
+from bench.load import adaspec_trims
 from bench.profile import largest, smallest
 from bench.run_stats import D, V, client_slo_by_class
 from bench.scrape import Snapshot
@@ -224,12 +225,9 @@ def wisp_part(models: Any, args: argparse.Namespace, edge: Edge, logs: Path) -> 
 def trim_part(models: Any, args: argparse.Namespace, edge: Edge, logs: Path) -> dict[str, Any]:
     fleet = trim_fleet(models, args.trim_fleet, max(args.trim_loads))
     k = max(args.trim_ks)
-    scs = [Scenario("target-only"), *(Scenario(f"fixed k={j}", draft_len=j, **fleet) for j in args.trim_ks)]
-    scs.append(Scenario(f"adaspec trim (k={k})", draft_len=k, drafter_flags=("--send-confidence", "true"),
-                        verifier_flags=("--trim", "adaspec", *_estimator_flags(args)), **fleet))
-    # AdaSpec as the paper builds it: the drafter stops early (§4-5.1) and the verifier trims (§5.2-5.3)
-    scs.append(Scenario(f"adaspec drafter + trim (k={k})", draft_len=k, drafter_flags=("--controller", "adaspec"),
-                        verifier_flags=("--trim", "adaspec", *_estimator_flags(args)), **fleet))
+    scs = [Scenario("target-only"), *(Scenario(f"fixed k={j}", draft_len=j, **fleet) for j in args.trim_ks),
+           *adaspec_trims(k, _estimator_flags(args), (f"adaspec trim (k={k})", f"adaspec drafter + trim (k={k})"),
+                          **fleet)]
     return serve_loads(models, scs, args.trim_loads, edge, logs, args.max_tokens, args.repeats)
 
 

@@ -65,7 +65,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -358,10 +358,9 @@ class DraftModelProposer:
             self.looked_up_kept += 1
             at = row + 1 + j
             pick = self._pick(d, logits[at], top2[at])
-            step = None
-            if d.mode.features:  # its own step's batch, of which it came free
-                own = _step_features([d], [pick], logits[at : at + 1], values[at : at + 1])[0]
-                step = replace(own, rows=d.steps[-1].rows) if own is not None and d.steps else own
+            # counted in its own step's batch, of which it came free
+            step = _step_features([d], [pick], logits[at : at + 1], values[at : at + 1],
+                                  sessions=d.steps[-1].rows)[0] if d.mode.features else None
             self._take(d, pick, step)
         d.cache.slot.truncate(len(d.cache.cached))
         d.done = d.final or len(d.tokens) >= d.k
@@ -462,14 +461,15 @@ def _penalise(d: _Drafting, logits: torch.Tensor) -> torch.Tensor:
 
 
 def _step_features(live: Sequence[_Drafting], picks: Sequence[_Pick], logits: torch.Tensor,
-                   top: torch.Tensor) -> list[StepFeatures | None]:
+                   top: torch.Tensor, sessions: int | None = None) -> list[StepFeatures | None]:
     """The step features of every row that wants them, in a few ops over all those rows at once:
     per row, ops over a vocabulary-wide row cost more in dispatch than in arithmetic. The
     probabilities come from log-sum-exp and the top two logits (``top``: the step's, of ``logits``,
     unless a row is penalised); the spread (entropy, logit std) only for the rows whose controller
     reads it. This runs on every draft step of a batch: for 12 rows of 4,096 logits it took 185 µs
     a step on this CPU, against 334 µs with a top-2 of its own over a stack of the rows (2026-11-27),
-    which made AdaSpec's rounds draft slower than fixed k's."""
+    which made AdaSpec's rounds draft slower than fixed k's. ``sessions``: those of the forward the features
+    name (default ``live``'s)."""
     want = [i for i, d in enumerate(live) if d.mode.features]
     out: list[StepFeatures | None] = [None] * len(live)
     if not want:
@@ -496,5 +496,5 @@ def _step_features(live: Sequence[_Drafting], picks: Sequence[_Pick], logits: to
         d, p = live[i], probs[n]
         out[i] = StepFeatures(position=len(d.tokens), budget=d.k, token_id=picks[i].token, token_prob=p[0],
                               top1_prob=p[1], top2_prob=p[2] if len(p) > 2 else 0.0,
-                              spread=Spread(entropy[n], logit_std[n]), rows=len(live))
+                              spread=Spread(entropy[n], logit_std[n]), rows=len(live) if sessions is None else sessions)
     return out
