@@ -98,6 +98,8 @@ def scenarios(target: Path) -> dict[str, Scenario]:
         "no-riders": default_fleet(", no riders", verifier=("--fill-riders", "false")),
         # the baseline of the 4-bit kernel's float16 KV cache (shared.runner.gguf_backend.KV_CACHE_DTYPES)
         "kv32": default_fleet(", float32 KV caches", "--gguf-kv-cache", "float32"),
+        # the baseline of the drafts' looked-up rows (proposers/draft_model.py: greedy and raced rows)
+        "no-lookup": default_fleet(", no looked-up rows", "--lookup-rows", "0"),
         # the baseline of the drafters' shared prompt rows (services/drafter/proposers/draft_model.py)
         "unshared": default_fleet(", prompts unshared", "--share-prefixes", "false"),
         **{w.lower(): alone(f"{w} copy alone", copy(w)) for w in ("Q4_1", "Q8_0", "Q4_0")},

@@ -161,6 +161,14 @@ SECTIONS = (
                 "a pipeline", "--concurrency 1,4 --scenarios target-only,default-fleet --repeats 3 --requests 16"),
     edge_drafts("epyc/edge-drafts-1-pipeline", "1 request on the EPYC in five repeats, with SmartSpec's rounds priced "
                 "as a pipeline", "--concurrency 1 --scenarios target-only,default-fleet --repeats 5"),
+    edge_drafts("epyc/edge-drafts-t1-lookup", "Temperature 1 at one request on the EPYC, raced rows keeping their "
+                "looked-up guesses, beside the fleet without looked-up rows", "--temperature 1 --concurrency 1 "
+                "--scenarios target-only,default-fleet,no-lookup --repeats 5"),
+    edge_drafts("epyc/edge-drafts-1-lookup", "1 request on the EPYC, greedy: the default fleet with and without "
+                "looked-up rows", "--concurrency 1 --scenarios target-only,default-fleet,no-lookup --repeats 5"),
+    edge_drafts("epyc/edge-drafts-4-lookup", "4 requests on the EPYC, greedy: the default fleet with and without "
+                "looked-up rows", "--concurrency 4 --scenarios target-only,default-fleet,no-lookup --repeats 3 "
+                "--requests 16"),
     edge_drafts("epyc/edge-drafts-4-k", "4 requests on the EPYC: the verifier's length policy beside Fixed-S",
                 "--concurrency 4 --scenarios target-only,default-fleet,q4_1,q4_1-k3,q4_1-k5 --repeats 3 --requests 24"),
     Section("epyc/smartspec/verifier-policies", "SmartSpec against target-only and Fixed-S k = 4 on the EPYC, 1 to "

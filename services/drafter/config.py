@@ -67,8 +67,8 @@ class ModelSection:
     kv_cache_gb: float = opt(0.0, "draft KV cache in GiB; 0 sizes it for max_sessions full-context sessions (at "
                                   "most 20%% of RAM; a GGUF draft's at most 1 GiB, which llama.cpp commits at start)")
     torch_threads: int = opt(0, "torch intra-op threads; 0 leaves torch's default")
-    lookup_rows: int = opt(3, "a draft model's greedy step also feeds up to N tokens prompt lookup guesses come next, "
-                              "and keeps those the model drafts too: several draft tokens from one forward "
+    lookup_rows: int = opt(3, "a draft model's greedy (or raced) step also feeds up to N tokens prompt lookup guesses "
+                              "come next, and keeps those the model drafts too: several draft tokens from one forward "
                               "(proposers/draft_model.py; not on llama.cpp on a CPU, where a row costs a step, nor for "
                               "sessions a controller watches token by token); 0: off")
 

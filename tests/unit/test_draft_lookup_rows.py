@@ -1,4 +1,4 @@
-"""Looked-up rows (``DraftModelProposer(lookup_rows=N)``): a greedy draft step also feeds the tokens
+"""Looked-up rows (``DraftModelProposer(lookup_rows=N)``): a greedy (or raced) draft step also feeds the tokens
 prompt lookup guesses come next, and keeps those the draft model drafts too. The draft is the one
 drafting token by token gives, in fewer forwards, and the cache holds no row of a dropped guess."""
 
@@ -93,6 +93,25 @@ def test_a_lookahead_step_takes_the_tokens_that_come_free(draft: LoadedModel, lo
     p2 = make(draft, lookup_rows=3)
     p2.start("s", looping, 64)
     assert one(p2, job("s", 1)).token_ids == want[:1]  # no spare: one token, as before
+
+
+@pytest.mark.parametrize(("temperature", "kept"), [(0.1, True), (1.0, False)])
+def test_a_raced_draft_with_looked_up_rows_is_the_raced_draft_without(draft: LoadedModel, looping: list[int],
+                                                                       temperature: float, kept: bool) -> None:
+    """A keyed race's winner depends only on its row's logits and position: a guess that wins its race is
+    kept, and the draft (tokens and runner-ups) is the one drafting token by token gives. At temperature 0.1
+    the loop's tokens win their races, so guesses are kept; at 1 the tiny draft's races leave the loop."""
+    params = SamplingParams(temperature=temperature, max_tokens=64, seed=5)
+    plain, looked = make(draft), make(draft, lookup_rows=3)
+    got, counts = {}, {}
+    for proposer in (plain, looked):
+        proposer.start("s", looping, 64)
+        counts[proposer] = Counting(proposer)
+        got[proposer] = one(proposer, DraftJob(JobSession("s", params, gen(0), race_key=99), 12))
+    assert got[looked].token_ids == got[plain].token_ids
+    assert got[looked].runner_up == got[plain].runner_up and got[looked].q is None
+    assert looked.looked_up > 0 and (looked.looked_up_kept > 0) is kept
+    assert counts[looked].forwards == counts[plain].forwards - looked.looked_up_kept
 
 
 @pytest.mark.parametrize("case", ["sampled", "watched", "k=1"])

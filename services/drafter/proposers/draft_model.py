@@ -34,9 +34,11 @@ blocks, the 4-bit kernel, any batch-invariant runner) the tokens are exactly the
 at a time gives; only the rows of rejected guesses are rolled back. An offline count on the
 target's answers to the held-out chat prompts: three guesses from matches of 2 to 4 tokens, 1.49
 tokens a forward for 0.78 extra rows; in service on those prompts 9 to 13 % of the committed tokens
-came without a forward of their own, 35 % on code-like ones. Rows that must be their own step get
-no guesses: sampled, raced or penalised ones, and those a controller watches token by token. A row
-whose features are only sent on (``--send-confidence``) keeps its guesses, each with its row's features.
+came without a forward of their own, 35 % on code-like ones. A raced row (a sampled request's keyed
+race) keeps a guess that wins its position's race, which depends on that row's logits and position
+alone. Rows that must be their own step get no guesses: those sampled from the session's stream,
+penalised ones, and those a controller watches token by token. A row whose features are only sent on
+(``--send-confidence``) keeps its guesses, each with its row's features.
 
 Sessions are drafted in batches (StarSD §3): each draft position of every session in the batch
 is one packed forward of the draft model, so a batch of B sessions drafting k tokens costs k
@@ -335,12 +337,14 @@ class DraftModelProposer:
                          limit=limit)
 
     def _look_up(self, d: _Drafting) -> list[int]:
-        """The tokens prompt lookup guesses follow this step's (none for a row that samples, is
-        penalised or is watched token by token, or with no room left). A row whose features are only
-        sent on (``--send-confidence``, a lookahead screened later) gets its guesses: each kept guess's
-        row gives its features as its own step would."""
+        """The tokens prompt lookup guesses follow this step's (none for a row that samples from its
+        stream, is penalised or is watched token by token, or with no room left). A raced row gets its
+        guesses: a race's winner depends only on the row's logits and its position, so a guess is kept
+        when it wins the race there, as drafting it alone would pick it. A row whose features are only
+        sent on (``--send-confidence``, a lookahead screened later) gets its guesses too: each kept
+        guess's row gives its features as its own step would."""
         room = min(self.lookup_rows, d.limit - len(d.tokens) - 1)
-        if room <= 0 or d.mode.sampled or d.mode.raced or d.mode.penalised or d.mode.watch is not None:
+        if room <= 0 or d.mode.sampled or d.mode.penalised or d.mode.watch is not None:
             return []
         guesses = lookup([*d.context, *d.tokens], room, LOOKUP_MAX_N, LOOKUP_MIN_N)
         self.looked_up += len(guesses)
