@@ -112,9 +112,10 @@ def scenarios(target: Path) -> dict[str, Scenario]:
     }
 
 
-def chat_bodies(prompts: Sequence[str], max_tokens: int, model: str, temperature: float) -> list[dict[str, Any]]:
+def chat_bodies(prompts: Sequence[str], max_tokens: int, model: str, temperature: float,
+                top_p: float = 1.0) -> list[dict[str, Any]]:
     return [{"kind": "chat", "model": model, "messages": [{"role": "user", "content": p}], "max_tokens": max_tokens,
-             "temperature": temperature} for p in prompts]
+             "temperature": temperature, **({"top_p": top_p} if top_p < 1.0 else {})} for p in prompts]
 
 
 def heldout_prompts(n: int) -> list[str]:
@@ -125,10 +126,10 @@ def heldout_prompts(n: int) -> list[str]:
 
 
 def measure_chat(bf: BenchFleet, sc: Scenario, concurrency: int, prompts: list[str], max_tokens: int, model: str,
-                 temperature: float, estimates: list[float]) -> Run:
+                 temperature: float, estimates: list[float], top_p: float = 1.0) -> Run:
     """One load run; ``estimates`` gets the fleet view's speedup estimates read during it."""
     before = bf.scrape()
-    wall, outs = asyncio.run(load_watching_estimate(bf, chat_bodies(prompts, max_tokens, model, temperature),
+    wall, outs = asyncio.run(load_watching_estimate(bf, chat_bodies(prompts, max_tokens, model, temperature, top_p),
                                                     concurrency, estimates))
     return Run(sc.name, concurrency, [sum(o.tokens for o in outs) / wall], outs, diff_all(bf.scrape(), before),
                bf.network, [wall])
@@ -169,13 +170,13 @@ def chat_window(args: argparse.Namespace, target: Path, bar: tqdm,
                 estimates: dict[tuple[str, int], list[float]] | None = None) -> Window:
     """One measured window of a fleet (``bench.fleets.in_turn``'s ``measure_one``): repeat ``i``
     answers its own slice of the held-out chat prompts (``--requests``, or ``conc`` when more) at
-    ``conc`` concurrent requests and ``--temperature``; ``estimates`` collects the dashboard's
+    ``conc`` concurrent requests, ``--temperature`` and ``--top-p``; ``estimates`` collects the dashboard's
     readings per (scenario, concurrency)."""
     def one(bf: BenchFleet, sc: Scenario, conc: int, i: int) -> Run:
         n = max(args.requests, conc)
         seen = [] if estimates is None else estimates.setdefault((sc.name, conc), [])
         run = measure_chat(bf, sc, conc, heldout_prompts(n * (i + 1))[-n:], args.max_tokens, target.name,
-                           args.temperature, seen)
+                           args.temperature, seen, args.top_p)
         bar.update(1)
         return run
 
@@ -381,10 +382,12 @@ def main(argv: list[str] | None = None) -> int:
                         "priced from the drafters' timings), no-fill (the default fleet never filling), kv32 (the "
                         "default fleet's 4-bit drafts keeping their KV caches in float32), no-riders (the "
                         "default fleet filling only in steps "
-                        "with nothing to verify), unshared (the default fleet's drafters prefilling every prompt "
-                        "whole), fleet-ahead (the default fleet drafting ahead at every session), q4_1, q4_1-ahead "
+                        "with nothing to verify), no-lookup (the default fleet without looked-up rows), unshared "
+                        "(the default fleet's drafters prefilling every prompt whole), fleet-ahead (the default "
+                        "fleet drafting ahead at every session), q4_1, q4_1-ahead "
                         "(the Q4_1 copy drafting ahead at every session), q4_1-k3, q4_1-k5, q4_1-k8 (the Q4_1 copy "
                         "at a fixed draft length), q8_0, q4_0, distilled, ngram")
+    p.add_argument("--top-p", type=float, default=1.0, help="every request's top_p (1: no nucleus cut)")
     p.add_argument("--gguf-step", default="", help=argparse.SUPPRESS)  # a pinned child: one draft's step
     p.add_argument("--prompt-from", default="", help=argparse.SUPPRESS)
     add_workload_flags(p, repeats=3, requests=8, max_tokens=128, concurrency=(1, 4, 16))
@@ -409,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"command": "python -m bench edge-drafts " + " ".join(given_args(argv)),
             "when": time.strftime("%Y-%m-%d %H:%M"),
             "edge": edge.describe(), "cpu": cpu_flag_summary(), "costs": costs, "temperature": args.temperature,
+            "top_p": args.top_p,
             "dtype": str(resolve_dtype("auto", "cpu", stored_dtype(target))).removeprefix("torch."),
             "requests": args.requests, "max_tokens": args.max_tokens, "repeats": args.repeats}
     write(rows, checks(rows, costs, args.temperature), meta, Path(args.out))

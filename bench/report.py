@@ -164,6 +164,11 @@ SECTIONS = (
     edge_drafts("epyc/edge-drafts-t1-lookup", "Temperature 1 at one request on the EPYC, raced rows keeping their "
                 "looked-up guesses, beside the fleet without looked-up rows", "--temperature 1 --concurrency 1 "
                 "--scenarios target-only,default-fleet,no-lookup --repeats 5"),
+    edge_drafts("epyc/edge-drafts-t1-topp095", "Temperature 1 and top_p 0.95 at one request on the EPYC, the "
+                "nucleus found among the near candidates", "--temperature 1 --top-p 0.95 --concurrency 1 "
+                "--scenarios target-only,default-fleet --repeats 3"),
+    edge_drafts("epyc/edge-drafts-t1-topp095-before", "The same with the earlier top-p, which sorted every row",
+                "--temperature 1 --top-p 0.95 --concurrency 1 --scenarios target-only,default-fleet --repeats 3"),
     edge_drafts("epyc/edge-drafts-1-lookup", "1 request on the EPYC, greedy: the default fleet with and without "
                 "looked-up rows", "--concurrency 1 --scenarios target-only,default-fleet,no-lookup --repeats 5"),
     edge_drafts("epyc/edge-drafts-4-lookup", "4 requests on the EPYC, greedy: the default fleet with and without "

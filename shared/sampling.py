@@ -97,6 +97,15 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     return probs.view(logits.shape)
 
 
+#: top-p looks for a row's nucleus among its tokens within this many logits (after temperature) of its
+#: largest, each at most e^-10 as likely as the likeliest; a row whose candidates carry less than its top_p
+#: sorts the whole row instead. Sorting SmolLM2's 49,152 logits took 3.4 ms of one core of an AVX512-BF16
+#: EPYC, a sort per verified row (and per raced draft token) of every request that sets top_p; over the Q4_1
+#: copy's logits on held-out answers the candidates numbered 764 (median) and carried at least 0.95 of the
+#: mass in every one of 200 rows (2026-12-07).
+NUCLEUS_SPAN = 10.0
+
+
 def probs_from_logit_rows(
     logits: torch.Tensor, temperature: list[float], top_k: list[int], top_p: list[float]
 ) -> torch.Tensor:
@@ -104,8 +113,8 @@ def probs_from_logit_rows(
 
     Temperature first, then top-k (ties with the k-th logit stay in), then top-p: the smallest
     set of most likely tokens whose mass reaches top_p (a token is dropped when the mass strictly
-    before it already reaches top_p; at least one token stays). Rows must not be greedy. One
-    sort serves both truncations, and only when some row truncates.
+    before it already reaches top_p; at least one token stays). Rows must not be greedy. Each row's
+    result depends on that row alone, never on the others in the batch.
     """
     logits = logits.float()
     vocab = logits.shape[-1]
@@ -114,20 +123,37 @@ def probs_from_logit_rows(
     else:  # softmax subtracts each row's maximum itself; logits / 1e-5 stays far from float32's limit
         x = logits / torch.tensor(temperature, dtype=torch.float32, device=logits.device).unsqueeze(1)
     cut_k = [k if 0 < k < vocab else vocab for k in top_k]
-    cut_p = [p if p < 1.0 else float("inf") for p in top_p]
-    if min(cut_k) == vocab and min(cut_p) == float("inf"):
-        return x.softmax(-1)
-    ordered, order = torch.sort(x, dim=-1, descending=True)
-    if min(cut_k) < vocab:
-        kth = ordered.gather(-1, torch.tensor(cut_k, device=x.device).unsqueeze(1) - 1)
+    if min(cut_k) < vocab:  # the k-th largest of each row (ties with it stay in); -inf: no top-k
+        most = max(k for k in cut_k if k < vocab)
+        tops = x.topk(most, dim=-1).values
+        kth = tops.gather(-1, torch.tensor([min(k, most) - 1 for k in cut_k], device=x.device).unsqueeze(1))
+        kth[torch.tensor([k == vocab for k in cut_k], device=x.device)] = float("-inf")
         x = x.masked_fill(x < kth, float("-inf"))
-        ordered = ordered.masked_fill(ordered < kth, float("-inf"))
-    if min(cut_p) < float("inf"):
-        sorted_probs = ordered.softmax(-1)
-        mass_before = sorted_probs.cumsum(-1) - sorted_probs
-        drop_sorted = mass_before >= torch.tensor(cut_p, device=x.device).unsqueeze(1)
-        x = x.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted), float("-inf"))
+    if nucleus_rows := [r for r, p in enumerate(top_p) if p < 1.0]:
+        index = torch.tensor(nucleus_rows, device=x.device)
+        rows = x.index_select(0, index)
+        x = x.index_copy(0, index, rows.masked_fill(~_nucleus(rows, [top_p[r] for r in nucleus_rows]), float("-inf")))
     return x.softmax(-1)
+
+
+def _nucleus(x: torch.Tensor, limit: list[float]) -> torch.Tensor:
+    """Which tokens of each row of ``x [R, V]`` top-p keeps (``limit``: each row's top_p): those whose mass
+    before them, most likely first, is below it. The probabilities are the row's softmax, summed in that
+    order (``cumsum``: a prefix's sums do not depend on what follows it), so sorting the candidates within
+    :data:`NUCLEUS_SPAN` of the largest, when they carry the top_p, keeps what sorting the whole row does."""
+    probs = x.softmax(-1)
+    keep = torch.zeros_like(x, dtype=torch.bool)
+    for r, (row, top_p) in enumerate(zip(x, limit, strict=True)):
+        near = (row >= row.max() - NUCLEUS_SPAN).nonzero().squeeze(1)
+        order = near[row[near].argsort(descending=True)]
+        ranked = probs[r, order]
+        mass = ranked.cumsum(-1)
+        if len(order) < len(row) and (not len(order) or float(mass[-1]) < top_p):  # it may reach past them
+            order = row.argsort(descending=True)
+            ranked = probs[r, order]
+            mass = ranked.cumsum(-1)
+        keep[r, order] = mass - ranked < top_p
+    return keep
 
 
 #: The independent random streams of one request: the drafter's choices and the verifier's. (A

@@ -9,8 +9,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shared import sampling
 from shared.protocol import SamplingParams
-from shared.sampling import SamplingError, is_greedy, make_generator, probs_from_logits, sample, validate
+from shared.sampling import (
+    SamplingError,
+    is_greedy,
+    make_generator,
+    probs_from_logit_rows,
+    probs_from_logits,
+    sample,
+    validate,
+)
 
 
 def _logits(seed: int, rows: int = 8, vocab: int = 50) -> torch.Tensor:
@@ -91,6 +100,46 @@ def test_top_p_keeps_the_minimal_nucleus(top_p: float, temperature: float) -> No
         # The kept tokens are the n most likely ones, renormalised.
         assert set(torch.topk(row_full, n).indices.tolist()) == set(kept.nonzero().flatten().tolist())
         torch.testing.assert_close(row[kept], row_full[kept] / row_full[kept].sum())
+
+
+def _vocab_rows() -> torch.Tensor:
+    """Rows of a 49,152-token vocabulary, peaked to flat: nuclei of one token to thousands."""
+    torch.manual_seed(11)
+    return torch.randn(24, 49_152) * torch.linspace(0.3, 14.0, 24).unsqueeze(1)
+
+
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.95, 0.999])
+def test_top_p_over_the_near_candidates_keeps_what_sorting_the_whole_row_keeps(
+        top_p: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The nucleus is looked for among the tokens within NUCLEUS_SPAN of the largest logit, and a row whose
+    candidates carry less than top_p is sorted whole: bitwise the distribution sorting every row gives."""
+    rows = _vocab_rows()
+    fast = probs_from_logit_rows(rows, [1.0] * 24, [0] * 24, [top_p] * 24)
+    monkeypatch.setattr(sampling, "NUCLEUS_SPAN", float("inf"))  # every token a candidate: the whole row sorted
+    assert torch.equal(fast, probs_from_logit_rows(rows, [1.0] * 24, [0] * 24, [top_p] * 24))
+    for row, got in zip(rows, fast, strict=True):  # float32's mass against float64's: exact where the nucleus is small
+        if (want := _minimal_nucleus_size(torch.softmax(row, -1), top_p)) < 200:
+            assert int((got > 0).sum()) == want
+
+
+def test_a_nucleus_past_the_near_candidates_is_found_by_sorting_the_row() -> None:
+    """One token 10.5 logits above a thousand others holds 0.973 of the mass: top_p 0.99 needs some of them."""
+    row = torch.full((1, 4096), -1e4)
+    row[0, 0], row[0, 1:1001] = 0.0, -10.5
+    probs = probs_from_logits(row, SamplingParams(temperature=1.0, top_p=0.99))
+    assert int((probs > 0).sum()) == _minimal_nucleus_size(torch.softmax(row[0], -1), 0.99) > 1
+
+
+def test_each_rows_distribution_is_the_one_it_gets_alone() -> None:
+    """Rows of mixed settings in one batch (top-p, top-k, both, neither) get what each gets alone."""
+    rows = _vocab_rows()
+    temperature = [1.0, 0.7] * 12
+    top_k = [0, 0, 40, 40, 0, 2000] * 4
+    top_p = [0.9, 1.0, 1.0, 0.8, 0.95, 0.99] * 4
+    batch = probs_from_logit_rows(rows, temperature, top_k, top_p)
+    for i in range(24):
+        alone = probs_from_logit_rows(rows[i : i + 1], temperature[i : i + 1], top_k[i : i + 1], top_p[i : i + 1])
+        assert torch.equal(batch[i : i + 1], alone)
 
 
 def test_top_p_always_keeps_at_least_one_token() -> None:
