@@ -98,11 +98,11 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
 
 
 #: top-p looks for a row's nucleus among its tokens within this many logits (after temperature) of its
-#: largest, each at most e^-10 as likely as the likeliest; a row whose candidates carry less than its top_p
-#: sorts the whole row instead. Sorting SmolLM2's 49,152 logits took 3.4 ms of one core of an AVX512-BF16
-#: EPYC, a sort per verified row (and per raced draft token) of every request that sets top_p; over the Q4_1
-#: copy's logits on held-out answers the candidates numbered 764 (median) and carried at least 0.95 of the
-#: mass in every one of 200 rows (2026-12-07).
+#: largest (each token further below is at most e^-10 as likely as the likeliest); a row whose candidates
+#: carry less than its top_p sorts the whole row instead. Sorting SmolLM2's 49,152 logits took 3.4 ms of one
+#: core of an AVX512-BF16 EPYC, a sort per verified row (and per raced draft token) of every request that sets
+#: top_p; over the Q4_1 copy's logits on held-out answers the candidates numbered 764 (median) and carried at
+#: least 0.95 of the mass in every one of 200 rows (2026-12-07).
 NUCLEUS_SPAN = 10.0
 
 
@@ -139,8 +139,9 @@ def probs_from_logit_rows(
 def _nucleus(x: torch.Tensor, limit: list[float]) -> torch.Tensor:
     """Which tokens of each row of ``x [R, V]`` top-p keeps (``limit``: each row's top_p): those whose mass
     before them, most likely first, is below it. The probabilities are the row's softmax, summed in that
-    order (``cumsum``: a prefix's sums do not depend on what follows it), so sorting the candidates within
-    :data:`NUCLEUS_SPAN` of the largest, when they carry the top_p, keeps what sorting the whole row does."""
+    order (on a CPU ``cumsum`` adds one at a time, so a prefix's sums do not depend on what follows it), so
+    sorting the candidates within :data:`NUCLEUS_SPAN` of the largest, when they carry the top_p, keeps what
+    sorting the whole row does."""
     probs = x.softmax(-1)
     keep = torch.zeros_like(x, dtype=torch.bool)
     for r, (row, top_p) in enumerate(zip(x, limit, strict=True)):
