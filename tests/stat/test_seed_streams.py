@@ -128,3 +128,29 @@ def test_race_sampling_gives_the_targets_law_with_power_for_one_point() -> None:
     shifted[0] += 0.01
     shifted[1] -= 0.01
     assert _worst_sigma_against(freq, shifted) > 3.0, freq.tolist()
+
+
+#: a nucleus cut: 0.30, 0.20, 0.15, 0.15 stay (the mass before the fourth is 0.65), 0.12 and 0.08 go
+NUCLEUS = 0.7
+
+
+def _race_nucleus_first_tokens(seeds: range) -> torch.Tensor:
+    counts = torch.zeros(V)
+    for seed in seeds:
+        params = SamplingParams(temperature=1.0, top_p=NUCLEUS, max_tokens=8, seed=seed)
+        req = make_request(f"r{seed}", [1], params, True, 64, frozenset(), race=True)
+        assert req.sampler.race_key is not None
+        drafts = [top_two(probs_from_logits(DRAFT[j], params), req.sampler.race_key, 1 + j)[0] for j in range(K)]
+        counts[judge([(req, drafts)], TARGET)[0].tokens[0]] += 1
+    return counts
+
+
+@pytest.mark.stat
+def test_race_sampling_with_top_p_gives_the_targets_cut_law() -> None:
+    """top_p < 1 on both sides (the draft raced over its own cut q): the first token follows the target's
+    distribution cut to its nucleus and renormalised, and a token outside the nucleus never comes."""
+    freq = over_seeds(_race_nucleus_first_tokens, SEEDS) / SEEDS
+    law = probs_from_logits(TARGET[0], SamplingParams(temperature=1.0, top_p=NUCLEUS, max_tokens=8))
+    assert law.tolist()[4:] == [0.0, 0.0] and freq.tolist()[4:] == [0.0, 0.0], freq.tolist()
+    kept = law > 0
+    assert _worst_sigma_against(freq[kept], law[kept]) < 3.0, freq.tolist()
