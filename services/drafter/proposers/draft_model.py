@@ -65,22 +65,28 @@ the draft tokens before each position counted as generated. Correctness does not
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 
-from services.drafter.control.base import DraftController, Spread, StepDecision, StepFeatures
+from services.drafter.control.base import StepDecision, StepFeatures
 from services.drafter.proposers.base import EMPTY_PROPOSAL, DraftJob, DraftRun, Proposal, ProposerError
 from services.drafter.proposers.draft_cache import KVCache, SessionCaches
+from services.drafter.proposers.draft_rows import (
+    Drafting,
+    Mode,
+    Pick,
+    SessionCache,
+    first_rows,
+    penalise,
+    step_features,
+)
 from services.drafter.proposers.ngram import lookup
 from shared.draft_q import Nucleus, draft_token, guess_token
 from shared.log import get_logger
-from shared.penalties import apply_penalties, has_penalties
+from shared.penalties import has_penalties
 from shared.prefix import common_prefix_len
-from shared.protocol import MAX_DRAFT_TOKENS, SparseQ
+from shared.protocol import MAX_DRAFT_TOKENS
 from shared.race import top_two
 from shared.runner import KVSlot, Segment
 from shared.runner.step import SegmentRunner
@@ -96,57 +102,6 @@ MIN_SHARED_PREFIX = 4
 #: looked-up rows: the longest and the shortest n-gram whose latest earlier occurrence is looked up
 LOOKUP_MAX_N = 4
 LOOKUP_MIN_N = 2
-
-
-@dataclass
-class _SessionCache:
-    committed: list[int]
-    caches: SessionCaches  # the main KV cache (None: no room) and the spares for branch lookaheads
-    disabled: str = ""  # why this session cannot be drafted for; empty: it can
-    drafting: int = 0  # its drafts in a run now (a stepped run lets a close come between forwards)
-    closed: bool = False  # closed: its caches go back once no run drafts for it
-
-
-class _Mode(NamedTuple):
-    """How one session drafts, fixed for a ``propose``."""
-
-    sampled: bool  # drafted from the session's stream, with q
-    raced: bool  # the winner of the request's keyed race at each position (shared.race)
-    enders: frozenset[int]
-    watch: DraftController | None
-    features: bool  # compute step features (for ``watch``, or for a later screening)
-    spread: bool  # ... with entropy and logit std (``watch`` reads them)
-    penalised: bool  # the request has penalties: apply them to each row before choosing
-
-
-@dataclass
-class _Drafting:
-    """One session's draft in progress within a batched ``propose``."""
-
-    job: DraftJob
-    state: _SessionCache
-    cache: KVCache  # the main cache, or a spare for a branch lookahead (``DraftJob.branch``)
-    k: int
-    mode: _Mode
-    feed: list[int]  # tokens the next forward feeds for this session
-    context: list[int]  # the committed sequence the draft continues
-    limit: int  # with looked-up rows, at most this many tokens (k, and the job's ``spare``)
-    guesses: list[int] = field(init=False, default_factory=list)  # looked-up tokens fed after ``feed``
-    tokens: list[int] = field(init=False, default_factory=list)
-    runner_up: list[int] = field(init=False, default_factory=list)  # a greedy draft's second choice per token
-    qs: list[SparseQ] = field(init=False, default_factory=list)
-    steps: list[StepFeatures] = field(init=False, default_factory=list)
-    done: bool = field(init=False, default=False)
-    final: bool = field(init=False, default=False)  # stopped on its own, not by reaching k
-
-
-class _Pick(NamedTuple):
-    """The token chosen for one row, its q (a sampled draft's) and the row it was chosen from."""
-
-    token: int
-    runner_up: int  # a greedy row's second choice; -1 for a sampled one
-    q: SparseQ | None
-    logits: torch.Tensor  # penalised when the request has penalties
 
 
 class DraftModelProposer:
@@ -165,7 +120,7 @@ class DraftModelProposer:
         self.mode = mode
         self.nucleus = nucleus or Nucleus()
         self.guesses_bonus = mode == "sampled"
-        self._sessions: dict[str, _SessionCache] = {}
+        self._sessions: dict[str, SessionCache] = {}
         self.share_prefixes = share_prefixes  # --share-prefixes; false: the baseline, every prompt prefilled
         self.shared_prefix_tokens = 0  # rows taken from other sessions' caches, not computed
         self._donor: KVCache | None = None  # the last closed session's main cache, kept for its rows
@@ -179,8 +134,8 @@ class DraftModelProposer:
         need = max(1, min(self.max_model_len, len(prompt_ids) + max_new_tokens + MAX_DRAFT_TOKENS))
         slot = self._allocate(need)
         main = None if slot is None else KVCache(slot)
-        state = _SessionCache(committed=list(prompt_ids),
-                              caches=SessionCaches(self.runner.kv, main, make_room=self._drop_donor))
+        state = SessionCache(committed=list(prompt_ids),
+                             caches=SessionCaches(self.runner.kv, main, make_room=self._drop_donor))
         self._sessions[session_id] = state
         if slot is None:
             state.disabled = (f"the draft KV cache has no room for {need} more tokens; raise the drafter's "
@@ -204,7 +159,7 @@ class DraftModelProposer:
         if not state.drafting:  # else its draft leaves the run at the next step, and gives the caches back then
             self._release(state)
 
-    def _release(self, state: _SessionCache) -> None:
+    def _release(self, state: SessionCache) -> None:
         main, state.caches.main = state.caches.main, None
         state.caches.close()  # the spares
         if main is not None and main.cached and self.share_prefixes:
@@ -271,7 +226,7 @@ class DraftModelProposer:
         """One forward for the run's live sessions (sessions closed since the last one leave first)."""
         for d in [d for d in run.live if d.state.closed]:
             self._leave(run, d)
-        live: list[_Drafting] = list(run.live)
+        live: list[Drafting] = list(run.live)
         if not live:
             return 0
         with torch.inference_mode():
@@ -282,11 +237,11 @@ class DraftModelProposer:
             assert logits is not None
             top = topk(logits, min(2, logits.shape[-1]))  # every greedy row in one op
             top2 = top.indices.tolist()
-            first = _first_rows(live)  # each session's row for its own token; its guesses' follow
+            first = first_rows(live)  # each session's row for its own token; its guesses' follow
             picks = [self._pick(d, logits[row], top2[row]) for row, d in zip(first, live, strict=True)]
             heads = logits if len(first) == len(logits) else logits[first]
             values = top.values if len(first) == len(logits) else top.values[first]
-            for row, d, pick, step in zip(first, live, picks, _step_features(live, picks, heads, values),
+            for row, d, pick, step in zip(first, live, picks, step_features(live, picks, heads, values),
                                           strict=True):
                 d.cache.cached.extend(d.feed)
                 self._take(d, pick, step)
@@ -301,7 +256,7 @@ class DraftModelProposer:
             self._leave(run, d, keep=False)
         run.finished.clear()
 
-    def _leave(self, run: DraftRun, d: _Drafting, keep: bool = True) -> None:
+    def _leave(self, run: DraftRun, d: Drafting, keep: bool = True) -> None:
         """``d`` leaves the run (with its proposal, if ``keep``); a session closed meanwhile gives its
         caches back now."""
         run.live.remove(d)
@@ -313,7 +268,7 @@ class DraftModelProposer:
         if d.state.closed and not d.state.drafting:
             self._release(d.state)
 
-    def _begin(self, job: DraftJob) -> _Drafting | None:
+    def _begin(self, job: DraftJob) -> Drafting | None:
         """Roll the session's cache back to its committed sequence; None when it drafts nothing."""
         state = self._sessions.get(job.session_id)
         if state is None:  # closed while its job waited
@@ -331,12 +286,12 @@ class DraftModelProposer:
         sampled = self.mode == "sampled" and not is_greedy(job.params)
         raced = sampled and job.session.race_key is not None
         spread = (watch is not None and watch.wants_spread) or job.spread
-        mode = _Mode(sampled and not raced, raced, enders, watch, watch is not None or job.features, spread,
-                     has_penalties(job.params))
-        return _Drafting(job, state, cache, k, mode, feed=context[len(cache.cached):], context=context,
-                         limit=limit)
+        mode = Mode(sampled and not raced, raced, enders, watch, watch is not None or job.features, spread,
+                    has_penalties(job.params))
+        return Drafting(job, state, cache, k, mode, feed=context[len(cache.cached):], context=context,
+                        limit=limit)
 
-    def _look_up(self, d: _Drafting) -> list[int]:
+    def _look_up(self, d: Drafting) -> list[int]:
         """The tokens prompt lookup guesses follow this step's (none for a row that samples from its
         stream, is penalised or is watched token by token, or with no room left). A raced row gets its
         guesses: a race's winner depends only on the row's logits and its position, so a guess is kept
@@ -350,7 +305,7 @@ class DraftModelProposer:
         self.looked_up += len(guesses)
         return guesses
 
-    def _keep_guesses(self, d: _Drafting, logits: torch.Tensor, top2: list[list[int]], values: torch.Tensor,
+    def _keep_guesses(self, d: Drafting, logits: torch.Tensor, top2: list[list[int]], values: torch.Tensor,
                       row: int) -> None:
         """After ``_take`` of the step's own token: while the token just drafted is the next guess, that
         guess's row (already fed) gives the token after it, with its features when the row wants them
@@ -363,30 +318,30 @@ class DraftModelProposer:
             at = row + 1 + j
             pick = self._pick(d, logits[at], top2[at])
             # counted in its own step's batch, of which it came free
-            step = _step_features([d], [pick], logits[at : at + 1], values[at : at + 1],
-                                  sessions=d.steps[-1].rows)[0] if d.mode.features else None
+            step = step_features([d], [pick], logits[at : at + 1], values[at : at + 1],
+                                 sessions=d.steps[-1].rows)[0] if d.mode.features else None
             self._take(d, pick, step)
         d.cache.slot.truncate(len(d.cache.cached))
         d.done = d.final or len(d.tokens) >= d.k
 
-    def _pick(self, d: _Drafting, logits: torch.Tensor, top2: list[int]) -> _Pick:
+    def _pick(self, d: Drafting, logits: torch.Tensor, top2: list[int]) -> Pick:
         """Choose the next token of one session from its logits row (``top2``: its two best ids)."""
         if d.mode.penalised:
-            logits = _penalise(d, logits)
+            logits = penalise(d, logits)
             top2 = topk(logits.unsqueeze(0), len(top2)).indices[0].tolist()
         if d.mode.raced:
             assert d.job.session.race_key is not None
             key = d.job.session.race_key
             token, up = top_two(probs_from_logits(logits, d.job.params), key, len(d.context) + len(d.tokens))
-            return _Pick(token, up, None, logits)
+            return Pick(token, up, None, logits)
         if d.mode.sampled and d.job.after.guess is not None and not d.tokens:
-            return _Pick(guess_token(logits, d.job.params, d.job.after.guess), -1, None, logits)  # never sent: no q
+            return Pick(guess_token(logits, d.job.params, d.job.after.guess), -1, None, logits)  # never sent: no q
         if d.mode.sampled:
             token, q = draft_token(logits, d.job.params, d.job.session.rng, self.nucleus)
-            return _Pick(token, -1, q, logits)
-        return _Pick(top2[0], top2[-1], None, logits)
+            return Pick(token, -1, q, logits)
+        return Pick(top2[0], top2[-1], None, logits)
 
-    def _take(self, d: _Drafting, pick: _Pick, step: StepFeatures | None) -> None:
+    def _take(self, d: Drafting, pick: Pick, step: StepFeatures | None) -> None:
         """Keep the picked token unless the controller discards it; decide whether to go on."""
         decision = StepDecision.CONTINUE
         if step is not None:
@@ -423,7 +378,7 @@ class DraftModelProposer:
         self.shared_prefix_tokens += best - len(cache.cached)
         cache.cached = context[:best]
 
-    def _clamp(self, state: _SessionCache, context_len: int, k: int) -> int:
+    def _clamp(self, state: SessionCache, context_len: int, k: int) -> int:
         """Never draft past the slot, the draft model's context or the wire's per-frame ceiling."""
         main = state.caches.main
         if state.disabled or main is None:
@@ -433,72 +388,15 @@ class DraftModelProposer:
 
     # --- helpers -------------------------------------------------------------------------
 
-    def _get(self, session_id: str) -> _SessionCache:
+    def _get(self, session_id: str) -> SessionCache:
         try:
             return self._sessions[session_id]
         except KeyError:
             raise ProposerError(f"no draft session {session_id!r}; start() it first") from None
 
-    def _check_ids(self, session_id: str, state: _SessionCache, ids: list[int]) -> None:
+    def _check_ids(self, session_id: str, state: SessionCache, ids: list[int]) -> None:
         """A token the draft model has no embedding for makes drafting impossible, not fatal."""
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad and not state.disabled:
             state.disabled = f"token id {bad[0]} is outside the draft model's vocabulary of {self.vocab_size}"
             log.warning("session drafts nothing from here on", request_id=session_id, reason=state.disabled)
-
-
-def _first_rows(live: Sequence[_Drafting]) -> list[int]:
-    """Each session's first logits row in a step: one row for its own token, then one per guess."""
-    rows, at = [], 0
-    for d in live:
-        rows.append(at)
-        at += 1 + len(d.guesses)
-    return rows
-
-
-def _penalise(d: _Drafting, logits: torch.Tensor) -> torch.Tensor:
-    """One row penalised as the verifier penalises p at the same position: the prompt is the
-    context's first ``prompt_len`` tokens; the rest, and this round's drafts so far, are generated."""
-    n = d.job.session.prompt_len
-    row = apply_penalties(logits.unsqueeze(0), d.job.params, d.context[:n], [*d.context[n:], *d.tokens])
-    return row[0]
-
-
-def _step_features(live: Sequence[_Drafting], picks: Sequence[_Pick], logits: torch.Tensor,
-                   top: torch.Tensor, sessions: int | None = None) -> list[StepFeatures | None]:
-    """The step features of every row that wants them, in a few ops over all those rows at once:
-    per row, ops over a vocabulary-wide row cost more in dispatch than in arithmetic. The
-    probabilities come from log-sum-exp and the top two logits (``top``: the step's, of ``logits``,
-    unless a row is penalised); the spread (entropy, logit std) only for the rows whose controller
-    reads it. This runs on every draft step of a batch: for 12 rows of 4,096 logits it took 185 µs
-    a step on this CPU, against 334 µs with a top-2 of its own over a stack of the rows (2026-11-27),
-    which made AdaSpec's rounds draft slower than fixed k's. ``sessions``: those of the forward the features
-    name (default ``live``'s)."""
-    want = [i for i, d in enumerate(live) if d.mode.features]
-    out: list[StepFeatures | None] = [None] * len(live)
-    if not want:
-        return out
-    if any(live[i].mode.penalised for i in want):  # the rows picks chose from are not all the step's
-        rows = torch.stack([picks[i].logits for i in want]).float()
-        top = topk(rows, min(2, rows.shape[-1])).values
-    elif len(want) < len(live):
-        index = torch.tensor(want, device=logits.device)
-        rows, top = logits.index_select(0, index).float(), top.index_select(0, index).float()
-    else:
-        rows, top = logits.float(), top.float()
-    tokens = torch.tensor([picks[i].token for i in want], device=rows.device)
-    lse = rows.logsumexp(-1, keepdim=True)
-    chosen = rows.gather(-1, tokens[:, None])
-    probs = torch.cat([chosen, top], -1).sub_(lse).exp_().tolist()
-    entropy, logit_std = [math.nan] * len(want), [math.nan] * len(want)
-    if spread := [n for n, i in enumerate(want) if live[i].mode.spread]:
-        some = rows[spread]
-        for n, e, sd in zip(spread, torch.special.entr((some - lse[spread]).exp_()).sum(-1).tolist(),
-                            some.std(-1).tolist(), strict=True):
-            entropy[n], logit_std[n] = e, sd
-    for n, i in enumerate(want):
-        d, p = live[i], probs[n]
-        out[i] = StepFeatures(position=len(d.tokens), budget=d.k, token_id=picks[i].token, token_prob=p[0],
-                              top1_prob=p[1], top2_prob=p[2] if len(p) > 2 else 0.0,
-                              spread=Spread(entropy[n], logit_std[n]), rows=len(live) if sessions is None else sessions)
-    return out
