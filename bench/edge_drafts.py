@@ -100,6 +100,8 @@ def scenarios(target: Path) -> dict[str, Scenario]:
         "kv32": default_fleet(", float32 KV caches", "--gguf-kv-cache", "float32"),
         # the baseline of the drafts' looked-up rows (proposers/draft_model.py: greedy and raced rows)
         "no-lookup": default_fleet(", no looked-up rows", "--lookup-rows", "0"),
+        # the baseline of the next-token table's guesses in a lone session's free row (shared/next_tokens.py)
+        "no-table": default_fleet(", no next-token table", "--next-tokens", "off"),
         # the baseline of the drafters' shared prompt rows (services/drafter/proposers/draft_model.py)
         "unshared": default_fleet(", prompts unshared", "--share-prefixes", "false"),
         **{w.lower(): alone(f"{w} copy alone", copy(w)) for w in ("Q4_1", "Q8_0", "Q4_0")},
@@ -382,7 +384,8 @@ def main(argv: list[str] | None = None) -> int:
                         "priced from the drafters' timings), no-fill (the default fleet never filling), kv32 (the "
                         "default fleet's 4-bit drafts keeping their KV caches in float32), no-riders (the "
                         "default fleet filling only in steps "
-                        "with nothing to verify), no-lookup (the default fleet without looked-up rows), unshared "
+                        "with nothing to verify), no-lookup (the default fleet without looked-up rows), no-table (the "
+                        "default fleet without the next-token table's guesses), unshared "
                         "(the default fleet's drafters prefilling every prompt whole), fleet-ahead (the default "
                         "fleet drafting ahead at every session), q4_1, q4_1-ahead "
                         "(the Q4_1 copy drafting ahead at every session), q4_1-k3, q4_1-k5, q4_1-k8 (the Q4_1 copy "

@@ -174,6 +174,15 @@ SECTIONS = (
     edge_drafts("epyc/edge-drafts-4-lookup", "4 requests on the EPYC, greedy: the default fleet with and without "
                 "looked-up rows", "--concurrency 4 --scenarios target-only,default-fleet,no-lookup --repeats 3 "
                 "--requests 16"),
+    edge_drafts("epyc/edge-drafts-1-table", "1 request on the EPYC, greedy: the default fleet with and without the "
+                "next-token table's guesses", "--concurrency 1 --scenarios target-only,default-fleet,no-table "
+                "--repeats 5"),
+    edge_drafts("epyc/edge-drafts-t1-table", "Temperature 1 at one request on the EPYC: the default fleet with and "
+                "without the next-token table's guesses", "--temperature 1 --concurrency 1 --scenarios "
+                "target-only,default-fleet,no-table --repeats 5"),
+    Section("epyc/draft-steps-rows/draft-steps", "A draft step of 1 to 4 rows on the EPYC: what a looked-up row costs",
+            "python -m bench draft-steps --rows 1,2,3,4 --contexts 20,200 --kv-caches float16 --steps 40 --out "
+            "bench/results/epyc/draft-steps-rows"),
     edge_drafts("epyc/edge-drafts-4-k", "4 requests on the EPYC: the verifier's length policy beside Fixed-S",
                 "--concurrency 4 --scenarios target-only,default-fleet,q4_1,q4_1-k3,q4_1-k5 --repeats 3 --requests 24"),
     Section("epyc/smartspec/verifier-policies", "SmartSpec against target-only and Fixed-S k = 4 on the EPYC, 1 to "

@@ -7,6 +7,11 @@
 * ``<name>.Q4_0.gguf`` and ``<name>.Q8_0.gguf``: other widths, made from it by llama.cpp's own
   quantizer (``llama_model_quantize``, deterministic: the same llama.cpp makes the same bytes).
 
+With them goes ``<name>.next-tokens.json``, the token that most often follows each token pair in the
+target's answers to the training prompts (``shared.next_tokens``; made from
+``training/data/<name>/train.jsonl.gz`` where that is committed): a drafter's second source of looked-up
+rows.
+
 Each copy gets a card, ``<name>.<WIDTH>.md``, with its measured greedy agreement, Σ min(p, q),
 step and size, rendered from ``models/gguf/MEASUREMENTS.json`` (written by
 ``make demo-models-eval``); the card says whether the measured file is this one, by sha256.
@@ -23,6 +28,7 @@ from typing import Any
 from shared.errors import ModelLoadError
 from shared.gguf_files import sha256_of
 from shared.log import get_logger
+from shared.next_tokens import SUFFIX, write_table
 
 log = get_logger("gguf_copies")
 
@@ -36,6 +42,29 @@ SHIPPED = "Q4_1"
 #: lone request goes to whichever drafter takes it first (bench/results/edge-drafts.md)
 FLEET_WIDTHS = ("Q4_1", "Q8_0")
 MEASURED = Path(__file__).resolve().parents[1] / "models" / "gguf" / "MEASUREMENTS.json"
+#: the committed teacher answers a target's next-token table is made from (``training.data``)
+ANSWERS = Path(__file__).resolve().parents[1] / "training" / "data"
+
+
+def answers_path(target_dir: Path) -> Path:
+    return ANSWERS / target_dir.name / "train.jsonl.gz"
+
+
+def table_path(target_dir: Path) -> Path:
+    return target_dir.parent / f"{target_dir.name}{SUFFIX}"
+
+
+def table_made(target_dir: Path) -> bool:
+    """The next-token table is there, or there is nothing to make it from."""
+    return table_path(target_dir).is_file() or not answers_path(target_dir).is_file()
+
+
+def make_table(target_dir: Path) -> None:
+    """The target's next-token table beside its copies, from its committed answers (when there are any)."""
+    if table_made(target_dir):
+        return
+    table = write_table(answers_path(target_dir), table_path(target_dir))
+    log.info("next-token table written", file=str(table_path(target_dir)), entries=len(table))
 
 
 def copy_path(target_dir: Path, width: str) -> Path:
@@ -63,6 +92,7 @@ def make_copies(target_dir: Path, shipped: Path, widths: tuple[str, ...] = WIDTH
             tmp.rename(out)
         made[width] = out
     write_cards(target_dir, made)
+    make_table(target_dir)
     return made
 
 

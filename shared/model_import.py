@@ -107,13 +107,14 @@ def _make_copies(known: KnownModel, out: Path, pip: list[str] | None) -> None:
 
 
 def _copies_made(target_dir: Path) -> bool:
-    """Every copy this machine can make is there (with its card)."""
-    from shared.gguf_copies import SHIPPED, WIDTHS, copy_path
+    """Every copy this machine can make is there (with its card), and the next-token table."""
+    from shared.gguf_copies import SHIPPED, WIDTHS, copy_path, table_made
     from shared.llama_lib import llama_cpp_available
 
     wanted = WIDTHS if llama_cpp_available() else (SHIPPED,)
-    return all(copy_path(target_dir, w).is_file() and copy_path(target_dir, w).with_suffix(".md").is_file()
-               for w in wanted)
+    copies = all(copy_path(target_dir, w).is_file() and copy_path(target_dir, w).with_suffix(".md").is_file()
+                 for w in wanted)
+    return copies and table_made(target_dir)
 
 
 def _fetch(known: KnownModel, out: Path, pip: list[str] | None) -> None:

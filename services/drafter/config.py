@@ -66,17 +66,21 @@ class ModelSection:
                                     "with one CPU), auto (inline when pinned to one CPU)")
     kv_cache_gb: float = opt(0.0, "draft KV cache in GiB; 0 sizes it for max_sessions full-context sessions (at "
                                   "most 20%% of RAM; a GGUF draft's at most 1 GiB, which llama.cpp commits at start)")
-    torch_threads: int = opt(0, "torch intra-op threads; 0 leaves torch's default")
     lookup_rows: int = opt(3, "a draft model's greedy (or raced) step also feeds up to N tokens prompt lookup guesses "
                               "come next, and keeps those the model drafts too: several draft tokens from one forward "
                               "(proposers/draft_model.py; not on llama.cpp on a CPU, where a row costs a step, nor for "
                               "sessions a controller watches token by token); 0: off")
+    next_tokens: str = opt("auto", "a step of one session with no prompt-lookup match feeds instead the token a table "
+                                   "says most often follows its last two (shared/next_tokens.py): auto (the table "
+                                   "`specfleet fetch-model` writes beside a GGUF copy, when there is one), a "
+                                   "<target>.next-tokens.json file, or off")
 
 
 @dataclass
 class GgufSection:
-    """a GGUF draft: what runs it"""
+    """threads, and what runs a GGUF draft"""
 
+    torch_threads: int = opt(0, "torch intra-op threads; 0 leaves torch's default")
     gguf_backend: str = opt("auto", "what runs a GGUF draft: specfleet (its own 4-bit kernel: every matrix in Q4_1's "
                                     "blocks, a Q4_1 file's kept exactly; lean architectures on a CPU with AVX2), "
                                     "llama.cpp, or auto (specfleet for a Q4_1 or Q8_0 file on a CPU, the latter cut "

@@ -39,6 +39,7 @@ from shared.draft_q import Nucleus
 from shared.gguf_files import gguf_file, read_gguf
 from shared.log import get_logger, setup_logging
 from shared.models import LoadedModel, ModelLoadError, load_model, load_vocabulary
+from shared.next_tokens import NextTokens, load_table, table_beside
 from shared.protocol import MAX_DRAFT_TOKENS, MAX_Q_ENTRIES, PROTOCOL_VERSION, Hello
 from shared.queue import RequestQueue, open_queue
 from shared.runner import ModelRunner
@@ -122,6 +123,9 @@ def check_config(cfg: DrafterConfig, need_model: bool = True) -> None:
                         f"got {cfg.draft_model.compute_mode!r}")
     if not 0 <= cfg.draft_model.lookup_rows <= MAX_DRAFT_TOKENS:
         problems.append(f"--lookup-rows must be in [0, {MAX_DRAFT_TOKENS}], got {cfg.draft_model.lookup_rows}")
+    if cfg.draft_model.next_tokens not in ("auto", "off") and not Path(cfg.draft_model.next_tokens).is_file():
+        problems.append(f"--next-tokens must be auto, off or a table file (`specfleet fetch-model` writes "
+                        f"<target>.next-tokens.json beside the GGUF copies); no file {cfg.draft_model.next_tokens!r}")
     if not 0 <= cfg.node.metrics_port <= 65535:
         problems.append(f"--metrics-port must be in [0, 65535], got {cfg.node.metrics_port}")
     if cfg.node.log_level.lower() not in LOG_LEVELS:
@@ -191,7 +195,7 @@ def _load(cfg: DrafterConfig) -> LoadedModel:
 
 def _gguf_proposer(cfg: DrafterConfig, loaded: LoadedModel) -> GgufProposer:
     info = read_gguf(loaded.path)
-    threads = cfg.gguf.threads or cfg.draft_model.torch_threads
+    threads = cfg.gguf.threads or cfg.gguf.torch_threads
     backend = resolve_backend(info, cfg.gguf.gguf_backend)
     kv_dtype = kv_cache_dtype(cfg.gguf.gguf_kv_cache)
     # llama.cpp's cache is float16 (GgufInfo.kv_bytes_per_token); the 4-bit kernel's as --gguf-kv-cache says
@@ -202,8 +206,10 @@ def _gguf_proposer(cfg: DrafterConfig, loaded: LoadedModel) -> GgufProposer:
     sequences = cfg.sessions.max_sessions + cfg.sessions.lookahead_branches + 1
     runner = gguf_runner(info, budget, backend, threads, sequences, kv_dtype)
     p = cfg.proposal
-    return GgufProposer(runner, info, p.draft_mode, Nucleus(p.q_mass, p.q_max_entries),
-                        cfg.sessions.share_prefixes, cfg.draft_model.lookup_rows)
+    proposer = GgufProposer(runner, info, p.draft_mode, Nucleus(p.q_mass, p.q_max_entries),
+                            cfg.sessions.share_prefixes, cfg.draft_model.lookup_rows)
+    proposer.next_tokens = next_tokens_table(cfg.draft_model.next_tokens, info.path)
+    return proposer
 
 
 async def _proposer(cfg: DrafterConfig, loaded: LoadedModel) -> Proposer:
@@ -220,8 +226,23 @@ async def _proposer(cfg: DrafterConfig, loaded: LoadedModel) -> Proposer:
         return OracleProposer(refs, cfg.proposal.oracle_alpha, loaded.vocab_size)
     runner = await asyncio.to_thread(ModelRunner, loaded, kv_budget_bytes(cfg, loaded), cfg.draft_model.runner)
     p = cfg.proposal
-    return DraftModelProposer(runner, loaded.eos_ids, p.draft_mode, Nucleus(p.q_mass, p.q_max_entries),
-                              cfg.sessions.share_prefixes, cfg.draft_model.lookup_rows)
+    proposer = DraftModelProposer(runner, loaded.eos_ids, p.draft_mode, Nucleus(p.q_mass, p.q_max_entries),
+                                  cfg.sessions.share_prefixes, cfg.draft_model.lookup_rows)
+    proposer.next_tokens = next_tokens_table(cfg.draft_model.next_tokens, None)
+    return proposer
+
+
+def next_tokens_table(setting: str, gguf: Path | None) -> NextTokens | None:
+    """--next-tokens: off, auto (the table beside a GGUF copy, when there is one) or a table file."""
+    if setting == "off":
+        return None
+    path = (table_beside(gguf) if gguf is not None else None) if setting == "auto" else Path(setting)
+    if path is None or (setting == "auto" and not path.is_file()):
+        return None
+    table = load_table(path)
+    log.info("next-token table loaded: its guesses fill a lone session's free row", file=str(path),
+             entries=len(table))
+    return table
 
 
 def lookahead_branches(cfg: DrafterConfig, proposer: Proposer) -> int:
@@ -254,10 +275,10 @@ async def serve(
     """
     check_config(cfg, need_model=model is None)
     node_id = cfg.node.node_id or default_node_id()
-    if cfg.draft_model.torch_threads > 0:
+    if cfg.gguf.torch_threads > 0:
         import torch
 
-        torch.set_num_threads(cfg.draft_model.torch_threads)
+        torch.set_num_threads(cfg.gguf.torch_threads)
     loaded = model if model is not None else await asyncio.to_thread(_load, cfg)
     log.info("drafter starting", **{**describe(cfg), "node_id": node_id, "draft_model": loaded.name,
                                     "tokenizer_fingerprint": loaded.fingerprint})

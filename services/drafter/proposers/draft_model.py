@@ -38,7 +38,9 @@ came without a forward of their own, 35 % on code-like ones. A raced row (a samp
 race) keeps a guess that wins its position's race, which depends on that row's logits and position
 alone. Rows that must be their own step get no guesses: those sampled from the session's stream,
 penalised ones, and those a controller watches token by token. A row whose features are only sent on
-(``--send-confidence``) keeps its guesses, each with its row's features.
+(``--send-confidence``) keeps its guesses, each with its row's features. A step of one session whose
+text has no match feeds instead the next-token table's guess (``shared.next_tokens``, ``--next-tokens``):
+its second row is free on an edge CPU, and the table guesses right at about a third of such positions.
 
 Sessions are drafted in batches (StarSD §3): each draft position of every session in the batch
 is one packed forward of the draft model, so a batch of B sessions drafting k tokens costs k
@@ -84,6 +86,7 @@ from services.drafter.proposers.draft_rows import (
 from services.drafter.proposers.ngram import lookup
 from shared.draft_q import Nucleus, draft_token, guess_token
 from shared.log import get_logger
+from shared.next_tokens import NextTokens
 from shared.penalties import has_penalties
 from shared.prefix import common_prefix_len
 from shared.protocol import MAX_DRAFT_TOKENS
@@ -127,6 +130,10 @@ class DraftModelProposer:
         self.lookup_rows = lookup_rows  # --lookup-rows: guesses fed after a greedy step's token (0: none)
         self.looked_up = 0  # guessed rows fed ...
         self.looked_up_kept = 0  # ... and those the draft model drafted too (tokens without a forward of their own)
+        #: a second source of guesses, for a step of one session where lookup finds no match (--next-tokens)
+        self.next_tokens: NextTokens | None = None
+        self.table_guesses = 0  # of looked_up, the table's ...
+        self.table_kept = 0  # ... and of looked_up_kept
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -231,7 +238,7 @@ class DraftModelProposer:
             return 0
         with torch.inference_mode():
             for d in live:
-                d.guesses = self._look_up(d)
+                d.guesses = self._look_up(d, table=len(live) == 1)
             logits = self.runner.forward([Segment(d.cache.slot, [*d.feed, *d.guesses], len(d.feed) - 1)
                                           for d in live])
             assert logits is not None
@@ -291,17 +298,24 @@ class DraftModelProposer:
         return Drafting(job, state, cache, k, mode, feed=context[len(cache.cached):], context=context,
                         limit=limit)
 
-    def _look_up(self, d: Drafting) -> list[int]:
+    def _look_up(self, d: Drafting, table: bool = False) -> list[int]:
         """The tokens prompt lookup guesses follow this step's (none for a row that samples from its
         stream, is penalised or is watched token by token, or with no room left). A raced row gets its
         guesses: a race's winner depends only on the row's logits and its position, so a guess is kept
         when it wins the race there, as drafting it alone would pick it. A row whose features are only
         sent on (``--send-confidence``, a lookahead screened later) gets its guesses too: each kept
         guess's row gives its features as its own step would."""
+        d.by_table = False
         room = min(self.lookup_rows, d.limit - len(d.tokens) - 1)
         if room <= 0 or d.mode.sampled or d.mode.penalised or d.mode.watch is not None:
             return []
         guesses = lookup([*d.context, *d.tokens], room, LOOKUP_MAX_N, LOOKUP_MIN_N)
+        if not guesses and table and self.next_tokens is not None:
+            # the step's one free row (next_tokens.py): the table's guess, where lookup found no match
+            guess = self.next_tokens.guess([*d.context[-2:], *d.tokens][-2:])
+            guesses = [] if guess is None else [guess]
+            self.table_guesses += len(guesses)
+            d.by_table = bool(guesses)
         self.looked_up += len(guesses)
         return guesses
 
@@ -315,6 +329,7 @@ class DraftModelProposer:
                 break
             d.cache.cached.append(guess)  # its keys and values are the ones feeding it would write
             self.looked_up_kept += 1
+            self.table_kept += d.by_table
             at = row + 1 + j
             pick = self._pick(d, logits[at], top2[at])
             # counted in its own step's batch, of which it came free

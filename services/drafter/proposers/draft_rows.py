@@ -58,6 +58,7 @@ class Drafting:
     context: list[int]  # the committed sequence the draft continues
     limit: int  # with looked-up rows, at most this many tokens (k, and the job's ``spare``)
     guesses: list[int] = field(init=False, default_factory=list)  # looked-up tokens fed after ``feed``
+    by_table: bool = field(init=False, default=False)  # this step's guess is the next-token table's
     tokens: list[int] = field(init=False, default_factory=list)
     runner_up: list[int] = field(init=False, default_factory=list)  # a greedy draft's second choice per token
     qs: list[SparseQ] = field(init=False, default_factory=list)
