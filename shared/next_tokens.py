@@ -8,8 +8,8 @@ little (specfleet's 4-bit kernel works in tiles of two rows: on the EPYC a step 
 where the session's text repeats itself, at 0.30 of the positions of the target's answers to the
 held-out chat prompts. This table fills it at most of the rest: the commonest continuation of the
 last two tokens (backing off to the last one) in the target's own answers to the training prompts
-(``training/data/<target>/train.jsonl.gz``), 0.34 of such guesses right, about 0.23 more tokens a
-forward. A guess only decides which row is fed: a kept guess is exactly the token the draft model
+(``training/data/<target>/train.jsonl.gz``), 0.34 of such guesses right: 0.23 tokens more for every
+position, on top of lookup's. A guess only decides which row is fed: a kept guess is exactly the token the draft model
 drafts there, so the table changes speed, never a draft.
 
 ``specfleet fetch-model`` writes it beside the target's GGUF copies as ``<target>.next-tokens.json``
@@ -40,6 +40,11 @@ class NextTokens:
 
     def __len__(self) -> int:
         return len(self.pairs) + len(self.singles)
+
+    def largest_id(self) -> int:
+        """The largest token id the table holds (-1 when empty): a draft must have it in its vocabulary."""
+        ids = [max(a, b, t) for (a, b), t in self.pairs.items()] + [max(a, t) for a, t in self.singles.items()]
+        return max(ids, default=-1)
 
     def guess(self, context: Sequence[int]) -> int | None:
         if len(context) >= 2 and (token := self.pairs.get((context[-2], context[-1]))) is not None:

@@ -208,7 +208,7 @@ def _gguf_proposer(cfg: DrafterConfig, loaded: LoadedModel) -> GgufProposer:
     p = cfg.proposal
     proposer = GgufProposer(runner, info, p.draft_mode, Nucleus(p.q_mass, p.q_max_entries),
                             cfg.sessions.share_prefixes, cfg.draft_model.lookup_rows)
-    proposer.next_tokens = next_tokens_table(cfg.draft_model.next_tokens, info.path)
+    proposer.next_tokens = next_tokens_table(cfg.draft_model.next_tokens, info.path, runner.vocab_size)
     return proposer
 
 
@@ -228,18 +228,23 @@ async def _proposer(cfg: DrafterConfig, loaded: LoadedModel) -> Proposer:
     p = cfg.proposal
     proposer = DraftModelProposer(runner, loaded.eos_ids, p.draft_mode, Nucleus(p.q_mass, p.q_max_entries),
                                   cfg.sessions.share_prefixes, cfg.draft_model.lookup_rows)
-    proposer.next_tokens = next_tokens_table(cfg.draft_model.next_tokens, None)
+    proposer.next_tokens = next_tokens_table(cfg.draft_model.next_tokens, None, runner.vocab_size)
     return proposer
 
 
-def next_tokens_table(setting: str, gguf: Path | None) -> NextTokens | None:
-    """--next-tokens: off, auto (the table beside a GGUF copy, when there is one) or a table file."""
+def next_tokens_table(setting: str, gguf: Path | None, vocab_size: int) -> NextTokens | None:
+    """--next-tokens: off, auto (the table beside a GGUF copy, when there is one) or a table file; refused
+    when it holds a token id outside the draft's vocabulary (a table made for another model)."""
     if setting == "off":
         return None
     path = (table_beside(gguf) if gguf is not None else None) if setting == "auto" else Path(setting)
     if path is None or (setting == "auto" and not path.is_file()):
         return None
     table = load_table(path)
+    if table.largest_id() >= vocab_size:
+        raise ModelLoadError(f"the next-token table {path} holds token id {table.largest_id()}, outside the draft's "
+                             f"vocabulary of {vocab_size}: it was made for another model. Remove it, pass "
+                             "--next-tokens off, or remake it for this target with `specfleet fetch-model`")
     log.info("next-token table loaded: its guesses fill a lone session's free row", file=str(path),
              entries=len(table))
     return table

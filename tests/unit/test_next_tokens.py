@@ -56,14 +56,17 @@ def test_a_table_file_round_trips_and_a_bad_one_is_refused(tmp_path: Path) -> No
 def test_a_drafter_finds_the_table_beside_its_gguf_copy(tmp_path: Path) -> None:
     copy = tmp_path / "smollm2-135m-instruct.Q4_1.gguf"
     assert table_beside(copy) == tmp_path / "smollm2-135m-instruct.next-tokens.json"
-    assert next_tokens_table("auto", copy) is None  # none made: no guesses, no error
+    assert table_beside(tmp_path / "target.gguf") == tmp_path / "target.next-tokens.json"  # the k8s volume's
+    assert next_tokens_table("auto", copy, 100) is None  # none made: no guesses, no error
     table_beside(copy).write_text(json.dumps(NextTokens.build([[1, 2, 3]]).to_json()))
-    auto = next_tokens_table("auto", copy)
+    auto = next_tokens_table("auto", copy, 100)
     assert auto is not None and auto.guess([1, 2]) == 3
-    assert next_tokens_table("off", copy) is None
-    assert next_tokens_table("auto", None) is None  # a draft model directory has no table beside it
-    named = next_tokens_table(str(table_beside(copy)), None)
+    assert next_tokens_table("off", copy, 100) is None
+    assert next_tokens_table("auto", None, 100) is None  # a draft model directory has no table beside it
+    named = next_tokens_table(str(table_beside(copy)), None, 100)
     assert named is not None and named.guess([2]) == 3
+    with pytest.raises(ModelLoadError, match="token id 3, outside the draft's vocabulary of 3"):
+        next_tokens_table("auto", copy, 3)  # a table made for another model
 
 
 def test_fetch_model_makes_the_table_from_the_committed_answers(tmp_path: Path) -> None:
