@@ -1,7 +1,7 @@
 """``python -m bench <command>``: profile, serving, context, qwire, policies (make bench), costs,
 verifier-policies, backends, rtt, single, fairness, slo, load, capacity, sim, sim-validate, sim-rtt,
 sim-jetson, invariance, report, oracle-record, gpu-check, edge-drafts, fidelity, decode, dashboard-picture, real,
-draft-steps, row-costs."""
+draft-steps, row-costs, draft-rounds."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ COMMANDS = {"profile": "bench.profile", "serving": "bench.serving", "context": "
             "sim-jetson": "bench.sim.jetson_h100",
             "oracle-record": "bench.oracle", "gpu-check": "bench.gpu_check", "edge-drafts": "bench.edge_drafts",
             "fidelity": "bench.fidelity", "decode": "bench.decode", "dashboard-picture": "bench.dashboard_picture",
-            "real": "bench.real", "draft-steps": "bench.draft_steps", "row-costs": "bench.row_costs"}
+            "real": "bench.real", "draft-steps": "bench.draft_steps", "row-costs": "bench.row_costs",
+            "draft-rounds": "bench.draft_rounds"}
 
 
 USAGE = f"usage: python -m bench {{{','.join(COMMANDS)}}} [flags]  (--help after a command for its flags)"

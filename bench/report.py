@@ -183,6 +183,9 @@ SECTIONS = (
     edge_drafts("epyc/edge-drafts-4-table", "4 requests on the EPYC, greedy: the default fleet with and without the "
                 "next-token table's guesses", "--concurrency 4 --requests 16 --scenarios target-only,default-fleet,"
                 "no-table --repeats 3"),
+    Section("epyc/draft-rounds/draft-rounds", "Drafting alone on the EPYC, teacher-forced on the target's answers: "
+            "what looked-up rows and the next-token table save", "python -m bench draft-rounds --out "
+            "bench/results/epyc/draft-rounds"),
     Section("epyc/draft-steps-rows/draft-steps", "A draft step of 1 to 4 rows on the EPYC: what a looked-up row costs",
             "python -m bench draft-steps --rows 1,2,3,4 --contexts 20,200 --kv-caches float16 --steps 40 --out "
             "bench/results/epyc/draft-steps-rows"),

@@ -40,7 +40,7 @@ alone. Rows that must be their own step get no guesses: those sampled from the s
 penalised ones, and those a controller watches token by token. A row whose features are only sent on
 (``--send-confidence``) keeps its guesses, each with its row's features. A step of one session whose
 text has no match feeds instead the next-token table's guess (``shared.next_tokens``, ``--next-tokens``):
-its second row is free on an edge CPU, and the table guesses right at about a third of such positions.
+its second row costs little on an edge CPU, and the table's guesses are right about four times in ten.
 
 Sessions are drafted in batches (StarSD §3): each draft position of every session in the batch
 is one packed forward of the draft model, so a batch of B sessions drafting k tokens costs k
