@@ -56,9 +56,10 @@ def guess_counts(answers: list[list[int]], table_file: Path) -> dict[str, float]
                 looked, looked_right = looked + 1, looked_right + (guess[0] == answer[i])
             elif (t := table.guess(answer[:i])) is not None:
                 tabled, tabled_right = tabled + 1, tabled_right + (t == answer[i])
-    return {"positions": positions, "lookup_share": looked / positions, "lookup_right": looked_right / looked,
-            "table_share": tabled / positions, "table_right": tabled_right / max(tabled, 1),
-            "table_tokens_a_position": tabled_right / positions}
+    every = max(positions, 1)
+    return {"positions": positions, "lookup_share": looked / every, "lookup_right": looked_right / max(looked, 1),
+            "table_share": tabled / every, "table_right": tabled_right / max(tabled, 1),
+            "table_tokens_a_position": tabled_right / every}
 
 
 def draft_rounds(gguf: str, table_file: str, target: str, prompts: int, k: int, max_tokens: int) -> dict[str, Any]:

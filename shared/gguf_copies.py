@@ -92,7 +92,6 @@ def make_copies(target_dir: Path, shipped: Path, widths: tuple[str, ...] = WIDTH
             tmp.rename(out)
         made[width] = out
     write_cards(target_dir, made)
-    make_table(target_dir)
     return made
 
 

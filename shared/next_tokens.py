@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
+import re
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -83,6 +85,9 @@ class NextTokens:
         except (KeyError, TypeError, ValueError) as exc:
             raise ModelLoadError(f"{where}: a malformed next-token table ({exc}); remake it with `specfleet "
                                  "fetch-model`") from None
+        if any(min(pair) < 0 or t < 0 for pair, t in pairs.items()) or any(min(a, t) < 0 for a, t in singles.items()):
+            raise ModelLoadError(f"{where}: a malformed next-token table (a negative token id); remake it with "
+                                 "`specfleet fetch-model`")
         return cls(pairs, singles)
 
 
@@ -99,7 +104,7 @@ def read_answers(path: Path) -> list[list[int]]:
 def write_table(answers: Path, out: Path) -> NextTokens:
     """Build the table from a teacher-answers file and write it to ``out`` (atomically)."""
     table = NextTokens.build(read_answers(answers))
-    tmp = out.with_name(out.name + ".partial")
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.partial")  # two processes may make it at once
     tmp.write_text(json.dumps(table.to_json(), separators=(",", ":")))
     tmp.chmod(0o644)
     tmp.replace(out)
@@ -107,15 +112,16 @@ def write_table(answers: Path, out: Path) -> NextTokens:
 
 
 def table_beside(draft: Path) -> Path:
-    """Where a GGUF copy's table lies: ``<dir>/<target>.<WIDTH>.gguf`` -> ``<dir>/<target>.next-tokens.json``."""
-    stem = draft.name.removesuffix(".gguf")
-    target = stem.rsplit(".", 1)[0] if "." in stem else stem
-    return draft.with_name(target + SUFFIX)
+    """Where a GGUF copy's table lies: ``<dir>/<target>.<WIDTH>.gguf`` -> ``<dir>/<target>.next-tokens.json``
+    (a width such as Q4_1, Q8_0, IQ4_NL, F16; a file with none, ``target.gguf``, keeps its whole stem)."""
+    stem = re.sub(r"\.gguf$", "", draft.name, flags=re.IGNORECASE)
+    stem = re.sub(r"\.(I?Q\d\w*|B?F16|F32)$", "", stem, flags=re.IGNORECASE)
+    return draft.with_name(stem + SUFFIX)
 
 
 def load_table(path: Path) -> NextTokens:
     try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:  # ValueError: not JSON, or not text at all (a GGUF given by mistake)
         raise ModelLoadError(f"cannot read the next-token table {path}: {exc}") from None
     return NextTokens.from_json(data, str(path))

@@ -73,7 +73,8 @@ class ModelSection:
     next_tokens: str = opt("auto", "a step of one session with no prompt-lookup match feeds instead the token a table "
                                    "says most often follows its last two (shared/next_tokens.py): auto (the table "
                                    "`specfleet fetch-model` writes beside a GGUF copy, when there is one), a "
-                                   "<target>.next-tokens.json file, or off")
+                                   "<target>.next-tokens.json file, or off; its guesses are looked-up rows, so "
+                                   "--lookup-rows 0 (and llama.cpp on a CPU) leaves it unused")
 
 
 @dataclass

@@ -208,7 +208,8 @@ def _gguf_proposer(cfg: DrafterConfig, loaded: LoadedModel) -> GgufProposer:
     p = cfg.proposal
     proposer = GgufProposer(runner, info, p.draft_mode, Nucleus(p.q_mass, p.q_max_entries),
                             cfg.sessions.share_prefixes, cfg.draft_model.lookup_rows)
-    proposer.next_tokens = next_tokens_table(cfg.draft_model.next_tokens, info.path, runner.vocab_size)
+    if proposer.lookup_rows:  # the table's guesses are looked-up rows: none here, no table
+        proposer.next_tokens = next_tokens_table(cfg.draft_model.next_tokens, info.path, runner.vocab_size)
     return proposer
 
 
@@ -228,7 +229,8 @@ async def _proposer(cfg: DrafterConfig, loaded: LoadedModel) -> Proposer:
     p = cfg.proposal
     proposer = DraftModelProposer(runner, loaded.eos_ids, p.draft_mode, Nucleus(p.q_mass, p.q_max_entries),
                                   cfg.sessions.share_prefixes, cfg.draft_model.lookup_rows)
-    proposer.next_tokens = next_tokens_table(cfg.draft_model.next_tokens, None, runner.vocab_size)
+    if proposer.lookup_rows:
+        proposer.next_tokens = next_tokens_table(cfg.draft_model.next_tokens, None, runner.vocab_size)
     return proposer
 
 

@@ -70,8 +70,9 @@ class DrafterMetrics:
                                      "another session's (a shared system prompt, on a first draft) instead of "
                                      "computing them", registry=r)
         self.looked_up = Counter(f"{_P}_looked_up_rows", "Rows a draft step fed for the tokens prompt lookup "
-                                 "guessed would follow (--lookup-rows), by outcome: kept (the draft model drafted "
-                                 "them too, without a forward of their own) or dropped", ["outcome"], registry=r)
+                                 "(or the next-token table, --next-tokens) guessed would follow (--lookup-rows), "
+                                 "by outcome: kept (the draft model drafted them too, without a forward of their "
+                                 "own) or dropped", ["outcome"], registry=r)
         self.job_wait = Histogram(f"{_P}_job_wait_seconds", "A ready session's wait for the draft model (StarSD's "
                                   "T_wait)", buckets=_TIME, registry=r)
         self.batch_size = Histogram(f"{_P}_draft_batch_sessions", "Sessions drafted together in one forward "

@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.drafter.main import next_tokens_table
+from services.drafter.config import DrafterConfig
+from services.drafter.main import check_config, next_tokens_table
 from services.drafter.proposers.base import DraftJob, JobSession
+from shared.config import ConfigError
 from shared.errors import ModelLoadError
 from shared.gguf_copies import make_table, table_path
 from shared.models import LoadedModel
@@ -51,12 +53,29 @@ def test_a_table_file_round_trips_and_a_bad_one_is_refused(tmp_path: Path) -> No
     (tmp_path / "broken.json").write_text(json.dumps({"format": "specfleet-next-tokens-1", "pairs": [[1]]}))
     with pytest.raises(ModelLoadError, match="malformed"):
         load_table(tmp_path / "broken.json")
+    (tmp_path / "negative.json").write_text(json.dumps({"format": "specfleet-next-tokens-1", "pairs": [[1, 2, -3]],
+                                                        "singles": []}))
+    with pytest.raises(ModelLoadError, match="negative token id"):
+        load_table(tmp_path / "negative.json")
+    (tmp_path / "x.gguf").write_bytes(b"GGUF\x03\x00\xff\xfe\x80")  # a GGUF given by mistake
+    with pytest.raises(ModelLoadError, match="cannot read the next-token table"):
+        load_table(tmp_path / "x.gguf")
+
+
+def test_a_missing_table_file_is_refused_with_the_flag_to_fix(tmp_path: Path) -> None:
+    cfg = DrafterConfig()
+    cfg.draft_model.model, cfg.draft_model.next_tokens = "some-draft", str(tmp_path / "none.json")
+    with pytest.raises(ConfigError, match="--next-tokens must be auto, off or a table file"):
+        check_config(cfg)
 
 
 def test_a_drafter_finds_the_table_beside_its_gguf_copy(tmp_path: Path) -> None:
     copy = tmp_path / "smollm2-135m-instruct.Q4_1.gguf"
     assert table_beside(copy) == tmp_path / "smollm2-135m-instruct.next-tokens.json"
     assert table_beside(tmp_path / "target.gguf") == tmp_path / "target.next-tokens.json"  # the k8s volume's
+    for name, table in [("Llama-3.2-1B.gguf", "Llama-3.2-1B"), ("qwen2.5-0.5b.Q8_0.GGUF", "qwen2.5-0.5b"),
+                        ("m.IQ4_NL.gguf", "m"), ("m.BF16.gguf", "m")]:
+        assert table_beside(tmp_path / name) == tmp_path / f"{table}.next-tokens.json"  # only a width is cut
     assert next_tokens_table("auto", copy, 100) is None  # none made: no guesses, no error
     table_beside(copy).write_text(json.dumps(NextTokens.build([[1, 2, 3]]).to_json()))
     auto = next_tokens_table("auto", copy, 100)
