@@ -149,8 +149,10 @@ def test_up_restarts_a_killed_drafter_and_resumes_its_sessions(tiny_models: dict
         assert ids == greedy_reference(target.model, prompt_ids(target, body), RESUME_TOKENS, set())
         assert done["finish_reason"] == "length"
     assert "restarting in" in err and f"drafter-{victim}" in err, err
-    assert resumed >= 1
     verifier_log = (tmp_path / "state" / "logs" / "verifier.log").read_text()
+    # seen once in a dozen runs on a 2-core host (12-08): no drafter resumed a session; what the verifier logged
+    assert resumed >= 1, "\n".join(line for line in verifier_log.splitlines()
+                                   if "resum" in line or "gone" in line or "target-only" in line)[-4000:]
     assert "session resumed by a drafter" in verifier_log
 
 
