@@ -98,9 +98,10 @@ def draft_rounds(gguf: str, table_file: str, target: str, prompts: int, k: int, 
             for name, proposer in proposers.items():
                 one_answer(proposer, f"{timed}-{i}", prompt, answer, k, greedy, live[name],
                            totals[name] if timed else None)
-    return {name: {"forwards_a_token": t["forwards"] / t["committed"],
+    rounds = {name: {"forwards_a_token": t["forwards"] / t["committed"],
                    "rows_a_forward": t["rows"] / t["forwards"], "ms_a_token": 1e3 * t["seconds"] / t["committed"],
                    "ms_a_forward": 1e3 * t["seconds"] / t["forwards"]} for name, t in totals.items()}
+    return {"rounds": rounds, "guesses": guess_counts([answer for _, answer in sequences], Path(table_file))}
 
 
 def one_answer(proposer: Any, sid: str, prompt: list[int], answer: list[int], k: int, params: Any,
@@ -154,8 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     target = resolve_models(args.target, "", Path.cwd(), Path(".specfleet")).target
     one = {"gguf": str(copy_path(target, args.width)), "table_file": str(table_path(target)), "target": str(target),
            "prompts": args.prompts, "k": args.k, "max_tokens": args.max_tokens}
-    results = run_pinned("bench.draft_rounds", edge.edge_cpus, ["--one", json.dumps(one)])
-    guesses = guess_counts([a for _, a in held_out(target, args.prompts, args.max_tokens)], table_path(target))
+    # the child counts the guesses too: the held-out answers are read (and the target loaded) once
+    child = run_pinned("bench.draft_rounds", edge.edge_cpus, ["--one", json.dumps(one)])
+    results, guesses = child["rounds"], child["guesses"]
     meta = run_meta("draft-rounds", argv, edge, cpu=cpu_flag_summary(), width=args.width)
     write_results(Path(args.out), "draft-rounds", {"meta": meta, "results": results, "guesses": guesses},
                   report(meta, args, results, guesses))
